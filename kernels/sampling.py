@@ -1,0 +1,409 @@
+"""Batched, vectorised sampling kernels.
+
+The engine decodes B rows per step and every row carries its own sampling
+parameters.  Everything here works on whole ``(B, V)`` arrays with per-row
+``(B,)`` parameter arrays, so a step never loops over rows in Python.
+
+Semantics follow ``mlx_lm.sample_utils`` (mlx-lm 0.32):
+
+* penalties: ``make_repetition_penalty`` then ``make_presence_penalty`` (the
+  order ``make_logits_processors`` builds them in);
+* filters: ``apply_top_p``, ``apply_min_p`` (``min_tokens_to_keep=1``),
+  ``apply_top_k`` in ``make_sampler`` order, each only where mlx-lm would
+  enable it (``0 < top_p < 1``, ``min_p != 0``, ``top_k > 0``);
+* greedy rows (temperature 0): ``mx.argmax`` of the unfiltered log-probs,
+  exactly ``greedy_sampler``;
+* sampled rows: ``filtered * (1 / temperature)`` then a categorical draw.
+
+The categorical draw is Gumbel-max with noise from a counter-based hash of
+``(seed[row], step[row], vocab index)`` built from MLX ``uint32`` ops -- the
+global ``mx.random`` state is never touched, so a row's token depends only on
+its own seed, its own step counter and its own log-probs: a seeded request
+gives the same tokens alone and anywhere inside any batch.
+
+Differences from mlx-lm, both deliberate:
+
+* ``apply_top_k`` keeps exactly ``k`` tokens and breaks ties at the k-th value
+  arbitrarily (argpartition order); here top-k keeps every token whose value
+  is ``>=`` the row's k-th largest value, so exact ties at the boundary are all
+  kept (same sets whenever the k-th value is unique).  ``top_k >= V`` is
+  treated as off instead of raising.
+* The random stream is ours (hash-based), not ``mx.random.categorical``, so a
+  seeded row does not reproduce mlx-lm's tokens -- it reproduces its own, at
+  any batch position.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+__all__ = [
+    "RowSampling",
+    "SamplingArrays",
+    "apply_penalties",
+    "filter_logprobs",
+    "sample",
+    "logprobs_from_logits",
+    "sample_tokens",
+    "DEFAULT_PENALTY_CONTEXT",
+]
+
+#: Default penalty window, like mlx-lm's ``repetition_context_size``.
+DEFAULT_PENALTY_CONTEXT = 20
+
+_U32 = 0xFFFFFFFF
+
+
+# ---------------------------------------------------------------------------
+# Parameters
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """Sampling parameters of one request (one batch row)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0.0) or math.isinf(self.temperature):
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if not (0.0 <= self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in [0, 1] (0 or 1 => off), got {self.top_p}")
+        if int(self.top_k) != self.top_k or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 => off), got {self.top_k}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1] (0 => off), got {self.min_p}")
+        if not math.isfinite(self.presence_penalty):
+            raise ValueError(f"presence_penalty must be finite, got {self.presence_penalty}")
+        if not (self.repetition_penalty > 0.0) or math.isinf(self.repetition_penalty):
+            raise ValueError(
+                f"repetition_penalty must be finite and > 0 (1 => off), got {self.repetition_penalty}"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalty(self) -> bool:
+        return self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+@dataclass(frozen=True)
+class SamplingArrays:
+    """Per-row sampling parameters for one decode step, as (B,) MLX arrays."""
+
+    temperature: mx.array  # float32, 0 => greedy for that row
+    top_p: mx.array  # float32 in (0, 1]; 1 => off
+    top_k: mx.array  # int32; 0 => off
+    min_p: mx.array  # float32 in [0, 1); 0 => off
+    presence_penalty: mx.array  # float32; 0 => off
+    repetition_penalty: mx.array  # float32 > 0; 1 => off
+    seed: mx.array  # uint32 per-row seed
+    all_greedy: bool  # every row has temperature 0 (fast path: plain argmax)
+    any_penalty: bool  # some row has a penalty (skip penalty work otherwise)
+    # Optional python flags (default True = "maybe"): let the sampled path skip
+    # the sort / min-p work when no *sampled* row uses that filter. from_rows
+    # sets them exactly; leaving them True is always correct, just slower.
+    any_top_p: bool = True
+    any_top_k: bool = True
+    any_min_p: bool = True
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.temperature.shape[0])
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[RowSampling]) -> "SamplingArrays":
+        rows = list(rows)
+        temp = np.array([r.temperature for r in rows], dtype=np.float32)
+        top_p = np.array([r.top_p for r in rows], dtype=np.float32)
+        top_k = np.array([int(r.top_k) for r in rows], dtype=np.int32)
+        min_p = np.array([r.min_p for r in rows], dtype=np.float32)
+        pres = np.array([r.presence_penalty for r in rows], dtype=np.float32)
+        rep = np.array([r.repetition_penalty for r in rows], dtype=np.float32)
+        seed = np.array([int(r.seed) & _U32 for r in rows], dtype=np.uint32)
+        sampled = temp != 0.0
+        return cls(
+            temperature=mx.array(temp),
+            top_p=mx.array(top_p),
+            top_k=mx.array(top_k),
+            min_p=mx.array(min_p),
+            presence_penalty=mx.array(pres),
+            repetition_penalty=mx.array(rep),
+            seed=mx.array(seed),
+            all_greedy=bool(not sampled.any()),
+            any_penalty=bool(((pres != 0.0) | (rep != 1.0)).any()),
+            any_top_p=bool((sampled & (top_p > 0.0) & (top_p < 1.0)).any()),
+            any_top_k=bool((sampled & (top_k > 0)).any()),
+            any_min_p=bool((sampled & (min_p != 0.0)).any()),
+        )
+
+
+# ---------------------------------------------------------------------------
+# Penalties
+# ---------------------------------------------------------------------------
+
+
+def _context_mask(context: mx.array, vocab_size: int) -> mx.array:
+    """(B, W) ids padded with -1 (or any out-of-range id) -> (B, V) bool presence mask."""
+    B = context.shape[0]
+    ctx = context.astype(mx.int32)
+    valid = (ctx >= 0) & (ctx < vocab_size)
+    idx = mx.where(valid, ctx, vocab_size)  # padding goes to a spare column
+    mask = mx.zeros((B, vocab_size + 1), dtype=mx.bool_)
+    mask = mx.put_along_axis(mask, idx, mx.array(True), axis=-1)
+    return mask[:, :vocab_size]
+
+
+def apply_penalties(
+    logits: mx.array, context: mx.array, params: SamplingArrays
+) -> mx.array:
+    """Repetition then presence penalty, per row, on tokens present in ``context``.
+
+    logits (B, V); context (B, W) int32 recent token ids per row padded with -1
+    (W = penalty window, default 20 like mlx-lm's ``repetition_context_size``).
+    Repetition penalty as mlx-lm's ``make_repetition_penalty`` (logit < 0 ->
+    logit * p, else logit / p); presence penalty as ``make_presence_penalty``
+    (subtract once per distinct token present). Rows with a penalty off are
+    unchanged bit-for-bit.
+    """
+    if context.ndim != 2 or context.shape[0] != logits.shape[0]:
+        raise ValueError(
+            f"context must be (B, W) with B={logits.shape[0]}, got {tuple(context.shape)}"
+        )
+    if context.shape[1] == 0:
+        return logits
+    dtype = logits.dtype
+    present = _context_mask(context, logits.shape[-1])
+
+    rep = params.repetition_penalty[:, None]
+    rep_on = present & (rep != 1.0)
+    rep_d = rep.astype(dtype)
+    penalised = mx.where(logits < 0, logits * rep_d, logits / rep_d)
+    logits = mx.where(rep_on, penalised, logits)
+
+    pres = params.presence_penalty[:, None]
+    pres_on = present & (pres != 0.0)
+    logits = mx.where(pres_on, logits - pres.astype(dtype), logits)
+    return logits
+
+
+# ---------------------------------------------------------------------------
+# Filters
+# ---------------------------------------------------------------------------
+
+
+def _filter(
+    logprobs: mx.array,
+    top_p: mx.array,
+    top_k: mx.array,
+    min_p: mx.array,
+    use_top_p: bool,
+    use_min_p: bool,
+    use_top_k: bool,
+) -> mx.array:
+    V = logprobs.shape[-1]
+    neg_inf = mx.array(-float("inf"), logprobs.dtype)
+    sorted_lp = mx.sort(logprobs, axis=-1) if (use_top_p or use_top_k) else None
+    out = logprobs
+
+    if use_top_p:
+        # mlx-lm apply_top_p, with a per-row threshold.
+        p = top_p[:, None]
+        sorted_probs = mx.exp(sorted_lp.astype(mx.float32))
+        mass_above = mx.cumsum(sorted_probs, axis=-1, reverse=True, inclusive=False)
+        total_mass = mass_above[..., :1] + sorted_probs[..., :1]
+        num_dropped = (mass_above >= p * total_mass).sum(axis=-1, keepdims=True)
+        num_dropped = mx.minimum(num_dropped, V - 1)
+        threshold = mx.take_along_axis(sorted_lp, num_dropped, axis=-1)
+        on = (p > 0.0) & (p < 1.0)
+        out = mx.where(on & (out < threshold), neg_inf, out)
+
+    if use_min_p:
+        # mlx-lm apply_min_p with min_tokens_to_keep=1 (the max always survives).
+        m = min_p[:, None]
+        top = mx.max(out, axis=-1, keepdims=True)
+        scaled = top + mx.log(m).astype(out.dtype)
+        on = m != 0.0
+        out = mx.where(on & (out < scaled), neg_inf, out)
+
+    if use_top_k:
+        # Earlier filters only push values below a threshold to -inf and keep
+        # the order of the rest, so the k-th largest of ``out`` is the k-th
+        # largest of the original row if it survived, else -inf (keep all).
+        k = top_k[:, None].astype(mx.int32)
+        on = (k > 0) & (k < V)
+        kth_idx = mx.clip(V - k, 0, V - 1)
+        kth = mx.take_along_axis(sorted_lp, kth_idx, axis=-1)
+        out = mx.where(on & (out < kth), neg_inf, out)
+
+    return out
+
+
+def filter_logprobs(logprobs: mx.array, params: SamplingArrays) -> mx.array:
+    """Apply, per row, in mlx-lm make_sampler order: top_p, min_p, top_k.
+
+    Masked tokens become -inf; rows with a filter off are unchanged. Applies to
+    every row regardless of temperature (``sample`` ignores it for greedy rows).
+    """
+    return _filter(
+        logprobs,
+        params.top_p,
+        params.top_k,
+        params.min_p,
+        True,
+        True,
+        True,
+    )
+
+
+# ---------------------------------------------------------------------------
+# Counter-based noise
+# ---------------------------------------------------------------------------
+
+
+def _fmix32(h: mx.array) -> mx.array:
+    """murmur3 32-bit finaliser (a bijection on uint32 with full avalanche)."""
+    h = h ^ (h >> 16)
+    h = h * 0x85EBCA6B
+    h = h ^ (h >> 13)
+    h = h * 0xC2B2AE35
+    h = h ^ (h >> 16)
+    return h
+
+
+def _row_keys(seed: mx.array, step: mx.array) -> mx.array:
+    """(B,) uint32 key per (seed, step)."""
+    s = _fmix32(seed.astype(mx.uint32) * 0x9E3779B1 + 0x7F4A7C15)
+    return _fmix32(s ^ (step.astype(mx.uint32) * 0x27D4EB2F + 0x165667B1))
+
+
+def _hash_uniform(seed: mx.array, step: mx.array, vocab_size: int) -> mx.array:
+    """(B, V) float32 uniforms in [2^-24, 1 - 2^-24], a pure function of
+    (seed[row], step[row], column)."""
+    key = _row_keys(seed, step)[:, None]
+    idx = mx.arange(vocab_size, dtype=mx.uint32)[None, :]
+    x = _fmix32(idx * 0xCC9E2D51 + key)
+    x = _fmix32(x ^ key)
+    # Top 23 bits + 0.5, scaled: exact in float32, strictly inside (0, 1).
+    return ((x >> 9).astype(mx.float32) + 0.5) * (1.0 / (1 << 23))
+
+
+def _gumbel(seed: mx.array, step: mx.array, vocab_size: int) -> mx.array:
+    u = _hash_uniform(seed, step, vocab_size)
+    return -mx.log(-mx.log(u))
+
+
+# ---------------------------------------------------------------------------
+# Sampling
+# ---------------------------------------------------------------------------
+
+
+def _sampled_impl(
+    logprobs: mx.array,
+    temperature: mx.array,
+    top_p: mx.array,
+    top_k: mx.array,
+    min_p: mx.array,
+    seed: mx.array,
+    step: mx.array,
+    *,
+    use_top_p: bool,
+    use_min_p: bool,
+    use_top_k: bool,
+) -> mx.array:
+    V = logprobs.shape[-1]
+    greedy_tok = mx.argmax(logprobs, axis=-1)
+    filtered = _filter(logprobs, top_p, top_k, min_p, use_top_p, use_min_p, use_top_k)
+    t = temperature[:, None]
+    greedy = t == 0.0
+    inv_t = 1.0 / mx.where(greedy, 1.0, t)
+    scores = filtered.astype(mx.float32) * inv_t + _gumbel(seed, step, V)
+    sampled_tok = mx.argmax(scores, axis=-1)
+    return mx.where(temperature == 0.0, greedy_tok, sampled_tok)
+
+
+# Measured on CPU (see module report): compiling fuses the hash + Gumbel +
+# where chains. Non-shapeless compile: retraces once per (B, V, dtype) and caches.
+_USE_COMPILE = True
+
+
+@lru_cache(maxsize=None)
+def _sampled_fn(use_top_p: bool, use_min_p: bool, use_top_k: bool, compiled: bool):
+    def fn(logprobs, temperature, top_p, top_k, min_p, seed, step):
+        return _sampled_impl(
+            logprobs,
+            temperature,
+            top_p,
+            top_k,
+            min_p,
+            seed,
+            step,
+            use_top_p=use_top_p,
+            use_min_p=use_min_p,
+            use_top_k=use_top_k,
+        )
+
+    return mx.compile(fn) if compiled else fn
+
+
+def sample(logprobs: mx.array, params: SamplingArrays, step: mx.array) -> mx.array:
+    """(B, V) normalised log-probs -> (B,) uint32 token ids.
+
+    Greedy rows (temperature 0) take the argmax of the *unfiltered* logprobs,
+    like mlx-lm's ``greedy_sampler``. Sampled rows: filter (top_p, min_p,
+    top_k), multiply by 1/temperature, Gumbel-max with noise hashed from
+    (seed[row], step[row], vocab index). ``step`` is (B,) uint32: the row's
+    output-token index.
+    """
+    if params.all_greedy:
+        return mx.argmax(logprobs, axis=-1)
+    step = mx.array(step) if not isinstance(step, mx.array) else step
+    if step.ndim == 0:
+        step = mx.broadcast_to(step, (logprobs.shape[0],))
+    fn = _sampled_fn(params.any_top_p, params.any_min_p, params.any_top_k, _USE_COMPILE)
+    return fn(
+        logprobs,
+        params.temperature,
+        params.top_p,
+        params.top_k,
+        params.min_p,
+        params.seed,
+        step.astype(mx.uint32),
+    )
+
+
+def logprobs_from_logits(logits: mx.array) -> mx.array:
+    """logits - logsumexp(logits), per row (as mlx-lm's generate_step)."""
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def sample_tokens(
+    logits: mx.array,
+    params: SamplingArrays,
+    step: mx.array,
+    context: Optional[mx.array] = None,
+) -> tuple[mx.array, mx.array]:
+    """Penalties (if ``params.any_penalty`` and ``context`` given) -> logprobs -> sample.
+
+    Returns (tokens (B,), logprobs (B, V)); logprobs are the log-softmax of the
+    processed (penalised) logits, before filtering and temperature, like mlx-lm.
+    """
+    if params.any_penalty and context is not None:
+        logits = apply_penalties(logits, context, params)
+    logprobs = logprobs_from_logits(logits)
+    return sample(logprobs, params, step), logprobs

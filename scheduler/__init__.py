@@ -1,0 +1,23 @@
+"""mlxsched: continuous batching on MLX as an explicit, logged, replayable state machine."""
+
+from .config import EngineConfig
+from .engine import Engine, EngineStats, RequestOutput
+from .lifecycle import IllegalTransition, RequestState, Trigger
+from .request import FinishReason, InvalidRequest, Request, SamplingParams, UnknownRequest
+from .scheduler import StepOutput
+
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "EngineStats",
+    "FinishReason",
+    "IllegalTransition",
+    "InvalidRequest",
+    "Request",
+    "RequestOutput",
+    "RequestState",
+    "SamplingParams",
+    "StepOutput",
+    "Trigger",
+    "UnknownRequest",
+]

@@ -1,0 +1,84 @@
+"""The one place that reaches into mlx-lm internals.
+
+mlx-lm's batch-cache classes and model attributes move between minor releases (a refactor of the batch
+classes broke wrappers before). Everything version-sensitive is here, and tests/test_adapters.py pins the
+exact behaviour we rely on so an upgrade fails loudly in one spot.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import mlx.core as mx
+from mlx_lm.models import cache as mlx_cache
+
+Cache = list[Any]  # one cache object per layer
+
+
+def make_request_cache(model: Any) -> Cache:
+    """A fresh single-request cache: what `mlx_lm.generate` builds for a prompt."""
+    return mlx_cache.make_prompt_cache(model)
+
+
+def merge_caches(caches: Sequence[Cache]) -> Cache:
+    """Single-request caches -> one left-padded batch cache per layer (BatchKVCache / BatchRotatingKVCache)."""
+    layers = len(caches[0])
+    merged = []
+    for i in range(layers):
+        layer = caches[0][i]
+        if not hasattr(type(layer), "merge"):
+            raise TypeError(f"{type(layer).__name__} cannot be batched (no merge)")
+        merged.append(type(layer).merge([c[i] for c in caches]))
+    return merged
+
+
+def extend_batch(batch: Cache, other: Cache) -> Cache:
+    """Append the rows of `other` to `batch` (in place where possible); returns the batch."""
+    if not batch:
+        return other
+    for a, b in zip(batch, other):
+        a.extend(b)
+    return batch
+
+
+def filter_batch(batch: Cache, keep: list[int]) -> Cache:
+    """Keep only rows `keep` (in that order). An empty keep list drops the batch."""
+    if not keep:
+        return []
+    for layer in batch:
+        layer.filter(keep)
+    return batch
+
+
+def cache_nbytes(cache: Cache) -> int:
+    return sum(layer.nbytes for layer in cache)
+
+
+def cache_arrays(cache: Cache) -> list[mx.array]:
+    """The arrays to evaluate so a cache's pending writes are materialised."""
+    return [layer.state for layer in cache]
+
+
+def model_args(model: Any) -> Any:
+    return getattr(model, "args", None)
+
+
+def vocab_size(model: Any) -> int:
+    args = model_args(model)
+    if args is not None and getattr(args, "vocab_size", None):
+        return int(args.vocab_size)
+    return int(model.model.embed_tokens.weight.shape[0])
+
+
+def max_positions(model: Any) -> int | None:
+    args = model_args(model)
+    value = getattr(args, "max_position_embeddings", None) if args is not None else None
+    return int(value) if value else None
+
+
+def eos_token_ids(tokenizer: Any) -> frozenset[int]:
+    ids = getattr(tokenizer, "eos_token_ids", None)
+    if ids is None:
+        eos = getattr(tokenizer, "eos_token_id", None)
+        ids = [] if eos is None else [eos]
+    return frozenset(int(i) for i in ids)

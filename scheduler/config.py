@@ -1,0 +1,44 @@
+"""Engine configuration: the per-tick budgets the planner obeys, and engine-wide switches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Budgets are per tick unless said otherwise.
+
+    max_batched_tokens: prefill-chunk tokens + decode tokens (+ draft tokens) computed in one tick.
+    max_seqs: requests admitted at once (prefilling + decoding).
+    prefill_chunk: the longest prefill chunk one request gets in one tick.
+    max_model_len: longest prompt accepted; None means the model's `max_position_embeddings`.
+    seed: engine seed; a request without its own seed samples with one derived from this and its id.
+    trace_path: write every event as JSON lines to this file.
+    check_invariants: verify bookkeeping after every tick (tests turn it on).
+    """
+
+    max_batched_tokens: int = 2048
+    max_seqs: int = 32
+    prefill_chunk: int = 512
+    max_model_len: int | None = None
+    penalty_context: int = 20
+    seed: int = 0
+    policy: str = "fcfs"
+    trace_path: str | None = None
+    check_invariants: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("max_batched_tokens", "max_seqs", "prefill_chunk", "penalty_context"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+        if self.max_batched_tokens <= self.max_seqs:
+            # Every running request decodes one token per tick; prefill needs room on top of that or a
+            # full batch would starve admission.
+            raise ValueError(
+                f"max_batched_tokens ({self.max_batched_tokens}) must exceed max_seqs ({self.max_seqs}) "
+                "so prefill always gets at least one token next to a full decode batch"
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len: must be >= 1 or None, got {self.max_model_len!r}")

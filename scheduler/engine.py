@@ -1,0 +1,353 @@
+"""Engine: the loop that ties plan -> execute -> apply together, and the public surface.
+
+One thread owns the loop (`step()`); `add_request` and `abort` may be called from any thread: they go into a
+locked inbox drained at the top of each tick, so a tick's plan sees a consistent set of requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Iterator, Sequence
+
+import mlx.core as mx
+
+from . import adapters
+from .config import EngineConfig
+from .events import EventLog, JsonlSink, MemorySink
+from .executor import MLXExecutor
+from .lifecycle import RequestState
+from .request import (
+    InvalidRequest,
+    Request,
+    SamplingParams,
+    UnknownRequest,
+    validate_prompt_tokens,
+)
+from .scheduler import Scheduler, StepOutput
+
+_ENDED_MEMORY = 65536  # how many ended ids `abort`/`state_of` still recognise
+
+
+@dataclass
+class RequestOutput:
+    """A finished request, as `generate` returns it."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: Any
+    error: str | None = None
+    logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class EngineStats:
+    prompt_tokens: int = 0
+    prompt_time: float = 0.0
+    generation_tokens: int = 0
+    generation_time: float = 0.0
+    ticks: int = 0
+    peak_memory_bytes: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    time_in_state: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.prompt_time if self.prompt_time else 0.0
+
+    @property
+    def generation_tps(self) -> float:
+        return self.generation_tokens / self.generation_time if self.generation_time else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "prompt_time": self.prompt_time,
+            "prompt_tps": self.prompt_tps,
+            "generation_tokens": self.generation_tokens,
+            "generation_time": self.generation_time,
+            "generation_tps": self.generation_tps,
+            "ticks": self.ticks,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "requests_finished": self.requests_finished,
+            "requests_aborted": self.requests_aborted,
+            "time_in_state": dict(self.time_in_state),
+        }
+
+
+@dataclass
+class _Arrival:
+    request_id: str
+    prompt_tokens: list[int]
+    sampling: SamplingParams
+    priority: int
+    arrival_time: float
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        config: EngineConfig | None = None,
+        executor: Any = None,
+        event_sinks: Sequence[Any] = (),
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config or EngineConfig()
+        sinks = list(event_sinks)
+        if self.config.trace_path:
+            sinks.append(JsonlSink(self.config.trace_path))
+        self.events = EventLog(sinks)
+        self.vocab_size = adapters.vocab_size(model)
+        self.max_model_len = self.config.max_model_len or adapters.max_positions(model) or 1 << 30
+        self.scheduler = Scheduler(self.config, self.events, adapters.eos_token_ids(tokenizer))
+        self.executor = executor or MLXExecutor(model, penalty_context=self.config.penalty_context)
+        self.tick = 0
+        self._lock = threading.Lock()
+        self._inbox: list[_Arrival] = []
+        self._abort_inbox: list[str] = []
+        self._known_live: set[str] = set()  # ids accepted and not ended (guarded by _lock)
+        self._ended: OrderedDict[str, RequestState] = OrderedDict()
+        self._ids = itertools.count()
+        self._stats = EngineStats()
+        self._state_entered: dict[str, tuple[RequestState, float]] = {}
+        self.events.emit("engine_start", 0, config=_config_record(self.config),
+                         model=type(model).__module__, vocab_size=self.vocab_size)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, config: EngineConfig | None = None, **kwargs: Any) -> "Engine":
+        from mlx_lm import load
+
+        model, tokenizer = load(str(model_dir))
+        return cls(model, tokenizer, config, **kwargs)
+
+    # ---- requests in ----------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | list[dict] | None = None,
+        prompt_tokens: Sequence[int] | None = None,
+        images: Sequence[Any] | None = None,
+        sampling: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> str:
+        """Queue a request; returns its id. Raises InvalidRequest (nothing queued) for bad input."""
+        if images:
+            raise InvalidRequest("images", "this engine was loaded with a text-only model")
+        if (prompt is None) == (prompt_tokens is None):
+            raise InvalidRequest("prompt", "give exactly one of prompt and prompt_tokens", request_id)
+        if sampling is None:
+            sampling = SamplingParams()
+        elif not isinstance(sampling, SamplingParams):
+            raise InvalidRequest("sampling", f"must be a SamplingParams, got {type(sampling).__name__}")
+        bad_stops = [t for t in sampling.stop_token_ids if t >= self.vocab_size]
+        if bad_stops:
+            raise InvalidRequest("stop_token_ids", f"ids outside the vocabulary [0, {self.vocab_size}): {bad_stops}")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidRequest("priority", f"must be an integer, got {priority!r}")
+        tokens = validate_prompt_tokens(
+            self._tokenize(prompt) if prompt_tokens is None else prompt_tokens, self.vocab_size, self.max_model_len
+        )
+        with self._lock:
+            if request_id is None:
+                request_id = f"req-{next(self._ids)}"
+                while request_id in self._known_live or request_id in self._ended:
+                    request_id = f"req-{next(self._ids)}"
+            elif not isinstance(request_id, str) or not request_id:
+                raise InvalidRequest("request_id", f"must be a non-empty string, got {request_id!r}")
+            elif request_id in self._known_live or request_id in self._ended:
+                raise InvalidRequest("request_id", f"duplicate request id {request_id!r}", request_id)
+            self._known_live.add(request_id)
+            self._inbox.append(_Arrival(request_id, tokens, sampling, priority, time.perf_counter()))
+        return request_id
+
+    def _tokenize(self, prompt: str | list[dict]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("prompt", "is empty")
+            return list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
+            return list(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True))
+        raise InvalidRequest("prompt", f"must be a string or a list of chat messages, got {type(prompt).__name__}")
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a live request (any non-terminal state) at the start of the next tick.
+
+        Returns True if it was live, False if it had already ended (a no-op). Raises UnknownRequest for an id
+        the engine never accepted.
+        """
+        with self._lock:
+            if request_id in self._known_live:
+                self._abort_inbox.append(request_id)
+                return True
+            if request_id in self._ended:
+                return False
+        raise UnknownRequest(request_id)
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def has_pending(self) -> bool:
+        with self._lock:
+            return bool(self._known_live)
+
+    def state_of(self, request_id: str) -> RequestState:
+        request = self.scheduler.requests.get(request_id)
+        if request is not None:
+            return request.state
+        with self._lock:
+            if request_id in self._ended:
+                return self._ended[request_id]
+            if request_id in self._known_live:
+                return RequestState.QUEUED  # still in the inbox
+        raise UnknownRequest(request_id)
+
+    def step(self) -> list[StepOutput]:
+        """Run one tick: drain the inbox, plan, execute, apply. Returns what each request did."""
+        tick = self.tick
+        outputs = self._drain_inbox(tick)
+        view = self.scheduler.view(tick)
+        plan = self.scheduler.plan(view)
+        if not plan.is_empty:
+            result = self.executor.execute(plan, self.scheduler.requests)
+            applied = self.scheduler.apply(plan, result)
+            outputs.extend(applied.outputs)
+            for rid in applied.released:
+                self.executor.release(rid)
+            self._account(plan, result)
+            self.events.emit("outcome", tick, sampled=result.sampled, errors=result.errors,
+                             measure={"prefill_s": result.prefill_time, "decode_s": result.decode_time})
+        if self.config.check_invariants:
+            self.scheduler.check_invariants(plan)
+            self._check_executor()
+        self._record_ends(outputs)
+        self.tick += 1
+        return outputs
+
+    def _drain_inbox(self, tick: int) -> list[StepOutput]:
+        with self._lock:
+            arrivals, self._inbox = self._inbox, []
+            aborts, self._abort_inbox = self._abort_inbox, []
+        for a in arrivals:
+            request = Request(
+                request_id=a.request_id, prompt_tokens=a.prompt_tokens, sampling=a.sampling,
+                priority=a.priority, arrival_tick=tick, arrival_time=a.arrival_time,
+                seed=a.sampling.seed if a.sampling.seed is not None else _derived_seed(self.config.seed, a.request_id),
+            )
+            self.scheduler.add(request, tick)
+            self._state_entered[a.request_id] = (RequestState.QUEUED, a.arrival_time)
+        outputs = []
+        for rid in dict.fromkeys(aborts):  # an id aborted twice in one tick is aborted once
+            if rid in self.scheduler.requests:
+                outputs.append(self.scheduler.abort(rid, tick))
+                self.executor.release(rid)
+        return outputs
+
+    def _record_ends(self, outputs: list[StepOutput]) -> None:
+        now = time.perf_counter()
+        for out in outputs:
+            entered = self._state_entered.get(out.request_id)
+            if entered is not None and entered[0] is not out.state:
+                key = entered[0].value
+                self._stats.time_in_state[key] = self._stats.time_in_state.get(key, 0.0) + now - entered[1]
+                self._state_entered[out.request_id] = (out.state, now)
+            if out.finished:
+                self._state_entered.pop(out.request_id, None)
+                if out.finish_reason is not None and out.finish_reason.value in ("abort", "error"):
+                    self._stats.requests_aborted += 1
+                else:
+                    self._stats.requests_finished += 1
+        ended = [o for o in outputs if o.finished]
+        if ended:
+            with self._lock:
+                for out in ended:
+                    self._known_live.discard(out.request_id)
+                    self._ended[out.request_id] = out.state
+                while len(self._ended) > _ENDED_MEMORY:
+                    self._ended.popitem(last=False)
+
+    def _account(self, plan: Any, result: Any) -> None:
+        s = self._stats
+        s.ticks += 1
+        s.prompt_tokens += sum(c.num_tokens for c in plan.prefill)
+        s.prompt_time += result.prefill_time
+        s.generation_tokens += len(result.sampled)
+        s.generation_time += result.decode_time
+        s.peak_memory_bytes = max(s.peak_memory_bytes, mx.get_peak_memory())
+
+    def _check_executor(self) -> None:
+        live_in_executor = self.executor.live_request_ids()
+        assert live_in_executor <= set(self.scheduler.requests), (
+            f"executor holds caches of ended requests: {live_in_executor - set(self.scheduler.requests)}"
+        )
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    # ---- conveniences -----------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Sequence[str | list[dict] | Sequence[int]],
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        progress: Any = None,
+    ) -> list[RequestOutput]:
+        """Run `prompts` (strings, chat messages or token-id lists) to completion; outputs in prompt order."""
+        samplings = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
+        ids = []
+        for p, sp in zip(prompts, samplings):
+            if isinstance(p, (str,)) or (isinstance(p, list) and p and isinstance(p[0], dict)):
+                ids.append(self.add_request(prompt=p, sampling=sp))
+            else:
+                ids.append(self.add_request(prompt_tokens=p, sampling=sp))
+        tokens: dict[str, list[int]] = {i: [] for i in ids}
+        logprobs: dict[str, list[float]] = {i: [] for i in ids}
+        results: dict[str, RequestOutput] = {}
+        while len(results) < len(ids):
+            for out in self.step():
+                if out.request_id not in tokens:
+                    continue  # someone else's request
+                tokens[out.request_id].extend(out.token_ids)
+                logprobs[out.request_id].extend(out.logprobs)
+                if out.finished:
+                    toks = tokens[out.request_id]
+                    results[out.request_id] = RequestOutput(
+                        request_id=out.request_id, token_ids=toks,
+                        text=self.tokenizer.decode(toks) if toks else "",
+                        finish_reason=out.finish_reason, error=out.error, logprobs=logprobs[out.request_id],
+                    )
+                    if progress is not None:
+                        progress(out)
+        return [results[i] for i in ids]
+
+    def stream(self, prompt: Any = None, prompt_tokens: Sequence[int] | None = None,
+               sampling: SamplingParams | None = None, request_id: str | None = None) -> Iterator[StepOutput]:
+        """Add one request and yield its outputs as the engine steps (other requests keep running)."""
+        rid = self.add_request(prompt=prompt, prompt_tokens=prompt_tokens, sampling=sampling, request_id=request_id)
+        while True:
+            for out in self.step():
+                if out.request_id == rid:
+                    yield out
+                    if out.finished:
+                        return
+
+    def close(self) -> None:
+        self.events.close()
+
+
+def _derived_seed(engine_seed: int, request_id: str) -> int:
+    digest = hashlib.blake2b(f"{engine_seed}:{request_id}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
+
+
+def _config_record(config: EngineConfig) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    return asdict(config)

@@ -1,0 +1,209 @@
+"""MLXExecutor: runs a TickPlan on a real mlx-lm model.
+
+Per tick: (1) drop rows the scheduler released, (2) feed each prefill chunk into that request's own
+single-request cache (exactly the cache `mlx_lm.generate` would build), (3) merge the caches of requests whose
+prefill completes into the running batch cache, (4) one batched forward over every decoding row (a
+completing request's row is fed its last prompt token, so its first token is sampled in the same tick), then
+vectorised sampling. Per-row state (sampling arrays, penalty context, step counters) is rebuilt only when
+batch membership changes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import mlx.core as mx
+
+from kernels.sampling import RowSampling, SamplingArrays, sample_tokens
+
+from . import adapters
+from .plan import TickPlan, TickResult
+from .request import Request
+
+
+@dataclass
+class _Row:
+    request: Request
+    step: int  # output tokens already produced
+
+
+class MLXExecutor:
+    def __init__(self, model: Any, penalty_context: int = 20):
+        self.model = model
+        self.penalty_context = penalty_context
+        self._prefill_caches: dict[str, adapters.Cache] = {}
+        self._batch_cache: adapters.Cache = []
+        self._rows: list[_Row] = []
+        self._row_index: dict[str, int] = {}
+        self._next_inputs: mx.array | None = None  # (B,) token fed to each row next
+        self._params: SamplingArrays | None = None
+        self._context: mx.array | None = None  # (B, W) recent tokens for penalties, -1 padded
+        self._released: set[str] = set()
+
+    # ---- bookkeeping the scheduler drives -------------------------------------------------------
+    def release(self, request_id: str) -> None:
+        """Forget a request (finished, aborted, failed). Its batch row is dropped at the next tick."""
+        self._prefill_caches.pop(request_id, None)
+        if request_id in self._row_index:
+            self._released.add(request_id)
+
+    def cache_bytes(self) -> int:
+        total = adapters.cache_nbytes(self._batch_cache)
+        return total + sum(adapters.cache_nbytes(c) for c in self._prefill_caches.values())
+
+    def live_request_ids(self) -> set[str]:
+        return set(self._prefill_caches) | (set(self._row_index) - self._released)
+
+    # ---- one tick ---------------------------------------------------------------------------------
+    def execute(self, plan: TickPlan, requests: Mapping[str, Request]) -> TickResult:
+        result = TickResult()
+        self._drop_released()
+        t0 = time.perf_counter()
+        joining: list[str] = []
+        for chunk in plan.prefill:
+            request = requests[chunk.request_id]
+            try:
+                self._prefill(request, chunk.start, chunk.end - 1 if chunk.completes else chunk.end)
+            except Exception as exc:  # a failing request fails alone; others continue
+                self._prefill_caches.pop(chunk.request_id, None)
+                result.errors[chunk.request_id] = f"prefill failed: {type(exc).__name__}: {exc}"
+                continue
+            if chunk.completes:
+                joining.append(chunk.request_id)
+        t1 = time.perf_counter()
+        if joining:
+            self._join(joining, requests)
+        if self._rows:
+            self._decode(result)
+        t2 = time.perf_counter()
+        result.prefill_time = t1 - t0
+        result.decode_time = t2 - t1
+        return result
+
+    def _prefill(self, request: Request, start: int, end: int) -> None:
+        cache = self._prefill_caches.get(request.request_id)
+        if cache is None:
+            cache = self._prefill_caches[request.request_id] = adapters.make_request_cache(self.model)
+        if end > start:
+            tokens = mx.array(request.prompt_tokens[start:end])[None]
+            self.model(tokens, cache=cache)
+            mx.eval(adapters.cache_arrays(cache))
+
+    def _join(self, request_ids: list[str], requests: Mapping[str, Request]) -> None:
+        caches = [self._prefill_caches.pop(rid) for rid in request_ids]
+        self._batch_cache = adapters.extend_batch(self._batch_cache, adapters.merge_caches(caches))
+        last = mx.array([requests[rid].prompt_tokens[-1] for rid in request_ids], dtype=mx.uint32)
+        self._next_inputs = last if self._next_inputs is None else mx.concatenate([self._next_inputs, last])
+        for rid in request_ids:
+            self._row_index[rid] = len(self._rows)
+            self._rows.append(_Row(requests[rid], 0))
+        self._params = None
+        if self._context is not None or self._needs_context():
+            self._context = self._extend_context(request_ids, requests)
+
+    def _drop_released(self) -> None:
+        if not self._released:
+            return
+        keep = [i for i, row in enumerate(self._rows) if row.request.request_id not in self._released]
+        self._released.clear()
+        self._rows = [self._rows[i] for i in keep]
+        self._row_index = {row.request.request_id: i for i, row in enumerate(self._rows)}
+        self._batch_cache = adapters.filter_batch(self._batch_cache, keep)
+        if keep:
+            idx = mx.array(keep)
+            self._next_inputs = self._next_inputs[idx]
+            if self._context is not None:
+                self._context = self._context[idx]
+        else:
+            self._next_inputs = None
+            self._context = None
+        self._params = None
+
+    # ---- decode ---------------------------------------------------------------------------------
+    def _needs_context(self) -> bool:
+        return any(
+            row.request.sampling.presence_penalty != 0 or row.request.sampling.repetition_penalty != 1
+            for row in self._rows
+        )
+
+    def _extend_context(self, request_ids: list[str], requests: Mapping[str, Request]) -> mx.array:
+        """Penalty context for new rows: the tail of their prompt, like mlx-lm's processors see it.
+
+        The last prompt token is excluded here because it is appended as the row's first decode input.
+        """
+        w = self.penalty_context
+        rows = []
+        for rid in request_ids:
+            tail = requests[rid].prompt_tokens[:-1][-(w - 1):] if w > 1 else []
+            rows.append([-1] * (w - len(tail)) + tail)
+        new = mx.array(rows, dtype=mx.int32)
+        if self._context is None:
+            n_old = len(self._rows) - len(request_ids)
+            old = mx.full((n_old, w), -1, dtype=mx.int32)
+            return mx.concatenate([old, new]) if n_old else new
+        return mx.concatenate([self._context, new])
+
+    def _sampling_arrays(self) -> SamplingArrays:
+        if self._params is None:
+            self._params = SamplingArrays.from_rows([
+                RowSampling(
+                    temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+                    presence_penalty=s.presence_penalty, repetition_penalty=s.repetition_penalty,
+                    seed=row.request.seed,
+                )
+                for row in self._rows
+                for s in (row.request.sampling,)
+            ])
+        return self._params
+
+    def _decode(self, result: TickResult) -> None:
+        inputs = self._next_inputs
+        logits = self.model(inputs[:, None], cache=self._batch_cache)[:, -1, :]
+        logits = self._apply_processors(logits, result)
+        params = self._sampling_arrays()
+        context = None
+        if params.any_penalty:
+            self._context = mx.concatenate([self._context[:, 1:], inputs.astype(mx.int32)[:, None]], axis=1)
+            context = self._context
+        steps = mx.array([row.step for row in self._rows], dtype=mx.uint32)
+        tokens, logprobs = sample_tokens(logits, params, steps, context)
+        want_logprobs = [i for i, row in enumerate(self._rows) if row.request.sampling.logprobs]
+        picked = None
+        if want_logprobs:
+            idx = mx.array(want_logprobs)
+            picked = mx.take_along_axis(logprobs[idx], tokens[idx][:, None].astype(mx.int32), axis=1)[:, 0]
+            mx.eval(tokens, picked)
+        else:
+            mx.eval(tokens)
+        self._next_inputs = tokens.astype(mx.uint32)
+        token_list = tokens.tolist()
+        for row, token in zip(self._rows, token_list):
+            result.sampled[row.request.request_id] = token
+            row.step += 1
+        if picked is not None:
+            for i, lp in zip(want_logprobs, picked.tolist()):
+                result.logprobs[self._rows[i].request.request_id] = lp
+
+    def _apply_processors(self, logits: mx.array, result: TickResult) -> mx.array:
+        """User logits processors run per row (they are arbitrary Python); rows without them are untouched.
+
+        Like mlx-lm, a processor sees every token so far (prompt + output). One that raises fails its own
+        request (reported in `result.errors`); its row samples from the unprocessed logits and is dropped.
+        """
+        rows = [i for i, row in enumerate(self._rows) if row.request.sampling.logits_processors]
+        if not rows:
+            return logits
+        parts = list(logits)
+        for i in rows:
+            request = self._rows[i].request
+            context = mx.array(request.prompt_tokens + request.output_tokens, dtype=mx.uint32)
+            row_logits = logits[i : i + 1]
+            try:
+                for processor in request.sampling.logits_processors:
+                    row_logits = processor(context, row_logits)
+                parts[i] = mx.reshape(row_logits, logits.shape[1:]).astype(logits.dtype)
+            except Exception as exc:  # user code: contain it to its own request
+                result.errors[request.request_id] = f"logits processor failed: {type(exc).__name__}: {exc}"
+        return mx.stack(parts)

@@ -1,0 +1,173 @@
+"""Typed request objects: sampling parameters (validated on construction), finish reasons, the request itself.
+
+A request's progress is counters, not flags: `num_computed_tokens` catches up to the prompt length during
+prefill (chunked or not), and output tokens accumulate during decoding.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from .lifecycle import RequestState
+
+LogitsProcessor = Callable[[Any, Any], Any]  # (tokens so far: mx.array, logits (1, V)) -> logits
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class InvalidRequest(ValueError):
+    """A request the engine refuses; raised by `add_request`, nothing is queued. `field` names the culprit."""
+
+    def __init__(self, field_name: str, message: str, request_id: str | None = None):
+        self.field = field_name
+        self.request_id = request_id
+        super().__init__(f"{field_name}: {message}" if field_name else message)
+
+
+class UnknownRequest(KeyError):
+    """An id the engine never saw (abort / state_of)."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        super().__init__(request_id)
+
+    def __str__(self) -> str:
+        return f"unknown request id {self.request_id!r}"
+
+
+def _check(ok: bool, field_name: str, message: str) -> None:
+    if not ok:
+        raise InvalidRequest(field_name, message)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples. Defaults are greedy with no filters (temperature 0)."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    logprobs: bool = False
+    logits_processors: tuple[LogitsProcessor, ...] = ()
+
+    def __post_init__(self) -> None:
+        # InvalidRequest is a ValueError whose message starts with the field name.
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
+               f"must be an integer >= 1, got {self.max_tokens!r}")
+        _check(_is_real(self.temperature) and self.temperature >= 0, "temperature",
+               f"must be a finite number >= 0, got {self.temperature!r}")
+        _check(_is_real(self.top_p) and 0 < self.top_p <= 1, "top_p",
+               f"must be in (0, 1], got {self.top_p!r}")
+        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k",
+               f"must be an integer >= 0 (0 disables), got {self.top_k!r}")
+        _check(_is_real(self.min_p) and 0 <= self.min_p < 1, "min_p",
+               f"must be in [0, 1), got {self.min_p!r}")
+        _check(_is_real(self.presence_penalty), "presence_penalty",
+               f"must be a finite number, got {self.presence_penalty!r}")
+        _check(_is_real(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+               f"must be a finite number > 0, got {self.repetition_penalty!r}")
+        stops = self.stop_token_ids
+        _check(isinstance(stops, (tuple, list)) and all(_is_int(t) and t >= 0 for t in stops),
+               "stop_token_ids", f"must be a sequence of non-negative token ids, got {stops!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(stops))
+        _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**32), "seed",
+               f"must be None or an integer in [0, 2**32), got {self.seed!r}")
+        _check(isinstance(self.logprobs, bool), "logprobs", f"must be a bool, got {self.logprobs!r}")
+        procs = self.logits_processors
+        _check(isinstance(procs, (tuple, list)) and all(callable(p) for p in procs), "logits_processors",
+               "must be a sequence of callables (tokens, logits) -> logits")
+        object.__setattr__(self, "logits_processors", tuple(procs))
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(eq=False)  # identity semantics: the state machine keeps models in a list
+class Request:
+    """One request moving through the lifecycle. The `Lifecycle` machine owns `state`.
+
+    Not a slotted dataclass: `transitions` binds its trigger methods onto each model object.
+    """
+
+    request_id: str
+    prompt_tokens: list[int]
+    sampling: SamplingParams
+    priority: int = 0
+    arrival_tick: int = 0
+    images: tuple[Any, ...] = ()
+    seed: int = 0  # effective sampling seed (sampling.seed or derived from the engine seed and id)
+    # progress counters
+    num_computed_tokens: int = 0  # prompt tokens whose keys/values are in the KV cache
+    output_tokens: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    num_preemptions: int = 0
+    # timestamps (measurements, never read by the planner)
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    state: RequestState = RequestState.QUEUED
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_tokens)
+
+    @property
+    def num_prompt_remaining(self) -> int:
+        return self.prompt_len - self.num_computed_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_tokens)
+
+    # guards named by the transition table
+    def has_media(self) -> bool:
+        return bool(self.images)
+
+    def media_ready(self) -> bool:
+        return True  # the vision path adds encoder completion here
+
+    def prefill_complete(self) -> bool:
+        return self.num_computed_tokens >= self.prompt_len and self.num_output_tokens >= 1
+
+    def has_finish_reason(self) -> bool:
+        return self.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+
+    def has_error(self) -> bool:
+        return self.error is not None
+
+
+def validate_prompt_tokens(tokens: Sequence[int], vocab_size: int, max_len: int) -> list[int]:
+    """Token ids a model can take, as a fresh list; InvalidRequest otherwise."""
+    tokens = list(tokens)
+    _check(len(tokens) > 0, "prompt", "is empty")
+    _check(all(_is_int(t) for t in tokens), "prompt_tokens", "must be integers")
+    bad = [t for t in tokens if not 0 <= t < vocab_size]
+    _check(not bad, "prompt_tokens", f"ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    _check(len(tokens) <= max_len, "prompt",
+           f"has {len(tokens)} tokens, more than the model allows ({max_len})")
+    return tokens

@@ -1,0 +1,184 @@
+"""The Scheduler: owns the live requests, plans ticks (pure) and applies their results (transitions, tokens,
+finish detection, events). It never touches a model; the engine hands `apply` what an executor returned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from .config import EngineConfig
+from .events import EventLog
+from .lifecycle import Lifecycle, RequestState, Trigger
+from .plan import TickPlan, TickResult
+from .planner import SchedulerView, plan_tick
+from .policy import Policy, make_policy
+from .request import FinishReason, Request
+
+
+@dataclass
+class StepOutput:
+    """What one request did in one tick. `token_ids` are the tokens new this tick."""
+
+    request_id: str
+    token_ids: list[int]
+    state: RequestState
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class AppliedTick:
+    outputs: list[StepOutput]
+    released: list[str]  # requests that ended this tick: their caches must be freed
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: EngineConfig,
+        events: EventLog,
+        stop_token_ids: Iterable[int] = (),
+        policy: str | Policy | None = None,
+    ):
+        self.config = config
+        self.events = events
+        self.policy = make_policy(policy if policy is not None else config.policy)
+        self.lifecycle = Lifecycle()
+        self.model_stop_ids = frozenset(stop_token_ids)
+        # Insertion-ordered dicts: arrival order for waiting, admission order for the rest.
+        self.waiting: dict[str, Request] = {}
+        self.prefilling: dict[str, Request] = {}
+        self.decoding: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}  # every live request
+
+    # ---- requests in and out ----------------------------------------------------------------------
+    def add(self, request: Request, tick: int) -> None:
+        self.lifecycle.attach(request)
+        self.requests[request.request_id] = request
+        self.waiting[request.request_id] = request
+        self.events.emit(
+            "arrival", tick, request_id=request.request_id, prompt_len=request.prompt_len,
+            max_tokens=request.sampling.max_tokens, priority=request.priority,
+            greedy=request.sampling.is_greedy, seed=request.seed,
+        )
+
+    def abort(self, request_id: str, tick: int, reason: str = "aborted by caller") -> StepOutput:
+        request = self.requests[request_id]
+        request.finish_reason = FinishReason.ABORT
+        self._end(request, Trigger.ABORT, tick, reason)
+        return StepOutput(request_id, [], request.state, True, FinishReason.ABORT)
+
+    def fail(self, request_id: str, tick: int, error: str) -> StepOutput:
+        request = self.requests[request_id]
+        request.error = error
+        request.finish_reason = FinishReason.ERROR
+        self._end(request, Trigger.FAIL, tick, error)
+        return StepOutput(request_id, [], request.state, True, FinishReason.ERROR, error)
+
+    def has_live(self) -> bool:
+        return bool(self.requests)
+
+    # ---- deciding ---------------------------------------------------------------------------------
+    def view(self, tick: int) -> SchedulerView:
+        return SchedulerView(
+            tick=tick,
+            waiting=tuple(self.waiting.values()),
+            prefilling=tuple(self.prefilling.values()),
+            decoding=tuple(self.decoding.values()),
+        )
+
+    def plan(self, view: SchedulerView) -> TickPlan:
+        plan = plan_tick(view, self.config, self.policy)
+        self.events.emit("plan", view.tick, **plan.to_record())
+        return plan
+
+    # ---- applying ---------------------------------------------------------------------------------
+    def apply(self, plan: TickPlan, result: TickResult) -> AppliedTick:
+        tick = plan.tick
+        outputs: list[StepOutput] = []
+        released: list[str] = []
+        for rid in plan.admitted:
+            request = self.waiting.pop(rid)
+            self.prefilling[rid] = request
+            self._move(request, Trigger.START_PREFILL, tick)
+        for rid, error in result.errors.items():
+            if rid in self.requests:
+                outputs.append(self.fail(rid, tick, error))
+                released.append(rid)
+        for chunk in plan.prefill:
+            request = self.requests.get(chunk.request_id)
+            if request is None:  # failed above
+                continue
+            request.num_computed_tokens = chunk.end
+            if chunk.completes:
+                self._append(request, result)
+                del self.prefilling[request.request_id]
+                self.decoding[request.request_id] = request
+                self._move(request, Trigger.START_DECODE, tick)
+                outputs.append(self._after_token(request, result, tick, released))
+        for rid in plan.decode:
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            self._append(request, result)
+            outputs.append(self._after_token(request, result, tick, released))
+        return AppliedTick(outputs, released)
+
+    def _append(self, request: Request, result: TickResult) -> None:
+        request.output_tokens.append(result.sampled[request.request_id])
+        if request.sampling.logprobs:
+            request.output_logprobs.append(result.logprobs[request.request_id])
+
+    def _after_token(self, request: Request, result: TickResult, tick: int, released: list[str]) -> StepOutput:
+        token = request.output_tokens[-1]
+        logprobs = [request.output_logprobs[-1]] if request.sampling.logprobs else []
+        if token in self.model_stop_ids or token in request.sampling.stop_token_ids:
+            request.finish_reason = FinishReason.STOP
+        elif request.num_output_tokens >= request.sampling.max_tokens:
+            request.finish_reason = FinishReason.LENGTH
+        if request.finish_reason is None:
+            return StepOutput(request.request_id, [token], request.state, logprobs=logprobs)
+        self._end(request, Trigger.FINISH, tick, request.finish_reason.value)
+        released.append(request.request_id)
+        return StepOutput(request.request_id, [token], request.state, True, request.finish_reason,
+                          logprobs=logprobs)
+
+    # ---- transitions ------------------------------------------------------------------------------
+    def _move(self, request: Request, trigger: Trigger, tick: int, reason: str | None = None) -> None:
+        source, dest = self.lifecycle.fire(request, trigger)
+        self.events.emit(
+            "transition", tick, request_id=request.request_id, trigger=trigger.value,
+            reason=reason, **{"from": source.value, "to": dest.value},
+        )
+
+    def _end(self, request: Request, trigger: Trigger, tick: int, reason: str) -> None:
+        self._move(request, trigger, tick, reason)
+        rid = request.request_id
+        for container in (self.waiting, self.prefilling, self.decoding, self.requests):
+            container.pop(rid, None)
+        self.lifecycle.detach(request)
+
+    # ---- invariants -------------------------------------------------------------------------------
+    def check_invariants(self, plan: TickPlan) -> None:
+        """Raise AssertionError if bookkeeping is inconsistent (tests and check_invariants=True)."""
+        cfg = self.config
+        assert plan.num_batched_tokens <= cfg.max_batched_tokens, plan
+        assert plan.num_seqs <= cfg.max_seqs, plan
+        assert all(c.num_tokens <= cfg.prefill_chunk for c in plan.prefill), plan
+        assert sum(c.num_tokens for c in plan.prefill) + len(plan.decode) == plan.num_batched_tokens, plan
+        containers = {
+            RequestState.QUEUED: self.waiting,
+            RequestState.CHUNK_PREFILLING: self.prefilling,
+            RequestState.DECODING: self.decoding,
+        }
+        seen = 0
+        for state, container in containers.items():
+            for rid, request in container.items():
+                assert request.state is state, (rid, request.state, state)
+                assert self.requests.get(rid) is request, rid
+            seen += len(container)
+        assert seen == len(self.requests), "a live request is in no container or in two"
+        assert len(self.prefilling) + len(self.decoding) <= cfg.max_seqs

@@ -1,0 +1,403 @@
+"""Tiny, real, randomly initialised models built offline for tests and benchmarks.
+
+Every kind is written in the ordinary Hugging Face layout (``config.json``,
+``model.safetensors``, tokenizer files, chat template) and loads through the same
+``mlx_lm.load`` / ``mlx_vlm.load`` calls as a downloaded checkpoint, so the
+scheduler is exercised against the real model, cache and tokenizer code paths.
+
+Kinds:
+
+* ``text``        -- qwen3, hidden 128 x 2 layers (~0.43M params). The fast default
+                     for unit tests: plain ``KVCache`` per layer.
+* ``sliding``     -- gemma3_text, 4 layers with ``sliding_window=16`` and
+                     ``sliding_window_pattern=4``: ``make_cache`` gives three
+                     ``RotatingKVCache`` layers and one ``KVCache``. Exercises
+                     mixed cache types and window wrap-around with short prompts.
+* ``text-medium`` -- qwen3, hidden 512 x 8 layers (~25.7M params). Big enough that
+                     batching shows up in benchmarks.
+* ``vlm``         -- Qwen2-VL, hidden 128 x 2 layers with a 2-block vision tower.
+                     Exercises image inputs, mrope positions and the processor; a
+                     112x140 image becomes 20 image tokens.
+
+Weights are float32 with untied embeddings (with tied random embeddings greedy
+decoding collapses onto one token). A build is deterministic: ``mx.random`` is
+seeded before the model is constructed and the tokenizer is a byte-level BPE
+trained on a corpus this module generates itself from a fixed word list, so two
+builds with the same seed are byte-identical.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+MODEL_KINDS: tuple[str, ...] = ("text", "sliding", "text-medium", "vlm")
+
+VOCAB_SIZE = 512
+
+# ChatML specials first, then the Qwen-VL vision markers. Their ids are 0..6.
+SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+
+# ChatML. String content is emitted as is; list content (the multimodal form)
+# renders {"type": "image"} / {"type": "video"} as vision placeholders and
+# {"type": "text", "text": ...} as its text.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}"
+    "{{- message['content'] -}}"
+    "{%- else -%}"
+    "{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' or 'image' in part or 'image_url' in part -%}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif part['type'] == 'video' or 'video' in part -%}"
+    "{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
+    "{%- elif 'text' in part -%}"
+    "{{- part['text'] -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- endif -%}"
+)
+
+# --------------------------------------------------------------------------- corpus
+
+_SUBJECTS = (
+    "the cat", "a dog", "the old man", "my sister", "the teacher", "a small bird",
+    "the river", "our team", "the machine", "a young girl", "the farmer", "the city",
+    "his friend", "the scheduler", "a model", "the server", "every child", "the moon",
+)
+_VERBS = (
+    "sees", "likes", "finds", "builds", "carries", "watches", "remembers", "follows",
+    "opens", "paints", "counts", "writes", "reads", "moves", "holds", "brings",
+    "answers", "loads", "sends", "keeps",
+)
+_OBJECTS = (
+    "a red ball", "the green door", "three apples", "the long road", "a quiet song",
+    "the blue sky", "many books", "a warm coat", "the last train", "two letters",
+    "the open window", "a bright lamp", "some water", "the heavy box", "a new token",
+    "the next batch", "a short story", "the garden",
+)
+_ADVERBS = (
+    "slowly", "quickly", "today", "again", "at night", "in the morning", "with care",
+    "every day", "before lunch", "after the rain", "near the house", "without a word",
+)
+_QUESTIONS = ("what", "where", "why", "when", "how", "who")
+
+
+def _sentence(rng: random.Random) -> str:
+    """One English-like sentence (statement, question or numbered fact)."""
+    form = rng.randrange(4)
+    subject, verb, obj = rng.choice(_SUBJECTS), rng.choice(_VERBS), rng.choice(_OBJECTS)
+    if form == 0:
+        text = f"{subject} {verb} {obj} {rng.choice(_ADVERBS)}."
+    elif form == 1:
+        text = f"{rng.choice(_QUESTIONS)} does {subject} see {obj}?"
+    elif form == 2:
+        text = f"{subject} {verb} {rng.randrange(1000)} items, and {rng.choice(_OBJECTS)}!"
+    else:
+        text = f"{subject}, {rng.choice(_ADVERBS)}, {verb} {obj}; then {rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} it."
+    return text[0].upper() + text[1:]
+
+
+def training_corpus(n_sentences: int = 4000, seed: int = 0) -> list[str]:
+    """A deterministic list of short English-like lines to train the tokenizer on."""
+    rng = random.Random(seed)
+    return [
+        " ".join(_sentence(rng) for _ in range(rng.randint(1, 3)))
+        for _ in range(n_sentences)
+    ]
+
+
+# ------------------------------------------------------------------------ tokenizer
+
+
+def build_tokenizer():
+    """Train a 512-entry byte-level BPE with ChatML + vision specials.
+
+    Returns a ``transformers.PreTrainedTokenizerFast`` with the ChatML chat
+    template and ``<|im_end|>`` as eos.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(training_corpus(), trainer=trainer)
+    if tok.get_vocab_size() != VOCAB_SIZE:  # corpus too small to learn enough merges
+        raise RuntimeError(f"tokenizer vocab is {tok.get_vocab_size()}, want {VOCAB_SIZE}")
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=4096,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def _special_id(tokenizer, token: str) -> int:
+    return tokenizer.convert_tokens_to_ids(token)
+
+
+# -------------------------------------------------------------------------- configs
+
+
+def _eos_ids(tokenizer) -> list[int]:
+    return [_special_id(tokenizer, "<|im_end|>"), _special_id(tokenizer, "<|endoftext|>")]
+
+
+def _qwen3_config(tokenizer, hidden: int, layers: int, heads: int, kv_heads: int,
+                  intermediate: int) -> dict[str, Any]:
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": intermediate,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": hidden // heads,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": VOCAB_SIZE,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "bos_token_id": _special_id(tokenizer, "<|endoftext|>"),
+        "eos_token_id": _eos_ids(tokenizer),
+    }
+
+
+def _sliding_config(tokenizer) -> dict[str, Any]:
+    window, pattern, layers = 16, 4, 4
+    return {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "hidden_size": 128,
+        "num_hidden_layers": layers,
+        "intermediate_size": 256,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "query_pre_attn_scalar": 32,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": VOCAB_SIZE,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "rope_local_base_freq": 10000.0,
+        "sliding_window": window,
+        "sliding_window_pattern": pattern,
+        # What transformers >= 4.53 reads instead of sliding_window_pattern.
+        "layer_types": [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(layers)
+        ],
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "bos_token_id": _special_id(tokenizer, "<|endoftext|>"),
+        "eos_token_id": _eos_ids(tokenizer),
+    }
+
+
+def text_config(kind: str, tokenizer) -> dict[str, Any]:
+    """The config.json dict of a text kind."""
+    if kind == "text":
+        return _qwen3_config(tokenizer, hidden=128, layers=2, heads=4, kv_heads=2,
+                             intermediate=256)
+    if kind == "text-medium":
+        return _qwen3_config(tokenizer, hidden=512, layers=8, heads=8, kv_heads=4,
+                             intermediate=1536)
+    if kind == "sliding":
+        return _sliding_config(tokenizer)
+    raise ValueError(f"not a text kind: {kind!r}")
+
+
+def vlm_config(tokenizer) -> dict[str, Any]:
+    """The config.json dict of the tiny Qwen2-VL (text keys at the top level)."""
+    hidden, heads = 128, 4
+    head_dim = hidden // heads
+    mrope_section = [4, 6, 6]  # temporal, height, width; sums to head_dim // 2
+    assert sum(mrope_section) == head_dim // 2
+    return {
+        "architectures": ["Qwen2VLForConditionalGeneration"],
+        "model_type": "qwen2_vl",
+        "hidden_size": hidden,
+        "num_hidden_layers": 2,
+        "intermediate_size": 256,
+        "num_attention_heads": heads,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": VOCAB_SIZE,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "rope_scaling": {"type": "mrope", "mrope_section": mrope_section},
+        "sliding_window": 4096,
+        "use_sliding_window": False,
+        "max_window_layers": 2,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "bos_token_id": _special_id(tokenizer, "<|endoftext|>"),
+        "eos_token_id": _eos_ids(tokenizer),
+        "image_token_id": _special_id(tokenizer, "<|image_pad|>"),
+        "video_token_id": _special_id(tokenizer, "<|video_pad|>"),
+        "vision_start_token_id": _special_id(tokenizer, "<|vision_start|>"),
+        "vision_end_token_id": _special_id(tokenizer, "<|vision_end|>"),
+        "vision_config": {
+            "model_type": "qwen2_vl",
+            "depth": 2,
+            "embed_dim": 64,
+            "hidden_size": hidden,
+            "num_heads": 4,
+            "mlp_ratio": 4,  # must be an int: a float fails to load
+            "in_channels": 3,
+            "patch_size": 14,
+            "spatial_patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        },
+    }
+
+
+def _image_processor_config() -> dict[str, Any]:
+    """Shared by preprocessor_config.json and video_preprocessor_config.json."""
+    factor = 14 * 2  # patch * merge: one image token per 28x28 pixels
+    return {
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "min_pixels": 4 * factor * factor,  # 4 tokens
+        "max_pixels": 64 * factor * factor,  # 64 tokens
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],  # CLIP
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "rescale_factor": 1 / 255,
+        "do_rescale": True,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+        "do_resize": True,
+    }
+
+
+def preprocessor_config() -> dict[str, Any]:
+    return {
+        **_image_processor_config(),
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen2VLProcessor",
+    }
+
+
+def video_preprocessor_config() -> dict[str, Any]:
+    return {
+        **_image_processor_config(),
+        "video_processor_type": "Qwen2VLVideoProcessor",
+        "processor_class": "Qwen2VLProcessor",
+        "fps": 2.0,
+        "min_frames": 4,
+        "max_frames": 16,
+    }
+
+
+# -------------------------------------------------------------------------- writers
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _spread_embeddings(embedding, hidden: int) -> None:
+    """Scale a random token embedding to unit variance per element.
+
+    mlx initialises embeddings with std 1/sqrt(hidden), the same order as what each
+    attention / MLP block adds to the residual stream. Then the context dominates,
+    the last hidden state barely depends on the current token, and greedy decoding
+    on random weights repeats one token. With unit-variance embeddings the next
+    token is mostly a (random) function of the current one, so greedy output
+    wanders like a random walk over the vocabulary. gemma3 already multiplies its
+    embeddings by sqrt(hidden) in the forward pass and needs no help.
+    """
+    embedding.weight = embedding.weight * hidden**0.5
+
+
+def _write_text_model(kind: str, out: Path, tokenizer, seed: int) -> None:
+    import importlib
+
+    from mlx_lm.utils import save_config, save_model
+
+    config = text_config(kind, tokenizer)
+    arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    mx.random.seed(seed)
+    model = arch.Model(arch.ModelArgs.from_dict(config))
+    if config["model_type"] != "gemma3_text":
+        _spread_embeddings(model.model.embed_tokens, config["hidden_size"])
+    mx.eval(model.parameters())
+    save_model(out, model)
+    save_config(config, out / "config.json")
+
+
+def _write_vlm_model(out: Path, tokenizer, seed: int) -> None:
+    from mlx_vlm.models import qwen2_vl
+    from mlx_vlm.utils import save_config, save_weights
+
+    config = vlm_config(tokenizer)
+    # Mirror mlx_vlm.utils.load_model: the text config is the top level of config.json.
+    model_config = qwen2_vl.ModelConfig.from_dict(dict(config))
+    model_config.text_config = qwen2_vl.TextConfig.from_dict(model_config.text_config)
+    model_config.vision_config = qwen2_vl.VisionConfig.from_dict(config["vision_config"])
+    mx.random.seed(seed)
+    model = qwen2_vl.Model(model_config)
+    _spread_embeddings(model.language_model.model.embed_tokens, config["hidden_size"])
+    mx.eval(model.parameters())
+    # Keys are already in mlx-vlm's layout (language_model.*, vision_tower.*, the
+    # patch conv as [out, t, h, w, in]); its sanitize leaves them unchanged.
+    save_weights(out, model)
+    save_config(dict(config), out / "config.json")
+    _write_json(out / "preprocessor_config.json", preprocessor_config())
+    # Without it mlx-vlm / transformers try a hub download for the video processor.
+    _write_json(out / "video_preprocessor_config.json", video_preprocessor_config())
+
+
+def _write_tokenizer(out: Path, tokenizer) -> None:
+    tokenizer.save_pretrained(str(out))
+
+
+def build_model(kind: str, out_dir: str | os.PathLike, seed: int = 0) -> Path:
+    """Write a tiny model of ``kind`` into ``out_dir`` (created) and return its path.
+
+    Building twice with the same ``kind`` and ``seed`` gives byte-identical files.
+    """
+    if kind not in MODEL_KINDS:
+        raise ValueError(f"unknown model kind {kind!r}; valid kinds: {', '.join(MODEL_KINDS)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    if kind == "vlm":
+        _write_vlm_model(out, tokenizer, seed)
+    else:
+        _write_text_model(kind, out, tokenizer, seed)
+    _write_tokenizer(out, tokenizer)
+    return out

@@ -1,0 +1,48 @@
+"""Shared fixtures: tiny real models built once per test session (offline)."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from scheduler.tiny_models import build_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def text_model_dir(tmp_path_factory) -> Path:
+    return build_model("text", tmp_path_factory.mktemp("tiny-text"))
+
+
+@pytest.fixture(scope="session")
+def sliding_model_dir(tmp_path_factory) -> Path:
+    return build_model("sliding", tmp_path_factory.mktemp("tiny-sliding"))
+
+
+@pytest.fixture(scope="session")
+def medium_model_dir(tmp_path_factory) -> Path:
+    return build_model("text-medium", tmp_path_factory.mktemp("tiny-text-medium"))
+
+
+@pytest.fixture(scope="session")
+def vlm_model_dir(tmp_path_factory) -> Path:
+    return build_model("vlm", tmp_path_factory.mktemp("tiny-vlm"))
+
+
+@pytest.fixture(scope="session")
+def text_model(text_model_dir):
+    """(model, TokenizerWrapper) from mlx_lm.load of the tiny qwen3."""
+    import mlx_lm
+
+    return mlx_lm.load(str(text_model_dir))
+
+
+@pytest.fixture(scope="session")
+def sliding_model(sliding_model_dir):
+    """(model, TokenizerWrapper) from mlx_lm.load of the tiny gemma3_text."""
+    import mlx_lm
+
+    return mlx_lm.load(str(sliding_model_dir))
