@@ -121,6 +121,10 @@ class SamplingArrays:
     any_top_p: bool = True
     any_top_k: bool = True
     any_min_p: bool = True
+    # Largest top_k among sampled rows (-1 = unknown). When no sampled row uses
+    # top_p, the sampled path then uses mx.topk(bucket >= max_top_k) instead of a
+    # full-vocabulary sort (~10x cheaper on CPU at V=32000).
+    max_top_k: int = -1
 
     @property
     def batch_size(self) -> int:
@@ -150,6 +154,7 @@ class SamplingArrays:
             any_top_p=bool((sampled & (top_p > 0.0) & (top_p < 1.0)).any()),
             any_top_k=bool((sampled & (top_k > 0)).any()),
             any_min_p=bool((sampled & (min_p != 0.0)).any()),
+            max_top_k=int(np.where(sampled, top_k, 0).max(initial=0)),
         )
 
 
@@ -215,10 +220,22 @@ def _filter(
     use_top_p: bool,
     use_min_p: bool,
     use_top_k: bool,
+    kmax: int = -1,
 ) -> mx.array:
+    """top_p -> min_p -> top_k on every row (static ``use_*`` flags skip work).
+
+    ``kmax`` > 0 promises that rows whose top-k result matters have ``top_k <=
+    kmax``; then, without top_p, only the ``kmax`` largest values are sorted.
+    """
     V = logprobs.shape[-1]
     neg_inf = mx.array(-float("inf"), logprobs.dtype)
-    sorted_lp = mx.sort(logprobs, axis=-1) if (use_top_p or use_top_k) else None
+    partial_k = use_top_k and not use_top_p and 0 < kmax < V
+    if use_top_p or (use_top_k and not partial_k):
+        sorted_lp = mx.sort(logprobs, axis=-1)  # ascending, length V
+    elif partial_k:
+        sorted_lp = mx.sort(mx.topk(logprobs, kmax, axis=-1), axis=-1)  # ascending, length kmax
+    else:
+        sorted_lp = None
     out = logprobs
 
     if use_top_p:
@@ -247,7 +264,8 @@ def _filter(
         # largest of the original row if it survived, else -inf (keep all).
         k = top_k[:, None].astype(mx.int32)
         on = (k > 0) & (k < V)
-        kth_idx = mx.clip(V - k, 0, V - 1)
+        n = sorted_lp.shape[-1]  # V, or kmax for the partial sort
+        kth_idx = mx.clip(n - k, 0, n - 1)
         kth = mx.take_along_axis(sorted_lp, kth_idx, axis=-1)
         out = mx.where(on & (out < kth), neg_inf, out)
 
@@ -325,10 +343,11 @@ def _sampled_impl(
     use_top_p: bool,
     use_min_p: bool,
     use_top_k: bool,
+    kmax: int = -1,
 ) -> mx.array:
     V = logprobs.shape[-1]
     greedy_tok = mx.argmax(logprobs, axis=-1)
-    filtered = _filter(logprobs, top_p, top_k, min_p, use_top_p, use_min_p, use_top_k)
+    filtered = _filter(logprobs, top_p, top_k, min_p, use_top_p, use_min_p, use_top_k, kmax)
     t = temperature[:, None]
     greedy = t == 0.0
     inv_t = 1.0 / mx.where(greedy, 1.0, t)
@@ -343,7 +362,9 @@ _USE_COMPILE = True
 
 
 @lru_cache(maxsize=None)
-def _sampled_fn(use_top_p: bool, use_min_p: bool, use_top_k: bool, compiled: bool):
+def _sampled_fn(
+    use_top_p: bool, use_min_p: bool, use_top_k: bool, compiled: bool, kmax: int = -1
+):
     def fn(logprobs, temperature, top_p, top_k, min_p, seed, step):
         return _sampled_impl(
             logprobs,
@@ -356,9 +377,19 @@ def _sampled_fn(use_top_p: bool, use_min_p: bool, use_top_k: bool, compiled: boo
             use_top_p=use_top_p,
             use_min_p=use_min_p,
             use_top_k=use_top_k,
+            kmax=kmax,
         )
 
     return mx.compile(fn) if compiled else fn
+
+
+def _kmax_bucket(max_top_k: int, vocab_size: int) -> int:
+    """Round max_top_k up to a power of two (>= 16) so few compiled variants
+    exist; -1 (full sort) when unknown or not smaller than the vocabulary."""
+    if max_top_k <= 0:
+        return -1
+    b = max(16, 1 << (max_top_k - 1).bit_length())
+    return b if b < vocab_size else -1
 
 
 def sample(logprobs: mx.array, params: SamplingArrays, step: mx.array) -> mx.array:
@@ -375,7 +406,13 @@ def sample(logprobs: mx.array, params: SamplingArrays, step: mx.array) -> mx.arr
     step = mx.array(step) if not isinstance(step, mx.array) else step
     if step.ndim == 0:
         step = mx.broadcast_to(step, (logprobs.shape[0],))
-    fn = _sampled_fn(params.any_top_p, params.any_min_p, params.any_top_k, _USE_COMPILE)
+    fn = _sampled_fn(
+        params.any_top_p,
+        params.any_min_p,
+        params.any_top_k,
+        _USE_COMPILE,
+        _kmax_bucket(params.max_top_k, logprobs.shape[-1]) if params.any_top_k else -1,
+    )
     return fn(
         logprobs,
         params.temperature,

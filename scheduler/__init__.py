@@ -1,5 +1,6 @@
 """mlxsched: continuous batching on MLX as an explicit, logged, replayable state machine."""
 
+from .async_engine import AsyncEngine
 from .config import EngineConfig
 from .engine import Engine, EngineStats, RequestOutput
 from .lifecycle import IllegalTransition, RequestState, Trigger
@@ -7,6 +8,7 @@ from .request import FinishReason, InvalidRequest, Request, SamplingParams, Unkn
 from .scheduler import StepOutput
 
 __all__ = [
+    "AsyncEngine",
     "Engine",
     "EngineConfig",
     "EngineStats",

@@ -120,7 +120,6 @@ class Engine:
         self._ended: OrderedDict[str, RequestState] = OrderedDict()
         self._ids = itertools.count()
         self._stats = EngineStats()
-        self._state_entered: dict[str, tuple[RequestState, float]] = {}
         self.events.emit("engine_start", 0, config=_config_record(self.config),
                          model=type(model).__module__, vocab_size=self.vocab_size)
 
@@ -220,8 +219,8 @@ class Engine:
             result = self.executor.execute(plan, self.scheduler.requests)
             applied = self.scheduler.apply(plan, result)
             outputs.extend(applied.outputs)
-            for rid in applied.released:
-                self.executor.release(rid)
+            if applied.released:
+                self.executor.release(applied.released)
             self._account(plan, result)
             self.events.emit("outcome", tick, sampled=result.sampled, errors=result.errors,
                              measure={"prefill_s": result.prefill_time, "decode_s": result.decode_time})
@@ -243,24 +242,18 @@ class Engine:
                 seed=a.sampling.seed if a.sampling.seed is not None else _derived_seed(self.config.seed, a.request_id),
             )
             self.scheduler.add(request, tick)
-            self._state_entered[a.request_id] = (RequestState.QUEUED, a.arrival_time)
-        outputs = []
-        for rid in dict.fromkeys(aborts):  # an id aborted twice in one tick is aborted once
-            if rid in self.scheduler.requests:
-                outputs.append(self.scheduler.abort(rid, tick))
-                self.executor.release(rid)
+        outputs = [
+            self.scheduler.abort(rid, tick)
+            for rid in dict.fromkeys(aborts)  # an id aborted twice in one tick is aborted once
+            if rid in self.scheduler.requests
+        ]
+        if outputs:
+            self.executor.release([o.request_id for o in outputs])
         return outputs
 
     def _record_ends(self, outputs: list[StepOutput]) -> None:
-        now = time.perf_counter()
         for out in outputs:
-            entered = self._state_entered.get(out.request_id)
-            if entered is not None and entered[0] is not out.state:
-                key = entered[0].value
-                self._stats.time_in_state[key] = self._stats.time_in_state.get(key, 0.0) + now - entered[1]
-                self._state_entered[out.request_id] = (out.state, now)
             if out.finished:
-                self._state_entered.pop(out.request_id, None)
                 if out.finish_reason is not None and out.finish_reason.value in ("abort", "error"):
                     self._stats.requests_aborted += 1
                 else:
@@ -290,6 +283,7 @@ class Engine:
         )
 
     def stats(self) -> EngineStats:
+        self._stats.time_in_state = dict(self.scheduler.time_in_state)
         return self._stats
 
     # ---- conveniences -----------------------------------------------------------------------------

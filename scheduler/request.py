@@ -128,6 +128,7 @@ class Request:
     num_preemptions: int = 0
     # timestamps (measurements, never read by the planner)
     arrival_time: float = 0.0
+    state_entered_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
     state: RequestState = RequestState.QUEUED

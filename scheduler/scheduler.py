@@ -4,6 +4,7 @@ finish detection, events). It never touches a model; the engine hands `apply` wh
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -53,10 +54,12 @@ class Scheduler:
         self.prefilling: dict[str, Request] = {}
         self.decoding: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}  # every live request
+        self.time_in_state: dict[str, float] = {}  # measurement: seconds summed over requests
 
     # ---- requests in and out ----------------------------------------------------------------------
     def add(self, request: Request, tick: int) -> None:
         self.lifecycle.attach(request)
+        request.state_entered_time = request.arrival_time
         self.requests[request.request_id] = request
         self.waiting[request.request_id] = request
         self.events.emit(
@@ -149,9 +152,13 @@ class Scheduler:
     # ---- transitions ------------------------------------------------------------------------------
     def _move(self, request: Request, trigger: Trigger, tick: int, reason: str | None = None) -> None:
         source, dest = self.lifecycle.fire(request, trigger)
+        now = time.perf_counter()
+        spent = now - request.state_entered_time
+        request.state_entered_time = now
+        self.time_in_state[source.value] = self.time_in_state.get(source.value, 0.0) + spent
         self.events.emit(
             "transition", tick, request_id=request.request_id, trigger=trigger.value,
-            reason=reason, **{"from": source.value, "to": dest.value},
+            reason=reason, **{"from": source.value, "to": dest.value}, measure={"t": now, "in_source_s": spent},
         )
 
     def _end(self, request: Request, trigger: Trigger, tick: int, reason: str) -> None:

@@ -1,0 +1,63 @@
+"""Shared test helpers: reference outputs from mlx-lm run alone, and an engine driver that checks the
+per-request output contract (one stream, ends exactly once) on every tick."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from mlx_lm import stream_generate
+
+from scheduler import Engine, SamplingParams
+from scheduler.events import MemorySink
+
+
+def mixed_prompts(n: int, lo: int, hi: int, seed: int = 0, vocab: int = 512) -> list[list[int]]:
+    """n token-id prompts whose lengths cover lo..hi (both ends included); ids avoid the specials (0..6)."""
+    rng = random.Random(seed)
+    lengths = [lo, hi] + [rng.randint(lo, hi) for _ in range(n - 2)]
+    return [[rng.randrange(7, vocab) for _ in range(length)] for length in lengths]
+
+
+def solo_tokens(model, tokenizer, prompt: list[int], max_tokens: int, **kwargs) -> list[int]:
+    """What mlx-lm produces for this request alone (greedy unless a sampler is given)."""
+    return [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs)]
+
+
+@dataclass
+class Run:
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    finish: dict[str, object] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    ticks: int = 0
+
+
+def drive(engine: Engine, arrivals: list[tuple[int, dict]], max_ticks: int = 100_000) -> Run:
+    """Step `engine`, adding each `(tick, add_request kwargs)` at its tick; check the output contract."""
+    run = Run()
+    pending = sorted(arrivals, key=lambda a: a[0])
+    ids: list[str] = []
+    while pending or engine.has_pending():
+        while pending and pending[0][0] <= engine.tick:
+            ids.append(engine.add_request(**pending.pop(0)[1]))
+            run.tokens[ids[-1]] = []
+        for out in engine.step():
+            assert out.request_id not in run.finish, f"{out.request_id} produced output after it ended"
+            run.tokens[out.request_id].extend(out.token_ids)
+            if out.finished:
+                run.finish[out.request_id] = out.finish_reason
+                if out.error:
+                    run.errors[out.request_id] = out.error
+        run.ticks += 1
+        assert run.ticks < max_ticks, "engine did not drain"
+    assert set(run.finish) == set(ids), "every request ends exactly once"
+    return run
+
+
+def engine_with_log(model, tokenizer, config) -> tuple[Engine, MemorySink]:
+    sink = MemorySink()
+    return Engine(model, tokenizer, config, event_sinks=[sink]), sink
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens)
