@@ -98,6 +98,26 @@ def _global_provider(symbol: str = "cblas_sgemm") -> str | None:
     return os.path.realpath(info.dli_fname.decode())
 
 
+def _exports(path: str, symbol: str = "cblas_sgemm") -> bool:
+    """Does the already-loaded library at `path` export `symbol` (unsuffixed)? Loads nothing new."""
+    try:
+        lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        getattr(lib, symbol)
+        return True
+    except (OSError, AttributeError):
+        return False
+
+
+def _linked_blas(mapped: list[str]) -> str | None:
+    """The mapped library libmlx links for cblas_sgemm: the wheel's own (mlx_cpu.libs) first.
+
+    numpy's bundled scipy-openblas is mapped too, but exports only suffixed names (scipy_cblas_sgemm64_),
+    so it is never what MLX calls.
+    """
+    exporting = [m for m in mapped if _exports(m)]
+    return next((m for m in exporting if "mlx" in m), exporting[0] if exporting else None)
+
+
 def _classify(path: str | None) -> str:
     if not path:
         return "unknown"
@@ -150,7 +170,7 @@ def detect_blas(measure: bool = True) -> dict[str, Any]:
     mapped = _mapped_blas_libs()
     provider = _global_provider()
     preloaded = provider is not None and _classify(provider) != "unknown"
-    library = provider if preloaded else next((m for m in mapped if "blas" in Path(m).name.lower()), None)
+    library = provider if preloaded else _linked_blas(mapped)
     info: dict[str, Any] = {
         "name": _classify(library),
         "library": library,

@@ -1,0 +1,332 @@
+"""Run the same workload through our Engine and mlx-lm's BatchGenerator on the same loaded model.
+
+Both sides are timed from the outside with the same clock and the same definitions:
+
+* wall_s: from submitting the first request (`add_request` / `insert`) until the last token is back.
+* e2e tok/s: generated tokens / wall_s.
+* t_all_first_s: when the *last* request received its first token (every prompt is prefilled from then on).
+* decode tok/s (steady state): tokens generated *after* t_all_first / (wall_s - t_all_first). No prefill work
+  happens in that window on either side (both have every request in the decode batch), so it measures the
+  per-step cost of batched decoding plus each loop's per-step Python overhead.
+* ms/step: decode-phase time / number of decode steps (engine ticks / `next()` calls) in that window.
+
+Warm-up: each side runs the workload once (with a few new tokens) before anything is timed. Then repeats
+alternate the order (ours, peer / peer, ours / ...) so neither side always runs on a warmer process; the
+reported figures are the median over repeats.
+
+Equal work: BatchGenerator gets no stop tokens; our engine gets the tokenizer through a proxy that declares
+no eos ids (`ignore_eos=True`, the default), so both produce exactly `new_tokens` tokens per request. With
+`ignore_eos=False` the engine stops on `<|im_end|>` and the run reports how many requests stopped early.
+Greedy outputs are compared token by token per request (they should be identical).
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
+
+from .workloads import Workload
+
+
+# ---------------------------------------------------------------------------------------------- results
+@dataclass
+class RunStats:
+    """One timed run of one side."""
+
+    side: str  # "ours" | "peer"
+    wall_s: float
+    tokens: int  # generated tokens, all requests
+    t_all_first_s: float  # last request's first token, from the start
+    decode_tokens: int  # tokens generated after t_all_first
+    decode_s: float
+    decode_steps: int
+    steps: int  # engine ticks / BatchGenerator.next() calls in total
+    short_requests: int  # requests that produced fewer than new_tokens tokens (eos stop)
+    outputs: list[list[int]] = field(default_factory=list, repr=False)  # per request, workload order
+
+    @property
+    def e2e_tps(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s else 0.0
+
+    @property
+    def ms_per_decode_step(self) -> float:
+        return 1000 * self.decode_s / self.decode_steps if self.decode_steps else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("outputs")
+        d.update(e2e_tps=self.e2e_tps, decode_tps=self.decode_tps, ms_per_decode_step=self.ms_per_decode_step)
+        return d
+
+
+@dataclass
+class Mismatch:
+    index: int  # request index in the workload
+    position: int  # first differing output position (or the shorter length)
+    ours: list[int]
+    peer: list[int]
+
+
+@dataclass
+class Comparison:
+    model: str
+    workload: str
+    n: int
+    prompt_tokens: int
+    new_tokens: int
+    ours: list[RunStats]  # one per repeat
+    peer: list[RunStats]
+    mismatches: list[Mismatch]
+    blas: str = ""
+
+    @staticmethod
+    def _median(runs: list[RunStats], attr: str) -> float:
+        return statistics.median(getattr(r, attr) for r in runs)
+
+    def median(self, side: str, attr: str) -> float:
+        return self._median(self.ours if side == "ours" else self.peer, attr)
+
+    def ratio(self, attr: str) -> float:
+        """ours / peer for a throughput attribute (> 1: ours faster); for wall_s < 1 means ours faster."""
+        peer = self.median("peer", attr)
+        return self.median("ours", attr) / peer if peer else float("nan")
+
+    @property
+    def identical(self) -> bool:
+        return not self.mismatches
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "workload": self.workload,
+            "n": self.n,
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "ours_wall_s": self.median("ours", "wall_s"),
+            "peer_wall_s": self.median("peer", "wall_s"),
+            "ours_e2e_tps": self.median("ours", "e2e_tps"),
+            "peer_e2e_tps": self.median("peer", "e2e_tps"),
+            "e2e_ratio": self.ratio("e2e_tps"),
+            "ours_decode_tps": self.median("ours", "decode_tps"),
+            "peer_decode_tps": self.median("peer", "decode_tps"),
+            "decode_ratio": self.ratio("decode_tps"),
+            "ours_ms_step": self.median("ours", "ms_per_decode_step"),
+            "peer_ms_step": self.median("peer", "ms_per_decode_step"),
+            "ours_ttaf_s": self.median("ours", "t_all_first_s"),
+            "peer_ttaf_s": self.median("peer", "t_all_first_s"),
+            "ours_short": max(r.short_requests for r in self.ours),
+            "peer_short": max(r.short_requests for r in self.peer),
+            "mismatches": len(self.mismatches),
+            "blas": self.blas,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **self.row(),
+            "ours_runs": [r.summary() for r in self.ours],
+            "peer_runs": [r.summary() for r in self.peer],
+            "mismatch_detail": [asdict(m) for m in self.mismatches],
+            "ours_outputs": self.ours[0].outputs if self.ours else [],
+        }
+
+
+# ---------------------------------------------------------------------------------------------- timing
+class _Clock:
+    """Shared bookkeeping of both loops: per-request tokens, first-token times, decode window."""
+
+    def __init__(self, n: int, new_tokens: int):
+        self.n = n
+        self.new_tokens = new_tokens
+        self.outputs: list[list[int]] = [[] for _ in range(n)]
+        self.t0 = time.perf_counter()
+        self.n_started = 0
+        self.t_all_first: float | None = None
+        self.tokens_at_all_first = 0
+        self.steps_at_all_first = 0
+        self.tokens = 0
+        self.steps = 0
+
+    def record(self, index: int, token_ids: Sequence[int]) -> None:
+        if token_ids:
+            if not self.outputs[index]:
+                self.n_started += 1
+            self.outputs[index].extend(token_ids)
+            self.tokens += len(token_ids)
+
+    def end_step(self) -> None:
+        self.steps += 1
+        if self.t_all_first is None and self.n_started == self.n:
+            self.t_all_first = time.perf_counter()
+            self.tokens_at_all_first = self.tokens
+            self.steps_at_all_first = self.steps
+
+    def stats(self, side: str) -> RunStats:
+        t_end = time.perf_counter()
+        t_af = self.t_all_first if self.t_all_first is not None else t_end
+        return RunStats(
+            side=side,
+            wall_s=t_end - self.t0,
+            tokens=self.tokens,
+            t_all_first_s=t_af - self.t0,
+            decode_tokens=self.tokens - self.tokens_at_all_first,
+            decode_s=t_end - t_af,
+            decode_steps=self.steps - self.steps_at_all_first,
+            steps=self.steps,
+            short_requests=sum(len(o) < self.new_tokens for o in self.outputs),
+            outputs=self.outputs,
+        )
+
+
+class _NoEosTokenizer:
+    """A tokenizer proxy that declares no eos ids, so the engine stops on max_tokens only."""
+
+    eos_token_ids: tuple[int, ...] = ()
+    eos_token_id = None
+
+    def __init__(self, tokenizer: Any):
+        self._tokenizer = tokenizer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
+
+
+def default_engine_config() -> Any:
+    from scheduler import EngineConfig
+
+    return EngineConfig(max_batched_tokens=4096, max_seqs=64, prefill_chunk=512)
+
+
+def run_ours(model: Any, tokenizer: Any, workload: Workload, config: Any = None,
+             ignore_eos: bool = True) -> RunStats:
+    """One timed run of the workload through a fresh Engine (fresh caches) on `model`."""
+    from scheduler import Engine, SamplingParams
+
+    engine = Engine(model, _NoEosTokenizer(tokenizer) if ignore_eos else tokenizer,
+                    config or default_engine_config())
+    sampling = SamplingParams(max_tokens=workload.new_tokens)
+    prompts = workload.prompt_lists
+    gc.collect()
+    clock = _Clock(len(prompts), workload.new_tokens)
+    index = {engine.add_request(prompt_tokens=p, sampling=sampling): i for i, p in enumerate(prompts)}
+    while engine.has_pending():
+        for out in engine.step():
+            clock.record(index[out.request_id], out.token_ids)
+        clock.end_step()
+    stats = clock.stats("ours")
+    engine.close()
+    return stats
+
+
+def run_peer(model: Any, workload: Workload, completion_batch_size: int | None = None,
+             prefill_batch_size: int = 8, prefill_step_size: int = 2048) -> RunStats:
+    """One timed run of the workload through a fresh mlx-lm BatchGenerator (greedy, no stop tokens).
+
+    completion_batch_size defaults to max(32, n) so every request decodes in one batch like ours;
+    prefill_batch_size / prefill_step_size default to mlx-lm's own defaults (8, 2048).
+    """
+    from mlx_lm.generate import BatchGenerator
+
+    prompts = workload.prompt_lists
+    gen = BatchGenerator(
+        model, max_tokens=workload.new_tokens, stop_tokens=None,
+        completion_batch_size=completion_batch_size or max(32, len(prompts)),
+        prefill_batch_size=prefill_batch_size, prefill_step_size=prefill_step_size,
+    )
+    gc.collect()
+    try:
+        clock = _Clock(len(prompts), workload.new_tokens)
+        uids = gen.insert(prompts, max_tokens=[workload.new_tokens] * len(prompts))
+        index = {u: i for i, u in enumerate(uids)}
+        remaining = len(prompts)
+        while remaining:
+            _, responses = gen.next()
+            for r in responses:
+                clock.record(index[r.uid], (r.token,))
+                if r.finish_reason is not None:
+                    remaining -= 1
+            clock.end_step()
+        return clock.stats("peer")
+    finally:
+        gen.close()
+
+
+def compare_outputs(ours: list[list[int]], peer: list[list[int]]) -> list[Mismatch]:
+    out = []
+    for i, (a, b) in enumerate(zip(ours, peer)):
+        if a != b:
+            pos = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            out.append(Mismatch(i, pos, a, b))
+    return out
+
+
+def compare(
+    model: Any,
+    tokenizer: Any,
+    workload: Workload,
+    *,
+    model_name: str = "",
+    repeats: int = 2,
+    warmup_tokens: int = 4,
+    config: Any = None,
+    ignore_eos: bool = True,
+    peer_prefill_batch: int = 8,
+    peer_completion_batch: int | None = None,
+    blas: str = "",
+    log: Callable[[str], None] | None = None,
+) -> Comparison:
+    """Warm both sides up once, then `repeats` alternating timed runs of each; outputs checked for equality."""
+    def ours() -> RunStats:
+        return run_ours(model, tokenizer, workload, config, ignore_eos)
+
+    def peer() -> RunStats:
+        return run_peer(model, workload, peer_completion_batch, peer_prefill_batch)
+
+    if warmup_tokens:
+        warm = workload.with_new_tokens(warmup_tokens)
+        run_ours(model, tokenizer, warm, config, ignore_eos)
+        run_peer(model, warm, peer_completion_batch, peer_prefill_batch)
+    ours_runs: list[RunStats] = []
+    peer_runs: list[RunStats] = []
+    for rep in range(repeats):
+        order = ((ours, ours_runs), (peer, peer_runs))
+        for fn, sink in (order if rep % 2 == 0 else order[::-1]):
+            sink.append(fn())
+            if log:
+                r = sink[-1]
+                log(f"  rep {rep} {r.side}: wall {r.wall_s:.3f}s e2e {r.e2e_tps:.1f} tok/s "
+                    f"decode {r.decode_tps:.1f} tok/s ({r.ms_per_decode_step:.2f} ms/step)")
+    mismatches = compare_outputs(ours_runs[0].outputs, peer_runs[0].outputs)
+    return Comparison(
+        model=model_name, workload=workload.name, n=len(workload), prompt_tokens=workload.prompt_tokens,
+        new_tokens=workload.new_tokens, ours=ours_runs, peer=peer_runs, mismatches=mismatches, blas=blas,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- tables
+def markdown_table(comparisons: Sequence[Comparison]) -> str:
+    head = ("| model | workload | n | prompt tok | new tok | wall s ours / peer | e2e tok/s ours / peer | e2e ratio "
+            "| decode tok/s ours / peer | decode ratio | ms/step ours / peer | all-first s ours / peer "
+            "| identical |")
+    sep = "|" + "---|" * (head.count("|") - 1)
+    lines = [head, sep]
+    for c in comparisons:
+        r = c.row()
+        ident = "yes" if c.identical else f"NO ({r['mismatches']}/{c.n})"
+        if r["ours_short"] or r["peer_short"]:
+            ident += f"; short: ours {r['ours_short']} peer {r['peer_short']}"
+        lines.append(
+            f"| {c.model} | {c.workload} | {c.n} | {c.prompt_tokens} | {c.new_tokens} "
+            f"| {r['ours_wall_s']:.3f} / {r['peer_wall_s']:.3f} "
+            f"| {r['ours_e2e_tps']:.0f} / {r['peer_e2e_tps']:.0f} | {r['e2e_ratio']:.2f} "
+            f"| {r['ours_decode_tps']:.0f} / {r['peer_decode_tps']:.0f} | {r['decode_ratio']:.2f} "
+            f"| {r['ours_ms_step']:.2f} / {r['peer_ms_step']:.2f} "
+            f"| {r['ours_ttaf_s']:.3f} / {r['peer_ttaf_s']:.3f} | {ident} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,43 @@
+"""The mlxsched command: every listed verb works."""
+
+import json
+
+import pytest
+
+from scheduler.cli import build_parser, main
+from scheduler.lifecycle import mermaid
+
+
+def test_only_working_verbs_are_listed():
+    verbs = set(build_parser()._subparsers._group_actions[0].choices)
+    assert verbs == {"make-model", "demo", "lifecycle"}
+
+
+def test_make_model_builds_a_loadable_model(tmp_path, capsys):
+    from mlx_lm import load
+
+    assert main(["make-model", "text", str(tmp_path / "m")]) == 0
+    model, tokenizer = load(str(tmp_path / "m"))
+    assert tokenizer.encode("hello world")
+
+
+def test_lifecycle_prints_the_generated_diagram(capsys):
+    assert main(["lifecycle"]) == 0
+    assert mermaid() in capsys.readouterr().out
+
+
+def test_demo_runs_and_writes_a_trace(text_model_dir, tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    assert main(["demo", "--model", str(text_model_dir), "--requests", "6", "--max-tokens", "5",
+                 "--trace", str(trace)]) == 0
+    out = capsys.readouterr().out
+    assert '"generation_tokens"' in out
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert sum(e["event"] == "arrival" for e in events) == 6
+    ends = [e for e in events if e["event"] == "transition" and e["to"] in ("finished", "aborted")]
+    assert len(ends) == 6
+
+
+def test_unknown_kind_is_refused():
+    with pytest.raises(SystemExit):
+        main(["make-model", "huge", "x"])
