@@ -83,39 +83,48 @@ class _DlInfo(ctypes.Structure):
                 ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
 
 
-def _global_provider(symbol: str = "cblas_sgemm") -> str | None:
-    """The library serving `symbol` in the global scope (what an LD_PRELOAD puts there), or None."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        handle = ctypes.CDLL(None)  # RTLD_DEFAULT-like: the global scope
-        addr = ctypes.cast(getattr(handle, symbol), ctypes.c_void_p).value
-    except (AttributeError, OSError):
+def _defining_library(addr: int | None) -> str | None:
+    if not addr:
         return None
-    info = _DlInfo()
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     libc.dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)]
-    if not addr or not libc.dladdr(ctypes.c_void_p(addr), ctypes.byref(info)) or not info.dli_fname:
+    info = _DlInfo()
+    if not libc.dladdr(ctypes.c_void_p(addr), ctypes.byref(info)) or not info.dli_fname:
         return None
     return os.path.realpath(info.dli_fname.decode())
 
 
-def _exports(path: str, symbol: str = "cblas_sgemm") -> bool:
-    """Does the already-loaded library at `path` export `symbol` (unsuffixed)? Loads nothing new."""
+def _symbol_owner(handle: ctypes.CDLL, symbol: str = "cblas_sgemm") -> str | None:
+    """The file that defines `symbol` as `handle` resolves it (dlsym + dladdr), or None."""
     try:
-        lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-        getattr(lib, symbol)
-        return True
-    except (OSError, AttributeError):
-        return False
+        return _defining_library(ctypes.cast(getattr(handle, symbol), ctypes.c_void_p).value)
+    except (AttributeError, OSError):
+        return None
+
+
+def _global_provider(symbol: str = "cblas_sgemm") -> str | None:
+    """The library serving `symbol` in the global scope (where an LD_PRELOAD puts it), or None."""
+    try:
+        return _symbol_owner(ctypes.CDLL(None), symbol)
+    except OSError:
+        return None
 
 
 def _linked_blas(mapped: list[str]) -> str | None:
-    """The mapped library libmlx links for cblas_sgemm: the wheel's own (mlx_cpu.libs) first.
+    """The library that defines cblas_sgemm for libmlx when nothing is preloaded: the wheel's own first.
 
     numpy's bundled scipy-openblas is mapped too, but exports only suffixed names (scipy_cblas_sgemm64_),
-    so it is never what MLX calls.
+    so it is never what MLX calls. Only already-mapped libraries are inspected (RTLD_NOLOAD).
     """
-    exporting = [m for m in mapped if _exports(m)]
-    return next((m for m in exporting if "mlx" in m), exporting[0] if exporting else None)
+    owners: list[str] = []
+    for path in mapped:
+        try:
+            owner = _symbol_owner(ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY))
+        except OSError:
+            continue
+        if owner and owner not in owners:
+            owners.append(owner)
+    return next((o for o in owners if "mlx" in o), owners[0] if owners else None)
 
 
 def _classify(path: str | None) -> str:

@@ -76,6 +76,16 @@ def max_positions(model: Any) -> int | None:
     return int(value) if value else None
 
 
+def model_identity(model: Any) -> dict[str, Any]:
+    """What identifies the model in a trace: its type and architecture numbers (not its weights)."""
+    args = model_args(model)
+    fields = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads",
+              "num_key_value_heads", "sliding_window")
+    identity = {f: getattr(args, f) for f in fields if args is not None and getattr(args, f, None) is not None}
+    identity["class"] = f"{type(model).__module__}.{type(model).__name__}"
+    return identity
+
+
 def eos_token_ids(tokenizer: Any) -> frozenset[int]:
     ids = getattr(tokenizer, "eos_token_ids", None)
     if ids is None:

@@ -97,6 +97,18 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from .replay import TraceError, load_trace, replay
+
+    try:
+        report = replay(load_trace(args.trace), policy=args.policy)
+    except TraceError as exc:
+        print(f"cannot replay: {exc}", file=sys.stderr)
+        return 2
+    print(report.format())
+    return 0 if report.identical else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlxsched", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -118,6 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--show", type=int, default=6, help="how many outputs to print")
     p.add_argument("--trace", help="write the event log (JSON lines) to this file")
     p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("replay", help="re-derive every plan of a trace (no model) and report the first divergence")
+    p.add_argument("trace")
+    p.add_argument("--policy", help="replay under another policy (expect a divergence if it decides differently)")
+    p.set_defaults(func=_cmd_replay)
 
     p = sub.add_parser("lifecycle", help="print the request lifecycle as a Mermaid diagram (from the table)")
     p.add_argument("--update", metavar="FILE", help="rewrite the diagram between the markers in FILE")

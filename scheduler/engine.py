@@ -120,8 +120,11 @@ class Engine:
         self._ended: OrderedDict[str, RequestState] = OrderedDict()
         self._ids = itertools.count()
         self._stats = EngineStats()
-        self.events.emit("engine_start", 0, config=_config_record(self.config),
-                         model=type(model).__module__, vocab_size=self.vocab_size)
+        self.events.emit(
+            "engine_start", 0, config=_config_record(self.config), model=adapters.model_identity(model),
+            vocab_size=self.vocab_size, max_model_len=self.max_model_len,
+            stop_token_ids=sorted(self.scheduler.model_stop_ids),
+        )
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, config: EngineConfig | None = None, **kwargs: Any) -> "Engine":

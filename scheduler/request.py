@@ -104,6 +104,21 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0
 
+    def to_record(self) -> dict[str, Any]:
+        """JSON-ready fields for the trace. Logits processors are code: only their count is recorded."""
+        record = {f: getattr(self, f) for f in _RECORDED_SAMPLING_FIELDS}
+        record["stop_token_ids"] = list(self.stop_token_ids)
+        record["num_logits_processors"] = len(self.logits_processors)
+        return record
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> "SamplingParams":
+        return cls(**{f: record[f] for f in _RECORDED_SAMPLING_FIELDS}, stop_token_ids=tuple(record["stop_token_ids"]))
+
+
+_RECORDED_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                             "repetition_penalty", "seed", "logprobs")
+
 
 @dataclass(eq=False)  # identity semantics: the state machine keeps models in a list
 class Request:

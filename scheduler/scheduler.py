@@ -63,9 +63,8 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting[request.request_id] = request
         self.events.emit(
-            "arrival", tick, request_id=request.request_id, prompt_len=request.prompt_len,
-            max_tokens=request.sampling.max_tokens, priority=request.priority,
-            greedy=request.sampling.is_greedy, seed=request.seed,
+            "arrival", tick, request_id=request.request_id, prompt_tokens=request.prompt_tokens,
+            sampling=request.sampling.to_record(), priority=request.priority, seed=request.seed,
         )
 
     def abort(self, request_id: str, tick: int, reason: str = "aborted by caller") -> StepOutput:

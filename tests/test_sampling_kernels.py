@@ -37,6 +37,27 @@ from kernels.sampling import (
 from kernels import sampling as ks
 
 
+@pytest.fixture(autouse=True)
+def _eager_unless_asked(request):
+    """Run kernels eagerly (mx.disable_compile) except in tests that request the
+    ``compiled_mode`` fixture.
+
+    On the CPU backend every fused graph mx.compile builds is JIT-compiled with
+    the system C++ compiler (~0.3 s a kernel, cached in $TMPDIR/mlx), and new
+    vocabulary sizes make new kernels; eager mode keeps this file fast on a cold
+    cache. Compiled == eager is checked bit-for-bit in test_compiled_path_agrees_with_eager.
+    """
+    if "compiled_mode" in request.fixturenames:
+        mx.enable_compile()
+        yield
+        return
+    mx.disable_compile()
+    try:
+        yield
+    finally:
+        mx.enable_compile()
+
+
 def _np(a: mx.array) -> np.ndarray:
     return np.array(a.astype(mx.float32) if a.dtype == mx.bfloat16 else a)
 
@@ -459,15 +480,29 @@ def test_sample_tokens_logprobs_are_penalised_log_softmax():
     assert mx.array_equal(t3, mx.argmax(logits, axis=-1)).item()
 
 
-def test_uncompiled_path_agrees_with_compiled():
-    B, V = len(MIXED_ROWS), 64
-    lp = logprobs_from_logits(mx.array(_random_logits(B, V, 80)))
-    params = SamplingArrays.from_rows(MIXED_ROWS)
-    steps = mx.arange(B, dtype=mx.uint32) * 3
-    args = (lp, params.temperature, params.top_p, params.top_k, params.min_p, params.seed, steps)
-    comp = ks._sampled_fn(True, True, True, True)(*args)
-    plain = ks._sampled_fn(True, True, True, False)(*args)
-    assert mx.array_equal(comp, plain).item()
+@pytest.fixture
+def compiled_mode():
+    """Marker fixture: keep mx.compile enabled for this test."""
+    return True
+
+
+@pytest.mark.parametrize("rows", [MIXED_ROWS, MIXED_ROWS[4:5], [r for r in MIXED_ROWS if r.top_p in (0.0, 1.0)]])
+def test_compiled_path_agrees_with_eager(rows, compiled_mode):
+    """What sample() runs by default (mx.compile, incl. the partial top-k variant)
+    gives exactly the eager tokens, for several batch sizes and steps."""
+    B, V = len(rows), 512
+    params = SamplingArrays.from_rows(rows)
+    kmax = ks._kmax_bucket(params.max_top_k, V) if params.any_top_k else -1
+    flags = (params.any_top_p, params.any_min_p, params.any_top_k)
+    comp_fn = ks._sampled_fn(*flags, True, kmax)
+    eager_fn = ks._sampled_fn(*flags, False, kmax)
+    for step in range(3):
+        lp = logprobs_from_logits(mx.array(_random_logits(B, V, 80 + step)))
+        steps = mx.arange(B, dtype=mx.uint32) * 3 + step
+        args = (lp, params.temperature, params.top_p, params.top_k, params.min_p, params.seed, steps)
+        comp = comp_fn(*args)
+        assert mx.array_equal(comp, eager_fn(*args)).item()
+        assert mx.array_equal(comp, sample(lp, params, steps)).item()
 
 
 # ---------------------------------------------------------------------------
