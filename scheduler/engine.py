@@ -215,6 +215,7 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """Run one tick: drain the inbox, plan, execute, apply. Returns what each request did."""
         tick = self.tick
+        tick_start = time.perf_counter()
         outputs = self._drain_inbox(tick)
         view = self.scheduler.view(tick)
         plan = self.scheduler.plan(view)
@@ -225,8 +226,10 @@ class Engine:
             if applied.released:
                 self.executor.release(applied.released)
             self._account(plan, result)
-            self.events.emit("outcome", tick, sampled=result.sampled, errors=result.errors,
-                             measure={"prefill_s": result.prefill_time, "decode_s": result.decode_time})
+            self.events.emit("outcome", tick, sampled=result.sampled, errors=result.errors, measure={
+                "t": time.perf_counter(), "tick_start_t": tick_start, "tick_s": time.perf_counter() - tick_start,
+                "prefill_s": result.prefill_time, "decode_s": result.decode_time,
+            })
         if self.config.check_invariants:
             self.scheduler.check_invariants(plan)
             self._check_executor()

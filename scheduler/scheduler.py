@@ -65,6 +65,7 @@ class Scheduler:
         self.events.emit(
             "arrival", tick, request_id=request.request_id, prompt_tokens=request.prompt_tokens,
             sampling=request.sampling.to_record(), priority=request.priority, seed=request.seed,
+            measure={"t": request.arrival_time, "admitted_to_engine_t": time.perf_counter()},
         )
 
     def abort(self, request_id: str, tick: int, reason: str = "aborted by caller") -> StepOutput:
