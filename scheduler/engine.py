@@ -100,6 +100,7 @@ class Engine:
         config: EngineConfig | None = None,
         executor: Any = None,
         event_sinks: Sequence[Any] = (),
+        policy: Any = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -110,7 +111,7 @@ class Engine:
         self.events = EventLog(sinks)
         self.vocab_size = adapters.vocab_size(model)
         self.max_model_len = self.config.max_model_len or adapters.max_positions(model) or 1 << 30
-        self.scheduler = Scheduler(self.config, self.events, adapters.eos_token_ids(tokenizer))
+        self.scheduler = Scheduler(self.config, self.events, adapters.eos_token_ids(tokenizer), policy)
         self.executor = executor or MLXExecutor(model, penalty_context=self.config.penalty_context)
         self.tick = 0
         self._lock = threading.Lock()
@@ -121,7 +122,8 @@ class Engine:
         self._ids = itertools.count()
         self._stats = EngineStats()
         self.events.emit(
-            "engine_start", 0, config=_config_record(self.config), model=adapters.model_identity(model),
+            "engine_start", 0, config={**_config_record(self.config), "policy": self.scheduler.policy.name},
+            model=adapters.model_identity(model),
             vocab_size=self.vocab_size, max_model_len=self.max_model_len,
             stop_token_ids=sorted(self.scheduler.model_stop_ids),
         )

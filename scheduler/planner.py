@@ -14,7 +14,7 @@ from typing import Sequence
 
 from .config import EngineConfig
 from .plan import PrefillChunk, TickPlan
-from .policy import Policy
+from .policy import CachedPrefix, Policy, _no_cache
 from .request import Request
 
 
@@ -26,6 +26,7 @@ class SchedulerView:
     waiting: Sequence[Request]
     prefilling: Sequence[Request]
     decoding: Sequence[Request]
+    cached_prefix: CachedPrefix = _no_cache  # cache summary: prompt tokens already in the prefix cache
 
 
 def _chunk(request: Request, budget: int, config: EngineConfig) -> PrefillChunk:
@@ -48,7 +49,7 @@ def plan_tick(view: SchedulerView, config: EngineConfig, policy: Policy) -> Tick
         budget -= chunk.num_tokens
 
     admitted: list[str] = []
-    for request in policy.order_waiting(view.waiting, view.tick):
+    for request in policy.order_waiting(view.waiting, view.tick, view.cached_prefix):
         if budget <= 0 or seqs >= config.max_seqs:
             break
         chunk = _chunk(request, budget, config)

@@ -9,7 +9,10 @@ from dataclasses import dataclass, field
 from mlx_lm import stream_generate
 
 from scheduler import Engine, SamplingParams
-from scheduler.events import MemorySink
+from scheduler.events import EventLog, MemorySink
+from scheduler.plan import TickResult
+from scheduler.request import Request
+from scheduler.scheduler import Scheduler
 
 
 def mixed_prompts(n: int, lo: int, hi: int, seed: int = 0, vocab: int = 512) -> list[list[int]]:
@@ -61,3 +64,39 @@ def engine_with_log(model, tokenizer, config) -> tuple[Engine, MemorySink]:
 
 def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens)
+
+
+class FixedTokenExecutor:
+    """Planning-logic stand-in: every row samples token 100 (generation is tested on real models)."""
+
+    def execute(self, plan):
+        rows = [c.request_id for c in plan.prefill if c.completes] + list(plan.decode)
+        return TickResult(sampled={rid: 100 for rid in rows})
+
+
+def simulate_planning(config, requests, policy=None, max_ticks=10_000):
+    """Model-free run of the real Scheduler. requests: (arrival_tick, prompt_len, max_tokens[, priority]).
+
+    Returns (scheduler, plans, {request_id: (finish tick, reason)}); checks invariants every tick."""
+    sched = Scheduler(config, EventLog(), policy=policy)
+    executor = FixedTokenExecutor()
+    plans, finished_at, tick = [], {}, 0
+    pending = sorted(enumerate(requests), key=lambda x: x[1][0])
+    while pending or sched.has_live():
+        while pending and pending[0][1][0] <= tick:
+            i, spec = pending.pop(0)
+            priority = spec[3] if len(spec) > 3 else 0
+            sched.add(Request(f"r{i}", [5] * spec[1], SamplingParams(max_tokens=spec[2]), priority=priority,
+                              arrival_tick=tick), tick)
+        decoding_before = set(sched.decoding)
+        plan = sched.plan(sched.view(tick))
+        assert set(plan.decode) == decoding_before, "every decoding request decodes every tick"
+        applied = sched.apply(plan, executor.execute(plan))
+        sched.check_invariants(plan)
+        plans.append(plan)
+        for out in applied.outputs:
+            if out.finished:
+                finished_at[out.request_id] = (tick, out.finish_reason)
+        tick += 1
+        assert tick < max_ticks, "did not drain"
+    return sched, plans, finished_at

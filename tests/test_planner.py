@@ -7,41 +7,12 @@ from hypothesis import strategies as st
 
 from scheduler.config import EngineConfig
 from scheduler.events import EventLog
-from scheduler.plan import TickResult
 from scheduler.planner import plan_tick
 from scheduler.policy import FCFS
 from scheduler.request import FinishReason, Request, SamplingParams
 from scheduler.scheduler import Scheduler
 
-
-class FixedTokenExecutor:
-    def execute(self, plan):
-        rows = [c.request_id for c in plan.prefill if c.completes] + list(plan.decode)
-        return TickResult(sampled={rid: 100 for rid in rows})
-
-
-def simulate(config, requests, max_ticks=10_000):
-    """requests: list of (arrival_tick, prompt_len, max_tokens). Returns (scheduler, plans, finished_at)."""
-    sched = Scheduler(config, EventLog())
-    executor = FixedTokenExecutor()
-    plans, finished_at, tick = [], {}, 0
-    pending = sorted(enumerate(requests), key=lambda x: x[1][0])
-    while pending or sched.has_live():
-        while pending and pending[0][1][0] <= tick:
-            i, (_, n_prompt, n_out) = pending.pop(0)
-            sched.add(Request(f"r{i}", [5] * n_prompt, SamplingParams(max_tokens=n_out)), tick)
-        decoding_before = set(sched.decoding)
-        plan = sched.plan(sched.view(tick))
-        assert set(plan.decode) == decoding_before, "every decoding request decodes every tick"
-        applied = sched.apply(plan, executor.execute(plan))
-        sched.check_invariants(plan)
-        plans.append(plan)
-        for out in applied.outputs:
-            if out.finished:
-                finished_at[out.request_id] = (tick, out.finish_reason)
-        tick += 1
-        assert tick < max_ticks
-    return sched, plans, finished_at
+from .helpers import simulate_planning as simulate
 
 
 configs = st.builds(
