@@ -50,6 +50,52 @@ def filter_batch(batch: Cache, keep: list[int]) -> Cache:
     return batch
 
 
+def snapshot_cache(cache: Cache) -> tuple[list[tuple[type, tuple]], int, bool]:
+    """A prefix-cache payload from a single-request cache that is about to be dropped.
+
+    Returns (payload, nbytes, whole_only). Plain KV layers are cut to their real length (the buffer grows in
+    256-token steps); rotating layers keep their ring buffer as is and make the entry reusable only whole.
+    """
+    payload, nbytes, whole_only = [], 0, False
+    for layer in cache:
+        kind = type(layer)
+        if kind is mlx_cache.KVCache:
+            n = layer.offset
+            keys, values = mx.contiguous(layer.keys[..., :n, :]), mx.contiguous(layer.values[..., :n, :])
+            payload.append((kind, (keys, values, n)))
+        elif kind is mlx_cache.RotatingKVCache:
+            keys, values = layer.keys, layer.values
+            payload.append((kind, layer.state))
+            whole_only = True
+        else:
+            raise TypeError(f"{kind.__name__} layers cannot be stored in the prefix cache")
+        nbytes += keys.nbytes + values.nbytes
+    mx.eval([state[:2] for _, state in payload])
+    return payload, nbytes, whole_only
+
+
+def restore_cache(payload: list[tuple[type, tuple]], length: int) -> Cache:
+    """A fresh single-request cache holding the first `length` tokens of a payload.
+
+    Copy-on-restore: every array the new cache will write into is a distinct array object, so the request
+    that reuses an entry can never change it.
+    """
+    cache = []
+    for kind, state in payload:
+        if kind is mlx_cache.KVCache:
+            keys, values, n = state
+            if length > n:
+                raise ValueError(f"cannot restore {length} tokens from an entry of {n}")
+            layer = mlx_cache.KVCache()
+            layer.keys, layer.values, layer.offset = keys[..., :length, :], values[..., :length, :], length
+        else:
+            layer = kind.from_state(tuple(mx.array(x) if isinstance(x, mx.array) else x for x in state))
+            if layer.offset != length:
+                raise ValueError(f"a rotating entry of {layer.offset} tokens cannot be cut to {length}")
+        cache.append(layer)
+    return cache
+
+
 def cache_nbytes(cache: Cache) -> int:
     return sum(layer.nbytes for layer in cache)
 

@@ -14,6 +14,8 @@ class EngineConfig:
     prefill_chunk: the longest prefill chunk one request gets in one tick.
     max_model_len: longest prompt accepted; None means the model's `max_position_embeddings`.
     seed: engine seed; a request without its own seed samples with one derived from this and its id.
+    prefix_cache_bytes: byte budget of the prefix cache (LRU); 0 turns it off.
+    prefix_block_size: tokens per hashed block of the prefix index (the shortest reusable prefix).
     trace_path: write every event as JSON lines to this file.
     check_invariants: verify bookkeeping after every tick (tests turn it on).
     """
@@ -25,6 +27,8 @@ class EngineConfig:
     penalty_context: int = 20
     seed: int = 0
     policy: str = "fcfs"
+    prefix_cache_bytes: int = 0  # 0 disables the prefix cache
+    prefix_block_size: int = 16
     trace_path: str | None = None
     check_invariants: bool = False
 
@@ -40,5 +44,9 @@ class EngineConfig:
                 f"max_batched_tokens ({self.max_batched_tokens}) must exceed max_seqs ({self.max_seqs}) "
                 "so prefill always gets at least one token next to a full decode batch"
             )
+        if not isinstance(self.prefix_cache_bytes, int) or self.prefix_cache_bytes < 0:
+            raise ValueError(f"prefix_cache_bytes: must be an integer >= 0, got {self.prefix_cache_bytes!r}")
+        if not isinstance(self.prefix_block_size, int) or self.prefix_block_size < 1:
+            raise ValueError(f"prefix_block_size: must be an integer >= 1, got {self.prefix_block_size!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len: must be >= 1 or None, got {self.max_model_len!r}")

@@ -112,7 +112,8 @@ class Engine:
         self.vocab_size = adapters.vocab_size(model)
         self.max_model_len = self.config.max_model_len or adapters.max_positions(model) or 1 << 30
         self.scheduler = Scheduler(self.config, self.events, adapters.eos_token_ids(tokenizer), policy)
-        self.executor = executor or MLXExecutor(model, penalty_context=self.config.penalty_context)
+        self.executor = executor or MLXExecutor(model, penalty_context=self.config.penalty_context,
+                                                prefix_cache=self.scheduler.prefix_cache)
         self.tick = 0
         self._lock = threading.Lock()
         self._inbox: list[_Arrival] = []
@@ -228,7 +229,9 @@ class Engine:
             if applied.released:
                 self.executor.release(applied.released)
             self._account(plan, result)
-            self.events.emit("outcome", tick, sampled=result.sampled, errors=result.errors, measure={
+            stores = [[s.request_id, s.num_tokens, s.nbytes, s.whole_only] for s in result.prefix_stores]
+            self.events.emit("outcome", tick, sampled=result.sampled, errors=result.errors, prefix_stores=stores,
+                             measure={
                 "t": time.perf_counter(), "tick_start_t": tick_start, "tick_s": time.perf_counter() - tick_start,
                 "prefill_s": result.prefill_time, "decode_s": result.decode_time,
             })
@@ -289,6 +292,18 @@ class Engine:
         assert live_in_executor <= set(self.scheduler.requests), (
             f"executor holds caches of ended requests: {live_in_executor - set(self.scheduler.requests)}"
         )
+
+    def prefill_progress(self, request_id: str) -> tuple[int, int] | None:
+        """(prompt tokens computed, prompt tokens) of a live request, prefix-cache hits included; None once
+        it has ended or before it reached the engine's loop."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            return None
+        return request.num_computed_tokens, request.prompt_len
+
+    def prefix_cache_stats(self) -> dict[str, Any] | None:
+        cache = self.scheduler.prefix_cache
+        return cache.stats() if cache is not None else None
 
     def stats(self) -> EngineStats:
         self._stats.time_in_state = dict(self.scheduler.time_in_state)

@@ -19,7 +19,7 @@ import mlx.core as mx
 from kernels.sampling import RowSampling, SamplingArrays, sample_tokens
 
 from . import adapters
-from .plan import TickPlan, TickResult
+from .plan import PrefixStore, TickPlan, TickResult
 from .request import Request
 
 
@@ -30,8 +30,9 @@ class _Row:
 
 
 class MLXExecutor:
-    def __init__(self, model: Any, penalty_context: int = 20):
+    def __init__(self, model: Any, penalty_context: int = 20, prefix_cache: Any = None):
         self.model = model
+        self.prefix_cache = prefix_cache  # read here (payloads to restore); the scheduler decides what is in it
         self.penalty_context = penalty_context
         self._prefill_caches: dict[str, adapters.Cache] = {}
         self._batch_cache: adapters.Cache = []
@@ -63,6 +64,10 @@ class MLXExecutor:
     def execute(self, plan: TickPlan, requests: Mapping[str, Request]) -> TickResult:
         result = TickResult()
         t0 = time.perf_counter()
+        restored = {}
+        for rid, entry_id, length in plan.prefix_hits:  # before any store of this tick can evict them
+            self._prefill_caches[rid] = adapters.restore_cache(self.prefix_cache.payload(entry_id), length)
+            restored[rid] = length
         joining: list[str] = []
         for chunk in plan.prefill:
             request = requests[chunk.request_id]
@@ -74,6 +79,7 @@ class MLXExecutor:
                 continue
             if chunk.completes:
                 joining.append(chunk.request_id)
+                self._offer_prefix(request, restored.get(request.request_id, 0), result)
         t1 = time.perf_counter()
         if joining:
             self._join(joining, requests)
@@ -92,6 +98,17 @@ class MLXExecutor:
             tokens = mx.array(request.prompt_tokens[start:end])[None]
             self.model(tokens, cache=cache)
             mx.eval(adapters.cache_arrays(cache))
+
+    def _offer_prefix(self, request: Request, restored_now: int, result: TickResult) -> None:
+        """At prefill end the request's own cache holds prompt[:-1]: offer it to the prefix cache (the cache
+        object is dropped right after the merge, so the payload is never written again)."""
+        if self.prefix_cache is None:
+            return
+        n = request.prompt_len - 1
+        if n < self.prefix_cache.block_size or restored_now == n:
+            return  # too short to index, or restored whole from an entry this tick: nothing new
+        payload, nbytes, whole_only = adapters.snapshot_cache(self._prefill_caches[request.request_id])
+        result.prefix_stores.append(PrefixStore(request.request_id, n, nbytes, whole_only, payload))
 
     def _join(self, request_ids: list[str], requests: Mapping[str, Request]) -> None:
         caches = [self._prefill_caches.pop(rid) for rid in request_ids]

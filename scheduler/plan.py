@@ -7,6 +7,7 @@ many prompt tokens to feed for each; executors never see scheduler objects.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class TickPlan:
     admitted: tuple[str, ...] = ()  # queued -> chunk_prefilling this tick
     prefill: tuple[PrefillChunk, ...] = ()
     decode: tuple[str, ...] = ()  # already decoding: one token each
+    prefix_hits: tuple[tuple[str, int, int], ...] = ()  # (request id, prefix entry id, cached tokens) at admission
     num_batched_tokens: int = 0
     num_seqs: int = 0  # requests holding a slot after this tick's admissions
 
@@ -46,9 +48,22 @@ class TickPlan:
             "admitted": list(self.admitted),
             "prefill": [[c.request_id, c.start, c.end, c.completes] for c in self.prefill],
             "decode": list(self.decode),
+            "prefix_hits": [list(h) for h in self.prefix_hits],
             "num_batched_tokens": self.num_batched_tokens,
             "num_seqs": self.num_seqs,
         }
+
+
+@dataclass
+class PrefixStore:
+    """KV state the executor offers to the prefix cache: the first `num_tokens` tokens of the request's
+    prompt. `payload` is opaque to the scheduler (None in replay)."""
+
+    request_id: str
+    num_tokens: int
+    nbytes: int
+    whole_only: bool
+    payload: Any = None
 
 
 @dataclass
@@ -58,5 +73,6 @@ class TickResult:
     sampled: dict[str, int] = field(default_factory=dict)  # request id -> token sampled this tick
     logprobs: dict[str, float] = field(default_factory=dict)  # only for requests that asked
     errors: dict[str, str] = field(default_factory=dict)  # request id -> readable error; that request fails
+    prefix_stores: list[PrefixStore] = field(default_factory=list)
     prefill_time: float = 0.0
     decode_time: float = 0.0

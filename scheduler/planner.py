@@ -10,11 +10,11 @@ the same plans. Invariants it guarantees (tests assert them on every plan):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .config import EngineConfig
 from .plan import PrefillChunk, TickPlan
-from .policy import CachedPrefix, Policy, _no_cache
+from .policy import Policy
 from .request import Request
 
 
@@ -26,12 +26,16 @@ class SchedulerView:
     waiting: Sequence[Request]
     prefilling: Sequence[Request]
     decoding: Sequence[Request]
-    cached_prefix: CachedPrefix = _no_cache  # cache summary: prompt tokens already in the prefix cache
+    # cache summary: the prefix-cache entry (id, tokens) a waiting request would start from, or None
+    prefix_match: Callable[[Request], tuple[int, int] | None] = lambda _request: None
+
+    def cached_prefix(self, request: Request) -> int:
+        match = self.prefix_match(request)
+        return match[1] if match else 0
 
 
-def _chunk(request: Request, budget: int, config: EngineConfig) -> PrefillChunk:
-    start = request.num_computed_tokens
-    end = start + min(request.num_prompt_remaining, config.prefill_chunk, budget)
+def _chunk(request: Request, start: int, budget: int, config: EngineConfig) -> PrefillChunk:
+    end = start + min(request.prompt_len - start, config.prefill_chunk, budget)
     return PrefillChunk(request.request_id, start, end, end == request.prompt_len)
 
 
@@ -44,15 +48,19 @@ def plan_tick(view: SchedulerView, config: EngineConfig, policy: Policy) -> Tick
     for request in policy.order_prefilling(view.prefilling, view.tick):
         if budget <= 0:
             break
-        chunk = _chunk(request, budget, config)
+        chunk = _chunk(request, request.num_computed_tokens, budget, config)
         prefill.append(chunk)
         budget -= chunk.num_tokens
 
     admitted: list[str] = []
+    prefix_hits: list[tuple[str, int, int]] = []
     for request in policy.order_waiting(view.waiting, view.tick, view.cached_prefix):
         if budget <= 0 or seqs >= config.max_seqs:
             break
-        chunk = _chunk(request, budget, config)
+        match = view.prefix_match(request)
+        if match is not None:
+            prefix_hits.append((request.request_id, *match))
+        chunk = _chunk(request, match[1] if match else request.num_computed_tokens, budget, config)
         admitted.append(request.request_id)
         prefill.append(chunk)
         budget -= chunk.num_tokens
@@ -63,6 +71,7 @@ def plan_tick(view: SchedulerView, config: EngineConfig, policy: Policy) -> Tick
         admitted=tuple(admitted),
         prefill=tuple(prefill),
         decode=decode,
+        prefix_hits=tuple(prefix_hits),
         num_batched_tokens=config.max_batched_tokens - budget,
         num_seqs=seqs,
     )

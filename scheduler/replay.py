@@ -17,7 +17,7 @@ from typing import Any, Iterable, Mapping
 
 from .config import EngineConfig
 from .events import SCHEMA_VERSION, EventLog, decision_fields
-from .plan import TickPlan, TickResult
+from .plan import PrefixStore, TickPlan, TickResult
 from .policy import Policy
 from .request import Request, SamplingParams
 from .scheduler import Scheduler
@@ -119,7 +119,9 @@ class ReplayExecutor:
         outcome = self.trace.outcomes.get(plan.tick)
         if outcome is None:
             raise TraceError(f"tick {plan.tick}: the trace has a plan with work but no outcome")
-        return TickResult(sampled=dict(outcome.get("sampled", {})), errors=dict(outcome.get("errors", {})))
+        stores = [PrefixStore(rid, n, nbytes, whole_only) for rid, n, nbytes, whole_only in outcome.get("prefix_stores", [])]
+        return TickResult(sampled=dict(outcome.get("sampled", {})), errors=dict(outcome.get("errors", {})),
+                          prefix_stores=stores)
 
     def release(self, request_ids: Iterable[str]) -> None:
         pass

@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from caches.prefix import PrefixCache
+
 from .config import EngineConfig
 from .events import EventLog
 from .lifecycle import Lifecycle, RequestState, Trigger
@@ -55,6 +57,15 @@ class Scheduler:
         self.decoding: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}  # every live request
         self.time_in_state: dict[str, float] = {}  # measurement: seconds summed over requests
+        self._tick = 0  # the tick being planned/applied (for cache events)
+        self.prefix_cache = (
+            PrefixCache(config.prefix_cache_bytes, config.prefix_block_size, on_event=self._cache_event)
+            if config.prefix_cache_bytes else None
+        )
+        self._prefix_memo: dict[str, tuple[int, tuple[int, int] | None]] = {}
+
+    def _cache_event(self, kind: str, **fields) -> None:
+        self.events.emit(kind, self._tick, **fields)
 
     # ---- requests in and out ----------------------------------------------------------------------
     def add(self, request: Request, tick: int) -> None:
@@ -86,12 +97,26 @@ class Scheduler:
 
     # ---- deciding ---------------------------------------------------------------------------------
     def view(self, tick: int) -> SchedulerView:
+        self._tick = tick
         return SchedulerView(
             tick=tick,
             waiting=tuple(self.waiting.values()),
             prefilling=tuple(self.prefilling.values()),
             decoding=tuple(self.decoding.values()),
+            prefix_match=self._prefix_match if self.prefix_cache is not None else (lambda _r: None),
         )
+
+    def _prefix_match(self, request: Request) -> tuple[int, int] | None:
+        """(entry id, cached tokens) for a waiting request; memoised until the prefix cache changes."""
+        cache = self.prefix_cache
+        memo = self._prefix_memo.get(request.request_id)
+        if memo is not None and memo[0] == cache.version:
+            return memo[1]
+        # At least the last prompt token must be computed: it is the row's first decode input.
+        match = cache.lookup(request.prompt_tokens, max_len=request.prompt_len - 1)
+        found = (match.entry_id, match.length) if match else None
+        self._prefix_memo[request.request_id] = (cache.version, found)
+        return found
 
     def plan(self, view: SchedulerView) -> TickPlan:
         plan = plan_tick(view, self.config, self.policy)
@@ -100,13 +125,24 @@ class Scheduler:
 
     # ---- applying ---------------------------------------------------------------------------------
     def apply(self, plan: TickPlan, result: TickResult) -> AppliedTick:
-        tick = plan.tick
+        tick = self._tick = plan.tick
         outputs: list[StepOutput] = []
         released: list[str] = []
+        hits = {rid: (entry_id, length) for rid, entry_id, length in plan.prefix_hits}
         for rid in plan.admitted:
             request = self.waiting.pop(rid)
+            self._prefix_memo.pop(rid, None)
             self.prefilling[rid] = request
             self._move(request, Trigger.START_PREFILL, tick)
+            if self.prefix_cache is not None:
+                if rid in hits:
+                    self.prefix_cache.record_hit(*hits[rid], request_id=rid)
+                else:
+                    self.prefix_cache.record_miss(rid)
+        for store in result.prefix_stores:
+            request = self.requests[store.request_id]
+            self.prefix_cache.store(request.prompt_tokens[: store.num_tokens], store.nbytes, store.payload,
+                                    whole_only=store.whole_only, request_id=store.request_id)
         for rid, error in result.errors.items():
             if rid in self.requests:
                 outputs.append(self.fail(rid, tick, error))
@@ -164,7 +200,7 @@ class Scheduler:
     def _end(self, request: Request, trigger: Trigger, tick: int, reason: str) -> None:
         self._move(request, trigger, tick, reason)
         rid = request.request_id
-        for container in (self.waiting, self.prefilling, self.decoding, self.requests):
+        for container in (self.waiting, self.prefilling, self.decoding, self.requests, self._prefix_memo):
             container.pop(rid, None)
         self.lifecycle.detach(request)
 

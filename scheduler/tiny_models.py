@@ -329,18 +329,67 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def _spread_embeddings(embedding, hidden: int) -> None:
-    """Scale a random token embedding to unit variance per element.
+# What random weights need so that greedy decoding behaves like a language model
+# would in tests: varied output that depends on the whole context, of a known length.
+EMBEDDING_STD = 1.0
+ATTENTION_GAIN = 4.0
 
-    mlx initialises embeddings with std 1/sqrt(hidden), the same order as what each
-    attention / MLP block adds to the residual stream. Then the context dominates,
-    the last hidden state barely depends on the current token, and greedy decoding
-    on random weights repeats one token. With unit-variance embeddings the next
-    token is mostly a (random) function of the current one, so greedy output
-    wanders like a random walk over the vocabulary. gemma3 already multiplies its
-    embeddings by sqrt(hidden) in the forward pass and needs no help.
+
+def _spread_embeddings(lm, model_type: str) -> None:
+    """Give token embeddings unit variance per element.
+
+    mlx initialises embeddings with std 1/sqrt(hidden), below what each attention
+    / MLP block adds to the residual stream. The blocks' near-constant output then
+    dominates and greedy decoding repeats one token. gemma3 multiplies its
+    embeddings by sqrt(hidden) in the forward pass and already has unit variance.
     """
-    embedding.weight = embedding.weight * hidden**0.5
+    if model_type == "gemma3_text":
+        return
+    embedding = lm.model.embed_tokens
+    embedding.weight = embedding.weight * (EMBEDDING_STD * embedding.weight.shape[1] ** 0.5)
+
+
+def _sharpen_attention(lm, model_type: str) -> None:
+    """Multiply the attention logits by ATTENTION_GAIN.
+
+    With random projections the logits have std <= 1, attention is nearly uniform
+    and the output hardly depends on which earlier tokens are where: a broken KV
+    cache would go unnoticed. Sharper attention makes every position matter.
+    qwen3 / gemma3 normalise q per head (gemma's norm scales by 1 + weight);
+    qwen2 has no q norm, so its q projection is scaled, with a further factor 3
+    because its logits start at std ~1/3 rather than ~1.
+    """
+    for layer in lm.model.layers:
+        attn = layer.self_attn
+        if model_type == "qwen3":
+            attn.q_norm.weight = attn.q_norm.weight * ATTENTION_GAIN
+        elif model_type == "gemma3_text":
+            attn.q_norm.weight = (1.0 + attn.q_norm.weight) * ATTENTION_GAIN - 1.0
+        else:
+            attn.q_proj.weight = attn.q_proj.weight * (3 * ATTENTION_GAIN)
+            attn.q_proj.bias = attn.q_proj.bias * (3 * ATTENTION_GAIN)
+
+
+def _mute_special_tokens(lm, tokenizer) -> None:
+    """Zero the lm_head rows of the special tokens.
+
+    Their logit is then always 0 while the best of ~500 random logits is well
+    above it, so greedy decoding never emits eos (or an image pad): generations
+    run to max_tokens, whatever the seed. Tests of stop conditions should pick a
+    token the model does generate as the stop token.
+    """
+    ids = mx.array(sorted(tokenizer.all_special_ids + [
+        tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS]))
+    weight = lm.lm_head.weight
+    keep = mx.ones((weight.shape[0], 1), dtype=weight.dtype)
+    keep[ids] = 0
+    lm.lm_head.weight = weight * keep
+
+
+def _shape_random_weights(lm, model_type: str, tokenizer) -> None:
+    _spread_embeddings(lm, model_type)
+    _sharpen_attention(lm, model_type)
+    _mute_special_tokens(lm, tokenizer)
 
 
 def _write_text_model(kind: str, out: Path, tokenizer, seed: int) -> None:
@@ -352,8 +401,7 @@ def _write_text_model(kind: str, out: Path, tokenizer, seed: int) -> None:
     arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(seed)
     model = arch.Model(arch.ModelArgs.from_dict(config))
-    if config["model_type"] != "gemma3_text":
-        _spread_embeddings(model.model.embed_tokens, config["hidden_size"])
+    _shape_random_weights(model, config["model_type"], tokenizer)
     mx.eval(model.parameters())
     save_model(out, model)
     save_config(config, out / "config.json")
@@ -370,7 +418,7 @@ def _write_vlm_model(out: Path, tokenizer, seed: int) -> None:
     model_config.vision_config = qwen2_vl.VisionConfig.from_dict(config["vision_config"])
     mx.random.seed(seed)
     model = qwen2_vl.Model(model_config)
-    _spread_embeddings(model.language_model.model.embed_tokens, config["hidden_size"])
+    _shape_random_weights(model.language_model, config["model_type"], tokenizer)
     mx.eval(model.parameters())
     # Keys are already in mlx-vlm's layout (language_model.*, vision_tower.*, the
     # patch conv as [out, t, h, w, in]); its sanitize leaves them unchanged.

@@ -1,0 +1,675 @@
+"""Model-free what-if simulation: the real `Scheduler` driven in virtual time by a fitted per-tick cost model.
+
+    trace ──fit_cost_model──▶ CostModel ─┐
+    trace ──arrivals_from_trace──────────┼─▶ simulate(arrivals, config, cost, policy) ─▶ SimResult.summary()
+    synthetic_workload(...) ─────────────┘
+    trace ──recorded_metrics──────────────────────────────────────────────────────────▶ same keys
+
+`simulate` runs the same planner and `apply` the engine runs (so admission, chunking and finish detection
+are the real ones); only the executor is replaced: `SimExecutor` advances a virtual clock by the cost model
+and returns an ordinary token until a request has produced its `output_len`, then a stop token. No model and
+no MLX are touched.
+
+Time conventions (shared by the recorded and the simulated metrics so the two compare):
+  arrival      the request's add time (recorded: arrival `measure.t`)
+  admitted     start of the tick whose plan admitted it (recorded: that tick's `outcome.measure.tick_start_t`)
+  first/last   end of the tick that sampled its first/last token (recorded: that tick's `outcome.measure.t`)
+  makespan     last token time - first arrival time; throughput = output tokens / makespan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from .config import EngineConfig
+from .events import EventLog
+from .plan import TickPlan, TickResult
+from .policy import Policy
+from .replay import Trace, TraceError, load_trace, parse_events
+from .request import Request, SamplingParams
+from .scheduler import Scheduler
+from .workload import FIRST_ORDINARY_ID, SimArrival, arrivals_from_trace
+
+# ---- cost model ------------------------------------------------------------------------------------------
+
+#: Per-tick features (see `tick_features`). The executor feeds a completing chunk's last prompt token in the
+#: batched decode forward, so "prefill tokens" excludes it and "decode rows" includes it; a completing chunk
+#: also merges that request's cache into the batch cache (`per_prefill_done`).
+FEATURES = ("base", "per_prefill_token", "per_decode_row", "per_prefill_chunk", "per_decode_forward",
+            "per_prefill_done")
+
+
+@dataclass
+class CostModel:
+    """Seconds per tick = base + per_prefill_token * prefill tokens + per_decode_row * decode rows
+    + per_prefill_chunk * chunks + per_decode_forward * [any decode row] + per_prefill_done * completed
+    prefills (+ `overhead` between ticks).
+
+    `overhead` is the engine/client time between two busy ticks (outside `tick_s`); it is added to every
+    simulated tick. `r2`, `mean_rel_error`, `n_ticks` and `dropped` describe the fit (None when not fitted).
+    """
+
+    base: float = 0.0
+    per_prefill_token: float = 0.0
+    per_decode_row: float = 0.0
+    per_prefill_chunk: float = 0.0
+    per_decode_forward: float = 0.0
+    per_prefill_done: float = 0.0
+    overhead: float = 0.0
+    r2: float | None = None
+    mean_rel_error: float | None = None
+    n_ticks: int = 0
+    dropped: int = 0  # outlier ticks left out of the final fit (e.g. the first tick's warm-up)
+
+    @property
+    def coefficients(self) -> tuple[float, ...]:
+        return tuple(getattr(self, name) for name in FEATURES)
+
+    def tick_seconds(self, prefill_tokens: int, decode_rows: int, num_chunks: int, completed: int = 0) -> float:
+        """Predicted wall time of one tick (including `overhead`)."""
+        return (self.base + self.per_prefill_token * prefill_tokens + self.per_decode_row * decode_rows
+                + self.per_prefill_chunk * num_chunks + (self.per_decode_forward if decode_rows else 0.0)
+                + self.per_prefill_done * completed + self.overhead)
+
+    def plan_seconds(self, plan: TickPlan) -> float:
+        completing = sum(1 for c in plan.prefill if c.completes)
+        decode_rows = len(plan.decode) + completing
+        return self.tick_seconds(plan.num_batched_tokens - decode_rows, decode_rows, len(plan.prefill), completing)
+
+    def describe(self) -> str:
+        parts = [f"{self.base * 1e3:.3g} ms/tick", f"{self.per_prefill_token * 1e6:.3g} us/prefill token",
+                 f"{self.per_decode_row * 1e6:.3g} us/decode row", f"{self.per_prefill_chunk * 1e6:.3g} us/chunk",
+                 f"{self.per_decode_forward * 1e3:.3g} ms/decode forward",
+                 f"{self.per_prefill_done * 1e6:.3g} us/completed prefill",
+                 f"{self.overhead * 1e6:.3g} us between ticks"]
+        text = "cost model: " + " + ".join(parts)
+        if self.r2 is not None:
+            text += (f"; fit over {self.n_ticks} ticks ({self.dropped} outliers left out): R^2 = {self.r2:.3f}, "
+                     f"mean relative error = {self.mean_rel_error:.1%}")
+        return text
+
+
+def tick_features(prefill: Sequence[Sequence[Any]], decode: Sequence[str], num_batched_tokens: int) -> list[float]:
+    """Feature row for one recorded plan (`prefill` as `[[id, start, end, completes], ...]`), in FEATURES order."""
+    completing = sum(1 for c in prefill if c[3])
+    decode_rows = len(decode) + completing
+    return [1.0, float(num_batched_tokens - decode_rows), float(decode_rows), float(len(prefill)),
+            1.0 if decode_rows else 0.0, float(completing)]
+
+
+def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Non-negative least squares for a handful of columns: the best unconstrained fit over every support.
+
+    The NNLS optimum is the unconstrained least-squares solution on its own support, so trying every subset
+    of columns (2**k, k <= ~8) and keeping the best one whose coefficients are all >= 0 is exact.
+    """
+    k = a.shape[1]
+    if k > 10:
+        raise ValueError("nnls here is exhaustive over supports; use at most 10 columns")
+    best, best_err = np.zeros(k), float(np.sum(b * b))
+    for size in range(1, k + 1):
+        for support in itertools.combinations(range(k), size):
+            cols = list(support)
+            coef, *_ = np.linalg.lstsq(a[:, cols], b, rcond=None)
+            if np.any(coef < 0):
+                continue
+            err = float(np.sum((a[:, cols] @ coef - b) ** 2))
+            if err < best_err - 1e-18:
+                best = np.zeros(k)
+                best[cols] = coef
+                best_err = err
+    return best
+
+
+def fit_cost_model(trace: "Trace | str | os.PathLike | Iterable[dict]",
+                   outlier_mads: float | None = None) -> CostModel:
+    """Least-squares (non-negative) fit of the per-tick cost over a trace's busy ticks.
+
+    x comes from each tick's `plan` (`tick_features`), y is that tick's `outcome.measure.tick_s`. By default
+    every tick counts, so the predicted total time of the recorded plans equals the recorded one (the fit
+    has an intercept) even when the machine was noisy; `outlier_mads=k` refits once without the ticks whose
+    residual exceeds k median absolute deviations (warm-up, pauses): a model of the *typical* tick.
+    `overhead` is the median gap between one busy tick's end and the next busy tick's start.
+    R^2 and the mean relative error are over all busy ticks, outliers included.
+    """
+    rec = load_recorded(trace)
+    rows, ys = [], []
+    for tick in sorted(rec.trace.outcomes):
+        plan = rec.trace.plans.get(tick)
+        m = rec.trace.outcomes[tick].get("measure", {})
+        if plan is None or "tick_s" not in m:
+            continue
+        rows.append(tick_features(plan["prefill"], plan["decode"], plan["num_batched_tokens"]))
+        ys.append(float(m["tick_s"]))
+    if len(rows) < 2:
+        raise TraceError("fit_cost_model: the trace has fewer than 2 timed ticks (outcome.measure.tick_s)")
+    x, y = np.asarray(rows), np.asarray(ys)
+    coef = nnls(x, y)
+    keep = np.ones(len(y), bool)
+    if outlier_mads is not None:
+        resid = y - x @ coef
+        mad = float(np.median(np.abs(resid - np.median(resid))))
+        if mad > 0:
+            keep = np.abs(resid) <= outlier_mads * 1.4826 * mad
+            if keep.sum() >= len(FEATURES) and not keep.all():
+                coef = nnls(x[keep], y[keep])
+            else:
+                keep[:] = True
+    pred = x @ coef
+    ss_res = float(np.sum((y - pred) ** 2))
+    ss_tot = float(np.sum((y - y.mean()) ** 2))
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else (1.0 if ss_res == 0 else 0.0)
+    mre = float(np.mean(np.abs(pred - y) / np.maximum(y, 1e-12)))
+    gaps = []
+    ticks = sorted(rec.trace.outcomes)
+    for a, b in zip(ticks, ticks[1:]):
+        if b == a + 1:
+            ma, mb = rec.trace.outcomes[a]["measure"], rec.trace.outcomes[b]["measure"]
+            if "tick_start_t" in mb and "t" in ma:
+                gaps.append(max(0.0, mb["tick_start_t"] - ma["t"]))
+    overhead = float(np.median(gaps)) if gaps else 0.0
+    return CostModel(*[float(c) for c in coef], overhead=overhead, r2=r2, mean_rel_error=mre,
+                     n_ticks=len(y), dropped=int((~keep).sum()))
+
+
+# ---- the recorded run ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Recorded:
+    """What the simulator and `recorded_metrics` need from a trace, indexed once."""
+
+    trace: Trace
+    events: list[dict[str, Any]] | None  # raw events (None when built from a Trace object)
+    t0: float  # engine_start measure.t
+    arrival_events: list[dict[str, Any]] = field(default_factory=list)
+    arrival_time: dict[str, float] = field(default_factory=dict)
+    arrival_tick: dict[str, int] = field(default_factory=dict)
+    admitted_tick: dict[str, int] = field(default_factory=dict)
+    first_tick: dict[str, int] = field(default_factory=dict)
+    last_tick: dict[str, int] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)
+    abort_time: dict[str, float] = field(default_factory=dict)
+    abort_tick: dict[str, int] = field(default_factory=dict)
+    errored: dict[str, int] = field(default_factory=dict)  # id -> tick of the error
+    finished: dict[str, int] = field(default_factory=dict)  # id -> tick of the finish transition
+    preemptions: int = 0
+
+
+def load_recorded(source: "Recorded | Trace | str | os.PathLike | Iterable[dict]") -> Recorded:
+    if isinstance(source, Recorded):
+        return source
+    events: list[dict[str, Any]] | None
+    if isinstance(source, Trace):
+        trace, events = source, None
+    elif isinstance(source, (str, os.PathLike)):
+        try:
+            with open(source, encoding="utf-8") as f:
+                events = parse_events(f, os.fspath(source))
+        except OSError as exc:
+            raise TraceError(f"cannot read trace {os.fspath(source)}: {exc}") from None
+        trace = load_trace(events)
+    else:
+        events = list(source)
+        trace = load_trace(events)
+    rec = Recorded(trace=trace, events=events, t0=float(trace.header.get("measure", {}).get("t", 0.0)))
+    for tick in sorted(trace.arrivals):
+        for event in trace.arrivals[tick]:
+            rid = event["request_id"]
+            rec.arrival_events.append(event)
+            rec.arrival_tick[rid] = tick
+            rec.arrival_time[rid] = float(event.get("measure", {}).get("t", rec.t0))
+    for tick in sorted(trace.plans):
+        for rid in trace.plans[tick].get("admitted", []):
+            rec.admitted_tick.setdefault(rid, tick)
+    for tick in sorted(trace.outcomes):
+        outcome = trace.outcomes[tick]
+        for rid in outcome.get("sampled", {}):
+            rec.tokens[rid] = rec.tokens.get(rid, 0) + 1
+            rec.first_tick.setdefault(rid, tick)
+            rec.last_tick[rid] = tick
+        for rid in outcome.get("errors", {}):
+            rec.errored.setdefault(rid, tick)
+    for tick, ids in trace.aborts.items():
+        for rid in ids:
+            rec.abort_tick[rid] = tick
+    if events is not None:
+        for e in events:
+            if e["event"] != "transition":
+                continue
+            trigger = e.get("trigger")
+            ids = e.get("request_ids") or [e.get("request_id")]
+            for rid in ids:
+                if trigger == "abort":
+                    rec.abort_time[rid] = float(e.get("measure", {}).get("t", rec.t0))
+                elif trigger == "finish":
+                    rec.finished[rid] = e["tick"]
+                elif trigger == "preempt":
+                    rec.preemptions += 1
+    else:  # a bare Trace: no transition times; use what the outcomes tell
+        for rid, tick in rec.abort_tick.items():
+            rec.abort_time[rid] = _tick_start(trace, tick)
+        for rid, tick in rec.last_tick.items():
+            if rid not in rec.abort_tick and rid not in rec.errored:
+                rec.finished[rid] = tick
+    return rec
+
+
+def _tick_start(trace: Trace, tick: int) -> float:
+    """Start time of `tick`: its outcome's tick_start_t, else the end of the last timed tick before it."""
+    outcome = trace.outcomes.get(tick)
+    if outcome is not None and "tick_start_t" in outcome.get("measure", {}):
+        return float(outcome["measure"]["tick_start_t"])
+    earlier = [t for t in trace.outcomes if t < tick]
+    if earlier:
+        return float(trace.outcomes[max(earlier)]["measure"]["t"])
+    return float(trace.header.get("measure", {}).get("t", 0.0))
+
+
+def _tick_end(trace: Trace, tick: int) -> float:
+    return float(trace.outcomes[tick]["measure"]["t"])
+
+
+# ---- metrics ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    arrival: float
+    admitted: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    end: float | None = None
+    num_output_tokens: int = 0
+    outcome: str | None = None  # "finished", "aborted", "error"; None if still live
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def _mean(values: list[float]) -> float | None:
+    return float(np.mean(values)) if values else None
+
+
+def summarize(records: Iterable[RequestRecord], ticks: int, request_ticks: int, preemptions: int = 0,
+              cache_hit_rate: float | None = None) -> dict[str, Any]:
+    records = list(records)
+    ttft = [r.first_token - r.arrival for r in records if r.first_token is not None]
+    done = [r for r in records if r.outcome == "finished"]
+    e2e = [r.end - r.arrival for r in done if r.end is not None]
+    tpot = [(r.last_token - r.first_token) / (r.num_output_tokens - 1)
+            for r in done if r.num_output_tokens >= 2 and r.first_token is not None and r.last_token is not None]
+    queue = [r.admitted - r.arrival for r in records if r.admitted is not None]
+    tokens = sum(r.num_output_tokens for r in records)
+    lasts = [r.last_token for r in records if r.last_token is not None]
+    start = min((r.arrival for r in records), default=0.0)
+    makespan = (max(lasts) - start) if lasts else 0.0
+    return {
+        "requests": len(records),
+        "finished": len(done),
+        "aborted": sum(1 for r in records if r.outcome == "aborted"),
+        "failed": sum(1 for r in records if r.outcome == "error"),
+        "output_tokens": tokens,
+        "makespan_s": makespan,
+        "throughput_tok_s": tokens / makespan if makespan > 0 else None,
+        "ttft_mean_s": _mean(ttft),
+        "ttft_p50_s": _pct(ttft, 50),
+        "ttft_p95_s": _pct(ttft, 95),
+        "ttft_p99_s": _pct(ttft, 99),
+        "tpot_mean_s": _mean(tpot),
+        "e2e_p50_s": _pct(e2e, 50),
+        "e2e_p95_s": _pct(e2e, 95),
+        "queue_mean_s": _mean(queue),
+        "preemptions": preemptions,
+        "ticks": ticks,
+        "request_ticks": request_ticks,
+        "cache_hit_rate": cache_hit_rate,
+    }
+
+
+def recorded_records(trace: "Recorded | Trace | str | os.PathLike | Iterable[dict]") -> list[RequestRecord]:
+    rec = load_recorded(trace)
+    tr = rec.trace
+    out = []
+    for event in rec.arrival_events:
+        rid = event["request_id"]
+        r = RequestRecord(rid, rec.arrival_time[rid], num_output_tokens=rec.tokens.get(rid, 0))
+        if rid in rec.admitted_tick:
+            r.admitted = _tick_start(tr, rec.admitted_tick[rid])
+        if rid in rec.first_tick:
+            r.first_token = _tick_end(tr, rec.first_tick[rid])
+            r.last_token = _tick_end(tr, rec.last_tick[rid])
+        if rid in rec.abort_tick:
+            r.outcome, r.end = "aborted", rec.abort_time.get(rid, _tick_start(tr, rec.abort_tick[rid]))
+        elif rid in rec.errored:
+            r.outcome, r.end = "error", _tick_end(tr, rec.errored[rid])
+        elif rid in rec.finished:
+            r.outcome, r.end = "finished", _tick_end(tr, rec.finished[rid])
+        out.append(r)
+    return out
+
+
+def recorded_metrics(trace: "Recorded | Trace | str | os.PathLike | Iterable[dict]") -> dict[str, Any]:
+    """`SimResult.summary()`'s keys, from the real run's wall times (see the module docstring)."""
+    rec = load_recorded(trace)
+    records = recorded_records(rec)
+    busy = sorted(rec.trace.outcomes)
+    # live during tick k: arrived at a tick <= k, not aborted at a tick <= k (aborts are drained before the
+    # plan), not finished/failed at a tick < k (those end in the tick's apply, after the plan).
+    horizon = (max(busy) if busy else 0) + 2
+    delta = np.zeros(horizon + 1, dtype=np.int64)
+    for rid, tick in rec.arrival_tick.items():
+        if tick > horizon:
+            continue
+        if rid in rec.abort_tick:
+            end = rec.abort_tick[rid]
+        elif rid in rec.errored:
+            end = rec.errored[rid] + 1
+        elif rid in rec.finished:
+            end = rec.finished[rid] + 1
+        else:
+            end = horizon
+        delta[tick] += 1
+        delta[min(max(end, tick), horizon)] -= 1
+    live = np.cumsum(delta)
+    request_ticks = int(sum(live[t] for t in busy))
+    return summarize(records, ticks=len(busy), request_ticks=request_ticks, preemptions=rec.preemptions)
+
+
+# ---- simulation ------------------------------------------------------------------------------------------
+
+
+class SimExecutor:
+    """Executor stand-in: advances `clock` by the cost model, returns synthetic tokens.
+
+    A request produces `ordinary_token` until its `output_len`-th token, which is the stop token (unless
+    output_len == max_tokens: then `max_tokens` ends it). A request with `error_after = k` gets an error instead
+    of its (k+1)-th token. Same interface as `ReplayExecutor`: `execute(plan, requests)`, `release(ids)`.
+    """
+
+    def __init__(self, cost_model: CostModel, arrivals: Iterable[SimArrival],
+                 stop_token_ids: Sequence[int] = (0,), ordinary_token: int | None = None):
+        self.cost_model = cost_model
+        self.clock = 0.0
+        stops = set(stop_token_ids)
+        if not stops:
+            raise ValueError("SimExecutor needs at least one stop token id")
+        self.stop_token = min(stops)
+        token = FIRST_ORDINARY_ID if ordinary_token is None else ordinary_token
+        while token in stops:
+            token += 1
+        self.ordinary_token = token
+        # id -> index of the token that is the stop (or -1), index that errors (or -1)
+        self._stop_at: dict[str, int] = {}
+        self._error_at: dict[str, int] = {}
+        for a in arrivals:
+            self._stop_at[a.request_id] = a.output_len - 1 if a.output_len < a.max_tokens else -1
+            self._error_at[a.request_id] = -1 if a.error_after is None else a.error_after
+        self._produced: dict[str, int] = {}
+
+    def execute(self, plan: TickPlan, requests: Mapping[str, Request] | None = None) -> TickResult:
+        seconds = self.cost_model.plan_seconds(plan)
+        self.clock += seconds
+        sampled: dict[str, int] = {}
+        errors: dict[str, str] = {}
+        produced, stop_at, error_at = self._produced, self._stop_at, self._error_at
+        ordinary, stop = self.ordinary_token, self.stop_token
+        rows = [c.request_id for c in plan.prefill if c.completes]
+        rows.extend(plan.decode)
+        for rid in rows:
+            n = produced.get(rid, 0)
+            if n == error_at[rid]:
+                errors[rid] = f"simulated error after {n} tokens"
+                continue
+            sampled[rid] = stop if n == stop_at[rid] else ordinary
+            produced[rid] = n + 1
+        # Errors come only with sampling here; the real executor can also fail a request mid-prefill.
+        return TickResult(sampled=sampled, errors=errors, prefill_time=seconds, decode_time=0.0)
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            self._produced.pop(rid, None)
+
+
+@dataclass
+class SimResult:
+    requests: list[RequestRecord]
+    ticks: int
+    request_ticks: int  # sum over ticks of live requests (queued included)
+    row_ticks: int  # sum over ticks of requests given work (prefill chunks + decode rows)
+    clock: float  # virtual time at the end
+    wall_s: float  # how long the simulation itself took
+    preemptions: int = 0
+    cache_hit_rate: float | None = None
+    config: EngineConfig | None = None
+    policy: str | None = None
+
+    def summary(self) -> dict[str, Any]:
+        return summarize(self.requests, self.ticks, self.request_ticks, self.preemptions, self.cache_hit_rate)
+
+    @property
+    def request_ticks_per_s(self) -> float:
+        return self.request_ticks / self.wall_s if self.wall_s > 0 else float("inf")
+
+    @property
+    def all_ended(self) -> bool:
+        return all(r.outcome is not None for r in self.requests)
+
+
+def simulate(
+    arrivals: Sequence[SimArrival],
+    config: EngineConfig,
+    cost_model: CostModel,
+    policy: str | Policy | None = None,
+    stop_token_id: int = 0,
+    *,
+    max_ticks: int | None = None,
+) -> SimResult:
+    """Drive the real Scheduler over `arrivals` in virtual time; see the module docstring.
+
+    Each tick: add the arrivals whose time has come (when nothing is live, the clock first jumps to the next
+    arrival), abort those whose `abort_time` has passed, plan, execute on `SimExecutor`, apply.
+    `config.check_invariants` checks the scheduler's bookkeeping after every tick (slower).
+    """
+    ids = [a.request_id for a in arrivals]
+    if len(set(ids)) != len(ids):
+        raise ValueError("simulate: request ids must be unique")
+    wall0 = time.perf_counter()
+    scheduler = Scheduler(config, EventLog(), stop_token_ids=[stop_token_id], policy=policy)
+    executor = SimExecutor(cost_model, arrivals, stop_token_ids=[stop_token_id])
+    pending = sorted(arrivals, key=lambda a: a.arrival_time)  # stable: ties keep the given order
+    aborts = sorted(((max(a.abort_time, a.arrival_time), a.request_id) for a in arrivals
+                     if a.abort_time is not None))
+    records: dict[str, RequestRecord] = {a.request_id: RequestRecord(a.request_id, a.arrival_time) for a in arrivals}
+    sampling_cache: dict[int, SamplingParams] = {}
+    live = scheduler.requests
+    next_arrival = next_abort = 0
+    tick = ticks = request_ticks = row_ticks = 0
+    limit = max_ticks if max_ticks is not None else math.inf
+
+    while next_arrival < len(pending) or live:
+        if not live and pending[next_arrival].arrival_time > executor.clock:
+            executor.clock = pending[next_arrival].arrival_time
+        now = executor.clock
+        while next_arrival < len(pending) and pending[next_arrival].arrival_time <= now:
+            a = pending[next_arrival]
+            next_arrival += 1
+            sampling = sampling_cache.get(a.max_tokens)
+            if sampling is None:
+                sampling = sampling_cache[a.max_tokens] = SamplingParams(max_tokens=a.max_tokens)
+            scheduler.add(Request(request_id=a.request_id, prompt_tokens=a.prompt_tokens, sampling=sampling,
+                                  priority=a.priority, arrival_tick=tick, arrival_time=a.arrival_time), tick)
+        while next_abort < len(aborts) and aborts[next_abort][0] <= now:
+            rid = aborts[next_abort][1]
+            next_abort += 1
+            if rid in live:
+                scheduler.abort(rid, tick)
+                executor.release([rid])
+                records[rid].outcome, records[rid].end = "aborted", now
+        if not live:
+            continue
+        plan = scheduler.plan(scheduler.view(tick))
+        if plan.is_empty:
+            raise RuntimeError(f"simulate: tick {tick}: the policy planned no work with {len(live)} live requests")
+        request_ticks += len(live)
+        row_ticks += len(plan.prefill) + len(plan.decode)
+        for rid in plan.admitted:
+            records[rid].admitted = now
+        result = executor.execute(plan, live)
+        applied = scheduler.apply(plan, result)
+        end = executor.clock
+        for out in applied.outputs:
+            r = records[out.request_id]
+            if out.token_ids:
+                if r.first_token is None:
+                    r.first_token = end
+                r.last_token = end
+                r.num_output_tokens += len(out.token_ids)
+            if out.finished:
+                r.end = end
+                r.outcome = "error" if out.error is not None else "finished"
+        if applied.released:
+            executor.release(applied.released)
+        if config.check_invariants:
+            scheduler.check_invariants(plan)
+        tick += 1
+        ticks += 1
+        if ticks >= limit:
+            break
+    return SimResult(
+        requests=list(records.values()), ticks=ticks, request_ticks=request_ticks, row_ticks=row_ticks,
+        clock=executor.clock, wall_s=time.perf_counter() - wall0, preemptions=0, cache_hit_rate=None,
+        config=config, policy=scheduler.policy.name,
+    )
+
+
+# ---- comparison ------------------------------------------------------------------------------------------
+
+_DISPLAY = (  # key, label, scale
+    ("requests", "requests", None),
+    ("finished", "finished", None),
+    ("aborted", "aborted", None),
+    ("failed", "failed", None),
+    ("output_tokens", "output tokens", None),
+    ("throughput_tok_s", "throughput (tok/s)", 1.0),
+    ("makespan_s", "makespan (s)", 1.0),
+    ("ttft_mean_s", "TTFT mean (ms)", 1e3),
+    ("ttft_p50_s", "TTFT p50 (ms)", 1e3),
+    ("ttft_p95_s", "TTFT p95 (ms)", 1e3),
+    ("ttft_p99_s", "TTFT p99 (ms)", 1e3),
+    ("tpot_mean_s", "TPOT mean (ms)", 1e3),
+    ("e2e_p50_s", "e2e p50 (ms)", 1e3),
+    ("e2e_p95_s", "e2e p95 (ms)", 1e3),
+    ("queue_mean_s", "queue mean (ms)", 1e3),
+    ("preemptions", "preemptions", None),
+    ("ticks", "ticks", None),
+    ("request_ticks", "request-ticks", None),
+    ("cache_hit_rate", "cache hit rate", 1.0),
+)
+
+
+def _cell(value: Any, scale: float | None) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if scale is None and isinstance(value, int):
+        return str(value)
+    v = float(value) * (scale or 1.0)
+    return f"{v:.4g}" if abs(v) < 1e4 else f"{v:,.0f}"
+
+
+def compare_table(rows: Mapping[str, Mapping[str, Any]]) -> str:
+    """A markdown table: one column per run (the keys of `rows`), one row per metric."""
+    names = list(rows)
+    known = [k for k, _, _ in _DISPLAY]
+    extra = [k for k in dict.fromkeys(k for r in rows.values() for k in r) if k not in known]
+    spec = [(k, label, scale) for k, label, scale in _DISPLAY if any(k in r for r in rows.values())]
+    spec += [(k, k, 1.0) for k in extra]
+    lines = ["| metric | " + " | ".join(names) + " |", "| --- |" + " ---: |" * len(names)]
+    for key, label, scale in spec:
+        lines.append(f"| {label} | " + " | ".join(_cell(rows[n].get(key), scale) for n in names) + " |")
+    return "\n".join(lines)
+
+
+def _coerce(name: str, value: Any, current: Any, annotation: str) -> Any:
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if text.lower() in ("none", "null") and "None" in annotation:
+        return None
+    if "bool" in annotation:
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{name}: expected a boolean, got {value!r}")
+    if "int" in annotation:
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"{name}: expected an integer, got {value!r}") from None
+    if "float" in annotation:
+        return float(text)
+    return text
+
+
+def apply_overrides(config: EngineConfig, overrides: Mapping[str, Any] | None) -> EngineConfig:
+    """`config` with fields replaced; string values (from `--set key=value`) are converted to the field's type."""
+    if not overrides:
+        return config
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    changes = {}
+    for name, value in overrides.items():
+        if name not in fields:
+            raise ValueError(f"unknown config field {name!r}; known: {sorted(fields)}")
+        changes[name] = _coerce(name, value, getattr(config, name), str(fields[name].type))
+    return dataclasses.replace(config, **changes)
+
+
+def _label(policy: str | Policy | None, overrides: Mapping[str, Any] | None) -> str:
+    parts = []
+    if policy is not None:
+        parts.append(f"policy={policy if isinstance(policy, str) else getattr(policy, 'name', policy)}")
+    parts += [f"{k}={v}" for k, v in (overrides or {}).items()]
+    return "simulated (" + ", ".join(parts) + ")"
+
+
+def what_if(trace_path: "str | os.PathLike | Trace", policy: str | Policy | None = None,
+            overrides: Mapping[str, Any] | None = None) -> str:
+    """Fit the cost model on a trace, simulate its arrivals under the recorded policy and config and under
+    `policy` / `overrides`, and return the cost model and a table: recorded vs simulated vs alternative."""
+    rec = load_recorded(trace_path)
+    cost = fit_cost_model(rec)
+    arrivals = arrivals_from_trace(rec)
+    stop = rec.trace.stop_token_ids[0] if rec.trace.stop_token_ids else 0
+    config = dataclasses.replace(rec.trace.config, trace_path=None)
+    recorded_policy = config.policy
+    rows = {"recorded": recorded_metrics(rec)}
+    same = simulate(arrivals, config, cost, policy=recorded_policy, stop_token_id=stop)
+    rows[f"simulated ({recorded_policy})"] = same.summary()
+    if policy is not None or overrides:
+        other = simulate(arrivals, apply_overrides(config, overrides), cost,
+                         policy=policy if policy is not None else recorded_policy, stop_token_id=stop)
+        rows[_label(policy, overrides)] = other.summary()
+    lines = [cost.describe(), ""]
+    rec_row, sim_row = rows["recorded"], rows[f"simulated ({recorded_policy})"]
+    errs = []
+    for key, label in (("throughput_tok_s", "throughput"), ("ttft_mean_s", "mean TTFT")):
+        a, b = rec_row.get(key), sim_row.get(key)
+        if a and b is not None:
+            errs.append(f"{label} {(b - a) / a:+.1%}")
+    if errs:
+        lines += ["simulation of the recorded policy vs the recording: " + ", ".join(errs), ""]
+    lines.append(compare_table(rows))
+    return "\n".join(lines)

@@ -1,0 +1,488 @@
+"""Vision-language model adapters: the one place that reaches into mlx-vlm internals.
+
+One adapter per model family (``Qwen2VLAdapter`` here). It splits what ``mlx_vlm.generate`` does in one call
+into the pieces continuous batching needs:
+
+``prepare``  CPU only: images -> PIL (validated), chat template, processor (expanded image pads,
+             ``pixel_values``, ``image_grid_thw``), the content key for the vision cache.
+``encode``   the vision tower (and only it; skipped on a ``VisionCache`` hit), the merge of image features into
+             the text embeddings and the prompt's M-RoPE positions and rope delta.
+``prefill``  the language model on ``embeddings[start:end]`` with their positions, into the request's own
+             single-request cache (the cache ``mlx_vlm.generate`` builds).
+``decode``   one batched step over a left-padded batch cache with explicit per-row positions.
+
+Why explicit positions. Qwen2-VL's language model keeps M-RoPE state on the model instance
+(``_position_ids``, ``_rope_deltas``) and, when called without ``position_ids``, derives decode positions from
+that state and the cache offset. That state belongs to whichever request ran last, so a batch whose rows have
+different rope deltas (each depends on that request's image grids; text-only is 0) decodes wrong. Every call
+made here passes ``position_ids`` and never ``rope_deltas`` / ``pixel_values``, which is the path on which the
+language model neither reads nor writes that state (pinned in tests/test_vlm_adapter.py).
+
+Positions. ``get_rope_index`` gives a prompt (3, 1, L) positions (temporal, height, width); image tokens get
+2-D grid positions, text tokens get the same value on all three axes, and the text after the last image
+continues from the largest position so far. The rope delta is ``max_position + 1 - L``. mlx-vlm's own decode step
+then uses ``cache_offset + rope_delta`` on all three axes. ``decode`` computes exactly that per row:
+``offset[row]`` (real tokens in that row's cache; ``BatchKVCache.offset`` excludes left padding) +
+``rope_deltas[row]``, broadcast to (3, B, 1).
+
+The first token. As in the text executor, prefill everything but the last prompt token; feed the last prompt
+token as the row's first decode input. That equals ``mlx_vlm.generate``'s first step (the merged embedding of a
+text token is its token embedding, and its prompt position is ``(L - 1) + rope_delta``), which is why ``prepare``
+refuses a prompt ending in an image/video pad token.
+
+Internals touched (each behind one small function below, each pinned by a test):
+``mlx_vlm.utils.prepare_inputs`` (+ ``should_add_special_tokens``), ``mlx_vlm.prompt_utils.apply_chat_template``,
+``model.vision_tower(pixel_values, grid_thw, output_hidden_states=False)``,
+``model.get_input_embeddings(..., cached_image_features=...)`` -> ``inputs_embeds / position_ids / rope_deltas``,
+``model.language_model(inputs, inputs_embeds=, cache=, position_ids=)`` -> ``.logits``,
+``mlx_vlm.models.cache.make_prompt_cache`` and the caches' ``offset``.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import io
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import mlx.core as mx
+import numpy as np
+from PIL import Image, ImageOps
+
+from caches.vision import VisionCache, content_key
+
+ImageInput = Any  # PIL.Image.Image | str | os.PathLike | bytes | bytearray | memoryview
+
+
+class MediaError(ValueError):
+    """An input image cannot be used. ``index`` is its position in the request's image list (None when the
+    failure cannot be pinned on one image)."""
+
+    def __init__(self, index: int | None, reason: str):
+        self.index = index
+        self.reason = reason
+        where = f"image {index}" if index is not None else "images"
+        super().__init__(f"{where}: {reason}")
+
+
+@dataclass
+class PreparedRequest:
+    """CPU-side preprocessing result; no model forward yet."""
+
+    input_ids: list[int]  # the expanded prompt ids (image pads repeated): what the LM's cache will hold
+    pixel_values: Any | None  # mx.array (num_patches, C*T*P*P) for all images in order, or None
+    image_grid_thw: Any | None  # mx.array (num_images, 3) or None
+    extras: dict  # model-specific kwargs from the processor (Qwen2-VL: attention_mask)
+    media_key: str | None  # VisionCache key of the ordered image contents; None for text-only
+    num_media_tokens: int
+    prompt: str = ""  # the templated prompt text given to the processor
+    num_images: int = 0
+
+    def release_media(self) -> None:
+        """Drop the pixel arrays (after ``encode``; the features live in the vision cache / embeddings)."""
+        self.pixel_values = None
+
+
+@dataclass
+class EncodedRequest:
+    """After the vision tower: everything prefill needs, for the whole prompt."""
+
+    embeddings: mx.array  # (1, L, H) merged text + image input embeddings
+    position_ids: mx.array  # (3, 1, L) int32 M-RoPE positions of the prompt
+    rope_delta: int  # decode position of a row = tokens in its cache + rope_delta
+    input_ids: mx.array | None = None  # (1, L) int32
+    vision_cache_hit: bool | None = None  # None: no images
+    vision_time_s: float = 0.0  # vision tower wall time (0 on a hit)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.embeddings.shape[1])
+
+
+# ================================================================================================
+# mlx-vlm internals. Each function is the single place one internal is used; tests pin each one.
+# ================================================================================================
+
+
+def _vlm_chat_template(processor: Any, config: Any, messages: list[dict], num_images: int) -> str:
+    """Chat messages -> prompt text with image placeholders rendered, exactly as mlx-vlm's CLI/server do it
+    (``apply_chat_template`` adds the model family's placeholders and the generation prompt)."""
+    from mlx_vlm.prompt_utils import apply_chat_template
+
+    return apply_chat_template(processor, config, messages, num_images=num_images)
+
+
+def _vlm_prepare_inputs(model: Any, processor: Any, prompt: str, images: list | None) -> dict:
+    """The processor call ``mlx_vlm.stream_generate`` makes (``dispatch._prepare_generation_inputs``): same
+    arguments, so the expanded ids and pixel values are identical to a solo run."""
+    from mlx_vlm.utils import prepare_inputs, should_add_special_tokens
+
+    return prepare_inputs(
+        processor,
+        images=images or None,
+        prompts=prompt,
+        image_token_index=getattr(model.config, "image_token_index", None),
+        add_special_tokens=should_add_special_tokens(model.config.model_type, processor),
+    )
+
+
+def _vlm_vision_features(model: Any, pixel_values: mx.array, image_grid_thw: mx.array) -> mx.array:
+    """The vision tower alone, as ``Model.get_input_embeddings`` calls it (cast to the tower's dtype first).
+    Returns the merged patch features (num_image_tokens, hidden)."""
+    dtype = model.vision_tower.patch_embed.proj.weight.dtype
+    return model.vision_tower(pixel_values.astype(dtype), image_grid_thw, output_hidden_states=False)
+
+
+def _vlm_input_embeddings(model: Any, input_ids: mx.array, pixel_values: mx.array | None,
+                          image_grid_thw: mx.array | None, mask: mx.array | None,
+                          features: mx.array | None) -> tuple[mx.array, mx.array, mx.array]:
+    """Embedding merge + prompt positions through ``Model.get_input_embeddings``.
+
+    With ``cached_image_features`` it does not run the vision tower (the hook mlx-vlm's own vision cache uses),
+    so the tower runs only in ``_vlm_vision_features``. Returns (inputs_embeds, position_ids, rope_deltas).
+    ``get_rope_index`` is pure: it does not touch the language model's ``_position_ids`` / ``_rope_deltas``.
+    """
+    kwargs: dict[str, Any] = {"mask": mask}
+    if pixel_values is not None:
+        kwargs["image_grid_thw"] = image_grid_thw
+        kwargs["cached_image_features"] = features
+    out = model.get_input_embeddings(input_ids, pixel_values, **kwargs)
+    return out.inputs_embeds, out.position_ids, out.rope_deltas
+
+
+def _vlm_make_cache(language_model: Any) -> list:
+    """The cache ``mlx_vlm.stream_generate`` builds for one request (no ``max_kv_size``): one mlx-vlm
+    ``KVCache`` per layer, which ``merge``s into mlx-vlm's left-padded ``BatchKVCache``."""
+    from mlx_vlm.models import cache as vlm_cache
+
+    return vlm_cache.make_prompt_cache(language_model)
+
+
+def _vlm_lm_forward(language_model: Any, inputs: mx.array, cache: list, position_ids: mx.array,
+                    inputs_embeds: mx.array | None = None) -> mx.array:
+    """One language-model call with explicit ``position_ids`` (3, B, L). Given explicit positions (and no
+    ``rope_deltas`` / ``pixel_values`` kwargs) Qwen2-VL's ``LanguageModel.__call__`` neither reads nor writes its
+    per-instance rope state; it also does not re-slice positions whose length equals the input length."""
+    out = language_model(inputs, inputs_embeds=inputs_embeds, cache=cache, position_ids=position_ids)
+    return getattr(out, "logits", out)
+
+
+def _cache_row_offsets(cache: list) -> mx.array:
+    """(B,) tokens each row's cache holds. Single-request caches have an int ``offset``; mlx-vlm's
+    ``BatchKVCache.offset`` is an array of real (non-padding) tokens per row."""
+    offset = cache[0].offset
+    if isinstance(offset, mx.array):
+        return offset.reshape(-1).astype(mx.int32)
+    return mx.array([int(offset)], dtype=mx.int32)
+
+
+def _model_fingerprint(model: Any, processor: Any) -> str:
+    """What besides the pixels decides the vision features: model class and configs, the vision weights
+    (shapes of all, bytes of the first and last arrays) and the image processor's settings."""
+    from mlx.utils import tree_flatten
+
+    def as_dict(obj: Any) -> Any:
+        if dataclasses.is_dataclass(obj):
+            return dataclasses.asdict(obj)
+        return getattr(obj, "__dict__", repr(obj))
+
+    config = model.config
+    parts: list[Any] = [f"{type(model).__module__}.{type(model).__name__}",
+                        json.dumps(as_dict(getattr(config, "vision_config", None)), sort_keys=True, default=str),
+                        getattr(config, "image_token_id", None), getattr(config, "video_token_id", None)]
+    params = tree_flatten(model.vision_tower.parameters())
+    parts.append(repr([(name, tuple(p.shape), str(p.dtype)) for name, p in params]))
+    if params:
+        parts += [params[0][1], params[-1][1]]
+    image_processor = getattr(processor, "image_processor", None)
+    if image_processor is not None:
+        settings = {k: v for k, v in vars(image_processor).items()
+                    if isinstance(v, (int, float, str, bool, list, tuple, dict, type(None)))}
+        parts += [type(image_processor).__name__, json.dumps(settings, sort_keys=True, default=str)]
+    return content_key(parts)
+
+
+# ================================================================================================
+# images
+# ================================================================================================
+
+
+def _describe(source: Any) -> str:
+    if isinstance(source, (str, os.PathLike)):
+        text = os.fspath(source)
+        return repr(text if len(text) <= 80 else text[:77] + "...")
+    return type(source).__name__
+
+
+def load_image(source: ImageInput, index: int) -> Image.Image:
+    """Decode one image fully (a truncated file fails here, not later) into RGB, with EXIF orientation applied
+    the way ``mlx_vlm.utils.load_image`` does. Raises ``MediaError`` naming ``index``."""
+    if isinstance(source, Image.Image):
+        image = source
+    else:
+        data = _read_source(source, index)
+        if not data:
+            raise MediaError(index, f"empty image data ({_describe(source)})")
+        try:
+            image = Image.open(io.BytesIO(data))
+        except Exception as exc:
+            raise MediaError(index, f"not a readable image ({_describe(source)}): {type(exc).__name__}: {exc}") from exc
+    try:
+        image.load()  # force a full decode: truncated / corrupt data raises here
+        width, height = image.size
+        if width <= 0 or height <= 0:
+            raise MediaError(index, f"zero-size image ({width}x{height})")
+        image = ImageOps.exif_transpose(image)
+        image = image.convert("RGB")
+    except MediaError:
+        raise
+    except Exception as exc:
+        raise MediaError(index, f"cannot decode image ({_describe(source)}): {type(exc).__name__}: {exc}") from exc
+    if image.width <= 0 or image.height <= 0:
+        raise MediaError(index, f"zero-size image ({image.width}x{image.height})")
+    return image
+
+
+def _read_source(source: Any, index: int) -> bytes:
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return bytes(source)
+    if isinstance(source, str) and source.startswith("data:"):
+        head, sep, payload = source.partition(",")
+        if not sep or not head.startswith("data:image/") or ";base64" not in head:
+            raise MediaError(index, "unsupported data URI (want data:image/...;base64,...)")
+        try:
+            return base64.b64decode(payload, validate=True)
+        except Exception as exc:
+            raise MediaError(index, f"bad base64 in data URI: {exc}") from exc
+    if isinstance(source, str) and source.startswith(("http://", "https://")):
+        raise MediaError(index, "remote URLs are not fetched; pass the image bytes, a file path or a PIL image")
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        try:
+            if not path.exists():
+                raise MediaError(index, f"file not found: {_describe(source)}")
+            if not path.is_file():
+                raise MediaError(index, f"not a regular file: {_describe(source)}")
+            return path.read_bytes()
+        except MediaError:
+            raise
+        except OSError as exc:
+            raise MediaError(index, f"cannot read {_describe(source)}: {exc}") from exc
+    raise MediaError(index, f"unsupported image type {type(source).__name__} "
+                            "(want PIL.Image, a file path, bytes or a data:image URI)")
+
+
+# ================================================================================================
+# the adapter
+# ================================================================================================
+
+
+class Qwen2VLAdapter:
+    """Qwen2-VL family adapter (``model_type`` in ``SUPPORTED_MODEL_TYPES``).
+
+    ``vision_cache``: optional ``VisionCache``; ``encode`` consults it by ``PreparedRequest.media_key``.
+    ``vision_encoder``: the callable ``(pixel_values, image_grid_thw) -> features`` that runs the vision tower;
+    replace it on the instance to instrument or offload it (tests wrap it to count calls).
+    """
+
+    SUPPORTED_MODEL_TYPES = frozenset({"qwen2_vl"})
+
+    def __init__(self, model: Any, processor: Any, vision_cache: VisionCache | None = None):
+        model_type = getattr(model.config, "model_type", None)
+        if model_type not in self.SUPPORTED_MODEL_TYPES:
+            raise TypeError(f"Qwen2VLAdapter does not support model_type {model_type!r}")
+        self.model = model
+        self.processor = processor
+        self.language_model = model.language_model
+        self.vision_cache = vision_cache
+        self.vision_encoder: Callable[[mx.array, mx.array], mx.array] = self._encode_vision
+        config = model.config
+        self.image_token_id = int(config.image_token_id)
+        self.video_token_id = int(config.video_token_id)
+        self.media_token_ids = frozenset({self.image_token_id, self.video_token_id})
+        self.image_token = getattr(processor, "image_token", "<|image_pad|>")
+        self._fingerprint: str | None = None
+
+    # ---- identity ---------------------------------------------------------------------------------
+    @property
+    def fingerprint(self) -> str:
+        """Model + processor identity that goes into every media key (computed once)."""
+        if self._fingerprint is None:
+            self._fingerprint = _model_fingerprint(self.model, self.processor)
+        return self._fingerprint
+
+    def media_key(self, pixel_values: mx.array, image_grid_thw: mx.array) -> str:
+        """Content key of an ordered image list: the preprocessed pixels (the exact encoder input), the grid
+        and the model/processor fingerprint. Independent of file names and of the prompt text."""
+        return content_key(["qwen2_vl-vision", self.fingerprint, image_grid_thw.astype(mx.int64), pixel_values])
+
+    # ---- CPU side -----------------------------------------------------------------------------------
+    def prepare(self, prompt: str | list[dict], images: Sequence[ImageInput] | None = ()) -> PreparedRequest:
+        images = list(images) if images is not None else []
+        pil = [load_image(src, i) for i, src in enumerate(images)]
+        if isinstance(prompt, str):
+            text = prompt  # already templated
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt):
+            if not prompt:
+                raise ValueError("no messages")
+            text = _vlm_chat_template(self.processor, self.model.config, list(prompt), num_images=len(pil))
+        else:
+            raise TypeError(f"prompt must be a templated str or a list of chat messages, got {type(prompt).__name__}")
+        if not text:
+            raise ValueError("empty prompt")
+        placeholders = text.count(self.image_token)
+        if placeholders != len(pil):
+            raise ValueError(f"prompt has {placeholders} image placeholder(s) ({self.image_token}) "
+                             f"for {len(pil)} image(s)")
+        try:
+            inputs = _vlm_prepare_inputs(self.model, self.processor, text, pil)
+        except Exception as exc:
+            self._blame_image(pil, exc)
+            raise
+        input_ids = inputs["input_ids"]
+        if input_ids.ndim != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"processor returned input_ids of shape {tuple(input_ids.shape)}, want (1, L)")
+        ids = [int(t) for t in input_ids[0].tolist()]
+        if not ids:
+            raise ValueError("prompt tokenizes to nothing")
+        if ids[-1] in self.media_token_ids:
+            raise ValueError("the prompt must not end with an image/video token: the first decode step feeds the "
+                             "last prompt token as text (use the chat template, which ends with the generation prompt)")
+        pixel_values = inputs.get("pixel_values") if pil else None
+        grid = inputs.get("image_grid_thw") if pil else None
+        num_media = sum(1 for t in ids if t in self.media_token_ids)
+        if pil:
+            merge = int(getattr(self.model.config.vision_config, "spatial_merge_size", 2))
+            expected = int(mx.sum(mx.prod(grid, axis=-1)).item()) // (merge * merge)
+            if expected != num_media:
+                raise ValueError(f"prompt holds {num_media} image tokens but the images need {expected}")
+        extras = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "image_grid_thw")}
+        return PreparedRequest(
+            input_ids=ids,
+            pixel_values=pixel_values,
+            image_grid_thw=grid,
+            extras=extras,
+            media_key=self.media_key(pixel_values, grid) if pil else None,
+            num_media_tokens=num_media,
+            prompt=text,
+            num_images=len(pil),
+        )
+
+    def _blame_image(self, pil: list[Image.Image], exc: Exception) -> None:
+        """The processor failed on the whole list: find the first image it refuses alone and name it."""
+        image_processor = getattr(self.processor, "image_processor", None)
+        if image_processor is None:
+            return
+        for i, image in enumerate(pil):
+            try:
+                image_processor(images=[image])
+            except Exception as one:
+                raise MediaError(i, f"rejected by the image processor ({image.width}x{image.height}): "
+                                    f"{type(one).__name__}: {one}") from exc
+
+    # ---- device side ----------------------------------------------------------------------------------
+    def _encode_vision(self, pixel_values: mx.array, image_grid_thw: mx.array) -> mx.array:
+        return _vlm_vision_features(self.model, pixel_values, image_grid_thw)
+
+    def encode(self, prepared: PreparedRequest) -> EncodedRequest:
+        """Vision tower (unless the vision cache has these images) + embedding merge + prompt positions.
+        Everything returned is evaluated."""
+        ids = mx.array(prepared.input_ids, dtype=mx.int32)[None]
+        mask = prepared.extras.get("attention_mask")
+        if mask is None:
+            mask = mx.ones(ids.shape, dtype=mx.int32)
+        hit: bool | None = None
+        vision_time = 0.0
+        features = None
+        if prepared.num_images:
+            if prepared.pixel_values is None:
+                raise ValueError("pixel values were released before encode")
+            key = prepared.media_key
+            if self.vision_cache is not None and key is not None:
+                features = self.vision_cache.get(key)
+            hit = features is not None
+            if features is None:
+                t0 = time.perf_counter()
+                features = self.vision_encoder(prepared.pixel_values, prepared.image_grid_thw)
+                mx.eval(features)
+                vision_time = time.perf_counter() - t0
+                if self.vision_cache is not None and key is not None:
+                    self.vision_cache.put(key, features, vision_time)
+            if features.shape[0] != prepared.num_media_tokens:
+                raise ValueError(f"vision features have {features.shape[0]} rows for "
+                                 f"{prepared.num_media_tokens} image tokens")
+        embeds, positions, deltas = _vlm_input_embeddings(
+            self.model, ids, prepared.pixel_values if prepared.num_images else None,
+            prepared.image_grid_thw, mask, features)
+        positions = _as_mrope_positions(positions, ids.shape[1])
+        rope_delta = int(mx.array(deltas).reshape(-1)[0].item()) if deltas is not None else 0
+        mx.eval(embeds, positions)
+        return EncodedRequest(embeddings=embeds, position_ids=positions, rope_delta=rope_delta, input_ids=ids,
+                              vision_cache_hit=hit, vision_time_s=vision_time)
+
+    def make_cache(self) -> list:
+        return _vlm_make_cache(self.language_model)
+
+    def prefill(self, cache: list, encoded: EncodedRequest, start: int, end: int) -> None:
+        """Run the language model on prompt positions [start, end) into ``cache`` (which must hold exactly
+        ``start`` tokens). Logits are not computed (only the cache is evaluated)."""
+        length = encoded.num_tokens
+        if not 0 <= start <= end <= length:
+            raise ValueError(f"bad prefill range [{start}, {end}) for a {length}-token prompt")
+        if end == start:
+            return
+        held = int(_cache_row_offsets(cache)[0].item())
+        if held != start:
+            raise ValueError(f"prefill from {start} but the cache holds {held} tokens")
+        inputs = encoded.input_ids[:, start:end] if encoded.input_ids is not None else mx.zeros((1, end - start), mx.int32)
+        _vlm_lm_forward(self.language_model, inputs, cache, encoded.position_ids[:, :, start:end],
+                        inputs_embeds=encoded.embeddings[:, start:end])
+        mx.eval([c.state for c in cache])
+
+    def decode_positions(self, cache: list, rope_deltas: mx.array) -> mx.array:
+        """(3, B, 1) positions of the next token of every row: tokens already in that row's cache + its delta."""
+        offsets = _cache_row_offsets(cache)
+        deltas = mx.array(rope_deltas).reshape(-1).astype(mx.int32)
+        if deltas.shape[0] != offsets.shape[0]:
+            raise ValueError(f"{deltas.shape[0]} rope deltas for a batch of {offsets.shape[0]} rows")
+        positions = (offsets + deltas)[:, None]
+        return mx.broadcast_to(positions[None], (3, positions.shape[0], 1))
+
+    def decode(self, batch_cache: list, tokens: mx.array, rope_deltas: mx.array) -> mx.array:
+        """One batched step: ``tokens`` (B,) are each row's input, ``rope_deltas`` (B,) each row's delta.
+        Returns logits (B, V). Uses no per-instance state of the model."""
+        tokens = mx.array(tokens).reshape(-1, 1)
+        positions = self.decode_positions(batch_cache, rope_deltas)  # before the forward moves the offsets
+        logits = _vlm_lm_forward(self.language_model, tokens, batch_cache, positions)
+        return logits[:, -1, :]
+
+
+def _as_mrope_positions(positions: mx.array, length: int) -> mx.array:
+    """(3, 1, L) int32. Text-only prompts come back from ``get_rope_index`` as (1, L): the same position on
+    every axis, which (3, 1, L) states explicitly (the rotary embedding gives the same angles either way)."""
+    if positions.ndim == 2:
+        positions = mx.broadcast_to(positions[None], (3, *positions.shape))
+    if positions.shape != (3, 1, length):
+        raise ValueError(f"unexpected prompt position shape {tuple(positions.shape)}")
+    return positions.astype(mx.int32)
+
+
+ADAPTERS: dict[str, type] = {"qwen2_vl": Qwen2VLAdapter}
+
+
+def adapter_for(model: Any, processor: Any, vision_cache: VisionCache | None = None) -> Qwen2VLAdapter:
+    """The adapter for ``model``'s family; TypeError for an unsupported one."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    cls = ADAPTERS.get(model_type)
+    if cls is None:
+        raise TypeError(f"no VLM adapter for model_type {model_type!r}; supported: {', '.join(sorted(ADAPTERS))}")
+    return cls(model, processor, vision_cache=vision_cache)
+
+
+__all__ = ["ADAPTERS", "EncodedRequest", "MediaError", "PreparedRequest", "Qwen2VLAdapter", "adapter_for",
+           "load_image"]
