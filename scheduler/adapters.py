@@ -96,6 +96,23 @@ def restore_cache(payload: list[tuple[type, tuple]], length: int) -> Cache:
     return cache
 
 
+def kv_layout(model: Any) -> "KVLayout":
+    """Per-token KV bytes of each layer, measured on a one-token probe of the model's own cache."""
+    from caches.kv import KVLayout, LayerLayout
+
+    cache = make_request_cache(model)
+    model(mx.array([[0]]), cache=cache)
+    mx.eval(cache_arrays(cache))
+    layers = []
+    for layer in cache:
+        if type(layer) not in (mlx_cache.KVCache, mlx_cache.RotatingKVCache):
+            raise TypeError(f"{type(layer).__name__} layers are not supported by the KV budget")
+        per_token = (layer.keys.nbytes + layer.values.nbytes) // layer.keys.shape[2]
+        window = layer.max_size if type(layer) is mlx_cache.RotatingKVCache else None
+        layers.append(LayerLayout(per_token, window))
+    return KVLayout(tuple(layers))
+
+
 def cache_nbytes(cache: Cache) -> int:
     return sum(layer.nbytes for layer in cache)
 

@@ -14,6 +14,9 @@ class EngineConfig:
     prefill_chunk: the longest prefill chunk one request gets in one tick.
     max_model_len: longest prompt accepted; None means the model's `max_position_embeddings`.
     seed: engine seed; a request without its own seed samples with one derived from this and its id.
+    kv_memory_bytes: hard budget on the bytes of the KV caches of running requests (prefix-cache entries have
+        their own budget). The planner admits only what fits and preempts when decoding outgrows it.
+    kv_headroom_tokens: tokens of growth per row an admission must leave room for (prevents thrash).
     prefix_cache_bytes: byte budget of the prefix cache (LRU); 0 turns it off.
     prefix_block_size: tokens per hashed block of the prefix index (the shortest reusable prefix).
     trace_path: write every event as JSON lines to this file.
@@ -27,6 +30,8 @@ class EngineConfig:
     penalty_context: int = 20
     seed: int = 0
     policy: str = "fcfs"
+    kv_memory_bytes: int | None = None  # hard budget for KV caches; None = unbounded
+    kv_headroom_tokens: int = 32
     prefix_cache_bytes: int = 0  # 0 disables the prefix cache
     prefix_block_size: int = 16
     trace_path: str | None = None
@@ -44,6 +49,10 @@ class EngineConfig:
                 f"max_batched_tokens ({self.max_batched_tokens}) must exceed max_seqs ({self.max_seqs}) "
                 "so prefill always gets at least one token next to a full decode batch"
             )
+        if self.kv_memory_bytes is not None and (not isinstance(self.kv_memory_bytes, int) or self.kv_memory_bytes < 1):
+            raise ValueError(f"kv_memory_bytes: must be a positive integer or None, got {self.kv_memory_bytes!r}")
+        if not isinstance(self.kv_headroom_tokens, int) or self.kv_headroom_tokens < 0:
+            raise ValueError(f"kv_headroom_tokens: must be an integer >= 0, got {self.kv_headroom_tokens!r}")
         if not isinstance(self.prefix_cache_bytes, int) or self.prefix_cache_bytes < 0:
             raise ValueError(f"prefix_cache_bytes: must be an integer >= 0, got {self.prefix_cache_bytes!r}")
         if not isinstance(self.prefix_block_size, int) or self.prefix_block_size < 1:

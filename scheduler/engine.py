@@ -111,7 +111,9 @@ class Engine:
         self.events = EventLog(sinks)
         self.vocab_size = adapters.vocab_size(model)
         self.max_model_len = self.config.max_model_len or adapters.max_positions(model) or 1 << 30
-        self.scheduler = Scheduler(self.config, self.events, adapters.eos_token_ids(tokenizer), policy)
+        self.kv_layout = adapters.kv_layout(model) if self.config.kv_memory_bytes is not None else None
+        self.scheduler = Scheduler(self.config, self.events, adapters.eos_token_ids(tokenizer), policy,
+                                   self.kv_layout)
         self.executor = executor or MLXExecutor(model, penalty_context=self.config.penalty_context,
                                                 prefix_cache=self.scheduler.prefix_cache)
         self.tick = 0
@@ -127,6 +129,8 @@ class Engine:
             model=adapters.model_identity(model),
             vocab_size=self.vocab_size, max_model_len=self.max_model_len,
             stop_token_ids=sorted(self.scheduler.model_stop_ids),
+            kv_layout=[[layer.bytes_per_token, layer.window] for layer in self.kv_layout.layers]
+            if self.kv_layout is not None else None,
         )
 
     @classmethod
@@ -163,6 +167,11 @@ class Engine:
         tokens = validate_prompt_tokens(
             self._tokenize(prompt) if prompt_tokens is None else prompt_tokens, self.vocab_size, self.max_model_len
         )
+        if self.kv_layout is not None:
+            need = self.kv_layout.footprint([len(tokens) + 1], [])
+            if need > self.config.kv_memory_bytes:
+                raise InvalidRequest("prompt", f"needs {need} bytes of KV cache, more than kv_memory_bytes "
+                                               f"({self.config.kv_memory_bytes})", request_id)
         with self._lock:
             if request_id is None:
                 request_id = f"req-{next(self._ids)}"
@@ -288,6 +297,9 @@ class Engine:
         s.peak_memory_bytes = max(s.peak_memory_bytes, mx.get_peak_memory())
 
     def _check_executor(self) -> None:
+        if self.config.kv_memory_bytes is not None:
+            held = self.executor.cache_bytes()
+            assert held <= self.config.kv_memory_bytes, f"KV caches hold {held} bytes, over the budget"
         live_in_executor = self.executor.live_request_ids()
         assert live_in_executor <= set(self.scheduler.requests), (
             f"executor holds caches of ended requests: {live_in_executor - set(self.scheduler.requests)}"

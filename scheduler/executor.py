@@ -63,6 +63,9 @@ class MLXExecutor:
     # ---- one tick ---------------------------------------------------------------------------------
     def execute(self, plan: TickPlan, requests: Mapping[str, Request]) -> TickResult:
         result = TickResult()
+        dropped = list(plan.preempted) + [rid for rid, _ in plan.failed]
+        if dropped:
+            self.release(dropped)
         t0 = time.perf_counter()
         restored = {}
         for rid, entry_id, length in plan.prefix_hits:  # before any store of this tick can evict them
@@ -95,7 +98,7 @@ class MLXExecutor:
         if cache is None:
             cache = self._prefill_caches[request.request_id] = adapters.make_request_cache(self.model)
         if end > start:
-            tokens = mx.array(request.prompt_tokens[start:end])[None]
+            tokens = mx.array(request.prefill_tokens(start, end))[None]
             self.model(tokens, cache=cache)
             mx.eval(adapters.cache_arrays(cache))
 
@@ -113,11 +116,12 @@ class MLXExecutor:
     def _join(self, request_ids: list[str], requests: Mapping[str, Request]) -> None:
         caches = [self._prefill_caches.pop(rid) for rid in request_ids]
         self._batch_cache = adapters.extend_batch(self._batch_cache, adapters.merge_caches(caches))
-        last = mx.array([requests[rid].prompt_tokens[-1] for rid in request_ids], dtype=mx.uint32)
+        last = mx.array([_last_prefill_token(requests[rid]) for rid in request_ids], dtype=mx.uint32)
         self._next_inputs = last if self._next_inputs is None else mx.concatenate([self._next_inputs, last])
         for rid in request_ids:
             self._row_index[rid] = len(self._rows)
-            self._rows.append(_Row(requests[rid], 0))
+            # the sampling step continues where a preempted request left off (seeded draws stay the same)
+            self._rows.append(_Row(requests[rid], requests[rid].num_output_tokens))
         self._params = None
         if self._context is not None or self._needs_context():
             self._context = self._extend_context(request_ids, requests)
@@ -155,7 +159,8 @@ class MLXExecutor:
         w = self.penalty_context
         rows = []
         for rid in request_ids:
-            tail = requests[rid].prompt_tokens[:-1][-(w - 1):] if w > 1 else []
+            r = requests[rid]
+            tail = r.prefill_tokens(max(0, r.prefill_len - w), r.prefill_len - 1) if w > 1 else []
             rows.append([-1] * (w - len(tail)) + tail)
         new = mx.array(rows, dtype=mx.int32)
         if self._context is None:
@@ -226,3 +231,7 @@ class MLXExecutor:
             except Exception as exc:  # user code: contain it to its own request
                 result.errors[request.request_id] = f"logits processor failed: {type(exc).__name__}: {exc}"
         return mx.stack(parts)
+
+
+def _last_prefill_token(request: Request) -> int:
+    return request.prefill_tokens(request.prefill_len - 1, request.prefill_len)[0]

@@ -35,12 +35,15 @@ class TickPlan:
     prefill: tuple[PrefillChunk, ...] = ()
     decode: tuple[str, ...] = ()  # already decoding: one token each
     prefix_hits: tuple[tuple[str, int, int], ...] = ()  # (request id, prefix entry id, cached tokens) at admission
+    preempted: tuple[str, ...] = ()  # back to queued, caches dropped before this tick's work
+    failed: tuple[tuple[str, str], ...] = ()  # (request id, reason): can never fit the KV budget
+    kv_bytes_bound: int | None = None  # upper bound on KV bytes after this tick (with a KV budget)
     num_batched_tokens: int = 0
     num_seqs: int = 0  # requests holding a slot after this tick's admissions
 
     @property
     def is_empty(self) -> bool:
-        return not (self.prefill or self.decode)
+        return not (self.prefill or self.decode or self.preempted or self.failed)
 
     def to_record(self) -> dict:
         """Decision fields for the event log (compact, JSON-ready)."""
@@ -49,6 +52,9 @@ class TickPlan:
             "prefill": [[c.request_id, c.start, c.end, c.completes] for c in self.prefill],
             "decode": list(self.decode),
             "prefix_hits": [list(h) for h in self.prefix_hits],
+            "preempted": list(self.preempted),
+            "failed": [list(f) for f in self.failed],
+            "kv_bytes_bound": self.kv_bytes_bound,
             "num_batched_tokens": self.num_batched_tokens,
             "num_seqs": self.num_seqs,
         }

@@ -4,13 +4,17 @@ Deterministic and model-free: it reads no clock, no device and no randomness, so
 the same plans. Invariants it guarantees (tests assert them on every plan):
   * every decoding request decodes one token every tick (running streams never stall);
   * prefill tokens + decode tokens <= max_batched_tokens; admitted + running <= max_seqs;
-  * no chunk is longer than prefill_chunk.
+  * no chunk is longer than prefill_chunk;
+  * with kv_memory_bytes, the bound on KV bytes after the tick (caches/kv.py) stays within it: the planner
+    preempts (newest first) when decoding rows outgrow it and admits only what fits with headroom.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable, Sequence
+
+from caches.kv import KVLayout
 
 from .config import EngineConfig
 from .plan import PrefillChunk, TickPlan
@@ -28,6 +32,7 @@ class SchedulerView:
     decoding: Sequence[Request]
     # cache summary: the prefix-cache entry (id, tokens) a waiting request would start from, or None
     prefix_match: Callable[[Request], tuple[int, int] | None] = lambda _request: None
+    kv_layout: KVLayout | None = None  # per-token KV cost, for the kv_memory_bytes budget
 
     def cached_prefix(self, request: Request) -> int:
         match = self.prefix_match(request)
@@ -35,20 +40,97 @@ class SchedulerView:
 
 
 def _chunk(request: Request, start: int, budget: int, config: EngineConfig) -> PrefillChunk:
-    end = start + min(request.prompt_len - start, config.prefill_chunk, budget)
-    return PrefillChunk(request.request_id, start, end, end == request.prompt_len)
+    end = start + min(request.prefill_len - start, config.prefill_chunk, budget)
+    return PrefillChunk(request.request_id, start, end, end == request.prefill_len)
+
+
+class _KVTracker:
+    """What the KV caches will hold after this tick, in tokens, bounded in bytes by the layout.
+
+    Decoding rows hold prompt + outputs after this tick's decode; prefilling requests hold their computed
+    tokens; a request whose prefill completes joins the rows.
+    """
+
+    def __init__(self, layout: KVLayout, budget: int, headroom_tokens: int):
+        self.layout, self.budget, self.headroom = layout, budget, headroom_tokens
+        self.rows: dict[str, int] = {}
+        self.prefilling: dict[str, tuple[int, int]] = {}
+
+    def bytes(self, rows: dict[str, int] | None = None, prefilling: dict | None = None, grow: int = 0) -> int:
+        rows = self.rows if rows is None else rows
+        prefilling = self.prefilling if prefilling is None else prefilling
+        return self.layout.footprint([n + grow for n in rows.values()], list(prefilling.values()))
+
+    def fits(self) -> bool:
+        return self.bytes() <= self.budget
+
+    def with_chunk(self, request: Request, chunk: PrefillChunk) -> tuple[dict, dict]:
+        rows, prefilling = dict(self.rows), dict(self.prefilling)
+        if chunk.completes:
+            prefilling.pop(request.request_id, None)
+            rows[request.request_id] = request.prefill_len
+        else:
+            prefilling[request.request_id] = (chunk.end, chunk.num_tokens)
+        return rows, prefilling
+
+    def try_chunk(self, request: Request, chunk: PrefillChunk, admission: bool) -> bool:
+        rows, prefilling = self.with_chunk(request, chunk)
+        if admission:
+            # Admit only if the whole prompt fits next to every row grown by the headroom: a request that is
+            # let in must not be preempted again a few ticks later (no preempt/readmit thrash).
+            full_rows = dict(rows)
+            full_rows[request.request_id] = request.prefill_len
+            full_prefilling = {k: v for k, v in prefilling.items() if k != request.request_id}
+            if self.bytes(full_rows, full_prefilling, grow=self.headroom) > self.budget:
+                return False
+        elif self.bytes(rows, prefilling) > self.budget:
+            return False
+        self.rows, self.prefilling = rows, prefilling
+        return True
+
+
+def _make_room(view: SchedulerView, kv: _KVTracker) -> tuple[list[str], list[tuple[str, str]]]:
+    """Preempt (newest prefilling first, then newest decoding) until the tick fits; a request that cannot
+    fit even alone fails instead of deadlocking the engine."""
+    preempted: list[str] = []
+    failed: list[tuple[str, str]] = []
+    victims = [r.request_id for r in view.decoding] + [r.request_id for r in view.prefilling]
+    while not kv.fits() and victims:
+        rid = victims.pop()
+        alone = len(kv.rows) + len(kv.prefilling) == 1
+        kv.rows.pop(rid, None)
+        kv.prefilling.pop(rid, None)
+        if alone:
+            failed.append((rid, f"needs more KV memory than kv_memory_bytes ({kv.budget} bytes) allows"))
+        else:
+            preempted.append(rid)
+    return preempted, failed
 
 
 def plan_tick(view: SchedulerView, config: EngineConfig, policy: Policy) -> TickPlan:
-    decode = tuple(r.request_id for r in view.decoding)
+    kv = None
+    preempted: list[str] = []
+    failed: list[tuple[str, str]] = []
+    if config.kv_memory_bytes is not None and view.kv_layout is not None:
+        kv = _KVTracker(view.kv_layout, config.kv_memory_bytes, config.kv_headroom_tokens)
+        kv.rows = {r.request_id: r.prompt_len + r.num_output_tokens for r in view.decoding}
+        kv.prefilling = {r.request_id: (r.num_computed_tokens, 0) for r in view.prefilling}
+        preempted, failed = _make_room(view, kv)
+    gone = set(preempted) | {rid for rid, _ in failed}
+
+    decode = tuple(r.request_id for r in view.decoding if r.request_id not in gone)
     budget = config.max_batched_tokens - len(decode)
-    seqs = len(view.decoding) + len(view.prefilling)
+    seqs = len(view.decoding) + len(view.prefilling) - len(gone)
 
     prefill: list[PrefillChunk] = []
     for request in policy.order_prefilling(view.prefilling, view.tick):
         if budget <= 0:
             break
+        if request.request_id in gone:
+            continue
         chunk = _chunk(request, request.num_computed_tokens, budget, config)
+        if kv is not None and not kv.try_chunk(request, chunk, admission=False):
+            continue  # waits for memory; decoding rows keep going and free it as they finish
         prefill.append(chunk)
         budget -= chunk.num_tokens
 
@@ -58,9 +140,11 @@ def plan_tick(view: SchedulerView, config: EngineConfig, policy: Policy) -> Tick
         if budget <= 0 or seqs >= config.max_seqs:
             break
         match = view.prefix_match(request)
+        chunk = _chunk(request, match[1] if match else request.num_computed_tokens, budget, config)
+        if kv is not None and not kv.try_chunk(request, chunk, admission=True):
+            break  # the head of the queue waits for memory; nobody jumps it
         if match is not None:
             prefix_hits.append((request.request_id, *match))
-        chunk = _chunk(request, match[1] if match else request.num_computed_tokens, budget, config)
         admitted.append(request.request_id)
         prefill.append(chunk)
         budget -= chunk.num_tokens
@@ -72,6 +156,9 @@ def plan_tick(view: SchedulerView, config: EngineConfig, policy: Policy) -> Tick
         prefill=tuple(prefill),
         decode=decode,
         prefix_hits=tuple(prefix_hits),
+        preempted=tuple(preempted),
+        failed=tuple(failed),
         num_batched_tokens=config.max_batched_tokens - budget,
         num_seqs=seqs,
+        kv_bytes_bound=kv.bytes() if kv is not None else None,
     )

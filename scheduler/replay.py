@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterable, Mapping
 
+from caches.kv import KVLayout, LayerLayout
+
 from .config import EngineConfig
 from .events import SCHEMA_VERSION, EventLog, decision_fields
 from .plan import PrefixStore, TickPlan, TickResult
@@ -171,7 +173,9 @@ def _plan_record(plan: TickPlan) -> dict[str, Any]:
 
 def replay(trace: Trace, policy: str | Policy | None = None) -> ReplayReport:
     """Re-derive every plan of `trace` with the real scheduler; stop at the first one that differs."""
-    scheduler = Scheduler(trace.config, EventLog(), trace.stop_token_ids, policy)
+    layout = trace.header.get("kv_layout")
+    kv_layout = KVLayout(tuple(LayerLayout(b, w) for b, w in layout)) if layout else None
+    scheduler = Scheduler(trace.config, EventLog(), trace.stop_token_ids, policy, kv_layout)
     executor = ReplayExecutor(trace)
     n_requests = 0
     for tick in range(trace.last_tick + 1):

@@ -141,6 +141,7 @@ class Request:
     finish_reason: FinishReason | None = None
     error: str | None = None
     num_preemptions: int = 0
+    recompute_tokens: int = 0  # output tokens re-fed as prompt after a preemption
     # timestamps (measurements, never read by the planner)
     arrival_time: float = 0.0
     state_entered_time: float = 0.0
@@ -153,8 +154,19 @@ class Request:
         return len(self.prompt_tokens)
 
     @property
+    def prefill_len(self) -> int:
+        """Tokens to compute before decoding: the prompt, plus the outputs so far after a preemption."""
+        return self.prompt_len + self.recompute_tokens
+
+    def prefill_tokens(self, start: int, end: int) -> list[int]:
+        prompt = self.prompt_tokens
+        if end <= len(prompt):
+            return prompt[start:end]
+        return (prompt + self.output_tokens[: self.recompute_tokens])[start:end]
+
+    @property
     def num_prompt_remaining(self) -> int:
-        return self.prompt_len - self.num_computed_tokens
+        return self.prefill_len - self.num_computed_tokens
 
     @property
     def num_output_tokens(self) -> int:
@@ -168,7 +180,7 @@ class Request:
         return True  # the vision path adds encoder completion here
 
     def prefill_complete(self) -> bool:
-        return self.num_computed_tokens >= self.prompt_len and self.num_output_tokens >= 1
+        return self.num_computed_tokens >= self.prefill_len and self.num_output_tokens > self.recompute_tokens
 
     def has_finish_reason(self) -> bool:
         return self.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)

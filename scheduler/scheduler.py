@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from caches.kv import KVLayout
 from caches.prefix import PrefixCache
 
 from .config import EngineConfig
@@ -45,12 +46,14 @@ class Scheduler:
         events: EventLog,
         stop_token_ids: Iterable[int] = (),
         policy: str | Policy | None = None,
+        kv_layout: KVLayout | None = None,
     ):
         self.config = config
         self.events = events
         self.policy = make_policy(policy if policy is not None else config.policy)
         self.lifecycle = Lifecycle()
         self.model_stop_ids = frozenset(stop_token_ids)
+        self.kv_layout = kv_layout
         # Insertion-ordered dicts: arrival order for waiting, admission order for the rest.
         self.waiting: dict[str, Request] = {}
         self.prefilling: dict[str, Request] = {}
@@ -104,6 +107,7 @@ class Scheduler:
             prefilling=tuple(self.prefilling.values()),
             decoding=tuple(self.decoding.values()),
             prefix_match=self._prefix_match if self.prefix_cache is not None else (lambda _r: None),
+            kv_layout=self.kv_layout,
         )
 
     def _prefix_match(self, request: Request) -> tuple[int, int] | None:
@@ -129,6 +133,11 @@ class Scheduler:
         outputs: list[StepOutput] = []
         released: list[str] = []
         hits = {rid: (entry_id, length) for rid, entry_id, length in plan.prefix_hits}
+        for rid, reason in plan.failed:
+            outputs.append(self.fail(rid, tick, reason))
+            released.append(rid)
+        for rid in plan.preempted:
+            self._preempt(self.requests[rid], tick)
         for rid in plan.admitted:
             request = self.waiting.pop(rid)
             self._prefix_memo.pop(rid, None)
@@ -165,6 +174,17 @@ class Scheduler:
             self._append(request, result)
             outputs.append(self._after_token(request, result, tick, released))
         return AppliedTick(outputs, released)
+
+    def _preempt(self, request: Request, tick: int) -> None:
+        """Back to the queue (at its head) with no cache: prompt and outputs so far are recomputed later."""
+        rid = request.request_id
+        self.prefilling.pop(rid, None)
+        self.decoding.pop(rid, None)
+        self.waiting = {rid: request, **self.waiting}
+        request.num_computed_tokens = 0
+        request.recompute_tokens = request.num_output_tokens
+        request.num_preemptions += 1
+        self._move(request, Trigger.PREEMPT, tick, "kv memory budget")
 
     def _append(self, request: Request, result: TickResult) -> None:
         request.output_tokens.append(result.sampled[request.request_id])
@@ -225,3 +245,5 @@ class Scheduler:
             seen += len(container)
         assert seen == len(self.requests), "a live request is in no container or in two"
         assert len(self.prefilling) + len(self.decoding) <= cfg.max_seqs
+        if cfg.kv_memory_bytes is not None and plan.kv_bytes_bound is not None:
+            assert plan.kv_bytes_bound <= cfg.kv_memory_bytes, plan

@@ -1,0 +1,73 @@
+"""KV memory budget: admission only of what fits, preemption when decoding outgrows the budget, recompute
+that still gives every request its solo output, and clean failure for what can never fit."""
+
+import pytest
+
+from caches.kv import STEP, KVLayout, LayerLayout
+from scheduler import Engine, EngineConfig, FinishReason, InvalidRequest
+from scheduler.replay import load_trace, replay
+
+from .helpers import drive, engine_with_log, greedy, mixed_prompts, solo_tokens
+
+PROMPTS = mixed_prompts(32, 8, 120, seed=21)
+MAX_TOKENS = 24
+
+
+def test_layout_bounds():
+    layout = KVLayout((LayerLayout(100, None), LayerLayout(100, 16)))
+    assert layout.bytes_per_token == 200
+    assert layout.request_bytes(10, 10) == 100 * STEP + 100 * 10 * 0 + 100 * min(STEP, 16 + 10 + STEP)
+    assert layout.batch_bytes([5, 300]) == 100 * 2 * (300 + STEP) + 100 * 2 * (16 + STEP)
+    assert layout.batch_bytes([]) == 0
+
+
+@pytest.fixture(scope="module")
+def reference(text_model):
+    model, tokenizer = text_model
+    return [solo_tokens(model, tokenizer, p, MAX_TOKENS) for p in PROMPTS]
+
+
+def test_a_tight_budget_preempts_and_every_request_still_matches_solo(text_model, reference, tmp_path):
+    model, tokenizer = text_model
+    budget = 1_700_000  # room for about four of these requests at once
+    trace = tmp_path / "kv.jsonl"
+    engine, log = engine_with_log(model, tokenizer, EngineConfig(
+        max_batched_tokens=128, max_seqs=16, prefill_chunk=32, kv_memory_bytes=budget, kv_headroom_tokens=8,
+        check_invariants=True, trace_path=str(trace)))
+    run = drive(engine, [(i // 4, {"prompt_tokens": p, "sampling": greedy(MAX_TOKENS)}) for i, p in enumerate(PROMPTS)])
+    engine.close()
+    assert list(run.tokens.values()) == reference
+    preemptions = [e for e in log.of_kind("transition") if e["trigger"] == "preempt"]
+    assert preemptions, "the budget was tight enough to force preemption"
+    plans = log.of_kind("plan")
+    assert all(p["kv_bytes_bound"] <= budget for p in plans)
+    assert max(p["num_seqs"] for p in plans) < 16  # memory, not max_seqs, limited the batch
+    assert engine.executor.cache_bytes() == 0
+    assert replay(load_trace(trace)).identical
+
+
+def test_a_prompt_that_can_never_fit_is_refused_and_others_run(text_model, reference):
+    model, tokenizer = text_model
+    engine = Engine(model, tokenizer, EngineConfig(kv_memory_bytes=600_000, check_invariants=True))
+    with pytest.raises(InvalidRequest, match="kv_memory_bytes"):
+        engine.add_request(prompt_tokens=[9] * 400)
+    run = drive(engine, [(0, {"prompt_tokens": PROMPTS[0], "sampling": greedy(MAX_TOKENS)})])
+    assert list(run.tokens.values()) == [reference[0]]
+
+
+def test_a_request_that_outgrows_the_budget_alone_fails_cleanly(text_model, reference):
+    model, tokenizer = text_model
+    # 2 layers x 512 bytes per token: one row of up to 80 tokens fits (80 + 256 slack) but not 400 + slack
+    budget = 2 * 512 * (100 + STEP)
+    engine = Engine(model, tokenizer, EngineConfig(kv_memory_bytes=budget, kv_headroom_tokens=0,
+                                                   check_invariants=True))
+    run = drive(engine, [
+        (0, {"prompt_tokens": [11] * 60, "sampling": greedy(300), "request_id": "greedy-grower"}),
+        (1, {"prompt_tokens": PROMPTS[0][:20], "sampling": greedy(MAX_TOKENS), "request_id": "small"}),
+    ])
+    # (alone, this prompt decodes 300 tokens without a stop: it must hit the budget)
+    assert run.finish["greedy-grower"] is FinishReason.ERROR
+    assert "kv_memory_bytes" in run.errors["greedy-grower"]
+    assert 0 < len(run.tokens["greedy-grower"]) < 300
+    assert run.tokens["small"] == solo_tokens(model, tokenizer, PROMPTS[0][:20], MAX_TOKENS)
+    assert engine.executor.cache_bytes() == 0
