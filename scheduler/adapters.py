@@ -15,9 +15,24 @@ from mlx_lm.models import cache as mlx_cache
 Cache = list[Any]  # one cache object per layer
 
 
-def make_request_cache(model: Any) -> Cache:
-    """A fresh single-request cache: what `mlx_lm.generate` builds for a prompt."""
-    return mlx_cache.make_prompt_cache(model)
+def make_request_cache(model: Any, max_kv_size: int | None = None) -> Cache:
+    """A fresh single-request cache: what `mlx_lm.generate` builds for a prompt.
+
+    With `max_kv_size`, every layer is a `RotatingKVCache(max_kv_size, keep=0)`. mlx-lm's own single path
+    keeps 4 attention-sink tokens (`keep=4`), but its batch cache has no `keep`, so batching with sinks
+    would silently change results; we use no sinks on every path. Models that build their own caches
+    (sliding-window models) ignore max_kv_size in mlx-lm; here that is an error, not a silent no-op.
+    """
+    if max_kv_size is None:
+        return mlx_cache.make_prompt_cache(model)
+    if supports_max_kv_size(model) is False:
+        raise ValueError(f"max_kv_size: {type(model).__module__} builds its own caches; bound it with its "
+                         "own sliding-window configuration instead")
+    return [mlx_cache.RotatingKVCache(max_size=max_kv_size, keep=0) for _ in model.layers]
+
+
+def supports_max_kv_size(model: Any) -> bool:
+    return not hasattr(model, "make_cache")
 
 
 def merge_caches(caches: Sequence[Cache]) -> Cache:
@@ -96,11 +111,11 @@ def restore_cache(payload: list[tuple[type, tuple]], length: int) -> Cache:
     return cache
 
 
-def kv_layout(model: Any) -> "KVLayout":
+def kv_layout(model: Any, max_kv_size: int | None = None) -> "KVLayout":
     """Per-token KV bytes of each layer, measured on a one-token probe of the model's own cache."""
     from caches.kv import KVLayout, LayerLayout
 
-    cache = make_request_cache(model)
+    cache = make_request_cache(model, max_kv_size)
     model(mx.array([[0]]), cache=cache)
     mx.eval(cache_arrays(cache))
     layers = []

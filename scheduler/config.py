@@ -14,6 +14,9 @@ class EngineConfig:
     prefill_chunk: the longest prefill chunk one request gets in one tick.
     max_model_len: longest prompt accepted; None means the model's `max_position_embeddings`.
     seed: engine seed; a request without its own seed samples with one derived from this and its id.
+    max_kv_size: keep only the last `max_kv_size` tokens of each request's context (rotating caches, no
+        attention sinks), for models without their own cache layout; positions stay true (RoPE uses the real
+        offset). None keeps everything.
     kv_memory_bytes: hard budget on the bytes of the KV caches of running requests (prefix-cache entries have
         their own budget). The planner admits only what fits and preempts when decoding outgrows it.
     kv_headroom_tokens: tokens of growth per row an admission must leave room for (prevents thrash).
@@ -30,6 +33,7 @@ class EngineConfig:
     penalty_context: int = 20
     seed: int = 0
     policy: str = "fcfs"
+    max_kv_size: int | None = None  # bounded context: rotating caches of this many tokens
     kv_memory_bytes: int | None = None  # hard budget for KV caches; None = unbounded
     kv_headroom_tokens: int = 32
     prefix_cache_bytes: int = 0  # 0 disables the prefix cache
@@ -49,6 +53,8 @@ class EngineConfig:
                 f"max_batched_tokens ({self.max_batched_tokens}) must exceed max_seqs ({self.max_seqs}) "
                 "so prefill always gets at least one token next to a full decode batch"
             )
+        if self.max_kv_size is not None and (not isinstance(self.max_kv_size, int) or self.max_kv_size < 2):
+            raise ValueError(f"max_kv_size: must be an integer >= 2 or None, got {self.max_kv_size!r}")
         if self.kv_memory_bytes is not None and (not isinstance(self.kv_memory_bytes, int) or self.kv_memory_bytes < 1):
             raise ValueError(f"kv_memory_bytes: must be a positive integer or None, got {self.kv_memory_bytes!r}")
         if not isinstance(self.kv_headroom_tokens, int) or self.kv_headroom_tokens < 0:

@@ -111,11 +111,16 @@ class Engine:
         self.events = EventLog(sinks)
         self.vocab_size = adapters.vocab_size(model)
         self.max_model_len = self.config.max_model_len or adapters.max_positions(model) or 1 << 30
-        self.kv_layout = adapters.kv_layout(model) if self.config.kv_memory_bytes is not None else None
+        if self.config.max_kv_size is not None and not adapters.supports_max_kv_size(model):
+            raise ValueError("max_kv_size: this model builds its own caches (e.g. sliding windows); "
+                             "mlx-lm ignores max_kv_size for it and so would the results")
+        self.kv_layout = (adapters.kv_layout(model, self.config.max_kv_size)
+                          if self.config.kv_memory_bytes is not None else None)
         self.scheduler = Scheduler(self.config, self.events, adapters.eos_token_ids(tokenizer), policy,
                                    self.kv_layout)
         self.executor = executor or MLXExecutor(model, penalty_context=self.config.penalty_context,
-                                                prefix_cache=self.scheduler.prefix_cache)
+                                                prefix_cache=self.scheduler.prefix_cache,
+                                                max_kv_size=self.config.max_kv_size)
         self.tick = 0
         self._lock = threading.Lock()
         self._inbox: list[_Arrival] = []

@@ -30,8 +30,10 @@ class _Row:
 
 
 class MLXExecutor:
-    def __init__(self, model: Any, penalty_context: int = 20, prefix_cache: Any = None):
+    def __init__(self, model: Any, penalty_context: int = 20, prefix_cache: Any = None,
+                 max_kv_size: int | None = None):
         self.model = model
+        self.max_kv_size = max_kv_size
         self.prefix_cache = prefix_cache  # read here (payloads to restore); the scheduler decides what is in it
         self.penalty_context = penalty_context
         self._prefill_caches: dict[str, adapters.Cache] = {}
@@ -96,7 +98,7 @@ class MLXExecutor:
     def _prefill(self, request: Request, start: int, end: int) -> None:
         cache = self._prefill_caches.get(request.request_id)
         if cache is None:
-            cache = self._prefill_caches[request.request_id] = adapters.make_request_cache(self.model)
+            cache = self._prefill_caches[request.request_id] = adapters.make_request_cache(self.model, self.max_kv_size)
         if end > start:
             tokens = mx.array(request.prefill_tokens(start, end))[None]
             self.model(tokens, cache=cache)

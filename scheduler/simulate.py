@@ -302,7 +302,7 @@ def _mean(values: list[float]) -> float | None:
 
 
 def summarize(records: Iterable[RequestRecord], ticks: int, request_ticks: int, preemptions: int = 0,
-              cache_hit_rate: float | None = None) -> dict[str, Any]:
+              cache_hit_rate: float | None = None, prefix_tokens_saved: int | None = None) -> dict[str, Any]:
     records = list(records)
     ttft = [r.first_token - r.arrival for r in records if r.first_token is not None]
     done = [r for r in records if r.outcome == "finished"]
@@ -334,6 +334,7 @@ def summarize(records: Iterable[RequestRecord], ticks: int, request_ticks: int, 
         "ticks": ticks,
         "request_ticks": request_ticks,
         "cache_hit_rate": cache_hit_rate,
+        "prefix_tokens_saved": prefix_tokens_saved,
     }
 
 
@@ -394,11 +395,15 @@ class SimExecutor:
 
     A request produces `ordinary_token` until its `output_len`-th token, which is the stop token (unless
     output_len == max_tokens: then `max_tokens` ends it). A request with `error_after = k` gets an error instead
-    of its (k+1)-th token. Same interface as `ReplayExecutor`: `execute(plan, requests)`, `release(ids)`.
+    of its (k+1)-th token. The token count survives a preemption (the request resumes where it stopped, as
+    the real executor's sampling step does). With `prefix_block_size`, a request whose prefill completes
+    offers prompt[:-1] to the prefix cache, as `MLXExecutor._offer_prefix` does (`kv_bytes_per_token` sizes
+    the entry; no payload). Same interface as `ReplayExecutor`: `execute(plan, requests)`, `release(ids)`.
     """
 
     def __init__(self, cost_model: CostModel, arrivals: Iterable[SimArrival],
-                 stop_token_ids: Sequence[int] = (0,), ordinary_token: int | None = None):
+                 stop_token_ids: Sequence[int] = (0,), ordinary_token: int | None = None,
+                 prefix_block_size: int | None = None, kv_bytes_per_token: int = 0):
         self.cost_model = cost_model
         self.clock = 0.0
         stops = set(stop_token_ids)
@@ -409,12 +414,16 @@ class SimExecutor:
         while token in stops:
             token += 1
         self.ordinary_token = token
+        self.prefix_block_size = prefix_block_size
+        self.kv_bytes_per_token = kv_bytes_per_token
         # id -> index of the token that is the stop (or -1), index that errors (or -1)
         self._stop_at: dict[str, int] = {}
         self._error_at: dict[str, int] = {}
+        self._prompt_len: dict[str, int] = {}
         for a in arrivals:
             self._stop_at[a.request_id] = a.output_len - 1 if a.output_len < a.max_tokens else -1
             self._error_at[a.request_id] = -1 if a.error_after is None else a.error_after
+            self._prompt_len[a.request_id] = a.prompt_len
         self._produced: dict[str, int] = {}
 
     def execute(self, plan: TickPlan, requests: Mapping[str, Request] | None = None) -> TickResult:
@@ -425,6 +434,9 @@ class SimExecutor:
         produced, stop_at, error_at = self._produced, self._stop_at, self._error_at
         ordinary, stop = self.ordinary_token, self.stop_token
         rows = [c.request_id for c in plan.prefill if c.completes]
+        result = TickResult(sampled=sampled, errors=errors, prefill_time=seconds, decode_time=0.0)
+        if rows and self.prefix_block_size is not None:
+            self._offer_prefixes(plan, rows, result)
         rows.extend(plan.decode)
         for rid in rows:
             n = produced.get(rid, 0)
@@ -434,7 +446,17 @@ class SimExecutor:
             sampled[rid] = stop if n == stop_at[rid] else ordinary
             produced[rid] = n + 1
         # Errors come only with sampling here; the real executor can also fail a request mid-prefill.
-        return TickResult(sampled=sampled, errors=errors, prefill_time=seconds, decode_time=0.0)
+        return result
+
+    def _offer_prefixes(self, plan: TickPlan, completing: list[str], result: TickResult) -> None:
+        from .plan import PrefixStore  # the prefix-cache contract (absent from older plan modules)
+
+        restored = {rid: length for rid, _entry, length in getattr(plan, "prefix_hits", ())}
+        for rid in completing:
+            n = self._prompt_len[rid] - 1
+            if n < self.prefix_block_size or restored.get(rid, 0) == n:
+                continue
+            result.prefix_stores.append(PrefixStore(rid, n, n * self.kv_bytes_per_token, False, None))
 
     def release(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
@@ -451,11 +473,13 @@ class SimResult:
     wall_s: float  # how long the simulation itself took
     preemptions: int = 0
     cache_hit_rate: float | None = None
+    prefix_tokens_saved: int | None = None
     config: EngineConfig | None = None
     policy: str | None = None
 
     def summary(self) -> dict[str, Any]:
-        return summarize(self.requests, self.ticks, self.request_ticks, self.preemptions, self.cache_hit_rate)
+        return summarize(self.requests, self.ticks, self.request_ticks, self.preemptions, self.cache_hit_rate,
+                         self.prefix_tokens_saved)
 
     @property
     def request_ticks_per_s(self) -> float:
@@ -473,20 +497,32 @@ def simulate(
     policy: str | Policy | None = None,
     stop_token_id: int = 0,
     *,
+    kv_layout: Any = None,
+    kv_bytes_per_token: int | None = None,
     max_ticks: int | None = None,
 ) -> SimResult:
     """Drive the real Scheduler over `arrivals` in virtual time; see the module docstring.
 
     Each tick: add the arrivals whose time has come (when nothing is live, the clock first jumps to the next
     arrival), abort those whose `abort_time` has passed, plan, execute on `SimExecutor`, apply.
-    `config.check_invariants` checks the scheduler's bookkeeping after every tick (slower).
+    `kv_layout` (a `caches.kv.KVLayout`) enables `config.kv_memory_bytes` (admission and preemption); an
+    arrival that could never fit is refused as the engine refuses it (outcome "error", never queued).
+    `config.prefix_cache_bytes` turns the real prefix cache on; its entries are sized `kv_bytes_per_token`
+    per token (default: the layout's, else 0). `config.check_invariants` checks the bookkeeping every tick.
     """
     ids = [a.request_id for a in arrivals]
     if len(set(ids)) != len(ids):
         raise ValueError("simulate: request ids must be unique")
     wall0 = time.perf_counter()
-    scheduler = Scheduler(config, EventLog(), stop_token_ids=[stop_token_id], policy=policy)
-    executor = SimExecutor(cost_model, arrivals, stop_token_ids=[stop_token_id])
+    extra = {"kv_layout": kv_layout} if kv_layout is not None else {}
+    scheduler = Scheduler(config, EventLog(), stop_token_ids=[stop_token_id], policy=policy, **extra)
+    if kv_bytes_per_token is None:
+        kv_bytes_per_token = kv_layout.bytes_per_token if kv_layout is not None else 0
+    prefix_cache = getattr(scheduler, "prefix_cache", None)
+    executor = SimExecutor(cost_model, arrivals, stop_token_ids=[stop_token_id],
+                           prefix_block_size=config.prefix_block_size if prefix_cache is not None else None,
+                           kv_bytes_per_token=kv_bytes_per_token)
+    budget = getattr(config, "kv_memory_bytes", None)
     pending = sorted(arrivals, key=lambda a: a.arrival_time)  # stable: ties keep the given order
     aborts = sorted(((max(a.abort_time, a.arrival_time), a.request_id) for a in arrivals
                      if a.abort_time is not None))
@@ -494,7 +530,7 @@ def simulate(
     sampling_cache: dict[int, SamplingParams] = {}
     live = scheduler.requests
     next_arrival = next_abort = 0
-    tick = ticks = request_ticks = row_ticks = 0
+    tick = ticks = request_ticks = row_ticks = preemptions = 0
     limit = max_ticks if max_ticks is not None else math.inf
 
     while next_arrival < len(pending) or live:
@@ -504,6 +540,9 @@ def simulate(
         while next_arrival < len(pending) and pending[next_arrival].arrival_time <= now:
             a = pending[next_arrival]
             next_arrival += 1
+            if kv_layout is not None and budget is not None and kv_layout.footprint([a.prompt_len + 1], []) > budget:
+                records[a.request_id].outcome, records[a.request_id].end = "error", now  # the engine refuses it
+                continue
             sampling = sampling_cache.get(a.max_tokens)
             if sampling is None:
                 sampling = sampling_cache[a.max_tokens] = SamplingParams(max_tokens=a.max_tokens)
@@ -520,11 +559,16 @@ def simulate(
             continue
         plan = scheduler.plan(scheduler.view(tick))
         if plan.is_empty:
-            raise RuntimeError(f"simulate: tick {tick}: the policy planned no work with {len(live)} live requests")
+            raise RuntimeError(f"simulate: tick {tick}: the scheduler planned no work with {len(live)} live "
+                               f"requests (a queue head that can never be admitted?)")
         request_ticks += len(live)
         row_ticks += len(plan.prefill) + len(plan.decode)
+        preempted = getattr(plan, "preempted", ())
+        if preempted:
+            preemptions += len(preempted)
         for rid in plan.admitted:
-            records[rid].admitted = now
+            if records[rid].admitted is None:  # first admission (a preempted request is admitted again)
+                records[rid].admitted = now
         result = executor.execute(plan, live)
         applied = scheduler.apply(plan, result)
         end = executor.clock
@@ -546,10 +590,14 @@ def simulate(
         ticks += 1
         if ticks >= limit:
             break
+    hit_rate = saved = None
+    if prefix_cache is not None:
+        stats = prefix_cache.stats()
+        hit_rate, saved = stats["hit_rate"], stats["tokens_saved"]
     return SimResult(
         requests=list(records.values()), ticks=ticks, request_ticks=request_ticks, row_ticks=row_ticks,
-        clock=executor.clock, wall_s=time.perf_counter() - wall0, preemptions=0, cache_hit_rate=None,
-        config=config, policy=scheduler.policy.name,
+        clock=executor.clock, wall_s=time.perf_counter() - wall0, preemptions=preemptions,
+        cache_hit_rate=hit_rate, prefix_tokens_saved=saved, config=config, policy=scheduler.policy.name,
     )
 
 
@@ -574,7 +622,8 @@ _DISPLAY = (  # key, label, scale
     ("preemptions", "preemptions", None),
     ("ticks", "ticks", None),
     ("request_ticks", "request-ticks", None),
-    ("cache_hit_rate", "cache hit rate", 1.0),
+    ("cache_hit_rate", "prefix cache hit rate", 1.0),
+    ("prefix_tokens_saved", "prefix tokens saved", None),
 )
 
 

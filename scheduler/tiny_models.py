@@ -25,10 +25,9 @@ decoding collapses onto one token). Three adjustments to the random init (see
 depends on the whole context (so a broken KV cache changes it), and never emits a
 special token, so every generation runs to ``max_tokens``.
 
-A build is deterministic: ``mx.random`` is
-seeded before the model is constructed and the tokenizer is a byte-level BPE
-trained on a corpus this module generates itself from a fixed word list, so two
-builds with the same seed are byte-identical.
+A build is deterministic: ``mx.random`` is seeded before the model is constructed
+and the tokenizer is a byte-level BPE trained on a corpus this module generates
+itself from a fixed word list, so two builds with the same seed are byte-identical.
 """
 
 from __future__ import annotations
@@ -327,12 +326,7 @@ def video_preprocessor_config() -> dict[str, Any]:
     }
 
 
-# -------------------------------------------------------------------------- writers
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-
+# -------------------------------------------------------------------------- weights
 
 # What random weights need so that greedy decoding behaves like a language model
 # would in tests: varied output that depends on the whole context, of a known length.
@@ -395,6 +389,13 @@ def _shape_random_weights(lm, model_type: str, tokenizer) -> None:
     _spread_embeddings(lm, model_type)
     _sharpen_attention(lm, model_type)
     _mute_special_tokens(lm, tokenizer)
+
+
+# -------------------------------------------------------------------------- writers
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def _write_text_model(kind: str, out: Path, tokenizer, seed: int) -> None:

@@ -310,6 +310,32 @@ class Qwen2VLAdapter:
         self.image_token = getattr(processor, "image_token", "<|image_pad|>")
         self._fingerprint: str | None = None
 
+    # ---- model facts the engine needs (scheduler/adapters.py's text helpers do not fit a VLM) ----------
+    @property
+    def tokenizer(self) -> Any:
+        return getattr(self.processor, "tokenizer", self.processor)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.language_model.args.vocab_size)
+
+    @property
+    def max_positions(self) -> int | None:
+        value = getattr(self.language_model.args, "max_position_embeddings", None)
+        return int(value) if value else None
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """What ends generation in ``mlx_vlm.stream_generate``: the config's ``eos_token_id`` (int or list),
+        plus the tokenizer's own eos."""
+        ids: set[int] = set()
+        for source in (getattr(self.model.config, "eos_token_id", None), getattr(self.tokenizer, "eos_token_id", None)):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source is not None:
+                ids.update(int(i) for i in source)
+        return frozenset(ids)
+
     # ---- identity ---------------------------------------------------------------------------------
     @property
     def fingerprint(self) -> str:
@@ -352,6 +378,8 @@ class Qwen2VLAdapter:
         ids = [int(t) for t in input_ids[0].tolist()]
         if not ids:
             raise ValueError("prompt tokenizes to nothing")
+        if self.video_token_id in ids:
+            raise ValueError("video inputs are not supported by this adapter (the prompt holds a video token)")
         if ids[-1] in self.media_token_ids:
             raise ValueError("the prompt must not end with an image/video token: the first decode step feeds the "
                              "last prompt token as text (use the chat template, which ends with the generation prompt)")
