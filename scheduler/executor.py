@@ -86,14 +86,28 @@ class MLXExecutor:
                 joining.append(chunk.request_id)
                 self._offer_prefix(request, restored.get(request.request_id, 0), result)
         t1 = time.perf_counter()
-        if joining:
-            self._join(joining, requests)
-        if self._rows:
-            self._decode(result)
+        try:
+            if joining:
+                self._join(joining, requests)
+            if self._rows:
+                self._decode(result)
+        except Exception as exc:  # e.g. out of memory in the batched forward: that work item fails, not the engine
+            self._fail_batch(joining, result, f"decode failed: {type(exc).__name__}: {exc}")
         t2 = time.perf_counter()
         result.prefill_time = t1 - t0
         result.decode_time = t2 - t1
         return result
+
+    def _fail_batch(self, joining: list[str], result: TickResult, error: str) -> None:
+        """The batched decode is one work item: every row in it (and every request joining it) fails, the
+        batch state is dropped, and the executor is ready for the next tick."""
+        for rid in [row.request.request_id for row in self._rows] + joining:
+            result.errors[rid] = error
+            result.sampled.pop(rid, None)
+            self._prefill_caches.pop(rid, None)
+        self._rows, self._row_index, self._batch_cache = [], {}, []
+        self._next_inputs = self._context = self._params = None
+        self._released.clear()
 
     def _prefill(self, request: Request, start: int, end: int) -> None:
         cache = self._prefill_caches.get(request.request_id)
