@@ -1,0 +1,110 @@
+"""Stateful property test on the real tiny model: random interleavings of add (varied lengths, shared
+prefixes, greedy and seeded sampling), abort in any state, and ticks, under KV-budget pressure with the
+prefix cache on. Invariants are checked every tick (EngineConfig.check_invariants); at the end every request
+ended exactly once, every unaborted greedy request equals its solo mlx-lm output, and every cache byte held
+for requests is returned."""
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from scheduler import Engine, EngineConfig, FinishReason, RequestState, SamplingParams
+
+from .helpers import solo_tokens
+
+SHARED = [random.Random(1).randrange(7, 512) for _ in range(40)]
+_SOLO: dict[tuple, list[int]] = {}
+
+
+def _solo(model, tokenizer, prompt, n):
+    key = (tuple(prompt), n)
+    if key not in _SOLO:
+        _SOLO[key] = solo_tokens(model, tokenizer, prompt, n)
+    return _SOLO[key]
+
+
+@pytest.fixture(scope="module")
+def machine_class(text_model):
+    model, tokenizer = text_model
+
+    class EngineMachine(RuleBasedStateMachine):
+        @initialize(kv_budget=st.sampled_from([None, 1_500_000]), prefix=st.booleans(),
+                    chunk=st.sampled_from([5, 16, 64]))
+        def start(self, kv_budget, prefix, chunk):
+            self.engine = Engine(model, tokenizer, EngineConfig(
+                max_batched_tokens=chunk + 8, max_seqs=6, prefill_chunk=chunk, kv_memory_bytes=kv_budget,
+                kv_headroom_tokens=4, prefix_cache_bytes=(8 << 20) if prefix else 0, check_invariants=True))
+            self.specs, self.tokens, self.ended, self.aborted = {}, {}, {}, set()
+
+        @rule(length=st.integers(1, 90), shared=st.booleans(), n=st.integers(1, 12),
+              sampled=st.booleans(), seed=st.integers(0, 100))
+        def add(self, length, shared, n, sampled, seed):
+            rng = random.Random(seed)
+            body = [rng.randrange(7, 512) for _ in range(length)]
+            prompt = (SHARED + body) if shared else body
+            sampling = SamplingParams(max_tokens=n, temperature=0.8 if sampled else 0.0, seed=seed)
+            rid = self.engine.add_request(prompt_tokens=prompt, sampling=sampling)
+            self.specs[rid] = (prompt, n, sampled)
+            self.tokens[rid] = []
+
+        @precondition(lambda self: bool(self.specs))
+        @rule(data=st.data())
+        def abort(self, data):
+            rid = data.draw(st.sampled_from(sorted(self.specs)))
+            live = self.engine.abort(rid)
+            if live:
+                self.aborted.add(rid)
+            else:
+                assert rid in self.ended
+
+        @rule(ticks=st.integers(1, 4))
+        def tick(self, ticks):
+            for _ in range(ticks):
+                self._step()
+
+        def _step(self):
+            for out in self.engine.step():
+                assert out.request_id not in self.ended, "output after the end"
+                self.tokens[out.request_id].extend(out.token_ids)
+                if out.finished:
+                    self.ended[out.request_id] = out.finish_reason
+
+        @invariant()
+        def states_are_consistent(self):
+            if not hasattr(self, "engine"):
+                return
+            for rid in self.ended:
+                assert self.engine.state_of(rid) in (RequestState.FINISHED, RequestState.ABORTED)
+
+        def teardown(self):
+            if not hasattr(self, "engine"):
+                return
+            while self.engine.has_pending():
+                self._step()
+            assert set(self.ended) == set(self.specs), "every request ended exactly once"
+            for rid, (prompt, n, sampled) in self.specs.items():
+                reason = self.ended[rid]
+                if reason is FinishReason.ABORT:
+                    assert rid in self.aborted
+                    continue
+                assert reason in (FinishReason.STOP, FinishReason.LENGTH), (rid, reason)
+                if not sampled:
+                    assert self.tokens[rid] == _solo(model, tokenizer, prompt, n), rid
+            assert self.engine.executor.cache_bytes() == 0
+            assert not self.engine.executor.live_request_ids()
+            cache = self.engine.scheduler.prefix_cache
+            if cache is not None:
+                assert cache.bytes == sum(e.nbytes for e in cache._entries.values()) <= cache.max_bytes
+
+    return EngineMachine
+
+
+@pytest.mark.slow
+def test_random_interleavings_keep_every_guarantee(machine_class):
+    settings_ = settings(max_examples=40, stateful_step_count=40, deadline=None,
+                         suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    machine_class.TestCase.settings = settings_
+    machine_class.TestCase().runTest()
