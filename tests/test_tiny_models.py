@@ -1,13 +1,15 @@
 """The tiny offline models load through mlx-lm / mlx-vlm and generate sensibly."""
 
 import json
+import subprocess
+import sys
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from scheduler.tiny_models import MODEL_KINDS, build_model
+from scheduler.tiny_models import MODEL_KINDS, SPECIAL_TOKENS, build_model
 
 N_TOKENS = 16
 VOCAB = 512
@@ -32,9 +34,19 @@ def greedy_tokens(model, tokenizer, prompt, n=N_TOKENS, **kwargs):
 def assert_not_collapsed(tokens):
     # Greedy decoding on random weights must not be one repeated token; a
     # collapsed model hides bugs (every request would "agree" with every other).
-    assert len(tokens) == N_TOKENS
+    assert len(tokens) == N_TOKENS  # special tokens (eos) are never generated
     assert len(set(tokens)) > N_TOKENS // 2, tokens
-    assert all(0 <= t < VOCAB for t in tokens)
+    assert all(len(SPECIAL_TOKENS) <= t < VOCAB for t in tokens), tokens
+
+
+LONG_TEXT = "The farmer, in the morning, counts three apples; then the city sees it again."
+
+
+def assert_context_sensitive(model, tokenizer):
+    """Changing only the first word of a long prompt changes the continuation."""
+    a = greedy_tokens(model, tokenizer, chat_prompt(tokenizer, LONG_TEXT))
+    b = greedy_tokens(model, tokenizer, chat_prompt(tokenizer, "A" + LONG_TEXT[3:]))
+    assert a != b
 
 
 # ---------------------------------------------------------------------- build
@@ -66,6 +78,15 @@ def test_build_is_deterministic(tmp_path, text_model_dir):
     ).read_bytes()
 
 
+def test_build_is_deterministic_across_processes(tmp_path, text_model_dir):
+    # Rust hash maps in `tokenizers` are seeded per process; the BPE training must
+    # not depend on their iteration order.
+    code = "import sys; from scheduler.tiny_models import build_model; build_model('text', sys.argv[1])"
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "other")], check=True)
+    for name in ("model.safetensors", "tokenizer.json"):
+        assert (tmp_path / "other" / name).read_bytes() == (text_model_dir / name).read_bytes()
+
+
 def test_vlm_build_is_deterministic(tmp_path, vlm_model_dir):
     again = build_model("vlm", tmp_path / "again")
     for name in ("model.safetensors", "tokenizer.json", "config.json",
@@ -85,6 +106,10 @@ def test_hf_layout_float32_untied(request, fixture):
     weights = mx.load(str(path / "model.safetensors"))
     assert {v.dtype for v in weights.values()} == {mx.float32}
     assert any(k.endswith("lm_head.weight") for k in weights)
+    # transformers validates config keys strictly (e.g. vision mlp_ratio must be an int).
+    from transformers import AutoConfig
+
+    assert AutoConfig.from_pretrained(path).model_type == config["model_type"]
 
 
 # ------------------------------------------------------------------ tokenizer
@@ -137,8 +162,8 @@ def test_text_model(text_model):
     # detokenizer drops one leading space of the whole output.)
     text = generate(model, tok, prompt, max_tokens=N_TOKENS)
     assert text == tok.decode(tokens).removeprefix(" ")
-    # A different prompt gives a different continuation.
     assert greedy_tokens(model, tok, chat_prompt(tok, "A dog opens the door.")) != tokens
+    assert_context_sensitive(model, tok)
 
 
 def test_sliding_model(sliding_model):
@@ -152,15 +177,16 @@ def test_sliding_model(sliding_model):
     assert all(c.max_size == 16 for c in cache[:3])
 
     # Prompt + generation run well past the 16-token window.
-    prompt = chat_prompt(tok, "The farmer, in the morning, counts three apples; then the city sees it.")
-    assert len(prompt) > 16
+    prompt = chat_prompt(tok, LONG_TEXT)
+    assert len(prompt) > 2 * 16
     tokens = greedy_tokens(model, tok, prompt, prompt_cache=cache)
     assert_not_collapsed(tokens)
     offsets = {c.offset for c in cache}
     assert len(offsets) == 1 and offsets.pop() >= len(prompt) + N_TOKENS - 1
+    # The first word is outside every sliding window; only the global layer sees it.
+    assert_context_sensitive(model, tok)
 
 
-@pytest.mark.slow
 def test_medium_model(medium_model_dir):
     import mlx_lm
 
