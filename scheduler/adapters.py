@@ -65,6 +65,21 @@ def filter_batch(batch: Cache, keep: list[int]) -> Cache:
     return batch
 
 
+def _plain_kv_classes() -> tuple[type, ...]:
+    """mlx-lm's KVCache, and mlx-vlm's copy of it (same fields: keys, values, offset)."""
+    classes: list[type] = [mlx_cache.KVCache]
+    try:
+        from mlx_vlm.models import cache as vlm_cache
+
+        classes.append(vlm_cache.KVCache)
+    except ImportError:  # mlx-vlm is optional for text-only use
+        pass
+    return tuple(classes)
+
+
+_PLAIN_KV = _plain_kv_classes()
+
+
 def snapshot_cache(cache: Cache) -> tuple[list[tuple[type, tuple]], int, bool]:
     """A prefix-cache payload from a single-request cache that is about to be dropped.
 
@@ -74,7 +89,7 @@ def snapshot_cache(cache: Cache) -> tuple[list[tuple[type, tuple]], int, bool]:
     payload, nbytes, whole_only = [], 0, False
     for layer in cache:
         kind = type(layer)
-        if kind is mlx_cache.KVCache:
+        if kind in _PLAIN_KV:
             n = layer.offset
             keys, values = mx.contiguous(layer.keys[..., :n, :]), mx.contiguous(layer.values[..., :n, :])
             payload.append((kind, (keys, values, n)))
@@ -97,11 +112,11 @@ def restore_cache(payload: list[tuple[type, tuple]], length: int) -> Cache:
     """
     cache = []
     for kind, state in payload:
-        if kind is mlx_cache.KVCache:
+        if kind in _PLAIN_KV:
             keys, values, n = state
             if length > n:
                 raise ValueError(f"cannot restore {length} tokens from an entry of {n}")
-            layer = mlx_cache.KVCache()
+            layer = kind()
             layer.keys, layer.values, layer.offset = keys[..., :length, :], values[..., :length, :], length
         else:
             layer = kind.from_state(tuple(mx.array(x) if isinstance(x, mx.array) else x for x in state))
@@ -152,6 +167,19 @@ def max_positions(model: Any) -> int | None:
     args = model_args(model)
     value = getattr(args, "max_position_embeddings", None) if args is not None else None
     return int(value) if value else None
+
+
+def is_vision_language_model(model: Any) -> bool:
+    """mlx-vlm models carry a vision tower next to their language model."""
+    return hasattr(model, "vision_tower") and hasattr(model, "language_model")
+
+
+def is_vision_language_dir(model_dir: Any) -> bool:
+    import json
+    from pathlib import Path
+
+    config = Path(model_dir) / "config.json"
+    return config.is_file() and "vision_config" in json.loads(config.read_text(encoding="utf-8"))
 
 
 def model_identity(model: Any) -> dict[str, Any]:

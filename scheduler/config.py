@@ -14,6 +14,8 @@ class EngineConfig:
     prefill_chunk: the longest prefill chunk one request gets in one tick.
     max_model_len: longest prompt accepted; None means the model's `max_position_embeddings`.
     seed: engine seed; a request without its own seed samples with one derived from this and its id.
+    vision_budget: images whose vision encoding runs in one tick (so many images cannot stall decoding).
+    vision_cache_bytes: byte budget of the vision-encoder output cache (VLMs; 0 turns it off).
     max_kv_size: keep only the last `max_kv_size` tokens of each request's context (rotating caches, no
         attention sinks), for models without their own cache layout; positions stay true (RoPE uses the real
         offset). None keeps everything.
@@ -33,6 +35,8 @@ class EngineConfig:
     penalty_context: int = 20
     seed: int = 0
     policy: str = "fcfs"
+    vision_budget: int = 4  # images encoded per tick
+    vision_cache_bytes: int = 256 << 20
     max_kv_size: int | None = None  # bounded context: rotating caches of this many tokens
     kv_memory_bytes: int | None = None  # hard budget for KV caches; None = unbounded
     kv_headroom_tokens: int = 32
@@ -42,7 +46,7 @@ class EngineConfig:
     check_invariants: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("max_batched_tokens", "max_seqs", "prefill_chunk", "penalty_context"):
+        for name in ("max_batched_tokens", "max_seqs", "prefill_chunk", "penalty_context", "vision_budget"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
@@ -59,6 +63,8 @@ class EngineConfig:
             raise ValueError(f"kv_memory_bytes: must be a positive integer or None, got {self.kv_memory_bytes!r}")
         if not isinstance(self.kv_headroom_tokens, int) or self.kv_headroom_tokens < 0:
             raise ValueError(f"kv_headroom_tokens: must be an integer >= 0, got {self.kv_headroom_tokens!r}")
+        if not isinstance(self.vision_cache_bytes, int) or self.vision_cache_bytes < 0:
+            raise ValueError(f"vision_cache_bytes: must be an integer >= 0, got {self.vision_cache_bytes!r}")
         if not isinstance(self.prefix_cache_bytes, int) or self.prefix_cache_bytes < 0:
             raise ValueError(f"prefix_cache_bytes: must be an integer >= 0, got {self.prefix_cache_bytes!r}")
         if not isinstance(self.prefix_block_size, int) or self.prefix_block_size < 1:

@@ -22,6 +22,7 @@ from . import adapters
 from .config import EngineConfig
 from .events import EventLog, JsonlSink, MemorySink
 from .executor import MLXExecutor
+from .runners import TextRunner, VisionLanguageRunner
 from .lifecycle import RequestState
 from .request import (
     InvalidRequest,
@@ -54,6 +55,8 @@ class EngineStats:
     generation_tokens: int = 0
     generation_time: float = 0.0
     ticks: int = 0
+    vision_encoding_time: float = 0.0
+    num_images_processed: int = 0
     peak_memory_bytes: int = 0
     requests_finished: int = 0
     requests_aborted: int = 0
@@ -76,6 +79,8 @@ class EngineStats:
             "generation_time": self.generation_time,
             "generation_tps": self.generation_tps,
             "ticks": self.ticks,
+            "vision_encoding_time": self.vision_encoding_time,
+            "num_images_processed": self.num_images_processed,
             "peak_memory_bytes": self.peak_memory_bytes,
             "requests_finished": self.requests_finished,
             "requests_aborted": self.requests_aborted,
@@ -90,6 +95,8 @@ class _Arrival:
     sampling: SamplingParams
     priority: int
     arrival_time: float
+    media: Any = None
+    error: str | None = None  # unreadable media: the request is accepted and fails with this error
 
 
 class Engine:
@@ -103,24 +110,40 @@ class Engine:
         policy: Any = None,
     ):
         self.model = model
-        self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         sinks = list(event_sinks)
         if self.config.trace_path:
             sinks.append(JsonlSink(self.config.trace_path))
         self.events = EventLog(sinks)
-        self.vocab_size = adapters.vocab_size(model)
-        self.max_model_len = self.config.max_model_len or adapters.max_positions(model) or 1 << 30
+        self.vlm = None  # the model family's adapter when the model is a vision-language model
+        if adapters.is_vision_language_model(model):
+            if self.config.kv_memory_bytes is not None or self.config.max_kv_size is not None:
+                raise ValueError("kv_memory_bytes and max_kv_size are not supported for vision-language models yet")
+            from caches.vision import VisionCache
+
+            from .vlm import adapter_for
+
+            self.vision_cache = (VisionCache(self.config.vision_cache_bytes, on_event=self._vision_event)
+                                 if self.config.vision_cache_bytes else None)
+            self.vlm = adapter_for(model, tokenizer, self.vision_cache)
+            tokenizer = self.vlm.tokenizer
+            self.vocab_size, max_positions, stop_ids = self.vlm.vocab_size, self.vlm.max_positions, self.vlm.eos_token_ids
+            runner = VisionLanguageRunner(self.vlm)
+        else:
+            self.vision_cache = None
+            self.vocab_size, max_positions = adapters.vocab_size(model), adapters.max_positions(model)
+            stop_ids = adapters.eos_token_ids(tokenizer)
+            runner = TextRunner(model, self.config.max_kv_size)
+        self.tokenizer = tokenizer
+        self.max_model_len = self.config.max_model_len or max_positions or 1 << 30
         if self.config.max_kv_size is not None and not adapters.supports_max_kv_size(model):
             raise ValueError("max_kv_size: this model builds its own caches (e.g. sliding windows); "
                              "mlx-lm ignores max_kv_size for it and so would the results")
         self.kv_layout = (adapters.kv_layout(model, self.config.max_kv_size)
                           if self.config.kv_memory_bytes is not None else None)
-        self.scheduler = Scheduler(self.config, self.events, adapters.eos_token_ids(tokenizer), policy,
-                                   self.kv_layout)
-        self.executor = executor or MLXExecutor(model, penalty_context=self.config.penalty_context,
-                                                prefix_cache=self.scheduler.prefix_cache,
-                                                max_kv_size=self.config.max_kv_size)
+        self.scheduler = Scheduler(self.config, self.events, stop_ids, policy, self.kv_layout)
+        self.executor = executor or MLXExecutor(runner, penalty_context=self.config.penalty_context,
+                                                prefix_cache=self.scheduler.prefix_cache)
         self.tick = 0
         self._lock = threading.Lock()
         self._inbox: list[_Arrival] = []
@@ -131,7 +154,7 @@ class Engine:
         self._stats = EngineStats()
         self.events.emit(
             "engine_start", 0, config={**_config_record(self.config), "policy": self.scheduler.policy.name},
-            model=adapters.model_identity(model),
+            model=adapters.model_identity(model.language_model if self.vlm else model),
             vocab_size=self.vocab_size, max_model_len=self.max_model_len,
             stop_token_ids=sorted(self.scheduler.model_stop_ids),
             kv_layout=[[layer.bytes_per_token, layer.window] for layer in self.kv_layout.layers]
@@ -140,10 +163,21 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, config: EngineConfig | None = None, **kwargs: Any) -> "Engine":
+        """Load a local mlx-lm model directory, or an mlx-vlm one (a config with a `vision_config`)."""
+        if adapters.is_vision_language_dir(model_dir):
+            from mlx_vlm import load as load_vlm
+
+            model, processor = load_vlm(str(model_dir))
+            return cls(model, processor, config, **kwargs)
         from mlx_lm import load
 
         model, tokenizer = load(str(model_dir))
         return cls(model, tokenizer, config, **kwargs)
+
+    def _vision_event(self, kind: str, key: str, info: dict) -> None:
+        self.events.emit(f"vision_{kind}", self.tick, key=key,
+                         **{k: v for k, v in info.items() if not k.endswith("_s")},
+                         measure={k: v for k, v in info.items() if k.endswith("_s")})
 
     # ---- requests in ----------------------------------------------------------------------------
     def add_request(
@@ -155,9 +189,17 @@ class Engine:
         request_id: str | None = None,
         priority: int = 0,
     ) -> str:
-        """Queue a request; returns its id. Raises InvalidRequest (nothing queued) for bad input."""
-        if images:
+        """Queue a request; returns its id. Raises InvalidRequest (nothing queued) for bad input.
+
+        Images (PIL images, file paths or bytes) need a vision-language model and a prompt (templated text or
+        chat messages). An image that cannot be read does not raise: the request is accepted and fails at the
+        next tick with the error in its output, like any failure of its own work.
+        """
+        if images and self.vlm is None:
             raise InvalidRequest("images", "this engine was loaded with a text-only model")
+        if images and prompt is None:
+            raise InvalidRequest("images", "give a prompt (text or chat messages) with images: the processor "
+                                           "expands the image placeholders")
         if (prompt is None) == (prompt_tokens is None):
             raise InvalidRequest("prompt", "give exactly one of prompt and prompt_tokens", request_id)
         if sampling is None:
@@ -169,9 +211,13 @@ class Engine:
             raise InvalidRequest("stop_token_ids", f"ids outside the vocabulary [0, {self.vocab_size}): {bad_stops}")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidRequest("priority", f"must be an integer, got {priority!r}")
-        tokens = validate_prompt_tokens(
-            self._tokenize(prompt) if prompt_tokens is None else prompt_tokens, self.vocab_size, self.max_model_len
-        )
+        media, media_error = None, None
+        if self.vlm is not None:
+            media, media_error = self._prepare_media(prompt, prompt_tokens, images)
+            raw_tokens = media.input_ids if media is not None else [0]
+        else:
+            raw_tokens = self._tokenize(prompt) if prompt_tokens is None else prompt_tokens
+        tokens = validate_prompt_tokens(raw_tokens, self.vocab_size, self.max_model_len)
         if self.kv_layout is not None:
             need = self.kv_layout.footprint([len(tokens) + 1], [])
             if need > self.config.kv_memory_bytes:
@@ -187,8 +233,26 @@ class Engine:
             elif request_id in self._known_live or request_id in self._ended:
                 raise InvalidRequest("request_id", f"duplicate request id {request_id!r}", request_id)
             self._known_live.add(request_id)
-            self._inbox.append(_Arrival(request_id, tokens, sampling, priority, time.perf_counter()))
+            self._inbox.append(_Arrival(request_id, tokens, sampling, priority, time.perf_counter(), media,
+                                        media_error))
         return request_id
+
+    def _prepare_media(self, prompt: Any, prompt_tokens: Any, images: Any) -> tuple[Any, str | None]:
+        """Preprocess on the caller's thread (CPU work). Returns (prepared inputs, media error)."""
+        from .vlm import MediaError, PreparedRequest
+
+        if prompt_tokens is not None:
+            tokens = list(prompt_tokens)
+            return PreparedRequest(input_ids=tokens, pixel_values=None, image_grid_thw=None, extras={},
+                                   media_key=None, num_media_tokens=0), None
+        if isinstance(prompt, str) and not prompt:
+            raise InvalidRequest("prompt", "is empty")
+        try:
+            return self.vlm.prepare(prompt, list(images or ())), None
+        except MediaError as exc:
+            return None, f"unreadable image: {exc}"
+        except (ValueError, TypeError) as exc:
+            raise InvalidRequest("prompt", str(exc)) from None
 
     def _tokenize(self, prompt: str | list[dict]) -> list[int]:
         if isinstance(prompt, str):
@@ -244,8 +308,10 @@ class Engine:
                 self.executor.release(applied.released)
             self._account(plan, result)
             stores = [[s.request_id, s.num_tokens, s.nbytes, s.whole_only] for s in result.prefix_stores]
+            encoded = {rid: {"rope_delta": e["rope_delta"], "vision_cache_hit": e["vision_cache_hit"]}
+                       for rid, e in result.encoded.items()}
             self.events.emit("outcome", tick, sampled=result.sampled, errors=result.errors, prefix_stores=stores,
-                             measure={
+                             encoded=encoded, measure={
                 "t": time.perf_counter(), "tick_start_t": tick_start, "tick_s": time.perf_counter() - tick_start,
                 "prefill_s": result.prefill_time, "decode_s": result.decode_time,
             })
@@ -260,14 +326,19 @@ class Engine:
         with self._lock:
             arrivals, self._inbox = self._inbox, []
             aborts, self._abort_inbox = self._abort_inbox, []
+        failed = []
         for a in arrivals:
             request = Request(
                 request_id=a.request_id, prompt_tokens=a.prompt_tokens, sampling=a.sampling,
                 priority=a.priority, arrival_tick=tick, arrival_time=a.arrival_time,
                 seed=a.sampling.seed if a.sampling.seed is not None else _derived_seed(self.config.seed, a.request_id),
+                media=a.media, num_images=a.media.num_images if a.media is not None else 0,
+                media_key=a.media.media_key if a.media is not None else None,
             )
             self.scheduler.add(request, tick)
-        outputs = [
+            if a.error is not None:
+                failed.append(self.scheduler.fail(a.request_id, tick, a.error))
+        outputs = failed + [
             self.scheduler.abort(rid, tick)
             for rid in dict.fromkeys(aborts)  # an id aborted twice in one tick is aborted once
             if rid in self.scheduler.requests
@@ -296,6 +367,8 @@ class Engine:
         s = self._stats
         s.ticks += 1
         s.prompt_tokens += sum(c.num_tokens for c in plan.prefill)
+        s.vision_encoding_time += result.vision_time
+        s.num_images_processed += sum(self._images_of(rid) for rid in result.encoded)
         s.prompt_time += result.prefill_time
         s.generation_tokens += len(result.sampled)
         s.generation_time += result.decode_time
@@ -317,6 +390,13 @@ class Engine:
         if request is None:
             return None
         return request.num_computed_tokens, request.prompt_len
+
+    def _images_of(self, request_id: str) -> int:
+        request = self.scheduler.requests.get(request_id)
+        return request.num_images if request is not None else 0
+
+    def vision_cache_stats(self) -> dict[str, Any] | None:
+        return self.vision_cache.stats() if self.vision_cache is not None else None
 
     def prefix_cache_stats(self) -> dict[str, Any] | None:
         cache = self.scheduler.prefix_cache
@@ -361,10 +441,11 @@ class Engine:
                         progress(out)
         return [results[i] for i in ids]
 
-    def stream(self, prompt: Any = None, prompt_tokens: Sequence[int] | None = None,
+    def stream(self, prompt: Any = None, prompt_tokens: Sequence[int] | None = None, images: Sequence[Any] | None = None,
                sampling: SamplingParams | None = None, request_id: str | None = None) -> Iterator[StepOutput]:
         """Add one request and yield its outputs as the engine steps (other requests keep running)."""
-        rid = self.add_request(prompt=prompt, prompt_tokens=prompt_tokens, sampling=sampling, request_id=request_id)
+        rid = self.add_request(prompt=prompt, prompt_tokens=prompt_tokens, images=images, sampling=sampling,
+                               request_id=request_id)
         while True:
             for out in self.step():
                 if out.request_id == rid:

@@ -1,8 +1,9 @@
-"""MLXExecutor: runs a TickPlan on a real mlx-lm model.
+"""MLXExecutor: runs a TickPlan on a real model (mlx-lm, or mlx-vlm through a runner).
 
-Per tick: (1) drop rows the scheduler released, (2) feed each prefill chunk into that request's own
-single-request cache (exactly the cache `mlx_lm.generate` would build), (3) merge the caches of requests whose
-prefill completes into the running batch cache, (4) one batched forward over every decoding row (a
+Per tick: (1) drop rows the scheduler released or preempted, (2) encode the media of requests planned for
+vision work, (3) feed each prefill chunk into that request's own single-request cache (exactly the cache
+`mlx_lm.generate` would build), (4) merge the caches of requests whose
+prefill completes into the running batch cache, (5) one batched forward over every decoding row (a
 completing request's row is fed its last prompt token, so its first token is sampled in the same tick), then
 vectorised sampling. Per-row state (sampling arrays, penalty context, step counters) is rebuilt only when
 batch membership changes.
@@ -21,6 +22,7 @@ from kernels.sampling import RowSampling, SamplingArrays, sample_tokens
 from . import adapters
 from .plan import PrefixStore, TickPlan, TickResult
 from .request import Request
+from .runners import Runner, TextRunner
 
 
 @dataclass
@@ -30,17 +32,17 @@ class _Row:
 
 
 class MLXExecutor:
-    def __init__(self, model: Any, penalty_context: int = 20, prefix_cache: Any = None,
-                 max_kv_size: int | None = None):
-        self.model = model
-        self.max_kv_size = max_kv_size
+    def __init__(self, runner: Runner | Any, penalty_context: int = 20, prefix_cache: Any = None):
+        self.runner: Runner = runner if hasattr(runner, "decode") and hasattr(runner, "make_cache") else TextRunner(runner)
         self.prefix_cache = prefix_cache  # read here (payloads to restore); the scheduler decides what is in it
         self.penalty_context = penalty_context
         self._prefill_caches: dict[str, adapters.Cache] = {}
+        self._encoded: dict[str, Any] = {}  # request id -> model inputs prepared for prefill (VLM embeddings)
         self._batch_cache: adapters.Cache = []
         self._rows: list[_Row] = []
         self._row_index: dict[str, int] = {}
         self._next_inputs: mx.array | None = None  # (B,) token fed to each row next
+        self._rope_deltas: mx.array | None = None  # (B,) VLM position offsets (0 for text rows)
         self._params: SamplingArrays | None = None
         self._context: mx.array | None = None  # (B, W) recent tokens for penalties, -1 padded
         self._released: set[str] = set()
@@ -51,6 +53,7 @@ class MLXExecutor:
         filter for all of them."""
         for rid in request_ids:
             self._prefill_caches.pop(rid, None)
+            self._encoded.pop(rid, None)
             if rid in self._row_index:
                 self._released.add(rid)
         self._drop_released()
@@ -60,7 +63,7 @@ class MLXExecutor:
         return total + sum(adapters.cache_nbytes(c) for c in self._prefill_caches.values())
 
     def live_request_ids(self) -> set[str]:
-        return set(self._prefill_caches) | set(self._row_index)
+        return set(self._prefill_caches) | set(self._row_index) | set(self._encoded)
 
     # ---- one tick ---------------------------------------------------------------------------------
     def execute(self, plan: TickPlan, requests: Mapping[str, Request]) -> TickResult:
@@ -69,6 +72,15 @@ class MLXExecutor:
         if dropped:
             self.release(dropped)
         t0 = time.perf_counter()
+        for rid in plan.encode:
+            try:
+                encoded = self._encoded[rid] = self.runner.encode(requests[rid])
+            except Exception as exc:  # unreadable media or a failing vision tower: that request only
+                result.errors[rid] = f"vision encoding failed: {type(exc).__name__}: {exc}"
+                continue
+            result.encoded[rid] = {"rope_delta": encoded.rope_delta, "vision_cache_hit": encoded.vision_cache_hit,
+                                   "vision_time_s": encoded.vision_time_s}
+        t_vision = time.perf_counter()
         restored = {}
         for rid, entry_id, length in plan.prefix_hits:  # before any store of this tick can evict them
             self._prefill_caches[rid] = adapters.restore_cache(self.prefix_cache.payload(entry_id), length)
@@ -94,7 +106,8 @@ class MLXExecutor:
         except Exception as exc:  # e.g. out of memory in the batched forward: that work item fails, not the engine
             self._fail_batch(joining, result, f"decode failed: {type(exc).__name__}: {exc}")
         t2 = time.perf_counter()
-        result.prefill_time = t1 - t0
+        result.vision_time = t_vision - t0
+        result.prefill_time = t1 - t_vision
         result.decode_time = t2 - t1
         return result
 
@@ -105,25 +118,27 @@ class MLXExecutor:
             result.errors[rid] = error
             result.sampled.pop(rid, None)
             self._prefill_caches.pop(rid, None)
+            self._encoded.pop(rid, None)
         self._rows, self._row_index, self._batch_cache = [], {}, []
-        self._next_inputs = self._context = self._params = None
+        self._next_inputs = self._rope_deltas = self._context = self._params = None
         self._released.clear()
 
     def _prefill(self, request: Request, start: int, end: int) -> None:
-        cache = self._prefill_caches.get(request.request_id)
+        rid = request.request_id
+        cache = self._prefill_caches.get(rid)
         if cache is None:
-            cache = self._prefill_caches[request.request_id] = adapters.make_request_cache(self.model, self.max_kv_size)
+            cache = self._prefill_caches[rid] = self.runner.make_cache()
+        if rid not in self._encoded:  # text requests: token ids (VLM: embeddings of the text, delta 0)
+            self._encoded[rid] = self.runner.encode(request)
         if end > start:
-            tokens = mx.array(request.prefill_tokens(start, end))[None]
-            self.model(tokens, cache=cache)
-            mx.eval(adapters.cache_arrays(cache))
+            self.runner.prefill(cache, request, self._encoded[rid], start, end)
 
     def _offer_prefix(self, request: Request, restored_now: int, result: TickResult) -> None:
-        """At prefill end the request's own cache holds prompt[:-1]: offer it to the prefix cache (the cache
+        """At prefill end the request's own cache holds prefill_tokens[:-1]: offer it to the prefix cache (the cache
         object is dropped right after the merge, so the payload is never written again)."""
         if self.prefix_cache is None:
             return
-        n = request.prompt_len - 1
+        n = request.prefill_len - 1
         if n < self.prefix_cache.block_size or restored_now == n:
             return  # too short to index, or restored whole from an entry this tick: nothing new
         payload, nbytes, whole_only = adapters.snapshot_cache(self._prefill_caches[request.request_id])
@@ -131,9 +146,12 @@ class MLXExecutor:
 
     def _join(self, request_ids: list[str], requests: Mapping[str, Request]) -> None:
         caches = [self._prefill_caches.pop(rid) for rid in request_ids]
+        encoded = [self._encoded.pop(rid, None) for rid in request_ids]  # prompt embeddings are not needed now
         self._batch_cache = adapters.extend_batch(self._batch_cache, adapters.merge_caches(caches))
         last = mx.array([_last_prefill_token(requests[rid]) for rid in request_ids], dtype=mx.uint32)
+        deltas = mx.array([getattr(e, "rope_delta", 0) for e in encoded], dtype=mx.int32)
         self._next_inputs = last if self._next_inputs is None else mx.concatenate([self._next_inputs, last])
+        self._rope_deltas = deltas if self._rope_deltas is None else mx.concatenate([self._rope_deltas, deltas])
         for rid in request_ids:
             self._row_index[rid] = len(self._rows)
             # the sampling step continues where a preempted request left off (seeded draws stay the same)
@@ -153,10 +171,11 @@ class MLXExecutor:
         if keep:
             idx = mx.array(keep)
             self._next_inputs = self._next_inputs[idx]
+            self._rope_deltas = self._rope_deltas[idx]
             if self._context is not None:
                 self._context = self._context[idx]
         else:
-            self._next_inputs = None
+            self._next_inputs = self._rope_deltas = None
             self._context = None
         self._params = None
 
@@ -200,7 +219,7 @@ class MLXExecutor:
 
     def _decode(self, result: TickResult) -> None:
         inputs = self._next_inputs
-        logits = self.model(inputs[:, None], cache=self._batch_cache)[:, -1, :]
+        logits = self.runner.decode(self._batch_cache, inputs, self._rope_deltas)
         logits = self._apply_processors(logits, result)
         params = self._sampling_arrays()
         context = None

@@ -31,7 +31,8 @@ class PrefillChunk:
 @dataclass(frozen=True)
 class TickPlan:
     tick: int
-    admitted: tuple[str, ...] = ()  # queued -> chunk_prefilling this tick
+    admitted: tuple[str, ...] = ()  # queued -> chunk_prefilling (text) or vision_encoding (media) this tick
+    encode: tuple[str, ...] = ()  # requests whose media is encoded this tick (vision budget)
     prefill: tuple[PrefillChunk, ...] = ()
     decode: tuple[str, ...] = ()  # already decoding: one token each
     prefix_hits: tuple[tuple[str, int, int], ...] = ()  # (request id, prefix entry id, cached tokens) at admission
@@ -43,12 +44,13 @@ class TickPlan:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.prefill or self.decode or self.preempted or self.failed)
+        return not (self.prefill or self.decode or self.encode or self.preempted or self.failed)
 
     def to_record(self) -> dict:
         """Decision fields for the event log (compact, JSON-ready)."""
         return {
             "admitted": list(self.admitted),
+            "encode": list(self.encode),
             "prefill": [[c.request_id, c.start, c.end, c.completes] for c in self.prefill],
             "decode": list(self.decode),
             "prefix_hits": [list(h) for h in self.prefix_hits],
@@ -80,5 +82,7 @@ class TickResult:
     logprobs: dict[str, float] = field(default_factory=dict)  # only for requests that asked
     errors: dict[str, str] = field(default_factory=dict)  # request id -> readable error; that request fails
     prefix_stores: list[PrefixStore] = field(default_factory=list)
+    encoded: dict[str, dict] = field(default_factory=dict)  # request id -> {rope_delta, vision_cache_hit, ...}
+    vision_time: float = 0.0
     prefill_time: float = 0.0
     decode_time: float = 0.0

@@ -30,6 +30,7 @@ class SchedulerView:
     waiting: Sequence[Request]
     prefilling: Sequence[Request]
     decoding: Sequence[Request]
+    encoding: Sequence[Request] = ()  # admitted media requests whose media is not encoded yet
     # cache summary: the prefix-cache entry (id, tokens) a waiting request would start from, or None
     prefix_match: Callable[[Request], tuple[int, int] | None] = lambda _request: None
     kv_layout: KVLayout | None = None  # per-token KV cost, for the kv_memory_bytes budget
@@ -89,6 +90,22 @@ class _KVTracker:
         return True
 
 
+class _VisionBudget:
+    """Images encoded per tick. A request with more images than the whole budget is encoded alone in a tick
+    rather than never."""
+
+    def __init__(self, images: int):
+        self.total = self.left = images
+        self.chosen: list[str] = []
+
+    def take(self, request: Request) -> bool:
+        if request.num_images <= self.left or (not self.chosen and self.left == self.total):
+            self.chosen.append(request.request_id)
+            self.left -= request.num_images
+            return True
+        return False
+
+
 def _make_room(view: SchedulerView, kv: _KVTracker) -> tuple[list[str], list[tuple[str, str]]]:
     """Preempt (newest prefilling first, then newest decoding) until the tick fits; a request that cannot
     fit even alone fails instead of deadlocking the engine."""
@@ -120,24 +137,47 @@ def plan_tick(view: SchedulerView, config: EngineConfig, policy: Policy) -> Tick
 
     decode = tuple(r.request_id for r in view.decoding if r.request_id not in gone)
     budget = config.max_batched_tokens - len(decode)
-    seqs = len(view.decoding) + len(view.prefilling) - len(gone)
+    seqs = len(view.decoding) + len(view.prefilling) + len(view.encoding) - len(gone)
+    vision = _VisionBudget(config.vision_budget)
+    for request in policy.order_prefilling(view.encoding, view.tick):
+        vision.take(request)
 
     prefill: list[PrefillChunk] = []
+    prefix_hits: list[tuple[str, int, int]] = []
+
+    def first_chunk_start(request: Request) -> int:
+        """A request's first chunk starts after the prefix-cache hit, if any (recorded in the plan)."""
+        if request.num_computed_tokens:
+            return request.num_computed_tokens
+        match = view.prefix_match(request)
+        if match is None:
+            return 0
+        prefix_hits.append((request.request_id, *match))
+        return match[1]
+
     for request in policy.order_prefilling(view.prefilling, view.tick):
         if budget <= 0:
             break
         if request.request_id in gone:
             continue
-        chunk = _chunk(request, request.num_computed_tokens, budget, config)
+        chunk = _chunk(request, first_chunk_start(request), budget, config)
         if kv is not None and not kv.try_chunk(request, chunk, admission=False):
+            if prefix_hits and prefix_hits[-1][0] == request.request_id:
+                prefix_hits.pop()
             continue  # waits for memory; decoding rows keep going and free it as they finish
         prefill.append(chunk)
         budget -= chunk.num_tokens
 
     admitted: list[str] = []
-    prefix_hits: list[tuple[str, int, int]] = []
     for request in policy.order_waiting(view.waiting, view.tick, view.cached_prefix):
-        if budget <= 0 or seqs >= config.max_seqs:
+        if seqs >= config.max_seqs:
+            break
+        if request.num_images:  # media first goes through vision encoding, under the vision budget
+            admitted.append(request.request_id)
+            vision.take(request)
+            seqs += 1
+            continue
+        if budget <= 0:
             break
         match = view.prefix_match(request)
         chunk = _chunk(request, match[1] if match else request.num_computed_tokens, budget, config)
@@ -153,6 +193,7 @@ def plan_tick(view: SchedulerView, config: EngineConfig, policy: Policy) -> Tick
     return TickPlan(
         tick=view.tick,
         admitted=tuple(admitted),
+        encode=tuple(vision.chosen),
         prefill=tuple(prefill),
         decode=decode,
         prefix_hits=tuple(prefix_hits),

@@ -108,6 +108,8 @@ def request_from_arrival(event: Mapping[str, Any]) -> Request:
         priority=event.get("priority", 0),
         arrival_tick=event["tick"],
         seed=event.get("seed", 0),
+        num_images=event.get("num_images", 0),
+        media_key=event.get("media_key"),
     )
 
 
@@ -123,7 +125,7 @@ class ReplayExecutor:
             raise TraceError(f"tick {plan.tick}: the trace has a plan with work but no outcome")
         stores = [PrefixStore(rid, n, nbytes, whole_only) for rid, n, nbytes, whole_only in outcome.get("prefix_stores", [])]
         return TickResult(sampled=dict(outcome.get("sampled", {})), errors=dict(outcome.get("errors", {})),
-                          prefix_stores=stores)
+                          prefix_stores=stores, encoded=dict(outcome.get("encoded", {})))
 
     def release(self, request_ids: Iterable[str]) -> None:
         pass

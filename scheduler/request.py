@@ -132,7 +132,11 @@ class Request:
     sampling: SamplingParams
     priority: int = 0
     arrival_tick: int = 0
-    images: tuple[Any, ...] = ()
+    num_images: int = 0
+    media: Any = None  # the model's preprocessed inputs (VLM: PreparedRequest); released once encoded
+    media_key: str | None = None  # content key of the images: namespaces prefix-cache entries
+    media_encoded: bool = False
+    rope_delta: int = 0  # VLM decode position offset (text: 0)
     seed: int = 0  # effective sampling seed (sampling.seed or derived from the engine seed and id)
     # progress counters
     num_computed_tokens: int = 0  # prompt tokens whose keys/values are in the KV cache
@@ -174,10 +178,10 @@ class Request:
 
     # guards named by the transition table
     def has_media(self) -> bool:
-        return bool(self.images)
+        return self.num_images > 0
 
     def media_ready(self) -> bool:
-        return True  # the vision path adds encoder completion here
+        return self.num_images == 0 or self.media_encoded
 
     def prefill_complete(self) -> bool:
         return self.num_computed_tokens >= self.prefill_len and self.num_output_tokens > self.recompute_tokens

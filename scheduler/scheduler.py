@@ -56,6 +56,7 @@ class Scheduler:
         self.kv_layout = kv_layout
         # Insertion-ordered dicts: arrival order for waiting, admission order for the rest.
         self.waiting: dict[str, Request] = {}
+        self.encoding: dict[str, Request] = {}
         self.prefilling: dict[str, Request] = {}
         self.decoding: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}  # every live request
@@ -79,6 +80,7 @@ class Scheduler:
         self.events.emit(
             "arrival", tick, request_id=request.request_id, prompt_tokens=request.prompt_tokens,
             sampling=request.sampling.to_record(), priority=request.priority, seed=request.seed,
+            num_images=request.num_images, media_key=request.media_key,
             measure={"t": request.arrival_time, "admitted_to_engine_t": time.perf_counter()},
         )
 
@@ -106,6 +108,7 @@ class Scheduler:
             waiting=tuple(self.waiting.values()),
             prefilling=tuple(self.prefilling.values()),
             decoding=tuple(self.decoding.values()),
+            encoding=tuple(self.encoding.values()),
             prefix_match=self._prefix_match if self.prefix_cache is not None else (lambda _r: None),
             kv_layout=self.kv_layout,
         )
@@ -117,7 +120,8 @@ class Scheduler:
         if memo is not None and memo[0] == cache.version:
             return memo[1]
         # At least the last prompt token must be computed: it is the row's first decode input.
-        match = cache.lookup(request.prompt_tokens, max_len=request.prompt_len - 1)
+        match = cache.lookup(request.prefill_tokens(0, request.prefill_len), namespace=request.media_key,
+                             max_len=request.prefill_len - 1)
         found = (match.entry_id, match.length) if match else None
         self._prefix_memo[request.request_id] = (cache.version, found)
         return found
@@ -140,26 +144,39 @@ class Scheduler:
             self._preempt(self.requests[rid], tick)
         for rid in plan.admitted:
             request = self.waiting.pop(rid)
-            self._prefix_memo.pop(rid, None)
-            self.prefilling[rid] = request
-            self._move(request, Trigger.START_PREFILL, tick)
-            if self.prefix_cache is not None:
-                if rid in hits:
-                    self.prefix_cache.record_hit(*hits[rid], request_id=rid)
-                else:
-                    self.prefix_cache.record_miss(rid)
-        for store in result.prefix_stores:
-            request = self.requests[store.request_id]
-            self.prefix_cache.store(request.prompt_tokens[: store.num_tokens], store.nbytes, store.payload,
-                                    whole_only=store.whole_only, request_id=store.request_id)
+            if request.has_media():
+                self.encoding[rid] = request
+                self._move(request, Trigger.START_VISION, tick)
+            else:
+                self.prefilling[rid] = request
+                self._move(request, Trigger.START_PREFILL, tick)
         for rid, error in result.errors.items():
             if rid in self.requests:
                 outputs.append(self.fail(rid, tick, error))
                 released.append(rid)
+        for rid in plan.encode:
+            request = self.requests.get(rid)
+            if request is None:  # its encoding failed
+                continue
+            request.media_encoded = True
+            request.rope_delta = result.encoded[rid]["rope_delta"]
+            self.prefilling[rid] = self.encoding.pop(rid)
+            self._move(request, Trigger.START_PREFILL, tick)
+        for store in result.prefix_stores:
+            request = self.requests[store.request_id]
+            self.prefix_cache.store(request.prefill_tokens(0, store.num_tokens), store.nbytes, store.payload,
+                                    namespace=request.media_key, whole_only=store.whole_only,
+                                    request_id=store.request_id)
         for chunk in plan.prefill:
             request = self.requests.get(chunk.request_id)
             if request is None:  # failed above
                 continue
+            if request.num_computed_tokens == 0 and self.prefix_cache is not None:  # its first chunk
+                self._prefix_memo.pop(request.request_id, None)
+                if request.request_id in hits:
+                    self.prefix_cache.record_hit(*hits[request.request_id], request_id=request.request_id)
+                else:
+                    self.prefix_cache.record_miss(request.request_id)
             request.num_computed_tokens = chunk.end
             if chunk.completes:
                 self._append(request, result)
@@ -178,9 +195,10 @@ class Scheduler:
     def _preempt(self, request: Request, tick: int) -> None:
         """Back to the queue (at its head) with no cache: prompt and outputs so far are recomputed later."""
         rid = request.request_id
-        self.prefilling.pop(rid, None)
-        self.decoding.pop(rid, None)
+        for container in (self.encoding, self.prefilling, self.decoding):
+            container.pop(rid, None)
         self.waiting = {rid: request, **self.waiting}
+        request.media_encoded = False
         request.num_computed_tokens = 0
         request.recompute_tokens = request.num_output_tokens
         request.num_preemptions += 1
@@ -220,7 +238,8 @@ class Scheduler:
     def _end(self, request: Request, trigger: Trigger, tick: int, reason: str) -> None:
         self._move(request, trigger, tick, reason)
         rid = request.request_id
-        for container in (self.waiting, self.prefilling, self.decoding, self.requests, self._prefix_memo):
+        for container in (self.waiting, self.encoding, self.prefilling, self.decoding, self.requests,
+                          self._prefix_memo):
             container.pop(rid, None)
         self.lifecycle.detach(request)
 
@@ -234,6 +253,7 @@ class Scheduler:
         assert sum(c.num_tokens for c in plan.prefill) + len(plan.decode) == plan.num_batched_tokens, plan
         containers = {
             RequestState.QUEUED: self.waiting,
+            RequestState.VISION_ENCODING: self.encoding,
             RequestState.CHUNK_PREFILLING: self.prefilling,
             RequestState.DECODING: self.decoding,
         }
@@ -244,6 +264,6 @@ class Scheduler:
                 assert self.requests.get(rid) is request, rid
             seen += len(container)
         assert seen == len(self.requests), "a live request is in no container or in two"
-        assert len(self.prefilling) + len(self.decoding) <= cfg.max_seqs
+        assert len(self.encoding) + len(self.prefilling) + len(self.decoding) <= cfg.max_seqs
         if cfg.kv_memory_bytes is not None and plan.kv_bytes_bound is not None:
             assert plan.kv_bytes_bound <= cfg.kv_memory_bytes, plan

@@ -7,8 +7,11 @@
 
 `simulate` runs the same planner and `apply` the engine runs (so admission, chunking and finish detection
 are the real ones); only the executor is replaced: `SimExecutor` advances a virtual clock by the cost model
-and returns an ordinary token until a request has produced its `output_len`, then a stop token. No model and
-no MLX are touched.
+and returns an ordinary token until a request has produced its `output_len`, then a stop token. No model is
+loaded and no MLX op runs. The scheduler's own features come along: a policy by name, the prefix cache
+(`prefix_cache_bytes`: the sim executor offers prompts at prefill end as the real one does, so hits, the
+hit rate and the shorter prefills are real decisions) and, given the model's KV layout, the KV budget with
+its preemptions.
 
 Time conventions (shared by the recorded and the simulated metrics so the two compare):
   arrival      the request's add time (recorded: arrival `measure.t`)
@@ -49,12 +52,15 @@ FEATURES = ("base", "per_prefill_token", "per_decode_row", "per_prefill_chunk", 
 
 @dataclass
 class CostModel:
-    """Seconds per tick = base + per_prefill_token * prefill tokens + per_decode_row * decode rows
+    """Seconds per tick = (base + per_prefill_token * prefill tokens + per_decode_row * decode rows
     + per_prefill_chunk * chunks + per_decode_forward * [any decode row] + per_prefill_done * completed
-    prefills (+ `overhead` between ticks).
+    prefills) * slowdown + overhead.
 
-    `overhead` is the engine/client time between two busy ticks (outside `tick_s`); it is added to every
-    simulated tick. `r2`, `mean_rel_error`, `n_ticks` and `dropped` describe the fit (None when not fitted).
+    `slowdown` scales the terms so that they also account for the time the fit's outlier ticks took (pauses,
+    contention; see `fit_cost_model`). `overhead` is the engine/client time between two busy ticks (outside
+    `tick_s`), added to every simulated tick. `r2`, `mean_rel_error` (the model as used, slowdown included),
+    `typical_rel_error` (median over ticks of the terms alone: how well the shape fits), `n_ticks` and
+    `dropped` describe the fit (None when not fitted).
     """
 
     base: float = 0.0
@@ -63,9 +69,11 @@ class CostModel:
     per_prefill_chunk: float = 0.0
     per_decode_forward: float = 0.0
     per_prefill_done: float = 0.0
+    slowdown: float = 1.0
     overhead: float = 0.0
     r2: float | None = None
     mean_rel_error: float | None = None
+    typical_rel_error: float | None = None
     n_ticks: int = 0
     dropped: int = 0  # outlier ticks left out of the final fit (e.g. the first tick's warm-up)
 
@@ -77,7 +85,7 @@ class CostModel:
         """Predicted wall time of one tick (including `overhead`)."""
         return (self.base + self.per_prefill_token * prefill_tokens + self.per_decode_row * decode_rows
                 + self.per_prefill_chunk * num_chunks + (self.per_decode_forward if decode_rows else 0.0)
-                + self.per_prefill_done * completed + self.overhead)
+                + self.per_prefill_done * completed) * self.slowdown + self.overhead
 
     def plan_seconds(self, plan: TickPlan) -> float:
         completing = sum(1 for c in plan.prefill if c.completes)
@@ -90,10 +98,11 @@ class CostModel:
                  f"{self.per_decode_forward * 1e3:.3g} ms/decode forward",
                  f"{self.per_prefill_done * 1e6:.3g} us/completed prefill",
                  f"{self.overhead * 1e6:.3g} us between ticks"]
-        text = "cost model: " + " + ".join(parts)
+        text = "cost model: (" + " + ".join(parts[:-1]) + f") x {self.slowdown:.3g} + {parts[-1]}"
         if self.r2 is not None:
-            text += (f"; fit over {self.n_ticks} ticks ({self.dropped} outliers left out): R^2 = {self.r2:.3f}, "
-                     f"mean relative error = {self.mean_rel_error:.1%}")
+            text += (f"; fit over {self.n_ticks} ticks ({self.dropped} outliers left out of the terms): "
+                     f"R^2 = {self.r2:.3f}, mean relative error {self.mean_rel_error:.1%}, "
+                     f"typical tick (median, terms alone) {self.typical_rel_error:.1%}")
         return text
 
 
@@ -130,15 +139,18 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def fit_cost_model(trace: "Trace | str | os.PathLike | Iterable[dict]",
-                   outlier_mads: float | None = None) -> CostModel:
+                   outlier_mads: float | None = 3.0) -> CostModel:
     """Least-squares (non-negative) fit of the per-tick cost over a trace's busy ticks.
 
-    x comes from each tick's `plan` (`tick_features`), y is that tick's `outcome.measure.tick_s`. By default
-    every tick counts, so the predicted total time of the recorded plans equals the recorded one (the fit
-    has an intercept) even when the machine was noisy; `outlier_mads=k` refits once without the ticks whose
-    residual exceeds k median absolute deviations (warm-up, pauses): a model of the *typical* tick.
-    `overhead` is the median gap between one busy tick's end and the next busy tick's start.
-    R^2 and the mean relative error are over all busy ticks, outliers included.
+    x comes from each tick's `plan` (`tick_features`), y is that tick's `outcome.measure.tick_s`. The
+    coefficients are fitted robustly: one refit leaves out ticks whose residual exceeds `outlier_mads` median
+    absolute deviations (warm-up, GC pauses, another process taking the CPU; None keeps every tick). The
+    terms are then scaled by `slowdown` = recorded busy time / predicted busy time, so the predicted total
+    time of the recorded plans matches the recording (a slowdown from contention is proportional: it carries
+    over to a config with more, cheaper ticks better than a constant per tick would). `overhead` is the
+    median gap between one busy tick's end and the next busy tick's start. R^2 and the mean relative error
+    are those of the model as used over all busy ticks; `typical_rel_error` is the median relative error of
+    the terms alone.
     """
     rec = load_recorded(trace)
     rows, ys = [], []
@@ -163,11 +175,14 @@ def fit_cost_model(trace: "Trace | str | os.PathLike | Iterable[dict]",
                 coef = nnls(x[keep], y[keep])
             else:
                 keep[:] = True
-    pred = x @ coef
+    terms = x @ coef
+    slowdown = float(y.sum() / terms.sum()) if terms.sum() > 0 else 1.0
+    pred = terms * slowdown
     ss_res = float(np.sum((y - pred) ** 2))
     ss_tot = float(np.sum((y - y.mean()) ** 2))
     r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else (1.0 if ss_res == 0 else 0.0)
-    mre = float(np.mean(np.abs(pred - y) / np.maximum(y, 1e-12)))
+    rel = np.abs(pred - y) / np.maximum(y, 1e-12)
+    typical = float(np.median(np.abs(terms - y) / np.maximum(y, 1e-12)))
     gaps = []
     ticks = sorted(rec.trace.outcomes)
     for a, b in zip(ticks, ticks[1:]):
@@ -176,8 +191,9 @@ def fit_cost_model(trace: "Trace | str | os.PathLike | Iterable[dict]",
             if "tick_start_t" in mb and "t" in ma:
                 gaps.append(max(0.0, mb["tick_start_t"] - ma["t"]))
     overhead = float(np.median(gaps)) if gaps else 0.0
-    return CostModel(*[float(c) for c in coef], overhead=overhead, r2=r2, mean_rel_error=mre,
-                     n_ticks=len(y), dropped=int((~keep).sum()))
+    return CostModel(*[float(c) for c in coef], slowdown=slowdown, overhead=overhead, r2=r2,
+                     mean_rel_error=float(rel.mean()), typical_rel_error=typical, n_ticks=len(y),
+                     dropped=int((~keep).sum()))
 
 
 # ---- the recorded run ------------------------------------------------------------------------------------
@@ -202,6 +218,24 @@ class Recorded:
     errored: dict[str, int] = field(default_factory=dict)  # id -> tick of the error
     finished: dict[str, int] = field(default_factory=dict)  # id -> tick of the finish transition
     preemptions: int = 0
+    prefix_hits: int = 0
+    prefix_misses: int = 0
+    prefix_tokens_saved: int = 0
+    prefix_bytes_per_token: float | None = None  # from prefix_store events (nbytes / tokens)
+
+    @property
+    def cache_hit_rate(self) -> float | None:
+        lookups = self.prefix_hits + self.prefix_misses
+        return self.prefix_hits / lookups if lookups else None
+
+    def kv_layout(self) -> Any:
+        """The engine's KV layout (`caches.kv.KVLayout`) if the trace recorded one, else None."""
+        layers = self.trace.header.get("kv_layout")
+        if not layers:
+            return None
+        from caches.kv import KVLayout, LayerLayout
+
+        return KVLayout(tuple(LayerLayout(int(b), None if w is None else int(w)) for b, w in layers))
 
 
 def load_recorded(source: "Recorded | Trace | str | os.PathLike | Iterable[dict]") -> Recorded:
@@ -232,7 +266,10 @@ def load_recorded(source: "Recorded | Trace | str | os.PathLike | Iterable[dict]
             rec.admitted_tick.setdefault(rid, tick)
     for tick in sorted(trace.outcomes):
         outcome = trace.outcomes[tick]
+        errors = outcome.get("errors", {})
         for rid in outcome.get("sampled", {}):
+            if rid in errors:  # the executor may sample a row that fails: apply fails it, the token is dropped
+                continue
             rec.tokens[rid] = rec.tokens.get(rid, 0) + 1
             rec.first_tick.setdefault(rid, tick)
             rec.last_tick[rid] = tick
@@ -242,8 +279,18 @@ def load_recorded(source: "Recorded | Trace | str | os.PathLike | Iterable[dict]
         for rid in ids:
             rec.abort_tick[rid] = tick
     if events is not None:
+        stored_tokens = stored_bytes = 0
         for e in events:
-            if e["event"] != "transition":
+            kind = e["event"]
+            if kind == "prefix_hit":
+                rec.prefix_hits += 1
+                rec.prefix_tokens_saved += int(e.get("length", 0))
+            elif kind == "prefix_miss":
+                rec.prefix_misses += 1
+            elif kind == "prefix_store":
+                stored_tokens += int(e.get("tokens", 0))
+                stored_bytes += int(e.get("nbytes", 0))
+            if kind != "transition":
                 continue
             trigger = e.get("trigger")
             ids = e.get("request_ids") or [e.get("request_id")]
@@ -252,8 +299,12 @@ def load_recorded(source: "Recorded | Trace | str | os.PathLike | Iterable[dict]
                     rec.abort_time[rid] = float(e.get("measure", {}).get("t", rec.t0))
                 elif trigger == "finish":
                     rec.finished[rid] = e["tick"]
+                elif trigger == "fail":
+                    rec.errored.setdefault(rid, e["tick"])
                 elif trigger == "preempt":
                     rec.preemptions += 1
+        if stored_tokens:
+            rec.prefix_bytes_per_token = stored_bytes / stored_tokens
     else:  # a bare Trace: no transition times; use what the outcomes tell
         for rid, tick in rec.abort_tick.items():
             rec.abort_time[rid] = _tick_start(trace, tick)
@@ -384,7 +435,9 @@ def recorded_metrics(trace: "Recorded | Trace | str | os.PathLike | Iterable[dic
         delta[min(max(end, tick), horizon)] -= 1
     live = np.cumsum(delta)
     request_ticks = int(sum(live[t] for t in busy))
-    return summarize(records, ticks=len(busy), request_ticks=request_ticks, preemptions=rec.preemptions)
+    return summarize(records, ticks=len(busy), request_ticks=request_ticks, preemptions=rec.preemptions,
+                     cache_hit_rate=rec.cache_hit_rate,
+                     prefix_tokens_saved=rec.prefix_tokens_saved if rec.prefix_hits + rec.prefix_misses else None)
 
 
 # ---- simulation ------------------------------------------------------------------------------------------
@@ -695,21 +748,32 @@ def _label(policy: str | Policy | None, overrides: Mapping[str, Any] | None) -> 
 
 
 def what_if(trace_path: "str | os.PathLike | Trace", policy: str | Policy | None = None,
-            overrides: Mapping[str, Any] | None = None) -> str:
+            overrides: Mapping[str, Any] | None = None, kv_layout: Any = None) -> str:
     """Fit the cost model on a trace, simulate its arrivals under the recorded policy and config and under
-    `policy` / `overrides`, and return the cost model and a table: recorded vs simulated vs alternative."""
+    `policy` / `overrides`, and return the cost model and a table: recorded vs simulated vs alternative.
+
+    A KV budget (`kv_memory_bytes`) needs the model's KV layout: the one the trace recorded, else `kv_layout`.
+    """
     rec = load_recorded(trace_path)
     cost = fit_cost_model(rec)
     arrivals = arrivals_from_trace(rec)
     stop = rec.trace.stop_token_ids[0] if rec.trace.stop_token_ids else 0
     config = dataclasses.replace(rec.trace.config, trace_path=None)
+    layout = kv_layout if kv_layout is not None else rec.kv_layout()
+    other_config = apply_overrides(config, overrides)
+    if getattr(other_config, "kv_memory_bytes", None) is not None and layout is None:
+        raise ValueError("kv_memory_bytes needs the model's KV layout: this trace has none (engine_start "
+                         "kv_layout); pass kv_layout=")
+    per_token = rec.prefix_bytes_per_token
+    per_token = int(round(per_token)) if per_token is not None else None
+    kwargs = dict(stop_token_id=stop, kv_layout=layout, kv_bytes_per_token=per_token)
     recorded_policy = config.policy
     rows = {"recorded": recorded_metrics(rec)}
-    same = simulate(arrivals, config, cost, policy=recorded_policy, stop_token_id=stop)
+    same = simulate(arrivals, config, cost, policy=recorded_policy, **kwargs)
     rows[f"simulated ({recorded_policy})"] = same.summary()
     if policy is not None or overrides:
-        other = simulate(arrivals, apply_overrides(config, overrides), cost,
-                         policy=policy if policy is not None else recorded_policy, stop_token_id=stop)
+        other = simulate(arrivals, other_config, cost, policy=policy if policy is not None else recorded_policy,
+                         **kwargs)
         rows[_label(policy, overrides)] = other.summary()
     lines = [cost.describe(), ""]
     rec_row, sim_row = rows["recorded"], rows[f"simulated ({recorded_policy})"]

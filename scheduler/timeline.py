@@ -187,8 +187,8 @@ def to_png(events: Iterable[dict[str, Any]], path: str | os.PathLike, max_reques
             ax.broken_barh(spans, (r - 0.4, 0.8), facecolors=STATE_COLOURS.get(state, "#7f7f7f"))
     for rid, (state, _t_end, tick) in ends.items():
         if rid in row:
-            ax.plot([tick], [row[rid]], marker="|" if state == "finished" else "x", markersize=7,
-                    color=STATE_COLOURS[state], linestyle="none")
+            ax.plot([tick], [row[rid]], marker="|" if state == "finished" else "x", markersize=9,
+                    markeredgewidth=2.5, color=STATE_COLOURS[state], linestyle="none")
     ax.set_xlim(0, max(last_tick, 1) + 0.5)
     ax.set_ylim(len(shown) - 0.5, -0.5)
     if len(shown) <= 60:

@@ -38,8 +38,6 @@ class SimArrival:
     num_images: int = 0
     abort_time: float | None = None  # the caller aborts it at this time (relative), if still live
     error_after: int | None = None  # it fails (executor error) when sampling token number error_after + 1
-    temperature: float = 0.0
-    seed: int | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -225,16 +223,15 @@ def arrivals_from_trace(trace: "Trace | str | os.PathLike") -> list[SimArrival]:
         produced = rec.tokens.get(rid, 0)
         abort_time = rec.abort_time.get(rid)
         error_after = produced if rid in rec.errored else None
+        ended_early = abort_time is not None or error_after is not None  # natural length unknown
         out.append(SimArrival(
             request_id=rid,
             arrival_time=max(0.0, rec.arrival_time[rid] - rec.t0),
             prompt_tokens=list(event["prompt_tokens"]),
             max_tokens=max_tok,
-            output_len=max_tok if (abort_time is not None or error_after is not None) else max(1, min(produced, max_tok)),
+            output_len=max_tok if ended_early else max(1, min(produced, max_tok)),
             priority=event.get("priority", 0),
             abort_time=None if abort_time is None else max(0.0, abort_time - rec.t0),
             error_after=error_after,
-            temperature=float(sampling.get("temperature", 0.0)),
-            seed=event.get("seed"),
         ))
     return out

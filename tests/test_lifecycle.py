@@ -47,7 +47,8 @@ def _request_in(state: RequestState, lifecycle: Lifecycle) -> Request:
     """A request whose guards all pass, forced into `state` (test set-up only)."""
     r = Request("r", [1, 2, 3], SamplingParams())
     lifecycle.attach(r)
-    r.images = ("img",)
+    r.num_images = 1
+    r.media_encoded = True
     r.num_computed_tokens = 3
     r.output_tokens = [5]
     r.finish_reason = FinishReason.LENGTH
@@ -83,7 +84,7 @@ def test_terminal_states_have_no_way_out():
 @pytest.mark.parametrize(
     "trigger,unset",
     [
-        (Trigger.START_VISION, "images"),
+        (Trigger.START_VISION, "num_images"),
         (Trigger.START_DECODE, "num_computed_tokens"),
         (Trigger.FINISH, "finish_reason"),
         (Trigger.FAIL, "error"),
@@ -93,7 +94,7 @@ def test_a_refused_guard_is_an_illegal_transition(trigger, unset):
     lifecycle = Lifecycle()
     source = next(t.sources[0] for t in TRANSITIONS if t.trigger is trigger)
     r = _request_in(source, lifecycle)
-    setattr(r, unset, {"images": (), "num_computed_tokens": 1, "finish_reason": None, "error": None}[unset])
+    setattr(r, unset, {"num_images": 0, "num_computed_tokens": 1, "finish_reason": None, "error": None}[unset])
     with pytest.raises(IllegalTransition, match="guard") as info:
         lifecycle.fire(r, trigger)
     assert info.value.state is source

@@ -1,0 +1,73 @@
+"""Model runners: how the executor calls a model family. The executor owns scheduling-side state (which
+request is in which row, sampling); a runner owns how a chunk is prefilled and how a batch is decoded.
+
+`TextRunner` runs an mlx-lm model. `VisionLanguageRunner` runs an mlx-vlm model through its family adapter
+(`scheduler/vlm.py`): every request, text-only included, is prefilled from input embeddings with explicit
+positions, and every decode row gets its own M-RoPE position (tokens in its cache + its rope delta), so no
+position state is ever kept on the model instance.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import mlx.core as mx
+
+from . import adapters
+from .request import Request
+
+
+class Runner(Protocol):
+    has_vision: bool
+
+    def make_cache(self) -> adapters.Cache: ...
+
+    def encode(self, request: Request) -> Any: ...
+
+    def prefill(self, cache: adapters.Cache, request: Request, encoded: Any, start: int, end: int) -> None: ...
+
+    def decode(self, batch_cache: adapters.Cache, inputs: mx.array, rope_deltas: mx.array | None) -> mx.array: ...
+
+
+class TextRunner:
+    has_vision = False
+
+    def __init__(self, model: Any, max_kv_size: int | None = None):
+        self.model = model
+        self.max_kv_size = max_kv_size
+
+    def make_cache(self) -> adapters.Cache:
+        return adapters.make_request_cache(self.model, self.max_kv_size)
+
+    def encode(self, request: Request) -> None:
+        return None  # token ids are the model's input
+
+    def prefill(self, cache, request, encoded, start, end):
+        self.model(mx.array(request.prefill_tokens(start, end))[None], cache=cache)
+        mx.eval(adapters.cache_arrays(cache))
+
+    def decode(self, batch_cache, inputs, rope_deltas):
+        return self.model(inputs[:, None], cache=batch_cache)[:, -1, :]
+
+
+class VisionLanguageRunner:
+    has_vision = True
+
+    def __init__(self, adapter: Any):
+        self.adapter = adapter
+
+    def make_cache(self) -> adapters.Cache:
+        return self.adapter.make_cache()
+
+    def encode(self, request: Request) -> Any:
+        """Vision tower (or a vision-cache hit) + embedding merge + prompt positions. The request's pixel
+        arrays are released once encoded: they are large and no longer needed."""
+        encoded = self.adapter.encode(request.media)
+        request.media.release_media()
+        return encoded
+
+    def prefill(self, cache, request, encoded, start, end):
+        self.adapter.prefill(cache, encoded, start, end)
+
+    def decode(self, batch_cache, inputs, rope_deltas):
+        return self.adapter.decode(batch_cache, inputs, rope_deltas)
