@@ -43,20 +43,32 @@ def _cmd_lifecycle(args: argparse.Namespace) -> int:
     return 0
 
 
-def _demo_prompts(tokenizer, n: int, seed: int) -> list[list[dict]]:
+def _demo_workload(n: int, seed: int, with_images: bool) -> tuple[list[list[dict]], list[list | None]]:
+    """Chat requests of mixed lengths; on a VLM every other one carries a generated picture of varied size."""
+    import numpy as np
+    from PIL import Image
+
     topics = ["the scheduler", "a cache", "the river", "an old clock", "the market", "a quiet street",
               "the weather", "a long journey", "the library", "a small garden"]
+    sizes = [(112, 140), (56, 56), (84, 112), (140, 84)]
     rng = random.Random(seed)
-    prompts = []
+    prompts, images = [], []
     for i in range(n):
         topic = rng.choice(topics)
         detail = " ".join(rng.choice(topics) for _ in range(rng.choice([0, 2, 8, 30])))
-        prompts.append([{"role": "user", "content": f"Tell me about {topic}. {detail}".strip()}])
-    return prompts
+        text = f"Tell me about {topic}. {detail}".strip()
+        if with_images and i % 2 == 0:
+            w, h = sizes[(i // 2) % len(sizes)]
+            pixels = np.random.default_rng(seed + i).integers(0, 256, (h, w, 3), dtype=np.uint8)
+            prompts.append([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}])
+            images.append([Image.fromarray(pixels)])
+        else:
+            prompts.append([{"role": "user", "content": text}])
+            images.append(None)
+    return prompts, images
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from mlx_lm import load
     from tqdm import tqdm
 
     from .config import EngineConfig
@@ -68,26 +80,28 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     tmp = None
     if model_dir is None:
         tmp = tempfile.TemporaryDirectory(prefix="mlxsched-demo-")
-        model_dir = build_model("text", Path(tmp.name) / "text")
-        print(f"no --model given: built the tiny text model in {model_dir}")
-    model, tokenizer = load(str(model_dir))
+        model_dir = build_model(args.kind, Path(tmp.name) / args.kind)
+        print(f"no --model given: built the tiny {args.kind} model in {model_dir}")
     config = EngineConfig(
         max_batched_tokens=args.max_batched_tokens, max_seqs=args.max_seqs, prefill_chunk=args.prefill_chunk,
-        trace_path=args.trace,
+        prefix_cache_bytes=args.prefix_cache_mb << 20, trace_path=args.trace,
     )
-    engine = Engine(model, tokenizer, config)
-    prompts = _demo_prompts(tokenizer, args.requests, args.seed)
+    engine = Engine.from_pretrained(model_dir, config)
+    prompts, images = _demo_workload(args.requests, args.seed, with_images=engine.vlm is not None)
     samplings = [SamplingParams(max_tokens=args.max_tokens, temperature=0.0 if i % 2 == 0 else 0.8, seed=i)
                  for i in range(len(prompts))]
     start = time.perf_counter()
     with tqdm(total=len(prompts), desc="requests", unit="req") as bar:
-        outputs = engine.generate(prompts, samplings, progress=lambda _out: bar.update(1))
+        outputs = engine.generate(prompts, samplings, progress=lambda _out: bar.update(1), images=images)
     wall = time.perf_counter() - start
-    for out in outputs[: args.show]:
-        print(f"[{out.request_id}] ({out.finish_reason.value}, {len(out.token_ids)} tokens) {out.text[:120]!r}")
+    for out, imgs in list(zip(outputs, images))[: args.show]:
+        kind = "image+text" if imgs else "text"
+        print(f"[{out.request_id}] ({kind}, {out.finish_reason.value}, {len(out.token_ids)} tokens) {out.text[:100]!r}")
     stats = engine.stats().to_dict()
     stats["wall_time"] = wall
     stats["end_to_end_tps"] = stats["generation_tokens"] / wall if wall else 0.0
+    stats["prefix_cache"] = engine.prefix_cache_stats()
+    stats["vision_cache"] = engine.vision_cache_stats()
     print(json.dumps(stats, indent=2))
     engine.close()
     if args.trace:
@@ -120,7 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_make_model)
 
     p = sub.add_parser("demo", help="run a few dozen requests through the engine and print outputs and stats")
-    p.add_argument("--model", help="a local mlx-lm model directory (default: build the tiny text model)")
+    p.add_argument("--model", help="a local mlx-lm or mlx-vlm model directory (default: build a tiny model)")
+    p.add_argument("--kind", choices=["vlm", "text", "sliding", "text-medium"], default="vlm",
+                   help="which tiny model to build when no --model is given (default: the tiny Qwen2-VL, "
+                        "with a mixed image + text workload)")
+    p.add_argument("--prefix-cache-mb", type=int, default=64)
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--max-batched-tokens", type=int, default=512)

@@ -412,15 +412,18 @@ class Engine:
         prompts: Sequence[str | list[dict] | Sequence[int]],
         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
         progress: Any = None,
+        images: Sequence[Sequence[Any] | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run `prompts` (strings, chat messages or token-id lists) to completion; outputs in prompt order."""
+        """Run `prompts` (strings, chat messages or token-id lists; with `images[i]` for prompt i on a VLM) to
+        completion; outputs in prompt order."""
         samplings = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
+        media = images if images is not None else [None] * len(prompts)
         ids = []
-        for p, sp in zip(prompts, samplings):
-            if isinstance(p, (str,)) or (isinstance(p, list) and p and isinstance(p[0], dict)):
-                ids.append(self.add_request(prompt=p, sampling=sp))
+        for p, sp, imgs in zip(prompts, samplings, media):
+            if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], dict)):
+                ids.append(self.add_request(prompt=p, images=imgs, sampling=sp))
             else:
-                ids.append(self.add_request(prompt_tokens=p, sampling=sp))
+                ids.append(self.add_request(prompt_tokens=p, images=imgs, sampling=sp))
         tokens: dict[str, list[int]] = {i: [] for i in ids}
         logprobs: dict[str, list[float]] = {i: [] for i in ids}
         results: dict[str, RequestOutput] = {}

@@ -41,3 +41,9 @@ def test_demo_runs_and_writes_a_trace(text_model_dir, tmp_path, capsys):
 def test_unknown_kind_is_refused():
     with pytest.raises(SystemExit):
         main(["make-model", "huge", "x"])
+
+
+def test_demo_default_is_a_mixed_image_and_text_workload_on_the_tiny_vlm(capsys):
+    assert main(["demo", "--requests", "4", "--max-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "image+text" in out and '"num_images_processed": 2' in out
