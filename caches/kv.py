@@ -67,3 +67,78 @@ class KVLayout:
     def footprint(self, row_tokens: Sequence[int], prefill_tokens: Sequence[tuple[int, int]]) -> int:
         """Batch rows plus single-request caches given as (tokens, last chunk)."""
         return self.batch_bytes(row_tokens) + sum(self.request_bytes(n, c) for n, c in prefill_tokens)
+
+
+class KVCacheManager:
+    """Owns the KV caches of running requests, in mlx-lm's own classes (plain and rotating layers alike):
+
+    * one single-request cache per prefilling request (created on its first chunk, or restored from a
+      prefix-cache payload), exactly the cache `mlx_lm.generate` would build;
+    * one batch cache for the decoding rows (`BatchKVCache` / `BatchRotatingKVCache` per layer): request
+      caches are merged into it on admission (`join`) and rows are filtered out on exit (`keep_rows`).
+
+    Plain and sliding-window (rotating) layers live in the same request cache because a model mixes them per
+    layer (gemma3: three rotating layers, one full); splitting one request's layers across two managers would
+    make every merge and filter a two-step affair. What is rotating-specific (window bounds, whole-only
+    prefix reuse, `max_kv_size`) is in `KVLayout`, `adapters.snapshot_cache` and `adapters.make_request_cache`.
+
+    Byte accounting is exact: `nbytes()` sums the arrays. The scheduler never sees this object, only the
+    layout's bound and these summaries.
+    """
+
+    def __init__(self, make_cache):
+        from scheduler import adapters
+
+        self._adapters = adapters
+        self._make_cache = make_cache
+        self._requests: dict[str, list] = {}
+        self.batch: list = []  # one batch cache per layer; rows in the executor's row order
+        self.peak_bytes = 0
+        self.merges = 0
+        self.filters = 0
+
+    # ---- single-request caches ------------------------------------------------------------------------
+    def request_cache(self, request_id: str) -> list:
+        cache = self._requests.get(request_id)
+        if cache is None:
+            cache = self._requests[request_id] = self._make_cache()
+        return cache
+
+    def restore(self, request_id: str, payload, length: int) -> None:
+        self._requests[request_id] = self._adapters.restore_cache(payload, length)
+
+    def snapshot(self, request_id: str):
+        return self._adapters.snapshot_cache(self._requests[request_id])
+
+    def drop_request(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    # ---- the batch --------------------------------------------------------------------------------------
+    def join(self, request_ids: Sequence[str]) -> None:
+        """Move these requests' caches into the batch, appended as new rows in this order."""
+        caches = [self._requests.pop(rid) for rid in request_ids]
+        self.batch = self._adapters.extend_batch(self.batch, self._adapters.merge_caches(caches))
+        self.merges += 1
+        self._note_peak()
+
+    def keep_rows(self, keep: list[int]) -> None:
+        self.batch = self._adapters.filter_batch(self.batch, keep)
+        self.filters += 1
+
+    def clear_batch(self) -> None:
+        self.batch = []
+
+    # ---- summaries --------------------------------------------------------------------------------------
+    def request_ids(self) -> set[str]:
+        return set(self._requests)
+
+    def nbytes(self) -> int:
+        a = self._adapters
+        return a.cache_nbytes(self.batch) + sum(a.cache_nbytes(c) for c in self._requests.values())
+
+    def _note_peak(self) -> None:
+        self.peak_bytes = max(self.peak_bytes, self.nbytes())
+
+    def stats(self) -> dict:
+        return {"bytes": self.nbytes(), "peak_bytes": self.peak_bytes, "request_caches": len(self._requests),
+                "merges": self.merges, "filters": self.filters}

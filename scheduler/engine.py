@@ -395,6 +395,12 @@ class Engine:
         request = self.scheduler.requests.get(request_id)
         return request.num_images if request is not None else 0
 
+    def kv_cache_stats(self) -> dict[str, Any]:
+        """Bytes held for running requests (exact), peak, merges and filters; with the budget if one is set."""
+        stats = self.executor.kv.stats()
+        stats["budget_bytes"] = self.config.kv_memory_bytes
+        return stats
+
     def vision_cache_stats(self) -> dict[str, Any] | None:
         return self.vision_cache.stats() if self.vision_cache is not None else None
 

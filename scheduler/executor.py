@@ -17,9 +17,9 @@ from typing import Any, Iterable, Mapping
 
 import mlx.core as mx
 
+from caches.kv import KVCacheManager
 from kernels.sampling import RowSampling, SamplingArrays, sample_tokens
 
-from . import adapters
 from .plan import PrefixStore, TickPlan, TickResult
 from .request import Request
 from .runners import Runner, TextRunner
@@ -36,9 +36,8 @@ class MLXExecutor:
         self.runner: Runner = runner if hasattr(runner, "decode") and hasattr(runner, "make_cache") else TextRunner(runner)
         self.prefix_cache = prefix_cache  # read here (payloads to restore); the scheduler decides what is in it
         self.penalty_context = penalty_context
-        self._prefill_caches: dict[str, adapters.Cache] = {}
+        self.kv = KVCacheManager(self.runner.make_cache)
         self._encoded: dict[str, Any] = {}  # request id -> model inputs prepared for prefill (VLM embeddings)
-        self._batch_cache: adapters.Cache = []
         self._rows: list[_Row] = []
         self._row_index: dict[str, int] = {}
         self._next_inputs: mx.array | None = None  # (B,) token fed to each row next
@@ -52,18 +51,17 @@ class MLXExecutor:
         """Forget requests that ended (finished, aborted, failed): their caches are freed now, with one batch
         filter for all of them."""
         for rid in request_ids:
-            self._prefill_caches.pop(rid, None)
+            self.kv.drop_request(rid)
             self._encoded.pop(rid, None)
             if rid in self._row_index:
                 self._released.add(rid)
         self._drop_released()
 
     def cache_bytes(self) -> int:
-        total = adapters.cache_nbytes(self._batch_cache)
-        return total + sum(adapters.cache_nbytes(c) for c in self._prefill_caches.values())
+        return self.kv.nbytes()
 
     def live_request_ids(self) -> set[str]:
-        return set(self._prefill_caches) | set(self._row_index) | set(self._encoded)
+        return self.kv.request_ids() | set(self._row_index) | set(self._encoded)
 
     # ---- one tick ---------------------------------------------------------------------------------
     def execute(self, plan: TickPlan, requests: Mapping[str, Request]) -> TickResult:
@@ -83,7 +81,7 @@ class MLXExecutor:
         t_vision = time.perf_counter()
         restored = {}
         for rid, entry_id, length in plan.prefix_hits:  # before any store of this tick can evict them
-            self._prefill_caches[rid] = adapters.restore_cache(self.prefix_cache.payload(entry_id), length)
+            self.kv.restore(rid, self.prefix_cache.payload(entry_id), length)
             restored[rid] = length
         joining: list[str] = []
         for chunk in plan.prefill:
@@ -91,7 +89,7 @@ class MLXExecutor:
             try:
                 self._prefill(request, chunk.start, chunk.end - 1 if chunk.completes else chunk.end)
             except Exception as exc:  # a failing request fails alone; others continue
-                self._prefill_caches.pop(chunk.request_id, None)
+                self.kv.drop_request(chunk.request_id)
                 result.errors[chunk.request_id] = f"prefill failed: {type(exc).__name__}: {exc}"
                 continue
             if chunk.completes:
@@ -117,17 +115,16 @@ class MLXExecutor:
         for rid in [row.request.request_id for row in self._rows] + joining:
             result.errors[rid] = error
             result.sampled.pop(rid, None)
-            self._prefill_caches.pop(rid, None)
+            self.kv.drop_request(rid)
             self._encoded.pop(rid, None)
-        self._rows, self._row_index, self._batch_cache = [], {}, []
+        self.kv.clear_batch()
+        self._rows, self._row_index = [], {}
         self._next_inputs = self._rope_deltas = self._context = self._params = None
         self._released.clear()
 
     def _prefill(self, request: Request, start: int, end: int) -> None:
         rid = request.request_id
-        cache = self._prefill_caches.get(rid)
-        if cache is None:
-            cache = self._prefill_caches[rid] = self.runner.make_cache()
+        cache = self.kv.request_cache(rid)
         if rid not in self._encoded:  # text requests: token ids (VLM: embeddings of the text, delta 0)
             self._encoded[rid] = self.runner.encode(request)
         if end > start:
@@ -141,13 +138,12 @@ class MLXExecutor:
         n = request.prefill_len - 1
         if n < self.prefix_cache.block_size or restored_now == n:
             return  # too short to index, or restored whole from an entry this tick: nothing new
-        payload, nbytes, whole_only = adapters.snapshot_cache(self._prefill_caches[request.request_id])
+        payload, nbytes, whole_only = self.kv.snapshot(request.request_id)
         result.prefix_stores.append(PrefixStore(request.request_id, n, nbytes, whole_only, payload))
 
     def _join(self, request_ids: list[str], requests: Mapping[str, Request]) -> None:
-        caches = [self._prefill_caches.pop(rid) for rid in request_ids]
         encoded = [self._encoded.pop(rid, None) for rid in request_ids]  # prompt embeddings are not needed now
-        self._batch_cache = adapters.extend_batch(self._batch_cache, adapters.merge_caches(caches))
+        self.kv.join(request_ids)
         last = mx.array([_last_prefill_token(requests[rid]) for rid in request_ids], dtype=mx.uint32)
         deltas = mx.array([getattr(e, "rope_delta", 0) for e in encoded], dtype=mx.int32)
         self._next_inputs = last if self._next_inputs is None else mx.concatenate([self._next_inputs, last])
@@ -167,7 +163,7 @@ class MLXExecutor:
         self._released.clear()
         self._rows = [self._rows[i] for i in keep]
         self._row_index = {row.request.request_id: i for i, row in enumerate(self._rows)}
-        self._batch_cache = adapters.filter_batch(self._batch_cache, keep)
+        self.kv.keep_rows(keep)
         if keep:
             idx = mx.array(keep)
             self._next_inputs = self._next_inputs[idx]
@@ -219,7 +215,7 @@ class MLXExecutor:
 
     def _decode(self, result: TickResult) -> None:
         inputs = self._next_inputs
-        logits = self.runner.decode(self._batch_cache, inputs, self._rope_deltas)
+        logits = self.runner.decode(self.kv.batch, inputs, self._rope_deltas)
         logits = self._apply_processors(logits, result)
         params = self._sampling_arrays()
         context = None
