@@ -1,6 +1,13 @@
 """mlxsched: continuous batching on MLX as an explicit, logged, replayable state machine."""
 
 from .async_engine import AsyncEngine
+from .compat import (
+    MLLMBatchGenerator,
+    MLLMBatchRequest,
+    MLLMBatchResponse,
+    MLLMBatchStats,
+    install_chunked_prefill_mllm,
+)
 from .config import EngineConfig
 from .engine import Engine, EngineStats, RequestOutput
 from .lifecycle import IllegalTransition, RequestState, Trigger
@@ -15,6 +22,10 @@ __all__ = [
     "FinishReason",
     "IllegalTransition",
     "InvalidRequest",
+    "MLLMBatchGenerator",
+    "MLLMBatchRequest",
+    "MLLMBatchResponse",
+    "MLLMBatchStats",
     "Request",
     "RequestOutput",
     "RequestState",
@@ -22,4 +33,5 @@ __all__ = [
     "StepOutput",
     "Trigger",
     "UnknownRequest",
+    "install_chunked_prefill_mllm",
 ]

@@ -12,6 +12,8 @@ class EngineConfig:
     max_batched_tokens: prefill-chunk tokens + decode tokens (+ draft tokens) computed in one tick.
     max_seqs: requests admitted at once (prefilling + decoding).
     prefill_chunk: the longest prefill chunk one request gets in one tick.
+    max_prefill_tokens: prefill tokens of all requests together in one tick (None: whatever
+        max_batched_tokens leaves after decoding).
     max_model_len: longest prompt accepted; None means the model's `max_position_embeddings`.
     seed: engine seed; a request without its own seed samples with one derived from this and its id.
     vision_budget: images whose vision encoding runs in one tick (so many images cannot stall decoding).
@@ -24,6 +26,8 @@ class EngineConfig:
     kv_headroom_tokens: tokens of growth per row an admission must leave room for (prevents thrash).
     prefix_cache_bytes: byte budget of the prefix cache (LRU); 0 turns it off.
     prefix_block_size: tokens per hashed block of the prefix index (the shortest reusable prefix).
+    logprob_vectors: give every output token's full log-softmax vector in StepOutput.logprob_vector
+        (what vllm-mlx's MLLMBatchResponse.logprobs carries); off by default: it keeps a (V,) array per row.
     trace_path: write every event as JSON lines to this file.
     check_invariants: verify bookkeeping after every tick (tests turn it on).
     """
@@ -31,6 +35,7 @@ class EngineConfig:
     max_batched_tokens: int = 2048
     max_seqs: int = 32
     prefill_chunk: int = 512
+    max_prefill_tokens: int | None = None  # cap on prefill tokens per tick (None: what decode leaves)
     max_model_len: int | None = None
     penalty_context: int = 20
     seed: int = 0
@@ -42,6 +47,7 @@ class EngineConfig:
     kv_headroom_tokens: int = 32
     prefix_cache_bytes: int = 0  # 0 disables the prefix cache
     prefix_block_size: int = 16
+    logprob_vectors: bool = False
     trace_path: str | None = None
     check_invariants: bool = False
 
@@ -69,5 +75,8 @@ class EngineConfig:
             raise ValueError(f"prefix_cache_bytes: must be an integer >= 0, got {self.prefix_cache_bytes!r}")
         if not isinstance(self.prefix_block_size, int) or self.prefix_block_size < 1:
             raise ValueError(f"prefix_block_size: must be an integer >= 1, got {self.prefix_block_size!r}")
+        if self.max_prefill_tokens is not None and (not isinstance(self.max_prefill_tokens, int)
+                                                    or self.max_prefill_tokens < 1):
+            raise ValueError(f"max_prefill_tokens: must be an integer >= 1 or None, got {self.max_prefill_tokens!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len: must be >= 1 or None, got {self.max_model_len!r}")

@@ -143,7 +143,8 @@ class Engine:
                           if self.config.kv_memory_bytes is not None else None)
         self.scheduler = Scheduler(self.config, self.events, stop_ids, policy, self.kv_layout)
         self.executor = executor or MLXExecutor(runner, penalty_context=self.config.penalty_context,
-                                                prefix_cache=self.scheduler.prefix_cache)
+                                                prefix_cache=self.scheduler.prefix_cache,
+                                                logprob_vectors=self.config.logprob_vectors)
         self.tick = 0
         self._lock = threading.Lock()
         self._inbox: list[_Arrival] = []

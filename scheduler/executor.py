@@ -32,7 +32,9 @@ class _Row:
 
 
 class MLXExecutor:
-    def __init__(self, runner: Runner | Any, penalty_context: int = 20, prefix_cache: Any = None):
+    def __init__(self, runner: Runner | Any, penalty_context: int = 20, prefix_cache: Any = None,
+                 logprob_vectors: bool = False):
+        self.logprob_vectors = logprob_vectors  # hand every row's full log-softmax vector back (compat API)
         self.runner: Runner = runner if hasattr(runner, "decode") and hasattr(runner, "make_cache") else TextRunner(runner)
         self.prefix_cache = prefix_cache  # read here (payloads to restore); the scheduler decides what is in it
         self.penalty_context = penalty_context
@@ -240,6 +242,9 @@ class MLXExecutor:
         if picked is not None:
             for i, lp in zip(want_logprobs, picked.tolist()):
                 result.logprobs[self._rows[i].request.request_id] = lp
+        if self.logprob_vectors:
+            for i, row in enumerate(self._rows):
+                result.logprob_vectors[row.request.request_id] = logprobs[i]
 
     def _apply_processors(self, logits: mx.array, result: TickResult) -> mx.array:
         """User logits processors run per row (they are arbitrary Python); rows without them are untouched.

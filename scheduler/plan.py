@@ -80,6 +80,7 @@ class TickResult:
 
     sampled: dict[str, int] = field(default_factory=dict)  # request id -> token sampled this tick
     logprobs: dict[str, float] = field(default_factory=dict)  # only for requests that asked
+    logprob_vectors: dict[str, Any] = field(default_factory=dict)  # (V,) log-softmax rows, if configured
     errors: dict[str, str] = field(default_factory=dict)  # request id -> readable error; that request fails
     prefix_stores: list[PrefixStore] = field(default_factory=list)
     encoded: dict[str, dict] = field(default_factory=dict)  # request id -> {rope_delta, vision_cache_hit, ...}

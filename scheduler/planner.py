@@ -137,6 +137,9 @@ def plan_tick(view: SchedulerView, config: EngineConfig, policy: Policy) -> Tick
 
     decode = tuple(r.request_id for r in view.decoding if r.request_id not in gone)
     budget = config.max_batched_tokens - len(decode)
+    if config.max_prefill_tokens is not None:
+        budget = min(budget, config.max_prefill_tokens)
+    prefill_budget = budget
     seqs = len(view.decoding) + len(view.prefilling) + len(view.encoding) - len(gone)
     vision = _VisionBudget(config.vision_budget)
     for request in policy.order_prefilling(view.encoding, view.tick):
@@ -199,7 +202,7 @@ def plan_tick(view: SchedulerView, config: EngineConfig, policy: Policy) -> Tick
         prefix_hits=tuple(prefix_hits),
         preempted=tuple(preempted),
         failed=tuple(failed),
-        num_batched_tokens=config.max_batched_tokens - budget,
+        num_batched_tokens=len(decode) + prefill_budget - budget,
         num_seqs=seqs,
         kv_bytes_bound=kv.bytes() if kv is not None else None,
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 from typing import Iterable
 
 from caches.kv import KVLayout
@@ -31,6 +32,7 @@ class StepOutput:
     finish_reason: FinishReason | None = None
     error: str | None = None
     logprobs: list[float] = field(default_factory=list)
+    logprob_vector: Any = None  # (V,) log-softmax of the processed logits (EngineConfig.logprob_vectors)
 
 
 @dataclass
@@ -216,12 +218,13 @@ class Scheduler:
             request.finish_reason = FinishReason.STOP
         elif request.num_output_tokens >= request.sampling.max_tokens:
             request.finish_reason = FinishReason.LENGTH
+        vector = result.logprob_vectors.get(request.request_id)
         if request.finish_reason is None:
-            return StepOutput(request.request_id, [token], request.state, logprobs=logprobs)
+            return StepOutput(request.request_id, [token], request.state, logprobs=logprobs, logprob_vector=vector)
         self._end(request, Trigger.FINISH, tick, request.finish_reason.value)
         released.append(request.request_id)
         return StepOutput(request.request_id, [token], request.state, True, request.finish_reason,
-                          logprobs=logprobs)
+                          logprobs=logprobs, logprob_vector=vector)
 
     # ---- transitions ------------------------------------------------------------------------------
     def _move(self, request: Request, trigger: Trigger, tick: int, reason: str | None = None) -> None:
@@ -250,6 +253,8 @@ class Scheduler:
         assert plan.num_batched_tokens <= cfg.max_batched_tokens, plan
         assert plan.num_seqs <= cfg.max_seqs, plan
         assert all(c.num_tokens <= cfg.prefill_chunk for c in plan.prefill), plan
+        if cfg.max_prefill_tokens is not None:
+            assert sum(c.num_tokens for c in plan.prefill) <= cfg.max_prefill_tokens, plan
         assert sum(c.num_tokens for c in plan.prefill) + len(plan.decode) == plan.num_batched_tokens, plan
         containers = {
             RequestState.QUEUED: self.waiting,

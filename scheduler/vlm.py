@@ -3,8 +3,9 @@
 One adapter per model family (``Qwen2VLAdapter`` here). It splits what ``mlx_vlm.generate`` does in one call
 into the pieces continuous batching needs:
 
-``prepare``  CPU only: images -> PIL (validated), chat template, processor (expanded image pads,
-             ``pixel_values``, ``image_grid_thw``), the content key for the vision cache.
+``prepare``  CPU only: images -> PIL (validated), videos -> selected frames (``scheduler/media.py``), chat
+             template, processor (expanded image / video pads, ``pixel_values`` + ``image_grid_thw`` or
+             ``pixel_values_videos`` + ``video_grid_thw``), the content key for the vision cache.
 ``encode``   the vision tower (and only it; skipped on a ``VisionCache`` hit), the merge of image features into
              the text embeddings and the prompt's M-RoPE positions and rope delta.
 ``prefill``  the language model on ``embeddings[start:end]`` with their positions, into the request's own
@@ -29,6 +30,19 @@ The first token. As in the text executor, prefill everything but the last prompt
 token as the row's first decode input. That equals ``mlx_vlm.generate``'s first step (the merged embedding of a
 text token is its token embedding, and its prompt position is ``(L - 1) + rope_delta``), which is why ``prepare``
 refuses a prompt ending in an image/video pad token.
+
+Videos. A video is decoded and its frames selected in ``scheduler/media.py`` (``fps`` by timestamp, capped at
+``max_frames``), and the selected frames go to the processor as an already-sampled frame list: exactly what
+``mlx_vlm.stream_generate(..., video=[frames])`` does with a frame list (its ``prepare_inputs`` samples only
+file paths). The processor pads an odd frame count to the temporal patch (2) by repeating the last frame and
+expands each ``<|video_pad|>`` to ``t*h*w / merge**2`` tokens. The vision tower takes
+``(pixel_values_videos, video_grid_thw)`` the way it takes images, and ``get_rope_index`` gives video tokens 3-D
+(t, h, w) grid positions, so the per-request rope delta (and every decode position) stays right for video rows
+too. mlx-vlm's Qwen2-VL merges one kind of media per request (``get_input_embeddings`` takes the image pixels
+when there are any and ignores the video pixels), so a request with both images and videos is refused. Chat
+messages with videos are rendered with the model's own chat template (``processor.apply_chat_template``), which
+puts each ``{"type": "video"}`` part where it is; mlx-vlm's ``apply_chat_template(video=...)`` puts the videos
+at the start of *every* message, the system message included.
 
 Internals touched (each behind one small function below, each pinned by a test):
 ``mlx_vlm.utils.prepare_inputs`` (+ ``should_add_special_tokens``), ``mlx_vlm.prompt_utils.apply_chat_template``,
@@ -55,18 +69,12 @@ from PIL import Image, ImageOps
 
 from caches.vision import VisionCache, content_key
 
+from .media import MediaError, VideoFrames, VideoInput, describe_source, load_video, validate_video_sampling
+
 ImageInput = Any  # PIL.Image.Image | str | os.PathLike | bytes | bytearray | memoryview
 
-
-class MediaError(ValueError):
-    """An input image cannot be used. ``index`` is its position in the request's image list (None when the
-    failure cannot be pinned on one image)."""
-
-    def __init__(self, index: int | None, reason: str):
-        self.index = index
-        self.reason = reason
-        where = f"image {index}" if index is not None else "images"
-        super().__init__(f"{where}: {reason}")
+DEFAULT_VIDEO_FPS = 2.0  # Qwen2-VL's own default sampling rate
+DEFAULT_VIDEO_MAX_FRAMES = 32
 
 
 @dataclass
@@ -81,10 +89,25 @@ class PreparedRequest:
     num_media_tokens: int
     prompt: str = ""  # the templated prompt text given to the processor
     num_images: int = 0
+    pixel_values_videos: Any | None = None  # mx.array (num_patches, C*T*P*P) for all videos in order, or None
+    video_grid_thw: Any | None = None  # mx.array (num_videos, 3) or None
+    num_videos: int = 0
+    video_frame_indices: tuple[tuple[int, ...], ...] = ()  # per video: the source frames selected
+
+    @property
+    def num_media_items(self) -> int:
+        """Vision-budget units: one per image, one per temporal patch of each video (``grid_t``: two frames for
+        Qwen2-VL). An image is encoded as one temporal patch (its frame repeated), so a unit costs the vision
+        tower about the same whatever its kind."""
+        items = self.num_images
+        if self.num_videos and self.video_grid_thw is not None:
+            items += int(mx.sum(self.video_grid_thw[:, 0]).item())
+        return items
 
     def release_media(self) -> None:
         """Drop the pixel arrays (after ``encode``; the features live in the vision cache / embeddings)."""
         self.pixel_values = None
+        self.pixel_values_videos = None
 
 
 @dataclass
@@ -95,7 +118,7 @@ class EncodedRequest:
     position_ids: mx.array  # (3, 1, L) int32 M-RoPE positions of the prompt
     rope_delta: int  # decode position of a row = tokens in its cache + rope_delta
     input_ids: mx.array | None = None  # (1, L) int32
-    vision_cache_hit: bool | None = None  # None: no images
+    vision_cache_hit: bool | None = None  # None: no images / videos
     vision_time_s: float = 0.0  # vision tower wall time (0 on a hit)
 
     @property
@@ -116,14 +139,27 @@ def _vlm_chat_template(processor: Any, config: Any, messages: list[dict], num_im
     return apply_chat_template(processor, config, messages, num_images=num_images)
 
 
-def _vlm_prepare_inputs(model: Any, processor: Any, prompt: str, images: list | None) -> dict:
+def _vlm_video_chat_template(processor: Any, messages: list[dict]) -> str:
+    """Chat messages holding ``{"type": "video"}`` parts -> prompt text, through the model's own chat template
+    (each video placeholder where its part is, with the generation prompt)."""
+    render = getattr(processor, "apply_chat_template", None)
+    if render is None or not (getattr(processor, "chat_template", None)
+                              or getattr(getattr(processor, "tokenizer", None), "chat_template", None)):
+        raise ValueError("this model has no chat template for video messages; pass a templated prompt string")
+    return render(messages, add_generation_prompt=True, tokenize=False)
+
+
+def _vlm_prepare_inputs(model: Any, processor: Any, prompt: str, images: list | None,
+                        videos: list | None = None) -> dict:
     """The processor call ``mlx_vlm.stream_generate`` makes (``dispatch._prepare_generation_inputs``): same
-    arguments, so the expanded ids and pixel values are identical to a solo run."""
+    arguments, so the expanded ids and pixel values are identical to a solo run. ``videos`` is a list of frame
+    lists (already sampled): ``prepare_inputs`` passes frame lists to the processor unchanged."""
     from mlx_vlm.utils import prepare_inputs, should_add_special_tokens
 
     return prepare_inputs(
         processor,
         images=images or None,
+        videos=videos or None,
         prompts=prompt,
         image_token_index=getattr(model.config, "image_token_index", None),
         add_special_tokens=should_add_special_tokens(model.config.model_type, processor),
@@ -139,15 +175,22 @@ def _vlm_vision_features(model: Any, pixel_values: mx.array, image_grid_thw: mx.
 
 def _vlm_input_embeddings(model: Any, input_ids: mx.array, pixel_values: mx.array | None,
                           image_grid_thw: mx.array | None, mask: mx.array | None,
-                          features: mx.array | None) -> tuple[mx.array, mx.array, mx.array]:
+                          features: mx.array | None, videos: bool = False) -> tuple[mx.array, mx.array, mx.array]:
     """Embedding merge + prompt positions through ``Model.get_input_embeddings``.
 
     With ``cached_image_features`` it does not run the vision tower (the hook mlx-vlm's own vision cache uses),
     so the tower runs only in ``_vlm_vision_features``. Returns (inputs_embeds, position_ids, rope_deltas).
     ``get_rope_index`` is pure: it does not touch the language model's ``_position_ids`` / ``_rope_deltas``.
+    ``videos=True``: ``pixel_values`` / ``image_grid_thw`` are the videos' (``pixel_values_videos`` /
+    ``video_grid_thw``), which Qwen2-VL merges at the video tokens and positions with the video grids.
     """
     kwargs: dict[str, Any] = {"mask": mask}
-    if pixel_values is not None:
+    if pixel_values is not None and videos:
+        kwargs["pixel_values_videos"] = pixel_values
+        kwargs["video_grid_thw"] = image_grid_thw
+        kwargs["cached_image_features"] = features
+        pixel_values = None
+    elif pixel_values is not None:
         kwargs["image_grid_thw"] = image_grid_thw
         kwargs["cached_image_features"] = features
     out = model.get_input_embeddings(input_ids, pixel_values, **kwargs)
@@ -203,10 +246,14 @@ def _model_fingerprint(model: Any, processor: Any) -> str:
     parts += samples
     image_processor = getattr(processor, "image_processor", None)
     if image_processor is not None:
-        settings = {k: v for k, v in vars(image_processor).items()
-                    if isinstance(v, (int, float, str, bool, list, tuple, dict, type(None)))}
-        parts += [type(image_processor).__name__, json.dumps(settings, sort_keys=True, default=str)]
+        parts += _processor_settings(image_processor)
     return content_key(parts)
+
+
+def _processor_settings(component: Any) -> list:
+    settings = {k: v for k, v in vars(component).items()
+                if isinstance(v, (int, float, str, bool, list, tuple, dict, type(None)))}
+    return [type(component).__name__, json.dumps(settings, sort_keys=True, default=str)]
 
 
 # ================================================================================================
@@ -214,11 +261,7 @@ def _model_fingerprint(model: Any, processor: Any) -> str:
 # ================================================================================================
 
 
-def _describe(source: Any) -> str:
-    if isinstance(source, (str, os.PathLike)):
-        text = os.fspath(source)
-        return repr(text if len(text) <= 80 else text[:77] + "...")
-    return type(source).__name__
+_describe = describe_source
 
 
 def load_image(source: ImageInput, index: int) -> Image.Image:
@@ -288,13 +331,16 @@ class Qwen2VLAdapter:
     """Qwen2-VL family adapter (``model_type`` in ``SUPPORTED_MODEL_TYPES``).
 
     ``vision_cache``: optional ``VisionCache``; ``encode`` consults it by ``PreparedRequest.media_key``.
-    ``vision_encoder``: the callable ``(pixel_values, image_grid_thw) -> features`` that runs the vision tower;
-    replace it on the instance to instrument or offload it (tests wrap it to count calls).
+    ``vision_encoder``: the callable ``(pixel_values, grid_thw) -> features`` that runs the vision tower (on
+    images or on videos); replace it on the instance to instrument or offload it (tests wrap it to count calls).
+    ``video_fps`` / ``video_max_frames``: the frame selection ``prepare`` uses when not given one
+    (``scheduler/media.py``).
     """
 
     SUPPORTED_MODEL_TYPES = frozenset({"qwen2_vl"})
 
-    def __init__(self, model: Any, processor: Any, vision_cache: VisionCache | None = None):
+    def __init__(self, model: Any, processor: Any, vision_cache: VisionCache | None = None,
+                 video_fps: float = DEFAULT_VIDEO_FPS, video_max_frames: int = DEFAULT_VIDEO_MAX_FRAMES):
         model_type = getattr(model.config, "model_type", None)
         if model_type not in self.SUPPORTED_MODEL_TYPES:
             raise TypeError(f"Qwen2VLAdapter does not support model_type {model_type!r}")
@@ -308,7 +354,10 @@ class Qwen2VLAdapter:
         self.video_token_id = int(config.video_token_id)
         self.media_token_ids = frozenset({self.image_token_id, self.video_token_id})
         self.image_token = getattr(processor, "image_token", "<|image_pad|>")
+        self.video_token = getattr(processor, "video_token", "<|video_pad|>")
+        self.video_fps, self.video_max_frames = validate_video_sampling(video_fps, video_max_frames)
         self._fingerprint: str | None = None
+        self._video_fingerprint: str | None = None
 
     # ---- model facts the engine needs (scheduler/adapters.py's text helpers do not fit a VLM) ----------
     @property
@@ -349,16 +398,47 @@ class Qwen2VLAdapter:
         and the model/processor fingerprint. Independent of file names and of the prompt text."""
         return content_key(["qwen2_vl-vision", self.fingerprint, image_grid_thw.astype(mx.int64), pixel_values])
 
+    def video_media_key(self, pixel_values_videos: mx.array, video_grid_thw: mx.array) -> str:
+        """Content key of an ordered video list: the preprocessed pixels of the *selected* frames (so the same
+        video sampled the same way hits, and another fps / cap that selects other frames does not), the grids,
+        the model fingerprint and the video processor's settings. Independent of file names and prompt text."""
+        if self._video_fingerprint is None:
+            video_processor = getattr(self.processor, "video_processor", None)
+            extra = _processor_settings(video_processor) if video_processor is not None else []
+            self._video_fingerprint = content_key([self.fingerprint, *extra])
+        return content_key(["qwen2_vl-video", self._video_fingerprint, video_grid_thw.astype(mx.int64),
+                            pixel_values_videos])
+
     # ---- CPU side -----------------------------------------------------------------------------------
-    def prepare(self, prompt: str | list[dict], images: Sequence[ImageInput] | None = ()) -> PreparedRequest:
+    def prepare(self, prompt: str | list[dict], images: Sequence[ImageInput] | None = (),
+                videos: Sequence[VideoInput] | None = (), fps: float | None = None,
+                max_frames: int | None = None) -> PreparedRequest:
+        """CPU-side preprocessing of one request.
+
+        ``prompt``: templated text, or chat messages (images: mlx-vlm's template, as ``mlx_vlm.generate`` does;
+        videos: the model's own template, one ``{"type": "video"}`` part per video). ``videos``: file paths, raw
+        bytes or frame lists; frames are selected at ``fps`` capped at ``max_frames`` (default: the adapter's
+        ``video_fps`` / ``video_max_frames``; see ``scheduler/media.py``). An unusable image / video raises
+        ``MediaError`` naming it; a bad prompt or mismatched placeholders raise ``ValueError``.
+        """
         images = list(images) if images is not None else []
+        videos = list(videos) if videos is not None else []
+        fps, max_frames = validate_video_sampling(self.video_fps if fps is None else fps,
+                                                  self.video_max_frames if max_frames is None else max_frames)
+        if images and videos:
+            raise ValueError("a request with both images and videos is not supported: mlx-vlm's Qwen2-VL merges "
+                             "one kind of media per request")
         pil = [load_image(src, i) for i, src in enumerate(images)]
+        clips: list[VideoFrames] = [load_video(src, i, fps, max_frames) for i, src in enumerate(videos)]
         if isinstance(prompt, str):
             text = prompt  # already templated
         elif isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt):
             if not prompt:
                 raise ValueError("no messages")
-            text = _vlm_chat_template(self.processor, self.model.config, list(prompt), num_images=len(pil))
+            if clips:
+                text = _vlm_video_chat_template(self.processor, list(prompt))
+            else:
+                text = _vlm_chat_template(self.processor, self.model.config, list(prompt), num_images=len(pil))
         else:
             raise TypeError(f"prompt must be a templated str or a list of chat messages, got {type(prompt).__name__}")
         if not text:
@@ -367,10 +447,16 @@ class Qwen2VLAdapter:
         if placeholders != len(pil):
             raise ValueError(f"prompt has {placeholders} image placeholder(s) ({self.image_token}) "
                              f"for {len(pil)} image(s)")
+        video_placeholders = text.count(self.video_token)
+        if video_placeholders != len(clips):
+            raise ValueError(f"prompt has {video_placeholders} video placeholder(s) ({self.video_token}) "
+                             f"for {len(clips)} video(s)")
+        frame_lists = [clip.frames for clip in clips]
         try:
-            inputs = _vlm_prepare_inputs(self.model, self.processor, text, pil)
+            inputs = _vlm_prepare_inputs(self.model, self.processor, text, pil, frame_lists or None)
         except Exception as exc:
             self._blame_image(pil, exc)
+            self._blame_video(frame_lists, exc)
             raise
         input_ids = inputs["input_ids"]
         if input_ids.ndim != 2 or input_ids.shape[0] != 1:
@@ -378,29 +464,44 @@ class Qwen2VLAdapter:
         ids = [int(t) for t in input_ids[0].tolist()]
         if not ids:
             raise ValueError("prompt tokenizes to nothing")
-        if self.video_token_id in ids:
-            raise ValueError("video inputs are not supported by this adapter (the prompt holds a video token)")
         if ids[-1] in self.media_token_ids:
             raise ValueError("the prompt must not end with an image/video token: the first decode step feeds the "
                              "last prompt token as text (use the chat template, which ends with the generation prompt)")
         pixel_values = inputs.get("pixel_values") if pil else None
         grid = inputs.get("image_grid_thw") if pil else None
+        video_pixels = inputs.get("pixel_values_videos") if clips else None
+        video_grid = inputs.get("video_grid_thw") if clips else None
         num_media = sum(1 for t in ids if t in self.media_token_ids)
-        if pil:
-            merge = int(getattr(self.model.config.vision_config, "spatial_merge_size", 2))
-            expected = int(mx.sum(mx.prod(grid, axis=-1)).item()) // (merge * merge)
+        merge = int(getattr(self.model.config.vision_config, "spatial_merge_size", 2))
+        for kind, grids, present in (("image", grid, pil), ("video", video_grid, clips)):
+            if not present:
+                continue
+            if grids is None or grids.shape[0] != len(present):
+                raise ValueError(f"processor returned no {kind} grid for {len(present)} {kind}(s)")
+            expected = int(mx.sum(mx.prod(grids, axis=-1)).item()) // (merge * merge)
             if expected != num_media:
-                raise ValueError(f"prompt holds {num_media} image tokens but the images need {expected}")
-        extras = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "image_grid_thw")}
+                raise ValueError(f"prompt holds {num_media} {kind} tokens but the {kind}s need {expected}")
+        if pil:
+            media_key = self.media_key(pixel_values, grid)
+        elif clips:
+            media_key = self.video_media_key(video_pixels, video_grid)
+        else:
+            media_key = None
+        extras = {k: v for k, v in inputs.items()
+                  if k not in ("input_ids", "pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")}
         return PreparedRequest(
             input_ids=ids,
             pixel_values=pixel_values,
             image_grid_thw=grid,
             extras=extras,
-            media_key=self.media_key(pixel_values, grid) if pil else None,
+            media_key=media_key,
             num_media_tokens=num_media,
             prompt=text,
             num_images=len(pil),
+            pixel_values_videos=video_pixels,
+            video_grid_thw=video_grid,
+            num_videos=len(clips),
+            video_frame_indices=tuple(clip.indices for clip in clips),
         )
 
     def _blame_image(self, pil: list[Image.Image], exc: Exception) -> None:
@@ -415,12 +516,26 @@ class Qwen2VLAdapter:
                 raise MediaError(i, f"rejected by the image processor ({image.width}x{image.height}): "
                                     f"{type(one).__name__}: {one}") from exc
 
+    def _blame_video(self, frame_lists: list[list], exc: Exception) -> None:
+        """The same for videos: the first video the video processor refuses alone."""
+        video_processor = getattr(self.processor, "video_processor", None) or getattr(
+            self.processor, "image_processor", None)
+        if video_processor is None:
+            return
+        for i, frames in enumerate(frame_lists):
+            try:
+                video_processor(videos=[frames])
+            except Exception as one:
+                h, w = frames[0].shape[:2]
+                raise MediaError(i, f"rejected by the video processor ({len(frames)} frames of {w}x{h}): "
+                                    f"{type(one).__name__}: {one}", "video") from exc
+
     # ---- device side ----------------------------------------------------------------------------------
     def _encode_vision(self, pixel_values: mx.array, image_grid_thw: mx.array) -> mx.array:
         return _vlm_vision_features(self.model, pixel_values, image_grid_thw)
 
     def encode(self, prepared: PreparedRequest) -> EncodedRequest:
-        """Vision tower (unless the vision cache has these images) + embedding merge + prompt positions.
+        """Vision tower (unless the vision cache has these images / videos) + embedding merge + prompt positions.
         Everything returned is evaluated."""
         ids = mx.array(prepared.input_ids, dtype=mx.int32)[None]
         mask = prepared.extras.get("attention_mask")
@@ -429,8 +544,14 @@ class Qwen2VLAdapter:
         hit: bool | None = None
         vision_time = 0.0
         features = None
-        if prepared.num_images:
-            if prepared.pixel_values is None:
+        videos = bool(getattr(prepared, "num_videos", 0))
+        if videos:
+            pixels, grid, kind = prepared.pixel_values_videos, prepared.video_grid_thw, "video"
+        else:
+            pixels, grid, kind = prepared.pixel_values, prepared.image_grid_thw, "image"
+        has_media = bool(prepared.num_images) or videos
+        if has_media:
+            if pixels is None:
                 raise ValueError("pixel values were released before encode")
             key = prepared.media_key
             if self.vision_cache is not None and key is not None:
@@ -438,17 +559,16 @@ class Qwen2VLAdapter:
             hit = features is not None
             if features is None:
                 t0 = time.perf_counter()
-                features = self.vision_encoder(prepared.pixel_values, prepared.image_grid_thw)
+                features = self.vision_encoder(pixels, grid)
                 mx.eval(features)
                 vision_time = time.perf_counter() - t0
                 if self.vision_cache is not None and key is not None:
                     self.vision_cache.put(key, features, vision_time)
             if features.shape[0] != prepared.num_media_tokens:
                 raise ValueError(f"vision features have {features.shape[0]} rows for "
-                                 f"{prepared.num_media_tokens} image tokens")
+                                 f"{prepared.num_media_tokens} {kind} tokens")
         embeds, positions, deltas = _vlm_input_embeddings(
-            self.model, ids, prepared.pixel_values if prepared.num_images else None,
-            prepared.image_grid_thw, mask, features)
+            self.model, ids, pixels if has_media else None, grid, mask, features, videos=videos)
         positions = _as_mrope_positions(positions, ids.shape[1])
         rope_delta = int(mx.array(deltas).reshape(-1)[0].item()) if deltas is not None else 0
         mx.eval(embeds, positions)
@@ -506,14 +626,16 @@ def _as_mrope_positions(positions: mx.array, length: int) -> mx.array:
 ADAPTERS: dict[str, type] = {"qwen2_vl": Qwen2VLAdapter}
 
 
-def adapter_for(model: Any, processor: Any, vision_cache: VisionCache | None = None) -> Qwen2VLAdapter:
-    """The adapter for ``model``'s family; TypeError for an unsupported one."""
+def adapter_for(model: Any, processor: Any, vision_cache: VisionCache | None = None,
+                **options: Any) -> Qwen2VLAdapter:
+    """The adapter for ``model``'s family; TypeError for an unsupported one. ``options`` (e.g. ``video_fps``,
+    ``video_max_frames``) go to the adapter's constructor."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     cls = ADAPTERS.get(model_type)
     if cls is None:
         raise TypeError(f"no VLM adapter for model_type {model_type!r}; supported: {', '.join(sorted(ADAPTERS))}")
-    return cls(model, processor, vision_cache=vision_cache)
+    return cls(model, processor, vision_cache=vision_cache, **options)
 
 
-__all__ = ["ADAPTERS", "EncodedRequest", "MediaError", "PreparedRequest", "Qwen2VLAdapter", "adapter_for",
-           "load_image"]
+__all__ = ["ADAPTERS", "DEFAULT_VIDEO_FPS", "DEFAULT_VIDEO_MAX_FRAMES", "EncodedRequest", "MediaError",
+           "PreparedRequest", "Qwen2VLAdapter", "adapter_for", "load_image", "load_video"]

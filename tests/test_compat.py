@@ -1,0 +1,194 @@
+"""The vllm-mlx MLLMBatchGenerator surface, driven the way its users drive it, on the tiny real models."""
+
+import threading
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from scheduler.compat import (
+    MLLMBatchGenerator,
+    MLLMBatchRequest,
+    MLLMBatchStats,
+    install_chunked_prefill_mllm,
+)
+from scheduler.events import MemorySink
+
+from .helpers import mixed_prompts, solo_tokens
+
+PROMPTS = mixed_prompts(6, 5, 150, seed=12)
+
+
+def _collect(responses, tokens, finish):
+    for r in responses:
+        assert r.uid not in finish, "a response after the final one"
+        if r.finish_reason in (None, "stop", "length"):
+            tokens.setdefault(r.uid, []).append(r.token)
+        if r.finish_reason is not None:
+            finish[r.uid] = r.finish_reason
+
+
+def _run(gen, tokens=None, finish=None, max_ticks=10_000):
+    """Loop next() until has_pending() is false; tokens and finish reasons per uid."""
+    tokens, finish = ({} if tokens is None else tokens), ({} if finish is None else finish)
+    ticks = 0
+    while gen.has_pending():
+        _collect(gen.next(), tokens, finish)
+        ticks += 1
+        assert ticks < max_ticks
+    return tokens, finish
+
+
+def test_text_model_requests_match_solo_and_remove_abort_work(text_model):
+    model, tokenizer = text_model
+    sink = MemorySink()
+    gen = MLLMBatchGenerator(model, tokenizer, prefill_step_size=32, completion_batch_size=8, event_sinks=[sink])
+    reqs = [MLLMBatchRequest(uid=-1, request_id=f"r{i}", prompt="", input_ids=p, max_tokens=10, temperature=0.0)
+            for i, p in enumerate(PROMPTS)]
+    reqs.append(MLLMBatchRequest(uid=-1, request_id="text", prompt=tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hello there"}], add_generation_prompt=True, tokenize=False),
+        max_tokens=10, temperature=0.0))
+    reqs.append(MLLMBatchRequest(uid=-1, request_id="long", prompt="", input_ids=[9] * 400, max_tokens=10,
+                                 temperature=0.0))
+    uids = gen.insert(reqs)
+    assert uids == list(range(len(reqs)))
+    tokens, finish = {}, {}
+    _collect(gen.next(), tokens, finish)
+    gen.abort_prefill("long")  # still prefilling: 400 tokens at 32 per chunk
+    removed = uids[2]
+    first = gen.next()
+    _collect(first, tokens, finish)
+    gen.remove([removed])
+    tokens, finish = _run(gen, tokens, finish)
+    assert finish[uids[-1]] == "abort"
+    assert removed not in finish  # removed: no response at all after remove()
+    for i, uid in enumerate(uids[:6]):
+        if uid == removed:
+            assert len(tokens.get(uid, [])) <= 2  # what it produced before remove(), nothing after
+            continue
+        assert tokens[uid] == solo_tokens(model, tokenizer, PROMPTS[i], 10)
+        assert finish[uid] == "length"
+    text_ids = tokenizer.encode(reqs[6].prompt)
+    assert tokens[uids[6]] == solo_tokens(model, tokenizer, text_ids, 10)
+    assert first  # responses carry full log-softmax vectors
+    assert all(r.logprobs.shape == (512,) for r in first if r.finish_reason is None)
+
+    # stats: each token once, each second once, checked against the event log
+    stats = gen.stats()
+    d = stats.to_dict()
+    assert set(d) == {"prompt_tokens", "prompt_time", "prompt_tps", "generation_tokens", "generation_time",
+                      "generation_tps", "vision_encoding_time", "num_images_processed", "peak_memory"}
+    outcomes = sink.of_kind("outcome")
+    assert d["generation_tokens"] == sum(len(o["sampled"]) for o in outcomes)
+    assert d["prompt_tokens"] == sum(end - start for p in sink.of_kind("plan") for _, start, end, _ in p["prefill"])
+    assert d["generation_time"] == pytest.approx(sum(o["measure"]["decode_s"] for o in outcomes))
+    assert d["prompt_time"] == pytest.approx(sum(o["measure"]["prefill_s"] for o in outcomes))
+    assert d["prompt_tps"] == pytest.approx(d["prompt_tokens"] / d["prompt_time"])
+    assert isinstance(stats, MLLMBatchStats) and d["peak_memory"] > 0
+    gen.close()
+
+
+def test_prefix_cache_stats_have_the_reference_keys_and_true_values(text_model):
+    model, tokenizer = text_model
+    sink = MemorySink()
+    gen = MLLMBatchGenerator(model, tokenizer, prefix_cache_config={"max_memory_mb": 32}, event_sinks=[sink])
+    assert gen.get_prefix_cache_stats()["hits"] == 0
+    long_prompts = [p for p in PROMPTS if len(p) > 20][:3]
+    for wave in range(2):
+        gen.insert([MLLMBatchRequest(uid=-1, request_id=f"w{wave}-{i}", prompt="", input_ids=p,
+                                     max_tokens=4, temperature=0.0) for i, p in enumerate(long_prompts)])
+        _run(gen)
+    stats = gen.get_prefix_cache_stats()
+    assert set(stats) == {"hits", "misses", "hit_rate", "evictions", "tokens_saved", "current_memory_mb",
+                          "max_memory_mb", "memory_utilization", "entry_count"}
+    hits = sink.of_kind("prefix_hit")
+    assert stats["hits"] == len(hits) == 3 and stats["misses"] == len(sink.of_kind("prefix_miss")) == 3
+    assert stats["tokens_saved"] == sum(h["length"] for h in hits)
+    assert stats["max_memory_mb"] == 32
+
+
+def test_schedule_removal_from_another_thread_loses_nothing(text_model):
+    model, tokenizer = text_model
+    gen = MLLMBatchGenerator(model, tokenizer, completion_batch_size=8)
+    uids = gen.insert([MLLMBatchRequest(uid=-1, request_id=f"t{i}", prompt="", input_ids=PROMPTS[i % 6],
+                                        max_tokens=200, temperature=0.0) for i in range(12)])
+    doomed = uids[::2]
+    started = threading.Event()
+
+    def remover():
+        started.wait()
+        for uid in doomed:
+            gen.schedule_removal([uid])
+
+    thread = threading.Thread(target=remover)
+    thread.start()
+    seen_after = {}
+    ticks = 0
+    while gen.has_pending():
+        for r in gen.next():
+            seen_after.setdefault(r.uid, []).append(r.finish_reason)
+        ticks += 1
+        if ticks == 2:
+            started.set()
+        if ticks == 40:
+            thread.join()
+    # every scheduled removal took effect: those requests never reached a final response
+    for uid in doomed:
+        assert None in seen_after.get(uid, [None]) and not any(seen_after.get(uid, [])[1:][-1:]) or \
+            all(f is None for f in seen_after.get(uid, []))
+    for uid in uids[1::2]:
+        assert seen_after[uid][-1] == "length"
+    assert not gen.engine.executor.live_request_ids()
+
+
+def test_install_chunked_prefill_is_configuration(text_model):
+    model, tokenizer = text_model
+    sink = MemorySink()
+    gen = MLLMBatchGenerator(model, tokenizer, completion_batch_size=4, event_sinks=[sink])
+    install_chunked_prefill_mllm(gen, budget=16)
+    gen.insert([MLLMBatchRequest(uid=-1, request_id="a", prompt="", input_ids=PROMPTS[1], max_tokens=4, temperature=0.0),
+                MLLMBatchRequest(uid=-1, request_id="b", prompt="", input_ids=[7] * 90, max_tokens=4, temperature=0.0)])
+    tokens, _ = _run(gen)
+    plans = sink.of_kind("plan")
+    assert all(sum(end - start for _, start, end, _ in p["prefill"]) <= 16 for p in plans)
+    assert any(p["prefill"] and p["decode"] for p in plans)
+    with pytest.raises(RuntimeError, match="before the first insert"):
+        install_chunked_prefill_mllm(gen, budget=32)
+    assert tokens[0] == solo_tokens(model, tokenizer, PROMPTS[1], 4)
+
+
+def test_bad_requests_get_error_responses(text_model):
+    model, tokenizer = text_model
+    gen = MLLMBatchGenerator(model, tokenizer)
+    uids = gen.insert([MLLMBatchRequest(uid=-1, request_id="ok", prompt="", input_ids=PROMPTS[0], max_tokens=3, temperature=0.0),
+                       MLLMBatchRequest(uid=-1, request_id="empty", prompt=""),
+                       MLLMBatchRequest(uid=-1, request_id="img", prompt="hi", images=["x.png"])])
+    tokens, finish = _run(gen)
+    assert finish == {uids[0]: "length", uids[1]: "error", uids[2]: "error"}
+    with pytest.raises(ValueError, match="sampler"):
+        MLLMBatchGenerator(model, tokenizer, sampler=lambda x: x)
+
+
+def test_vlm_requests_with_and_without_images_match_solo(vlm_model_dir):
+    import mlx_vlm
+    from mlx_vlm.prompt_utils import apply_chat_template
+
+    model, processor = mlx_vlm.load(str(vlm_model_dir))
+    sink = MemorySink()
+    gen = MLLMBatchGenerator(model, processor, event_sinks=[sink])
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (140, 112, 3), dtype=np.uint8))
+    with_image = apply_chat_template(processor, model.config, "What is this?", num_images=1)
+    text_only = apply_chat_template(processor, model.config, "Tell me a story.", num_images=0)
+    specs = [(with_image, [image]), (text_only, None), (with_image, [image])]
+    uids = gen.insert([MLLMBatchRequest(uid=-1, request_id=f"v{i}", prompt=p, images=imgs, max_tokens=8, temperature=0.0)
+                       for i, (p, imgs) in enumerate(specs)])
+    tokens, finish = _run(gen)
+    for uid, (prompt, imgs) in zip(uids, specs):
+        last = None
+        for last in mlx_vlm.stream_generate(model, processor, prompt, image=imgs, max_tokens=8, temperature=0.0):
+            pass
+        assert tokens[uid] == list(last.token_ids)
+    vstats = gen.get_vision_cache_stats()
+    assert vstats["hits"] == len([e for e in sink.events if e["event"] == "vision_hit"]) == 1
+    assert vstats["misses"] == 1
+    assert gen.stats().num_images_processed == 2
