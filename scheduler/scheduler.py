@@ -269,6 +269,20 @@ class Scheduler:
                 assert self.requests.get(rid) is request, rid
             seen += len(container)
         assert seen == len(self.requests), "a live request is in no container or in two"
+        for request in self.waiting.values():
+            assert request.num_computed_tokens == 0, request.request_id
+        for request in self.prefilling.values():
+            assert 0 <= request.num_computed_tokens < request.prefill_len, request.request_id
+        for request in self.decoding.values():
+            assert request.num_computed_tokens == request.prefill_len, request.request_id
+            assert request.recompute_tokens < request.num_output_tokens < request.sampling.max_tokens, request.request_id
+        cache = self.prefix_cache
+        if cache is not None:
+            entries = list(cache._entries.values())
+            assert cache.bytes == sum(e.nbytes for e in entries) <= cache.max_bytes
+            for entry in entries:  # recorded sizes are the real arrays' sizes
+                if entry.payload is not None:
+                    assert entry.nbytes == sum(x.nbytes for _, state in entry.payload for x in state[:2]), entry.entry_id
         assert len(self.encoding) + len(self.prefilling) + len(self.decoding) <= cfg.max_seqs
         if cfg.kv_memory_bytes is not None and plan.kv_bytes_bound is not None:
             assert plan.kv_bytes_bound <= cfg.kv_memory_bytes, plan
