@@ -143,7 +143,7 @@ def fit_cost_model(trace: "Trace | str | os.PathLike | Iterable[dict]",
     """Least-squares (non-negative) fit of the per-tick cost over a trace's busy ticks.
 
     x comes from each tick's `plan` (`tick_features`), y is that tick's `outcome.measure.tick_s`. The
-    coefficients are fitted robustly: one refit leaves out ticks whose residual exceeds `outlier_mads` median
+    coefficients are fitted robustly: refits leave out ticks whose residual exceeds `outlier_mads` median
     absolute deviations (warm-up, GC pauses, another process taking the CPU; None keeps every tick). The
     terms are then scaled by `slowdown` = recorded busy time / predicted busy time, so the predicted total
     time of the recorded plans matches the recording (a slowdown from contention is proportional: it carries
@@ -167,14 +167,16 @@ def fit_cost_model(trace: "Trace | str | os.PathLike | Iterable[dict]",
     coef = nnls(x, y)
     keep = np.ones(len(y), bool)
     if outlier_mads is not None:
-        resid = y - x @ coef
-        mad = float(np.median(np.abs(resid - np.median(resid))))
-        if mad > 0:
-            keep = np.abs(resid) <= outlier_mads * 1.4826 * mad
-            if keep.sum() >= len(FEATURES) and not keep.all():
-                coef = nnls(x[keep], y[keep])
-            else:
-                keep[:] = True
+        for _ in range(5):  # refit without the outliers of the current fit until the kept set settles
+            resid = y - x @ coef
+            mad = float(np.median(np.abs(resid - np.median(resid))))
+            if mad <= 0:
+                break
+            new_keep = np.abs(resid) <= outlier_mads * 1.4826 * mad
+            if new_keep.sum() < len(FEATURES) or np.array_equal(new_keep, keep):
+                break
+            keep = new_keep
+            coef = nnls(x[keep], y[keep])
     terms = x @ coef
     slowdown = float(y.sum() / terms.sum()) if terms.sum() > 0 else 1.0
     pred = terms * slowdown
