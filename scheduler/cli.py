@@ -123,6 +123,32 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return 0 if report.identical else 1
 
 
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from .replay import TraceError
+    from .simulate import what_if
+
+    try:
+        overrides = dict(item.split("=", 1) for item in args.set or [])
+        print(what_if(args.trace, policy=args.policy, overrides=overrides))
+    except (TraceError, ValueError) as exc:
+        print(f"cannot simulate: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _cmd_timeline(args: argparse.Namespace) -> int:
+    from .replay import TraceError
+    from .timeline import write_timeline
+
+    try:
+        kind = write_timeline(args.trace, args.out)
+    except (TraceError, ValueError) as exc:
+        print(f"cannot write timeline: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {kind} timeline to {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlxsched", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -153,6 +179,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("trace")
     p.add_argument("--policy", help="replay under another policy (expect a divergence if it decides differently)")
     p.set_defaults(func=_cmd_replay)
+
+    p = sub.add_parser("simulate", help="fit a cost model on a trace and re-run its arrivals under another "
+                                        "policy or budget (no model); prints a side-by-side table")
+    p.add_argument("trace")
+    p.add_argument("--policy", help="policy name for the what-if run (default: the recorded one)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override an EngineConfig field")
+    p.set_defaults(func=_cmd_simulate)
+
+    p = sub.add_parser("timeline", help="request-state timeline of a trace: .json (Perfetto) or .png (Gantt)")
+    p.add_argument("trace")
+    p.add_argument("-o", "--out", required=True)
+    p.set_defaults(func=_cmd_timeline)
 
     p = sub.add_parser("lifecycle", help="print the request lifecycle as a Mermaid diagram (from the table)")
     p.add_argument("--update", metavar="FILE", help="rewrite the diagram between the markers in FILE")

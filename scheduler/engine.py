@@ -139,9 +139,11 @@ class Engine:
         if self.config.max_kv_size is not None and not adapters.supports_max_kv_size(model):
             raise ValueError("max_kv_size: this model builds its own caches (e.g. sliding windows); "
                              "mlx-lm ignores max_kv_size for it and so would the results")
-        self.kv_layout = (adapters.kv_layout(model, self.config.max_kv_size)
-                          if self.config.kv_memory_bytes is not None else None)
-        self.scheduler = Scheduler(self.config, self.events, stop_ids, policy, self.kv_layout)
+        # The KV layout is measured for text models even without a budget: the trace records it, so a what-if
+        # simulation can try a budget on any trace.
+        self.kv_layout = None if self.vlm is not None else adapters.kv_layout(model, self.config.max_kv_size)
+        budget_layout = self.kv_layout if self.config.kv_memory_bytes is not None else None
+        self.scheduler = Scheduler(self.config, self.events, stop_ids, policy, budget_layout)
         self.executor = executor or MLXExecutor(runner, penalty_context=self.config.penalty_context,
                                                 prefix_cache=self.scheduler.prefix_cache,
                                                 logprob_vectors=self.config.logprob_vectors)
@@ -219,8 +221,9 @@ class Engine:
         else:
             raw_tokens = self._tokenize(prompt) if prompt_tokens is None else prompt_tokens
         tokens = validate_prompt_tokens(raw_tokens, self.vocab_size, self.max_model_len)
-        if self.kv_layout is not None:
-            need = self.kv_layout.footprint([len(tokens) + 1], [])
+        if self.kv_layout is not None and self.config.kv_memory_bytes is not None:
+            # what the planner requires to admit it alone (the prompt plus the admission headroom)
+            need = self.kv_layout.footprint([len(tokens) + max(1, self.config.kv_headroom_tokens)], [])
             if need > self.config.kv_memory_bytes:
                 raise InvalidRequest("prompt", f"needs {need} bytes of KV cache, more than kv_memory_bytes "
                                                f"({self.config.kv_memory_bytes})", request_id)

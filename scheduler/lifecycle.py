@@ -107,8 +107,13 @@ def destination(state: RequestState, trigger: Trigger) -> RequestState | None:
 class Lifecycle:
     """One shared `transitions.Machine` driving many request objects.
 
-    A request object must have a `request_id` attribute and the guard predicates the table names; the
-    machine owns its `state` attribute (a `RequestState`). `auto_transitions=False` so only declared triggers exist.
+    A request object needs a `request_id`, a `state` attribute (a `RequestState`, owned by this machine) and
+    the guard predicates the table names. `auto_transitions=False` so only declared triggers exist.
+
+    Requests are not registered with the machine (`add_model` binds a method per trigger and per state onto
+    every request, ~55 us each, and keeps a list of all of them); `fire` dispatches through the machine's own
+    event objects instead, so guards, the declared sources and `MachineError` behave exactly the same at a
+    fraction of the cost.
     """
 
     def __init__(self, table: Iterable[TransitionSpec] = TRANSITIONS):
@@ -130,23 +135,23 @@ class Lifecycle:
             ignore_invalid_triggers=False,
             model_attribute="state",
         )
+        self._events = {trigger: self._machine.events[trigger.value] for trigger in Trigger
+                        if trigger.value in self._machine.events}
 
     def attach(self, request: Any) -> None:
-        self._machine.add_model(request)
-
-    def detach(self, request: Any) -> None:
-        """Terminal requests leave the machine so its model list does not grow."""
-        self._machine.remove_model(request)
+        """A new request starts in the machine's initial state."""
+        request.state = RequestState.QUEUED
 
     def fire(self, request: Any, trigger: Trigger) -> tuple[RequestState, RequestState]:
         """Move `request` by `trigger`; return (source, destination) or raise IllegalTransition."""
         source = request.state
+        event = self._events.get(trigger)
+        if event is None:
+            raise IllegalTransition(request.request_id, source, trigger, "not declared")
         try:
-            moved = request.trigger(trigger.value)
+            moved = event.trigger(request)
         except MachineError as exc:
             raise IllegalTransition(request.request_id, source, trigger, "not declared") from exc
-        except AttributeError as exc:  # not attached (already terminal and detached, or never added)
-            raise IllegalTransition(request.request_id, source, trigger, "request is not live") from exc
         if not moved:
             guard = next(
                 (t.guard for t in self.table if t.trigger is trigger and source in t.sources), None

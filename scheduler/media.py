@@ -1,4 +1,4 @@
-"""Video (and audio) inputs: decoding and frame selection, before any model code runs.
+"""Video and audio inputs: decoding, frame selection and resampling, before any model code runs.
 
 Everything here is CPU work on the caller's thread (``Engine.add_request`` -> ``adapter.prepare``); nothing
 touches a model. Failures raise ``MediaError`` naming the input's kind and index (``video 1: ...``).
@@ -26,9 +26,22 @@ same frame twice). A frame list longer than ``max_frames`` is thinned the same w
 The frame count is rounded neither up nor down here: Qwen2-VL's processor groups frames in temporal patches of
 2 and repeats the last frame of an odd count, exactly as it does for a solo ``mlx_vlm`` run given those frames.
 
-Frames are read sequentially (``grab`` every frame, ``retrieve`` the chosen ones), which is exact for every
-codec; seeking by frame number is not. When a container overstates its length (truncated file, estimated
-count) the selection is recomputed over the frames that actually decode; no decodable frame is an error.
+Frames are read sequentially (``grab`` every frame, ``retrieve`` the chosen ones), up to the last chosen one;
+that is exact for every codec, seeking by frame number is not. Errors (``MediaError``): no file, not a video
+OpenCV can open, no frame rate, no decodable frame, and truncation: decoding stops before a chosen frame more
+than ``max(2, 5%)`` of the declared frames short of the declared count (a smaller shortfall is an estimated
+count, as Matroska / WebM give: the selection is then recomputed over the frames that really decode).
+Truncation past the last chosen frame is not looked for (it is not read).
+
+Audio sources (``load_audio``)
+------------------------------
+* a WAV (or other audio) file path, or its bytes: decoded and resampled by ``mlx_vlm.utils.load_audio`` (via
+  ``mlx_audio``), the loader ``mlx_vlm.generate`` itself uses, so a solo run hears exactly the same samples;
+  stereo is averaged to mono;
+* ``(array, sample_rate)``: a float array of samples (``(n,)`` or ``(n, channels)``, averaged to mono),
+  resampled with ``mlx_audio.utils.resample_audio`` (the function ``load_audio`` uses for files) when
+  ``sample_rate`` differs from the model's. A bare array is refused: its rate would be a guess.
+The result is a float32 mono waveform at the model's rate; empty or non-finite audio is a ``MediaError``.
 """
 
 from __future__ import annotations
@@ -240,8 +253,17 @@ def _decode_file(path: str, index: int, fps: float, max_frames: int, what: str) 
                                meta={"claimed_frames": claimed, "fps": fps, "max_frames": max_frames})
         if grabbed < 1:
             raise MediaError(index, f"zero frames decode ({what})", "video")
-        total = grabbed  # the container overstated its length: sample what really decodes
+        if total - grabbed > _tolerated_shortfall(total):
+            raise MediaError(index, f"truncated or corrupt: decoding stops at frame {grabbed} of the {total} "
+                                    f"frames the container declares ({what})", "video")
+        total = grabbed  # an estimated frame count, a little too high: sample what really decodes
     raise MediaError(index, f"frames stop decoding part-way ({what})", "video")
+
+
+def _tolerated_shortfall(declared: int) -> int:
+    """Frames a container's declared count may exceed what decodes before the file counts as truncated:
+    some containers (Matroska / WebM) only estimate the count from duration x rate."""
+    return max(2, declared // 20)
 
 
 def load_video(source: VideoInput, index: int, fps: float, max_frames: int) -> VideoFrames:
@@ -284,5 +306,80 @@ def load_video(source: VideoInput, index: int, fps: float, max_frames: int) -> V
                             "(want a file path, bytes, or a list of frames)", "video")
 
 
-__all__ = ["MediaError", "VideoFrames", "describe_source", "load_video", "sample_frame_indices",
-           "spread_indices", "validate_video_sampling"]
+# ================================================================================================
+# audio
+# ================================================================================================
+
+AudioInput = Any  # str | os.PathLike | bytes | tuple[np.ndarray, int]
+
+
+def _check_waveform(wave: Any, index: int, what: str) -> np.ndarray:
+    wave = np.asarray(wave, dtype=np.float32)
+    if wave.ndim != 1:
+        raise MediaError(index, f"decoded to shape {wave.shape}, want mono samples ({what})", "audio")
+    if wave.size == 0:
+        raise MediaError(index, f"no samples ({what})", "audio")
+    if not np.isfinite(wave).all():
+        raise MediaError(index, f"samples are not all finite ({what})", "audio")
+    return wave
+
+
+def _resample(wave: np.ndarray, rate: int, target: int) -> np.ndarray:
+    if rate == target:
+        return wave
+    from mlx_audio.utils import resample_audio
+
+    return np.asarray(resample_audio(wave, rate, target), dtype=np.float32)
+
+
+def load_audio(source: AudioInput, index: int, sample_rate: int) -> np.ndarray:
+    """One audio clip -> float32 mono samples at ``sample_rate`` (see the module docstring). Raises
+    ``MediaError`` naming ``audio index``."""
+    if isinstance(source, tuple):
+        if len(source) != 2:
+            raise MediaError(index, "want (samples, sample_rate)", "audio")
+        samples, rate = source
+        if isinstance(rate, bool) or not isinstance(rate, (int, np.integer)) or rate <= 0:
+            raise MediaError(index, f"sample rate must be a positive integer, got {rate!r}", "audio")
+        arr = np.asarray(samples)
+        if not np.issubdtype(arr.dtype, np.floating):
+            raise MediaError(index, f"samples of dtype {arr.dtype}: want floats in [-1, 1]", "audio")
+        if arr.ndim == 2:
+            arr = arr.mean(axis=1)  # (samples, channels) -> mono, as mlx-vlm downmixes files
+        arr = _check_waveform(arr, index, f"{arr.shape[0] if arr.ndim else 0} samples at {rate} Hz")
+        return _check_waveform(_resample(arr, int(rate), sample_rate), index, "after resampling")
+    if isinstance(source, np.ndarray):
+        raise MediaError(index, "a bare array has no sample rate: pass (samples, sample_rate)", "audio")
+    if isinstance(source, str) and source.startswith(("http://", "https://")):
+        raise MediaError(index, "remote URLs are not fetched; pass the audio bytes or a file path", "audio")
+    from mlx_vlm.utils import load_audio as vlm_load_audio
+
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        import io
+
+        data = bytes(source)
+        if not data:
+            raise MediaError(index, "empty audio data (bytes)", "audio")
+        what, target = f"{len(data)} bytes", io.BytesIO(data)
+    elif isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        what = describe_source(source)
+        if not path.exists():
+            raise MediaError(index, f"file not found: {what}", "audio")
+        if not path.is_file():
+            raise MediaError(index, f"not a regular file: {what}", "audio")
+        if path.stat().st_size == 0:
+            raise MediaError(index, f"empty file: {what}", "audio")
+        target = str(path)
+    else:
+        raise MediaError(index, f"unsupported audio type {type(source).__name__} "
+                                "(want a file path, bytes, or (samples, sample_rate))", "audio")
+    try:
+        wave = vlm_load_audio(target, sr=sample_rate)
+    except Exception as exc:
+        raise MediaError(index, f"not readable audio ({what}): {type(exc).__name__}: {exc}", "audio") from exc
+    return _check_waveform(wave, index, what)
+
+
+__all__ = ["AudioInput", "MediaError", "VideoFrames", "describe_source", "load_audio", "load_video",
+           "sample_frame_indices", "spread_indices", "validate_video_sampling"]

@@ -122,10 +122,7 @@ _RECORDED_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min
 
 @dataclass(eq=False)  # identity semantics: the state machine keeps models in a list
 class Request:
-    """One request moving through the lifecycle. The `Lifecycle` machine owns `state`.
-
-    Not a slotted dataclass: `transitions` binds its trigger methods onto each model object.
-    """
+    """One request moving through the lifecycle. The `Lifecycle` machine owns `state`."""
 
     request_id: str
     prompt_tokens: list[int]

@@ -130,7 +130,8 @@ class Scheduler:
 
     def plan(self, view: SchedulerView) -> TickPlan:
         plan = plan_tick(view, self.config, self.policy)
-        self.events.emit("plan", view.tick, **plan.to_record())
+        if self.events.enabled:
+            self.events.emit("plan", view.tick, **plan.to_record())
         return plan
 
     # ---- applying ---------------------------------------------------------------------------------
@@ -186,12 +187,23 @@ class Scheduler:
                 self.decoding[request.request_id] = request
                 self._move(request, Trigger.START_DECODE, tick)
                 outputs.append(self._after_token(request, result, tick, released))
+        # The hot path: every decoding row, every tick. Rows that do not finish and want nothing extra take
+        # the short way; the rest go through _after_token.
+        live, sampled, model_stops = self.requests, result.sampled, self.model_stop_ids
+        vectors = result.logprob_vectors
         for rid in plan.decode:
-            request = self.requests.get(rid)
+            request = live.get(rid)
             if request is None:
                 continue
-            self._append(request, result)
-            outputs.append(self._after_token(request, result, tick, released))
+            token = sampled[rid]
+            sampling = request.sampling
+            if (sampling.logprobs or vectors or token in model_stops or token in sampling.stop_token_ids
+                    or len(request.output_tokens) + 1 >= sampling.max_tokens):
+                self._append(request, result)
+                outputs.append(self._after_token(request, result, tick, released))
+            else:
+                request.output_tokens.append(token)
+                outputs.append(StepOutput(rid, [token], request.state))
         return AppliedTick(outputs, released)
 
     def _preempt(self, request: Request, tick: int) -> None:
@@ -233,10 +245,11 @@ class Scheduler:
         spent = now - request.state_entered_time
         request.state_entered_time = now
         self.time_in_state[source.value] = self.time_in_state.get(source.value, 0.0) + spent
-        self.events.emit(
-            "transition", tick, request_id=request.request_id, trigger=trigger.value,
-            reason=reason, **{"from": source.value, "to": dest.value}, measure={"t": now, "in_source_s": spent},
-        )
+        if self.events.enabled:
+            self.events.emit(
+                "transition", tick, request_id=request.request_id, trigger=trigger.value,
+                reason=reason, **{"from": source.value, "to": dest.value}, measure={"t": now, "in_source_s": spent},
+            )
 
     def _end(self, request: Request, trigger: Trigger, tick: int, reason: str) -> None:
         self._move(request, trigger, tick, reason)
@@ -244,7 +257,6 @@ class Scheduler:
         for container in (self.waiting, self.encoding, self.prefilling, self.decoding, self.requests,
                           self._prefix_memo):
             container.pop(rid, None)
-        self.lifecycle.detach(request)
 
     # ---- invariants -------------------------------------------------------------------------------
     def check_invariants(self, plan: TickPlan) -> None:

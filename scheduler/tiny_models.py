@@ -18,6 +18,12 @@ Kinds:
 * ``vlm``         -- Qwen2-VL, hidden 128 x 2 layers with a 2-block vision tower.
                      Exercises image inputs, mrope positions and the processor; a
                      112x140 image becomes 20 image tokens.
+* ``audio``       -- Gemma 4 (``gemma4``) with a 1-block Conformer audio tower, hidden
+                     64 x 2 layers (one sliding-window layer, window 64, one full),
+                     per-layer inputs, tied embeddings, and a tiny vision tower the
+                     family requires. Exercises audio inputs: one second of 16 kHz
+                     audio becomes 25 audio tokens (40 ms each). Not in
+                     ``MODEL_KINDS`` (which tests pin); see ``ALL_KINDS``.
 
 Weights are float32 with untied embeddings (with tied random embeddings greedy
 decoding collapses onto one token). Three adjustments to the random init (see
@@ -41,6 +47,7 @@ from typing import Any
 import mlx.core as mx
 
 MODEL_KINDS: tuple[str, ...] = ("text", "sliding", "text-medium", "vlm")
+ALL_KINDS: tuple[str, ...] = MODEL_KINDS + ("audio",)
 
 VOCAB_SIZE = 512
 
@@ -133,28 +140,34 @@ def training_corpus(n_sentences: int = 4000, seed: int = 0) -> list[str]:
 # ------------------------------------------------------------------------ tokenizer
 
 
-def build_tokenizer():
-    """Train a 512-entry byte-level BPE with ChatML + vision specials.
-
-    Returns a ``transformers.PreTrainedTokenizerFast`` with the ChatML chat
-    template and ``<|im_end|>`` as eos.
-    """
+def _train_bpe(special_tokens: tuple[str, ...]):
+    """A 512-entry byte-level BPE (``tokenizers.Tokenizer``) with ``special_tokens`` first (ids 0..n-1)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(training_corpus(), trainer=trainer)
     if tok.get_vocab_size() != VOCAB_SIZE:  # corpus too small to learn enough merges
         raise RuntimeError(f"tokenizer vocab is {tok.get_vocab_size()}, want {VOCAB_SIZE}")
+    return tok
 
+
+def build_tokenizer():
+    """Train a 512-entry byte-level BPE with ChatML + vision specials.
+
+    Returns a ``transformers.PreTrainedTokenizerFast`` with the ChatML chat
+    template and ``<|im_end|>`` as eos.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    tok = _train_bpe(SPECIAL_TOKENS)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
@@ -435,6 +448,193 @@ def _write_vlm_model(out: Path, tokenizer, seed: int) -> None:
     _write_json(out / "video_preprocessor_config.json", video_preprocessor_config())
 
 
+# ---------------------------------------------------------------------------- audio (gemma4)
+
+# Gemma-style specials first (ids 0..11); the multimodal ones are named to the
+# processor through ``extra_special_tokens`` (``tokenizer.audio_token`` etc.).
+GEMMA_SPECIAL_TOKENS: tuple[str, ...] = (
+    "<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>",
+    "<|image|>", "<|audio|>", "<|video|>", "<boi>", "<eoi>", "<boa>", "<eoa>",
+)
+
+# Gemma turns. List content renders {"type": "image" / "audio" / "video"} as the
+# placeholder the processor expands and {"type": "text"} as its text.
+GEMMA_CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- for message in messages -%}"
+    "{{- '<start_of_turn>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' -%}{{- '<|image|>' -}}"
+    "{%- elif part['type'] == 'audio' -%}{{- '<|audio|>' -}}"
+    "{%- elif part['type'] == 'video' -%}{{- '<|video|>' -}}"
+    "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{- '<end_of_turn>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\\n' -}}{%- endif -%}"
+)
+
+
+def build_gemma_tokenizer():
+    """The same BPE as ``build_tokenizer`` with Gemma specials, chat template and multimodal token names."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=_train_bpe(GEMMA_SPECIAL_TOKENS),
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        chat_template=GEMMA_CHAT_TEMPLATE,
+        model_max_length=4096,
+        clean_up_tokenization_spaces=False,
+        extra_special_tokens={
+            "image_token": "<|image|>", "boi_token": "<boi>", "eoi_token": "<eoi>",
+            "audio_token": "<|audio|>", "boa_token": "<boa>", "eoa_token": "<eoa>",
+            "video_token": "<|video|>",
+        },
+    )
+
+
+def audio_config(tokenizer) -> dict[str, Any]:
+    """The config.json dict of the tiny Gemma 4 with an audio tower."""
+    ids = {t: _special_id(tokenizer, t) for t in GEMMA_SPECIAL_TOKENS}
+    text = {
+        "model_type": "gemma4_text",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 2,
+        "head_dim": 32,
+        "global_head_dim": 32,
+        "num_key_value_heads": 1,
+        "num_kv_shared_layers": 0,
+        "vocab_size": VOCAB_SIZE,
+        "vocab_size_per_layer_input": VOCAB_SIZE,
+        "hidden_size_per_layer_input": 16,
+        "sliding_window": 64,
+        "sliding_window_pattern": 2,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "max_position_embeddings": 4096,
+        "use_double_wide_mlp": False,
+        "final_logit_softcapping": 30.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+    }
+    vision = {
+        "model_type": "gemma4_vision",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "global_head_dim": 16,
+        "patch_size": 16,
+        "position_embedding_size": 1024,
+        "pooling_kernel_size": 3,
+        "default_output_length": 16,
+    }
+    audio = {
+        "hidden_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "subsampling_conv_channels": [8, 4],
+        "conv_kernel_size": 5,
+        "attention_chunk_size": 12,
+        "attention_context_left": 13,
+        "attention_context_right": 0,
+        "output_proj_dims": 32,
+        "rms_norm_eps": 1e-6,
+    }
+    return {
+        "architectures": ["Gemma4ForConditionalGeneration"],
+        "model_type": "gemma4",
+        "text_config": text,
+        "vision_config": vision,
+        "audio_config": audio,
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": text["hidden_size"],
+        "image_token_id": ids["<|image|>"],
+        "audio_token_id": ids["<|audio|>"],
+        "video_token_id": ids["<|video|>"],
+        "boi_token_id": ids["<boi>"],
+        "eoi_token_id": ids["<eoi>"],
+        "boa_token_id": ids["<boa>"],
+        "eoa_token_id": ids["<eoa>"],
+        "pad_token_id": ids["<pad>"],
+        "bos_token_id": ids["<bos>"],
+        "eos_token_id": [ids["<eos>"], ids["<end_of_turn>"]],
+        "vision_soft_tokens_per_image": 16,
+        "audio_ms_per_token": 40,
+        "audio_soft_tokens_per_image": 750,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+    }
+
+
+def audio_processor_config() -> dict[str, Any]:
+    """processor_config.json: Gemma4Processor reads the image processor and audio feature extractor from it."""
+    return {
+        "processor_class": "Gemma4Processor",
+        "audio_seq_length": 750,  # at most 30 s of audio per clip
+        "audio_ms_per_token": 40,
+        "image_processor": {"patch_size": 16, "max_soft_tokens": 16, "pooling_kernel_size": 3},
+        "feature_extractor": {"feature_size": 128, "sampling_rate": 16000},
+    }
+
+
+# Gemma's post-norms normalise each block's output, so the block weights' scale
+# does not matter: these scale the norms. See _shape_gemma4_weights.
+GEMMA_BLOCK_GAIN = 3.0
+GEMMA_AUDIO_GAIN = 30.0
+
+
+def _shape_gemma4_weights(model) -> None:
+    """What the random Gemma 4 needs for useful greedy tests (cf. ``_shape_random_weights``).
+
+    Embeddings are tied (Gemma 4 always computes logits with ``embed_tokens``),
+    so the input token's own logit dominates unless the blocks outweigh the
+    embedding in the residual stream: the post-attention / post-feed-forward
+    norms are scaled by GEMMA_BLOCK_GAIN and q_norm by ATTENTION_GAIN (sharp,
+    position-dependent attention). The audio projection is scaled by
+    GEMMA_AUDIO_GAIN so the audio features outweigh the text around them (else
+    two different clips give the same tokens). The special tokens' embedding
+    rows are zeroed: their logit is then always 0 and greedy decoding never
+    emits eos, as with the other kinds.
+    """
+    lm = model.language_model
+    for layer in lm.model.layers:
+        layer.self_attn.q_norm.weight = layer.self_attn.q_norm.weight * ATTENTION_GAIN
+        layer.post_attention_layernorm.weight = layer.post_attention_layernorm.weight * GEMMA_BLOCK_GAIN
+        layer.post_feedforward_layernorm.weight = layer.post_feedforward_layernorm.weight * GEMMA_BLOCK_GAIN
+    projection = model.embed_audio.embedding_projection
+    projection.weight = projection.weight * GEMMA_AUDIO_GAIN
+    embedding = lm.model.embed_tokens
+    keep = mx.ones((embedding.weight.shape[0], 1), dtype=embedding.weight.dtype)
+    keep[mx.arange(len(GEMMA_SPECIAL_TOKENS))] = 0
+    embedding.weight = embedding.weight * keep
+
+
+def _write_audio_model(out: Path, tokenizer, seed: int) -> None:
+    from mlx_vlm.models import gemma4
+    from mlx_vlm.utils import save_config, save_weights
+
+    config = audio_config(tokenizer)
+    # Mirror mlx_vlm.utils.load_model: ModelConfig from the whole dict, then each module config.
+    model_config = gemma4.ModelConfig.from_dict(dict(config))
+    model_config.text_config = gemma4.TextConfig.from_dict(config["text_config"])
+    model_config.vision_config = gemma4.VisionConfig.from_dict(config["vision_config"])
+    model_config.audio_config = gemma4.AudioConfig.from_dict(config["audio_config"])
+    mx.random.seed(seed)
+    model = gemma4.Model(model_config)
+    _shape_gemma4_weights(model)
+    mx.eval(model.parameters())
+    save_weights(out, model)
+    save_config(dict(config), out / "config.json")
+    _write_json(out / "processor_config.json", audio_processor_config())
+
+
 def _write_tokenizer(out: Path, tokenizer) -> None:
     tokenizer.save_pretrained(str(out))
 
@@ -444,10 +644,15 @@ def build_model(kind: str, out_dir: str | os.PathLike, seed: int = 0) -> Path:
 
     Building twice with the same ``kind`` and ``seed`` gives byte-identical files.
     """
-    if kind not in MODEL_KINDS:
-        raise ValueError(f"unknown model kind {kind!r}; valid kinds: {', '.join(MODEL_KINDS)}")
+    if kind not in ALL_KINDS:
+        raise ValueError(f"unknown model kind {kind!r}; valid kinds: {', '.join(ALL_KINDS)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if kind == "audio":
+        tokenizer = build_gemma_tokenizer()
+        _write_audio_model(out, tokenizer, seed)
+        _write_tokenizer(out, tokenizer)
+        return out
     tokenizer = build_tokenizer()
     if kind == "vlm":
         _write_vlm_model(out, tokenizer, seed)

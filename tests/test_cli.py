@@ -10,7 +10,7 @@ from scheduler.lifecycle import mermaid
 
 def test_only_working_verbs_are_listed():
     verbs = set(build_parser()._subparsers._group_actions[0].choices)
-    assert verbs == {"make-model", "demo", "lifecycle", "replay"}
+    assert verbs == {"make-model", "demo", "lifecycle", "replay", "simulate", "timeline"}
 
 
 def test_make_model_builds_a_loadable_model(tmp_path, capsys):
@@ -47,3 +47,17 @@ def test_demo_default_is_a_mixed_image_and_text_workload_on_the_tiny_vlm(capsys)
     assert main(["demo", "--requests", "4", "--max-tokens", "3"]) == 0
     out = capsys.readouterr().out
     assert "image+text" in out and '"num_images_processed": 2' in out
+
+
+def test_simulate_and_timeline_commands(text_model_dir, tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    assert main(["demo", "--model", str(text_model_dir), "--requests", "8", "--max-tokens", "6",
+                 "--trace", str(trace)]) == 0
+    capsys.readouterr()
+    assert main(["simulate", str(trace), "--policy", "shortest-prompt-first", "--set", "max_seqs=2"]) == 0
+    table = capsys.readouterr().out
+    assert "ttft" in table.lower() and "throughput" in table.lower()
+    assert main(["timeline", str(trace), "-o", str(tmp_path / "t.png")]) == 0
+    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["timeline", str(trace), "-o", str(tmp_path / "t.json")]) == 0
+    assert main(["simulate", str(tmp_path / "missing.jsonl")]) == 2

@@ -53,7 +53,7 @@ def _request_in(state: RequestState, lifecycle: Lifecycle) -> Request:
     r.output_tokens = [5]
     r.finish_reason = FinishReason.LENGTH
     r.error = "boom"
-    lifecycle._machine.set_state(state, model=r)
+    r.state = state
     return r
 
 
@@ -101,12 +101,13 @@ def test_a_refused_guard_is_an_illegal_transition(trigger, unset):
     assert r.state is source
 
 
-def test_a_detached_request_cannot_move():
+def test_a_terminal_request_cannot_move():
     lifecycle = Lifecycle()
-    r = _request_in(RequestState.FINISHED, lifecycle)
-    lifecycle.detach(r)
-    with pytest.raises(IllegalTransition):
-        lifecycle.fire(r, Trigger.ABORT)
+    for state in (RequestState.FINISHED, RequestState.ABORTED):
+        r = _request_in(state, lifecycle)
+        for trigger in Trigger:
+            with pytest.raises(IllegalTransition):
+                lifecycle.fire(r, trigger)
 
 
 def test_one_machine_many_requests_move_independently():

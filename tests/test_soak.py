@@ -50,7 +50,7 @@ def test_soak_nothing_grows(text_model, tmp_path):
     sched = engine.scheduler
     assert not sched.requests and not sched.waiting and not sched.prefilling and not sched.decoding
     assert not sched._prefix_memo
-    assert not sched.lifecycle._machine.models, "terminal requests are detached from the state machine"
+    assert not sched.lifecycle._machine.models, "requests are never registered on the shared machine"
     assert set(sched.time_in_state) <= {"queued", "chunk_prefilling", "decoding"}
     assert not engine._known_live and not engine._inbox and not engine._abort_inbox
     assert not engine.executor.live_request_ids() and engine.executor.cache_bytes() == 0
