@@ -115,27 +115,10 @@ class Engine:
         if self.config.trace_path:
             sinks.append(JsonlSink(self.config.trace_path))
         self.events = EventLog(sinks)
-        self.vlm = None  # the model family's adapter when the model is a vision-language model
-        if adapters.is_vision_language_model(model):
-            if self.config.kv_memory_bytes is not None or self.config.max_kv_size is not None:
-                raise ValueError("kv_memory_bytes and max_kv_size are not supported for vision-language models yet")
-            from caches.vision import VisionCache
-
-            from .vlm import adapter_for
-
-            self.vision_cache = (VisionCache(self.config.vision_cache_bytes, on_event=self._vision_event)
-                                 if self.config.vision_cache_bytes else None)
-            self.vlm = adapter_for(model, tokenizer, self.vision_cache)
-            tokenizer = self.vlm.tokenizer
-            self.vocab_size, max_positions, stop_ids = self.vlm.vocab_size, self.vlm.max_positions, self.vlm.eos_token_ids
-            runner = VisionLanguageRunner(self.vlm)
-        else:
-            self.vision_cache = None
-            self.vocab_size, max_positions = adapters.vocab_size(model), adapters.max_positions(model)
-            stop_ids = adapters.eos_token_ids(tokenizer)
-            runner = TextRunner(model, self.config.max_kv_size)
-        self.tokenizer = tokenizer
-        self.max_model_len = self.config.max_model_len or max_positions or 1 << 30
+        family = _model_family(model, tokenizer, self.config, self._vision_event)
+        self.vlm, self.vision_cache = family.vlm, family.vision_cache
+        self.tokenizer, self.vocab_size = family.tokenizer, family.vocab_size
+        self.max_model_len = self.config.max_model_len or family.max_positions or 1 << 30
         if self.config.max_kv_size is not None and not adapters.supports_max_kv_size(model):
             raise ValueError("max_kv_size: this model builds its own caches (e.g. sliding windows); "
                              "mlx-lm ignores max_kv_size for it and so would the results")
@@ -143,8 +126,8 @@ class Engine:
         # simulation can try a budget on any trace.
         self.kv_layout = None if self.vlm is not None else adapters.kv_layout(model, self.config.max_kv_size)
         budget_layout = self.kv_layout if self.config.kv_memory_bytes is not None else None
-        self.scheduler = Scheduler(self.config, self.events, stop_ids, policy, budget_layout)
-        self.executor = executor or MLXExecutor(runner, penalty_context=self.config.penalty_context,
+        self.scheduler = Scheduler(self.config, self.events, family.stop_ids, policy, budget_layout)
+        self.executor = executor or MLXExecutor(family.runner, penalty_context=self.config.penalty_context,
                                                 prefix_cache=self.scheduler.prefix_cache,
                                                 logprob_vectors=self.config.logprob_vectors)
         self.tick = 0
@@ -468,6 +451,35 @@ class Engine:
 
     def close(self) -> None:
         self.events.close()
+
+
+@dataclass
+class _ModelFamily:
+    """What the engine needs to know about a loaded model, whichever library built it."""
+
+    runner: Any
+    tokenizer: Any
+    vocab_size: int
+    max_positions: int | None
+    stop_ids: frozenset[int]
+    vlm: Any = None  # the family adapter of a vision-language model
+    vision_cache: Any = None
+
+
+def _model_family(model: Any, tokenizer: Any, config: EngineConfig, on_vision_event: Any) -> _ModelFamily:
+    if not adapters.is_vision_language_model(model):
+        return _ModelFamily(TextRunner(model, config.max_kv_size), tokenizer, adapters.vocab_size(model),
+                            adapters.max_positions(model), adapters.eos_token_ids(tokenizer))
+    if config.kv_memory_bytes is not None or config.max_kv_size is not None:
+        raise ValueError("kv_memory_bytes and max_kv_size are not supported for vision-language models yet")
+    from caches.vision import VisionCache
+
+    from .vlm import adapter_for
+
+    vision_cache = VisionCache(config.vision_cache_bytes, on_event=on_vision_event) if config.vision_cache_bytes else None
+    vlm = adapter_for(model, tokenizer, vision_cache)  # for an mlx-vlm model, `tokenizer` is its processor
+    return _ModelFamily(VisionLanguageRunner(vlm), vlm.tokenizer, vlm.vocab_size, vlm.max_positions,
+                        vlm.eos_token_ids, vlm, vision_cache)
 
 
 def _derived_seed(engine_seed: int, request_id: str) -> int:
