@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Protocol, Sequence
 
 import mlx.core as mx
-import numpy as np
 
 from kernels.sampling import RowSampling, SamplingArrays
 from kernels.speculative import draft_uniforms, processed_logprobs, rollback_rows
@@ -362,6 +361,15 @@ class DraftModelDrafter:
             c += 1
         return c
 
+    def warm(self, rows: Sequence[DraftRequest]) -> None:
+        """Prefill the draft cache of requests not known yet (history minus its last token), without
+        drafting: call it when a request's target prefill completes, so its first :meth:`propose` does not
+        pay a whole-prompt prefill inside a decode tick."""
+        _unique(rows)
+        new = [r for r in rows if r.request_id not in self._seq and len(r.tokens) > 0]
+        if new:
+            self._join(new)
+
     def propose(self, rows: Sequence[DraftRequest], k: int) -> list[Draft]:
         _unique(rows)
         ks = {r.request_id: _row_k(r, k) for r in rows}
@@ -380,8 +388,8 @@ class DraftModelDrafter:
         keep_len, pending = [], []
         for rid in self._rows:
             row = by_id.get(rid)
-            if row is None:
-                keep_len.append(len(self._seq[rid]))
+            if row is None:  # idle this call: keep its committed history (drop old drafts, so it never grows)
+                keep_len.append(min(self._committed[rid], len(self._seq[rid])))
                 pending.append([])
                 continue
             history = row.tokens

@@ -204,6 +204,11 @@ def test_draft_model_subsets_new_rows_release_and_caps(text_model):
     assert [o.request_id for o in out] == ["c", "b", "d"]
     assert [o.tokens for o in out] == [f.tokens for f in fresh]
     assert len(out[2].tokens) == 1
+    # an idle row holds its committed history plus at most the drafts of one call, however long it idles
+    for _ in range(3):
+        d.propose([_req("b", hist_b)], 3)
+    assert d.cached_tokens("a")[: len(prompts[0])] == prompts[0]
+    assert len(d.cached_tokens("a")) <= len(prompts[0]) + 2
     d.release(["b"])
     assert d.stats()["live_requests"] == 3
     hist_a = prompts[0] + [30]
@@ -212,6 +217,18 @@ def test_draft_model_subsets_new_rows_release_and_caps(text_model):
     assert d.propose([_req("a", hist_a, max_tokens=0)], 3)[0].tokens == []
     d.release(["a", "c", "d"])
     assert d.stats()["live_requests"] == 0 and d.cache_bytes() == 0
+
+
+def test_draft_model_warm_prefills_without_drafting(text_model, greedy_refs):
+    model, _ = text_model
+    prompts, refs = greedy_refs
+    d = DraftModelDrafter(model)
+    d.warm([_req(str(i), p) for i, p in enumerate(prompts)])
+    assert d.stats()["forwards"] == 0 and d.stats()["live_requests"] == len(prompts)
+    assert [d.cached_tokens(str(i)) for i in range(len(prompts))] == [p[:-1] for p in prompts]
+    out = d.propose([_req(str(i), p) for i, p in enumerate(prompts)], 3)
+    assert [o.tokens for o in out] == [r[:3] for r in refs]
+    assert d.stats()["forwards"] == 3
 
 
 def test_draft_model_sampling_mode_returns_q_and_is_batch_independent(text_model):

@@ -26,6 +26,7 @@ from kernels.speculative import (
     rollback_rows,
     speculative_uniforms,
     stochastic_accept,
+    stack_draft_logprobs,
     stochastic_accept_from_uniforms,
 )
 from scheduler import adapters
@@ -171,6 +172,19 @@ def test_pad_drafts():
         pad_drafts([[1, 2, 3]], k=2)
 
 
+def test_stack_draft_logprobs_mixes_model_and_deterministic_rows():
+    V, k = 9, 3
+    q0 = mx.log(mx.softmax(mx.array(np.random.default_rng(0).normal(size=(2, V)).astype(np.float32)), axis=-1))
+    assert stack_draft_logprobs([[1], [2, 3]], [None, None], k, V) is None
+    out = stack_draft_logprobs([[4, 5], [7], []], [q0, None, None], k, V)
+    assert out.shape == (3, k, V)
+    assert mx.array_equal(out[0, :2], q0) and (np.array(out[0, 2]) == 0).all()
+    row1 = np.array(out[1, 0])
+    assert row1[7] == 0 and np.isneginf(np.delete(row1, 7)).all()
+    with pytest.raises(ValueError):
+        stack_draft_logprobs([[1, 2]], [q0[:1]], k, V)
+
+
 # ---------------------------------------------------------------------------
 # Stochastic: exact against the reference with the same uniforms
 # ---------------------------------------------------------------------------
@@ -271,6 +285,13 @@ def test_none_equals_explicit_one_hot_q():
     b = stochastic_accept(mx.array(p), mx.array(onehot), mx.array(drafts), mx.array(lens), seeds, steps)
     assert a.accepted.tolist() == b.accepted.tolist()
     assert rows_of(a) == rows_of(b)
+    stacked = stack_draft_logprobs([d[:n].tolist() for d, n in zip(drafts, lens)], [None, None] + [None] * (B - 2),
+                                   k, V)
+    assert stacked is None
+    half = stack_draft_logprobs([d[:n].tolist() for d, n in zip(drafts, lens)],
+                                [mx.array(onehot[b, : lens[b]]) if b % 2 else None for b in range(B)], k, V)
+    c = stochastic_accept(mx.array(p), half, mx.array(drafts), mx.array(lens), seeds, steps)
+    assert rows_of(c) == rows_of(a)
 
 
 # ---------------------------------------------------------------------------
