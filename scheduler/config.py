@@ -16,6 +16,10 @@ class EngineConfig:
         max_batched_tokens leaves after decoding).
     max_model_len: longest prompt accepted; None means the model's `max_position_embeddings`.
     seed: engine seed; a request without its own seed samples with one derived from this and its id.
+    draft_tokens: with k > 0, decoding rows may propose up to k draft tokens per tick, verified in the same
+        batched forward (exact: greedy output is unchanged, sampled output keeps its distribution). Draft
+        tokens count against max_batched_tokens, after prefill.
+    drafter: "prompt-lookup" (n-gram match in the request's own history, no model) or "draft-model".
     vision_budget: images whose vision encoding runs in one tick (so many images cannot stall decoding).
     vision_cache_bytes: byte budget of the vision-encoder output cache (VLMs; 0 turns it off).
     max_kv_size: keep only the last `max_kv_size` tokens of each request's context (rotating caches, no
@@ -40,6 +44,8 @@ class EngineConfig:
     penalty_context: int = 20
     seed: int = 0
     policy: str = "fcfs"
+    draft_tokens: int = 0  # speculative decoding: draft tokens per row per tick (0 = off)
+    drafter: str = "prompt-lookup"  # or "draft-model" (Engine(draft_model=...))
     vision_budget: int = 4  # images encoded per tick
     vision_cache_bytes: int = 256 << 20
     max_kv_size: int | None = None  # bounded context: rotating caches of this many tokens
@@ -63,6 +69,10 @@ class EngineConfig:
                 f"max_batched_tokens ({self.max_batched_tokens}) must exceed max_seqs ({self.max_seqs}) "
                 "so prefill always gets at least one token next to a full decode batch"
             )
+        if not isinstance(self.draft_tokens, int) or not 0 <= self.draft_tokens <= 64:
+            raise ValueError(f"draft_tokens: must be an integer in [0, 64], got {self.draft_tokens!r}")
+        if self.drafter not in ("prompt-lookup", "draft-model"):
+            raise ValueError(f"drafter: must be 'prompt-lookup' or 'draft-model', got {self.drafter!r}")
         if self.max_kv_size is not None and (not isinstance(self.max_kv_size, int) or self.max_kv_size < 2):
             raise ValueError(f"max_kv_size: must be an integer >= 2 or None, got {self.max_kv_size!r}")
         if self.kv_memory_bytes is not None and (not isinstance(self.kv_memory_bytes, int) or self.kv_memory_bytes < 1):

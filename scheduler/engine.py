@@ -108,6 +108,7 @@ class Engine:
         executor: Any = None,
         event_sinks: Sequence[Any] = (),
         policy: Any = None,
+        draft_model: Any = None,
     ):
         self.model = model
         self.config = config or EngineConfig()
@@ -129,7 +130,8 @@ class Engine:
         self.scheduler = Scheduler(self.config, self.events, family.stop_ids, policy, budget_layout)
         self.executor = executor or MLXExecutor(family.runner, penalty_context=self.config.penalty_context,
                                                 prefix_cache=self.scheduler.prefix_cache,
-                                                logprob_vectors=self.config.logprob_vectors)
+                                                logprob_vectors=self.config.logprob_vectors,
+                                                drafter=self._make_drafter(draft_model))
         self.tick = 0
         self._lock = threading.Lock()
         self._inbox: list[_Arrival] = []
@@ -146,6 +148,31 @@ class Engine:
             kv_layout=[[layer.bytes_per_token, layer.window] for layer in self.kv_layout.layers]
             if self.kv_layout is not None else None,
         )
+
+    def _make_drafter(self, draft_model: Any) -> Any:
+        cfg = self.config
+        if not cfg.draft_tokens:
+            if draft_model is not None:
+                raise ValueError("draft_model given but draft_tokens is 0: set EngineConfig(draft_tokens=k)")
+            return None
+        if self.vlm is not None or cfg.max_kv_size is not None or cfg.logprob_vectors or any(
+                layer.window for layer in self.kv_layout.layers):
+            raise ValueError("draft_tokens: speculative decoding needs plain KV caches on a text model (no "
+                             "sliding windows, no max_kv_size, no logprob vectors)")
+        from .drafters import DraftModelDrafter, PromptLookupDrafter
+
+        if cfg.drafter == "draft-model":
+            if draft_model is None:
+                raise ValueError("drafter='draft-model' needs Engine(..., draft_model=<mlx-lm model>)")
+            if adapters.vocab_size(draft_model) != self.vocab_size:
+                raise ValueError("the draft model must share the target's vocabulary")
+            return DraftModelDrafter(draft_model)
+        return PromptLookupDrafter()
+
+    def draft_stats(self) -> dict[str, Any]:
+        """Speculative decoding: drafted, accepted, rejected, acceptance rate, verify forwards and tokens per
+        row per verify forward (zeros when drafting is off)."""
+        return self.executor.draft_stats.as_dict()
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, config: EngineConfig | None = None, **kwargs: Any) -> "Engine":
@@ -298,7 +325,8 @@ class Engine:
             encoded = {rid: {"rope_delta": e["rope_delta"], "vision_cache_hit": e["vision_cache_hit"]}
                        for rid, e in result.encoded.items()}
             self.events.emit("outcome", tick, sampled=result.sampled, errors=result.errors, prefix_stores=stores,
-                             encoded=encoded, measure={
+                             encoded=encoded, accepted_drafts=result.accepted_drafts,
+                             drafts={rid: list(d) for rid, d in result.drafts.items()}, measure={
                 "t": time.perf_counter(), "tick_start_t": tick_start, "tick_s": time.perf_counter() - tick_start,
                 "prefill_s": result.prefill_time, "decode_s": result.decode_time,
             })
@@ -357,7 +385,7 @@ class Engine:
         s.vision_encoding_time += result.vision_time
         s.num_images_processed += sum(self._images_of(rid) for rid in result.encoded)
         s.prompt_time += result.prefill_time
-        s.generation_tokens += len(result.sampled)
+        s.generation_tokens += len(result.sampled) + sum(len(t) for t in result.accepted_drafts.values())
         s.generation_time += result.decode_time
         s.peak_memory_bytes = max(s.peak_memory_bytes, mx.get_peak_memory())
 

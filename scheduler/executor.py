@@ -19,10 +19,55 @@ import mlx.core as mx
 
 from caches.kv import KVCacheManager
 from kernels.sampling import RowSampling, SamplingArrays, sample_tokens
+from kernels.speculative import (
+    greedy_accept,
+    pad_drafts,
+    processed_logprobs,
+    rollback_rows,
+    stack_draft_logprobs,
+    stochastic_accept,
+)
 
 from .plan import PrefixStore, TickPlan, TickResult
 from .request import Request
+from .drafters import DraftRequest
 from .runners import Runner, TextRunner
+
+
+@dataclass
+class DraftStats:
+    """Speculative decoding, all requests together."""
+
+    drafted: int = 0
+    accepted: int = 0
+    verify_forwards: int = 0
+    rows_verified: int = 0
+    tokens_emitted: int = 0
+
+    def record(self, drafted: int, accepted: int, rows: int, emitted: int) -> None:
+        self.drafted += drafted
+        self.accepted += accepted
+        self.verify_forwards += 1
+        self.rows_verified += rows
+        self.tokens_emitted += emitted
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "rejected": self.drafted - self.accepted,
+            "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
+            "verify_forwards": self.verify_forwards,
+            # tokens a row gets per target forward in the ticks that verified drafts
+            "tokens_per_row_forward": self.tokens_emitted / self.rows_verified if self.rows_verified else 0.0,
+        }
+
+
+def _row_sampling(request: Request) -> RowSampling:
+    s = request.sampling
+    return RowSampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+                       presence_penalty=s.presence_penalty, repetition_penalty=s.repetition_penalty,
+                       seed=request.seed)
 
 
 @dataclass
@@ -33,7 +78,9 @@ class _Row:
 
 class MLXExecutor:
     def __init__(self, runner: Runner | Any, penalty_context: int = 20, prefix_cache: Any = None,
-                 logprob_vectors: bool = False):
+                 logprob_vectors: bool = False, drafter: Any = None):
+        self.drafter = drafter  # proposes draft tokens for the rows a plan lets draft
+        self.draft_stats = DraftStats()
         self.logprob_vectors = logprob_vectors  # hand every row's full log-softmax vector back (compat API)
         self.runner: Runner = runner if hasattr(runner, "decode") and hasattr(runner, "make_cache") else TextRunner(runner)
         self.prefix_cache = prefix_cache  # read here (payloads to restore); the scheduler decides what is in it
@@ -52,6 +99,9 @@ class MLXExecutor:
     def release(self, request_ids: Iterable[str]) -> None:
         """Forget requests that ended (finished, aborted, failed): their caches are freed now, with one batch
         filter for all of them."""
+        request_ids = list(request_ids)
+        if self.drafter is not None:
+            self.drafter.release(request_ids)
         for rid in request_ids:
             self.kv.drop_request(rid)
             self._encoded.pop(rid, None)
@@ -102,7 +152,7 @@ class MLXExecutor:
             if joining:
                 self._join(joining, requests)
             if self._rows:
-                self._decode(result)
+                self._decode(result, dict(plan.draft))
         except Exception as exc:  # e.g. out of memory in the batched forward: that work item fails, not the engine
             self._fail_batch(joining, result, f"decode failed: {type(exc).__name__}: {exc}")
         t2 = time.perf_counter()
@@ -204,20 +254,26 @@ class MLXExecutor:
 
     def _sampling_arrays(self) -> SamplingArrays:
         if self._params is None:
-            self._params = SamplingArrays.from_rows([
-                RowSampling(
-                    temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
-                    presence_penalty=s.presence_penalty, repetition_penalty=s.repetition_penalty,
-                    seed=row.request.seed,
-                )
-                for row in self._rows
-                for s in (row.request.sampling,)
-            ])
+            self._params = SamplingArrays.from_rows([_row_sampling(row.request) for row in self._rows])
         return self._params
 
-    def _decode(self, result: TickResult) -> None:
+    def _decode(self, result: TickResult, draft_k: dict[str, int]) -> None:
+        """One batched forward over every row. Rows the plan lets draft propose up to k tokens each and the
+        forward verifies `[input, d_1..d_k]` for all rows at once (rows without drafts are padded and rolled
+        back); otherwise it is a plain one-token step."""
+        drafts = self._propose(draft_k) if draft_k else None
+        width = max((len(d.tokens) for d in drafts.values()), default=0) if drafts else 0
         inputs = self._next_inputs
-        logits = self.runner.decode(self.kv.batch, inputs, self._rope_deltas)
+        if width == 0:
+            logits = self.runner.decode(self.kv.batch, inputs, self._rope_deltas)
+            all_logits = None
+        else:
+            padded = [drafts[row.request.request_id].tokens if row.request.request_id in drafts else []
+                      for row in self._rows]
+            draft_tokens, draft_lens = pad_drafts(padded, width)
+            verify_inputs = mx.concatenate([inputs[:, None].astype(mx.int32), draft_tokens], axis=1)
+            all_logits = self.runner.verify(self.kv.batch, verify_inputs)  # (B, width + 1, V)
+            logits = all_logits[:, 0, :]
         logits = self._apply_processors(logits, result)
         params = self._sampling_arrays()
         context = None
@@ -231,20 +287,74 @@ class MLXExecutor:
         if want_logprobs:
             idx = mx.array(want_logprobs)
             picked = mx.take_along_axis(logprobs[idx], tokens[idx][:, None].astype(mx.int32), axis=1)[:, 0]
-            mx.eval(tokens, picked)
-        else:
-            mx.eval(tokens)
-        self._next_inputs = tokens.astype(mx.uint32)
+        emitted: dict[int, list[int]] = {}
+        if width:
+            emitted = self._verify(all_logits, draft_tokens, draft_lens, drafts, width, result)
+        mx.eval(tokens, *(() if picked is None else (picked,)))
         token_list = tokens.tolist()
-        for row, token in zip(self._rows, token_list):
+        for i, (row, token) in enumerate(zip(self._rows, token_list)):
+            out = emitted.get(i)
+            if out is not None:  # a drafting row: accepted drafts, then the target's own token
+                *accepted, token = out
+                if accepted:
+                    result.accepted_drafts[row.request.request_id] = accepted
+                token_list[i] = token
             result.sampled[row.request.request_id] = token
-            row.step += 1
+            row.step += 1 + len(result.accepted_drafts.get(row.request.request_id, ()))
+        self._next_inputs = mx.array(token_list, dtype=mx.uint32) if emitted else tokens.astype(mx.uint32)
         if picked is not None:
             for i, lp in zip(want_logprobs, picked.tolist()):
                 result.logprobs[self._rows[i].request.request_id] = lp
         if self.logprob_vectors:
             for i, row in enumerate(self._rows):
                 result.logprob_vectors[row.request.request_id] = logprobs[i]
+
+    # ---- drafting -------------------------------------------------------------------------------
+    def _propose(self, draft_k: dict[str, int]) -> dict[str, Any]:
+        rows = [
+            DraftRequest(row.request.request_id, row.request.prompt_tokens + row.request.output_tokens,
+                         max_tokens=draft_k[row.request.request_id],
+                         sampling=_row_sampling(row.request), step=row.step)
+            for row in self._rows if row.request.request_id in draft_k
+        ]
+        drafts = self.drafter.propose(rows, max(draft_k.values()))
+        return {d.request_id: d for d in drafts}
+
+    def _verify(self, all_logits, draft_tokens, draft_lens, drafts, width, result) -> dict[int, list[int]]:
+        """Accept per row (greedy: longest matching prefix; sampled: exact min(1, p/q) rule with residual
+        resampling), roll every row's cache back to what it accepted, and return each drafting row's emitted
+        tokens by row index."""
+        index = [i for i, row in enumerate(self._rows) if row.request.request_id in drafts]
+        idx = mx.array(index)
+        rows = [self._rows[i] for i in index]
+        target = all_logits[idx]
+        if all(row.request.sampling.is_greedy for row in rows):
+            res = greedy_accept(target, draft_tokens[idx], draft_lens[idx])
+        else:
+            params = SamplingArrays.from_rows([_row_sampling(row.request) for row in rows])
+            target_lp = target - mx.logsumexp(target, axis=-1, keepdims=True)
+            draft_lp = stack_draft_logprobs([drafts[r.request.request_id].tokens for r in rows],
+                                            [drafts[r.request.request_id].logprobs for r in rows], width,
+                                            target.shape[-1])
+            res = stochastic_accept(processed_logprobs(target_lp, params), draft_lp, draft_tokens[idx],
+                                    draft_lens[idx], params.seed, mx.array([r.step for r in rows], dtype=mx.uint32))
+        mx.eval(res.accepted, res.emitted)
+        accepted = res.accepted.tolist()
+        emitted_rows = res.emitted.tolist()
+        drop = [width] * len(self._rows)
+        out: dict[int, list[int]] = {}
+        for j, i in enumerate(index):
+            a = accepted[j]
+            drop[i] = width - a
+            out[i] = emitted_rows[j][: a + 1]
+            rid = self._rows[i].request.request_id
+            proposed = len(drafts[rid].tokens)
+            result.drafts[rid] = (proposed, a)
+            self.drafter.accept(rid, a, out[i])
+        rollback_rows(self.kv.batch, drop)
+        self.draft_stats.record(sum(len(d.tokens) for d in drafts.values()), sum(accepted), len(self._rows),
+                                sum(len(o) for o in out.values()) + len(self._rows) - len(out))
+        return out
 
     def _apply_processors(self, logits: mx.array, result: TickResult) -> mx.array:
         """User logits processors run per row (they are arbitrary Python); rows without them are untouched.

@@ -35,6 +35,7 @@ class TickPlan:
     encode: tuple[str, ...] = ()  # requests whose media is encoded this tick (vision budget)
     prefill: tuple[PrefillChunk, ...] = ()
     decode: tuple[str, ...] = ()  # already decoding: one token each
+    draft: tuple[tuple[str, int], ...] = ()  # decoding rows that may propose up to k draft tokens to verify
     prefix_hits: tuple[tuple[str, int, int], ...] = ()  # (request id, prefix entry id, cached tokens) at admission
     preempted: tuple[str, ...] = ()  # back to queued, caches dropped before this tick's work
     failed: tuple[tuple[str, str], ...] = ()  # (request id, reason): can never fit the KV budget
@@ -53,6 +54,7 @@ class TickPlan:
             "encode": list(self.encode),
             "prefill": [[c.request_id, c.start, c.end, c.completes] for c in self.prefill],
             "decode": list(self.decode),
+            "draft": [list(d) for d in self.draft],
             "prefix_hits": [list(h) for h in self.prefix_hits],
             "preempted": list(self.preempted),
             "failed": [list(f) for f in self.failed],
@@ -81,6 +83,8 @@ class TickResult:
     sampled: dict[str, int] = field(default_factory=dict)  # request id -> token sampled this tick
     logprobs: dict[str, float] = field(default_factory=dict)  # only for requests that asked
     logprob_vectors: dict[str, Any] = field(default_factory=dict)  # (V,) log-softmax rows, if configured
+    accepted_drafts: dict[str, list[int]] = field(default_factory=dict)  # drafts emitted before `sampled`
+    drafts: dict[str, tuple[int, int]] = field(default_factory=dict)  # request id -> (proposed, accepted)
     errors: dict[str, str] = field(default_factory=dict)  # request id -> readable error; that request fails
     prefix_stores: list[PrefixStore] = field(default_factory=list)
     encoded: dict[str, dict] = field(default_factory=dict)  # request id -> {rope_delta, vision_cache_hit, ...}

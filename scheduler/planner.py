@@ -90,6 +90,13 @@ class _KVTracker:
         return True
 
 
+def _may_draft(request: Request) -> bool:
+    """Rows whose next tokens depend on per-position Python or history the verifier does not replay keep
+    plain decoding: logits processors, penalties, per-token logprobs."""
+    s = request.sampling
+    return not (s.logits_processors or s.logprobs or s.presence_penalty or s.repetition_penalty != 1)
+
+
 class _VisionBudget:
     """Images encoded per tick. A request with more images than the whole budget is encoded alone in a tick
     rather than never."""
@@ -130,7 +137,8 @@ def plan_tick(view: SchedulerView, config: EngineConfig, policy: Policy) -> Tick
     failed: list[tuple[str, str]] = []
     if config.kv_memory_bytes is not None and view.kv_layout is not None:
         kv = _KVTracker(view.kv_layout, config.kv_memory_bytes, config.kv_headroom_tokens)
-        kv.rows = {r.request_id: r.prompt_len + r.num_output_tokens for r in view.decoding}
+        # (+ draft_tokens: a verification holds that many extra positions until it is rolled back)
+        kv.rows = {r.request_id: r.prompt_len + r.num_output_tokens + config.draft_tokens for r in view.decoding}
         kv.prefilling = {r.request_id: (r.num_computed_tokens, 0) for r in view.prefilling}
         preempted, failed = _make_room(view, kv)
     gone = set(preempted) | {rid for rid, _ in failed}
@@ -193,12 +201,23 @@ def plan_tick(view: SchedulerView, config: EngineConfig, policy: Policy) -> Tick
         budget -= chunk.num_tokens
         seqs += 1
 
+    draft: list[tuple[str, int]] = []
+    if config.draft_tokens:  # speculative decoding uses what budget prefill left
+        for request in view.decoding:
+            if budget <= 0:
+                break
+            k = min(config.draft_tokens, budget, request.sampling.max_tokens - request.num_output_tokens - 1)
+            if request.request_id not in gone and k >= 1 and _may_draft(request):
+                draft.append((request.request_id, k))
+                budget -= k
+
     return TickPlan(
         tick=view.tick,
         admitted=tuple(admitted),
         encode=tuple(vision.chosen),
         prefill=tuple(prefill),
         decode=decode,
+        draft=tuple(draft),
         prefix_hits=tuple(prefix_hits),
         preempted=tuple(preempted),
         failed=tuple(failed),

@@ -125,7 +125,9 @@ class ReplayExecutor:
             raise TraceError(f"tick {plan.tick}: the trace has a plan with work but no outcome")
         stores = [PrefixStore(rid, n, nbytes, whole_only) for rid, n, nbytes, whole_only in outcome.get("prefix_stores", [])]
         return TickResult(sampled=dict(outcome.get("sampled", {})), errors=dict(outcome.get("errors", {})),
-                          prefix_stores=stores, encoded=dict(outcome.get("encoded", {})))
+                          prefix_stores=stores, encoded=dict(outcome.get("encoded", {})),
+                          accepted_drafts=dict(outcome.get("accepted_drafts", {})),
+                          drafts={rid: tuple(d) for rid, d in outcome.get("drafts", {}).items()})
 
     def release(self, request_ids: Iterable[str]) -> None:
         pass

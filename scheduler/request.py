@@ -143,6 +143,8 @@ class Request:
     error: str | None = None
     num_preemptions: int = 0
     recompute_tokens: int = 0  # output tokens re-fed as prompt after a preemption
+    num_drafted: int = 0  # speculative decoding: draft tokens proposed for this request
+    num_draft_accepted: int = 0
     # timestamps (measurements, never read by the planner)
     arrival_time: float = 0.0
     state_entered_time: float = 0.0

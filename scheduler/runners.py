@@ -49,6 +49,10 @@ class TextRunner:
     def decode(self, batch_cache, inputs, rope_deltas):
         return self.model(inputs[:, None], cache=batch_cache)[:, -1, :]
 
+    def verify(self, batch_cache, inputs):
+        """(B, n) inputs -> (B, n, V) logits: one forward over each row's last token and its drafts."""
+        return self.model(inputs, cache=batch_cache)
+
 
 class VisionLanguageRunner:
     has_vision = True

@@ -69,6 +69,7 @@ class Scheduler:
             if config.prefix_cache_bytes else None
         )
         self._prefix_memo: dict[str, tuple[int, tuple[int, int] | None]] = {}
+        self._drafting: set[str] = set()  # request ids in the drafting state
 
     def _cache_event(self, kind: str, **fields) -> None:
         self.events.emit(kind, self._tick, **fields)
@@ -187,13 +188,21 @@ class Scheduler:
                 self.decoding[request.request_id] = request
                 self._move(request, Trigger.START_DECODE, tick)
                 outputs.append(self._after_token(request, result, tick, released))
+        if plan.draft or self._drafting:
+            self._move_drafting(plan, tick)
         # The hot path: every decoding row, every tick. Rows that do not finish and want nothing extra take
         # the short way; the rest go through _after_token.
         live, sampled, model_stops = self.requests, result.sampled, self.model_stop_ids
-        vectors = result.logprob_vectors
+        vectors, drafted = result.logprob_vectors, result.accepted_drafts
         for rid in plan.decode:
             request = live.get(rid)
             if request is None:
+                continue
+            if rid in result.drafts:
+                request.num_drafted += result.drafts[rid][0]
+                request.num_draft_accepted += result.drafts[rid][1]
+            if rid in drafted:
+                outputs.append(self._emit_many(request, drafted[rid] + [sampled[rid]], tick, released))
                 continue
             token = sampled[rid]
             sampling = request.sampling
@@ -206,11 +215,43 @@ class Scheduler:
                 outputs.append(StepOutput(rid, [token], request.state))
         return AppliedTick(outputs, released)
 
+    def _move_drafting(self, plan: TickPlan, tick: int) -> None:
+        """Rows the plan lets draft are in `drafting` while they do; they go back to `decoding` when a plan
+        stops letting them (a transition only when that changes, not every tick)."""
+        drafting_now = {rid for rid, _ in plan.draft}
+        for rid in drafting_now - self._drafting:
+            request = self.requests.get(rid)
+            if request is not None and request.state is RequestState.DECODING:
+                self._move(request, Trigger.START_DRAFT, tick)
+        for rid in self._drafting - drafting_now:
+            request = self.requests.get(rid)
+            if request is not None and request.state is RequestState.DRAFTING:
+                self._move(request, Trigger.END_DRAFT, tick)
+        self._drafting = {rid for rid in drafting_now if rid in self.requests}
+
+    def _emit_many(self, request: Request, tokens: list[int], tick: int, released: list[str]) -> StepOutput:
+        """Accepted drafts plus the target's token: appended one by one, stopping at the first that ends the
+        request (tokens after a stop are dropped)."""
+        emitted = []
+        for token in tokens:
+            request.output_tokens.append(token)
+            emitted.append(token)
+            if (token in self.model_stop_ids or token in request.sampling.stop_token_ids
+                    or request.num_output_tokens >= request.sampling.max_tokens):
+                request.finish_reason = (FinishReason.LENGTH if request.num_output_tokens >= request.sampling.max_tokens
+                                         and token not in self.model_stop_ids
+                                         and token not in request.sampling.stop_token_ids else FinishReason.STOP)
+                self._end(request, Trigger.FINISH, tick, request.finish_reason.value)
+                released.append(request.request_id)
+                return StepOutput(request.request_id, emitted, request.state, True, request.finish_reason)
+        return StepOutput(request.request_id, emitted, request.state)
+
     def _preempt(self, request: Request, tick: int) -> None:
         """Back to the queue (at its head) with no cache: prompt and outputs so far are recomputed later."""
         rid = request.request_id
         for container in (self.encoding, self.prefilling, self.decoding):
             container.pop(rid, None)
+        self._drafting.discard(rid)
         self.waiting = {rid: request, **self.waiting}
         request.media_encoded = False
         request.num_computed_tokens = 0
@@ -257,6 +298,7 @@ class Scheduler:
         for container in (self.waiting, self.encoding, self.prefilling, self.decoding, self.requests,
                           self._prefix_memo):
             container.pop(rid, None)
+        self._drafting.discard(rid)
 
     # ---- invariants -------------------------------------------------------------------------------
     def check_invariants(self, plan: TickPlan) -> None:
@@ -267,17 +309,19 @@ class Scheduler:
         assert all(c.num_tokens <= cfg.prefill_chunk for c in plan.prefill), plan
         if cfg.max_prefill_tokens is not None:
             assert sum(c.num_tokens for c in plan.prefill) <= cfg.max_prefill_tokens, plan
-        assert sum(c.num_tokens for c in plan.prefill) + len(plan.decode) == plan.num_batched_tokens, plan
+        assert (sum(c.num_tokens for c in plan.prefill) + len(plan.decode) + sum(k for _, k in plan.draft)
+                == plan.num_batched_tokens), plan
         containers = {
-            RequestState.QUEUED: self.waiting,
-            RequestState.VISION_ENCODING: self.encoding,
-            RequestState.CHUNK_PREFILLING: self.prefilling,
-            RequestState.DECODING: self.decoding,
+            (RequestState.QUEUED,): self.waiting,
+            (RequestState.VISION_ENCODING,): self.encoding,
+            (RequestState.CHUNK_PREFILLING,): self.prefilling,
+            (RequestState.DECODING, RequestState.DRAFTING): self.decoding,  # the running rows
         }
         seen = 0
-        for state, container in containers.items():
+        for states, container in containers.items():
             for rid, request in container.items():
-                assert request.state is state, (rid, request.state, state)
+                assert request.state in states, (rid, request.state, states)
+                assert (request.state is RequestState.DRAFTING) == (rid in self._drafting), rid
                 assert self.requests.get(rid) is request, rid
             seen += len(container)
         assert seen == len(self.requests), "a live request is in no container or in two"
