@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -20,7 +21,11 @@ class EngineConfig:
         batched forward (exact: greedy output is unchanged, sampled output keeps its distribution). Draft
         tokens count against max_batched_tokens, after prefill.
     drafter: "prompt-lookup" (n-gram match in the request's own history, no model) or "draft-model".
-    vision_budget: images whose vision encoding runs in one tick (so many images cannot stall decoding).
+    vision_budget: media items whose encoding runs in one tick (so much media cannot stall decoding): an image
+        is one item, a video one per temporal patch of its selected frames (Qwen2-VL: 2 frames), an audio clip
+        one. A request with more items than the whole budget is encoded alone in a tick.
+    video_fps: frames sampled per second of video, by timestamp (scheduler/media.py).
+    video_max_frames: at most this many frames per video, spread evenly over the clip when fps would give more.
     vision_cache_bytes: byte budget of the vision-encoder output cache (VLMs; 0 turns it off).
     max_kv_size: keep only the last `max_kv_size` tokens of each request's context (rotating caches, no
         attention sinks), for models without their own cache layout; positions stay true (RoPE uses the real
@@ -46,7 +51,9 @@ class EngineConfig:
     policy: str = "fcfs"
     draft_tokens: int = 0  # speculative decoding: draft tokens per row per tick (0 = off)
     drafter: str = "prompt-lookup"  # or "draft-model" (Engine(draft_model=...))
-    vision_budget: int = 4  # images encoded per tick
+    vision_budget: int = 4  # media items encoded per tick
+    video_fps: float = 2.0
+    video_max_frames: int = 32
     vision_cache_bytes: int = 256 << 20
     max_kv_size: int | None = None  # bounded context: rotating caches of this many tokens
     kv_memory_bytes: int | None = None  # hard budget for KV caches; None = unbounded
@@ -62,6 +69,12 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+        if (isinstance(self.video_fps, bool) or not isinstance(self.video_fps, (int, float))
+                or not math.isfinite(self.video_fps) or self.video_fps <= 0):
+            raise ValueError(f"video_fps: must be a finite number > 0, got {self.video_fps!r}")
+        if (not isinstance(self.video_max_frames, int) or isinstance(self.video_max_frames, bool)
+                or self.video_max_frames < 1):
+            raise ValueError(f"video_max_frames: must be an integer >= 1, got {self.video_max_frames!r}")
         if self.max_batched_tokens <= self.max_seqs:
             # Every running request decodes one token per tick; prefill needs room on top of that or a
             # full batch would starve admission.

@@ -201,18 +201,23 @@ class Engine:
         sampling: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        videos: Sequence[Any] | None = None,
+        audio: Sequence[Any] | None = None,
     ) -> str:
         """Queue a request; returns its id. Raises InvalidRequest (nothing queued) for bad input.
 
-        Images (PIL images, file paths or bytes) need a vision-language model and a prompt (templated text or
-        chat messages). An image that cannot be read does not raise: the request is accepted and fails at the
-        next tick with the error in its output, like any failure of its own work.
+        Images (PIL images, file paths or bytes), videos (file paths, bytes or frame lists; frames selected at
+        `config.video_fps`, at most `config.video_max_frames`) and audio (WAV paths, bytes or
+        (samples, sample_rate)) need a model whose adapter takes them and a prompt (templated text or chat
+        messages). Media that cannot be read does not raise: the request is accepted and fails at the next tick
+        with the error in its output, like any failure of its own work.
         """
-        if images and self.vlm is None:
-            raise InvalidRequest("images", "this engine was loaded with a text-only model")
-        if images and prompt is None:
-            raise InvalidRequest("images", "give a prompt (text or chat messages) with images: the processor "
-                                           "expands the image placeholders")
+        for name, items in (("images", images), ("videos", videos), ("audio", audio)):
+            if items and self.vlm is None:
+                raise InvalidRequest(name, "this engine was loaded with a text-only model")
+            if items and prompt is None:
+                raise InvalidRequest(name, f"give a prompt (text or chat messages) with {name}: the processor "
+                                           "expands the placeholders")
         if (prompt is None) == (prompt_tokens is None):
             raise InvalidRequest("prompt", "give exactly one of prompt and prompt_tokens", request_id)
         if sampling is None:
@@ -226,7 +231,7 @@ class Engine:
             raise InvalidRequest("priority", f"must be an integer, got {priority!r}")
         media, media_error = None, None
         if self.vlm is not None:
-            media, media_error = self._prepare_media(prompt, prompt_tokens, images)
+            media, media_error = self._prepare_media(prompt, prompt_tokens, images, videos, audio)
             raw_tokens = media.input_ids if media is not None else [0]
         else:
             raw_tokens = self._tokenize(prompt) if prompt_tokens is None else prompt_tokens
@@ -251,7 +256,8 @@ class Engine:
                                         media_error))
         return request_id
 
-    def _prepare_media(self, prompt: Any, prompt_tokens: Any, images: Any) -> tuple[Any, str | None]:
+    def _prepare_media(self, prompt: Any, prompt_tokens: Any, images: Any, videos: Any = None,
+                       audio: Any = None) -> tuple[Any, str | None]:
         """Preprocess on the caller's thread (CPU work). Returns (prepared inputs, media error)."""
         from .vlm import MediaError, PreparedRequest
 
@@ -261,10 +267,15 @@ class Engine:
                                    media_key=None, num_media_tokens=0), None
         if isinstance(prompt, str) and not prompt:
             raise InvalidRequest("prompt", "is empty")
+        kwargs: dict[str, Any] = {}
+        if videos:
+            kwargs.update(videos=list(videos), fps=self.config.video_fps, max_frames=self.config.video_max_frames)
+        if audio:
+            kwargs["audio"] = list(audio)
         try:
-            return self.vlm.prepare(prompt, list(images or ())), None
+            return self.vlm.prepare(prompt, list(images or ()), **kwargs), None
         except MediaError as exc:
-            return None, f"unreadable image: {exc}"
+            return None, f"unreadable {getattr(exc, 'kind', 'image')}: {exc}"
         except (ValueError, TypeError) as exc:
             raise InvalidRequest("prompt", str(exc)) from None
 
@@ -347,7 +358,7 @@ class Engine:
                 request_id=a.request_id, prompt_tokens=a.prompt_tokens, sampling=a.sampling,
                 priority=a.priority, arrival_tick=tick, arrival_time=a.arrival_time,
                 seed=a.sampling.seed if a.sampling.seed is not None else _derived_seed(self.config.seed, a.request_id),
-                media=a.media, num_images=a.media.num_images if a.media is not None else 0,
+                media=a.media, num_images=a.media.num_media_items if a.media is not None else 0,
                 media_key=a.media.media_key if a.media is not None else None,
             )
             self.scheduler.add(request, tick)
@@ -434,17 +445,20 @@ class Engine:
         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
         progress: Any = None,
         images: Sequence[Sequence[Any] | None] | None = None,
+        videos: Sequence[Sequence[Any] | None] | None = None,
+        audio: Sequence[Sequence[Any] | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run `prompts` (strings, chat messages or token-id lists; with `images[i]` for prompt i on a VLM) to
-        completion; outputs in prompt order."""
+        """Run `prompts` (strings, chat messages or token-id lists; with `images[i]` / `videos[i]` / `audio[i]`
+        for prompt i on a multimodal model) to completion; outputs in prompt order."""
         samplings = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
-        media = images if images is not None else [None] * len(prompts)
+        none = [None] * len(prompts)
         ids = []
-        for p, sp, imgs in zip(prompts, samplings, media):
+        for p, sp, imgs, vids, auds in zip(prompts, samplings, images or none, videos or none, audio or none):
+            media = dict(images=imgs, videos=vids, audio=auds, sampling=sp)
             if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], dict)):
-                ids.append(self.add_request(prompt=p, images=imgs, sampling=sp))
+                ids.append(self.add_request(prompt=p, **media))
             else:
-                ids.append(self.add_request(prompt_tokens=p, images=imgs, sampling=sp))
+                ids.append(self.add_request(prompt_tokens=p, **media))
         tokens: dict[str, list[int]] = {i: [] for i in ids}
         logprobs: dict[str, list[float]] = {i: [] for i in ids}
         results: dict[str, RequestOutput] = {}
@@ -466,10 +480,11 @@ class Engine:
         return [results[i] for i in ids]
 
     def stream(self, prompt: Any = None, prompt_tokens: Sequence[int] | None = None, images: Sequence[Any] | None = None,
-               sampling: SamplingParams | None = None, request_id: str | None = None) -> Iterator[StepOutput]:
+               sampling: SamplingParams | None = None, request_id: str | None = None,
+               videos: Sequence[Any] | None = None, audio: Sequence[Any] | None = None) -> Iterator[StepOutput]:
         """Add one request and yield its outputs as the engine steps (other requests keep running)."""
         rid = self.add_request(prompt=prompt, prompt_tokens=prompt_tokens, images=images, sampling=sampling,
-                               request_id=request_id)
+                               request_id=request_id, videos=videos, audio=audio)
         while True:
             for out in self.step():
                 if out.request_id == rid:
@@ -505,7 +520,9 @@ def _model_family(model: Any, tokenizer: Any, config: EngineConfig, on_vision_ev
     from .vlm import adapter_for
 
     vision_cache = VisionCache(config.vision_cache_bytes, on_event=on_vision_event) if config.vision_cache_bytes else None
-    vlm = adapter_for(model, tokenizer, vision_cache)  # for an mlx-vlm model, `tokenizer` is its processor
+    # for an mlx-vlm model, `tokenizer` is its processor
+    vlm = adapter_for(model, tokenizer, vision_cache, video_fps=config.video_fps,
+                      video_max_frames=config.video_max_frames)
     return _ModelFamily(VisionLanguageRunner(vlm), vlm.tokenizer, vlm.vocab_size, vlm.max_positions,
                         vlm.eos_token_ids, vlm, vision_cache)
 

@@ -1,7 +1,7 @@
 """Vision-language model adapters: the one place that reaches into mlx-vlm internals.
 
-One adapter per model family (``Qwen2VLAdapter`` here). It splits what ``mlx_vlm.generate`` does in one call
-into the pieces continuous batching needs:
+One adapter per model family (``Qwen2VLAdapter``: images and videos; ``Gemma4AudioAdapter``: audio, see its
+docstring). It splits what ``mlx_vlm.generate`` does in one call into the pieces continuous batching needs:
 
 ``prepare``  CPU only: images -> PIL (validated), videos -> selected frames (``scheduler/media.py``), chat
              template, processor (expanded image / video pads, ``pixel_values`` + ``image_grid_thw`` or
@@ -69,7 +69,8 @@ from PIL import Image, ImageOps
 
 from caches.vision import VisionCache, content_key
 
-from .media import MediaError, VideoFrames, VideoInput, describe_source, load_video, validate_video_sampling
+from .media import (AudioInput, MediaError, VideoFrames, VideoInput, describe_source, load_audio, load_video,
+                    validate_video_sampling)
 
 ImageInput = Any  # PIL.Image.Image | str | os.PathLike | bytes | bytearray | memoryview
 
@@ -93,21 +94,26 @@ class PreparedRequest:
     video_grid_thw: Any | None = None  # mx.array (num_videos, 3) or None
     num_videos: int = 0
     video_frame_indices: tuple[tuple[int, ...], ...] = ()  # per video: the source frames selected
+    audio_features: Any | None = None  # mx.array (num_audio, frames, mel bins): the feature extractor's output
+    audio_features_mask: Any | None = None  # mx.array (num_audio, frames) bool, True = real frame
+    num_audio: int = 0
 
     @property
     def num_media_items(self) -> int:
-        """Vision-budget units: one per image, one per temporal patch of each video (``grid_t``: two frames for
-        Qwen2-VL). An image is encoded as one temporal patch (its frame repeated), so a unit costs the vision
-        tower about the same whatever its kind."""
-        items = self.num_images
+        """Encoder-budget units: one per image, one per temporal patch of each video (``grid_t``: two frames for
+        Qwen2-VL), one per audio clip (at most 30 s for Gemma 4). An image is encoded as one temporal patch (its
+        frame repeated), so a unit costs the vision tower about the same whatever its kind."""
+        items = self.num_images + self.num_audio
         if self.num_videos and self.video_grid_thw is not None:
             items += int(mx.sum(self.video_grid_thw[:, 0]).item())
         return items
 
     def release_media(self) -> None:
-        """Drop the pixel arrays (after ``encode``; the features live in the vision cache / embeddings)."""
+        """Drop the pixel / audio arrays (after ``encode``; the features live in the cache / embeddings)."""
         self.pixel_values = None
         self.pixel_values_videos = None
+        self.audio_features = None
+        self.audio_features_mask = None
 
 
 @dataclass
@@ -120,6 +126,7 @@ class EncodedRequest:
     input_ids: mx.array | None = None  # (1, L) int32
     vision_cache_hit: bool | None = None  # None: no images / videos
     vision_time_s: float = 0.0  # vision tower wall time (0 on a hit)
+    per_layer_inputs: mx.array | None = None  # Gemma 4: (1, L, layers, dim) per-layer token inputs
 
     @property
     def num_tokens(self) -> int:
@@ -150,16 +157,18 @@ def _vlm_video_chat_template(processor: Any, messages: list[dict]) -> str:
 
 
 def _vlm_prepare_inputs(model: Any, processor: Any, prompt: str, images: list | None,
-                        videos: list | None = None) -> dict:
+                        videos: list | None = None, audio: list | None = None) -> dict:
     """The processor call ``mlx_vlm.stream_generate`` makes (``dispatch._prepare_generation_inputs``): same
     arguments, so the expanded ids and pixel values are identical to a solo run. ``videos`` is a list of frame
-    lists (already sampled): ``prepare_inputs`` passes frame lists to the processor unchanged."""
+    lists (already sampled): ``prepare_inputs`` passes frame lists to the processor unchanged. ``audio`` is a
+    list of float32 mono waveforms at the feature extractor's rate (``prepare_inputs`` passes arrays on as is)."""
     from mlx_vlm.utils import prepare_inputs, should_add_special_tokens
 
     return prepare_inputs(
         processor,
         images=images or None,
         videos=videos or None,
+        audio=audio or None,
         prompts=prompt,
         image_token_index=getattr(model.config, "image_token_index", None),
         add_special_tokens=should_add_special_tokens(model.config.model_type, processor),
@@ -247,6 +256,31 @@ def _model_fingerprint(model: Any, processor: Any) -> str:
     image_processor = getattr(processor, "image_processor", None)
     if image_processor is not None:
         parts += _processor_settings(image_processor)
+    return content_key(parts)
+
+
+def _modules_fingerprint(model: Any, names: Sequence[str], components: Sequence[Any]) -> str:
+    """Like ``_model_fingerprint`` for any towers: model class and config, the named submodules' weights
+    (names, shapes, dtypes, a strided sample of each) and the settings of the given processor components."""
+    from mlx.utils import tree_flatten
+
+    def as_dict(obj: Any) -> Any:
+        if dataclasses.is_dataclass(obj):
+            return dataclasses.asdict(obj)
+        return getattr(obj, "__dict__", repr(obj))
+
+    parts: list[Any] = [f"{type(model).__module__}.{type(model).__name__}",
+                        json.dumps(as_dict(model.config), sort_keys=True, default=str)]
+    for name in names:
+        params = tree_flatten(getattr(model, name).parameters())
+        parts.append(name)
+        parts.append(repr([(n, tuple(p.shape), str(p.dtype)) for n, p in params]))
+        samples = [p.reshape(-1)[:: max(1, p.size // 1024)] for _, p in params]
+        mx.eval(samples)
+        parts += samples
+    for component in components:
+        if component is not None:
+            parts += _processor_settings(component)
     return content_key(parts)
 
 
@@ -613,6 +647,246 @@ class Qwen2VLAdapter:
         return logits[:, -1, :]
 
 
+# ================================================================================================
+# Gemma 4 (text + audio)
+# ================================================================================================
+
+
+def _g4_text_embeddings(model: Any, input_ids: mx.array) -> tuple[mx.array, mx.array | None]:
+    """``Model.get_input_embeddings`` with no media: the scaled token embeddings and the per-layer inputs (with
+    media token ids zeroed, as mlx-vlm computes them whatever the media)."""
+    out = model.get_input_embeddings(input_ids)
+    return out.inputs_embeds, getattr(out, "per_layer_inputs", None)
+
+
+def _g4_audio_features(model: Any, input_features: mx.array, input_features_mask: mx.array) -> mx.array:
+    """The audio tower + projection alone, exactly as ``get_input_embeddings``' ``_encode_audio`` runs it
+    (mask inverted: the extractor marks real frames True, the tower wants padding True)."""
+    audio_mask = ~input_features_mask.astype(mx.bool_)
+    encoded, _ = model.audio_tower(input_features, audio_mask)
+    return model.embed_audio(encoded)
+
+
+def _g4_merge_audio(model: Any, input_ids: mx.array, embeds: mx.array, features: mx.array) -> mx.array:
+    """Audio features into the audio-token positions with mlx-vlm's own ``masked_scatter`` (the same call,
+    so the merged embeddings are those of a solo run)."""
+    from mlx_vlm.models.gemma4.gemma4 import masked_scatter
+
+    mask = mx.broadcast_to(mx.expand_dims(input_ids == model.config.audio_token_id, -1), embeds.shape)
+    return masked_scatter(embeds, mask, features.astype(embeds.dtype))
+
+
+def _g4_lm_forward(language_model: Any, inputs: mx.array | None, cache: list,
+                   inputs_embeds: mx.array | None = None, per_layer_inputs: mx.array | None = None) -> mx.array:
+    """One Gemma 4 language-model call. With ``inputs_embeds`` (prefill) the per-layer inputs of those positions
+    are given explicitly; with token ids (decode) the model derives both from the ids, as in a solo decode step.
+    Positions come from each cache row's offset (plain RoPE: no per-request position state)."""
+    out = language_model(inputs, inputs_embeds=inputs_embeds, cache=cache, per_layer_inputs=per_layer_inputs)
+    return getattr(out, "logits", out)
+
+
+class Gemma4AudioAdapter:
+    """Gemma 4 adapter for text + audio requests (``model_type`` ``gemma4`` with an audio tower).
+
+    The same seam as ``Qwen2VLAdapter``: ``prepare`` (audio -> waveforms at the extractor's rate, mlx-vlm's chat
+    template, the processor's expanded ``<|audio|>`` tokens and log-mel ``input_features``, the content key),
+    ``encode`` (the audio tower, skipped on a cache hit, merged with mlx-vlm's ``masked_scatter``; per-layer
+    inputs), ``prefill`` (embeddings + per-layer inputs of a range into the request's own cache: one
+    ``RotatingKVCache`` per sliding layer, one ``KVCache`` per full layer, as ``mlx_vlm.generate`` builds them) and
+    ``decode`` (one batched step from token ids over mlx-vlm's ``BatchRotatingKVCache`` / ``BatchKVCache``).
+    Gemma 4 uses plain RoPE from each row's cache offset, so every rope delta is 0. Images and videos are not
+    handled by this adapter yet (refused).
+
+    ``audio_encoder``: the callable ``(input_features, input_features_mask) -> features``; replace it on the
+    instance to instrument it. The ``VisionCache`` holds audio features too (keys are namespaced).
+    """
+
+    SUPPORTED_MODEL_TYPES = frozenset({"gemma4"})
+
+    def __init__(self, model: Any, processor: Any, vision_cache: VisionCache | None = None,
+                 video_fps: float = DEFAULT_VIDEO_FPS, video_max_frames: int = DEFAULT_VIDEO_MAX_FRAMES):
+        model_type = getattr(model.config, "model_type", None)
+        if model_type not in self.SUPPORTED_MODEL_TYPES:
+            raise TypeError(f"Gemma4AudioAdapter does not support model_type {model_type!r}")
+        if getattr(model, "audio_tower", None) is None:
+            raise TypeError("this gemma4 checkpoint has no audio tower (audio_config is missing)")
+        extractor = getattr(processor, "feature_extractor", None)
+        if extractor is None:
+            raise TypeError("the gemma4 processor has no audio feature extractor")
+        validate_video_sampling(video_fps, video_max_frames)  # accepted for a uniform constructor; unused here
+        self.model = model
+        self.processor = processor
+        self.language_model = model.language_model
+        self.vision_cache = vision_cache
+        self.audio_encoder: Callable[[mx.array, mx.array], mx.array] = self._encode_audio
+        config = model.config
+        self.audio_token_id = int(config.audio_token_id)
+        placeholders = (config.audio_token_id, config.image_token_id, getattr(config, "video_token_id", None))
+        self.media_token_ids = frozenset(int(t) for t in placeholders if t is not None)
+        self.audio_token = getattr(processor, "audio_token", "") or "<|audio|>"
+        self.image_token = getattr(processor, "image_token", "") or "<|image|>"
+        self.sample_rate = int(getattr(extractor, "sampling_rate", 16000))
+        self._fingerprint: str | None = None
+
+    # ---- model facts ---------------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        return getattr(self.processor, "tokenizer", self.processor)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.language_model.config.vocab_size)
+
+    @property
+    def max_positions(self) -> int | None:
+        value = getattr(self.language_model.config, "max_position_embeddings", None)
+        return int(value) if value else None
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        for source in (getattr(self.model.config, "eos_token_id", None), getattr(self.tokenizer, "eos_token_id", None)):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source is not None:
+                ids.update(int(i) for i in source)
+        return frozenset(ids)
+
+    @property
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            self._fingerprint = _modules_fingerprint(self.model, ("audio_tower", "embed_audio"),
+                                                     (getattr(self.processor, "feature_extractor", None),))
+        return self._fingerprint
+
+    def media_key(self, input_features: mx.array, input_features_mask: mx.array) -> str:
+        """Content key of an ordered audio list: the extractor's log-mel features (the exact encoder input) and
+        their mask, and the model / extractor fingerprint. Independent of file names and prompt text."""
+        return content_key(["gemma4-audio", self.fingerprint, input_features_mask.astype(mx.uint8), input_features])
+
+    # ---- CPU side -------------------------------------------------------------------------------
+    def prepare(self, prompt: str | list[dict], images: Sequence[ImageInput] | None = (),
+                videos: Sequence[VideoInput] | None = (), audio: Sequence[AudioInput] | None = (),
+                fps: float | None = None, max_frames: int | None = None) -> PreparedRequest:
+        """CPU-side preprocessing. ``audio``: WAV (or other audio) paths, their bytes, or
+        ``(samples, sample_rate)``; see ``scheduler/media.py``. Chat messages are rendered with mlx-vlm's
+        template (``num_audios``), as ``mlx_vlm.generate`` does."""
+        if images or videos:
+            raise ValueError("the gemma4 adapter takes text and audio; images and videos are not supported yet")
+        clips = list(audio) if audio is not None else []
+        waves = [load_audio(src, i, self.sample_rate) for i, src in enumerate(clips)]
+        if isinstance(prompt, str):
+            text = prompt
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt):
+            if not prompt:
+                raise ValueError("no messages")
+            from mlx_vlm.prompt_utils import apply_chat_template
+
+            text = apply_chat_template(self.processor, self.model.config, list(prompt), num_audios=len(waves))
+        else:
+            raise TypeError(f"prompt must be a templated str or a list of chat messages, got {type(prompt).__name__}")
+        if not text:
+            raise ValueError("empty prompt")
+        if self.image_token in text:
+            raise ValueError(f"the prompt holds an image placeholder ({self.image_token}); images are not supported")
+        placeholders = text.count(self.audio_token)
+        if placeholders != len(waves):
+            raise ValueError(f"prompt has {placeholders} audio placeholder(s) ({self.audio_token}) "
+                             f"for {len(waves)} audio clip(s)")
+        try:
+            inputs = _vlm_prepare_inputs(self.model, self.processor, text, None, audio=waves or None)
+        except Exception as exc:
+            self._blame_audio(waves, exc)
+            raise
+        input_ids = inputs["input_ids"]
+        if input_ids.ndim != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"processor returned input_ids of shape {tuple(input_ids.shape)}, want (1, L)")
+        ids = [int(t) for t in input_ids[0].tolist()]
+        if not ids:
+            raise ValueError("prompt tokenizes to nothing")
+        if ids[-1] in self.media_token_ids:
+            raise ValueError("the prompt must not end with an audio token: the first decode step feeds the last "
+                             "prompt token as text (use the chat template, which ends with the generation prompt)")
+        num_media = sum(1 for t in ids if t == self.audio_token_id)
+        features = inputs.get("input_features") if waves else None
+        mask = inputs.get("input_features_mask") if waves else None
+        if waves and (features is None or mask is None):
+            raise ValueError("the processor returned no audio features")
+        extras = {k: v for k, v in inputs.items() if k == "attention_mask"}
+        return PreparedRequest(
+            input_ids=ids, pixel_values=None, image_grid_thw=None, extras=extras,
+            media_key=self.media_key(features, mask) if waves else None,
+            num_media_tokens=num_media, prompt=text, num_images=0,
+            audio_features=features, audio_features_mask=mask, num_audio=len(waves),
+        )
+
+    def _blame_audio(self, waves: list, exc: Exception) -> None:
+        extractor = getattr(self.processor, "feature_extractor", None)
+        if extractor is None:
+            return
+        for i, wave in enumerate(waves):
+            try:
+                extractor([wave], sampling_rate=self.sample_rate, return_attention_mask=True)
+            except Exception as one:
+                raise MediaError(i, f"rejected by the audio feature extractor ({wave.shape[0]} samples): "
+                                    f"{type(one).__name__}: {one}", "audio") from exc
+
+    # ---- device side ----------------------------------------------------------------------------
+    def _encode_audio(self, input_features: mx.array, input_features_mask: mx.array) -> mx.array:
+        return _g4_audio_features(self.model, input_features, input_features_mask)
+
+    def encode(self, prepared: PreparedRequest) -> EncodedRequest:
+        """Audio tower (unless the cache has these clips) + merge + per-layer inputs; all evaluated."""
+        ids = mx.array(prepared.input_ids, dtype=mx.int32)[None]
+        embeds, per_layer = _g4_text_embeddings(self.model, ids)
+        hit: bool | None = None
+        audio_time = 0.0
+        if getattr(prepared, "num_audio", 0):
+            if prepared.audio_features is None:
+                raise ValueError("audio features were released before encode")
+            key = prepared.media_key
+            features = self.vision_cache.get(key) if self.vision_cache is not None and key is not None else None
+            hit = features is not None
+            if features is None:
+                t0 = time.perf_counter()
+                features = self.audio_encoder(prepared.audio_features, prepared.audio_features_mask)
+                mx.eval(features)
+                audio_time = time.perf_counter() - t0
+                if self.vision_cache is not None and key is not None:
+                    self.vision_cache.put(key, features, audio_time)
+            rows = int(features.size // features.shape[-1])
+            if rows < prepared.num_media_tokens:
+                raise ValueError(f"audio features have {rows} rows for {prepared.num_media_tokens} audio tokens")
+            embeds = _g4_merge_audio(self.model, ids, embeds, features)
+        length = ids.shape[1]
+        positions = mx.broadcast_to(mx.arange(length, dtype=mx.int32)[None, None], (3, 1, length))
+        mx.eval([a for a in (embeds, per_layer) if a is not None])
+        return EncodedRequest(embeddings=embeds, position_ids=positions, rope_delta=0, input_ids=ids,
+                              vision_cache_hit=hit, vision_time_s=audio_time, per_layer_inputs=per_layer)
+
+    def make_cache(self) -> list:
+        return self.language_model.make_cache()
+
+    def prefill(self, cache: list, encoded: EncodedRequest, start: int, end: int) -> None:
+        length = encoded.num_tokens
+        if not 0 <= start <= end <= length:
+            raise ValueError(f"bad prefill range [{start}, {end}) for a {length}-token prompt")
+        if end == start:
+            return
+        held = int(_cache_row_offsets(cache)[0].item())
+        if held != start:
+            raise ValueError(f"prefill from {start} but the cache holds {held} tokens")
+        per_layer = encoded.per_layer_inputs[:, start:end] if encoded.per_layer_inputs is not None else None
+        _g4_lm_forward(self.language_model, None, cache, inputs_embeds=encoded.embeddings[:, start:end],
+                       per_layer_inputs=per_layer)
+        mx.eval([c.state for c in cache])
+
+    def decode(self, batch_cache: list, tokens: mx.array, rope_deltas: mx.array | None = None) -> mx.array:
+        """One batched step from each row's input token; ``rope_deltas`` are ignored (all 0 for Gemma 4)."""
+        tokens = mx.array(tokens).reshape(-1, 1)
+        return _g4_lm_forward(self.language_model, tokens, batch_cache)[:, -1, :]
+
+
 def _as_mrope_positions(positions: mx.array, length: int) -> mx.array:
     """(3, 1, L) int32. Text-only prompts come back from ``get_rope_index`` as (1, L): the same position on
     every axis, which (3, 1, L) states explicitly (the rotary embedding gives the same angles either way)."""
@@ -623,11 +897,11 @@ def _as_mrope_positions(positions: mx.array, length: int) -> mx.array:
     return positions.astype(mx.int32)
 
 
-ADAPTERS: dict[str, type] = {"qwen2_vl": Qwen2VLAdapter}
+ADAPTERS: dict[str, type] = {"qwen2_vl": Qwen2VLAdapter, "gemma4": Gemma4AudioAdapter}
 
 
 def adapter_for(model: Any, processor: Any, vision_cache: VisionCache | None = None,
-                **options: Any) -> Qwen2VLAdapter:
+                **options: Any) -> Qwen2VLAdapter | Gemma4AudioAdapter:
     """The adapter for ``model``'s family; TypeError for an unsupported one. ``options`` (e.g. ``video_fps``,
     ``video_max_frames``) go to the adapter's constructor."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
@@ -637,5 +911,5 @@ def adapter_for(model: Any, processor: Any, vision_cache: VisionCache | None = N
     return cls(model, processor, vision_cache=vision_cache, **options)
 
 
-__all__ = ["ADAPTERS", "DEFAULT_VIDEO_FPS", "DEFAULT_VIDEO_MAX_FRAMES", "EncodedRequest", "MediaError",
-           "PreparedRequest", "Qwen2VLAdapter", "adapter_for", "load_image", "load_video"]
+__all__ = ["ADAPTERS", "DEFAULT_VIDEO_FPS", "DEFAULT_VIDEO_MAX_FRAMES", "EncodedRequest", "Gemma4AudioAdapter",
+           "MediaError", "PreparedRequest", "Qwen2VLAdapter", "adapter_for", "load_audio", "load_image", "load_video"]

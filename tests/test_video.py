@@ -458,3 +458,72 @@ def test_frame_selection_validation_is_not_a_media_error(adapter, video_path):
         with pytest.raises(ValueError) as info:
             adapter.prepare(video_messages("x"), videos=[video_path], fps=fps)
         assert not isinstance(info.value, MediaError)
+
+
+# ------------------------------------------------------------------------------------ through the engine
+
+import inspect  # noqa: E402
+
+from scheduler import Engine, EngineConfig, FinishReason, SamplingParams  # noqa: E402
+
+engine_takes_videos = pytest.mark.skipif(
+    "videos" not in inspect.signature(Engine.add_request).parameters
+    or "video_fps" not in {f.name for f in __import__("dataclasses").fields(EngineConfig)},
+    reason="the engine does not take videos yet (Engine.add_request(videos=...), EngineConfig.video_fps)")
+
+
+def _drive(engine, arrivals):
+    from .helpers import drive
+
+    return drive(engine, arrivals)
+
+
+@engine_takes_videos
+@pytest.mark.parametrize("budgets", [dict(), dict(max_batched_tokens=24, prefill_chunk=7, max_seqs=4, vision_budget=1)],
+                         ids=["default", "small-budgets"])
+def test_engine_video_image_text_match_solo(vlm, adapter, mixed, video_path, budgets):
+    """Through the engine (vision_encoding under the budget, chunked prefill, batched decode), staggered: each
+    request equals its solo mlx_vlm run; a video counts one budget unit per temporal patch."""
+    from .helpers import engine_with_log
+
+    model, processor = vlm
+    prepared, references = mixed
+    media = [dict(videos=[video_path]), dict(videos=[noise_frames(5, 84, 56, seed=1)]),
+             dict(videos=[video_path, noise_frames(4, seed=2)]),
+             dict(images=[noise_image(112, 140, seed=0)]), dict()]
+    # the engine samples every video at its one video_fps: the 2-fps requests here, the 1-fps one below
+    config = EngineConfig(**budgets, video_fps=2.0, check_invariants=True)
+    engine, log = engine_with_log(model, processor, config)
+    picks = [0, 1, 3, 4]
+    run = _drive(engine, [(t, {"prompt": prepared[i].prompt, **media[i], "sampling": SamplingParams(max_tokens=MAX_TOKENS)})
+                          for t, i in enumerate(picks)])
+    assert list(run.tokens.values()) == [references[i] for i in picks]
+    plans = log.of_kind("plan")
+    assert engine.stats().num_images_processed == 3 + 3 + 1  # media items: 3 + 3 temporal patches + 1 image
+    if budgets:
+        assert all(len(p["encode"]) <= 1 for p in plans)
+    engine_1fps = Engine(model, processor, EngineConfig(**budgets, video_fps=1.0, check_invariants=True))
+    run = _drive(engine_1fps, [(0, {"prompt": prepared[2].prompt, **media[2],
+                                     "sampling": SamplingParams(max_tokens=MAX_TOKENS)})])
+    assert list(run.tokens.values()) == [references[2]]
+
+
+@engine_takes_videos
+def test_engine_repeated_video_hits_the_vision_cache_and_bad_videos_fail_alone(vlm, mixed, video_path, tmp_path):
+    model, processor = vlm
+    prepared, references = mixed
+    engine = Engine(model, processor, EngineConfig(video_fps=2.0, check_invariants=True))
+    prompt = prepared[0].prompt
+    sampling = SamplingParams(max_tokens=MAX_TOKENS)
+    first = _drive(engine, [(0, {"prompt": prompt, "videos": [video_path], "sampling": sampling})])
+    second = _drive(engine, [(0, {"prompt": prompt, "videos": [video_path.read_bytes()], "sampling": sampling}),
+                             (0, {"prompt": prompt, "videos": [tmp_path / "nope.mp4"], "sampling": sampling,
+                                  "request_id": "missing"}),
+                             (0, {"prompt": prompt, "videos": [b"junk" * 64], "sampling": sampling,
+                                  "request_id": "junk"})])
+    assert list(first.tokens.values()) == [references[0]]
+    assert second.tokens[[r for r in second.tokens if r not in ("missing", "junk")][0]] == references[0]
+    stats = engine.vision_cache_stats()
+    assert (stats["hits"], stats["misses"]) == (1, 1)
+    for rid in ("missing", "junk"):
+        assert second.finish[rid] is FinishReason.ERROR and "unreadable video: video 0:" in second.errors[rid]
