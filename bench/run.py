@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import shlex
+import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--hi", type=int, default=300, help="mixed: longest prompt (default 300)")
     ap.add_argument("--new-tokens", type=int, default=64, help="tokens generated per request (default 64)")
     ap.add_argument("--seed", type=int, default=0, help="workload seed")
-    ap.add_argument("--repeats", type=int, default=2, help="timed runs per side, order alternating (default 2)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per side, order alternating (default 3)")
+    ap.add_argument("--stat", choices=("best", "median"), default="best",
+                    help="summary over repeats in the table: best of N (default) or median; JSON has both")
     ap.add_argument("--warmup-tokens", type=int, default=4,
                     help="new tokens of the untimed warm-up run of each side (0: no warm-up)")
     ap.add_argument("--stop-on-eos", action="store_true",
@@ -75,7 +78,19 @@ def machine_info() -> dict[str, Any]:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
     except OSError:
         pass
+    commit = ""
+    try:
+        root = Path(__file__).resolve().parent.parent
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        if commit and dirty:
+            commit += "+dirty"
+    except Exception:
+        pass
     return {
+        "commit": commit,
         "machine": platform.machine(), "system": platform.system(), "cpus": os.cpu_count(), "cpu": cpu,
         "python": platform.python_version(), "mlx": v("mlx"), "mlx-lm": v("mlx-lm"),
     }
@@ -94,6 +109,7 @@ def run_here(args: argparse.Namespace, log) -> dict[str, Any]:
     from scheduler import EngineConfig
     from scheduler.tiny_models import build_model
 
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     info = blas_mod.detect_blas()
     blas_line = blas_mod.describe(info)
     log(blas_line)
@@ -110,7 +126,7 @@ def run_here(args: argparse.Namespace, log) -> dict[str, Any]:
                     model, tokenizer, wl, model_name=kind, repeats=args.repeats,
                     warmup_tokens=args.warmup_tokens, config=config, ignore_eos=not args.stop_on_eos,
                     peer_prefill_batch=args.peer_prefill_batch, peer_completion_batch=args.peer_completion_batch,
-                    blas=info["name"], log=log,
+                    blas=info["name"], stat=args.stat, log=log,
                 ))
             del model, tokenizer
     return {
@@ -119,6 +135,8 @@ def run_here(args: argparse.Namespace, log) -> dict[str, Any]:
         "blas_line": blas_line,
         "elapsed_s": time.perf_counter() - t0,
         "comparisons": [c.to_dict() for c in comparisons],
+        "stat": args.stat,
+        "load_before": load_before,
         "table": markdown_table(comparisons),
         "_objects": comparisons,
     }
@@ -149,19 +167,13 @@ def run_children(argv: Sequence[str], which: Sequence[str]) -> dict[str, dict[st
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
             path = f.name
         try:
-            proc = blas_mod.run_with_blas(_child_argv(argv, path), lib, stdout=subprocess_devnull())
+            proc = blas_mod.run_with_blas(_child_argv(argv, path), lib, stdout=subprocess.DEVNULL)
             if proc.returncode != 0:
                 raise SystemExit(f"{label} run failed with exit code {proc.returncode}")
             reports[label] = json.loads(Path(path).read_text())
         finally:
             os.unlink(path)
     return reports
-
-
-def subprocess_devnull() -> Any:
-    import subprocess
-
-    return subprocess.DEVNULL
 
 
 def blas_identity(reports: dict[str, dict[str, Any]]) -> list[str]:
@@ -184,8 +196,12 @@ def print_report(report: dict[str, Any], cmd: str, label: str = "") -> None:
     title = f"### {label}" if label else "###"
     print(f"{title} {report['blas_line']}".rstrip())
     print(f"Machine: {m['machine']} {m['system']}, {m['cpus']} CPUs ({m['cpu']}), Python {m['python']}, "
-          f"mlx {m['mlx']} (CPU), mlx-lm {m['mlx-lm']}; elapsed {report['elapsed_s']:.0f} s")
-    print(f"Command: `{cmd}`\n")
+          f"mlx {m['mlx']} (CPU), mlx-lm {m['mlx-lm']}; tree {m.get('commit') or '?'}; "
+          f"elapsed {report['elapsed_s']:.0f} s")
+    print(f"Command: `{cmd}`")
+    print(f"Figures: {report.get('stat', 'best')} of {report['comparisons'][0]['repeats'] if report['comparisons'] else 0}"
+          f" alternating runs per side; cells are ours / peer (mlx-lm BatchGenerator); ratios ours / peer "
+          f"(> 1: ours faster); load1 before the runs: {report.get('load_before', 0):.1f}\n")
     print(report["table"])
     print()
 
