@@ -149,6 +149,34 @@ def _cmd_timeline(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from bench.run import main as bench_main
+
+    argv = args.bench_args[1:] if args.bench_args[:1] == ["--"] else args.bench_args
+    return bench_main(argv)
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    """Which BLAS MLX's CPU backend calls here, how fast it is, and how to get the fast one."""
+    import platform
+
+    import mlx.core as mx
+
+    from bench.blas import describe, detect_blas, openblas_path
+
+    info = detect_blas(measure=True)
+    print(f"platform: {platform.system()} {platform.machine()}, mlx {mx.__version__}, device {mx.default_device()}")
+    print(describe(info))
+    if platform.system() == "Linux" and info.get("name") != "openblas":
+        path = openblas_path()
+        if path:
+            print(f"faster fp32 on the CPU: export LD_PRELOAD={path}")
+        else:
+            print("faster fp32 on the CPU: apt-get install libopenblas0-pthread, then preload its libblas.so.3 "
+                  "(LD_PRELOAD); `mlxsched doctor` prints the exact path once it is installed")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlxsched", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -191,6 +219,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("trace")
     p.add_argument("-o", "--out", required=True)
     p.set_defaults(func=_cmd_timeline)
+
+    p = sub.add_parser("bench", help="engine vs mlx-lm BatchGenerator on the same model and workload, one process "
+                                     "(all arguments go to bench.run; try `mlxsched bench -- --help`)")
+    p.add_argument("bench_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_cmd_bench)
+
+    p = sub.add_parser("doctor", help="which BLAS MLX uses here and its fp32 GFLOP/s")
+    p.set_defaults(func=_cmd_doctor)
 
     p = sub.add_parser("lifecycle", help="print the request lifecycle as a Mermaid diagram (from the table)")
     p.add_argument("--update", metavar="FILE", help="rewrite the diagram between the markers in FILE")

@@ -10,7 +10,7 @@ from scheduler.lifecycle import mermaid
 
 def test_only_working_verbs_are_listed():
     verbs = set(build_parser()._subparsers._group_actions[0].choices)
-    assert verbs == {"make-model", "demo", "lifecycle", "replay", "simulate", "timeline"}
+    assert verbs == {"make-model", "demo", "lifecycle", "replay", "simulate", "timeline", "bench", "doctor"}
 
 
 def test_make_model_builds_a_loadable_model(tmp_path, capsys):
@@ -61,3 +61,9 @@ def test_simulate_and_timeline_commands(text_model_dir, tmp_path, capsys):
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["timeline", str(trace), "-o", str(tmp_path / "t.json")]) == 0
     assert main(["simulate", str(tmp_path / "missing.jsonl")]) == 2
+
+
+def test_doctor_reports_the_blas(capsys):
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "GFLOP/s" in out and "BLAS" in out.upper()
