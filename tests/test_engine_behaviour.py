@@ -255,7 +255,7 @@ def test_threads_adding_and_aborting_while_the_engine_steps(text_model, referenc
         except Exception as exc:  # reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=client, args=(n,)) for n in range(4)]
+    threads = [threading.Thread(target=client, args=(n,)) for n in range(8)]
     for t in threads:
         t.start()
     tokens, ended = {}, {}
