@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import mlx.core as mx
 
 from .config import EngineConfig
-from .engine import Engine
+from .engine import Engine, Throughput
 from .request import InvalidRequest, SamplingParams, UnknownRequest
 
 logger = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ class MLLMBatchResponse:
     mtp_attempted_count: int = 0
 
 
-class MLLMBatchStats:
+class MLLMBatchStats(Throughput):
     """Token and time counters, read from the engine (each token counted once, each second once)."""
 
     def __init__(self) -> None:
@@ -88,14 +88,6 @@ class MLLMBatchStats:
         self.vision_encoding_time: float = 0
         self.num_images_processed: int = 0
         self.peak_memory: float = 0  # GB, like the reference
-
-    @property
-    def prompt_tps(self) -> float:
-        return self.prompt_tokens / self.prompt_time if self.prompt_time else 0
-
-    @property
-    def generation_tps(self) -> float:
-        return self.generation_tokens / self.generation_time if self.generation_time else 0
 
     def to_dict(self) -> Dict[str, Any]:
         return {

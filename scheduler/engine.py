@@ -48,8 +48,25 @@ class RequestOutput:
     logprobs: list[float] = field(default_factory=list)
 
 
+class Throughput:
+    """tok/s from token and time counters (shared with the vllm-mlx compatible stats)."""
+
+    prompt_tokens: int
+    prompt_time: float
+    generation_tokens: int
+    generation_time: float
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.prompt_time if self.prompt_time else 0.0
+
+    @property
+    def generation_tps(self) -> float:
+        return self.generation_tokens / self.generation_time if self.generation_time else 0.0
+
+
 @dataclass
-class EngineStats:
+class EngineStats(Throughput):
     prompt_tokens: int = 0
     prompt_time: float = 0.0
     generation_tokens: int = 0
@@ -61,14 +78,6 @@ class EngineStats:
     requests_finished: int = 0
     requests_aborted: int = 0
     time_in_state: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def prompt_tps(self) -> float:
-        return self.prompt_tokens / self.prompt_time if self.prompt_time else 0.0
-
-    @property
-    def generation_tps(self) -> float:
-        return self.generation_tokens / self.generation_time if self.generation_time else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {

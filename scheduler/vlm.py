@@ -233,35 +233,17 @@ def _cache_row_offsets(cache: list) -> mx.array:
 
 
 def _model_fingerprint(model: Any, processor: Any) -> str:
-    """What besides the pixels decides the vision features: model class and configs, the vision weights
-    (names, shapes and dtypes of all, a strided sample of each) and the image processor's settings."""
-    from mlx.utils import tree_flatten
-
-    def as_dict(obj: Any) -> Any:
-        if dataclasses.is_dataclass(obj):
-            return dataclasses.asdict(obj)
-        return getattr(obj, "__dict__", repr(obj))
-
-    config = model.config
-    parts: list[Any] = [f"{type(model).__module__}.{type(model).__name__}",
-                        json.dumps(as_dict(getattr(config, "vision_config", None)), sort_keys=True, default=str),
-                        getattr(config, "image_token_id", None), getattr(config, "video_token_id", None)]
-    params = tree_flatten(model.vision_tower.parameters())
-    parts.append(repr([(name, tuple(p.shape), str(p.dtype)) for name, p in params]))
-    # A strided sample (<= 1024 values) of every vision weight: any other checkpoint differs in it, and it costs
-    # milliseconds where hashing a real vision tower in full would take about a second.
-    samples = [p.reshape(-1)[:: max(1, p.size // 1024)] for _, p in params]
-    mx.eval(samples)
-    parts += samples
-    image_processor = getattr(processor, "image_processor", None)
-    if image_processor is not None:
-        parts += _processor_settings(image_processor)
-    return content_key(parts)
+    """What besides the pixels decides the vision features: the model (class, config, vision weights) and the
+    image processor's settings."""
+    return _modules_fingerprint(model, ("vision_tower",), (getattr(processor, "image_processor", None),))
 
 
 def _modules_fingerprint(model: Any, names: Sequence[str], components: Sequence[Any]) -> str:
-    """Like ``_model_fingerprint`` for any towers: model class and config, the named submodules' weights
-    (names, shapes, dtypes, a strided sample of each) and the settings of the given processor components."""
+    """Model class and config, the named submodules' weights (names, shapes and dtypes of all, a strided
+    sample of each) and the settings of the given processor components.
+
+    A strided sample (<= 1024 values) of every weight: any other checkpoint differs in it, and it costs
+    milliseconds where hashing a real tower in full would take about a second."""
     from mlx.utils import tree_flatten
 
     def as_dict(obj: Any) -> Any:
@@ -361,7 +343,45 @@ def _read_source(source: Any, index: int) -> bytes:
 # ================================================================================================
 
 
-class Qwen2VLAdapter:
+class _FamilyAdapter:
+    """What every family adapter tells the engine about its model (the text helpers of scheduler/adapters.py
+    do not fit an mlx-vlm model). Subclasses set `model`, `processor`, `language_model`."""
+
+    model: Any
+    processor: Any
+    language_model: Any
+
+    @property
+    def _lm_args(self) -> Any:
+        return getattr(self.language_model, "args", None) or self.language_model.config
+
+    @property
+    def tokenizer(self) -> Any:
+        return getattr(self.processor, "tokenizer", self.processor)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._lm_args.vocab_size)
+
+    @property
+    def max_positions(self) -> int | None:
+        value = getattr(self._lm_args, "max_position_embeddings", None)
+        return int(value) if value else None
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """What ends generation in ``mlx_vlm.stream_generate``: the config's ``eos_token_id`` (int or list),
+        plus the tokenizer's own eos."""
+        ids: set[int] = set()
+        for source in (getattr(self.model.config, "eos_token_id", None), getattr(self.tokenizer, "eos_token_id", None)):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source is not None:
+                ids.update(int(i) for i in source)
+        return frozenset(ids)
+
+
+class Qwen2VLAdapter(_FamilyAdapter):
     """Qwen2-VL family adapter (``model_type`` in ``SUPPORTED_MODEL_TYPES``).
 
     ``vision_cache``: optional ``VisionCache``; ``encode`` consults it by ``PreparedRequest.media_key``.
@@ -392,32 +412,6 @@ class Qwen2VLAdapter:
         self.video_fps, self.video_max_frames = validate_video_sampling(video_fps, video_max_frames)
         self._fingerprint: str | None = None
         self._video_fingerprint: str | None = None
-
-    # ---- model facts the engine needs (scheduler/adapters.py's text helpers do not fit a VLM) ----------
-    @property
-    def tokenizer(self) -> Any:
-        return getattr(self.processor, "tokenizer", self.processor)
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.language_model.args.vocab_size)
-
-    @property
-    def max_positions(self) -> int | None:
-        value = getattr(self.language_model.args, "max_position_embeddings", None)
-        return int(value) if value else None
-
-    @property
-    def eos_token_ids(self) -> frozenset[int]:
-        """What ends generation in ``mlx_vlm.stream_generate``: the config's ``eos_token_id`` (int or list),
-        plus the tokenizer's own eos."""
-        ids: set[int] = set()
-        for source in (getattr(self.model.config, "eos_token_id", None), getattr(self.tokenizer, "eos_token_id", None)):
-            if isinstance(source, int):
-                ids.add(source)
-            elif source is not None:
-                ids.update(int(i) for i in source)
-        return frozenset(ids)
 
     # ---- identity ---------------------------------------------------------------------------------
     @property
@@ -685,7 +679,7 @@ def _g4_lm_forward(language_model: Any, inputs: mx.array | None, cache: list,
     return getattr(out, "logits", out)
 
 
-class Gemma4AudioAdapter:
+class Gemma4AudioAdapter(_FamilyAdapter):
     """Gemma 4 adapter for text + audio requests (``model_type`` ``gemma4`` with an audio tower).
 
     The same seam as ``Qwen2VLAdapter``: ``prepare`` (audio -> waveforms at the extractor's rate, mlx-vlm's chat
@@ -727,30 +721,6 @@ class Gemma4AudioAdapter:
         self.image_token = getattr(processor, "image_token", "") or "<|image|>"
         self.sample_rate = int(getattr(extractor, "sampling_rate", 16000))
         self._fingerprint: str | None = None
-
-    # ---- model facts ---------------------------------------------------------------------------
-    @property
-    def tokenizer(self) -> Any:
-        return getattr(self.processor, "tokenizer", self.processor)
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.language_model.config.vocab_size)
-
-    @property
-    def max_positions(self) -> int | None:
-        value = getattr(self.language_model.config, "max_position_embeddings", None)
-        return int(value) if value else None
-
-    @property
-    def eos_token_ids(self) -> frozenset[int]:
-        ids: set[int] = set()
-        for source in (getattr(self.model.config, "eos_token_id", None), getattr(self.tokenizer, "eos_token_id", None)):
-            if isinstance(source, int):
-                ids.add(source)
-            elif source is not None:
-                ids.update(int(i) for i in source)
-        return frozenset(ids)
 
     @property
     def fingerprint(self) -> str:

@@ -7,6 +7,7 @@ import pytest
 
 from scheduler import Engine, EngineConfig, SamplingParams
 from scheduler.cli import main
+from scheduler.events import read_jsonl
 from scheduler.replay import TraceError, load_trace, replay
 
 from .helpers import mixed_prompts
@@ -40,7 +41,7 @@ def trace_path(text_model, tmp_path_factory):
 
 
 def _events(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return read_jsonl(path)
 
 
 def _write(path, events):

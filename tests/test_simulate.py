@@ -9,6 +9,8 @@ import statistics
 import numpy as np
 import pytest
 
+from scheduler.events import read_jsonl
+
 from scheduler import Engine, EngineConfig, SamplingParams
 from scheduler.simulate import (
     FEATURES,
@@ -61,7 +63,7 @@ def trace_path(text_model, tmp_path_factory):
 
 
 def _events(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return read_jsonl(path)
 
 
 def _recorded_tokens(path):

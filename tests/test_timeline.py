@@ -6,6 +6,8 @@ import struct
 
 import pytest
 
+from scheduler.events import read_jsonl
+
 from scheduler import Engine, EngineConfig, SamplingParams
 from scheduler.timeline import request_stays, to_perfetto, to_png, write_timeline
 
@@ -35,7 +37,7 @@ def trace_path(text_model, tmp_path_factory):
 
 
 def _events(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return read_jsonl(path)
 
 
 def check_trace_event_format(doc):
