@@ -37,6 +37,9 @@ class EngineConfig:
     prefix_block_size: tokens per hashed block of the prefix index (the shortest reusable prefix).
     logprob_vectors: give every output token's full log-softmax vector in StepOutput.logprob_vector
         (what vllm-mlx's MLLMBatchResponse.logprobs carries); off by default: it keeps a (V,) array per row.
+    mix: "decode-first" (every running row decodes every tick; prefill gets what is left: steady streams,
+        longer time to first token under load) or "prefill-first" (ticks with prefill work run prefill only and
+        running rows pause: shortest time to first token, decode stalls while prompts arrive).
     trace_path: write every event as JSON lines to this file.
     check_invariants: verify bookkeeping after every tick (tests turn it on).
     """
@@ -49,6 +52,7 @@ class EngineConfig:
     penalty_context: int = 20
     seed: int = 0
     policy: str = "fcfs"
+    mix: str = "decode-first"  # or "prefill-first"
     draft_tokens: int = 0  # speculative decoding: draft tokens per row per tick (0 = off)
     drafter: str = "prompt-lookup"  # or "draft-model" (Engine(draft_model=...))
     vision_budget: int = 4  # media items encoded per tick
@@ -84,6 +88,8 @@ class EngineConfig:
             )
         if not isinstance(self.draft_tokens, int) or not 0 <= self.draft_tokens <= 64:
             raise ValueError(f"draft_tokens: must be an integer in [0, 64], got {self.draft_tokens!r}")
+        if self.mix not in ("decode-first", "prefill-first"):
+            raise ValueError(f"mix: must be 'decode-first' or 'prefill-first', got {self.mix!r}")
         if self.drafter not in ("prompt-lookup", "draft-model"):
             raise ValueError(f"drafter: must be 'prompt-lookup' or 'draft-model', got {self.drafter!r}")
         if self.max_kv_size is not None and (not isinstance(self.max_kv_size, int) or self.max_kv_size < 2):

@@ -151,7 +151,7 @@ class MLXExecutor:
         try:
             if joining:
                 self._join(joining, requests)
-            if self._rows:
+            if self._rows and (plan.decode or joining):  # a prefill-only tick pauses the rows
                 self._decode(result, dict(plan.draft))
         except Exception as exc:  # e.g. out of memory in the batched forward: that work item fails, not the engine
             self._fail_batch(joining, result, f"decode failed: {type(exc).__name__}: {exc}")

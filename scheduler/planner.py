@@ -40,8 +40,13 @@ class SchedulerView:
         return match[1] if match else 0
 
 
-def _chunk(request: Request, start: int, budget: int, config: EngineConfig) -> PrefillChunk:
-    end = start + min(request.prefill_len - start, config.prefill_chunk, budget)
+def _chunk(request: Request, start: int, budget: int, config: EngineConfig, hold_last: bool = False) -> PrefillChunk | None:
+    """The next chunk of `request`, or None when there is nothing to feed. With `hold_last`, the last prompt
+    token is kept back: it is fed with a decode step, which a prefill-only tick does not run."""
+    limit = request.prefill_len - (1 if hold_last else 0)
+    end = start + min(limit - start, config.prefill_chunk, budget)
+    if end <= start:
+        return None
     return PrefillChunk(request.request_id, start, end, end == request.prefill_len)
 
 
@@ -132,6 +137,17 @@ def _make_room(view: SchedulerView, kv: _KVTracker) -> tuple[list[str], list[tup
 
 
 def plan_tick(view: SchedulerView, config: EngineConfig, policy: Policy) -> TickPlan:
+    """decode-first: every decoding row decodes every tick and prefill gets the rest of the budget.
+    prefill-first: while any prompt has tokens left to prefill, a tick is prefill only (decoding rows pause,
+    and prompts stop one token short: that token goes with the next decode step); otherwise as decode-first."""
+    if config.mix == "prefill-first":
+        plan = _plan(view, config, policy, prefill_only=True)
+        if plan.prefill or plan.encode or plan.admitted:
+            return plan
+    return _plan(view, config, policy, prefill_only=False)
+
+
+def _plan(view: SchedulerView, config: EngineConfig, policy: Policy, prefill_only: bool) -> TickPlan:
     kv = None
     preempted: list[str] = []
     failed: list[tuple[str, str]] = []
@@ -143,7 +159,7 @@ def plan_tick(view: SchedulerView, config: EngineConfig, policy: Policy) -> Tick
         preempted, failed = _make_room(view, kv)
     gone = set(preempted) | {rid for rid, _ in failed}
 
-    decode = tuple(r.request_id for r in view.decoding if r.request_id not in gone)
+    decode = () if prefill_only else tuple(r.request_id for r in view.decoding if r.request_id not in gone)
     budget = config.max_batched_tokens - len(decode)
     if config.max_prefill_tokens is not None:
         budget = min(budget, config.max_prefill_tokens)
@@ -171,7 +187,11 @@ def plan_tick(view: SchedulerView, config: EngineConfig, policy: Policy) -> Tick
             break
         if request.request_id in gone:
             continue
-        chunk = _chunk(request, first_chunk_start(request), budget, config)
+        chunk = _chunk(request, first_chunk_start(request), budget, config, hold_last=prefill_only)
+        if chunk is None:
+            if prefix_hits and prefix_hits[-1][0] == request.request_id:
+                prefix_hits.pop()
+            continue
         if kv is not None and not kv.try_chunk(request, chunk, admission=False):
             if prefix_hits and prefix_hits[-1][0] == request.request_id:
                 prefix_hits.pop()
@@ -191,7 +211,10 @@ def plan_tick(view: SchedulerView, config: EngineConfig, policy: Policy) -> Tick
         if budget <= 0:
             break
         match = view.prefix_match(request)
-        chunk = _chunk(request, match[1] if match else request.num_computed_tokens, budget, config)
+        chunk = _chunk(request, match[1] if match else request.num_computed_tokens, budget, config,
+                       hold_last=prefill_only)
+        if chunk is None:  # a one-token prompt (or a whole-prompt hit) waits for a decode tick
+            break
         if kv is not None and not kv.try_chunk(request, chunk, admission=True):
             break  # the head of the queue waits for memory; nobody jumps it
         if match is not None:
@@ -202,7 +225,7 @@ def plan_tick(view: SchedulerView, config: EngineConfig, policy: Policy) -> Tick
         seqs += 1
 
     draft: list[tuple[str, int]] = []
-    if config.draft_tokens:  # speculative decoding uses what budget prefill left
+    if config.draft_tokens and not prefill_only:  # speculative decoding uses what budget prefill left
         for request in view.decoding:
             if budget <= 0:
                 break

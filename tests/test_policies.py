@@ -62,3 +62,33 @@ def test_shortest_prompt_first_lowers_mean_completion_of_short_prompts():
     _, _, spf = simulate_planning(config, work, policy=ShortestPromptFirst())
     short = [f"r{i}" for i in range(1, 7)]
     assert sum(spf[r][0] for r in short) < sum(fcfs[r][0] for r in short)
+
+
+def test_prefill_first_trades_decode_stalls_for_time_to_first_token():
+    # sixteen streams decoding (they take 16 of the 40 tokens of every decode-first tick), then a long prompt
+    work = [(0, 3, 60)] * 16 + [(5, 400, 2)]
+    results = {}
+    for mix in ("decode-first", "prefill-first"):
+        config = EngineConfig(max_seqs=20, max_batched_tokens=40, prefill_chunk=64, mix=mix)
+        _, plans, finished = simulate_planning(config, work)
+        first_token = next(p.tick for p in plans if any(c.request_id == "r16" and c.completes for c in p.prefill))
+        paused = sum(1 for p in plans if p.prefill and not p.decode and p.tick > 5)
+        results[mix] = (first_token, paused, finished["r0"][0])
+    (df_first, df_paused, df_r0), (pf_first, pf_paused, pf_r0) = results["decode-first"], results["prefill-first"]
+    assert pf_first < df_first, "prefill-first gives the long prompt its first token sooner"
+    assert df_paused == 0 and pf_paused > 0, "prefill-first pauses the decoding streams meanwhile"
+    assert pf_r0 > df_r0, "so the running streams finish later"
+
+
+def test_prefill_first_keeps_outputs_exact(text_model):
+    from scheduler import Engine, SamplingParams
+
+    from .helpers import drive, mixed_prompts, solo_tokens
+
+    model, tokenizer = text_model
+    prompts = mixed_prompts(6, 1, 120, seed=2)
+    engine = Engine(model, tokenizer, EngineConfig(mix="prefill-first", max_batched_tokens=48, prefill_chunk=16,
+                                                   check_invariants=True))
+    run = drive(engine, [(i * 2, {"prompt_tokens": p, "sampling": SamplingParams(max_tokens=10)})
+                         for i, p in enumerate(prompts)])
+    assert list(run.tokens.values()) == [solo_tokens(model, tokenizer, p, 10) for p in prompts]
