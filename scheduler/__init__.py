@@ -7,6 +7,7 @@ from .compat import (
     MLLMBatchResponse,
     MLLMBatchStats,
     install_chunked_prefill_mllm,
+    install_mtp_mllm,
 )
 from .config import EngineConfig
 from .engine import Engine, EngineStats, RequestOutput
@@ -34,4 +35,5 @@ __all__ = [
     "Trigger",
     "UnknownRequest",
     "install_chunked_prefill_mllm",
+    "install_mtp_mllm",
 ]

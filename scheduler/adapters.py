@@ -143,6 +143,23 @@ def kv_layout(model: Any, max_kv_size: int | None = None) -> "KVLayout":
     return KVLayout(tuple(layers))
 
 
+def forward_with_hidden(model: Any, inputs: mx.array, cache: Cache) -> tuple[mx.array, mx.array]:
+    """(logits, final hidden states) of an mlx-lm model whose `model.model` returns the normed hidden states
+    and whose output head is `lm_head` or the tied embedding (llama, qwen3 and most decoder models)."""
+    hidden = model.model(inputs, cache)
+    return output_head(model)(hidden), hidden
+
+
+def token_embedding(model: Any):
+    return model.model.embed_tokens
+
+
+def output_head(model: Any):
+    if getattr(model.args, "tie_word_embeddings", False) or not hasattr(model, "lm_head"):
+        return model.model.embed_tokens.as_linear
+    return model.lm_head
+
+
 def cache_nbytes(cache: Cache) -> int:
     return sum(layer.nbytes for layer in cache)
 

@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("make-model", help="build a tiny seeded model (Hugging Face layout) offline")
-    p.add_argument("kind", choices=["text", "sliding", "text-medium", "vlm", "audio"])
+    p.add_argument("kind", choices=["text", "sliding", "text-medium", "vlm", "audio", "text-mtp"])
     p.add_argument("dir")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_make_model)

@@ -165,6 +165,7 @@ class MLLMBatchGenerator:
             trace_path=trace_path,
         )
         self._event_sinks = event_sinks
+        self._mtp_head: Any = None
         self._engine: Engine | None = None
         self._uid_counter = 0
         self._requests: dict[int, MLLMBatchRequest] = {}  # live, by uid
@@ -179,7 +180,8 @@ class MLLMBatchGenerator:
     @property
     def engine(self) -> Engine:
         if self._engine is None:
-            self._engine = Engine(self.model, self.processor, self._config, event_sinks=self._event_sinks)
+            self._engine = Engine(self.model, self.processor, self._config, event_sinks=self._event_sinks,
+                                  mtp_head=self._mtp_head)
         return self._engine
 
     def _configure(self, **changes: Any) -> None:
@@ -284,8 +286,12 @@ class MLLMBatchGenerator:
                 last = i == len(out.token_ids) - 1
                 responses.append(MLLMBatchResponse(
                     uid=uid, request_id=req.request_id, token=token,
-                    logprobs=out.logprob_vector if out.logprob_vector is not None else mx.zeros(1),
+                    logprobs=out.logprob_vectors[i] if i < len(out.logprob_vectors) else mx.zeros(1),
                     finish_reason=out.finish_reason.value if (last and out.finished) else None,
+                    # the tokens before the last one of a drafting step are accepted drafts
+                    from_draft=not last,
+                    mtp_attempted=i == 0 and out.num_drafted > 0,
+                    mtp_attempted_count=out.num_drafted if i == 0 else 0,
                 ))
             if out.finished and not out.token_ids:  # abort / error: the reference's token-0 response
                 responses.append(self._terminal(req, out.finish_reason.value))
@@ -350,3 +356,22 @@ def install_chunked_prefill_mllm(batch_gen: MLLMBatchGenerator, budget: int = 10
         raise ValueError(f"budget: must be an integer >= 1, got {budget!r}")
     batch_gen._configure(prefill_chunk=budget, max_prefill_tokens=budget,
                          max_batched_tokens=batch_gen.completion_batch_size + budget)
+
+
+def install_mtp_mllm(batch_gen: MLLMBatchGenerator, language_model: Any, num_draft_tokens: int = 1) -> None:
+    """Multi-token-prediction drafting: up to `num_draft_tokens` drafts per row per step from an MTP head,
+    verified in the same batched forward with exact acceptance (greedy rows: unchanged output; sampled rows:
+    unchanged distribution). `language_model` is the MTP head (`scheduler.mtp.MTPHead`) or an object carrying
+    one as `.mtp_head`. Plain configuration: call it before the first `insert()`/`next()`."""
+    from .mtp import MTPHead
+
+    head = language_model if isinstance(language_model, MTPHead) else getattr(language_model, "mtp_head", None)
+    if head is None:
+        raise TypeError("install_mtp_mllm needs an MTP head: pass scheduler.mtp.MTPHead (load_mtp_head(model_dir)) "
+                        "or an object with an .mtp_head attribute")
+    if not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
+        raise ValueError(f"num_draft_tokens: must be an integer >= 1, got {num_draft_tokens!r}")
+    batch_gen._configure(draft_tokens=num_draft_tokens, drafter="mtp",
+                         max_batched_tokens=batch_gen._config.max_batched_tokens
+                         + num_draft_tokens * batch_gen.completion_batch_size)
+    batch_gen._mtp_head = head

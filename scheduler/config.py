@@ -20,7 +20,8 @@ class EngineConfig:
     draft_tokens: with k > 0, decoding rows may propose up to k draft tokens per tick, verified in the same
         batched forward (exact: greedy output is unchanged, sampled output keeps its distribution). Draft
         tokens count against max_batched_tokens, after prefill.
-    drafter: "prompt-lookup" (n-gram match in the request's own history, no model) or "draft-model".
+    drafter: "prompt-lookup" (n-gram match in the request's own history, no model), "draft-model" (a smaller
+        model with the same vocabulary) or "mtp" (a multi-token-prediction head on the target's hidden states).
     vision_budget: media items whose encoding runs in one tick (so much media cannot stall decoding): an image
         is one item, a video one per temporal patch of its selected frames (Qwen2-VL: 2 frames), an audio clip
         one. A request with more items than the whole budget is encoded alone in a tick.
@@ -35,7 +36,7 @@ class EngineConfig:
     kv_headroom_tokens: tokens of growth per row an admission must leave room for (prevents thrash).
     prefix_cache_bytes: byte budget of the prefix cache (LRU); 0 turns it off.
     prefix_block_size: tokens per hashed block of the prefix index (the shortest reusable prefix).
-    logprob_vectors: give every output token's full log-softmax vector in StepOutput.logprob_vector
+    logprob_vectors: give every output token's full log-softmax vector in StepOutput.logprob_vectors
         (what vllm-mlx's MLLMBatchResponse.logprobs carries); off by default: it keeps a (V,) array per row.
     mix: "decode-first" (every running row decodes every tick; prefill gets what is left: steady streams,
         longer time to first token under load) or "prefill-first" (ticks with prefill work run prefill only and
@@ -54,7 +55,7 @@ class EngineConfig:
     policy: str = "fcfs"
     mix: str = "decode-first"  # or "prefill-first"
     draft_tokens: int = 0  # speculative decoding: draft tokens per row per tick (0 = off)
-    drafter: str = "prompt-lookup"  # or "draft-model" (Engine(draft_model=...))
+    drafter: str = "prompt-lookup"  # or "draft-model" (Engine(draft_model=...)) or "mtp" (Engine(mtp_head=...))
     vision_budget: int = 4  # media items encoded per tick
     video_fps: float = 2.0
     video_max_frames: int = 32
@@ -90,8 +91,8 @@ class EngineConfig:
             raise ValueError(f"draft_tokens: must be an integer in [0, 64], got {self.draft_tokens!r}")
         if self.mix not in ("decode-first", "prefill-first"):
             raise ValueError(f"mix: must be 'decode-first' or 'prefill-first', got {self.mix!r}")
-        if self.drafter not in ("prompt-lookup", "draft-model"):
-            raise ValueError(f"drafter: must be 'prompt-lookup' or 'draft-model', got {self.drafter!r}")
+        if self.drafter not in ("prompt-lookup", "draft-model", "mtp"):
+            raise ValueError(f"drafter: must be 'prompt-lookup', 'draft-model' or 'mtp', got {self.drafter!r}")
         if self.max_kv_size is not None and (not isinstance(self.max_kv_size, int) or self.max_kv_size < 2):
             raise ValueError(f"max_kv_size: must be an integer >= 2 or None, got {self.max_kv_size!r}")
         if self.kv_memory_bytes is not None and (not isinstance(self.kv_memory_bytes, int) or self.kv_memory_bytes < 1):

@@ -60,6 +60,7 @@ class DraftRequest:
     max_tokens: Optional[int] = None
     sampling: Optional[RowSampling] = None
     step: int = 0
+    hidden: Optional[mx.array] = None  # (H,) the target's last hidden state for this row, for drafters that ask
 
 
 @dataclass(frozen=True)

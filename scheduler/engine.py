@@ -118,6 +118,7 @@ class Engine:
         event_sinks: Sequence[Any] = (),
         policy: Any = None,
         draft_model: Any = None,
+        mtp_head: Any = None,
     ):
         self.model = model
         self.config = config or EngineConfig()
@@ -140,7 +141,7 @@ class Engine:
         self.executor = executor or MLXExecutor(family.runner, penalty_context=self.config.penalty_context,
                                                 prefix_cache=self.scheduler.prefix_cache,
                                                 logprob_vectors=self.config.logprob_vectors,
-                                                drafter=self._make_drafter(draft_model))
+                                                drafter=self._make_drafter(draft_model, mtp_head))
         self.tick = 0
         self._lock = threading.Lock()
         self._inbox: list[_Arrival] = []
@@ -158,18 +159,25 @@ class Engine:
             if self.kv_layout is not None else None,
         )
 
-    def _make_drafter(self, draft_model: Any) -> Any:
+    def _make_drafter(self, draft_model: Any, mtp_head: Any) -> Any:
         cfg = self.config
         if not cfg.draft_tokens:
             if draft_model is not None:
                 raise ValueError("draft_model given but draft_tokens is 0: set EngineConfig(draft_tokens=k)")
             return None
-        if self.vlm is not None or cfg.max_kv_size is not None or cfg.logprob_vectors or any(
+        if self.vlm is not None or cfg.max_kv_size is not None or any(
                 layer.window for layer in self.kv_layout.layers):
             raise ValueError("draft_tokens: speculative decoding needs plain KV caches on a text model (no "
-                             "sliding windows, no max_kv_size, no logprob vectors)")
+                             "sliding windows, no max_kv_size)")
         from .drafters import DraftModelDrafter, PromptLookupDrafter
 
+        if cfg.drafter == "mtp":
+            if mtp_head is None:
+                raise ValueError("drafter='mtp' needs Engine(..., mtp_head=...) (from_pretrained loads the head "
+                                 "stored next to the model, if any)")
+            from .mtp import MTPDrafter
+
+            return MTPDrafter(mtp_head, self.model)
         if cfg.drafter == "draft-model":
             if draft_model is None:
                 raise ValueError("drafter='draft-model' needs Engine(..., draft_model=<mlx-lm model>)")
@@ -193,7 +201,11 @@ class Engine:
             return cls(model, processor, config, **kwargs)
         from mlx_lm import load
 
+        from .mtp import load_mtp_head
+
         model, tokenizer = load(str(model_dir))
+        if config is not None and config.drafter == "mtp" and "mtp_head" not in kwargs:
+            kwargs["mtp_head"] = load_mtp_head(model_dir)
         return cls(model, tokenizer, config, **kwargs)
 
     def _vision_event(self, kind: str, key: str, info: dict) -> None:

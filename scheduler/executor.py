@@ -81,6 +81,10 @@ class MLXExecutor:
                  logprob_vectors: bool = False, drafter: Any = None):
         self.drafter = drafter  # proposes draft tokens for the rows a plan lets draft
         self.draft_stats = DraftStats()
+        # hidden-state drafters (MTP heads) need each row's last hidden state from the previous forward
+        self._keeps_hidden = bool(getattr(drafter, "needs_hidden", False))
+        self._last_hidden: mx.array | None = None  # (B, H)
+        self._has_hidden: list[bool] = []
         self.logprob_vectors = logprob_vectors  # hand every row's full log-softmax vector back (compat API)
         self.runner: Runner = runner if hasattr(runner, "decode") and hasattr(runner, "make_cache") else TextRunner(runner)
         self.prefix_cache = prefix_cache  # read here (payloads to restore); the scheduler decides what is in it
@@ -171,7 +175,8 @@ class MLXExecutor:
             self._encoded.pop(rid, None)
         self.kv.clear_batch()
         self._rows, self._row_index = [], {}
-        self._next_inputs = self._rope_deltas = self._context = self._params = None
+        self._next_inputs = self._rope_deltas = self._context = self._params = self._last_hidden = None
+        self._has_hidden = []
         self._released.clear()
 
     def _prefill(self, request: Request, start: int, end: int) -> None:
@@ -199,6 +204,10 @@ class MLXExecutor:
         last = mx.array([_last_prefill_token(requests[rid]) for rid in request_ids], dtype=mx.uint32)
         deltas = mx.array([getattr(e, "rope_delta", 0) for e in encoded], dtype=mx.int32)
         self._next_inputs = last if self._next_inputs is None else mx.concatenate([self._next_inputs, last])
+        if self._keeps_hidden and self._last_hidden is not None:  # joiners have no hidden state yet
+            zeros = mx.zeros((len(request_ids), self._last_hidden.shape[-1]), dtype=self._last_hidden.dtype)
+            self._last_hidden = mx.concatenate([self._last_hidden, zeros])
+        self._has_hidden += [False] * len(request_ids)
         self._rope_deltas = deltas if self._rope_deltas is None else mx.concatenate([self._rope_deltas, deltas])
         for rid in request_ids:
             self._row_index[rid] = len(self._rows)
@@ -220,11 +229,15 @@ class MLXExecutor:
             idx = mx.array(keep)
             self._next_inputs = self._next_inputs[idx]
             self._rope_deltas = self._rope_deltas[idx]
+            if self._last_hidden is not None:
+                self._last_hidden = self._last_hidden[idx]
+            self._has_hidden = [self._has_hidden[i] for i in keep]
             if self._context is not None:
                 self._context = self._context[idx]
         else:
-            self._next_inputs = self._rope_deltas = None
+            self._next_inputs = self._rope_deltas = self._last_hidden = None
             self._context = None
+            self._has_hidden = []
         self._params = None
 
     # ---- decode ---------------------------------------------------------------------------------
@@ -264,15 +277,19 @@ class MLXExecutor:
         drafts = self._propose(draft_k) if draft_k else None
         width = max((len(d.tokens) for d in drafts.values()), default=0) if drafts else 0
         inputs = self._next_inputs
-        if width == 0:
+        all_hidden = None
+        if width == 0 and not self._keeps_hidden:
             logits = self.runner.decode(self.kv.batch, inputs, self._rope_deltas)
             all_logits = None
         else:
-            padded = [drafts[row.request.request_id].tokens if row.request.request_id in drafts else []
+            padded = [drafts[row.request.request_id].tokens if drafts and row.request.request_id in drafts else []
                       for row in self._rows]
             draft_tokens, draft_lens = pad_drafts(padded, width)
             verify_inputs = mx.concatenate([inputs[:, None].astype(mx.int32), draft_tokens], axis=1)
-            all_logits = self.runner.verify(self.kv.batch, verify_inputs)  # (B, width + 1, V)
+            if self._keeps_hidden:  # (B, width + 1, V) logits and (B, width + 1, H) hidden states
+                all_logits, all_hidden = self.runner.forward_with_hidden(self.kv.batch, verify_inputs)
+            else:
+                all_logits = self.runner.verify(self.kv.batch, verify_inputs)
             logits = all_logits[:, 0, :]
         logits = self._apply_processors(logits, result)
         params = self._sampling_arrays()
@@ -290,6 +307,10 @@ class MLXExecutor:
         emitted: dict[int, list[int]] = {}
         if width:
             emitted = self._verify(all_logits, draft_tokens, draft_lens, drafts, width, result)
+        if all_hidden is not None:  # each row's hidden state at the last position it kept
+            kept = mx.array([len(emitted[i]) - 1 if i in emitted else 0 for i in range(len(self._rows))])
+            self._last_hidden = all_hidden[mx.arange(len(self._rows)), kept]
+            self._has_hidden = [True] * len(self._rows)
         mx.eval(tokens, *(() if picked is None else (picked,)))
         token_list = tokens.tolist()
         for i, (row, token) in enumerate(zip(self._rows, token_list)):
@@ -305,17 +326,22 @@ class MLXExecutor:
         if picked is not None:
             for i, lp in zip(want_logprobs, picked.tolist()):
                 result.logprobs[self._rows[i].request.request_id] = lp
-        if self.logprob_vectors:
+        if self.logprob_vectors:  # one (V,) vector per emitted token
+            if emitted:
+                verified = all_logits - mx.logsumexp(all_logits, axis=-1, keepdims=True)
             for i, row in enumerate(self._rows):
-                result.logprob_vectors[row.request.request_id] = logprobs[i]
+                n = len(emitted.get(i, ()))
+                result.logprob_vectors[row.request.request_id] = (
+                    [verified[i, j] for j in range(n)] if n else [logprobs[i]])
 
     # ---- drafting -------------------------------------------------------------------------------
     def _propose(self, draft_k: dict[str, int]) -> dict[str, Any]:
         rows = [
             DraftRequest(row.request.request_id, row.request.prompt_tokens + row.request.output_tokens,
                          max_tokens=draft_k[row.request.request_id],
-                         sampling=_row_sampling(row.request), step=row.step)
-            for row in self._rows if row.request.request_id in draft_k
+                         sampling=_row_sampling(row.request), step=row.step,
+                         hidden=self._last_hidden[i] if self._keeps_hidden and self._has_hidden[i] else None)
+            for i, row in enumerate(self._rows) if row.request.request_id in draft_k
         ]
         drafts = self.drafter.propose(rows, max(draft_k.values()))
         return {d.request_id: d for d in drafts}

@@ -82,7 +82,7 @@ class TickResult:
 
     sampled: dict[str, int] = field(default_factory=dict)  # request id -> token sampled this tick
     logprobs: dict[str, float] = field(default_factory=dict)  # only for requests that asked
-    logprob_vectors: dict[str, Any] = field(default_factory=dict)  # (V,) log-softmax rows, if configured
+    logprob_vectors: dict[str, list] = field(default_factory=dict)  # (V,) log-softmax per emitted token, if configured
     accepted_drafts: dict[str, list[int]] = field(default_factory=dict)  # drafts emitted before `sampled`
     drafts: dict[str, tuple[int, int]] = field(default_factory=dict)  # request id -> (proposed, accepted)
     errors: dict[str, str] = field(default_factory=dict)  # request id -> readable error; that request fails

@@ -53,6 +53,10 @@ class TextRunner:
         """(B, n) inputs -> (B, n, V) logits: one forward over each row's last token and its drafts."""
         return self.model(inputs, cache=batch_cache)
 
+    def forward_with_hidden(self, batch_cache, inputs):
+        """(B, n) inputs -> ((B, n, V) logits, (B, n, H) final hidden states), for hidden-state drafters."""
+        return adapters.forward_with_hidden(self.model, inputs, batch_cache)
+
 
 class VisionLanguageRunner:
     has_vision = True

@@ -32,7 +32,8 @@ class StepOutput:
     finish_reason: FinishReason | None = None
     error: str | None = None
     logprobs: list[float] = field(default_factory=list)
-    logprob_vector: Any = None  # (V,) log-softmax of the processed logits (EngineConfig.logprob_vectors)
+    logprob_vectors: list = field(default_factory=list)  # (V,) log-softmax per token (EngineConfig.logprob_vectors)
+    num_drafted: int = 0  # speculative decoding: draft tokens proposed for this request this tick
 
 
 @dataclass
@@ -198,11 +199,14 @@ class Scheduler:
             request = live.get(rid)
             if request is None:
                 continue
-            if rid in result.drafts:
-                request.num_drafted += result.drafts[rid][0]
-                request.num_draft_accepted += result.drafts[rid][1]
-            if rid in drafted:
-                outputs.append(self._emit_many(request, drafted[rid] + [sampled[rid]], tick, released))
+            if rid in result.drafts:  # a drafting row: its accepted drafts, then the target's token
+                proposed, accepted = result.drafts[rid]
+                request.num_drafted += proposed
+                request.num_draft_accepted += accepted
+                out = self._emit_many(request, drafted.get(rid, []) + [sampled[rid]], tick, released)
+                out.num_drafted = proposed
+                out.logprob_vectors = vectors.get(rid, [])[: len(out.token_ids)]
+                outputs.append(out)
                 continue
             token = sampled[rid]
             sampling = request.sampling
@@ -271,13 +275,13 @@ class Scheduler:
             request.finish_reason = FinishReason.STOP
         elif request.num_output_tokens >= request.sampling.max_tokens:
             request.finish_reason = FinishReason.LENGTH
-        vector = result.logprob_vectors.get(request.request_id)
+        vectors = result.logprob_vectors.get(request.request_id, [])
         if request.finish_reason is None:
-            return StepOutput(request.request_id, [token], request.state, logprobs=logprobs, logprob_vector=vector)
+            return StepOutput(request.request_id, [token], request.state, logprobs=logprobs, logprob_vectors=vectors)
         self._end(request, Trigger.FINISH, tick, request.finish_reason.value)
         released.append(request.request_id)
         return StepOutput(request.request_id, [token], request.state, True, request.finish_reason,
-                          logprobs=logprobs, logprob_vector=vector)
+                          logprobs=logprobs, logprob_vectors=vectors)
 
     # ---- transitions ------------------------------------------------------------------------------
     def _move(self, request: Request, trigger: Trigger, tick: int, reason: str | None = None) -> None:

@@ -47,7 +47,7 @@ from typing import Any
 import mlx.core as mx
 
 MODEL_KINDS: tuple[str, ...] = ("text", "sliding", "text-medium", "vlm")
-ALL_KINDS: tuple[str, ...] = MODEL_KINDS + ("audio",)
+ALL_KINDS: tuple[str, ...] = MODEL_KINDS + ("audio", "text-mtp")
 
 VOCAB_SIZE = 512
 
@@ -657,6 +657,51 @@ def build_model(kind: str, out_dir: str | os.PathLike, seed: int = 0) -> Path:
     if kind == "vlm":
         _write_vlm_model(out, tokenizer, seed)
     else:
-        _write_text_model(kind, out, tokenizer, seed)
+        _write_text_model("text" if kind == "text-mtp" else kind, out, tokenizer, seed)
     _write_tokenizer(out, tokenizer)
+    if kind == "text-mtp":
+        _write_mtp_head(out, seed)
     return out
+
+
+def _write_mtp_head(out: Path, seed: int, steps: int = 50) -> None:
+    """The tiny text model plus a multi-token-prediction head fitted (seeded, a few seconds) to predict the
+    model's own greedy token after next from its hidden state and the next token, so drafting with it has
+    something real to accept. Saved as mtp.safetensors / mtp_config.json next to the model."""
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from . import adapters
+    from .mtp import MTPHead, save_mtp_head
+
+    model, _ = load(str(out))
+    mx.random.seed(seed + 1)
+    batch, prompt_len, generated = 16, 8, 24
+    seq = mx.random.randint(7, VOCAB_SIZE, (batch, prompt_len))
+    cache = make_prompt_cache(model)
+    logits = model(seq, cache=cache)
+    for _ in range(generated):  # the model's own greedy continuations
+        nxt = mx.argmax(logits[:, -1, :], axis=-1)[:, None]
+        seq = mx.concatenate([seq, nxt], axis=1)
+        logits = model(nxt, cache=cache)
+    hidden = model.model(seq)
+    width = hidden.shape[-1]
+    h = hidden[:, prompt_len - 1:-2, :].reshape(-1, width)
+    next_tokens = seq[:, prompt_len:-1].reshape(-1)
+    targets = seq[:, prompt_len + 1:].reshape(-1)
+    head = MTPHead(width, 2 * width)
+    embed, output = adapters.token_embedding(model), adapters.output_head(model)
+    mx.eval(h, next_tokens, targets)
+
+    def loss_fn(head):
+        return nn.losses.cross_entropy(output(head(h, embed(next_tokens))), targets, reduction="mean")
+
+    optimizer = optim.Adam(learning_rate=3e-3)
+    step = nn.value_and_grad(head, loss_fn)
+    for _ in range(steps):
+        _, grads = step(head)
+        optimizer.update(head, grads)
+        mx.eval(head.parameters(), optimizer.state)
+    save_mtp_head(head, out)

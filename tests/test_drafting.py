@@ -23,6 +23,15 @@ def reference(text_model):
 
 
 @pytest.fixture(scope="module")
+def mtp_head(tmp_path_factory):
+    """The tiny text model's own MTP head (text-mtp builds the same model weights as text, plus the head)."""
+    from scheduler.mtp import load_mtp_head
+    from scheduler.tiny_models import build_model
+
+    return load_mtp_head(build_model("text-mtp", tmp_path_factory.mktemp("mtp")))
+
+
+@pytest.fixture(scope="module")
 def other_draft_model(tmp_path_factory):
     from mlx_lm import load
 
@@ -32,23 +41,23 @@ def other_draft_model(tmp_path_factory):
     return model
 
 
-def _run(model, tokenizer, config, draft_model=None, prompts=None):
+def _run(model, tokenizer, config, draft_model=None, prompts=None, mtp_head=None):
     log = MemorySink()
-    engine = Engine(model, tokenizer, config, draft_model=draft_model, event_sinks=[log])
+    engine = Engine(model, tokenizer, config, draft_model=draft_model, mtp_head=mtp_head, event_sinks=[log])
     prompts = PROMPTS + REPETITIVE if prompts is None else prompts
     run = drive(engine, [(i // 3, {"prompt_tokens": p, "sampling": greedy(MAX_TOKENS)}) for i, p in enumerate(prompts)])
     return engine, log, list(run.tokens.values())
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])
-@pytest.mark.parametrize("drafter", ["prompt-lookup", "draft-model-self", "draft-model-other"])
-def test_greedy_output_is_unchanged_by_drafting(text_model, other_draft_model, reference, drafter, k):
+@pytest.mark.parametrize("drafter", ["prompt-lookup", "draft-model-self", "draft-model-other", "mtp"])
+def test_greedy_output_is_unchanged_by_drafting(text_model, other_draft_model, mtp_head, reference, drafter, k):
     model, tokenizer = text_model
-    kind = "prompt-lookup" if drafter == "prompt-lookup" else "draft-model"
-    draft_model = {"prompt-lookup": None, "draft-model-self": model, "draft-model-other": other_draft_model}[drafter]
+    kind = {"prompt-lookup": "prompt-lookup", "mtp": "mtp"}.get(drafter, "draft-model")
+    draft_model = {"draft-model-self": model, "draft-model-other": other_draft_model}.get(drafter)
     config = EngineConfig(max_batched_tokens=160, max_seqs=16, prefill_chunk=32, draft_tokens=k, drafter=kind,
                           check_invariants=True)
-    engine, log, outputs = _run(model, tokenizer, config, draft_model)
+    engine, log, outputs = _run(model, tokenizer, config, draft_model, mtp_head=mtp_head if kind == "mtp" else None)
     mismatches = [i for i, (got, want) in enumerate(zip(outputs, reference)) if got != want]
     assert not mismatches
     stats = engine.draft_stats()
@@ -132,3 +141,31 @@ def test_drafting_is_refused_where_it_cannot_be_exact(sliding_model, text_model)
     model, tokenizer = text_model
     with pytest.raises(ValueError, match="draft_model"):
         Engine(model, tokenizer, EngineConfig(draft_tokens=2, drafter="draft-model"))
+
+
+def test_mtp_head_round_trips_and_compat_install(text_model, mtp_head, tmp_path):
+    import mlx.core as mx
+
+    from scheduler.compat import MLLMBatchGenerator, MLLMBatchRequest, install_mtp_mllm
+    from scheduler.mtp import load_mtp_head, save_mtp_head
+
+    save_mtp_head(mtp_head, tmp_path)
+    again = load_mtp_head(tmp_path)
+    h, e = mx.ones((2, 128)), mx.ones((2, 128)) * 0.5
+    assert mx.array_equal(again(h, e), mtp_head(h, e))
+    assert load_mtp_head(tmp_path / "nothing-here") is None
+
+    model, tokenizer = text_model
+    gen = MLLMBatchGenerator(model, tokenizer)
+    install_mtp_mllm(gen, mtp_head, num_draft_tokens=2)
+    uids = gen.insert([MLLMBatchRequest(uid=-1, request_id=f"m{i}", prompt="", input_ids=p, max_tokens=12,
+                                        temperature=0.0) for i, p in enumerate(PROMPTS[:4])])
+    tokens, attempted = {u: [] for u in uids}, 0
+    while gen.has_pending():
+        for r in gen.next():
+            tokens[r.uid].append(r.token)
+            attempted += r.mtp_attempted
+    assert [tokens[u] for u in uids] == [solo_tokens(model, tokenizer, p, 12) for p in PROMPTS[:4]]
+    assert attempted > 0
+    with pytest.raises(TypeError, match="MTP head"):
+        install_mtp_mllm(MLLMBatchGenerator(model, tokenizer), model, 1)
