@@ -25,7 +25,8 @@ def _engine(model, tokenizer, **config):
     from scheduler import Engine, EngineConfig
 
     draft_model = config.pop("draft_model", None)
-    return Engine(model, tokenizer, EngineConfig(**config), draft_model=draft_model)
+    mtp_head = config.pop("mtp_head", None)
+    return Engine(model, tokenizer, EngineConfig(**config), draft_model=draft_model, mtp_head=mtp_head)
 
 
 def _ttft(engine, prompt, max_tokens=1):
@@ -58,7 +59,7 @@ def prefix_figure(model, tokenizer, repeats=3, prefix_len=1000):
     return {"prefix_len": prefix_len, "cold_ttft_s": c, "cached_ttft_s": w, "ratio": w / c}
 
 
-def drafting_figure(model, tokenizer, draft_model=None, n=4, new_tokens=64):
+def drafting_figure(model, tokenizer, draft_model=None, mtp_head=None, n=4, new_tokens=64):
     from scheduler import SamplingParams
 
     phrase = list(range(101, 121))
@@ -68,6 +69,9 @@ def drafting_figure(model, tokenizer, draft_model=None, n=4, new_tokens=64):
                "draft-model (self) k=4": dict(draft_tokens=4, drafter="draft-model", draft_model=model)}
     if draft_model is not None:
         configs["draft-model (small) k=4"] = dict(draft_tokens=4, drafter="draft-model", draft_model=draft_model)
+    if mtp_head is not None:
+        for k in (1, 4):
+            configs[f"mtp head k={k}"] = dict(draft_tokens=k, drafter="mtp", mtp_head=mtp_head)
     for name, extra in configs.items():
         best = None
         for _ in range(2):
@@ -152,7 +156,12 @@ def main(argv=None) -> int:
             print("prefix cache:", prefix_figure(model, tokenizer))
         if "drafting" in args.only:
             small, _ = load(str(build_model("text", tmp / "small", seed=1))) if args.model != "text" else (None, None)
-            for name, r in drafting_figure(model, tokenizer, small).items():
+            head = None
+            if args.model == "text":  # the tiny text model has a fitted MTP head (make-model text-mtp)
+                from scheduler.mtp import load_mtp_head
+
+                head = load_mtp_head(build_model("text-mtp", tmp / "text-mtp"))
+            for name, r in drafting_figure(model, tokenizer, small, head).items():
                 print(f"drafting {name}: {r}")
         if "vision" in args.only:
             print("vision:", vision_figure(tmp))
