@@ -144,3 +144,33 @@ def test_plan_tick(benchmark, n, policy_name):
     plan = benchmark.pedantic(plan_tick, args=(view, config, policy), rounds=20, iterations=10, warmup_rounds=2)
     assert len(plan.decode) == len(view.decoding)
     assert plan.num_batched_tokens <= config.max_batched_tokens
+
+
+# --------------------------------------------------------------------------- policies on the same arrivals
+
+@pytest.fixture(scope="module")
+def arrivals():
+    """One synthetic arrival stream (Poisson, mixed lengths, shared prefixes) re-run under every policy."""
+    from scheduler.workload import synthetic_workload
+
+    return synthetic_workload(400, rate_per_s=40.0, prompt_len=(16, 400), output_len=(8, 96),
+                              shared_prefix_share=0.3, shared_prefix_len=64, seed=3,
+                              priorities=(0, 0, 1, 2))
+
+
+@pytest.mark.benchmark(group="policies-same-arrivals")
+@pytest.mark.parametrize("policy_name", _policy_names())
+def test_policy_on_recorded_arrivals(benchmark, arrivals, policy_name):
+    """Model-free: the same arrivals under each policy with the fitted-style cost model; the benchmark times
+    the simulation and `extra_info` keeps the latency figures each policy achieves."""
+    from scheduler.config import EngineConfig
+    from scheduler.simulate import CostModel, simulate
+
+    config = EngineConfig(max_seqs=32, max_batched_tokens=1024, prefill_chunk=256, prefix_cache_bytes=64 << 20)
+    cost = CostModel(base=0.004, per_prefill_token=2e-5, per_decode_row=3e-4, per_prefill_chunk=5e-4,
+                     per_decode_forward=0.0, per_prefill_done=0.0)
+    result = benchmark.pedantic(simulate, args=(arrivals, config, cost, policy_name), rounds=3, iterations=1)
+    summary = result.summary()
+    assert summary["finished"] == len(arrivals)
+    benchmark.extra_info.update({k: summary[k] for k in ("ttft_p50_s", "ttft_p95_s", "throughput_tok_s",
+                                                        "queue_mean_s", "cache_hit_rate")})
