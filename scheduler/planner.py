@@ -172,30 +172,25 @@ def _plan(view: SchedulerView, config: EngineConfig, policy: Policy, prefill_onl
     prefill: list[PrefillChunk] = []
     prefix_hits: list[tuple[str, int, int]] = []
 
-    def first_chunk_start(request: Request) -> int:
-        """A request's first chunk starts after the prefix-cache hit, if any (recorded in the plan)."""
+    def next_start(request: Request) -> tuple[int, tuple[int, int] | None]:
+        """Where a request's next chunk starts: after its computed tokens or, for its first chunk, after a
+        prefix-cache hit (which the plan then records so the executor restores it)."""
         if request.num_computed_tokens:
-            return request.num_computed_tokens
+            return request.num_computed_tokens, None
         match = view.prefix_match(request)
-        if match is None:
-            return 0
-        prefix_hits.append((request.request_id, *match))
-        return match[1]
+        return (match[1], match) if match else (0, None)
 
     for request in policy.order_prefilling(view.prefilling, view.tick):
         if budget <= 0:
             break
         if request.request_id in gone:
             continue
-        chunk = _chunk(request, first_chunk_start(request), budget, config, hold_last=prefill_only)
-        if chunk is None:
-            if prefix_hits and prefix_hits[-1][0] == request.request_id:
-                prefix_hits.pop()
-            continue
-        if kv is not None and not kv.try_chunk(request, chunk, admission=False):
-            if prefix_hits and prefix_hits[-1][0] == request.request_id:
-                prefix_hits.pop()
-            continue  # waits for memory; decoding rows keep going and free it as they finish
+        start, match = next_start(request)
+        chunk = _chunk(request, start, budget, config, hold_last=prefill_only)
+        if chunk is None or (kv is not None and not kv.try_chunk(request, chunk, admission=False)):
+            continue  # nothing to feed in a prefill-only tick, or waits for memory while decoding frees it
+        if match is not None:
+            prefix_hits.append((request.request_id, *match))
         prefill.append(chunk)
         budget -= chunk.num_tokens
 
@@ -210,9 +205,8 @@ def _plan(view: SchedulerView, config: EngineConfig, policy: Policy, prefill_onl
             continue
         if budget <= 0:
             break
-        match = view.prefix_match(request)
-        chunk = _chunk(request, match[1] if match else request.num_computed_tokens, budget, config,
-                       hold_last=prefill_only)
+        start, match = next_start(request)
+        chunk = _chunk(request, start, budget, config, hold_last=prefill_only)
         if chunk is None:  # a one-token prompt (or a whole-prompt hit) waits for a decode tick
             break
         if kv is not None and not kv.try_chunk(request, chunk, admission=True):
