@@ -240,11 +240,8 @@ class Scheduler:
         for token in tokens:
             request.output_tokens.append(token)
             emitted.append(token)
-            if (token in self.model_stop_ids or token in request.sampling.stop_token_ids
-                    or request.num_output_tokens >= request.sampling.max_tokens):
-                request.finish_reason = (FinishReason.LENGTH if request.num_output_tokens >= request.sampling.max_tokens
-                                         and token not in self.model_stop_ids
-                                         and token not in request.sampling.stop_token_ids else FinishReason.STOP)
+            request.finish_reason = self._finish_reason(request, token)
+            if request.finish_reason is not None:
                 self._end(request, Trigger.FINISH, tick, request.finish_reason.value)
                 released.append(request.request_id)
                 return StepOutput(request.request_id, emitted, request.state, True, request.finish_reason)
@@ -268,13 +265,18 @@ class Scheduler:
         if request.sampling.logprobs:
             request.output_logprobs.append(result.logprobs[request.request_id])
 
+    def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
+        """After `token` was appended: a stop token ends with STOP (it is emitted), max_tokens with LENGTH."""
+        if token in self.model_stop_ids or token in request.sampling.stop_token_ids:
+            return FinishReason.STOP
+        if request.num_output_tokens >= request.sampling.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
     def _after_token(self, request: Request, result: TickResult, tick: int, released: list[str]) -> StepOutput:
         token = request.output_tokens[-1]
         logprobs = [request.output_logprobs[-1]] if request.sampling.logprobs else []
-        if token in self.model_stop_ids or token in request.sampling.stop_token_ids:
-            request.finish_reason = FinishReason.STOP
-        elif request.num_output_tokens >= request.sampling.max_tokens:
-            request.finish_reason = FinishReason.LENGTH
+        request.finish_reason = self._finish_reason(request, token)
         vectors = result.logprob_vectors.get(request.request_id, [])
         if request.finish_reason is None:
             return StepOutput(request.request_id, [token], request.state, logprobs=logprobs, logprob_vectors=vectors)
