@@ -1,6 +1,6 @@
 """Stateful property test on the real tiny model: random interleavings of add (varied lengths, shared
-prefixes, greedy and seeded sampling), abort in any state, and ticks, under KV-budget pressure with the
-prefix cache on. Invariants are checked every tick (EngineConfig.check_invariants); at the end every request
+prefixes, greedy and seeded sampling), abort in any state, and ticks, under KV-budget pressure, with the
+prefix cache, speculative decoding (prompt lookup) and either tick mix. Invariants are checked every tick (EngineConfig.check_invariants); at the end every request
 ended exactly once, every unaborted greedy request equals its solo mlx-lm output, and every cache byte held
 for requests is returned."""
 
@@ -32,11 +32,13 @@ def machine_class(text_model):
 
     class EngineMachine(RuleBasedStateMachine):
         @initialize(kv_budget=st.sampled_from([None, 1_500_000]), prefix=st.booleans(),
-                    chunk=st.sampled_from([5, 16, 64]))
-        def start(self, kv_budget, prefix, chunk):
+                    chunk=st.sampled_from([5, 16, 64]), draft=st.sampled_from([0, 0, 2]),
+                    mix=st.sampled_from(["decode-first", "prefill-first"]))
+        def start(self, kv_budget, prefix, chunk, draft, mix):
             self.engine = Engine(model, tokenizer, EngineConfig(
-                max_batched_tokens=chunk + 8, max_seqs=6, prefill_chunk=chunk, kv_memory_bytes=kv_budget,
-                kv_headroom_tokens=4, prefix_cache_bytes=(8 << 20) if prefix else 0, check_invariants=True))
+                max_batched_tokens=chunk + 8 + 6 * draft, max_seqs=6, prefill_chunk=chunk, kv_memory_bytes=kv_budget,
+                kv_headroom_tokens=4, prefix_cache_bytes=(8 << 20) if prefix else 0, draft_tokens=draft, mix=mix,
+                check_invariants=True))
             self.specs, self.tokens, self.ended, self.aborted = {}, {}, {}, set()
 
         @rule(length=st.integers(1, 90), shared=st.booleans(), n=st.integers(1, 12),
@@ -108,3 +110,81 @@ def test_random_interleavings_keep_every_guarantee(machine_class):
                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
     machine_class.TestCase.settings = settings_
     machine_class.TestCase().runTest()
+
+
+@pytest.fixture(scope="module")
+def vlm_machine_class(vlm_model_dir):
+    import mlx_vlm
+    import numpy as np
+    from mlx_vlm.prompt_utils import apply_chat_template
+    from PIL import Image
+
+    model, processor = mlx_vlm.load(str(vlm_model_dir))
+    images = [Image.fromarray(np.random.default_rng(i).integers(0, 256, (h, w, 3), dtype=np.uint8))
+              for i, (w, h) in enumerate([(56, 56), (84, 112), (112, 140)])]
+    texts = ["Look.", "What is this thing here?", "Describe it in many words, please, carefully."]
+
+    def solo(prompt, imgs, n):
+        key = (prompt, tuple(id(i) for i in imgs), n)
+        if key not in _SOLO:
+            last = None
+            for last in mlx_vlm.stream_generate(model, processor, prompt, image=list(imgs) or None,
+                                                max_tokens=n, temperature=0.0):
+                pass
+            _SOLO[key] = list(last.token_ids)
+        return _SOLO[key]
+
+    class VLMMachine(RuleBasedStateMachine):
+        @initialize(chunk=st.sampled_from([7, 32]), vision_budget=st.sampled_from([1, 4]), prefix=st.booleans())
+        def start(self, chunk, vision_budget, prefix):
+            self.engine = Engine(model, processor, EngineConfig(
+                max_batched_tokens=chunk + 6, max_seqs=5, prefill_chunk=chunk, vision_budget=vision_budget,
+                prefix_cache_bytes=(8 << 20) if prefix else 0, check_invariants=True))
+            self.specs, self.tokens, self.ended, self.aborted = {}, {}, {}, set()
+
+        @rule(text=st.sampled_from(range(3)), image=st.sampled_from([None, 0, 1, 2]), n=st.integers(1, 8))
+        def add(self, text, image, n):
+            imgs = [] if image is None else [images[image]]
+            prompt = apply_chat_template(processor, model.config, texts[text], num_images=len(imgs))
+            rid = self.engine.add_request(prompt=prompt, images=imgs or None, sampling=SamplingParams(max_tokens=n))
+            self.specs[rid] = (prompt, imgs, n)
+            self.tokens[rid] = []
+
+        @precondition(lambda self: bool(self.specs))
+        @rule(data=st.data())
+        def abort(self, data):
+            rid = data.draw(st.sampled_from(sorted(self.specs)))
+            if self.engine.abort(rid):
+                self.aborted.add(rid)
+
+        @rule(ticks=st.integers(1, 3))
+        def tick(self, ticks):
+            for _ in range(ticks):
+                for out in self.engine.step():
+                    assert out.request_id not in self.ended
+                    self.tokens[out.request_id].extend(out.token_ids)
+                    if out.finished:
+                        self.ended[out.request_id] = out.finish_reason
+
+        def teardown(self):
+            if not hasattr(self, "engine"):
+                return
+            while self.engine.has_pending():
+                self.tick(1)
+            assert set(self.ended) == set(self.specs)
+            for rid, (prompt, imgs, n) in self.specs.items():
+                if self.ended[rid] is FinishReason.ABORT:
+                    assert rid in self.aborted
+                else:
+                    assert self.tokens[rid] == solo(prompt, imgs, n), rid
+            assert self.engine.executor.cache_bytes() == 0 and not self.engine.executor.live_request_ids()
+
+    return VLMMachine
+
+
+@pytest.mark.slow
+def test_random_interleavings_with_images(vlm_machine_class):
+    vlm_machine_class.TestCase.settings = settings(
+        max_examples=12, stateful_step_count=20, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    vlm_machine_class.TestCase().runTest()
