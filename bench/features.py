@@ -123,6 +123,40 @@ def vision_figure(tmp: Path):
     return out
 
 
+def interleave_figure(model, tokenizer, streams=32, long_prompt=2000, chunk=256) -> dict:
+    """A long prompt arrives while `streams` requests decode: its time to first token, and the decode streams'
+    time per tick before it arrived vs while it was being prefilled (decode-first interleaving)."""
+    from scheduler import SamplingParams
+
+    engine = _engine(model, tokenizer, max_seqs=streams + 1, max_batched_tokens=streams + chunk,
+                     prefill_chunk=chunk)
+    rng = random.Random(2)
+    for _ in range(streams):
+        engine.add_request(prompt_tokens=[rng.randrange(7, 512) for _ in range(32)],
+                           sampling=SamplingParams(max_tokens=10_000))
+    while len(engine.scheduler.decoding) < streams:  # until every stream is decoding
+        engine.step()
+    before = []
+    for _ in range(8):
+        t0 = time.perf_counter()
+        engine.step()
+        before.append(time.perf_counter() - t0)
+    rid = engine.add_request(prompt_tokens=[rng.randrange(7, 512) for _ in range(long_prompt)],
+                             sampling=SamplingParams(max_tokens=1))
+    during, t_arrival, streams_fed = [], time.perf_counter(), True
+    while True:
+        t0 = time.perf_counter()
+        outs = engine.step()
+        during.append(time.perf_counter() - t0)
+        streams_fed &= sum(1 for o in outs if o.request_id != rid and o.token_ids) == streams
+        if any(o.request_id == rid and o.token_ids for o in outs):
+            ttft = time.perf_counter() - t_arrival
+            break
+    return {"streams": streams, "long_prompt": long_prompt, "prefill_chunk": chunk, "ttft_s": ttft,
+            "ticks_to_first_token": len(during), "stream_tick_before_ms": 1e3 * statistics.median(before),
+            "stream_tick_during_ms": 1e3 * statistics.median(during), "streams_decoded_every_tick": streams_fed}
+
+
 def trace_figure(model, tokenizer, tmp: Path):
     from scheduler import SamplingParams
 
@@ -145,7 +179,7 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m bench.features", description=__doc__)
     ap.add_argument("--model", default="text-medium", choices=["text", "text-medium"])
-    ap.add_argument("--only", nargs="+", default=["prefix", "drafting", "vision", "trace"])
+    ap.add_argument("--only", nargs="+", default=["prefix", "drafting", "vision", "trace", "interleave"])
     args = ap.parse_args(argv)
     print(describe(detect_blas()))
     with tempfile.TemporaryDirectory() as d:
@@ -167,6 +201,9 @@ def main(argv=None) -> int:
             print("vision:", vision_figure(tmp))
         if "trace" in args.only:
             print("trace:", trace_figure(model, tokenizer, tmp))
+        if "interleave" in args.only:
+            for chunk in (256, 32):
+                print("interleave:", interleave_figure(model, tokenizer, chunk=chunk))
     return 0
 
 
