@@ -315,15 +315,10 @@ def test_prompt_may_end_with_the_audio(gemma, adapter, clips):
 
 # ------------------------------------------------------------------------------------ through the engine
 
-import inspect  # noqa: E402
 
 from scheduler import Engine, EngineConfig, FinishReason, SamplingParams  # noqa: E402
 
-engine_takes_audio = pytest.mark.skipif("audio" not in inspect.signature(Engine.add_request).parameters,
-                                        reason="the engine does not take audio yet (Engine.add_request(audio=...))")
 
-
-@engine_takes_audio
 @pytest.mark.parametrize("budgets", [dict(), dict(max_batched_tokens=24, prefill_chunk=7, max_seqs=4, vision_budget=1)],
                          ids=["default", "small-budgets"])
 def test_engine_audio_and_text_match_solo(gemma, mixed, clips, budgets):
@@ -341,7 +336,6 @@ def test_engine_audio_and_text_match_solo(gemma, mixed, clips, budgets):
     assert engine.executor.cache_bytes() == 0 and not engine.executor.live_request_ids()
 
 
-@engine_takes_audio
 def test_engine_repeated_clip_hits_the_cache_and_bad_audio_fails_alone(gemma, mixed, clips, tmp_path):
     from .helpers import drive
 

@@ -462,14 +462,8 @@ def test_frame_selection_validation_is_not_a_media_error(adapter, video_path):
 
 # ------------------------------------------------------------------------------------ through the engine
 
-import inspect  # noqa: E402
 
 from scheduler import Engine, EngineConfig, FinishReason, SamplingParams  # noqa: E402
-
-engine_takes_videos = pytest.mark.skipif(
-    "videos" not in inspect.signature(Engine.add_request).parameters
-    or "video_fps" not in {f.name for f in __import__("dataclasses").fields(EngineConfig)},
-    reason="the engine does not take videos yet (Engine.add_request(videos=...), EngineConfig.video_fps)")
 
 
 def _drive(engine, arrivals):
@@ -478,7 +472,6 @@ def _drive(engine, arrivals):
     return drive(engine, arrivals)
 
 
-@engine_takes_videos
 @pytest.mark.parametrize("budgets", [dict(), dict(max_batched_tokens=24, prefill_chunk=7, max_seqs=4, vision_budget=1)],
                          ids=["default", "small-budgets"])
 def test_engine_video_image_text_match_solo(vlm, adapter, mixed, video_path, budgets):
@@ -508,7 +501,6 @@ def test_engine_video_image_text_match_solo(vlm, adapter, mixed, video_path, bud
     assert list(run.tokens.values()) == [references[2]]
 
 
-@engine_takes_videos
 def test_engine_repeated_video_hits_the_vision_cache_and_bad_videos_fail_alone(vlm, mixed, video_path, tmp_path):
     model, processor = vlm
     prepared, references = mixed
