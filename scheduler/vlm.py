@@ -381,6 +381,21 @@ class _FamilyAdapter:
         return frozenset(ids)
 
 
+    def _prompt_ids(self, inputs: dict, media: str) -> list[int]:
+        """The processor's (1, L) input ids as a list, checked: not empty, and not ending with a media token
+        (the first decode step feeds the last prompt token as text)."""
+        input_ids = inputs["input_ids"]
+        if input_ids.ndim != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"processor returned input_ids of shape {tuple(input_ids.shape)}, want (1, L)")
+        ids = [int(t) for t in input_ids[0].tolist()]
+        if not ids:
+            raise ValueError("prompt tokenizes to nothing")
+        if ids[-1] in self.media_token_ids:
+            raise ValueError(f"the prompt must not end with {media} token: the first decode step feeds the last "
+                             "prompt token as text (use the chat template, which ends with the generation prompt)")
+        return ids
+
+
 class Qwen2VLAdapter(_FamilyAdapter):
     """Qwen2-VL family adapter (``model_type`` in ``SUPPORTED_MODEL_TYPES``).
 
@@ -486,15 +501,7 @@ class Qwen2VLAdapter(_FamilyAdapter):
             self._blame_image(pil, exc)
             self._blame_video(frame_lists, exc)
             raise
-        input_ids = inputs["input_ids"]
-        if input_ids.ndim != 2 or input_ids.shape[0] != 1:
-            raise ValueError(f"processor returned input_ids of shape {tuple(input_ids.shape)}, want (1, L)")
-        ids = [int(t) for t in input_ids[0].tolist()]
-        if not ids:
-            raise ValueError("prompt tokenizes to nothing")
-        if ids[-1] in self.media_token_ids:
-            raise ValueError("the prompt must not end with an image/video token: the first decode step feeds the "
-                             "last prompt token as text (use the chat template, which ends with the generation prompt)")
+        ids = self._prompt_ids(inputs, "an image/video")
         pixel_values = inputs.get("pixel_values") if pil else None
         grid = inputs.get("image_grid_thw") if pil else None
         video_pixels = inputs.get("pixel_values_videos") if clips else None
@@ -768,15 +775,7 @@ class Gemma4AudioAdapter(_FamilyAdapter):
         except Exception as exc:
             self._blame_audio(waves, exc)
             raise
-        input_ids = inputs["input_ids"]
-        if input_ids.ndim != 2 or input_ids.shape[0] != 1:
-            raise ValueError(f"processor returned input_ids of shape {tuple(input_ids.shape)}, want (1, L)")
-        ids = [int(t) for t in input_ids[0].tolist()]
-        if not ids:
-            raise ValueError("prompt tokenizes to nothing")
-        if ids[-1] in self.media_token_ids:
-            raise ValueError("the prompt must not end with an audio token: the first decode step feeds the last "
-                             "prompt token as text (use the chat template, which ends with the generation prompt)")
+        ids = self._prompt_ids(inputs, "an audio")
         num_media = sum(1 for t in ids if t == self.audio_token_id)
         features = inputs.get("input_features") if waves else None
         mask = inputs.get("input_features_mask") if waves else None
