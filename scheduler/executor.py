@@ -43,6 +43,8 @@ class DraftStats:
     verify_forwards: int = 0
     rows_verified: int = 0
     tokens_emitted: int = 0
+    failures: int = 0  # propose() calls that raised (those ticks decoded plainly)
+    last_failure: str | None = None
 
     def record(self, drafted: int, accepted: int, rows: int, emitted: int) -> None:
         self.drafted += drafted
@@ -60,6 +62,8 @@ class DraftStats:
             "verify_forwards": self.verify_forwards,
             # tokens a row gets per target forward in the ticks that verified drafts
             "tokens_per_row_forward": self.tokens_emitted / self.rows_verified if self.rows_verified else 0.0,
+            "drafter_failures": self.failures,
+            "last_drafter_failure": self.last_failure,
         }
 
 
@@ -343,7 +347,12 @@ class MLXExecutor:
                          hidden=self._last_hidden[i] if self._keeps_hidden and self._has_hidden[i] else None)
             for i, row in enumerate(self._rows) if row.request.request_id in draft_k
         ]
-        drafts = self.drafter.propose(rows, max(draft_k.values()))
+        try:
+            drafts = self.drafter.propose(rows, max(draft_k.values()))
+        except Exception as exc:  # a failing drafter costs its speed-up, never a request: plain decoding
+            self.draft_stats.failures += 1
+            self.draft_stats.last_failure = f"{type(exc).__name__}: {exc}"
+            return {}
         return {d.request_id: d for d in drafts}
 
     def _verify(self, all_logits, draft_tokens, draft_lens, drafts, width, result) -> dict[int, list[int]]:

@@ -62,3 +62,27 @@ def test_a_failing_prefill_fails_only_that_request(text_model):
     assert engine.state_of("victim") is RequestState.ABORTED
     assert run.tokens["ok"] == solo_tokens(model, tokenizer, PROMPTS[0], 8)
     assert engine.executor.cache_bytes() == 0
+
+
+def test_a_drafter_that_raises_falls_back_to_plain_decoding(text_model):
+    from scheduler.drafters import PromptLookupDrafter
+
+    model, tokenizer = text_model
+
+    class FlakyDrafter(PromptLookupDrafter):
+        """Raises on every third proposal."""
+
+        calls = 0
+
+        def propose(self, rows, k):
+            self.calls += 1
+            if self.calls % 3 == 0:
+                raise RuntimeError("drafter bug")
+            return super().propose(rows, k)
+
+    engine = Engine(model, tokenizer, EngineConfig(draft_tokens=2, check_invariants=True))
+    engine.executor.drafter = FlakyDrafter()
+    run = drive(engine, [(0, {"prompt_tokens": p, "sampling": greedy(12)}) for p in PROMPTS])
+    assert list(run.tokens.values()) == [solo_tokens(model, tokenizer, p, 12) for p in PROMPTS]
+    stats = engine.draft_stats()
+    assert stats["drafter_failures"] >= 1 and "drafter bug" in stats["last_drafter_failure"]
