@@ -104,6 +104,13 @@ class KVCacheManager:
             cache = self._requests[request_id] = self._make_cache()
         return cache
 
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def adopt(self, request_id: str, cache: list) -> None:
+        """Take a single-request cache built elsewhere (a row of a batched prefill)."""
+        self._requests[request_id] = cache
+
     def restore(self, request_id: str, payload, length: int) -> None:
         self._requests[request_id] = self._adapters.restore_cache(payload, length)
 

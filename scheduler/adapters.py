@@ -56,6 +56,16 @@ def extend_batch(batch: Cache, other: Cache) -> Cache:
     return batch
 
 
+def splittable(cache: Cache) -> bool:
+    """Whether a batch of such caches can be split back into single-request caches (plain KV layers)."""
+    return all(type(layer) is mlx_cache.KVCache for layer in cache)
+
+
+def split_batch(batch: Cache, rows: int) -> list[Cache]:
+    """One single-request cache per row of a plain-KV batch cache (mlx-lm's `extract`, which copies)."""
+    return [[layer.extract(i) for layer in batch] for i in range(rows)]
+
+
 def filter_batch(batch: Cache, keep: list[int]) -> Cache:
     """Keep only rows `keep` (in that order). An empty keep list drops the batch."""
     if not keep:

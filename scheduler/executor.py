@@ -144,14 +144,16 @@ class MLXExecutor:
             self.kv.restore(rid, self.prefix_cache.payload(entry_id), length)
             restored[rid] = length
         joining: list[str] = []
+        grouped = self._prefill_fresh_groups(plan.prefill, requests, restored)
         for chunk in plan.prefill:
             request = requests[chunk.request_id]
-            try:
-                self._prefill(request, chunk.start, chunk.end - 1 if chunk.completes else chunk.end)
-            except Exception as exc:  # a failing request fails alone; others continue
-                self.kv.drop_request(chunk.request_id)
-                result.errors[chunk.request_id] = f"prefill failed: {type(exc).__name__}: {exc}"
-                continue
+            if chunk.request_id not in grouped:
+                try:
+                    self._prefill(request, chunk.start, chunk.end - 1 if chunk.completes else chunk.end)
+                except Exception as exc:  # a failing request fails alone; others continue
+                    self.kv.drop_request(chunk.request_id)
+                    result.errors[chunk.request_id] = f"prefill failed: {type(exc).__name__}: {exc}"
+                    continue
             if chunk.completes:
                 joining.append(chunk.request_id)
                 self._offer_prefix(request, restored.get(request.request_id, 0), result)
@@ -182,6 +184,32 @@ class MLXExecutor:
         self._next_inputs = self._rope_deltas = self._context = self._params = self._last_hidden = None
         self._has_hidden = []
         self._released.clear()
+
+    def _prefill_fresh_groups(self, chunks, requests: Mapping[str, Request], restored: dict) -> set[str]:
+        """First chunks of the same length (no cache yet, no prefix hit) run as one batched forward: the same
+        computation row by row, but bigger matrices for the BLAS than one forward per request. Each row then
+        becomes that request's own cache again. Returns the request ids prefilled here; anything that cannot
+        be grouped (or a group that fails) goes the one-request way."""
+        if not getattr(self.runner, "batched_prefill", False):
+            return set()
+        groups: dict[int, list[str]] = {}
+        for c in chunks:
+            n = (c.end - 1 if c.completes else c.end) - c.start
+            if c.start == 0 and n > 0 and c.request_id not in restored and not self.kv.has_request(c.request_id):
+                groups.setdefault(n, []).append(c.request_id)
+        done: set[str] = set()
+        for n, rids in groups.items():
+            if len(rids) < 2:
+                continue
+            try:
+                caches = self.runner.prefill_many([requests[rid] for rid in rids], n)
+            except Exception:  # retried one by one below, where an error is attributed to its own request
+                continue
+            for rid, cache in zip(rids, caches):
+                self.kv.adopt(rid, cache)
+                self._encoded[rid] = None
+                done.add(rid)
+        return done
 
     def _prefill(self, request: Request, start: int, end: int) -> None:
         rid = request.request_id

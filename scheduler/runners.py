@@ -35,6 +35,9 @@ class TextRunner:
     def __init__(self, model: Any, max_kv_size: int | None = None):
         self.model = model
         self.max_kv_size = max_kv_size
+        # Fresh prompts can share one prefill forward when every layer is a plain KV cache (a row of a batch
+        # cache can be split back into a request's own cache; a rotating window cannot).
+        self.batched_prefill = adapters.splittable(self.make_cache())
 
     def make_cache(self) -> adapters.Cache:
         return adapters.make_request_cache(self.model, self.max_kv_size)
@@ -45,6 +48,13 @@ class TextRunner:
     def prefill(self, cache, request, encoded, start, end):
         self.model(mx.array(request.prefill_tokens(start, end))[None], cache=cache)
         mx.eval(adapters.cache_arrays(cache))
+
+    def prefill_many(self, requests, n):
+        """The first `n` prompt tokens of several fresh requests in one forward; one cache per request back."""
+        batch = adapters.merge_caches([self.make_cache() for _ in requests])
+        self.model(mx.array([r.prefill_tokens(0, n) for r in requests]), cache=batch)
+        mx.eval(adapters.cache_arrays(batch))
+        return adapters.split_batch(batch, len(requests))
 
     def decode(self, batch_cache, inputs, rope_deltas):
         return self.model(inputs[:, None], cache=batch_cache)[:, -1, :]
