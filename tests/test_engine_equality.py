@@ -72,3 +72,27 @@ def test_sliding_window_model_matches_solo_mlx_lm(sliding_model, sliding_referen
 def test_reference_prompts_cover_the_length_range():
     lengths = sorted(len(p) for p in PROMPTS)
     assert lengths[0] == 1 and lengths[-1] == 300 and len(PROMPTS) == 16
+
+
+def test_fresh_prompts_of_equal_length_share_one_prefill_forward_and_stay_exact(text_model):
+    from scheduler import Engine
+    from scheduler.executor import MLXExecutor
+    from scheduler.runners import TextRunner
+
+    from .helpers import mixed_prompts
+
+    model, tokenizer = text_model
+
+    class CountingRunner(TextRunner):
+        batched_rows = 0
+
+        def prefill_many(self, requests, n):
+            CountingRunner.batched_rows += len(requests)
+            return super().prefill_many(requests, n)
+
+    prompts = [p[:40] for p in mixed_prompts(8, 40, 60, seed=4)] + [p[:25] for p in mixed_prompts(3, 25, 30, seed=5)]
+    engine = Engine(model, tokenizer, EngineConfig(check_invariants=True),
+                    executor=MLXExecutor(CountingRunner(model)))
+    outputs = engine.generate(prompts, greedy(MAX_TOKENS))
+    assert CountingRunner.batched_rows == len(prompts)  # a group of 8 and a group of 3
+    assert [o.token_ids for o in outputs] == [solo_tokens(model, tokenizer, p, MAX_TOKENS) for p in prompts]
