@@ -253,6 +253,8 @@ class Engine:
         media, media_error = None, None
         if self.vlm is not None:
             media, media_error = self._prepare_media(prompt, prompt_tokens, images, videos, audio)
+            # unreadable media: the request is still accepted (it fails at its first tick, with the error in its
+            # output), so it needs some prompt; it is never computed
             raw_tokens = media.input_ids if media is not None else [0]
         else:
             raw_tokens = self._tokenize(prompt) if prompt_tokens is None else prompt_tokens
