@@ -81,7 +81,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if model_dir is None:
         tmp = tempfile.TemporaryDirectory(prefix="mlxsched-demo-")
         model_dir = build_model(args.kind, Path(tmp.name) / args.kind)
-        print(f"no --model given: built the tiny {args.kind} model in {model_dir}")
+        print(f"no --model given: built the tiny {args.kind} model in {model_dir} (seeded random weights: the "
+              "text below is meaningless; the schedule, stats and trace are the point)")
     config = EngineConfig(
         max_batched_tokens=args.max_batched_tokens, max_seqs=args.max_seqs, prefill_chunk=args.prefill_chunk,
         prefix_cache_bytes=args.prefix_cache_mb << 20, trace_path=args.trace,
