@@ -360,7 +360,8 @@ class Engine:
                        for rid, e in result.encoded.items()}
             self.events.emit("outcome", tick, sampled=result.sampled, errors=result.errors, prefix_stores=stores,
                              encoded=encoded, accepted_drafts=result.accepted_drafts,
-                             drafts={rid: list(d) for rid, d in result.drafts.items()}, measure={
+                             drafts={rid: list(d) for rid, d in result.drafts.items()},
+                             **({"drafter_error": result.drafter_error} if result.drafter_error else {}), measure={
                 "t": time.perf_counter(), "tick_start_t": tick_start, "tick_s": time.perf_counter() - tick_start,
                 "prefill_s": result.prefill_time, "decode_s": result.decode_time,
             })

@@ -306,7 +306,7 @@ class MLXExecutor:
         """One batched forward over every row. Rows the plan lets draft propose up to k tokens each and the
         forward verifies `[input, d_1..d_k]` for all rows at once (rows without drafts are padded and rolled
         back); otherwise it is a plain one-token step."""
-        drafts = self._propose(draft_k) if draft_k else None
+        drafts = self._propose(draft_k, result) if draft_k else None
         width = max((len(d.tokens) for d in drafts.values()), default=0) if drafts else 0
         inputs = self._next_inputs
         all_hidden = None
@@ -367,7 +367,7 @@ class MLXExecutor:
                     [verified[i, j] for j in range(n)] if n else [logprobs[i]])
 
     # ---- drafting -------------------------------------------------------------------------------
-    def _propose(self, draft_k: dict[str, int]) -> dict[str, Any]:
+    def _propose(self, draft_k: dict[str, int], result: TickResult) -> dict[str, Any]:
         rows = [
             DraftRequest(row.request.request_id, row.request.prompt_tokens + row.request.output_tokens,
                          max_tokens=draft_k[row.request.request_id],
@@ -379,7 +379,7 @@ class MLXExecutor:
             drafts = self.drafter.propose(rows, max(draft_k.values()))
         except Exception as exc:  # a failing drafter costs its speed-up, never a request: plain decoding
             self.draft_stats.failures += 1
-            self.draft_stats.last_failure = f"{type(exc).__name__}: {exc}"
+            self.draft_stats.last_failure = result.drafter_error = f"{type(exc).__name__}: {exc}"
             return {}
         return {d.request_id: d for d in drafts}
 

@@ -85,6 +85,7 @@ class TickResult:
     logprob_vectors: dict[str, list] = field(default_factory=dict)  # (V,) log-softmax per emitted token, if configured
     accepted_drafts: dict[str, list[int]] = field(default_factory=dict)  # drafts emitted before `sampled`
     drafts: dict[str, tuple[int, int]] = field(default_factory=dict)  # request id -> (proposed, accepted)
+    drafter_error: str | None = None  # the drafter raised: this tick decoded without drafts
     errors: dict[str, str] = field(default_factory=dict)  # request id -> readable error; that request fails
     prefix_stores: list[PrefixStore] = field(default_factory=list)
     encoded: dict[str, dict] = field(default_factory=dict)  # request id -> {rope_delta, vision_cache_hit, ...}

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from scheduler import Engine, EngineConfig, FinishReason, RequestState
+from scheduler.events import MemorySink
 from scheduler.replay import load_trace, replay
 
 from .helpers import drive, greedy, mixed_prompts, solo_tokens
@@ -80,9 +81,11 @@ def test_a_drafter_that_raises_falls_back_to_plain_decoding(text_model):
                 raise RuntimeError("drafter bug")
             return super().propose(rows, k)
 
-    engine = Engine(model, tokenizer, EngineConfig(draft_tokens=2, check_invariants=True))
+    sink = MemorySink()
+    engine = Engine(model, tokenizer, EngineConfig(draft_tokens=2, check_invariants=True), event_sinks=[sink])
     engine.executor.drafter = FlakyDrafter()
     run = drive(engine, [(0, {"prompt_tokens": p, "sampling": greedy(12)}) for p in PROMPTS])
     assert list(run.tokens.values()) == [solo_tokens(model, tokenizer, p, 12) for p in PROMPTS]
     stats = engine.draft_stats()
     assert stats["drafter_failures"] >= 1 and "drafter bug" in stats["last_drafter_failure"]
+    assert sum("drafter bug" in e.get("drafter_error", "") for e in sink.of_kind("outcome")) == stats["drafter_failures"]
