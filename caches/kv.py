@@ -6,10 +6,10 @@ left-padded batch cache (`BatchKVCache` / `BatchRotatingKVCache`) for the decodi
 what `MLXExecutor.cache_bytes()` sums from the arrays. The planner never sees those arrays; it sees request
 token counts and this layout, and bounds what the arrays can hold after a tick:
 
-* a full-attention layer stores every token; buffers grow in `STEP`-token steps, so a single-request cache of
-  n tokens holds at most round_up(n, STEP) and a batch of B rows at most B * (longest row + STEP) (rows are
-  right-aligned to the longest one: the padding of short rows is real memory, which is why mixing one long
-  row with many short ones is expensive);
+* a full-attention layer stores every token; buffers grow in `STEP`-token steps from whatever size they have,
+  so a single-request cache of n tokens holds fewer than n + STEP and a batch of B rows at most
+  B * (longest row + STEP) (rows are right-aligned to the longest one: the padding of short rows is real
+  memory, which is why mixing one long row with many short ones is expensive);
 * a sliding-window layer keeps at most `window` tokens once decoding, and `window + chunk` while a chunk is
   being added.
 
@@ -23,10 +23,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 STEP = 256  # mlx-lm's KVCache / BatchKVCache allocation step
-
-
-def _round_up(n: int, step: int = STEP) -> int:
-    return -(-n // step) * step
 
 
 @dataclass(frozen=True)
@@ -44,13 +40,17 @@ class KVLayout:
         return sum(layer.bytes_per_token for layer in self.layers)
 
     def request_bytes(self, n_tokens: int, chunk: int) -> int:
-        """Upper bound of a single-request cache holding `n_tokens` (after a chunk of `chunk` tokens)."""
+        """Upper bound of a single-request cache holding `n_tokens` (after a chunk of `chunk` tokens).
+
+        Not round_up(n, STEP): a cache that starts exact-sized (restored from the prefix cache, or split out of
+        a batched prefill) grows by whole STEPs from its exact size, so only `capacity < tokens + STEP` holds
+        on every path."""
         total = 0
         for layer in self.layers:
             if layer.window is None:
-                total += layer.bytes_per_token * _round_up(n_tokens)
+                total += layer.bytes_per_token * (n_tokens + STEP)
             else:
-                total += layer.bytes_per_token * min(_round_up(n_tokens), layer.window + chunk + STEP)
+                total += layer.bytes_per_token * min(n_tokens + STEP, layer.window + chunk + STEP)
         return total
 
     def batch_bytes(self, row_tokens: Sequence[int]) -> int:

@@ -16,7 +16,7 @@ MAX_TOKENS = 24
 def test_layout_bounds():
     layout = KVLayout((LayerLayout(100, None), LayerLayout(100, 16)))
     assert layout.bytes_per_token == 200
-    assert layout.request_bytes(10, 10) == 100 * STEP + 100 * 10 * 0 + 100 * min(STEP, 16 + 10 + STEP)
+    assert layout.request_bytes(10, 10) == 100 * (10 + STEP) + 100 * min(10 + STEP, 16 + 10 + STEP)
     assert layout.batch_bytes([5, 300]) == 100 * 2 * (300 + STEP) + 100 * 2 * (16 + STEP)
     assert layout.batch_bytes([]) == 0
 
@@ -70,4 +70,26 @@ def test_a_request_that_outgrows_the_budget_alone_fails_cleanly(text_model, refe
     assert "kv_memory_bytes" in run.errors["greedy-grower"]
     assert 0 < len(run.tokens["greedy-grower"]) < 300
     assert run.tokens["small"] == solo_tokens(model, tokenizer, PROMPTS[0][:20], MAX_TOKENS)
+    assert engine.executor.cache_bytes() == 0
+
+
+def test_exact_sized_caches_stay_under_the_bound(text_model):
+    """Regression (found by the stateful test): caches that start exact-sized (split out of a batched first
+    chunk, or restored from the prefix cache) grow by whole 256-token steps from that size, so the bound is
+    tokens + 256, not round_up(tokens, 256). Real bytes are checked against the budget every tick."""
+    import random
+
+    from .test_stateful import SHARED
+
+    model, tokenizer = text_model
+    engine = Engine(model, tokenizer, EngineConfig(
+        max_batched_tokens=13, max_seqs=6, prefill_chunk=5, kv_memory_bytes=1_500_000, kv_headroom_tokens=4,
+        prefix_cache_bytes=8 << 20, mix="prefill-first", check_invariants=True))
+    rng = random.Random(0)
+    for length, shared, n in [(1, False, 1), (1, True, 1), (74, False, 3), (3, False, 2), (2, False, 1),
+                              (3, False, 1), (2, True, 1)]:
+        body = [rng.randrange(7, 512) for _ in range(length)]
+        engine.add_request(prompt_tokens=(SHARED + body) if shared else body, sampling=greedy(n))
+    while engine.has_pending():
+        engine.step()  # check_invariants: executor bytes <= kv_memory_bytes after every tick
     assert engine.executor.cache_bytes() == 0
