@@ -194,6 +194,32 @@ def _plan(view: SchedulerView, config: EngineConfig, policy: Policy, prefill_onl
         prefill.append(chunk)
         budget -= chunk.num_tokens
 
+    if kv is not None and not prefill and all(r.request_id in gone for r in view.decoding):
+        # Nothing decodes and no partly prefilled prompt fits its next chunk: they hold memory waiting for each
+        # other. Preempt the newest until the oldest can move (or fail it if it cannot move even alone).
+        stuck = [r for r in policy.order_prefilling(view.prefilling, view.tick) if r.request_id not in gone]
+        while stuck:
+            head = stuck[0]
+            start, match = next_start(head)
+            chunk = _chunk(head, start, budget, config, hold_last=prefill_only)
+            if chunk is None:  # only its last token is left: a decode tick feeds it, nothing is stuck
+                break
+            if kv.try_chunk(head, chunk, admission=False):
+                if match is not None:
+                    prefix_hits.append((head.request_id, *match))
+                prefill.append(chunk)
+                budget -= chunk.num_tokens
+                break
+            victim = stuck.pop()
+            kv.prefilling.pop(victim.request_id, None)
+            gone.add(victim.request_id)
+            seqs -= 1
+            if victim is head:
+                failed.append((head.request_id, f"needs more KV memory than kv_memory_bytes ({kv.budget} bytes) "
+                                                "allows"))
+            else:
+                preempted.append(victim.request_id)
+
     admitted: list[str] = []
     for request in policy.order_waiting(view.waiting, view.tick, view.cached_prefix):
         if seqs >= config.max_seqs:

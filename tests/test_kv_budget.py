@@ -93,3 +93,45 @@ def test_exact_sized_caches_stay_under_the_bound(text_model):
     while engine.has_pending():
         engine.step()  # check_invariants: executor bytes <= kv_memory_bytes after every tick
     assert engine.executor.cache_bytes() == 0
+
+
+def test_prefilling_requests_never_deadlock_on_memory(text_model):
+    """Regression (found by a random interleaving, replayed here draw for draw): with nothing decoding,
+    several partly prefilled prompts each held memory while none fitted its next chunk, forever. The planner
+    now preempts the newest until the oldest moves; everything ends, within budget (checked every tick)."""
+    import random
+
+    from scheduler import SamplingParams
+
+    from .test_stateful import SHARED
+
+    model, tokenizer = text_model
+    rng = random.Random(115)
+    kv, prefix = rng.choice([None, 1_500_000]), rng.random() < 0.5
+    chunk, draft = rng.choice([5, 16, 64]), rng.choice([0, 0, 2])
+    mix = rng.choice(["decode-first", "prefill-first"])
+    assert (kv, prefix, chunk, draft, mix) == (1_500_000, True, 5, 2, "decode-first")
+    engine = Engine(model, tokenizer, EngineConfig(
+        max_batched_tokens=chunk + 8 + 6 * draft, max_seqs=6, prefill_chunk=chunk, kv_memory_bytes=kv,
+        kv_headroom_tokens=4, prefix_cache_bytes=8 << 20, draft_tokens=draft, mix=mix, check_invariants=True))
+    ids = []
+    for _ in range(40):
+        r = rng.random()
+        if r < 0.45:
+            length, shared, n, sampled = rng.randint(1, 90), rng.random() < 0.5, rng.randint(1, 12), rng.random() < 0.5
+            seed = rng.randint(0, 100)
+            body_rng = random.Random(seed)
+            body = [body_rng.randrange(7, 512) for _ in range(length)]
+            ids.append(engine.add_request(prompt_tokens=(SHARED + body) if shared else body, sampling=SamplingParams(
+                max_tokens=n, temperature=0.8 if sampled else 0.0, seed=seed)))
+        elif r < 0.6 and ids:
+            engine.abort(rng.choice(ids))
+        else:
+            for _ in range(rng.randint(1, 4)):
+                engine.step()
+    ticks = 0
+    while engine.has_pending():
+        engine.step()
+        ticks += 1
+        assert ticks < 3000, "deadlock: requests pending but nothing progresses"
+    assert engine.executor.cache_bytes() == 0
