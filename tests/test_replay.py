@@ -94,7 +94,8 @@ def test_replay_under_another_config_diverges(trace_path, tmp_path):
 def test_truncated_trace_is_refused(trace_path, tmp_path):
     text = trace_path.read_text()
     cut = tmp_path / "cut.jsonl"
-    cut.write_text(text[: len(text) // 2 + 7])
+    middle_line_start = text.index("\n", len(text) // 2) + 1
+    cut.write_text(text[: middle_line_start + 10])  # ten characters into a line: a half-written event
     with pytest.raises(TraceError, match="not valid JSON"):
         load_trace(cut)
 
