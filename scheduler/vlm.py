@@ -381,6 +381,20 @@ class _FamilyAdapter:
         return frozenset(ids)
 
 
+    @staticmethod
+    def _prefill_range_ok(cache: list, encoded: "EncodedRequest", start: int, end: int) -> bool:
+        """Whether [start, end) has tokens to feed; ValueError if it is outside the prompt or the cache does not
+        hold exactly `start` tokens."""
+        length = encoded.num_tokens
+        if not 0 <= start <= end <= length:
+            raise ValueError(f"bad prefill range [{start}, {end}) for a {length}-token prompt")
+        if end == start:
+            return False
+        held = int(_cache_row_offsets(cache)[0].item())
+        if held != start:
+            raise ValueError(f"prefill from {start} but the cache holds {held} tokens")
+        return True
+
     def _prompt_ids(self, inputs: dict, media: str) -> list[int]:
         """The processor's (1, L) input ids as a list, checked: not empty, and not ending with a media token
         (the first decode step feeds the last prompt token as text)."""
@@ -616,14 +630,8 @@ class Qwen2VLAdapter(_FamilyAdapter):
     def prefill(self, cache: list, encoded: EncodedRequest, start: int, end: int) -> None:
         """Run the language model on prompt positions [start, end) into ``cache`` (which must hold exactly
         ``start`` tokens). Logits are not computed (only the cache is evaluated)."""
-        length = encoded.num_tokens
-        if not 0 <= start <= end <= length:
-            raise ValueError(f"bad prefill range [{start}, {end}) for a {length}-token prompt")
-        if end == start:
+        if not self._prefill_range_ok(cache, encoded, start, end):
             return
-        held = int(_cache_row_offsets(cache)[0].item())
-        if held != start:
-            raise ValueError(f"prefill from {start} but the cache holds {held} tokens")
         ids = encoded.input_ids
         inputs = ids[:, start:end] if ids is not None else mx.zeros((1, end - start), mx.int32)
         _vlm_lm_forward(self.language_model, inputs, cache, encoded.position_ids[:, :, start:end],
@@ -837,14 +845,8 @@ class Gemma4AudioAdapter(_FamilyAdapter):
         return self.language_model.make_cache()
 
     def prefill(self, cache: list, encoded: EncodedRequest, start: int, end: int) -> None:
-        length = encoded.num_tokens
-        if not 0 <= start <= end <= length:
-            raise ValueError(f"bad prefill range [{start}, {end}) for a {length}-token prompt")
-        if end == start:
+        if not self._prefill_range_ok(cache, encoded, start, end):
             return
-        held = int(_cache_row_offsets(cache)[0].item())
-        if held != start:
-            raise ValueError(f"prefill from {start} but the cache holds {held} tokens")
         per_layer = encoded.per_layer_inputs[:, start:end] if encoded.per_layer_inputs is not None else None
         _g4_lm_forward(self.language_model, None, cache, inputs_embeds=encoded.embeddings[:, start:end],
                        per_layer_inputs=per_layer)
