@@ -101,8 +101,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     stats = engine.stats().to_dict()
     stats["wall_time"] = wall
     stats["end_to_end_tps"] = stats["generation_tokens"] / wall if wall else 0.0
-    stats["prefix_cache"] = engine.prefix_cache_stats()
-    stats["vision_cache"] = engine.vision_cache_stats()
     print(json.dumps(stats, indent=2))
     engine.close()
     if args.trace:

@@ -29,6 +29,7 @@ from .request import (
     Request,
     SamplingParams,
     UnknownRequest,
+    as_token_ids,
     validate_prompt_tokens,
 )
 from .scheduler import Scheduler, StepOutput
@@ -78,6 +79,11 @@ class EngineStats(Throughput):
     requests_finished: int = 0
     requests_aborted: int = 0
     time_in_state: dict[str, float] = field(default_factory=dict)
+    # the caches' and the drafter's own stats, as their separate calls give them (None: that cache is off)
+    kv_cache: dict[str, Any] = field(default_factory=dict)
+    prefix_cache: dict[str, Any] | None = None
+    vision_cache: dict[str, Any] | None = None
+    drafting: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -94,6 +100,10 @@ class EngineStats(Throughput):
             "requests_finished": self.requests_finished,
             "requests_aborted": self.requests_aborted,
             "time_in_state": dict(self.time_in_state),
+            "kv_cache": dict(self.kv_cache),
+            "prefix_cache": None if self.prefix_cache is None else dict(self.prefix_cache),
+            "vision_cache": None if self.vision_cache is None else dict(self.vision_cache),
+            "drafting": dict(self.drafting),
         }
 
 
@@ -137,7 +147,8 @@ class Engine:
         # simulation can try a budget on any trace.
         self.kv_layout = None if self.vlm is not None else adapters.kv_layout(model, self.config.max_kv_size)
         budget_layout = self.kv_layout if self.config.kv_memory_bytes is not None else None
-        self.scheduler = Scheduler(self.config, self.events, family.stop_ids, policy, budget_layout)
+        self.scheduler = Scheduler(self.config, self.events, family.stop_ids, policy, budget_layout,
+                                   max_model_len=self.max_model_len)
         self.executor = executor or MLXExecutor(family.runner, penalty_context=self.config.penalty_context,
                                                 prefix_cache=self.scheduler.prefix_cache,
                                                 logprob_vectors=self.config.logprob_vectors,
@@ -241,6 +252,8 @@ class Engine:
                                            "expands the placeholders")
         if (prompt is None) == (prompt_tokens is None):
             raise InvalidRequest("prompt", "give exactly one of prompt and prompt_tokens", request_id)
+        if prompt_tokens is not None:  # lists, tuples, 1-D integer numpy / mx arrays
+            prompt_tokens = as_token_ids(prompt_tokens)
         if sampling is None:
             sampling = SamplingParams()
         elif not isinstance(sampling, SamplingParams):
@@ -285,8 +298,7 @@ class Engine:
         from .vlm import MediaError, PreparedRequest
 
         if prompt_tokens is not None:
-            tokens = list(prompt_tokens)
-            return PreparedRequest(input_ids=tokens, pixel_values=None, image_grid_thw=None, extras={},
+            return PreparedRequest(input_ids=list(prompt_tokens), pixel_values=None, image_grid_thw=None, extras={},
                                    media_key=None, num_media_tokens=0), None
         if isinstance(prompt, str) and not prompt:
             raise InvalidRequest("prompt", "is empty")
@@ -459,8 +471,16 @@ class Engine:
         return cache.stats() if cache is not None else None
 
     def stats(self) -> EngineStats:
-        self._stats.time_in_state = dict(self.scheduler.time_in_state)
-        return self._stats
+        """Everything in one place: tokens, time, tok/s, peak memory, time per state, and the KV cache, prefix
+        cache, vision cache and drafting stats (`kv_cache_stats()`, `prefix_cache_stats()`,
+        `vision_cache_stats()`, `draft_stats()` give each alone)."""
+        s = self._stats
+        s.time_in_state = dict(self.scheduler.time_in_state)
+        s.kv_cache = self.kv_cache_stats()
+        s.prefix_cache = self.prefix_cache_stats()
+        s.vision_cache = self.vision_cache_stats()
+        s.drafting = self.draft_stats()
+        return s
 
     # ---- conveniences -----------------------------------------------------------------------------
     def generate(
@@ -473,16 +493,32 @@ class Engine:
         audio: Sequence[Sequence[Any] | None] | None = None,
     ) -> list[RequestOutput]:
         """Run `prompts` (strings, chat messages or token-id lists; with `images[i]` / `videos[i]` / `audio[i]`
-        for prompt i on a multimodal model) to completion; outputs in prompt order."""
+        for prompt i on a multimodal model) to completion; outputs in prompt order.
+
+        Bad input raises InvalidRequest as `add_request` does, and then none of `prompts` runs (those already
+        queued are aborted), so a refused batch leaves nothing behind.
+        """
+        if isinstance(prompts, (str, bytes, dict)) or not isinstance(prompts, Sequence):
+            raise InvalidRequest("prompts", f"must be a list of prompts, got {type(prompts).__name__} (wrap a "
+                                            "single prompt in a list)")
         samplings = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
+        per_prompt = {"sampling": samplings, "images": images, "videos": videos, "audio": audio}
+        for name, values in per_prompt.items():
+            if values is not None and len(values) != len(prompts):
+                raise InvalidRequest(name, f"one entry per prompt: {len(values)} for {len(prompts)} prompts")
         none = [None] * len(prompts)
-        ids = []
-        for p, sp, imgs, vids, auds in zip(prompts, samplings, images or none, videos or none, audio or none):
-            media = dict(images=imgs, videos=vids, audio=auds, sampling=sp)
-            if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], dict)):
-                ids.append(self.add_request(prompt=p, **media))
-            else:
-                ids.append(self.add_request(prompt_tokens=p, **media))
+        ids: list[str] = []
+        try:
+            for p, sp, imgs, vids, auds in zip(prompts, samplings, images or none, videos or none, audio or none):
+                media = dict(images=imgs, videos=vids, audio=auds, sampling=sp)
+                if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], dict)):
+                    ids.append(self.add_request(prompt=p, **media))
+                else:
+                    ids.append(self.add_request(prompt_tokens=p, **media))
+        except BaseException:
+            for rid in ids:
+                self.abort(rid)
+            raise
         tokens: dict[str, list[int]] = {i: [] for i in ids}
         logprobs: dict[str, list[float]] = {i: [] for i in ids}
         results: dict[str, RequestOutput] = {}

@@ -249,7 +249,8 @@ def _plan(view: SchedulerView, config: EngineConfig, policy: Policy, prefill_onl
         for request in view.decoding:
             if budget <= 0:
                 break
-            k = min(config.draft_tokens, budget, request.sampling.max_tokens - request.num_output_tokens - 1)
+            # the verify forward emits up to k + 1 tokens: drafts never cross max_tokens or the context limit
+            k = min(config.draft_tokens, budget, request.output_limit - request.num_output_tokens - 1)
             if request.request_id not in gone and k >= 1 and _may_draft(request):
                 draft.append((request.request_id, k))
                 budget -= k

@@ -179,7 +179,8 @@ def replay(trace: Trace, policy: str | Policy | None = None) -> ReplayReport:
     """Re-derive every plan of `trace` with the real scheduler; stop at the first one that differs."""
     layout = trace.header.get("kv_layout")
     kv_layout = KVLayout(tuple(LayerLayout(b, w) for b, w in layout)) if layout else None
-    scheduler = Scheduler(trace.config, EventLog(), trace.stop_token_ids, policy, kv_layout)
+    scheduler = Scheduler(trace.config, EventLog(), trace.stop_token_ids, policy, kv_layout,
+                          max_model_len=trace.header.get("max_model_len"))
     executor = ReplayExecutor(trace)
     n_requests = 0
     for tick in range(trace.last_tick + 1):

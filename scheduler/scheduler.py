@@ -50,8 +50,12 @@ class Scheduler:
         stop_token_ids: Iterable[int] = (),
         policy: str | Policy | None = None,
         kv_layout: KVLayout | None = None,
+        max_model_len: int | None = None,
     ):
         self.config = config
+        # The context limit of every request (prompt + outputs): the engine passes the resolved one (config or
+        # the model's), replay the recorded one; a model-free run falls back to the config's.
+        self.max_model_len = max_model_len if max_model_len is not None else config.max_model_len
         self.events = events
         self.policy = make_policy(policy if policy is not None else config.policy)
         self.lifecycle = Lifecycle()
@@ -77,6 +81,8 @@ class Scheduler:
 
     # ---- requests in and out ----------------------------------------------------------------------
     def add(self, request: Request, tick: int) -> None:
+        if self.max_model_len is not None:
+            request.max_model_len = self.max_model_len
         self.lifecycle.attach(request)
         request.state_entered_time = request.arrival_time
         self.requests[request.request_id] = request
@@ -211,7 +217,7 @@ class Scheduler:
             token = sampled[rid]
             sampling = request.sampling
             if (sampling.logprobs or vectors or token in model_stops or token in sampling.stop_token_ids
-                    or len(request.output_tokens) + 1 >= sampling.max_tokens):
+                    or len(request.output_tokens) + 1 >= request.output_limit):
                 self._append(request, result)
                 outputs.append(self._after_token(request, result, tick, released))
             else:
@@ -266,10 +272,11 @@ class Scheduler:
             request.output_logprobs.append(result.logprobs[request.request_id])
 
     def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
-        """After `token` was appended: a stop token ends with STOP (it is emitted), max_tokens with LENGTH."""
+        """After `token` was appended: a stop token ends with STOP (it is emitted); max_tokens, or the context
+        limit (prompt + outputs = max_model_len), with LENGTH."""
         if token in self.model_stop_ids or token in request.sampling.stop_token_ids:
             return FinishReason.STOP
-        if request.num_output_tokens >= request.sampling.max_tokens:
+        if request.num_output_tokens >= request.output_limit:
             return FinishReason.LENGTH
         return None
 
@@ -337,7 +344,10 @@ class Scheduler:
             assert 0 <= request.num_computed_tokens < request.prefill_len, request.request_id
         for request in self.decoding.values():
             assert request.num_computed_tokens == request.prefill_len, request.request_id
-            assert request.recompute_tokens < request.num_output_tokens < request.sampling.max_tokens, request.request_id
+            assert request.recompute_tokens < request.num_output_tokens < request.output_limit, request.request_id
+        for request in self.requests.values():  # nothing runs past the model's context
+            assert request.max_model_len is None or (
+                request.prompt_len + request.num_output_tokens <= request.max_model_len), request.request_id
         cache = self.prefix_cache
         if cache is not None:
             entries = list(cache._entries.values())
