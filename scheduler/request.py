@@ -224,17 +224,18 @@ def as_token_ids(tokens: Any) -> list[int]:
     return ids
 
 
-def validate_prompt_tokens(tokens: Any, vocab_size: int, max_model_len: int) -> list[int]:
+def validate_prompt_tokens(tokens: Any, vocab_size: int, max_len: int) -> list[int]:
     """Token ids a model can take, as a fresh list; InvalidRequest otherwise.
 
-    The context rule: prompt + outputs never exceed `max_model_len` (generation is capped, see
-    `Request.output_limit`), so a prompt is refused only when it leaves no room for one output token.
+    The context rule: prompt + outputs never exceed `max_len` (the engine's max_model_len; generation is
+    capped there, see `Request.output_limit`), so a prompt is refused only when it leaves no room for one
+    output token.
     """
     tokens = as_token_ids(tokens)
     _check(len(tokens) > 0, "prompt", "is empty")
     bad = [t for t in tokens if not 0 <= t < vocab_size]
     _check(not bad, "prompt_tokens", f"ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
-    _check(len(tokens) < max_model_len, "prompt",
-           f"has {len(tokens)} tokens; max_model_len is {max_model_len} and prompt + output must fit in it "
-           f"(at most {max_model_len - 1} prompt tokens)")
+    _check(len(tokens) < max_len, "prompt",
+           f"has {len(tokens)} tokens; max_model_len is {max_len} and prompt + output must fit in it "
+           f"(at most {max_len - 1} prompt tokens)")
     return tokens
