@@ -10,7 +10,7 @@ from scheduler import Engine, EngineConfig, FinishReason, SamplingParams
 from scheduler.events import MemorySink
 from scheduler.planner import SchedulerView, plan_tick
 from scheduler.policy import make_policy
-from scheduler.replay import load_trace, replay
+from scheduler.tools.replay import load_trace, replay
 from scheduler.request import InvalidRequest, Request
 
 from .helpers import drive, greedy, mixed_prompts, solo_tokens
