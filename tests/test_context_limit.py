@@ -144,3 +144,26 @@ def test_a_capped_run_replays_with_the_recorded_limit(text_model):
     # and the limit matters to replay: without it the replayed plans keep decoding past the recorded end
     header = dict(events[0], max_model_len=None, config=dict(events[0]["config"], max_model_len=None))
     assert not replay(load_trace([header] + events[1:])).identical
+
+
+def test_a_vision_language_request_is_capped_too(vlm_model_dir):
+    """The image's placeholder tokens are part of the prompt: prompt + outputs still fit max_model_len, and
+    the tokens are mlx-vlm's own for that request alone."""
+    import mlx_vlm
+    import numpy as np
+    from mlx_vlm.prompt_utils import apply_chat_template
+    from PIL import Image
+
+    model, processor = mlx_vlm.load(str(vlm_model_dir))
+    image = Image.fromarray(np.random.default_rng(6).integers(0, 256, (56, 56, 3), dtype=np.uint8))
+    prompt = apply_chat_template(processor, model.config, [{"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": "What is this?"}]}], num_images=1)
+    probe = Engine(model, processor, EngineConfig())
+    prompt_len = len(probe.vlm.prepare(prompt, [image]).input_ids)
+    engine = Engine(model, processor, EngineConfig(max_model_len=prompt_len + 3, check_invariants=True))
+    out = engine.generate([prompt], SamplingParams(max_tokens=50), images=[[image]])[0]
+    assert out.finish_reason is FinishReason.LENGTH and len(out.token_ids) == 3
+    last = None
+    for last in mlx_vlm.stream_generate(model, processor, prompt, image=[image], max_tokens=3, temperature=0.0):
+        pass
+    assert out.token_ids == list(last.token_ids)
