@@ -95,13 +95,6 @@ class _KVTracker:
         return True
 
 
-def _may_draft(request: Request) -> bool:
-    """Rows whose next tokens depend on per-position Python or history the verifier does not replay keep
-    plain decoding: logits processors, penalties, per-token logprobs."""
-    s = request.sampling
-    return not (s.logits_processors or s.logprobs or s.presence_penalty or s.repetition_penalty != 1)
-
-
 class _VisionBudget:
     """Images encoded per tick. A request with more images than the whole budget is encoded alone in a tick
     rather than never."""
@@ -250,7 +243,7 @@ def _plan(view: SchedulerView, config: EngineConfig, policy: Policy, prefill_onl
             if budget <= 0:
                 break
             k = min(config.draft_tokens, budget, request.sampling.max_tokens - request.num_output_tokens - 1)
-            if request.request_id not in gone and k >= 1 and _may_draft(request):
+            if request.request_id not in gone and k >= 1 and request.draft_eligible:
                 draft.append((request.request_id, k))
                 budget -= k
 
