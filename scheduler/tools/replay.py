@@ -22,12 +22,12 @@ from typing import Any, Iterable, Mapping
 
 from caches.kv import KVLayout, LayerLayout
 
-from .config import EngineConfig
-from .events import SCHEMA_VERSION, EventLog, MemorySink, _jsonable, decision_fields
-from .plan import DECODE_FAILED, PREFILL_FAILED, PrefixStore, TickPlan, TickResult
-from .policy import Policy, make_policy
-from .request import Request, SamplingParams
-from .scheduler import Scheduler
+from scheduler.config import EngineConfig
+from scheduler.events import SCHEMA_VERSION, EventLog, MemorySink, _jsonable, decision_fields
+from scheduler.plan import DECODE_FAILED, PREFILL_FAILED, PrefixStore, TickPlan, TickResult
+from scheduler.policy import Policy, make_policy
+from scheduler.request import Request, SamplingParams
+from scheduler.scheduler import Scheduler
 
 
 class TraceError(ValueError):
