@@ -115,7 +115,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
     try:
         report = replay(load_trace(args.trace), policy=args.policy)
-    except TraceError as exc:
+    except (TraceError, ValueError) as exc:  # unreadable trace, unknown or custom policy
         print(f"cannot replay: {exc}", file=sys.stderr)
         return 2
     print(report.format())

@@ -24,6 +24,7 @@ from .events import EventLog, JsonlSink, MemorySink
 from .execution.executor import MLXExecutor
 from .execution.runners import TextRunner, VisionLanguageRunner
 from .lifecycle import RequestState
+from .policy import policy_record
 from .request import (
     InvalidRequest,
     Request,
@@ -152,7 +153,8 @@ class Engine:
         self.executor = executor or MLXExecutor(family.runner, penalty_context=self.config.penalty_context,
                                                 prefix_cache=self.scheduler.prefix_cache,
                                                 logprob_vectors=self.config.logprob_vectors,
-                                                drafter=self._make_drafter(draft_model, mtp_head))
+                                                drafter=self._make_drafter(draft_model, mtp_head),
+                                                on_event=self._executor_event)
         self.tick = 0
         self._lock = threading.Lock()
         self._inbox: list[_Arrival] = []
@@ -163,6 +165,7 @@ class Engine:
         self._stats = EngineStats()
         self.events.emit(
             "engine_start", 0, config={**_config_record(self.config), "policy": self.scheduler.policy.name},
+            policy=policy_record(self.scheduler.policy),
             model=library.model_identity(model.language_model if self.vlm else model),
             vocab_size=self.vocab_size, max_model_len=self.max_model_len,
             stop_token_ids=sorted(self.scheduler.model_stop_ids),
@@ -218,6 +221,10 @@ class Engine:
         if config is not None and config.drafter == "mtp" and "mtp_head" not in kwargs:
             kwargs["mtp_head"] = load_mtp_head(model_dir)
         return cls(model, tokenizer, config, **kwargs)
+
+    def _executor_event(self, kind: str, **fields: Any) -> None:
+        """KV decisions the executor carries out (batch merges, filters, draft rollbacks), at this tick."""
+        self.events.emit(kind, self.tick, **fields)
 
     def _vision_event(self, kind: str, key: str, info: dict) -> None:
         self.events.emit(f"vision_{kind}", self.tick, key=key,
@@ -370,7 +377,8 @@ class Engine:
             stores = [[s.request_id, s.num_tokens, s.nbytes, s.whole_only] for s in result.prefix_stores]
             encoded = {rid: {"rope_delta": e["rope_delta"], "vision_cache_hit": e["vision_cache_hit"]}
                        for rid, e in result.encoded.items()}
-            self.events.emit("outcome", tick, sampled=result.sampled, errors=result.errors, prefix_stores=stores,
+            self.events.emit("outcome", tick, sampled=result.sampled, logprobs=result.logprobs,
+                             errors=result.errors, prefix_stores=stores,
                              encoded=encoded, accepted_drafts=result.accepted_drafts,
                              drafts={rid: list(d) for rid, d in result.drafts.items()},
                              **({"drafter_error": result.drafter_error} if result.drafter_error else {}), measure={
@@ -397,9 +405,9 @@ class Engine:
                 media=a.media, num_images=a.media.num_media_items if a.media is not None else 0,
                 media_key=a.media.media_key if a.media is not None else None,
             )
-            self.scheduler.add(request, tick)
-            if a.error is not None:
-                failed.append(self.scheduler.fail(a.request_id, tick, a.error))
+            out = self.scheduler.add(request, tick, error=a.error)
+            if out is not None:
+                failed.append(out)
         outputs = failed + [
             self.scheduler.abort(rid, tick)
             for rid in dict.fromkeys(aborts)  # an id aborted twice in one tick is aborted once

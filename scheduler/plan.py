@@ -76,6 +76,12 @@ class PrefixStore:
     payload: Any = None
 
 
+# How an executor's error text starts when a request's prefill failed (it never joined the batch) and when
+# the batched decode failed (every row was dropped from the batch): replay's model of the batch reads them.
+PREFILL_FAILED = "prefill failed"
+DECODE_FAILED = "decode failed"
+
+
 @dataclass
 class TickResult:
     """What an executor reports back: the only input `apply` takes besides the plan."""

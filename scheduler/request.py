@@ -155,6 +155,16 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     state: RequestState = RequestState.QUEUED
+    # May this row propose draft tokens? Not when its next tokens depend on per-position Python or history the
+    # verifier does not replay: logits processors, penalties, per-token logprobs. A decision fact, recorded in
+    # the trace (processors are code and cannot be), so replay rebuilds it; None: derived from `sampling`.
+    draft_eligible: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.draft_eligible is None:
+            s = self.sampling
+            self.draft_eligible = not (s.logits_processors or s.logprobs or s.presence_penalty
+                                       or s.repetition_penalty != 1)
 
     @property
     def prompt_len(self) -> int:

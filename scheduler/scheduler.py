@@ -80,7 +80,10 @@ class Scheduler:
         self.events.emit(kind, self._tick, **fields)
 
     # ---- requests in and out ----------------------------------------------------------------------
-    def add(self, request: Request, tick: int) -> None:
+    def add(self, request: Request, tick: int, error: str | None = None) -> StepOutput | None:
+        """Queue an arrival. With `error` (its input turned out unusable, e.g. unreadable media) it is accepted
+        and failed at once, and the StepOutput saying so is returned; the arrival event records the error so
+        replay fails it the same way."""
         if self.max_model_len is not None:
             request.max_model_len = self.max_model_len
         self.lifecycle.attach(request)
@@ -90,9 +93,10 @@ class Scheduler:
         self.events.emit(
             "arrival", tick, request_id=request.request_id, prompt_tokens=request.prompt_tokens,
             sampling=request.sampling.to_record(), priority=request.priority, seed=request.seed,
-            num_images=request.num_images, media_key=request.media_key,
-            measure={"t": request.arrival_time, "admitted_to_engine_t": time.perf_counter()},
+            num_images=request.num_images, media_key=request.media_key, draft_eligible=request.draft_eligible,
+            error=error, measure={"t": request.arrival_time, "admitted_to_engine_t": time.perf_counter()},
         )
+        return self.fail(request.request_id, tick, error) if error is not None else None
 
     def abort(self, request_id: str, tick: int, reason: str = "aborted by caller") -> StepOutput:
         request = self.requests[request_id]
@@ -173,21 +177,19 @@ class Scheduler:
             request.rope_delta = result.encoded[rid]["rope_delta"]
             self.prefilling[rid] = self.encoding.pop(rid)
             self._move(request, Trigger.START_PREFILL, tick)
-        for store in result.prefix_stores:
-            request = self.requests[store.request_id]
-            self.prefix_cache.store(request.prefill_tokens(0, store.num_tokens), store.nbytes, store.payload,
-                                    namespace=request.media_key, whole_only=store.whole_only,
-                                    request_id=store.request_id)
+        if self.prefix_cache is not None:
+            self._record_lookups(plan, hits)
+            for store in result.prefix_stores:
+                request = self.requests.get(store.request_id)
+                if request is None:  # it failed this tick: a failing request fails alone and stores nothing
+                    continue
+                self.prefix_cache.store(request.prefill_tokens(0, store.num_tokens), store.nbytes, store.payload,
+                                        namespace=request.media_key, whole_only=store.whole_only,
+                                        request_id=store.request_id)
         for chunk in plan.prefill:
             request = self.requests.get(chunk.request_id)
             if request is None:  # failed above
                 continue
-            if request.num_computed_tokens == 0 and self.prefix_cache is not None:  # its first chunk
-                self._prefix_memo.pop(request.request_id, None)
-                if request.request_id in hits:
-                    self.prefix_cache.record_hit(*hits[request.request_id], request_id=request.request_id)
-                else:
-                    self.prefix_cache.record_miss(request.request_id)
             request.num_computed_tokens = chunk.end
             if chunk.completes:
                 self._append(request, result)
@@ -224,6 +226,20 @@ class Scheduler:
                 request.output_tokens.append(token)
                 outputs.append(StepOutput(rid, [token], request.state))
         return AppliedTick(outputs, released)
+
+    def _record_lookups(self, plan: TickPlan, hits: dict[str, tuple[int, int]]) -> None:
+        """Hits and misses of this tick's first chunks, before any store of the tick: a store may evict the
+        entry a hit names (LRU eviction is the steady state of a full cache). The executor restored it
+        before running the tick, so the hit stands."""
+        for chunk in plan.prefill:
+            request = self.requests.get(chunk.request_id)
+            if request is None or request.num_computed_tokens != 0:  # failed above, or not its first chunk
+                continue
+            self._prefix_memo.pop(request.request_id, None)
+            if request.request_id in hits:
+                self.prefix_cache.record_hit(*hits[request.request_id], request_id=request.request_id)
+            else:
+                self.prefix_cache.record_miss(request.request_id)
 
     def _move_drafting(self, plan: TickPlan, tick: int) -> None:
         """Rows the plan lets draft are in `drafting` while they do; they go back to `decoding` when a plan
