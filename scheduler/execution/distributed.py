@@ -184,6 +184,7 @@ class ShardedExecutor:
         self._sent_outputs: dict[str, int] = {}  # request id -> output tokens the followers have
         self._released: list[str] = []
         self.closed = False
+        self.encode_seconds = 0.0  # building and serialising messages (the broadcast is `channel.seconds`)
 
     def __getattr__(self, name: str) -> Any:  # stats, cache_bytes, draft_stats, ... are the inner executor's
         return getattr(self.inner, name)
@@ -207,7 +208,10 @@ class ShardedExecutor:
         return message
 
     def execute(self, plan: TickPlan, requests: Mapping[str, Request]) -> TickResult:
-        self.channel.broadcast(self.message_for(plan, requests).to_bytes())
+        t0 = time.perf_counter()
+        payload = self.message_for(plan, requests).to_bytes()
+        self.encode_seconds += time.perf_counter() - t0
+        self.channel.broadcast(payload)
         result = self.inner.execute(plan, requests)
         raise_if_peer_lost(result, self.channel.rank)
         return result
