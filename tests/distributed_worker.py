@@ -14,6 +14,7 @@ Scenarios:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
@@ -25,7 +26,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scheduler import Engine, EngineConfig, SamplingParams  # noqa: E402
+from scheduler import AsyncEngine, Engine, EngineConfig, InvalidRequest, SamplingParams  # noqa: E402
 from scheduler.events import read_jsonl  # noqa: E402
 from tests.helpers import mixed_prompts, solo_tokens  # noqa: E402
 
@@ -86,6 +87,16 @@ def _run(engine: Engine, schedule: Schedule) -> dict[str, list[int]]:
     return tokens
 
 
+async def _async_run(engine: Engine, prompts: list[list[int]]) -> dict[str, list[int]]:
+    aengine = AsyncEngine(engine)
+    try:
+        outs = await asyncio.gather(*(aengine.generate(prompt_tokens=p, sampling=SamplingParams(max_tokens=MAX_TOKENS))
+                                      for p in prompts))
+    finally:
+        aengine.close()
+    return {f"r{i}": out.token_ids for i, out in enumerate(outs)}
+
+
 def equality(model_dir: str, out: Path, group) -> None:
     results: dict = {"configs": {}}
     schedules = _schedules(out)
@@ -108,6 +119,18 @@ def equality(model_dir: str, out: Path, group) -> None:
         engine.close()
         results["configs"][name]["preemptions"] = sum(
             e["event"] == "transition" and e["trigger"] == "preempt" for e in read_jsonl(schedule.config.trace_path))
+    # the asyncio front over a sharded engine, and what a sharded engine refuses
+    engine = Engine.from_pretrained(model_dir, EngineConfig(), tensor_group=group)
+    if group.rank() == 0:
+        results["async"] = asyncio.run(_async_run(engine, _prompts()))
+        try:
+            engine.add_request(prompt_tokens=[7, 8], sampling=SamplingParams(logits_processors=[lambda t, x: x]))
+            results["refused_field"] = None
+        except InvalidRequest as exc:
+            results["refused_field"] = exc.field
+        engine.close()
+    else:
+        engine.follow()
     # mlx-lm's own sharded generation, each request alone: every rank runs it (its collectives line up)
     solo = {name: {f"r{i}": solo_tokens(engine.model, engine.tokenizer, p, s.max_tokens) for i, p in enumerate(s.prompts)}
             for name, s in schedules.items()}

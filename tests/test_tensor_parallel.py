@@ -68,6 +68,14 @@ def test_each_schedule_exercised_what_it_names(equality_run):
 
 
 @pytest.mark.slow
+def test_async_engine_runs_over_a_sharded_engine_and_processors_are_refused(equality_run):
+    _, result = equality_run
+    reference = result["sharded_solo"]["staggered-small-budget"]  # the same prompts and max_tokens
+    assert result["async"] == {rid: reference[rid] for rid in result["async"]} and len(result["async"]) == 9
+    assert result["refused_field"] == "logits_processors"
+
+
+@pytest.mark.slow
 def test_sharded_output_equals_the_unsharded_model_on_this_model(equality_run):
     """Sharding splits each matmul's sum across ranks, so float rounding differs from the unsharded model and a
     near-tie could flip a greedy choice; on this tiny float32 model none does (under both BLAS libraries), so
