@@ -76,18 +76,25 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from .request import SamplingParams
     from .fixtures.tiny_models import build_model
 
+    group = _tensor_group() if args.tensor_parallel else None
+    rank = group.rank() if group is not None else 0
+    kind = "text" if group is not None and args.kind == "vlm" else args.kind  # sharding is for text models
     model_dir = args.model
     tmp = None
-    if model_dir is None:
-        tmp = tempfile.TemporaryDirectory(prefix="mlxsched-demo-")
-        model_dir = build_model(args.kind, Path(tmp.name) / args.kind)
-        print(f"no --model given: built the tiny {args.kind} model in {model_dir} (seeded random weights: the "
-              "text below is meaningless; the schedule, stats and trace are the point)")
+    if model_dir is None:  # every rank builds its own copy (seeded: byte-identical)
+        tmp = tempfile.TemporaryDirectory(prefix=f"mlxsched-demo-{rank}-")
+        model_dir = build_model(kind, Path(tmp.name) / kind)
+        if rank == 0:
+            print(f"no --model given: built the tiny {kind} model in {model_dir} (seeded random weights: the "
+                  "text below is meaningless; the schedule, stats and trace are the point)")
     config = EngineConfig(
         max_batched_tokens=args.max_batched_tokens, max_seqs=args.max_seqs, prefill_chunk=args.prefill_chunk,
         prefix_cache_bytes=args.prefix_cache_mb << 20, trace_path=args.trace,
     )
-    engine = Engine.from_pretrained(model_dir, config)
+    engine = Engine.from_pretrained(model_dir, config, tensor_group=group)
+    if rank != 0:  # the other ranks execute rank 0's ticks on their shards until it is done
+        engine.follow()
+        return 0
     prompts, images = _demo_workload(args.requests, args.seed, with_images=engine.vlm is not None)
     samplings = [SamplingParams(max_tokens=args.max_tokens, temperature=0.0 if i % 2 == 0 else 0.8, seed=i)
                  for i in range(len(prompts))]
@@ -108,6 +115,16 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if tmp is not None:
         tmp.cleanup()
     return 0
+
+
+def _tensor_group():
+    import mlx.core as mx
+
+    group = mx.distributed.init()
+    if group.size() < 2:
+        raise SystemExit("--tensor-parallel: start this under `mlx.launch -n N --backend ring -- mlxsched ...` "
+                         "(this process has no peers)")
+    return group
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
@@ -152,6 +169,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from bench.run import main as bench_main
 
     argv = args.bench_args[1:] if args.bench_args[:1] == ["--"] else args.bench_args
+    if "--tensor-parallel" in argv:  # under mlx.launch: the sharding cost bench
+        from bench.tensor_parallel import main as tensor_parallel_main
+
+        return tensor_parallel_main([a for a in argv if a != "--tensor-parallel"])
     return bench_main(argv)
 
 
@@ -200,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--show", type=int, default=6, help="how many outputs to print")
     p.add_argument("--trace", help="write the event log (JSON lines) to this file")
+    p.add_argument("--tensor-parallel", action="store_true",
+                   help="shard the model over the ranks of `mlx.launch` (rank 0 prints; README)")
     p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("replay", help="re-derive every plan of a trace (no model) and report the first divergence")

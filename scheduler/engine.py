@@ -130,11 +130,13 @@ class Engine:
         policy: Any = None,
         draft_model: Any = None,
         mtp_head: Any = None,
+        shard_group: Any = None,
     ):
         self.model = model
         self.config = config or EngineConfig()
         sinks = list(event_sinks)
-        if self.config.trace_path:
+        # one trace for a sharded model: rank 0's (the other ranks decide nothing)
+        if self.config.trace_path and (shard_group is None or shard_group.rank() == 0):
             sinks.append(JsonlSink(self.config.trace_path))
         self.events = EventLog(sinks)
         family = _model_family(model, tokenizer, self.config, self._vision_event)
@@ -150,11 +152,17 @@ class Engine:
         budget_layout = self.kv_layout if self.config.kv_memory_bytes is not None else None
         self.scheduler = Scheduler(self.config, self.events, family.stop_ids, policy, budget_layout,
                                    max_model_len=self.max_model_len)
+        # A model sharded across processes (tensor_group / pipeline_group in from_pretrained): rank 0 runs this
+        # engine, the other ranks `follow()` it (scheduler/execution/distributed.py).
+        self.shard = _Shard.create(shard_group, self) if shard_group is not None and shard_group.size() > 1 else None
+        prefix_payloads = self.shard.prefix_payloads if self.shard is not None else self.scheduler.prefix_cache
         self.executor = executor or MLXExecutor(family.runner, penalty_context=self.config.penalty_context,
-                                                prefix_cache=self.scheduler.prefix_cache,
+                                                prefix_cache=prefix_payloads,
                                                 logprob_vectors=self.config.logprob_vectors,
                                                 drafter=self._make_drafter(draft_model, mtp_head),
                                                 on_event=self._executor_event)
+        if self.shard is not None:
+            self.executor = self.shard.wrap(self.executor)
         self.tick = 0
         self._lock = threading.Lock()
         self._inbox: list[_Arrival] = []
@@ -206,8 +214,21 @@ class Engine:
         return self.executor.draft_stats.as_dict()
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, config: EngineConfig | None = None, **kwargs: Any) -> "Engine":
-        """Load a local mlx-lm model directory, or an mlx-vlm one (a config with a `vision_config`)."""
+    def from_pretrained(cls, model_dir: str | Path, config: EngineConfig | None = None, *,
+                        tensor_group: Any = None, pipeline_group: Any = None, **kwargs: Any) -> "Engine":
+        """Load a local mlx-lm model directory, or an mlx-vlm one (a config with a `vision_config`).
+
+        `tensor_group` / `pipeline_group` (an `mx.distributed` group, names as mlx-lm's `sharded_load`) load the
+        model sharded across the group's ranks; call this on every rank, then use the engine on rank 0 and
+        `engine.follow()` on the others (README: "One model across processes").
+        """
+        if tensor_group is not None or pipeline_group is not None:
+            if library.is_vision_language_dir(model_dir):
+                raise ValueError("tensor_group / pipeline_group: sharding is built for mlx-lm text models only")
+            from mlx_lm.utils import sharded_load
+
+            model, tokenizer = sharded_load(str(model_dir), pipeline_group=pipeline_group, tensor_group=tensor_group)
+            return cls(model, tokenizer, config, shard_group=tensor_group or pipeline_group, **kwargs)
         if library.is_vision_language_dir(model_dir):
             from mlx_vlm import load as load_vlm
 
@@ -270,6 +291,8 @@ class Engine:
             raise InvalidRequest("stop_token_ids", f"ids outside the vocabulary [0, {self.vocab_size}): {bad_stops}")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidRequest("priority", f"must be an integer, got {priority!r}")
+        if self.shard is not None:
+            self.shard.check_request(sampling)
         media, media_error = None, None
         if self.vlm is not None:
             media, media_error = self._prepare_media(prompt, prompt_tokens, images, videos, audio)
@@ -362,6 +385,8 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         """Run one tick: drain the inbox, plan, execute, apply. Returns what each request did."""
+        if self.shard is not None and self.shard.rank != 0:
+            raise RuntimeError("this rank follows rank 0: call engine.follow(), not step()")
         tick = self.tick
         tick_start = time.perf_counter()
         outputs = self._drain_inbox(tick)
@@ -560,8 +585,64 @@ class Engine:
                     if out.finished:
                         return
 
+    def follow(self) -> Any:
+        """On a rank other than 0 of a sharded engine: execute rank 0's ticks until rank 0 closes its engine.
+        Returns the follower's stats; raises `ShardLost` if rank 0 goes away, `ShardDivergence` if the ranks
+        ever sample different tokens."""
+        if self.shard is None or self.shard.rank == 0:
+            raise RuntimeError("follow() is for the ranks other than 0 of a sharded engine")
+        return self.shard.follower(self.executor).run()
+
     def close(self) -> None:
+        """Flush the trace; on rank 0 of a sharded engine, also let the followers' `follow()` return."""
+        if self.shard is not None and self.shard.rank == 0:
+            self.executor.shutdown()
         self.events.close()
+
+
+@dataclass
+class _Shard:
+    """How this engine takes part in a sharded model: the channel, and what rank 0 sends or a follower mirrors."""
+
+    rank: int
+    channel: Any
+    prefix_payloads: Any  # rank 0: the scheduler's prefix cache; followers: their own shard's payloads
+    prefix_watch: Any = None
+
+    @classmethod
+    def create(cls, group: Any, engine: "Engine") -> "_Shard":
+        from .execution.distributed import MirroredPayloads, PlanChannel, PrefixEntryWatch
+
+        cfg = engine.config
+        if engine.vlm is not None:
+            raise ValueError("sharding is built for mlx-lm text models only")
+        if cfg.draft_tokens and cfg.drafter != "prompt-lookup":
+            raise ValueError(f"drafter={cfg.drafter!r} with a sharded model: only prompt-lookup drafting is built "
+                             "(a draft model or MTP head would need its own sharding)")
+        rank, prefix = group.rank(), engine.scheduler.prefix_cache
+        shard = cls(rank, PlanChannel(group), prefix)
+        if prefix is not None and rank != 0:
+            shard.prefix_payloads = MirroredPayloads(prefix.block_size)
+        if prefix is not None and rank == 0:
+            shard.prefix_watch = PrefixEntryWatch()
+            engine.events.add_sink(shard.prefix_watch)
+        return shard
+
+    def wrap(self, executor: Any) -> Any:
+        from .execution.distributed import ShardedExecutor
+
+        return ShardedExecutor(executor, self.channel, self.prefix_watch) if self.rank == 0 else executor
+
+    def follower(self, executor: Any) -> Any:
+        from .execution.distributed import Follower
+
+        return Follower(executor, self.channel, self.prefix_payloads)
+
+    @staticmethod
+    def check_request(sampling: SamplingParams) -> None:
+        if sampling.logits_processors:
+            raise InvalidRequest("logits_processors", "run on rank 0 only, so a sharded engine cannot use them "
+                                                      "(the other ranks would sample differently)")
 
 
 @dataclass
