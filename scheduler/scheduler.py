@@ -74,7 +74,9 @@ class Scheduler:
             if config.prefix_cache_bytes else None
         )
         self._prefix_memo: dict[str, tuple[int, tuple[int, int] | None]] = {}
-        self._drafting: set[str] = set()  # request ids in the drafting state
+        # request ids in the drafting state; a dict (ordered) so transitions fire in plan order in every process
+        # (a set's order follows string hashing, which differs between the recording and its replay)
+        self._drafting: dict[str, None] = {}
 
     def _cache_event(self, kind: str, **fields) -> None:
         self.events.emit(kind, self._tick, **fields)
@@ -244,16 +246,16 @@ class Scheduler:
     def _move_drafting(self, plan: TickPlan, tick: int) -> None:
         """Rows the plan lets draft are in `drafting` while they do; they go back to `decoding` when a plan
         stops letting them (a transition only when that changes, not every tick)."""
-        drafting_now = {rid for rid, _ in plan.draft}
-        for rid in drafting_now - self._drafting:
+        drafting_now = dict.fromkeys(rid for rid, _ in plan.draft)
+        for rid in [r for r in drafting_now if r not in self._drafting]:
             request = self.requests.get(rid)
             if request is not None and request.state is RequestState.DECODING:
                 self._move(request, Trigger.START_DRAFT, tick)
-        for rid in self._drafting - drafting_now:
+        for rid in [r for r in self._drafting if r not in drafting_now]:
             request = self.requests.get(rid)
             if request is not None and request.state is RequestState.DRAFTING:
                 self._move(request, Trigger.END_DRAFT, tick)
-        self._drafting = {rid for rid in drafting_now if rid in self.requests}
+        self._drafting = {rid: None for rid in drafting_now if rid in self.requests}
 
     def _emit_many(self, request: Request, tokens: list[int], tick: int, released: list[str]) -> StepOutput:
         """Accepted drafts plus the target's token: appended one by one, stopping at the first that ends the
@@ -274,7 +276,7 @@ class Scheduler:
         rid = request.request_id
         for container in (self.encoding, self.prefilling, self.decoding):
             container.pop(rid, None)
-        self._drafting.discard(rid)
+        self._drafting.pop(rid, None)
         self.waiting = {rid: request, **self.waiting}
         request.media_encoded = False
         request.num_computed_tokens = 0
@@ -327,7 +329,7 @@ class Scheduler:
         for container in (self.waiting, self.encoding, self.prefilling, self.decoding, self.requests,
                           self._prefix_memo):
             container.pop(rid, None)
-        self._drafting.discard(rid)
+        self._drafting.pop(rid, None)
 
     # ---- invariants -------------------------------------------------------------------------------
     def check_invariants(self, plan: TickPlan) -> None:
