@@ -19,7 +19,7 @@ from caches.kv import KVLayout, LayerLayout
 
 from scheduler.config import EngineConfig
 from scheduler.events import SCHEMA_VERSION, EventLog, decision_fields
-from scheduler.plan import PrefixStore, TickPlan, TickResult
+from scheduler.plan import PLAN_RECORD_GROUPS, PrefixStore, TickPlan, TickResult
 from scheduler.policy import Policy
 from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import Scheduler
@@ -171,15 +171,26 @@ class ReplayReport:
         return head + "DIVERGED\n" + self.divergence.format()
 
 
-def _plan_record(plan: TickPlan) -> dict[str, Any]:
-    return {"event": "plan", "tick": plan.tick, "schema": SCHEMA_VERSION, **plan.to_record()}
+def _plan_record(record: dict[str, Any], tick: int, unrecorded: tuple[str, ...]) -> dict[str, Any]:
+    """The replayed plan as the trace writes it, less the key groups this trace predates."""
+    out = {"event": "plan", "tick": tick, "schema": SCHEMA_VERSION, **record}
+    for key in unrecorded:
+        out.pop(key, None)
+    return out
+
+
+def _unrecorded_keys(trace: Trace) -> tuple[str, ...]:
+    """Plan-record keys of the groups the trace's engine did not write (`engine_start.plan_records`)."""
+    recorded = set(trace.header.get("plan_records", ()))
+    return tuple(key for group, keys in PLAN_RECORD_GROUPS.items() if group not in recorded for key in keys)
 
 
 def replay(trace: Trace, policy: str | Policy | None = None) -> ReplayReport:
     """Re-derive every plan of `trace` with the real scheduler; stop at the first one that differs."""
     layout = trace.header.get("kv_layout")
     kv_layout = KVLayout(tuple(LayerLayout(b, w) for b, w in layout)) if layout else None
-    scheduler = Scheduler(trace.config, EventLog(), trace.stop_token_ids, policy, kv_layout)
+    scheduler = Scheduler(trace.config, EventLog(), trace.stop_token_ids, policy, kv_layout, record_plans=True)
+    unrecorded = _unrecorded_keys(trace)
     executor = ReplayExecutor(trace)
     n_requests = 0
     for tick in range(trace.last_tick + 1):
@@ -191,7 +202,7 @@ def replay(trace: Trace, policy: str | Policy | None = None) -> ReplayReport:
                 scheduler.abort(rid, tick)
         view = scheduler.view(tick)
         plan = scheduler.plan(view)
-        replayed = _plan_record(plan)
+        replayed = _plan_record(scheduler.last_plan_record, tick, unrecorded)
         recorded = trace.plans.get(tick)
         if recorded != replayed:
             return ReplayReport(tick, n_requests, _divergence(tick, recorded, replayed, scheduler, trace.config))
