@@ -137,6 +137,19 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_explain(args: argparse.Namespace) -> int:
+    from .tools.explain import explain, format_story
+    from .tools.replay import TraceError
+
+    try:
+        stories = explain(args.trace, args.requests or None, slowest=args.slowest)
+    except (TraceError, KeyError) as exc:
+        print(f"cannot explain: {exc}", file=sys.stderr)
+        return 2
+    print("\n\n".join(format_story(s) for s in stories))
+    return 0
+
+
 def _cmd_timeline(args: argparse.Namespace) -> int:
     from .tools.replay import TraceError
     from .tools.timeline import write_timeline
@@ -215,6 +228,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", help="policy name for the what-if run (default: the recorded one)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override an EngineConfig field")
     p.set_defaults(func=_cmd_simulate)
+
+    p = sub.add_parser("explain", help="a request's life from a trace: states, waits and why, cache hits, "
+                                       "preemptions, drafts, how it ended")
+    p.add_argument("trace")
+    p.add_argument("requests", nargs="*", help="request ids (default: every request)")
+    p.add_argument("--slowest", type=int, metavar="N", help="the N requests with the worst time to first token")
+    p.set_defaults(func=_cmd_explain)
 
     p = sub.add_parser("timeline", help="request-state timeline of a trace: .json (Perfetto) or .png (Gantt)")
     p.add_argument("trace")

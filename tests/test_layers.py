@@ -26,6 +26,7 @@ NO_MLX = [
     "scheduler.tools.simulate",
     "scheduler.tools.workload",
     "scheduler.tools.timeline",
+    "scheduler.tools.explain",
     "caches.prefix",
 ]
 
