@@ -27,6 +27,7 @@ NO_MLX = [
     "scheduler.tools.workload",
     "scheduler.tools.timeline",
     "scheduler.tools.explain",
+    "scheduler.tools.sweep",
     "caches.prefix",
 ]
 
