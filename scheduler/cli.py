@@ -152,6 +152,36 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_explain(args: argparse.Namespace) -> int:
+    from .tools.explain import explain, format_story
+    from .tools.replay import TraceError
+
+    try:
+        stories = explain(args.trace, args.requests or None, slowest=args.slowest)
+    except (TraceError, KeyError) as exc:
+        print(f"cannot explain: {exc}", file=sys.stderr)
+        return 2
+    print("\n\n".join(format_story(s) for s in stories))
+    return 0
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from .tools.replay import TraceError
+    from .tools.sweep import parse_grid, sweep, to_png
+
+    try:
+        result = sweep(args.trace, parse_grid(args.grid), workers=args.workers)
+    except (TraceError, ValueError) as exc:
+        print(f"cannot sweep: {exc}", file=sys.stderr)
+        return 2
+    print(result.cost_model.describe() + "\n")
+    print(result.table())
+    if args.out:
+        to_png(result, args.out)
+        print(f"wrote the trade-off plot to {args.out}")
+    return 0
+
+
 def _cmd_timeline(args: argparse.Namespace) -> int:
     from .tools.replay import TraceError
     from .tools.timeline import write_timeline
@@ -236,6 +266,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", help="policy name for the what-if run (default: the recorded one)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override an EngineConfig field")
     p.set_defaults(func=_cmd_simulate)
+
+    p = sub.add_parser("explain", help="a request's life from a trace: states, waits and why, cache hits, "
+                                       "preemptions, drafts, how it ended")
+    p.add_argument("trace")
+    p.add_argument("requests", nargs="*", help="request ids (default: every request)")
+    p.add_argument("--slowest", type=int, metavar="N", help="the N requests with the worst time to first token")
+    p.set_defaults(func=_cmd_explain)
+
+    p = sub.add_parser("sweep", help="the what-if simulator over a grid of configs and policies, in parallel "
+                                     "worker processes; a table and a PNG of p95 TTFT against throughput")
+    p.add_argument("trace")
+    p.add_argument("--grid", nargs="+", required=True, metavar="KEY=V1,V2", help="axes: EngineConfig fields or policy")
+    p.add_argument("--workers", type=int, help="worker processes (default: one per point, at most the CPUs)")
+    p.add_argument("-o", "--out", default="sweep.png", help="PNG of the trade-off (default sweep.png)")
+    p.set_defaults(func=_cmd_sweep)
 
     p = sub.add_parser("timeline", help="request-state timeline of a trace: .json (Perfetto) or .png (Gantt)")
     p.add_argument("trace")

@@ -20,6 +20,7 @@ import mlx.core as mx
 
 from .execution import library
 from .config import EngineConfig
+from .plan import PLAN_RECORD_GROUPS
 from .events import EventLog, JsonlSink, MemorySink
 from .execution.executor import MLXExecutor
 from .execution.runners import TextRunner, VisionLanguageRunner
@@ -179,6 +180,7 @@ class Engine:
             stop_token_ids=sorted(self.scheduler.model_stop_ids),
             kv_layout=[[layer.bytes_per_token, layer.window] for layer in self.kv_layout.layers]
             if self.kv_layout is not None else None,
+            plan_records=list(PLAN_RECORD_GROUPS),  # the optional plan-record keys this engine writes
         )
 
     def _make_drafter(self, draft_model: Any, mtp_head: Any) -> Any:

@@ -15,7 +15,7 @@ from caches.prefix import PrefixCache
 from .config import EngineConfig
 from .events import EventLog
 from .lifecycle import Lifecycle, RequestState, Trigger
-from .plan import TickPlan, TickResult
+from .plan import TickPlan, TickResult, WaitReason
 from .planner import SchedulerView, plan_tick
 from .policy import Policy, make_policy
 from .request import FinishReason, Request
@@ -51,6 +51,7 @@ class Scheduler:
         policy: str | Policy | None = None,
         kv_layout: KVLayout | None = None,
         max_model_len: int | None = None,
+        record_plans: bool | None = None,
     ):
         self.config = config
         # The context limit of every request (prompt + outputs): the engine passes the resolved one (config or
@@ -77,6 +78,16 @@ class Scheduler:
         # request ids in the drafting state; a dict (ordered) so transitions fire in plan order in every process
         # (a set's order follows string hashing, which differs between the recording and its replay)
         self._drafting: dict[str, None] = {}
+        # Plan records (the `plan` event; replay builds them with no sink): reasons are recorded when they
+        # change, so the last recorded reason per live request and the ids ended since the last plan are kept.
+        self._record_plans = record_plans  # None: whenever the event log has a sink
+        self.last_plan_record: dict[str, Any] | None = None
+        self._recorded_reasons: dict[str, WaitReason] = {}
+        self._ended_since_plan: list[str] = []
+
+    @property
+    def record_plans(self) -> bool:
+        return self.events.enabled if self._record_plans is None else self._record_plans
 
     def _cache_event(self, kind: str, **fields) -> None:
         self.events.emit(kind, self._tick, **fields)
@@ -144,9 +155,31 @@ class Scheduler:
 
     def plan(self, view: SchedulerView) -> TickPlan:
         plan = plan_tick(view, self.config, self.policy)
-        if self.events.enabled:
-            self.events.emit("plan", view.tick, **plan.to_record())
+        if self.record_plans:
+            self.last_plan_record = self._plan_record(plan)
+            self.events.emit("plan", view.tick, **self.last_plan_record)
         return plan
+
+    def _plan_record(self, plan: TickPlan) -> dict[str, Any]:
+        """The plan's decisions, plus (a) the reasons that changed since the last plan: `reasons` lists a
+        request's new or changed binding constraint, `reasons_cleared` the live requests that had one and no
+        longer have it (a request blocked the same way tick after tick is recorded once); and (b) `step`, the
+        vLLM-shaped step fields (scheduled ids in order, tokens per scheduled id, preempted ids, ids that
+        ended since the previous step). Keys with nothing to say are left out."""
+        record = plan.to_record()
+        previous, now = self._recorded_reasons, {r.request_id: r for r in plan.reasons}
+        changed = [r.to_record() for rid, r in now.items() if previous.get(rid) != r]
+        cleared = [rid for rid in previous if rid not in now]
+        if changed:
+            record["reasons"] = changed
+        if cleared:
+            record["reasons_cleared"] = cleared
+        self._recorded_reasons = now
+        ids, tokens = plan.scheduled()
+        record["step"] = {"scheduled": ids, "num_scheduled_tokens": tokens, "preempted": list(plan.preempted),
+                          "finished": self._ended_since_plan}
+        self._ended_since_plan = []
+        return record
 
     # ---- applying ---------------------------------------------------------------------------------
     def apply(self, plan: TickPlan, result: TickResult) -> AppliedTick:
@@ -326,6 +359,9 @@ class Scheduler:
     def _end(self, request: Request, trigger: Trigger, tick: int, reason: str) -> None:
         self._move(request, trigger, tick, reason)
         rid = request.request_id
+        if self.record_plans:
+            self._ended_since_plan.append(rid)
+            self._recorded_reasons.pop(rid, None)
         for container in (self.waiting, self.encoding, self.prefilling, self.decoding, self.requests,
                           self._prefix_memo):
             container.pop(rid, None)

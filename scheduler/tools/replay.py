@@ -24,7 +24,7 @@ from caches.kv import KVLayout, LayerLayout
 
 from scheduler.config import EngineConfig
 from scheduler.events import SCHEMA_VERSION, EventLog, MemorySink, _jsonable, decision_fields
-from scheduler.plan import DECODE_FAILED, PREFILL_FAILED, PrefixStore, TickPlan, TickResult
+from scheduler.plan import DECODE_FAILED, PLAN_RECORD_GROUPS, PREFILL_FAILED, PrefixStore, TickPlan, TickResult
 from scheduler.policy import Policy, make_policy
 from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import Scheduler
@@ -220,8 +220,18 @@ class ReplayReport:
         return head + "DIVERGED\n" + self.divergence.format()
 
 
-def _plan_record(plan: TickPlan) -> dict[str, Any]:
-    return {"event": "plan", "tick": plan.tick, "schema": SCHEMA_VERSION, **plan.to_record()}
+def _plan_record(record: dict[str, Any], tick: int, unrecorded: tuple[str, ...]) -> dict[str, Any]:
+    """The replayed plan as the trace writes it, less the key groups this trace predates."""
+    out = {"event": "plan", "tick": tick, "schema": SCHEMA_VERSION, **record}
+    for key in unrecorded:
+        out.pop(key, None)
+    return out
+
+
+def _unrecorded_keys(trace: Trace) -> tuple[str, ...]:
+    """Plan-record keys of the groups the trace's engine did not write (`engine_start.plan_records`)."""
+    recorded = set(trace.header.get("plan_records", ()))
+    return tuple(key for group, keys in PLAN_RECORD_GROUPS.items() if group not in recorded for key in keys)
 
 
 def replay(trace: Trace, policy: str | Policy | None = None) -> ReplayReport:
@@ -236,7 +246,8 @@ def replay(trace: Trace, policy: str | Policy | None = None) -> ReplayReport:
     sink = MemorySink()
     events = EventLog([sink])
     scheduler = Scheduler(trace.config, events, trace.stop_token_ids, policy, kv_layout,
-                          max_model_len=trace.header.get("max_model_len"))
+                          max_model_len=trace.header.get("max_model_len"), record_plans=True)
+    unrecorded = _unrecorded_keys(trace)
     executor = ReplayExecutor(trace, events)
     n_requests = 0
     for tick in range(trace.last_tick + 1):
@@ -255,7 +266,7 @@ def replay(trace: Trace, policy: str | Policy | None = None) -> ReplayReport:
             executor.release(ended)
         view = scheduler.view(tick)
         plan = scheduler.plan(view)
-        replayed = _plan_record(plan)
+        replayed = _plan_record(scheduler.last_plan_record, tick, unrecorded)
         recorded = trace.plans.get(tick)
         if recorded != replayed:
             return ReplayReport(tick, n_requests, _divergence(tick, recorded, replayed, scheduler, trace.config))
