@@ -147,13 +147,15 @@ class MLXExecutor:
         grouped = self._prefill_fresh_groups(plan.prefill, requests, restored)
         for chunk in plan.prefill:
             request = requests[chunk.request_id]
+            fed = (chunk.end - 1 if chunk.completes else chunk.end) - chunk.start
             if chunk.request_id not in grouped:
                 try:
-                    self._prefill(request, chunk.start, chunk.end - 1 if chunk.completes else chunk.end)
+                    self._prefill(request, chunk.start, chunk.start + fed)
                 except Exception as exc:  # a failing request fails alone; others continue
                     self.kv.drop_request(chunk.request_id)
                     result.errors[chunk.request_id] = f"prefill failed: {type(exc).__name__}: {exc}"
                     continue
+            result.computed_tokens += fed
             if chunk.completes:
                 joining.append(chunk.request_id)
                 self._offer_prefix(request, restored.get(request.request_id, 0), result)
@@ -310,6 +312,7 @@ class MLXExecutor:
         width = max((len(d.tokens) for d in drafts.values()), default=0) if drafts else 0
         inputs = self._next_inputs
         all_hidden = None
+        result.computed_tokens += len(self._rows) * (1 + width)  # every row runs at the widest draft
         if width == 0 and not self._keeps_hidden:
             logits = self.runner.decode(self.kv.batch, inputs, self._rope_deltas)
             all_logits = None

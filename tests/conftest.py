@@ -4,6 +4,8 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Every EngineConfig a test builds checks the engine's invariants after every tick (scheduler/config.py).
+os.environ["MLXSCHED_CHECK_INVARIANTS"] = "1"
 
 from pathlib import Path  # noqa: E402
 

@@ -6,6 +6,7 @@ import pytest
 from scheduler import Engine, EngineConfig, FinishReason, RequestState, SamplingParams
 from scheduler.replay import load_trace, replay
 
+from scheduler.drafters import DraftModelDrafter
 from scheduler.events import MemorySink
 
 from .helpers import drive, greedy, mixed_prompts, solo_tokens
@@ -70,15 +71,30 @@ def test_greedy_output_is_unchanged_by_drafting(text_model, other_draft_model, m
                <= config.max_batched_tokens for p in log.of_kind("plan"))
 
 
+def _lookup_hits(prompt: list[int], output: list[int]) -> int:
+    """Output positions whose next token a 1..3-gram lookup of the history so far predicts (an oracle computed
+    from mlx-lm's own output, independent of the engine)."""
+    from scheduler.drafters import NgramIndex
+
+    hits = 0
+    for i in range(len(output) - 1):
+        proposal, _ = NgramIndex(1, 3, prompt + output[: i + 1]).lookup(1)
+        hits += proposal[:1] == [output[i + 1]]
+    return hits
+
+
 def test_prompt_lookup_accepts_on_a_repetitive_workload(text_model):
     model, tokenizer = text_model
-    config = EngineConfig(draft_tokens=4, max_batched_tokens=128, check_invariants=True)
-    engine = Engine(model, tokenizer, config)
-    # a prompt whose continuation the tiny model itself keeps repeating: lookup has something to find
-    outs = engine.generate([PHRASE * 6], greedy(64))
+    # a prompt whose continuation repeats what came before (by the oracle): lookup has something to find
+    solos = {i: solo_tokens(model, tokenizer, p, 48) for i, p in enumerate(PROMPTS + REPETITIVE)}
+    i = max(solos, key=lambda i: _lookup_hits((PROMPTS + REPETITIVE)[i], solos[i]))
+    prompt = (PROMPTS + REPETITIVE)[i]
+    assert _lookup_hits(prompt, solos[i]) >= 3
+    engine = Engine(model, tokenizer, EngineConfig(draft_tokens=4, max_batched_tokens=128))
+    outs = engine.generate([prompt], greedy(48))
     stats = engine.draft_stats()
-    assert outs[0].token_ids == solo_tokens(model, tokenizer, PHRASE * 6, 64)
-    assert stats["drafted"] > 0 and stats["accepted"] >= 0
+    assert outs[0].token_ids == solos[i]
+    assert stats["drafted"] > 0 and stats["accepted"] > 0  # the oracle's hits are drafts the target accepts
 
 
 def test_seeded_sampling_with_drafting_is_reproducible_alone_and_in_a_batch(text_model):
@@ -169,3 +185,68 @@ def test_mtp_head_round_trips_and_compat_install(text_model, mtp_head, tmp_path)
     assert attempted > 0
     with pytest.raises(TypeError, match="MTP head"):
         install_mtp_mllm(MLLMBatchGenerator(model, tokenizer), model, 1)
+
+
+class _PositionCountingRunner:
+    """A TextRunner that counts the token positions every forward it runs really computes (batch x length)."""
+
+    def __new__(cls, model):
+        from scheduler.runners import TextRunner
+
+        class Counting(TextRunner):
+            positions = 0
+
+            def prefill(self, cache, request, encoded, start, end):
+                Counting.positions += end - start
+                super().prefill(cache, request, encoded, start, end)
+
+            def prefill_many(self, requests, n):
+                Counting.positions += len(requests) * n
+                return super().prefill_many(requests, n)
+
+            def decode(self, batch_cache, inputs, rope_deltas):
+                Counting.positions += inputs.shape[0]
+                return super().decode(batch_cache, inputs, rope_deltas)
+
+            def verify(self, batch_cache, inputs):
+                Counting.positions += inputs.shape[0] * inputs.shape[1]
+                return super().verify(batch_cache, inputs)
+
+        return Counting(model)
+
+
+@pytest.mark.parametrize("budget", [40, 200])
+def test_the_verify_forward_is_planned_as_computed(text_model, budget):
+    """32 rows, one of which may draft k=4: the verify forward runs all 32 rows at width 5 (160 positions), so a
+    plan may only grant that width when max_batched_tokens pays for it; no tick computes more than planned."""
+    from scheduler.executor import MLXExecutor
+
+    model, tokenizer = text_model
+    runner = _PositionCountingRunner(model)
+    config = EngineConfig(max_batched_tokens=budget, max_seqs=32, prefill_chunk=32, draft_tokens=4)
+    log = MemorySink()
+    # the target drafting for itself: every row that may draft has a full-length draft every tick
+    engine = Engine(model, tokenizer, config, executor=MLXExecutor(runner, drafter=DraftModelDrafter(model)),
+                    event_sinks=[log])
+    prompts = [p[:8] for p in mixed_prompts(31, 8, 12, seed=40)] + [REPETITIVE[0]]
+    ids = [engine.add_request(prompt_tokens=p, sampling=SamplingParams(max_tokens=MAX_TOKENS, logprobs=True))
+           for p in prompts[:-1]] + [engine.add_request(prompt_tokens=prompts[-1], sampling=greedy(MAX_TOKENS))]
+    tokens = {rid: [] for rid in ids}
+    per_tick = []
+    while engine.has_pending():
+        before = type(runner).positions
+        for out in engine.step():
+            tokens[out.request_id].extend(out.token_ids)
+        per_tick.append(type(runner).positions - before)
+    assert max(per_tick) <= budget, f"a tick computed {max(per_tick)} positions, budget {budget}"
+    plans = log.of_kind("plan")
+    planned = {p["tick"]: p["num_batched_tokens"] for p in plans}
+    assert all(n <= planned.get(tick, 0) for tick, n in enumerate(per_tick)), "a tick computed more than planned"
+    drafted = [p for p in plans if p["draft"]]
+    assert drafted and engine.draft_stats()["accepted"] > 0
+    if budget == 40:  # 32 rows x (1 + 1) > 40: no width fits until rows have finished
+        assert all(len(p["decode"]) * 2 <= 40 for p in drafted)
+        assert any(len(p["decode"]) > 20 for p in plans)
+    else:  # 32 rows x (1 + 4) <= 200: the drafting row gets k = 4 while all 32 run
+        assert any(len(p["decode"]) == 32 and p["draft"] == [[ids[-1], 4]] for p in plans)
+    assert tokens[ids[-1]] == solo_tokens(model, tokenizer, prompts[-1], MAX_TOKENS)
