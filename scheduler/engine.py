@@ -191,6 +191,11 @@ class Engine:
         row per verify forward (zeros when drafting is off)."""
         return self.executor.draft_stats.as_dict()
 
+    def prefill_stats(self) -> dict[str, int]:
+        """Batched first-chunk prefill: groups and rows that took the one-forward path, and fallbacks (groups
+        whose batched forward raised and were prefilled one by one; each is also in its tick's outcome event)."""
+        return self.executor.prefill_stats.as_dict()
+
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, config: EngineConfig | None = None, **kwargs: Any) -> "Engine":
         """Load a local mlx-lm model directory, or an mlx-vlm one (a config with a `vision_config`)."""
@@ -362,6 +367,9 @@ class Engine:
                              encoded=encoded, accepted_drafts=result.accepted_drafts,
                              drafts={rid: list(d) for rid, d in result.drafts.items()},
                              computed_tokens=result.computed_tokens,
+                             **({"prefill_fallbacks": [[list(f.request_ids), f.num_tokens, f.error]
+                                                       for f in result.prefill_fallbacks]}
+                                if result.prefill_fallbacks else {}),
                              **({"drafter_error": result.drafter_error} if result.drafter_error else {}), measure={
                 "t": time.perf_counter(), "tick_start_t": tick_start, "tick_s": time.perf_counter() - tick_start,
                 "prefill_s": result.prefill_time, "decode_s": result.decode_time,

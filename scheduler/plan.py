@@ -96,6 +96,15 @@ class PrefixStore:
     payload: Any = None
 
 
+@dataclass(frozen=True)
+class PrefillFallback:
+    """A batched first-chunk prefill that raised: its requests were prefilled one by one instead."""
+
+    request_ids: tuple[str, ...]
+    num_tokens: int
+    error: str
+
+
 @dataclass
 class TickResult:
     """What an executor reports back: the only input `apply` takes besides the plan."""
@@ -109,6 +118,7 @@ class TickResult:
     errors: dict[str, str] = field(default_factory=dict)  # request id -> readable error; that request fails
     prefix_stores: list[PrefixStore] = field(default_factory=list)
     encoded: dict[str, dict] = field(default_factory=dict)  # request id -> {rope_delta, vision_cache_hit, ...}
+    prefill_fallbacks: list[PrefillFallback] = field(default_factory=list)
     computed_tokens: int = 0  # token positions the model actually ran this tick (prefill + decode/verify forward)
     vision_time: float = 0.0
     prefill_time: float = 0.0

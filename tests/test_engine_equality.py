@@ -74,25 +74,40 @@ def test_reference_prompts_cover_the_length_range():
     assert lengths[0] == 1 and lengths[-1] == 300 and len(PROMPTS) == 16
 
 
+def _equal_length_prompts():
+    return [p[:40] for p in mixed_prompts(8, 40, 60, seed=4)] + [p[:25] for p in mixed_prompts(3, 25, 30, seed=5)]
+
+
 def test_fresh_prompts_of_equal_length_share_one_prefill_forward_and_stay_exact(text_model):
+    model, tokenizer = text_model
+    prompts = _equal_length_prompts()
+    engine, log = engine_with_log(model, tokenizer, EngineConfig())
+    outputs = engine.generate(prompts, greedy(MAX_TOKENS))
+    # the fast path ran (counted after the batched forward returned, not before it was tried)
+    assert engine.prefill_stats() == {"batched_groups": 2, "batched_rows": len(prompts), "fallbacks": 0}
+    assert not any("prefill_fallbacks" in e for e in log.of_kind("outcome"))
+    assert [o.token_ids for o in outputs] == [solo_tokens(model, tokenizer, p, MAX_TOKENS) for p in prompts]
+
+
+def test_a_failing_batched_prefill_falls_back_as_an_event_and_a_counter(text_model):
     from scheduler import Engine
+    from scheduler.events import MemorySink
     from scheduler.executor import MLXExecutor
     from scheduler.runners import TextRunner
 
-    from .helpers import mixed_prompts
-
     model, tokenizer = text_model
 
-    class CountingRunner(TextRunner):
-        batched_rows = 0
-
+    class BrokenBatchedPrefill(TextRunner):
         def prefill_many(self, requests, n):
-            CountingRunner.batched_rows += len(requests)
-            return super().prefill_many(requests, n)
+            raise RuntimeError("batched prefill is broken")
 
-    prompts = [p[:40] for p in mixed_prompts(8, 40, 60, seed=4)] + [p[:25] for p in mixed_prompts(3, 25, 30, seed=5)]
-    engine = Engine(model, tokenizer, EngineConfig(check_invariants=True),
-                    executor=MLXExecutor(CountingRunner(model)))
+    prompts = _equal_length_prompts()
+    log = MemorySink()
+    engine = Engine(model, tokenizer, EngineConfig(), executor=MLXExecutor(BrokenBatchedPrefill(model)),
+                    event_sinks=[log])
     outputs = engine.generate(prompts, greedy(MAX_TOKENS))
-    assert CountingRunner.batched_rows == len(prompts)  # a group of 8 and a group of 3
     assert [o.token_ids for o in outputs] == [solo_tokens(model, tokenizer, p, MAX_TOKENS) for p in prompts]
+    assert engine.prefill_stats() == {"batched_groups": 0, "batched_rows": 0, "fallbacks": 2}
+    fallbacks = [f for e in log.of_kind("outcome") for f in e.get("prefill_fallbacks", [])]
+    assert sorted((len(ids), n) for ids, n, _ in fallbacks) == [(3, 25 - 1), (8, 40 - 1)]
+    assert all("batched prefill is broken" in error for _, _, error in fallbacks)
