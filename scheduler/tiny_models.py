@@ -18,6 +18,8 @@ Kinds:
 * ``vlm``         -- Qwen2-VL, hidden 128 x 2 layers with a 2-block vision tower.
                      Exercises image inputs, mrope positions and the processor; a
                      112x140 image becomes 20 image tokens.
+* ``granite``     -- granite, hidden 128 x 2 layers, ``logits_scaling=4``: its ``__call__`` divides the
+                     output head's logits, so a path that skips it samples from the wrong distribution.
 * ``audio``       -- Gemma 4 (``gemma4``) with a 1-block Conformer audio tower, hidden
                      64 x 2 layers (one sliding-window layer, window 64, one full),
                      per-layer inputs, tied embeddings, and a tiny vision tower the
@@ -47,7 +49,7 @@ from typing import Any
 import mlx.core as mx
 
 MODEL_KINDS: tuple[str, ...] = ("text", "sliding", "text-medium", "vlm")
-ALL_KINDS: tuple[str, ...] = MODEL_KINDS + ("audio", "text-mtp")
+ALL_KINDS: tuple[str, ...] = MODEL_KINDS + ("audio", "text-mtp", "granite")
 
 VOCAB_SIZE = 512
 
@@ -242,8 +244,37 @@ def _sliding_config(tokenizer) -> dict[str, Any]:
     }
 
 
+def _granite_config(tokenizer) -> dict[str, Any]:
+    hidden, heads = 128, 4
+    return {
+        "architectures": ["GraniteForCausalLM"],
+        "model_type": "granite",
+        "hidden_size": hidden,
+        "num_hidden_layers": 2,
+        "intermediate_size": 256,
+        "num_attention_heads": heads,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": VOCAB_SIZE,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "logits_scaling": 4.0,  # logits = lm_head(h) / 4: what a hidden-state path must not skip
+        "attention_multiplier": (hidden // heads) ** -0.5,
+        "embedding_multiplier": 1.0,
+        "residual_multiplier": 1.0,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "bos_token_id": _special_id(tokenizer, "<|endoftext|>"),
+        "eos_token_id": _eos_ids(tokenizer),
+    }
+
+
 def text_config(kind: str, tokenizer) -> dict[str, Any]:
     """The config.json dict of a text kind."""
+    if kind == "granite":
+        return _granite_config(tokenizer)
     if kind == "text":
         return _qwen3_config(tokenizer, hidden=128, layers=2, heads=4, kv_heads=2,
                              intermediate=256)
@@ -379,7 +410,8 @@ def _sharpen_attention(lm, model_type: str) -> None:
             attn.q_norm.weight = (1.0 + attn.q_norm.weight) * ATTENTION_GAIN - 1.0
         else:
             attn.q_proj.weight = attn.q_proj.weight * (3 * ATTENTION_GAIN)
-            attn.q_proj.bias = attn.q_proj.bias * (3 * ATTENTION_GAIN)
+            if "bias" in attn.q_proj:  # qwen2 has one, granite (attention_bias=False) none
+                attn.q_proj.bias = attn.q_proj.bias * (3 * ATTENTION_GAIN)
 
 
 def _mute_special_tokens(lm, tokenizer) -> None:

@@ -2,6 +2,7 @@
 and draft length, reproducible seeded sampling, aborts in the drafting state, replayable traces."""
 
 import pytest
+from mlx_lm import stream_generate
 
 from scheduler import Engine, EngineConfig, FinishReason, RequestState, SamplingParams
 from scheduler.replay import load_trace, replay
@@ -250,3 +251,56 @@ def test_the_verify_forward_is_planned_as_computed(text_model, budget):
     else:  # 32 rows x (1 + 4) <= 200: the drafting row gets k = 4 while all 32 run
         assert any(len(p["decode"]) == 32 and p["draft"] == [[ids[-1], 4]] for p in plans)
     assert tokens[ids[-1]] == solo_tokens(model, tokenizer, prompts[-1], MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def granite_model(tmp_path_factory):
+    from mlx_lm import load
+
+    from scheduler.tiny_models import build_model
+
+    return load(str(build_model("granite", tmp_path_factory.mktemp("granite"))))
+
+
+def test_mtp_on_a_logit_scaling_model_keeps_its_logits(granite_model):
+    """granite divides its head's logits by logits_scaling in its own __call__: with the MTP drafter every
+    target forward goes through the hidden-state path, which must give the same logits (tokens and logprobs
+    equal mlx-lm's, drafting or not)."""
+    import mlx.core as mx
+
+    from scheduler.mtp import MTPHead
+
+    model, tokenizer = granite_model
+    mx.random.seed(0)
+    head = MTPHead(model.args.hidden_size)  # untrained: what it drafts is verified, what matters is the target
+    mx.eval(head.parameters())
+    engine = Engine(model, tokenizer, EngineConfig(draft_tokens=2, drafter="mtp", max_batched_tokens=128),
+                    mtp_head=head)
+    prompts = PROMPTS[:4]
+    with_logprobs = SamplingParams(max_tokens=MAX_TOKENS, logprobs=True)
+    outs = engine.generate(prompts, [with_logprobs, with_logprobs, greedy(MAX_TOKENS), greedy(MAX_TOKENS)])
+    for out, prompt in zip(outs, prompts):
+        solo = list(stream_generate(model, tokenizer, prompt, max_tokens=MAX_TOKENS))
+        assert out.token_ids == [r.token for r in solo]
+        if out.logprobs:
+            want = [r.logprobs[r.token].item() for r in solo]
+            assert out.logprobs == pytest.approx(want, abs=1e-4)
+    assert engine.draft_stats()["drafted"] > 0
+
+
+def test_mtp_is_refused_for_a_model_whose_logits_are_not_the_hidden_state_seam(text_model, mtp_head):
+    import mlx.core as mx
+
+    from scheduler.adapters import HiddenStateSeamError
+
+    model, tokenizer = text_model
+
+    class SoftCapped(type(model)):  # a family whose __call__ caps the logits in a way the adapter does not know
+        def __call__(self, inputs, cache=None, input_embeddings=None):
+            return 2.0 * mx.tanh(super().__call__(inputs, cache, input_embeddings) / 2.0)
+
+    capped = SoftCapped(model.args)
+    capped.update(model.parameters())
+    with pytest.raises(HiddenStateSeamError, match="output_head"):
+        Engine(capped, tokenizer, EngineConfig(draft_tokens=2, drafter="mtp"), mtp_head=mtp_head)
+    Engine(capped, tokenizer, EngineConfig(draft_tokens=2))  # other drafters go through the model's own call
