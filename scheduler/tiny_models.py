@@ -20,6 +20,10 @@ Kinds:
                      112x140 image becomes 20 image tokens.
 * ``granite``     -- granite, hidden 128 x 2 layers, ``logits_scaling=4``: its ``__call__`` divides the
                      output head's logits, so a path that skips it samples from the wrong distribution.
+* ``text-eos`` / ``vlm-eos`` -- ``text`` / ``vlm`` whose ``<|im_end|>`` (an eos id) is not muted but
+                     given a reachable logit (its lm_head row times EOS_GAIN): greedy decoding stops on
+                     eos for some prompts and runs to max_tokens for others, so stop-on-eos is compared
+                     with mlx-lm / mlx-vlm.
 * ``audio``       -- Gemma 4 (``gemma4``) with a 1-block Conformer audio tower, hidden
                      64 x 2 layers (one sliding-window layer, window 64, one full),
                      per-layer inputs, tied embeddings, and a tiny vision tower the
@@ -31,7 +35,7 @@ Weights are float32 with untied embeddings (with tied random embeddings greedy
 decoding collapses onto one token). Three adjustments to the random init (see
 ``_shape_random_weights``) make greedy decoding useful in tests: the output varies,
 depends on the whole context (so a broken KV cache changes it), and never emits a
-special token, so every generation runs to ``max_tokens``.
+special token, so every generation runs to ``max_tokens`` (the ``-eos`` kinds do emit eos).
 
 A build is deterministic: ``mx.random`` is seeded before the model is constructed
 and the tokenizer is a byte-level BPE trained on a corpus this module generates
@@ -49,7 +53,9 @@ from typing import Any
 import mlx.core as mx
 
 MODEL_KINDS: tuple[str, ...] = ("text", "sliding", "text-medium", "vlm")
-ALL_KINDS: tuple[str, ...] = MODEL_KINDS + ("audio", "text-mtp", "granite")
+ALL_KINDS: tuple[str, ...] = MODEL_KINDS + ("audio", "text-mtp", "granite", "text-eos", "vlm-eos")
+# Kinds that can stop on their own: `<|im_end|>` (an eos id) keeps a reachable logit (see _mute_special_tokens).
+EOS_KINDS: dict[str, str] = {"text-eos": "text", "vlm-eos": "vlm"}  # kind -> the kind it otherwise equals
 
 VOCAB_SIZE = 512
 
@@ -414,26 +420,35 @@ def _sharpen_attention(lm, model_type: str) -> None:
                 attn.q_proj.bias = attn.q_proj.bias * (3 * ATTENTION_GAIN)
 
 
-def _mute_special_tokens(lm, tokenizer) -> None:
+# The -eos kinds scale <|im_end|>'s lm_head row by this: with the text weights of seed 0, greedy decoding of
+# the main equality test's 16 prompts stops on eos within 20 tokens for 11 of them and runs to length for 5.
+EOS_GAIN = 2.0
+
+
+def _mute_special_tokens(lm, tokenizer, eos_gain: float | None = None) -> None:
     """Zero the lm_head rows of the special tokens.
 
     Their logit is then always 0 while the best of ~500 random logits is well
     above it, so greedy decoding never emits eos (or an image pad): generations
     run to max_tokens, whatever the seed. Tests of stop conditions should pick a
-    token the model does generate as the stop token.
+    token the model does generate as the stop token. With ``eos_gain``,
+    ``<|im_end|>`` keeps its random row scaled by that gain instead: its logit
+    then beats the others now and then, and generations stop on eos.
     """
     ids = mx.array([tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS])
     weight = lm.lm_head.weight
     keep = mx.ones((weight.shape[0], 1), dtype=weight.dtype)
     keep[ids] = 0
+    if eos_gain is not None:
+        keep[_special_id(tokenizer, "<|im_end|>")] = eos_gain
     lm.lm_head.weight = weight * keep
 
 
-def _shape_random_weights(lm, model_type: str, tokenizer) -> None:
+def _shape_random_weights(lm, model_type: str, tokenizer, eos_gain: float | None = None) -> None:
     """Adjust a freshly initialised language model (``lm.model``, ``lm.lm_head``)."""
     _spread_embeddings(lm, model_type)
     _sharpen_attention(lm, model_type)
-    _mute_special_tokens(lm, tokenizer)
+    _mute_special_tokens(lm, tokenizer, eos_gain)
 
 
 # -------------------------------------------------------------------------- writers
@@ -443,7 +458,7 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def _write_text_model(kind: str, out: Path, tokenizer, seed: int) -> None:
+def _write_text_model(kind: str, out: Path, tokenizer, seed: int, eos_gain: float | None = None) -> None:
     import importlib
 
     from mlx_lm.utils import save_config, save_model
@@ -452,13 +467,13 @@ def _write_text_model(kind: str, out: Path, tokenizer, seed: int) -> None:
     arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(seed)
     model = arch.Model(arch.ModelArgs.from_dict(config))
-    _shape_random_weights(model, config["model_type"], tokenizer)
+    _shape_random_weights(model, config["model_type"], tokenizer, eos_gain)
     mx.eval(model.parameters())
     save_model(out, model)
     save_config(config, out / "config.json")
 
 
-def _write_vlm_model(out: Path, tokenizer, seed: int) -> None:
+def _write_vlm_model(out: Path, tokenizer, seed: int, eos_gain: float | None = None) -> None:
     from mlx_vlm.models import qwen2_vl
     from mlx_vlm.utils import save_config, save_weights
 
@@ -469,7 +484,7 @@ def _write_vlm_model(out: Path, tokenizer, seed: int) -> None:
     model_config.vision_config = qwen2_vl.VisionConfig.from_dict(config["vision_config"])
     mx.random.seed(seed)
     model = qwen2_vl.Model(model_config)
-    _shape_random_weights(model.language_model, config["model_type"], tokenizer)
+    _shape_random_weights(model.language_model, config["model_type"], tokenizer, eos_gain)
     mx.eval(model.parameters())
     # Keys are already in mlx-vlm's layout (language_model.*, vision_tower.*, the
     # patch conv as [out, t, h, w, in]); its sanitize leaves them unchanged.
@@ -686,10 +701,12 @@ def build_model(kind: str, out_dir: str | os.PathLike, seed: int = 0) -> Path:
         _write_tokenizer(out, tokenizer)
         return out
     tokenizer = build_tokenizer()
-    if kind == "vlm":
-        _write_vlm_model(out, tokenizer, seed)
+    eos_gain = EOS_GAIN if kind in EOS_KINDS else None
+    base = EOS_KINDS.get(kind, "text" if kind == "text-mtp" else kind)
+    if base == "vlm":
+        _write_vlm_model(out, tokenizer, seed, eos_gain)
     else:
-        _write_text_model("text" if kind == "text-mtp" else kind, out, tokenizer, seed)
+        _write_text_model(base, out, tokenizer, seed, eos_gain)
     _write_tokenizer(out, tokenizer)
     if kind == "text-mtp":
         _write_mtp_head(out, seed)

@@ -48,3 +48,16 @@ def sliding_model(sliding_model_dir):
     import mlx_lm
 
     return mlx_lm.load(str(sliding_model_dir))
+
+
+@pytest.fixture(scope="session")
+def text_eos_model(tmp_path_factory):
+    """(model, TokenizerWrapper) of the tiny qwen3 that stops on eos for some prompts (tiny_models text-eos)."""
+    import mlx_lm
+
+    return mlx_lm.load(str(build_model("text-eos", tmp_path_factory.mktemp("tiny-text-eos"))))
+
+
+@pytest.fixture(scope="session")
+def vlm_eos_model_dir(tmp_path_factory) -> Path:
+    return build_model("vlm-eos", tmp_path_factory.mktemp("tiny-vlm-eos"))

@@ -304,3 +304,25 @@ def test_mtp_is_refused_for_a_model_whose_logits_are_not_the_hidden_state_seam(t
     with pytest.raises(HiddenStateSeamError, match="output_head"):
         Engine(capped, tokenizer, EngineConfig(draft_tokens=2, drafter="mtp"), mtp_head=mtp_head)
     Engine(capped, tokenizer, EngineConfig(draft_tokens=2))  # other drafters go through the model's own call
+
+
+@pytest.mark.parametrize("drafter", ["draft-model-self", "prompt-lookup"])
+def test_eos_inside_accepted_drafts_stops_like_mlx_lm(text_eos_model, drafter):
+    """On a model that emits eos: drafting output equals mlx-lm's, and when eos is one of a row's accepted
+    drafts (the target drafting for itself accepts everything), the request stops there and nothing after it
+    is emitted."""
+    model, tokenizer = text_eos_model
+    eos = set(tokenizer.eos_token_ids)
+    config = EngineConfig(max_batched_tokens=160, max_seqs=16, prefill_chunk=32, draft_tokens=4,
+                          drafter="draft-model" if drafter == "draft-model-self" else drafter)
+    engine, log, outputs = _run(model, tokenizer, config, model if drafter == "draft-model-self" else None)
+    reference = [solo_tokens(model, tokenizer, p, MAX_TOKENS) for p in PROMPTS + REPETITIVE]
+    assert outputs == reference
+    stopped = [o for o in outputs if o[-1] in eos]
+    assert stopped and all(not set(o[:-1]) & eos for o in outputs)
+    if drafter == "draft-model-self":
+        in_drafts = [rid for e in log.of_kind("outcome") for rid, toks in e["accepted_drafts"].items()
+                     if set(toks) & eos]
+        assert in_drafts, "no eos was an accepted draft"
+        ends = {e["request_id"]: e["reason"] for e in log.of_kind("transition") if e["to"] == "finished"}
+        assert all(ends[rid] == "stop" for rid in in_drafts)

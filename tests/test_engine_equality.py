@@ -25,6 +25,12 @@ def text_reference(text_model):
 
 
 @pytest.fixture(scope="module")
+def text_eos_reference(text_eos_model):
+    model, tokenizer = text_eos_model
+    return [solo_tokens(model, tokenizer, p, MAX_TOKENS) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
 def sliding_reference(sliding_model):
     model, tokenizer = sliding_model
     return [solo_tokens(model, tokenizer, p, MAX_TOKENS) for p in PROMPTS]
@@ -40,26 +46,38 @@ def _check(model_and_tokenizer, reference, config, staggered):
     outputs = list(run.tokens.values())  # ids were issued in prompt order
     mismatches = [i for i, (got, want) in enumerate(zip(outputs, reference)) if got != want]
     assert not mismatches, f"requests {mismatches} differ from their solo mlx-lm output"
-    for tokens, reason in zip(outputs, run.finish.values()):
+    for rid, tokens in run.tokens.items():  # (run.finish is in finishing order, not id order)
+        reason = run.finish[rid]
         if reason is FinishReason.LENGTH:
             assert len(tokens) == MAX_TOKENS
+            assert not set(tokens) & set(tokenizer.eos_token_ids)
         else:
             assert reason is FinishReason.STOP and len(tokens) <= MAX_TOKENS
-            assert tokens[-1] in tokenizer.eos_token_ids
+            assert tokens[-1] in tokenizer.eos_token_ids and not set(tokens[:-1]) & set(tokenizer.eos_token_ids)
     for plan in log.of_kind("plan"):  # budgets hold on every plan
         assert plan["num_batched_tokens"] <= config.max_batched_tokens
         assert plan["num_seqs"] <= config.max_seqs
         assert all(end - start <= config.prefill_chunk for _, start, end, _ in plan["prefill"])
-    return log
+    return log, run
 
 
 @pytest.mark.parametrize("staggered", [False, True], ids=["at-once", "staggered"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_text_model_matches_solo_mlx_lm(text_model, text_reference, name, staggered):
-    log = _check(text_model, text_reference, CONFIGS[name], staggered)
+    log, _ = _check(text_model, text_reference, CONFIGS[name], staggered)
     if name == "tiny-chunks":
         # chunked prefill really interleaved with decode: some tick had both
         assert any(p["prefill"] and p["decode"] for p in log.of_kind("plan"))
+
+
+@pytest.mark.parametrize("staggered", [False, True], ids=["at-once", "staggered"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_eos_model_stops_where_solo_mlx_lm_stops(text_eos_model, text_eos_reference, name, staggered):
+    """The same schedules on a model that emits eos: both finish branches run, each compared with mlx-lm."""
+    _, run = _check(text_eos_model, text_eos_reference, CONFIGS[name], staggered)
+    reasons = list(run.finish.values())
+    assert FinishReason.STOP in reasons and FinishReason.LENGTH in reasons
+    assert sum(r is FinishReason.STOP for r in reasons) == sum(len(t) < MAX_TOKENS for t in text_eos_reference)
 
 
 @pytest.mark.slow
