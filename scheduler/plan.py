@@ -96,6 +96,12 @@ class PrefixStore:
     payload: Any = None
 
 
+# How an executor's error text starts when a request's prefill failed (it never joined the batch) and when
+# the batched decode failed (every row was dropped from the batch): replay's model of the batch reads them.
+PREFILL_FAILED = "prefill failed"
+DECODE_FAILED = "decode failed"
+
+
 @dataclass(frozen=True)
 class PrefillFallback:
     """A batched first-chunk prefill that raised: its requests were prefilled one by one instead."""

@@ -97,13 +97,6 @@ class _KVTracker:
         return True
 
 
-def _may_draft(request: Request) -> bool:
-    """Rows whose next tokens depend on per-position Python or history the verifier does not replay keep
-    plain decoding: logits processors, penalties, per-token logprobs."""
-    s = request.sampling
-    return not (s.logits_processors or s.logprobs or s.presence_penalty or s.repetition_penalty != 1)
-
-
 class _VisionBudget:
     """Images encoded per tick. A request with more images than the whole budget is encoded alone in a tick
     rather than never."""
@@ -160,8 +153,9 @@ def _grant_drafts(view: SchedulerView, config: EngineConfig, gone: set[str], bud
         return []
     draft = []
     for request in view.decoding:
-        k = min(width, request.sampling.max_tokens - request.num_output_tokens - 1)
-        if request.request_id not in gone and k >= 1 and _may_draft(request):
+        # the verify forward emits up to k + 1 tokens: drafts never cross max_tokens or the context limit
+        k = min(width, request.output_limit - request.num_output_tokens - 1)
+        if request.request_id not in gone and k >= 1 and request.draft_eligible:
             draft.append((request.request_id, k))
     return draft
 

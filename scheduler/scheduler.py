@@ -50,8 +50,12 @@ class Scheduler:
         stop_token_ids: Iterable[int] = (),
         policy: str | Policy | None = None,
         kv_layout: KVLayout | None = None,
+        max_model_len: int | None = None,
     ):
         self.config = config
+        # The context limit of every request (prompt + outputs): the engine passes the resolved one (config or
+        # the model's), replay the recorded one; a model-free run falls back to the config's.
+        self.max_model_len = max_model_len if max_model_len is not None else config.max_model_len
         self.events = events
         self.policy = make_policy(policy if policy is not None else config.policy)
         self.lifecycle = Lifecycle()
@@ -76,7 +80,12 @@ class Scheduler:
         self.events.emit(kind, self._tick, **fields)
 
     # ---- requests in and out ----------------------------------------------------------------------
-    def add(self, request: Request, tick: int) -> None:
+    def add(self, request: Request, tick: int, error: str | None = None) -> StepOutput | None:
+        """Queue an arrival. With `error` (its input turned out unusable, e.g. unreadable media) it is accepted
+        and failed at once, and the StepOutput saying so is returned; the arrival event records the error so
+        replay fails it the same way."""
+        if self.max_model_len is not None:
+            request.max_model_len = self.max_model_len
         self.lifecycle.attach(request)
         request.state_entered_time = request.arrival_time
         self.requests[request.request_id] = request
@@ -84,9 +93,10 @@ class Scheduler:
         self.events.emit(
             "arrival", tick, request_id=request.request_id, prompt_tokens=request.prompt_tokens,
             sampling=request.sampling.to_record(), priority=request.priority, seed=request.seed,
-            num_images=request.num_images, media_key=request.media_key,
-            measure={"t": request.arrival_time, "admitted_to_engine_t": time.perf_counter()},
+            num_images=request.num_images, media_key=request.media_key, draft_eligible=request.draft_eligible,
+            error=error, measure={"t": request.arrival_time, "admitted_to_engine_t": time.perf_counter()},
         )
+        return self.fail(request.request_id, tick, error) if error is not None else None
 
     def abort(self, request_id: str, tick: int, reason: str = "aborted by caller") -> StepOutput:
         request = self.requests[request_id]
@@ -167,21 +177,19 @@ class Scheduler:
             request.rope_delta = result.encoded[rid]["rope_delta"]
             self.prefilling[rid] = self.encoding.pop(rid)
             self._move(request, Trigger.START_PREFILL, tick)
-        for store in result.prefix_stores:
-            request = self.requests[store.request_id]
-            self.prefix_cache.store(request.prefill_tokens(0, store.num_tokens), store.nbytes, store.payload,
-                                    namespace=request.media_key, whole_only=store.whole_only,
-                                    request_id=store.request_id)
+        if self.prefix_cache is not None:
+            self._record_lookups(plan, hits)
+            for store in result.prefix_stores:
+                request = self.requests.get(store.request_id)
+                if request is None:  # it failed this tick: a failing request fails alone and stores nothing
+                    continue
+                self.prefix_cache.store(request.prefill_tokens(0, store.num_tokens), store.nbytes, store.payload,
+                                        namespace=request.media_key, whole_only=store.whole_only,
+                                        request_id=store.request_id)
         for chunk in plan.prefill:
             request = self.requests.get(chunk.request_id)
             if request is None:  # failed above
                 continue
-            if request.num_computed_tokens == 0 and self.prefix_cache is not None:  # its first chunk
-                self._prefix_memo.pop(request.request_id, None)
-                if request.request_id in hits:
-                    self.prefix_cache.record_hit(*hits[request.request_id], request_id=request.request_id)
-                else:
-                    self.prefix_cache.record_miss(request.request_id)
             request.num_computed_tokens = chunk.end
             if chunk.completes:
                 self._append(request, result)
@@ -211,13 +219,27 @@ class Scheduler:
             token = sampled[rid]
             sampling = request.sampling
             if (sampling.logprobs or vectors or token in model_stops or token in sampling.stop_token_ids
-                    or len(request.output_tokens) + 1 >= sampling.max_tokens):
+                    or len(request.output_tokens) + 1 >= request.output_limit):
                 self._append(request, result)
                 outputs.append(self._after_token(request, result, tick, released))
             else:
                 request.output_tokens.append(token)
                 outputs.append(StepOutput(rid, [token], request.state))
         return AppliedTick(outputs, released)
+
+    def _record_lookups(self, plan: TickPlan, hits: dict[str, tuple[int, int]]) -> None:
+        """Hits and misses of this tick's first chunks, before any store of the tick: a store may evict the
+        entry a hit names (LRU eviction is the steady state of a full cache). The executor restored it
+        before running the tick, so the hit stands."""
+        for chunk in plan.prefill:
+            request = self.requests.get(chunk.request_id)
+            if request is None or request.num_computed_tokens != 0:  # failed above, or not its first chunk
+                continue
+            self._prefix_memo.pop(request.request_id, None)
+            if request.request_id in hits:
+                self.prefix_cache.record_hit(*hits[request.request_id], request_id=request.request_id)
+            else:
+                self.prefix_cache.record_miss(request.request_id)
 
     def _move_drafting(self, plan: TickPlan, tick: int) -> None:
         """Rows the plan lets draft are in `drafting` while they do; they go back to `decoding` when a plan
@@ -266,10 +288,11 @@ class Scheduler:
             request.output_logprobs.append(result.logprobs[request.request_id])
 
     def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
-        """After `token` was appended: a stop token ends with STOP (it is emitted), max_tokens with LENGTH."""
+        """After `token` was appended: a stop token ends with STOP (it is emitted); max_tokens, or the context
+        limit (prompt + outputs = max_model_len), with LENGTH."""
         if token in self.model_stop_ids or token in request.sampling.stop_token_ids:
             return FinishReason.STOP
-        if request.num_output_tokens >= request.sampling.max_tokens:
+        if request.num_output_tokens >= request.output_limit:
             return FinishReason.LENGTH
         return None
 
@@ -342,8 +365,12 @@ class Scheduler:
         for request in self.decoding.values():
             require(request.num_computed_tokens == request.prefill_len,
                     f"{request.request_id} decodes before its prefill completed")
-            require(request.recompute_tokens < request.num_output_tokens < request.sampling.max_tokens,
+            require(request.recompute_tokens < request.num_output_tokens < request.output_limit,
                     f"{request.request_id} decodes with an impossible output count")
+        for request in self.requests.values():  # nothing runs past the model's context
+            require(request.max_model_len is None
+                    or request.prompt_len + request.num_output_tokens <= request.max_model_len,
+                    f"{request.request_id} runs past the model's context")
         cache = self.prefix_cache
         if cache is not None:
             entries = list(cache._entries.values())

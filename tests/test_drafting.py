@@ -5,9 +5,9 @@ import pytest
 from mlx_lm import stream_generate
 
 from scheduler import Engine, EngineConfig, FinishReason, RequestState, SamplingParams
-from scheduler.replay import load_trace, replay
+from scheduler.tools.replay import load_trace, replay
 
-from scheduler.drafters import DraftModelDrafter
+from scheduler.execution.drafters import DraftModelDrafter
 from scheduler.events import MemorySink
 
 from .helpers import drive, greedy, mixed_prompts, solo_tokens
@@ -27,8 +27,8 @@ def reference(text_model):
 @pytest.fixture(scope="module")
 def mtp_head(tmp_path_factory):
     """The tiny text model's own MTP head (text-mtp builds the same model weights as text, plus the head)."""
-    from scheduler.mtp import load_mtp_head
-    from scheduler.tiny_models import build_model
+    from scheduler.execution.mtp import load_mtp_head
+    from scheduler.fixtures.tiny_models import build_model
 
     return load_mtp_head(build_model("text-mtp", tmp_path_factory.mktemp("mtp")))
 
@@ -37,7 +37,7 @@ def mtp_head(tmp_path_factory):
 def other_draft_model(tmp_path_factory):
     from mlx_lm import load
 
-    from scheduler.tiny_models import build_model
+    from scheduler.fixtures.tiny_models import build_model
 
     model, _ = load(str(build_model("text", tmp_path_factory.mktemp("draft"), seed=1)))
     return model
@@ -75,7 +75,7 @@ def test_greedy_output_is_unchanged_by_drafting(text_model, other_draft_model, m
 def _lookup_hits(prompt: list[int], output: list[int]) -> int:
     """Output positions whose next token a 1..3-gram lookup of the history so far predicts (an oracle computed
     from mlx-lm's own output, independent of the engine)."""
-    from scheduler.drafters import NgramIndex
+    from scheduler.execution.drafters import NgramIndex
 
     hits = 0
     for i in range(len(output) - 1):
@@ -164,7 +164,7 @@ def test_mtp_head_round_trips_and_compat_install(text_model, mtp_head, tmp_path)
     import mlx.core as mx
 
     from scheduler.compat import MLLMBatchGenerator, MLLMBatchRequest, install_mtp_mllm
-    from scheduler.mtp import load_mtp_head, save_mtp_head
+    from scheduler.execution.mtp import load_mtp_head, save_mtp_head
 
     save_mtp_head(mtp_head, tmp_path)
     again = load_mtp_head(tmp_path)
@@ -192,7 +192,7 @@ class _PositionCountingRunner:
     """A TextRunner that counts the token positions every forward it runs really computes (batch x length)."""
 
     def __new__(cls, model):
-        from scheduler.runners import TextRunner
+        from scheduler.execution.runners import TextRunner
 
         class Counting(TextRunner):
             positions = 0
@@ -220,7 +220,7 @@ class _PositionCountingRunner:
 def test_the_verify_forward_is_planned_as_computed(text_model, budget):
     """32 rows, one of which may draft k=4: the verify forward runs all 32 rows at width 5 (160 positions), so a
     plan may only grant that width when max_batched_tokens pays for it; no tick computes more than planned."""
-    from scheduler.executor import MLXExecutor
+    from scheduler.execution.executor import MLXExecutor
 
     model, tokenizer = text_model
     runner = _PositionCountingRunner(model)
@@ -257,7 +257,7 @@ def test_the_verify_forward_is_planned_as_computed(text_model, budget):
 def granite_model(tmp_path_factory):
     from mlx_lm import load
 
-    from scheduler.tiny_models import build_model
+    from scheduler.fixtures.tiny_models import build_model
 
     return load(str(build_model("granite", tmp_path_factory.mktemp("granite"))))
 
@@ -268,7 +268,7 @@ def test_mtp_on_a_logit_scaling_model_keeps_its_logits(granite_model):
     equal mlx-lm's, drafting or not)."""
     import mlx.core as mx
 
-    from scheduler.mtp import MTPHead
+    from scheduler.execution.mtp import MTPHead
 
     model, tokenizer = granite_model
     mx.random.seed(0)
@@ -291,7 +291,7 @@ def test_mtp_on_a_logit_scaling_model_keeps_its_logits(granite_model):
 def test_mtp_is_refused_for_a_model_whose_logits_are_not_the_hidden_state_seam(text_model, mtp_head):
     import mlx.core as mx
 
-    from scheduler.adapters import HiddenStateSeamError
+    from scheduler.execution.library import HiddenStateSeamError
 
     model, tokenizer = text_model
 

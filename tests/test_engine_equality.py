@@ -110,8 +110,8 @@ def test_fresh_prompts_of_equal_length_share_one_prefill_forward_and_stay_exact(
 def test_a_failing_batched_prefill_falls_back_as_an_event_and_a_counter(text_model):
     from scheduler import Engine
     from scheduler.events import MemorySink
-    from scheduler.executor import MLXExecutor
-    from scheduler.runners import TextRunner
+    from scheduler.execution.executor import MLXExecutor
+    from scheduler.execution.runners import TextRunner
 
     model, tokenizer = text_model
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from scheduler.tiny_models import MODEL_KINDS, SPECIAL_TOKENS, build_model
+from scheduler.fixtures.tiny_models import MODEL_KINDS, SPECIAL_TOKENS, build_model
 
 N_TOKENS = 16
 VOCAB = 512
@@ -81,7 +81,7 @@ def test_build_is_deterministic(tmp_path, text_model_dir):
 def test_build_is_deterministic_across_processes(tmp_path, text_model_dir):
     # Rust hash maps in `tokenizers` are seeded per process; the BPE training must
     # not depend on their iteration order.
-    code = "import sys; from scheduler.tiny_models import build_model; build_model('text', sys.argv[1])"
+    code = "import sys; from scheduler.fixtures.tiny_models import build_model; build_model('text', sys.argv[1])"
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "other")], check=True)
     for name in ("model.safetensors", "tokenizer.json"):
         assert (tmp_path / "other" / name).read_bytes() == (text_model_dir / name).read_bytes()
@@ -272,7 +272,7 @@ def test_eos_kinds_are_deterministic_and_differ_from_their_base_only_in_the_eos_
     lm_head row (scaled, not zeroed): so they are the same model, able to stop."""
     import mlx.core as mx
 
-    from scheduler.tiny_models import EOS_GAIN
+    from scheduler.fixtures.tiny_models import EOS_GAIN
 
     first, again = build_model(kind, tmp_path / "a"), build_model(kind, tmp_path / "b")
     assert (first / "model.safetensors").read_bytes() == (again / "model.safetensors").read_bytes()
