@@ -245,11 +245,12 @@ class Scheduler:
         """Rows the plan lets draft are in `drafting` while they do; they go back to `decoding` when a plan
         stops letting them (a transition only when that changes, not every tick)."""
         drafting_now = {rid for rid, _ in plan.draft}
-        for rid in drafting_now - self._drafting:
+        # in plan / admission order, not set order: the transition events must come out the same in a replay
+        for rid in [rid for rid, _ in plan.draft if rid not in self._drafting]:
             request = self.requests.get(rid)
             if request is not None and request.state is RequestState.DECODING:
                 self._move(request, Trigger.START_DRAFT, tick)
-        for rid in self._drafting - drafting_now:
+        for rid in [rid for rid in self.requests if rid in self._drafting and rid not in drafting_now]:
             request = self.requests.get(rid)
             if request is not None and request.state is RequestState.DRAFTING:
                 self._move(request, Trigger.END_DRAFT, tick)
