@@ -153,11 +153,53 @@ def kv_layout(model: Any, max_kv_size: int | None = None) -> "KVLayout":
     return KVLayout(tuple(layers))
 
 
+class HiddenStateSeamError(ValueError):
+    """The model's logits are not `logits_from_hidden(model)(model.model(x))`: a hidden-state drafter (MTP)
+    cannot run on it exactly, so it is refused at configuration."""
+
+
+# Families whose `__call__` transforms the output head's logits after `output_head(model.model(x))`: the same
+# transform, as data. `check_hidden_seam` proves on a probe that the result is the model's own call; a family
+# that is neither here nor plain fails that probe and is refused.
+_LOGIT_TRANSFORMS = {
+    "granite": lambda model, logits: logits / model.logits_scaling,  # mlx_lm.models.granite
+    "cohere": lambda model, logits: logits * model.model.args.logit_scale,  # mlx_lm.models.cohere
+}
+
+
+def logits_from_hidden(model: Any):
+    """hidden -> logits exactly as the model's own `__call__` computes them from `model.model`'s output."""
+    head = output_head(model)
+    transform = _LOGIT_TRANSFORMS.get(getattr(model_args(model), "model_type", None))
+    if transform is None:
+        return head
+    return lambda hidden: transform(model, head(hidden))
+
+
+def check_hidden_seam(model: Any) -> None:
+    """Raise HiddenStateSeamError unless `forward_with_hidden` gives the logits of the model's own `__call__`
+    (compared on a probe with fresh caches): what the hidden-state path rests on, proved, not assumed."""
+    probe = mx.array([[1, 2, 3, 4]])
+    own = model(probe, cache=make_request_cache(model))
+    try:
+        seam, _ = forward_with_hidden(model, probe, make_request_cache(model))
+        same = seam.shape == own.shape and bool(mx.allclose(seam, own, rtol=1e-4, atol=1e-5))
+    except Exception as exc:  # no `model.model`, another signature: not the seam either
+        raise HiddenStateSeamError(f"{type(model).__module__}: no hidden-state seam ({type(exc).__name__}: "
+                                   f"{exc})") from None
+    if not same:
+        raise HiddenStateSeamError(
+            f"{type(model).__module__}: its logits are not output_head(model.model(x)) (a logit scale, soft cap "
+            "or other transform this adapter does not know), so a hidden-state drafter would sample from the "
+            "wrong distribution; use drafter='prompt-lookup' or 'draft-model'")
+
+
 def forward_with_hidden(model: Any, inputs: mx.array, cache: Cache) -> tuple[mx.array, mx.array]:
     """(logits, final hidden states) of an mlx-lm model whose `model.model` returns the normed hidden states
-    and whose output head is `lm_head` or the tied embedding (llama, qwen3 and most decoder models)."""
+    and whose output head is `lm_head` or the tied embedding, followed by the family's logit transform if it
+    has one (`_LOGIT_TRANSFORMS`). Only for models `check_hidden_seam` accepts."""
     hidden = model.model(inputs, cache)
-    return output_head(model)(hidden), hidden
+    return logits_from_hidden(model)(hidden), hidden
 
 
 def token_embedding(model: Any):
