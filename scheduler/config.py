@@ -15,7 +15,9 @@ class EngineConfig:
     prefill_chunk: the longest prefill chunk one request gets in one tick.
     max_prefill_tokens: prefill tokens of all requests together in one tick (None: whatever
         max_batched_tokens leaves after decoding).
-    max_model_len: longest prompt accepted; None means the model's `max_position_embeddings`.
+    max_model_len: the context limit: prompt + outputs never exceed it (generation ends with LENGTH there,
+        drafts stay inside it; a prompt with no room for one output is refused). None means the model's
+        `max_position_embeddings`. max_kv_size does not lift it.
     seed: engine seed; a request without its own seed samples with one derived from this and its id.
     draft_tokens: with k > 0, decoding rows may propose up to k draft tokens per tick, verified in the same
         batched forward (exact: greedy output is unchanged, sampled output keeps its distribution). Draft
@@ -25,7 +27,7 @@ class EngineConfig:
     vision_budget: media items whose encoding runs in one tick (so much media cannot stall decoding): an image
         is one item, a video one per temporal patch of its selected frames (Qwen2-VL: 2 frames), an audio clip
         one. A request with more items than the whole budget is encoded alone in a tick.
-    video_fps: frames sampled per second of video, by timestamp (scheduler/media.py).
+    video_fps: frames sampled per second of video, by timestamp (scheduler/models/media.py).
     video_max_frames: at most this many frames per video, spread evenly over the clip when fps would give more.
     vision_cache_bytes: byte budget of the vision-encoder output cache (VLMs; 0 turns it off).
     max_kv_size: keep only the last `max_kv_size` tokens of each request's context (rotating caches, no

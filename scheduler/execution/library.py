@@ -31,7 +31,7 @@ from caches.layers import (  # noqa: F401  (re-exported)
     splittable,
 )
 
-from .families import Family, UnsupportedModel, family_of, model_type_of
+from scheduler.families import Family, UnsupportedModel, family_of, model_type_of
 
 
 def make_request_cache(model: Any, max_kv_size: int | None = None) -> Cache:
