@@ -24,6 +24,7 @@ from .plan import PLAN_RECORD_GROUPS
 from .events import EventLog, JsonlSink, MemorySink
 from .execution.executor import MLXExecutor
 from .execution.runners import TextRunner, VisionLanguageRunner
+from .families import UnsupportedFeature
 from .lifecycle import RequestState
 from .policy import policy_record
 from .request import (
@@ -141,6 +142,7 @@ class Engine:
             sinks.append(JsonlSink(self.config.trace_path))
         self.events = EventLog(sinks)
         family = _model_family(model, tokenizer, self.config, self._vision_event)
+        self._runner = family.runner
         self.vlm, self.vision_cache = family.vlm, family.vision_cache
         self.tokenizer, self.vocab_size = family.tokenizer, family.vocab_size
         self.max_model_len = self.config.max_model_len or family.max_positions or 1 << 30
@@ -189,10 +191,15 @@ class Engine:
             if draft_model is not None:
                 raise ValueError("draft_model given but draft_tokens is 0: set EngineConfig(draft_tokens=k)")
             return None
-        if self.vlm is not None or cfg.max_kv_size is not None or any(
-                layer.window for layer in self.kv_layout.layers):
+        if self.vlm is not None or cfg.max_kv_size is not None:
             raise ValueError("draft_tokens: speculative decoding needs plain KV caches on a text model (no "
                              "sliding windows, no max_kv_size)")
+        runner = self._runner
+        if not runner.capabilities.rollback:  # verification must be undone exactly for rejected drafts
+            kinds = [c.kind for c in runner.capabilities.layers if not c.rollback]
+            raise UnsupportedFeature(runner.family.model_type, "draft_tokens",
+                                     f"its {sorted(set(kinds))} layers cannot be rolled back after verification "
+                                     "(sliding windows overwrite, recurrent state cannot be rewound)")
         from .execution.drafters import DraftModelDrafter, PromptLookupDrafter
 
         if cfg.drafter == "mtp":

@@ -19,11 +19,11 @@ import mlx.core as mx
 
 from caches.kv import KVCacheManager
 from kernels.sampling import RowSampling, SamplingArrays, sample_tokens
+from caches.layers import rollback_rows
 from kernels.speculative import (
     greedy_accept,
     pad_drafts,
     processed_logprobs,
-    rollback_rows,
     stack_draft_logprobs,
     stochastic_accept,
 )
@@ -109,7 +109,7 @@ class MLXExecutor:
         self.runner: Runner = runner if hasattr(runner, "decode") and hasattr(runner, "make_cache") else TextRunner(runner)
         self.prefix_cache = prefix_cache  # read here (payloads to restore); the scheduler decides what is in it
         self.penalty_context = penalty_context
-        self.kv = KVCacheManager(self.runner.make_cache)
+        self.kv = KVCacheManager(self.runner.make_cache, getattr(self.runner, "merge", None))
         self._encoded: dict[str, Any] = {}  # request id -> model inputs prepared for prefill (VLM embeddings)
         self._rows: list[_Row] = []
         self._row_index: dict[str, int] = {}
