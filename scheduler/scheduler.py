@@ -416,7 +416,7 @@ class Scheduler:
                     "prefix-cache bytes are not the sum of its entries, or over its budget")
             for entry in entries:  # recorded sizes are the real arrays' sizes
                 if entry.payload is not None:
-                    require(entry.nbytes == sum(x.nbytes for _, state in entry.payload for x in state[:2]),
+                    require(entry.nbytes == _array_bytes(entry.payload),
                             f"prefix entry {entry.entry_id}: recorded size is not its arrays' size")
         require(len(self.encoding) + len(self.prefilling) + len(self.decoding) <= cfg.max_seqs,
                 "more live sequences than max_seqs")
@@ -431,3 +431,13 @@ class InvariantViolation(RuntimeError):
 def require(condition: bool, what: str, context: Any = None) -> None:
     if not condition:
         raise InvariantViolation(what if context is None else f"{what}: {context}")
+
+
+def _array_bytes(payload: Any) -> int:
+    """Bytes of every array in an opaque prefix-cache payload (nested tuples and lists of arrays and metadata;
+    the payload's layout belongs to the cache-layer protocol, so this only walks it)."""
+    if isinstance(payload, (list, tuple)):
+        return sum(_array_bytes(x) for x in payload)
+    if isinstance(payload, (int, float, str, type)) or payload is None:
+        return 0
+    return int(getattr(payload, "nbytes", 0))
