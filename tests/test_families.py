@@ -91,3 +91,14 @@ def test_drafting_is_refused_where_state_cannot_roll_back(family):
         with pytest.raises(UnsupportedFeature) as info:
             engine_with_log(model, tokenizer, EngineConfig(draft_tokens=2))
         assert info.value.model_type == model_type and info.value.feature == "draft_tokens"
+
+
+def test_the_readme_table_is_generated_from_the_family_table():
+    from pathlib import Path
+
+    from scheduler.families import support_table
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    start = readme.index("<!-- families-table:begin")
+    body = readme[readme.index("\n", start) + 1: readme.index("<!-- families-table:end -->")]
+    assert body.strip() == support_table().strip(), "README's family table is stale: regenerate it from support_table()"
