@@ -159,9 +159,22 @@ class PlainKV:
         return LayerLayout((layer.keys.nbytes + layer.values.nbytes) // layer.keys.shape[2], None)
 
 
+def _vlm_rotating_classes() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """mlx-vlm 0.7's own rotating caches (Gemma 4's language model builds them). They batch like mlx-lm's, but
+    keep the pre-0.32 state contract: `state` is (keys, values) and `from_state(state, meta_state)`."""
+    try:
+        from mlx_vlm.models import cache as vlm_cache
+    except ImportError:  # mlx-vlm is optional for text-only use
+        return (), ()
+    return (vlm_cache.RotatingKVCache,), (vlm_cache.BatchRotatingKVCache,)
+
+
+_VLM_ROTATING, _VLM_BATCH_ROTATING = _vlm_rotating_classes()
+
+
 class RotatingKV:
-    classes = (mlx_cache.RotatingKVCache,)
-    batch_classes = (mlx_cache.BatchRotatingKVCache,)
+    classes = (mlx_cache.RotatingKVCache, *_VLM_ROTATING)
+    batch_classes = (mlx_cache.BatchRotatingKVCache, *_VLM_BATCH_ROTATING)
     # A window that has wrapped has overwritten what a trim or a rollback would have to bring back.
     caps = LayerCapabilities("RotatingKVCache", Growth.WINDOW, trimmable=False, rollback=False, splittable=False)
 
@@ -171,11 +184,18 @@ class RotatingKV:
 
     @staticmethod
     def snapshot(layer: Any) -> tuple[tuple, list[mx.array]]:
+        if isinstance(layer, _VLM_ROTATING):
+            keys, values = (mx.array(x) for x in layer.state)
+            return (keys, values, layer.meta_state), [keys, values]
         return layer.state, [layer.keys, layer.values]
 
     @staticmethod
     def restore(kind: type, state: tuple, length: int) -> Any:
-        layer = kind.from_state(tuple(mx.array(x) if isinstance(x, mx.array) else x for x in state))
+        if issubclass(kind, _VLM_ROTATING):
+            keys, values, meta = state
+            layer = kind.from_state((mx.array(keys), mx.array(values)), meta)
+        else:
+            layer = kind.from_state(tuple(mx.array(x) if isinstance(x, mx.array) else x for x in state))
         if layer.offset != length:
             raise ValueError(f"a rotating entry of {layer.offset} tokens cannot be cut to {length}")
         return layer
