@@ -147,7 +147,7 @@ def test_the_plan_crosses_the_wire_unchanged():
                     failed=(("f", "too big"),), kv_bytes_bound=1234, num_batched_tokens=24, num_seqs=4)
     message = TickMessage(MessageKind.TICK, plan=encode_plan(plan),
                           requests={"a": RequestData([1, 2], SamplingParams(max_tokens=3).to_record(), 9, 0, [])},
-                          appended={"c": [5, 6]}, released=["z"], prefix_added=[(3, "y")], prefix_evicted=[1])
+                          appended={"c": [5, 6]}, released=["z"], prefix_added=[(3, "y", 16)], prefix_evicted=[1])
     back = TickMessage.from_bytes(message.to_bytes())
     assert decode_plan(back.plan) == plan
     assert back == message

@@ -103,7 +103,9 @@ class TickMessage:
     requests: dict[str, RequestData] = field(default_factory=dict)
     appended: dict[str, list[int]] = field(default_factory=dict)  # tokens rank 0 appended since the last tick
     released: list[str] = field(default_factory=list)
-    prefix_added: list[tuple[int, str]] = field(default_factory=list)  # (entry id, request id that stored it)
+    # (entry id, request id that stored it, its tokens: a request may store a checkpoint and its prefill end in
+    # one tick)
+    prefix_added: list[tuple[int, str, int]] = field(default_factory=list)
     prefix_evicted: list[int] = field(default_factory=list)
 
     def to_bytes(self) -> bytes:
@@ -157,12 +159,12 @@ class PrefixEntryWatch:
     last tick, so followers keep the same entries for their own shards."""
 
     def __init__(self) -> None:
-        self.added: list[tuple[int, str]] = []
+        self.added: list[tuple[int, str, int]] = []
         self.evicted: list[int] = []
 
     def write(self, event: dict[str, Any]) -> None:
         if event["event"] == "prefix_store":
-            self.added.append((event["entry_id"], event["request_id"]))
+            self.added.append((event["entry_id"], event["request_id"], event["tokens"]))
         elif event["event"] == "prefix_evict":
             self.evicted.append(event["entry_id"])
 
@@ -258,7 +260,7 @@ class Follower:
         self.requests: dict[str, Request] = {}
         self.stats = FollowerStats()
         self._produced: dict[str, list[int]] = {}  # tokens this rank emitted last tick, per request
-        self._pending_stores: dict[str, Any] = {}
+        self._pending_stores: dict[tuple[str, int], Any] = {}
 
     def run(self) -> FollowerStats:
         while True:
@@ -277,8 +279,8 @@ class Follower:
                 self.requests.pop(rid, None)
                 self._produced.pop(rid, None)
         if self.payloads is not None:
-            for entry_id, rid in message.prefix_added:
-                self.payloads.entries[entry_id] = self._pending_stores[rid]
+            for entry_id, rid, tokens in message.prefix_added:
+                self.payloads.entries[entry_id] = self._pending_stores[(rid, tokens)]
             for entry_id in message.prefix_evicted:
                 self.payloads.entries.pop(entry_id, None)
         self._pending_stores = {}
@@ -292,7 +294,7 @@ class Follower:
             self._produced.pop(rid, None)
         result = self.executor.execute(decode_plan(message.plan), self.requests)
         raise_if_peer_lost(result, self.channel.rank)
-        self._pending_stores = {s.request_id: s.payload for s in result.prefix_stores}
+        self._pending_stores = {(s.request_id, s.num_tokens): s.payload for s in result.prefix_stores}
         self._produced = {rid: result.accepted_drafts.get(rid, []) + [token] for rid, token in result.sampled.items()}
         return result
 
