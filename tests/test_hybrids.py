@@ -18,6 +18,7 @@ from scheduler.fixtures.families import build_family_model
 from scheduler.tools.replay import load_trace, replay
 
 from .helpers import drive, engine_with_log, greedy, mixed_prompts, solo_tokens
+from .test_families import kv_budget_forcing_preemption
 
 HYBRIDS = ["lfm2", "qwen3_next", "granitemoehybrid", "nemotron_h", "mamba2"]
 MAX_TOKENS = 6
@@ -81,11 +82,9 @@ def test_a_kv_budget_preempts_a_hybrid_and_outputs_stay_exact(hybrid):
     model_type, model, tokenizer = hybrid
     prompts = mixed_prompts(3, 24, 24, seed=9)
     reference = [solo_tokens(model, tokenizer, p, MAX_TOKENS) for p in prompts]
-    layout = library.kv_layout(model)
-    fixed = sum(layer.fixed_bytes for layer in layout.layers)
+    fixed = sum(layer.fixed_bytes for layer in library.kv_layout(model).layers)
     assert fixed > 0, "a recurrent state is counted in the bound"
-    grows = layout.bytes_per_token > 0
-    budget = layout.batch_bytes([24 + 2] * 3) if grows else 2 * fixed + fixed // 2
+    budget, grows = kv_budget_forcing_preemption(model, prompts, rows=2 if model_type == "mamba2" else 3)
     config = EngineConfig(max_batched_tokens=128, max_seqs=8, prefill_chunk=64, kv_memory_bytes=budget,
                           kv_headroom_tokens=0, check_invariants=True)
     got, engine, sink = _run(model, tokenizer, config, prompts, stagger=0)
