@@ -1,7 +1,8 @@
 """Conformance across mlx-lm text families: tiny seeded builds of every family in the table (and quantized
 ones), batched greedy == `mlx_lm.generate` alone, in every schedule: all at once; staggered with a small token
-budget and small chunks; fewer slots than requests; the prefix cache on (trimmed hits, or exact checkpoints for caches that cannot be
-trimmed); a KV budget that forces preemption (and, for a model whose state does not grow, limits the batch)."""
+budget and small chunks; fewer slots than requests; the prefix cache on (trimmed hits, or exact checkpoints
+for caches that cannot be trimmed); a KV budget that forces preemption (and, for a model whose state does not
+grow, limits the batch)."""
 
 from __future__ import annotations
 
