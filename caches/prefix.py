@@ -15,8 +15,8 @@ An entry with layers that cannot be trimmed (a rotating window: once it has wrap
 trim it back are gone; recurrent state: it has no notion of a shorter prefix) can only be reused whole, as an
 exact checkpoint. The executor stores such caches at the block boundaries their prefill passes, so a prompt
 that shares only some blocks with a stored one still finds the deepest checkpoint it shares; a hit says how
-it used its entry (`reuse`: whole, trimmed or checkpoint). Entries are namespaced (e.g. by the content hash of a request's
-images) so a prefix with image tokens only matches a request with the same images.
+it used its entry (`reuse`: whole, trimmed or checkpoint). Entries are namespaced (e.g. by the content hash
+of a request's images) so a prefix with image tokens only matches a request with the same images.
 """
 
 from __future__ import annotations
