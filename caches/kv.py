@@ -72,6 +72,17 @@ class KVLayout:
         """Batch rows plus single-request caches given as (tokens, last chunk)."""
         return self.batch_bytes(row_tokens) + sum(self.request_bytes(n, c) for n, c in prefill_tokens)
 
+    def to_record(self) -> list[list[int | None]]:
+        """[bytes_per_token, window, fixed_bytes] per layer, as a trace records it (`engine_start`)."""
+        return [[layer.bytes_per_token, layer.window, layer.fixed_bytes] for layer in self.layers]
+
+    @classmethod
+    def from_record(cls, rows: Sequence[Sequence[int | None]]) -> "KVLayout":
+        """The inverse of `to_record`; rows of two (traces from before fixed-state bytes were recorded) hold
+        no fixed state."""
+        return cls(tuple(LayerLayout(int(row[0]), None if row[1] is None else int(row[1]),
+                                     int(row[2]) if len(row) > 2 else 0) for row in rows))
+
 
 class KVCacheManager:
     """Owns the KV caches of running requests, in mlx-lm's own classes (plain and rotating layers alike):

@@ -180,8 +180,7 @@ class Engine:
             model=library.model_identity(model.language_model if self.vlm else model),
             vocab_size=self.vocab_size, max_model_len=self.max_model_len,
             stop_token_ids=sorted(self.scheduler.model_stop_ids),
-            kv_layout=[[layer.bytes_per_token, layer.window] for layer in self.kv_layout.layers]
-            if self.kv_layout is not None else None,
+            kv_layout=self.kv_layout.to_record() if self.kv_layout is not None else None,
             plan_records=list(PLAN_RECORD_GROUPS),  # the optional plan-record keys this engine writes
         )
 

@@ -74,19 +74,21 @@ def test_prefix_checkpoints_are_reused_exactly(hybrid, chunk, tmp_path):
     assert not replay(load_trace(edited)).identical
 
 
-def test_a_kv_budget_preempts_a_hybrid_and_outputs_stay_exact(hybrid):
+def test_a_kv_budget_preempts_a_hybrid_and_outputs_stay_exact(hybrid, tmp_path):
     """Three equal prompts fit the budget at admission; two decode steps later the rows outgrow it and the
     newest is preempted, recomputed after the others finish, and still gives its solo output. A model with
     no attention layers (mamba2) holds the same bytes whatever its length: nothing grows, so the budget only
-    limits how many rows run, exactly (real bytes are the bound)."""
+    limits how many rows run, exactly (real bytes are the bound). The trace records the fixed-state bytes of
+    the layout, so its replay plans the same bounds."""
     model_type, model, tokenizer = hybrid
     prompts = mixed_prompts(3, 24, 24, seed=9)
     reference = [solo_tokens(model, tokenizer, p, MAX_TOKENS) for p in prompts]
     fixed = sum(layer.fixed_bytes for layer in library.kv_layout(model).layers)
     assert fixed > 0, "a recurrent state is counted in the bound"
     budget, grows = kv_budget_forcing_preemption(model, prompts, rows=2 if model_type == "mamba2" else 3)
+    trace = tmp_path / "trace.jsonl"
     config = EngineConfig(max_batched_tokens=128, max_seqs=8, prefill_chunk=64, kv_memory_bytes=budget,
-                          kv_headroom_tokens=0, check_invariants=True)
+                          kv_headroom_tokens=0, check_invariants=True, trace_path=str(trace))
     got, engine, sink = _run(model, tokenizer, config, prompts, stagger=0)
     assert got == reference, model_type
     plans = sink.of_kind("plan")
@@ -100,6 +102,8 @@ def test_a_kv_budget_preempts_a_hybrid_and_outputs_stay_exact(hybrid):
         assert max(p["num_seqs"] for p in plans) == 2
         assert engine.executor.kv.peak_bytes == 2 * fixed, "fixed state: the bound is the real bytes"
     assert engine.executor.cache_bytes() == 0
+    report = replay(load_trace(trace))
+    assert report.identical, report.format()
 
 
 def test_a_family_mlx_lm_cannot_batch_is_refused_at_load(tmp_path):
