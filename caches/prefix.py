@@ -63,6 +63,14 @@ def reuse_kind(whole_only: bool, length: int, entry_tokens: int) -> str:
     return "whole" if length == entry_tokens else "trimmed"
 
 
+def checkpoint_position(start: int, end: int, prefill_len: int, block: int) -> int | None:
+    """Where a prefill feeding tokens [start, end) stores a checkpoint of a cache that cannot be trimmed: the
+    last block boundary strictly inside the feed (at most one per chunk), never the prefill end
+    (`prefill_len - 1` tokens: that one is stored whole when the prefill completes)."""
+    at = end // block * block
+    return at if start < at < prefill_len - 1 else None
+
+
 def _chain(tokens: Sequence[int], block: int, limit: int | None = None) -> list[int]:
     """Chained hashes of the full blocks of `tokens` (Python int/tuple hashing: stable across runs)."""
     n = len(tokens) // block if limit is None else min(len(tokens) // block, limit)

@@ -181,6 +181,8 @@ class Engine:
             vocab_size=self.vocab_size, max_model_len=self.max_model_len,
             stop_token_ids=sorted(self.scheduler.model_stop_ids),
             kv_layout=self.kv_layout.to_record() if self.kv_layout is not None else None,
+            # prefix-cache entries are exact checkpoints (a what-if simulation stores them the same way)
+            prefix_checkpoints=bool(getattr(family.runner, "prefix_checkpoints", False)),
             plan_records=list(PLAN_RECORD_GROUPS),  # the optional plan-record keys this engine writes
         )
 

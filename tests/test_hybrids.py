@@ -5,6 +5,7 @@ cannot batch is refused at load. Each against `mlx_lm.generate` alone, on tiny s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -16,6 +17,8 @@ from scheduler.execution import library
 from scheduler.families import UnsupportedModel
 from scheduler.fixtures.families import build_family_model
 from scheduler.tools.replay import load_trace, replay
+from scheduler.tools.simulate import fit_cost_model, load_recorded, simulate
+from scheduler.tools.workload import arrivals_from_trace
 
 from .helpers import drive, engine_with_log, greedy, mixed_prompts, solo_tokens
 from .test_families import kv_budget_forcing_preemption
@@ -65,6 +68,15 @@ def test_prefix_checkpoints_are_reused_exactly(hybrid, chunk, tmp_path):
 
     report = replay(load_trace(trace))
     assert report.identical, report.format()
+    # a what-if simulation of the trace stores checkpoints as the engine does (arrivals spread out, so that
+    # each one finds everything its predecessors stored): the same checkpoint hits, not trimmed KV ones
+    recorded = load_recorded(trace)
+    assert recorded.prefix_checkpoints
+    arrivals = [dataclasses.replace(a, arrival_time=100.0 * i) for i, a in enumerate(arrivals_from_trace(recorded))]
+    saved = {checkpoints: simulate(arrivals, recorded.trace.config, fit_cost_model(recorded),
+                                   prefix_checkpoints=checkpoints).summary()["prefix_tokens_saved"]
+             for checkpoints in (True, False)}
+    assert saved == {True: 32 + 32, False: 35 + 40}
     # replay compares how a hit used its entry: a trace that says otherwise diverges
     events = [json.loads(line) for line in trace.read_text().splitlines()]
     hit = next(e for e in events if e["event"] == "prefix_hit")

@@ -20,6 +20,7 @@ import mlx.core as mx
 from caches.kv import KVCacheManager
 from kernels.sampling import RowSampling, SamplingArrays, sample_tokens
 from caches.layers import rollback_rows
+from caches.prefix import checkpoint_position
 from kernels.speculative import (
     greedy_accept,
     pad_drafts,
@@ -112,8 +113,7 @@ class MLXExecutor:
         self.kv = KVCacheManager(self.runner.make_cache, getattr(self.runner, "merge", None))
         # A cache that cannot be trimmed (recurrent state, a rotating window) is reusable only as an exact
         # checkpoint: its prefill stores one at the block boundaries it passes (`_prefill_chunk`).
-        caps = getattr(self.runner, "capabilities", None)
-        self._checkpoints = prefix_cache is not None and caps is not None and not caps.trimmable
+        self._checkpoints = prefix_cache is not None and getattr(self.runner, "prefix_checkpoints", False)
         self._encoded: dict[str, Any] = {}  # request id -> model inputs prepared for prefill (VLM embeddings)
         self._rows: list[_Row] = []
         self._row_index: dict[str, int] = {}
@@ -260,8 +260,7 @@ class MLXExecutor:
     def _checkpoint_at(self, request: Request, start: int, end: int) -> int | None:
         if not self._checkpoints:
             return None
-        at = end // self.prefix_cache.block_size * self.prefix_cache.block_size
-        return at if start < at < request.prefill_len - 1 else None
+        return checkpoint_position(start, end, request.prefill_len, self.prefix_cache.block_size)
 
     def _prefill(self, request: Request, start: int, end: int) -> None:
         rid = request.request_id

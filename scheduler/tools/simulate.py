@@ -256,6 +256,11 @@ class Recorded:
         lookups = self.prefix_hits + self.prefix_misses
         return self.prefix_hits / lookups if lookups else None
 
+    @property
+    def prefix_checkpoints(self) -> bool:
+        """Whether the model's prefix-cache entries are exact checkpoints (caches that cannot be trimmed)."""
+        return bool(self.trace.header.get("prefix_checkpoints", False))
+
     def kv_layout(self) -> Any:
         """The engine's KV layout (`caches.kv.KVLayout`) if the trace recorded one, else None."""
         layers = self.trace.header.get("kv_layout")
@@ -479,13 +484,17 @@ class SimExecutor:
     of its (k+1)-th token. The token count survives a preemption (the request resumes where it stopped, as
     the real executor's sampling step does). With `prefix_block_size`, a request whose prefill completes
     offers prompt[:-1] to the prefix cache, as `MLXExecutor._offer_prefix` does (`kv_bytes_per_token` sizes
-    the entry; no payload). Same interface as `ReplayExecutor`: `execute(plan, requests)`, `release(ids)`.
+    the entry; no payload); with `prefix_checkpoints` (a model whose caches cannot be trimmed) those entries
+    are whole-only and each prefill chunk also stores the checkpoint the real executor stores
+    (`caches.prefix.checkpoint_position`). Same interface as `ReplayExecutor`: `execute(plan, requests)`, `release(ids)`.
     """
 
     def __init__(self, cost_model: CostModel, arrivals: Iterable[SimArrival],
                  stop_token_ids: Sequence[int] = (0,), ordinary_token: int | None = None,
-                 prefix_block_size: int | None = None, kv_bytes_per_token: int = 0):
+                 prefix_block_size: int | None = None, kv_bytes_per_token: int = 0,
+                 prefix_checkpoints: bool = False):
         self.cost_model = cost_model
+        self.prefix_checkpoints = prefix_checkpoints
         self.clock = 0.0
         stops = set(stop_token_ids)
         if not stops:
@@ -529,6 +538,8 @@ class SimExecutor:
         ordinary, stop = self.ordinary_token, self.stop_token
         rows = [c.request_id for c in plan.prefill if c.completes]
         result = TickResult(sampled=sampled, errors=errors, prefill_time=seconds, decode_time=0.0, encoded=encoded)
+        if self.prefix_checkpoints and self.prefix_block_size is not None:
+            self._offer_checkpoints(plan, requests, result)
         if rows and self.prefix_block_size is not None:
             self._offer_prefixes(plan, rows, result)
         rows.extend(plan.decode)
@@ -550,7 +561,18 @@ class SimExecutor:
             n = self._prompt_len[rid] - 1
             if n < self.prefix_block_size or restored.get(rid, 0) == n:
                 continue
-            result.prefix_stores.append(PrefixStore(rid, n, n * self.kv_bytes_per_token, False, None))
+            result.prefix_stores.append(PrefixStore(rid, n, n * self.kv_bytes_per_token, self.prefix_checkpoints,
+                                                    None))
+
+    def _offer_checkpoints(self, plan: TickPlan, requests: Mapping[str, Request] | None, result: TickResult) -> None:
+        from caches.prefix import checkpoint_position
+        from scheduler.plan import PrefixStore
+
+        for c in plan.prefill:  # a recomputed request's prefill holds its outputs so far too
+            n = requests[c.request_id].prefill_len if requests else self._prompt_len[c.request_id]
+            at = checkpoint_position(c.start, c.end - 1 if c.completes else c.end, n, self.prefix_block_size)
+            if at is not None:
+                result.prefix_stores.append(PrefixStore(c.request_id, at, at * self.kv_bytes_per_token, True, None))
 
     def release(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
@@ -594,6 +616,7 @@ def simulate(
     kv_layout: Any = None,
     kv_bytes_per_token: int | None = None,
     max_ticks: int | None = None,
+    prefix_checkpoints: bool = False,
 ) -> SimResult:
     """Drive the real Scheduler over `arrivals` in virtual time; see the module docstring.
 
@@ -602,7 +625,8 @@ def simulate(
     `kv_layout` (a `caches.kv.KVLayout`) enables `config.kv_memory_bytes` (admission and preemption); an
     arrival that could never fit is refused as the engine refuses it (outcome "error", never queued).
     `config.prefix_cache_bytes` turns the real prefix cache on; its entries are sized `kv_bytes_per_token`
-    per token (default: the layout's, else 0). `config.check_invariants` checks the bookkeeping every tick.
+    per token (default: the layout's, else 0); `prefix_checkpoints` stores them as a model whose caches cannot
+    be trimmed does (exact checkpoints, see SimExecutor). `config.check_invariants` checks the bookkeeping every tick.
     """
     ids = [a.request_id for a in arrivals]
     if len(set(ids)) != len(ids):
@@ -615,7 +639,7 @@ def simulate(
     prefix_cache = getattr(scheduler, "prefix_cache", None)
     executor = SimExecutor(cost_model, arrivals, stop_token_ids=[stop_token_id],
                            prefix_block_size=config.prefix_block_size if prefix_cache is not None else None,
-                           kv_bytes_per_token=kv_bytes_per_token)
+                           kv_bytes_per_token=kv_bytes_per_token, prefix_checkpoints=prefix_checkpoints)
     budget = getattr(config, "kv_memory_bytes", None)
     pending = sorted(arrivals, key=lambda a: a.arrival_time)  # stable: ties keep the given order
     aborts = sorted(((max(a.abort_time, a.arrival_time), a.request_id) for a in arrivals
@@ -808,7 +832,8 @@ def what_if(trace_path: "str | os.PathLike | Trace", policy: str | Policy | None
                          "kv_layout); pass kv_layout=")
     per_token = rec.prefix_bytes_per_token
     per_token = int(round(per_token)) if per_token is not None else None
-    kwargs = dict(stop_token_id=stop, kv_layout=layout, kv_bytes_per_token=per_token)
+    kwargs = dict(stop_token_id=stop, kv_layout=layout, kv_bytes_per_token=per_token,
+                  prefix_checkpoints=rec.prefix_checkpoints)
     recorded_policy = config.policy
     rows = {"recorded": recorded_metrics(rec)}
     same = simulate(arrivals, config, cost, policy=recorded_policy, **kwargs)
