@@ -3,7 +3,7 @@
 For each family: the saved weights are what the loaded model holds (mlx-vlm's sanitize leaves them as built),
 greedy generation is deterministic, with images of two sizes and without, the image reaches the language
 model (it changes the continuation), and eos is reachable (the eos output row is kept, the other specials'
-rows are zero).
+rows are zero). Families whose processor takes video run a video (a list of frames) the same way.
 """
 
 from __future__ import annotations
@@ -107,3 +107,29 @@ def test_greedy_generation_is_deterministic_and_sees_the_image(tiny_vlm):
     assert image_changes_output, f"{family}: the image never changes the continuation"
     assert images_differ, f"{family}: two different images give the same continuation"
     assert len(set(all_tokens)) > 8, f"{family}: greedy decoding collapsed onto {sorted(set(all_tokens))}"
+
+
+def _frames(seed: int, count: int = 4, size: int = 64):
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 256, size=(size, size, 3), dtype=np.uint8)) for _ in range(count)]
+
+
+def test_video_generation_is_deterministic_and_sees_the_frames(tiny_vlm):
+    import mlx_vlm
+
+    family, _, model, processor = tiny_vlm
+    if "video" not in VLM_FAMILIES[family].media:
+        assert not hasattr(processor, "video_processor"), f"{family}: its processor takes video: declare it"
+        return
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What happens?"}]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def run(seed):
+        return mlx_vlm.generate(model, processor, prompt, video=[_frames(seed)], max_tokens=MAX_TOKENS,
+                                temperature=0.0, verbose=False).token_ids
+
+    first = run(0)
+    assert run(0) == first
+    assert run(1) != first, f"{family}: two different clips give the same continuation"
