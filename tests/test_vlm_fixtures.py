@@ -26,11 +26,11 @@ def make_image(seed: int, height: int, width: int):
 
 
 @pytest.fixture(scope="module", params=sorted(VLM_FAMILIES))
-def tiny_vlm(request, tmp_path_factory):
+def tiny_vlm(request, tiny_vlm_dir):
     import mlx_vlm
 
     family = request.param
-    directory = build_tiny_vlm(family, tmp_path_factory.mktemp(f"tiny-vlm-{family}"))
+    directory = tiny_vlm_dir(family)
     model, processor = mlx_vlm.load(str(directory))
     return family, directory, model, processor
 
