@@ -1,6 +1,6 @@
 """The shape of the code, measured: the longest functions (lines, decorators to last line) over the given
 packages, and where the plan -> execute -> apply -> release tick loop is written (a function that calls
-`.plan(` and `.apply(`: one copy of the loop per function; its execute step may be inline).
+`.apply(` with `.plan(` or `.execute(`: one copy of the loop per function or loop statement).
 
     python -m bench.code_shape [--top 10] [PATH ...]   (default: scheduler caches kernels; the loop count also
                                                         looks in tests/ and bench/)
@@ -27,18 +27,24 @@ def _calls(node: ast.AST) -> set[str]:
     return {n.func.attr for n in ast.walk(node) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
 
 
+def _ticks(node: ast.AST) -> bool:
+    """Whether `node` runs a tick itself: it applies a result, and plans or executes in the same body."""
+    calls = _calls(node)
+    return "apply" in calls and bool(calls & {"plan", "execute"})
+
+
 def _innermost(node: ast.AST, kinds: tuple) -> list[ast.AST]:
     """`node`'s descendants of `kinds` that plan and apply a tick, and hold no such descendant themselves."""
-    hits = [n for n in ast.walk(node) if n is not node and isinstance(n, kinds) and {"plan", "apply"} <= _calls(n)]
+    hits = [n for n in ast.walk(node) if n is not node and isinstance(n, kinds) and _ticks(n)]
     return [n for n in hits if not any(m is not n and m in set(ast.walk(n)) for m in hits)]
 
 
 def tick_loops(paths: list[str]):
-    """Copies of the tick loop: each innermost loop (for/while) that plans and applies, or a function that
-    plans and applies once per call (the engine's `step`)."""
+    """Copies of the tick loop: each innermost loop (for/while) that runs a tick, or a function that runs one
+    per call (the engine's `step`, `TickLoop.carry_out`)."""
     found = []
     for file, node, _ in functions(paths):
-        if not {"plan", "apply"} <= _calls(node) or _innermost(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        if not _ticks(node) or _innermost(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
         loops = _innermost(node, (ast.For, ast.While)) or [node]
         found += [f"{file}:{loop.lineno} {node.name}" for loop in loops]
@@ -55,7 +61,7 @@ def main() -> None:
     for file, node, n in ranked:
         print(f"  {n:4d}  {file}:{node.lineno} {node.name}")
     loops = tick_loops(args.paths + ["tests", "bench"])
-    print(f"tick-loop copies (plan + apply): {len(loops)}")
+    print(f"tick-loop copies: {len(loops)}")
     for where in loops:
         print("  " + where)
 

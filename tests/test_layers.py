@@ -22,6 +22,8 @@ NO_MLX = [
     "scheduler.planner",
     "scheduler.scheduler",
     "scheduler.events",
+    "scheduler.loop",
+    "scheduler.fixtures.executors",
     "scheduler.tools.replay",
     "scheduler.tools.simulate",
     "scheduler.tools.workload",

@@ -34,6 +34,7 @@ import numpy as np
 
 from scheduler.config import EngineConfig
 from scheduler.events import EventLog
+from scheduler.loop import TickLoop
 from scheduler.plan import TickPlan, TickResult
 from scheduler.policy import Policy
 from scheduler.tools.replay import Trace, TraceError, load_trace, parse_events
@@ -616,6 +617,7 @@ def simulate(
     executor = SimExecutor(cost_model, arrivals, stop_token_ids=[stop_token_id],
                            prefix_block_size=config.prefix_block_size if prefix_cache is not None else None,
                            kv_bytes_per_token=kv_bytes_per_token)
+    loop = TickLoop(scheduler, executor)
     budget = getattr(config, "kv_memory_bytes", None)
     pending = sorted(arrivals, key=lambda a: a.arrival_time)  # stable: ties keep the given order
     aborts = sorted(((max(a.abort_time, a.arrival_time), a.request_id) for a in arrivals
@@ -648,11 +650,11 @@ def simulate(
             next_abort += 1
             if rid in live:
                 scheduler.abort(rid, tick)
-                executor.release([rid])
+                loop.release([rid])
                 records[rid].outcome, records[rid].end = "aborted", now
         if not live:
             continue
-        plan = scheduler.plan(scheduler.view(tick))
+        plan = loop.plan(tick)
         if plan.is_empty:
             raise RuntimeError(f"simulate: tick {tick}: the scheduler planned no work with {len(live)} live "
                                f"requests (a queue head that can never be admitted?)")
@@ -664,8 +666,7 @@ def simulate(
         for rid in plan.admitted:
             if records[rid].admitted is None:  # first admission (a preempted request is admitted again)
                 records[rid].admitted = now
-        result = executor.execute(plan, live)
-        applied = scheduler.apply(plan, result)
+        applied = loop.carry_out(plan).applied
         end = executor.clock
         for out in applied.outputs:
             r = records[out.request_id]
@@ -677,8 +678,6 @@ def simulate(
             if out.finished:
                 r.end = end
                 r.outcome = "error" if out.error is not None else "finished"
-        if applied.released:
-            executor.release(applied.released)
         if config.check_invariants:
             scheduler.check_invariants(plan)
         tick += 1
