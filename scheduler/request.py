@@ -135,7 +135,6 @@ class Request:
     media: Any = None  # the model's preprocessed inputs (VLM: PreparedRequest); released once encoded
     media_key: str | None = None  # content key of the images: namespaces prefix-cache entries
     media_encoded: bool = False
-    rope_delta: int = 0  # VLM decode position offset (text: 0)
     seed: int = 0  # effective sampling seed (sampling.seed or derived from the engine seed and id)
     # the context limit: prompt + outputs never exceed it (Scheduler.add sets it; None: only max_tokens caps)
     max_model_len: int | None = None
@@ -147,13 +146,9 @@ class Request:
     error: str | None = None
     num_preemptions: int = 0
     recompute_tokens: int = 0  # output tokens re-fed as prompt after a preemption
-    num_drafted: int = 0  # speculative decoding: draft tokens proposed for this request
-    num_draft_accepted: int = 0
     # timestamps (measurements, never read by the planner)
     arrival_time: float = 0.0
     state_entered_time: float = 0.0
-    first_token_time: float | None = None
-    finish_time: float | None = None
     state: RequestState = RequestState.QUEUED
     # May this row propose draft tokens? Not when its next tokens depend on per-position Python or history the
     # verifier does not replay: logits processors, penalties, per-token logprobs. A decision fact, recorded in

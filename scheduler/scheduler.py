@@ -230,7 +230,6 @@ class Scheduler:
             if request is None:  # its encoding failed
                 continue
             request.media_encoded = True
-            request.rope_delta = result.encoded[rid]["rope_delta"]
             self.prefilling[rid] = self.encoding.pop(rid)
             self._move(request, Trigger.START_PREFILL, tick)
 
@@ -264,11 +263,8 @@ class Scheduler:
             if request is None:
                 continue
             if rid in drafts:
-                proposed, n_accepted = drafts[rid]
-                request.num_drafted += proposed
-                request.num_draft_accepted += n_accepted
                 out = self._emit(request, [*accepted.get(rid, ()), sampled[rid]], result, tick, applied.released)
-                out.num_drafted = proposed
+                out.num_drafted = drafts[rid][0]  # proposed (the accepted ones are in the tokens)
             else:
                 out = self._emit(request, [sampled[rid]], result, tick, applied.released)
             applied.outputs.append(out)
