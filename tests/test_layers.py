@@ -26,6 +26,8 @@ NO_MLX = [
     "scheduler.fixtures.executors",
     "scheduler.tools.replay",
     "scheduler.tools.simulate",
+    *(f"scheduler.tools.simulation.{m}" for m in ("cost_model", "recorded", "metrics", "executor", "driver", "report",
+                                                  "what_if")),
     "scheduler.tools.workload",
     "scheduler.tools.timeline",
     "scheduler.tools.explain",
