@@ -24,7 +24,7 @@ class _SameResult:
     def __init__(self, result: TickResult):
         self.result = result
 
-    def execute(self, plan, requests=None) -> TickResult:
+    def execute(self, plan) -> TickResult:
         return self.result
 
     def release(self, request_ids) -> None:

@@ -9,19 +9,18 @@ it loads no MLX.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Protocol
+from typing import Iterable, Protocol
 
 from .plan import TickPlan, TickResult
-from .request import Request
 from .scheduler import AppliedTick, Scheduler
 
 
 class Executor(Protocol):
     """What carries out a plan: `MLXExecutor` (a model), `ReplayExecutor` (a trace's outcomes), `SimExecutor`
-    (a cost model), the fixtures' constant-token executor. `requests` are the scheduler's live requests, read
-    for the prompts and sampling parameters of the plan's work."""
+    (a cost model), the fixtures' constant-token executor. The plan is all an executor gets: what it needs of
+    a request it has not seen comes in `plan.new_requests`, never the scheduler's `Request` objects."""
 
-    def execute(self, plan: TickPlan, requests: Mapping[str, Request]) -> TickResult: ...
+    def execute(self, plan: TickPlan) -> TickResult: ...
 
     def release(self, request_ids: Iterable[str]) -> None:
         """Forget requests that ended or were dropped: their caches are freed."""
@@ -51,7 +50,7 @@ class TickLoop:
         """Execute the plan, apply its result, and release what ended (its caches are freed now)."""
         if plan.is_empty:
             return Tick(plan, None, AppliedTick([], []))
-        result = self.executor.execute(plan, self.scheduler.requests)
+        result = self.executor.execute(plan)
         applied = self.scheduler.apply(plan, result)
         if applied.released:
             self.executor.release(applied.released)

@@ -1,7 +1,8 @@
 """The typed contract between deciding and doing: what one tick will compute.
 
 `TickPlan` is the only thing an executor receives from the scheduler. It names requests by id and says how
-many prompt tokens to feed for each; executors never see scheduler objects.
+many prompt tokens to feed for each; what an executor needs to know of a request it has not seen yet travels
+in the plan as a `NewRequest` (values, not the scheduler's `Request`): executors never see scheduler objects.
 """
 
 from __future__ import annotations
@@ -61,6 +62,23 @@ class PrefillChunk:
         return self.end - self.start
 
 
+@dataclass(frozen=True)
+class NewRequest:
+    """What an executor needs of a request whose first work is in this plan (its admission, or its readmission
+    after a preemption): vLLM's `NewRequestData`. The executor keeps its own copy from here on and appends the
+    tokens it produces itself; the plan names the request by id only afterwards."""
+
+    request_id: str
+    prompt_tokens: tuple[int, ...]
+    sampling: Any  # scheduler.request.SamplingParams (a value; logits processors travel by reference)
+    seed: int  # the effective sampling seed
+    output_tokens: tuple[int, ...] = ()  # produced before a preemption: re-fed as prompt (recompute_tokens)
+    recompute_tokens: int = 0
+    media: Any = field(default=None, compare=False)  # the model layer's prepared inputs (VLM), by reference
+    media_key: str | None = None
+    num_images: int = 0
+
+
 #: Optional groups of plan-record keys, named in `engine_start.plan_records` by the traces that carry them. A
 #: trace without a group (older mlxsched) did not record it, and replay does not compare it.
 PLAN_RECORD_GROUPS: dict[str, tuple[str, ...]] = {
@@ -84,6 +102,9 @@ class TickPlan:
     num_batched_tokens: int = 0
     num_seqs: int = 0  # requests holding a slot after this tick's admissions
     reasons: tuple[WaitReason, ...] = ()  # every live request that got less than it could use, and why
+    # requests whose first work since (re)admission is in this plan (Scheduler.plan fills it in): derived from
+    # the decisions above, so not part of a plan's identity, and not recorded (a trace has the arrivals)
+    new_requests: tuple[NewRequest, ...] = field(default=(), compare=False)
 
     @property
     def verify_width(self) -> int:

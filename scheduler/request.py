@@ -11,9 +11,12 @@ import math
 import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .lifecycle import RequestState
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .plan import NewRequest
 
 LogitsProcessor = Callable[[Any, Any], Any]  # (tokens so far: mx.array, logits (1, V)) -> logits
 
@@ -160,6 +163,14 @@ class Request:
             s = self.sampling
             self.draft_eligible = not (s.logits_processors or s.logprobs or s.presence_penalty
                                        or s.repetition_penalty != 1)
+
+    @classmethod
+    def from_new_request(cls, new: "NewRequest") -> "Request":
+        """An executor's own copy of a request the plan brings (`TickPlan.new_requests`): the prompt, the
+        outputs re-fed after a preemption, sampling, seed and media; never attached to a lifecycle."""
+        return cls(new.request_id, list(new.prompt_tokens), new.sampling, seed=new.seed, media=new.media,
+                   num_images=new.num_images, media_key=new.media_key, recompute_tokens=new.recompute_tokens,
+                   output_tokens=list(new.output_tokens))
 
     @property
     def prompt_len(self) -> int:

@@ -4,6 +4,7 @@ finish detection, events). It never touches a model; the engine hands `apply` wh
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,7 +16,7 @@ from caches.prefix import PrefixCache
 from .config import EngineConfig
 from .events import EventLog
 from .lifecycle import Lifecycle, RequestState, Trigger
-from .plan import TickPlan, TickResult, WaitReason
+from .plan import NewRequest, TickPlan, TickResult, WaitReason
 from .planner import SchedulerView, plan_tick
 from .policy import Policy, make_policy
 from .request import FinishReason, Request
@@ -155,10 +156,29 @@ class Scheduler:
 
     def plan(self, view: SchedulerView) -> TickPlan:
         plan = plan_tick(view, self.config, self.policy)
+        new = self._new_requests(plan)
+        if new:
+            plan = dataclasses.replace(plan, new_requests=new)
         if self.record_plans:
             self.last_plan_record = self._plan_record(plan)
             self.events.emit("plan", view.tick, **self.last_plan_record)
         return plan
+
+    def _new_requests(self, plan: TickPlan) -> tuple[NewRequest, ...]:
+        """The plan's requests that an executor has not seen since their (re)admission: media planned for
+        encoding, and first chunks of requests with nothing computed whose media (if any) is not encoded yet
+        (an encoded request came with its encoding tick)."""
+        ids = list(plan.encode)
+        for chunk in plan.prefill:
+            request = self.requests[chunk.request_id]
+            if request.num_computed_tokens == 0 and not request.media_encoded:
+                ids.append(chunk.request_id)
+        new = []
+        for rid in dict.fromkeys(ids):
+            r = self.requests[rid]
+            new.append(NewRequest(rid, tuple(r.prompt_tokens), r.sampling, r.seed, tuple(r.output_tokens),
+                                  r.recompute_tokens, r.media, r.media_key, r.num_images))
+        return tuple(new)
 
     def _plan_record(self, plan: TickPlan) -> dict[str, Any]:
         """The plan's decisions, plus (a) the reasons that changed since the last plan: `reasons` lists a

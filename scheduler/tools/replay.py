@@ -148,7 +148,7 @@ class ReplayExecutor:
         self.rows: list[str] = []  # request ids in batch row order
         self.tick = 0
 
-    def execute(self, plan: TickPlan, requests: Mapping[str, Request]) -> TickResult:
+    def execute(self, plan: TickPlan) -> TickResult:
         self.tick = plan.tick
         outcome = self.trace.outcomes.get(plan.tick)
         if outcome is None:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Sequence
 
 from scheduler.plan import TickPlan, TickResult
-from scheduler.request import Request
 from scheduler.tools.simulation.cost_model import CostModel
 from scheduler.tools.workload import FIRST_ORDINARY_ID, SimArrival
 
@@ -18,7 +17,7 @@ class SimExecutor:
     of its (k+1)-th token. The token count survives a preemption (the request resumes where it stopped, as
     the real executor's sampling step does). With `prefix_block_size`, a request whose prefill completes
     offers prompt[:-1] to the prefix cache, as `MLXExecutor._offer_prefix` does (`kv_bytes_per_token` sizes
-    the entry; no payload). Same interface as `ReplayExecutor`: `execute(plan, requests)`, `release(ids)`.
+    the entry; no payload). The `Executor` protocol (scheduler/loop.py), as `ReplayExecutor`: `execute(plan)`, `release(ids)`.
     """
 
     def __init__(self, cost_model: CostModel, arrivals: Iterable[SimArrival],
@@ -50,7 +49,7 @@ class SimExecutor:
                 self._media[a.request_id] = (a.num_images, a.media_key)
         self._produced: dict[str, int] = {}
 
-    def execute(self, plan: TickPlan, requests: Mapping[str, Request] | None = None) -> TickResult:
+    def execute(self, plan: TickPlan) -> TickResult:
         encoded: dict[str, dict] = {}
         images = 0
         for rid in plan.encode:
