@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
 
 class Reason(str, Enum):
@@ -62,6 +62,32 @@ class PrefillChunk:
         return self.end - self.start
 
 
+class DraftGrant(NamedTuple):
+    """A decoding row may propose up to `tokens` draft tokens, verified in this tick's forward."""
+
+    request_id: str
+    tokens: int
+
+
+class PrefixHit(NamedTuple):
+    """A first chunk starts after `tokens` prompt tokens restored from prefix-cache entry `entry_id`."""
+
+    request_id: str
+    entry_id: int
+    tokens: int
+
+
+class PlannedFailure(NamedTuple):
+    """A request failed by the plan (it can never fit the KV budget), with the reason."""
+
+    request_id: str
+    reason: str
+
+
+# (The three records above are named tuples: they unpack as the plain tuples older code and traces use, and
+# are written to a trace as the same JSON lists.)
+
+
 @dataclass(frozen=True)
 class NewRequest:
     """What an executor needs of a request whose first work is in this plan (its admission, or its readmission
@@ -94,10 +120,10 @@ class TickPlan:
     encode: tuple[str, ...] = ()  # requests whose media is encoded this tick (vision budget)
     prefill: tuple[PrefillChunk, ...] = ()
     decode: tuple[str, ...] = ()  # already decoding: one token each
-    draft: tuple[tuple[str, int], ...] = ()  # decoding rows that may propose up to k draft tokens to verify
-    prefix_hits: tuple[tuple[str, int, int], ...] = ()  # (request id, prefix entry id, cached tokens) at admission
+    draft: tuple[DraftGrant, ...] = ()  # decoding rows that may propose up to k draft tokens to verify
+    prefix_hits: tuple[PrefixHit, ...] = ()  # first chunks that start from a prefix-cache entry
     preempted: tuple[str, ...] = ()  # back to queued, caches dropped before this tick's work
-    failed: tuple[tuple[str, str], ...] = ()  # (request id, reason): can never fit the KV budget
+    failed: tuple[PlannedFailure, ...] = ()  # can never fit the KV budget
     kv_bytes_bound: int | None = None  # upper bound on KV bytes after this tick (with a KV budget)
     num_batched_tokens: int = 0
     num_seqs: int = 0  # requests holding a slot after this tick's admissions

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 from caches.kv import KVLayout
 
 from .config import EngineConfig
-from .plan import PrefillChunk, Reason, TickPlan, WaitReason
+from .plan import DraftGrant, PlannedFailure, PrefillChunk, PrefixHit, Reason, TickPlan, WaitReason
 from .policy import Policy
 from .request import Request
 
@@ -176,7 +176,7 @@ class _TickBuilder:
         self.view, self.config, self.policy, self.prefill_only = view, config, policy, prefill_only
         self.kv: _KVTracker | None = None
         self.preempted: list[str] = []
-        self.failed: list[tuple[str, str]] = []
+        self.failed: list[PlannedFailure] = []
         self.gone: set[str] = set()  # preempted or failed this tick
         self.decode: tuple[str, ...] = ()
         self.why: _Reasons
@@ -185,9 +185,9 @@ class _TickBuilder:
         self.seqs = 0  # sequences holding a slot
         self.vision = _VisionBudget(config.vision_budget)
         self.prefill: list[PrefillChunk] = []
-        self.prefix_hits: list[tuple[str, int, int]] = []
+        self.prefix_hits: list[PrefixHit] = []
         self.admitted: list[str] = []
-        self.draft: list[tuple[str, int]] = []
+        self.draft: list[DraftGrant] = []
 
     # ---- phases, in order -------------------------------------------------------------------------
     def make_room(self) -> None:
@@ -207,7 +207,7 @@ class _TickBuilder:
                 kv.rows.pop(rid, None)
                 kv.prefilling.pop(rid, None)
                 if alone:
-                    self.failed.append((rid, _needs_more_kv(kv)))
+                    self.failed.append(PlannedFailure(rid, _needs_more_kv(kv)))
                 else:
                     self.preempted.append(rid)
         gone = self.gone = set(self.preempted) | {rid for rid, _ in self.failed}
@@ -267,7 +267,7 @@ class _TickBuilder:
             self.seqs -= 1
             if victim is head:
                 self.why.by_id.pop(head.request_id, None)
-                self.failed.append((head.request_id, _needs_more_kv(kv)))
+                self.failed.append(PlannedFailure(head.request_id, _needs_more_kv(kv)))
             else:
                 self.why.preempted(victim.request_id, head.request_id)
                 self.preempted.append(victim.request_id)
@@ -318,7 +318,7 @@ class _TickBuilder:
                 # the verify forward emits up to k + 1 tokens: drafts never cross max_tokens or the context limit
                 k = min(width, request.output_limit - request.num_output_tokens - 1)
                 if request.request_id not in self.gone and k >= 1 and request.draft_eligible:
-                    self.draft.append((request.request_id, k))
+                    self.draft.append(DraftGrant(request.request_id, k))
         self.budget -= forward_rows * max((k for _, k in self.draft), default=0)
 
     def build(self) -> TickPlan:
@@ -354,7 +354,7 @@ class _TickBuilder:
     def grant(self, request: Request, chunk: PrefillChunk, match: tuple[int, int] | None) -> None:
         """Give `request` its chunk: the plan records the prefix hit it starts from, the budget pays for it."""
         if match is not None:
-            self.prefix_hits.append((request.request_id, *match))
+            self.prefix_hits.append(PrefixHit(request.request_id, *match))
         self.prefill.append(chunk)
         self.why.chunk_given(request, chunk, self.prefill_only)
         self.budget -= chunk.num_tokens
