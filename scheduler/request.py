@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 from .lifecycle import RequestState
 
 LogitsProcessor = Callable[[Any, Any], Any]  # (tokens so far: mx.array, logits (1, V)) -> logits
+Sampler = Callable[[Any], Any]  # (logprobs (1, V): mx.array) -> token (1,), as mlx-lm's make_sampler returns
 
 
 class FinishReason(str, enum.Enum):
@@ -73,6 +74,10 @@ class SamplingParams:
     seed: int | None = None
     logprobs: bool = False
     logits_processors: tuple[LogitsProcessor, ...] = ()
+    # A custom sampling function (mlx-lm's `make_sampler(...)` shape) that picks this request's tokens instead of
+    # the temperature / top_p / top_k / min_p fields; it is Python, so the row is sampled on its own and never
+    # drafts. None: the fields decide (vectorised across the batch).
+    sampler: Sampler | None = None
 
     def __post_init__(self) -> None:
         # InvalidRequest is a ValueError whose message starts with the field name.
@@ -101,6 +106,8 @@ class SamplingParams:
         _check(isinstance(procs, (tuple, list)) and all(callable(p) for p in procs), "logits_processors",
                "must be a sequence of callables (tokens, logits) -> logits")
         object.__setattr__(self, "logits_processors", tuple(procs))
+        _check(self.sampler is None or callable(self.sampler), "sampler",
+               "must be None or a callable logprobs (1, V) -> token (1,)")
 
     @property
     def is_greedy(self) -> bool:
@@ -111,6 +118,7 @@ class SamplingParams:
         record = {f: getattr(self, f) for f in _RECORDED_SAMPLING_FIELDS}
         record["stop_token_ids"] = list(self.stop_token_ids)
         record["num_logits_processors"] = len(self.logits_processors)
+        record["custom_sampler"] = self.sampler is not None
         return record
 
     @classmethod
@@ -163,7 +171,7 @@ class Request:
     def __post_init__(self) -> None:
         if self.draft_eligible is None:
             s = self.sampling
-            self.draft_eligible = not (s.logits_processors or s.logprobs or s.presence_penalty
+            self.draft_eligible = not (s.logits_processors or s.sampler is not None or s.logprobs or s.presence_penalty
                                        or s.repetition_penalty != 1)
 
     @property
