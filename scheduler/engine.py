@@ -206,10 +206,15 @@ class Engine:
 
         if cfg.drafter == "mtp":
             if mtp_head is None:
-                raise ValueError("drafter='mtp' needs Engine(..., mtp_head=...) (from_pretrained loads the head "
-                                 "stored next to the model, if any)")
-            from .execution.mtp import MTPDrafter
+                raise ValueError("drafter='mtp' needs Engine(..., mtp_head=...): an MTPHead (from_pretrained loads "
+                                 "the head stored next to the model, if any), or the model itself when it carries "
+                                 "its own MTP module (.mtp and .mtp_forward)")
+            from .execution.mtp import MTPDrafter, NativeMTPDrafter
 
+            if library.has_native_mtp(mtp_head):
+                if mtp_head is not self.model:
+                    raise ValueError("a native MTP module drafts for its own model: pass mtp_head=<the engine's model>")
+                return NativeMTPDrafter(self.model)
             return MTPDrafter(mtp_head, self.model)
         if cfg.drafter == "draft-model":
             if draft_model is None:

@@ -78,6 +78,8 @@ class SamplingParams:
     # the temperature / top_p / top_k / min_p fields; it is Python, so the row is sampled on its own and never
     # drafts. None: the fields decide (vectorised across the batch).
     sampler: Sampler | None = None
+    # False keeps this request out of speculative decoding even when the engine drafts (vllm-mlx's mllm_draft)
+    allow_drafts: bool = True
 
     def __post_init__(self) -> None:
         # InvalidRequest is a ValueError whose message starts with the field name.
@@ -108,6 +110,7 @@ class SamplingParams:
         object.__setattr__(self, "logits_processors", tuple(procs))
         _check(self.sampler is None or callable(self.sampler), "sampler",
                "must be None or a callable logprobs (1, V) -> token (1,)")
+        _check(isinstance(self.allow_drafts, bool), "allow_drafts", f"must be a bool, got {self.allow_drafts!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -164,15 +167,17 @@ class Request:
     finish_time: float | None = None
     state: RequestState = RequestState.QUEUED
     # May this row propose draft tokens? Not when its next tokens depend on per-position Python or history the
-    # verifier does not replay: logits processors, penalties, per-token logprobs. A decision fact, recorded in
-    # the trace (processors are code and cannot be), so replay rebuilds it; None: derived from `sampling`.
+    # verifier does not replay (logits processors, a custom sampler, penalties, per-token logprobs), nor when it
+    # opted out (allow_drafts). A decision fact, recorded in the trace (processors are code and cannot be), so
+    # replay rebuilds it; None: derived from `sampling`.
     draft_eligible: bool | None = None
 
     def __post_init__(self) -> None:
         if self.draft_eligible is None:
             s = self.sampling
-            self.draft_eligible = not (s.logits_processors or s.sampler is not None or s.logprobs or s.presence_penalty
-                                       or s.repetition_penalty != 1)
+            self.draft_eligible = s.allow_drafts and not (
+                s.logits_processors or s.sampler is not None or s.logprobs or s.presence_penalty
+                or s.repetition_penalty != 1)
 
     @property
     def prompt_len(self) -> int:

@@ -104,6 +104,7 @@ class MLXExecutor:
         self.prefill_stats = PrefillStats()
         # hidden-state drafters (MTP heads) need each row's last hidden state from the previous forward
         self._keeps_hidden = bool(getattr(drafter, "needs_hidden", False))
+        self._native_hidden = bool(getattr(drafter, "native_hidden", False))  # the model's own return_hidden
         self._last_hidden: mx.array | None = None  # (B, H)
         self._has_hidden: list[bool] = []
         self.logprob_vectors = logprob_vectors  # hand every row's full log-softmax vector back (compat API)
@@ -355,7 +356,8 @@ class MLXExecutor:
             draft_tokens, draft_lens = pad_drafts(padded, width)
             verify_inputs = mx.concatenate([inputs[:, None].astype(mx.int32), draft_tokens], axis=1)
             if self._keeps_hidden:  # (B, width + 1, V) logits and (B, width + 1, H) hidden states
-                all_logits, all_hidden = self.runner.forward_with_hidden(self.kv.batch, verify_inputs)
+                all_logits, all_hidden = self.runner.forward_with_hidden(self.kv.batch, verify_inputs,
+                                                                         native=self._native_hidden)
             else:
                 all_logits = self.runner.verify(self.kv.batch, verify_inputs)
             logits = all_logits[:, 0, :]
