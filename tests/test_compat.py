@@ -165,8 +165,6 @@ def test_bad_requests_get_error_responses(text_model):
                        MLLMBatchRequest(uid=-1, request_id="img", prompt="hi", images=["x.png"])])
     tokens, finish = _run(gen)
     assert finish == {uids[0]: "length", uids[1]: "error", uids[2]: "error"}
-    with pytest.raises(ValueError, match="sampler"):
-        MLLMBatchGenerator(model, tokenizer, sampler=lambda x: x)
 
 
 def test_vlm_requests_with_and_without_images_match_solo(vlm_model_dir):
