@@ -26,7 +26,6 @@ from PIL import Image
 
 import scheduler.compat.generator as compat_generator
 from scheduler.compat import MLLMBatchGenerator
-from scheduler.fixtures.tiny_models import build_model
 
 from .helpers import solo_tokens
 
@@ -215,10 +214,8 @@ def test_reference_scheduler_prefix_cache_clear(reference, text_model):
         sched.batch_generator.prefix_cache.set_ssd_tier(object())
 
 
-def test_reference_scheduler_installs_native_mtp_and_reports_stats(reference, tmp_path_factory):
-    from scheduler.fixtures.native_mtp import load_native_mtp
-
-    model, tokenizer = load_native_mtp(build_model("text-mtp", tmp_path_factory.mktemp("tiny-text-mtp")))
+def test_reference_scheduler_installs_native_mtp_and_reports_stats(reference, native_mtp_model):
+    model, tokenizer = native_mtp_model
     cfg = reference.MLLMSchedulerConfig(enable_mtp=True, mtp_num_draft_tokens=2, prefill_step_size=32)
     sched = reference.MLLMScheduler(model, tokenizer, cfg)
     ids = [sched.add_request(p, max_tokens=16, temperature=0.0) for p in TEXT_PROMPTS[:3]]
