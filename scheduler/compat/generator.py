@@ -225,9 +225,11 @@ class MLLMBatchGenerator:
         # what the reference's consumers read: the text model inside a VLM (the model itself for a text model)
         self.language_model = getattr(model, "language_model", model)
         self.is_vlm = hasattr(model, "language_model")
-        # The default sampler, as in the reference: it picks the tokens of a request with no sampling of its own
-        # (temperature=None); every other request samples with its own fields.
-        self.sampler = sampler
+        # The default sampler, as in the reference (argmax when none is given): it picks the tokens of a request
+        # with no sampling of its own (temperature=None); every other request samples with its own fields. Without
+        # one given, such a request is greedy through the vectorised sampler (the same tokens as argmax).
+        self.sampler = sampler or (lambda logprobs: mx.argmax(logprobs, axis=-1))
+        self._given_sampler = sampler
         self.processor = processor
         self.mm_processor = mm_processor  # accepted for signature compatibility; the model's processor is used
         self.max_tokens = max_tokens
@@ -306,7 +308,7 @@ class MLLMBatchGenerator:
             presence_penalty=req.presence_penalty,
             repetition_penalty=req.repetition_penalty, stop_token_ids=tuple(sorted(self.stop_tokens)),
             logits_processors=tuple(req.logits_processors or ()),
-            sampler=None if own_sampling else self.sampler,
+            sampler=None if own_sampling else self._given_sampler,
             allow_drafts=req.mllm_draft is not False,
         )
         media = dict(images=req.images or None, videos=req.videos or None, audio=req.audio or None)
@@ -434,15 +436,12 @@ class MLLMBatchGenerator:
         if not outputs:
             self._mtp_bypass["no_active_batch"] += 1
             return
-        produced = [o for o in outputs if o.token_ids]
-        if any(self._requests.get(self._uid_of.get(o.request_id, -1)) is not None
-               and len(self._requests[self._uid_of[o.request_id]].output_tokens) == 0 for o in produced):
+        produced = [(o, self._requests.get(self._uid_of.get(o.request_id, -1))) for o in outputs if o.token_ids]
+        produced = [(o, req) for o, req in produced if req is not None]
+        if any(not req.output_tokens for _, req in produced):  # counted before this step's tokens are appended
             self._mtp_bypass["prefill"] += 1
-        for o in produced:
-            req = self._requests.get(self._uid_of.get(o.request_id, -1))
-            if req is not None and (req.logits_processors or req.mllm_draft is False):
-                self._mtp_bypass["logits_processors"] += 1
-                break
+        if any(req.logits_processors or req.mllm_draft is False for _, req in produced):
+            self._mtp_bypass["logits_processors"] += 1
 
     def has_pending(self) -> bool:
         return bool(self._pending_error_responses) or (self._engine is not None and self._engine.has_pending())
