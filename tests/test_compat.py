@@ -249,21 +249,23 @@ def test_install_mtp_with_a_draft_model_and_a_native_module(text_model, native_m
     # an external draft model (newer reference releases): the target itself here, so every draft is accepted
     gen = MLLMBatchGenerator(model, tokenizer)
     assert gen.prefix_cache is None and gen.language_model is model and not gen.is_vlm
-    install_mtp_mllm(gen, None, num_draft_tokens=1, draft_model=model, draft_block_size=3)
+    install_mtp_mllm(gen, None, num_draft_tokens=1, draft_model=model, draft_block_size=4)
+    # with a draft model, only requests that ask for it draft (mllm_draft, default False as in the reference)
     uids = gen.insert([MLLMBatchRequest(uid=-1, request_id=f"d{i}", prompt="", input_ids=p, max_tokens=12,
-                                        temperature=0.0) for i, p in enumerate(prompts)]
+                                        temperature=0.0, mllm_draft=True) for i, p in enumerate(prompts)]
                       + [MLLMBatchRequest(uid=-1, request_id="optout", prompt="", input_ids=prompts[0],
-                                          max_tokens=12, temperature=0.0, mllm_draft=False)])
+                                          max_tokens=12, temperature=0.0)])
     tokens, seen_batch = {}, None
     while gen.has_pending():
         for r in gen.next():
             tokens.setdefault(r.uid, []).append(r.token)
             if r.request_id == "optout":
-                assert not r.from_draft and not r.mtp_attempted  # opted out: never drafted
+                assert not r.from_draft and not r.mtp_attempted  # did not ask: never drafted
         seen_batch = seen_batch or gen.active_batch
     assert [tokens[u] for u in uids] == expected + [expected[0]]
     stats = gen.get_mtp_stats()
-    assert stats["effective_draft_tokens"] == 3 and stats["attempted"] > 0
+    assert stats["effective_draft_tokens"] == 3 and stats["attempted"] > 0  # a block of 4: 3 drafts + its own
+    assert stats["bypass_counts"]["logits_processors"] > 0  # steps where the request without mllm_draft decoded
     assert stats["accepted"] == stats["attempted"]  # drafting with the target itself: all accepted
     assert isinstance(seen_batch, MLLMBatch) and len(seen_batch) >= 1
     assert PrefillAbortedError("x").request_id == "x"
@@ -281,5 +283,14 @@ def test_install_mtp_with_a_draft_model_and_a_native_module(text_model, native_m
     stats = gen.get_mtp_stats()
     assert stats["effective_draft_tokens"] == 1 and stats["requested_draft_tokens"] == 4
     assert stats["accepted"] > 0 and stats["bypass_counts"]["logits_processors"] > 0
+    class AssistantDrafter:  # the shape of an mlx-vlm MTP assistant drafter (newer reference releases)
+        def reset(self, model):
+            pass
+
+        def set_shared_kv(self, *args, **kwargs):
+            pass
+
+    with pytest.raises(TypeError, match="assistant drafter"):
+        install_mtp_mllm(MLLMBatchGenerator(model, tokenizer), model, draft_model=AssistantDrafter())
     with pytest.raises(TypeError, match="needs a drafter"):
         install_mtp_mllm(MLLMBatchGenerator(model, tokenizer), model)  # a plain model has no MTP module

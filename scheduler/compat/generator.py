@@ -51,8 +51,10 @@ class MLLMBatchRequest:
     """Request data, with the reference's fields and defaults. Our engine reads prompt / input_ids, images,
     videos, audio, max_tokens, sampling fields and logits_processors; it maintains num_tokens and output_tokens.
     `temperature=None` means "no sampling of its own": the generator's `sampler=` picks its tokens (greedy
-    when there is none, the reference's argmax default). `mllm_draft` (newer reference releases): False keeps
-    this request out of speculative decoding; None / True let it draft when the generator drafts."""
+    when there is none, the reference's argmax default). `mllm_draft` (newer reference releases, same default):
+    with an external draft model (`install_mtp_mllm(..., draft_model=)`) only requests that set it True draft;
+    an MTP module drafts for every request, as there. It is the last field here (0.4.1's field order is kept;
+    newer releases put it before `logits_processors`)."""
 
     uid: int
     request_id: str
@@ -79,7 +81,7 @@ class MLLMBatchRequest:
     vision_encoded: bool = False
     cross_attention_states: Optional[Any] = None
     encoder_outputs: Optional[Any] = None
-    mllm_draft: Optional[bool] = None
+    mllm_draft: bool = False
 
 
 @dataclass
@@ -309,7 +311,8 @@ class MLLMBatchGenerator:
             repetition_penalty=req.repetition_penalty, stop_token_ids=tuple(sorted(self.stop_tokens)),
             logits_processors=tuple(req.logits_processors or ()),
             sampler=None if own_sampling else self._given_sampler,
-            allow_drafts=req.mllm_draft is not False,
+            # an external draft model drafts only for the requests that ask for it (the reference's opt-in)
+            allow_drafts=bool(req.mllm_draft) if self._draft_model is not None else True,
         )
         media = dict(images=req.images or None, videos=req.videos or None, audio=req.audio or None)
         if req.input_ids is not None:
@@ -431,7 +434,7 @@ class MLLMBatchGenerator:
     def _count_mtp_bypasses(self, outputs: List[Any]) -> None:
         """The reference's bypass counters, per `next()` and per condition (overlapping): a step with no running
         request, a step where a request got its first token (prefill: it cannot draft yet) and a step where a
-        request with logits processors (or one that opted out) decoded without drafting. Concurrent batches
+        request with logits processors (or, with a draft model, one without `mllm_draft`) decoded undrafted. Concurrent batches
         never bypass here: every row drafts and is verified on its own."""
         if not outputs:
             self._mtp_bypass["no_active_batch"] += 1
@@ -440,7 +443,8 @@ class MLLMBatchGenerator:
         produced = [(o, req) for o, req in produced if req is not None]
         if any(not req.output_tokens for _, req in produced):  # counted before this step's tokens are appended
             self._mtp_bypass["prefill"] += 1
-        if any(req.logits_processors or req.mllm_draft is False for _, req in produced):
+        if any(req.logits_processors or (self._draft_model is not None and not req.mllm_draft)
+               for _, req in produced):
             self._mtp_bypass["logits_processors"] += 1
 
     def has_pending(self) -> bool:
@@ -537,8 +541,10 @@ def install_mtp_mllm(batch_gen: MLLMBatchGenerator, language_model: Any = None, 
     unchanged output; sampled rows: unchanged distribution). Plain configuration: call it before the first
     `insert()`/`next()`. The drafter, by what is given:
 
-    - `draft_model=` (an mlx-lm model sharing the target's vocabulary; newer reference releases): it drafts
-      `draft_block_size` tokens per step (default `num_draft_tokens`);
+    - `draft_model=` (newer reference releases, where it is an mlx-vlm MTP assistant drafter; here an mlx-lm
+      model sharing the target's vocabulary: an mlx-vlm assistant drafter is refused): `draft_block_size - 1`
+      drafts per step (the block holds the target's own token too; default: `num_draft_tokens`), only for the
+      requests with `mllm_draft=True`, as there;
     - `language_model` with the model's native MTP module (`.mtp` and `.mtp_forward(hidden, tokens, mtp_cache=)`,
       with `return_hidden=True` on its call: what the reference's scheduler passes): one draft per step, as the
       native head predicts only the token after next;
@@ -552,7 +558,12 @@ def install_mtp_mllm(batch_gen: MLLMBatchGenerator, language_model: Any = None, 
     if draft_block_size is not None and (not isinstance(draft_block_size, int) or draft_block_size < 1):
         raise ValueError(f"draft_block_size: must be an integer >= 1 or None, got {draft_block_size!r}")
     if draft_model is not None:
-        drafter, head, k = "draft-model", None, draft_block_size or num_draft_tokens
+        if callable(getattr(draft_model, "set_shared_kv", None)):
+            raise TypeError("draft_model: an mlx-vlm MTP assistant drafter (shared-KV) is not supported: pass an "
+                            "mlx-lm model with the target's vocabulary, or the model's native MTP module as "
+                            "language_model (see MIGRATION.md)")
+        drafter, head = "draft-model", None
+        k = max(1, draft_block_size - 1) if draft_block_size is not None else num_draft_tokens
     elif isinstance(language_model, MTPHead) or isinstance(getattr(language_model, "mtp_head", None), MTPHead):
         head = language_model if isinstance(language_model, MTPHead) else language_model.mtp_head
         drafter, k = "mtp", num_draft_tokens
