@@ -35,7 +35,10 @@ REFERENCE_MODULES = ("vllm_mlx.mllm_batch_generator", "vllm_mlx.mllm_scheduler")
 @pytest.fixture
 def reference():
     """vllm-mlx's `mllm_scheduler` module, freshly imported over our generator module."""
+    import vllm_mlx
+
     saved = {name: sys.modules.get(name) for name in REFERENCE_MODULES}
+    saved_attrs = {name: getattr(vllm_mlx, name.rsplit(".", 1)[1], None) for name in REFERENCE_MODULES}
     sys.modules["vllm_mlx.mllm_batch_generator"] = compat_generator
     sys.modules.pop("vllm_mlx.mllm_scheduler", None)
     try:
@@ -48,6 +51,11 @@ def reference():
                 sys.modules.pop(name, None)
             else:
                 sys.modules[name] = mod
+            attr = name.rsplit(".", 1)[1]  # the import also bound the package attribute: put it back
+            if saved_attrs[name] is None:
+                vars(vllm_mlx).pop(attr, None)
+            else:
+                setattr(vllm_mlx, attr, saved_attrs[name])
 
 
 def _run_sync(sched, max_steps=2000):
@@ -136,6 +144,7 @@ def test_reference_async_streaming_and_disconnect_abort(reference, text_model):
                 if not sched.batch_generator.engine.has_pending():
                     break
                 await asyncio.sleep(0.01)
+            _assert_no_leak(sched)  # the disconnected request was aborted and its caches freed
             return results, sched
         finally:
             await sched.stop()
