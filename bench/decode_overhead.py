@@ -19,7 +19,7 @@ import mlx.core as mx
 def bare_loop(model, prompts, steps):
     from mlx_lm.models.cache import make_prompt_cache
 
-    from scheduler import adapters
+    from scheduler.execution import library
 
     caches = []
     for p in prompts:  # the same per-request prefill the engine does, then one merged batch cache
@@ -27,7 +27,7 @@ def bare_loop(model, prompts, steps):
         model(mx.array(p[:-1])[None], cache=cache)
         mx.eval([c.state for c in cache])
         caches.append(cache)
-    batch = adapters.merge_caches(caches)
+    batch = library.merge_caches(caches)
     y = mx.array([p[-1] for p in prompts])
     times = []
     for _ in range(steps):
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     from mlx_lm import load
 
     from bench.blas import describe, detect_blas
-    from scheduler.tiny_models import build_model
+    from scheduler.fixtures.tiny_models import build_model
 
     ap = argparse.ArgumentParser(prog="python -m bench.decode_overhead", description=__doc__)
     ap.add_argument("--model", default="text-medium", choices=["text", "text-medium"])

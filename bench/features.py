@@ -96,7 +96,7 @@ def vision_figure(tmp: Path):
     from PIL import Image
 
     from scheduler import Engine, EngineConfig
-    from scheduler.tiny_models import build_model
+    from scheduler.fixtures.tiny_models import build_model
 
     engine = Engine.from_pretrained(build_model("vlm", tmp / "vlm"), EngineConfig())
     sizes = [(112, 140), (56, 56), (84, 112), (140, 84)]
@@ -175,7 +175,7 @@ def main(argv=None) -> int:
     from mlx_lm import load
 
     from bench.blas import describe, detect_blas
-    from scheduler.tiny_models import build_model
+    from scheduler.fixtures.tiny_models import build_model
 
     ap = argparse.ArgumentParser(prog="python -m bench.features", description=__doc__)
     ap.add_argument("--model", default="text-medium", choices=["text", "text-medium"])
@@ -192,7 +192,7 @@ def main(argv=None) -> int:
             small, _ = load(str(build_model("text", tmp / "small", seed=1))) if args.model != "text" else (None, None)
             head = None
             if args.model == "text":  # the tiny text model has a fitted MTP head (make-model text-mtp)
-                from scheduler.mtp import load_mtp_head
+                from scheduler.execution.mtp import load_mtp_head
 
                 head = load_mtp_head(build_model("text-mtp", tmp / "text-mtp"))
             for name, r in drafting_figure(model, tokenizer, small, head).items():

@@ -16,7 +16,7 @@ def main(argv=None) -> int:
     from mlx_lm import load
 
     from scheduler import Engine, EngineConfig, SamplingParams
-    from scheduler.tiny_models import build_model
+    from scheduler.fixtures.tiny_models import build_model
 
     ap = argparse.ArgumentParser(prog="python -m bench.memory", description=__doc__)
     ap.add_argument("--requests", type=int, default=2000)

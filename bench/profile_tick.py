@@ -80,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from mlx_lm import load
 
-    from scheduler.tiny_models import build_model
+    from scheduler.fixtures.tiny_models import build_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model, tokenizer = load(str(build_model(args.model, Path(tmp) / args.model)))

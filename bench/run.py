@@ -107,7 +107,7 @@ def run_here(args: argparse.Namespace, log) -> dict[str, Any]:
     from mlx_lm import load
 
     from scheduler import EngineConfig
-    from scheduler.tiny_models import build_model
+    from scheduler.fixtures.tiny_models import build_model
 
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     info = blas_mod.detect_blas()

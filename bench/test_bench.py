@@ -32,7 +32,7 @@ ROUNDS = 5
 def text_model(tmp_path_factory):
     from mlx_lm import load
 
-    from scheduler.tiny_models import build_model
+    from scheduler.fixtures.tiny_models import build_model
 
     return load(str(build_model("text", tmp_path_factory.mktemp("bench-text"))))
 
@@ -151,7 +151,7 @@ def test_plan_tick(benchmark, n, policy_name):
 @pytest.fixture(scope="module")
 def arrivals():
     """One synthetic arrival stream (Poisson, mixed lengths, shared prefixes) re-run under every policy."""
-    from scheduler.workload import synthetic_workload
+    from scheduler.tools.workload import synthetic_workload
 
     return synthetic_workload(400, rate_per_s=40.0, prompt_len=(16, 400), output_len=(8, 96),
                               shared_prefix_share=0.3, shared_prefix_len=64, seed=3,
@@ -164,7 +164,7 @@ def test_policy_on_recorded_arrivals(benchmark, arrivals, policy_name):
     """Model-free: the same arrivals under each policy with the fitted-style cost model; the benchmark times
     the simulation and `extra_info` keeps the latency figures each policy achieves."""
     from scheduler.config import EngineConfig
-    from scheduler.simulate import CostModel, simulate
+    from scheduler.tools.simulate import CostModel, simulate
 
     config = EngineConfig(max_seqs=32, max_batched_tokens=1024, prefill_chunk=256, prefix_cache_bytes=64 << 20)
     cost = CostModel(base=0.004, per_prefill_token=2e-5, per_decode_row=3e-4, per_prefill_chunk=5e-4,

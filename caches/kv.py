@@ -80,16 +80,16 @@ class KVCacheManager:
     Plain and sliding-window (rotating) layers live in the same request cache because a model mixes them per
     layer (gemma3: three rotating layers, one full); splitting one request's layers across two managers would
     make every merge and filter a two-step affair. What is rotating-specific (window bounds, whole-only
-    prefix reuse, `max_kv_size`) is in `KVLayout`, `adapters.snapshot_cache` and `adapters.make_request_cache`.
+    prefix reuse, `max_kv_size`) is in `KVLayout`, `library.snapshot_cache` and `library.make_request_cache`.
 
     Byte accounting is exact: `nbytes()` sums the arrays. The scheduler never sees this object, only the
     layout's bound and these summaries.
     """
 
     def __init__(self, make_cache):
-        from scheduler import adapters
+        from scheduler.execution import library
 
-        self._adapters = adapters
+        self._adapters = library
         self._make_cache = make_cache
         self._requests: dict[str, list] = {}
         self.batch: list = []  # one batch cache per layer; rows in the executor's row order

@@ -43,7 +43,7 @@ the global MLX RNG, so a seeded row gives the same result alone or anywhere in a
   *same* uniforms ``kernels.sampling.sample`` turns into Gumbel noise at step ``j``
   (``_hash_uniform(seed, j, V)``), as an exponential race ``argmax w / -log(u)`` -- mathematically the same
   draw as Gumbel-max on ``log w``, with fewer transcendental passes;
-* a sampling draft model (``scheduler.drafters``) draws its draft at index ``j`` from the ``"draft"``
+* a sampling draft model (``scheduler.execution.drafters``) draws its draft at index ``j`` from the ``"draft"``
   stream.
 
 Each used random number is fresh: within a tick a row reads the accept stream at indices
@@ -51,7 +51,7 @@ Each used random number is fresh: within a tick a row reads the accept stream at
 
 Cache helper: :func:`rollback_rows` drops a different number of trailing positions per row from mlx-lm's
 left-padded ``BatchKVCache`` and keeps every row right-aligned (it reaches into mlx-lm cache internals: it
-belongs next to ``scheduler/adapters.py`` and is pinned by ``tests/test_speculative_kernels.py``).
+belongs next to ``scheduler/execution/library.py`` and is pinned by ``tests/test_speculative_kernels.py``).
 """
 
 from __future__ import annotations

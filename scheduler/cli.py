@@ -17,7 +17,7 @@ DIAGRAM_END = "<!-- lifecycle-diagram:end -->"
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
-    from .tiny_models import build_model
+    from .fixtures.tiny_models import build_model
 
     path = build_model(args.kind, args.dir, seed=args.seed)
     print(f"built {args.kind} model in {path}")
@@ -74,7 +74,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from .config import EngineConfig
     from .engine import Engine
     from .request import SamplingParams
-    from .tiny_models import build_model
+    from .fixtures.tiny_models import build_model
 
     model_dir = args.model
     tmp = None
@@ -113,7 +113,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    from .replay import TraceError, load_trace, replay
+    from .tools.replay import TraceError, load_trace, replay
 
     try:
         report = replay(load_trace(args.trace), policy=args.policy)
@@ -125,8 +125,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    from .replay import TraceError
-    from .simulate import what_if
+    from .tools.replay import TraceError
+    from .tools.simulate import what_if
 
     try:
         overrides = dict(item.split("=", 1) for item in args.set or [])
@@ -138,8 +138,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _cmd_timeline(args: argparse.Namespace) -> int:
-    from .replay import TraceError
-    from .timeline import write_timeline
+    from .tools.replay import TraceError
+    from .tools.timeline import write_timeline
 
     try:
         kind = write_timeline(args.trace, args.out)

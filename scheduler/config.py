@@ -25,7 +25,7 @@ class EngineConfig:
     vision_budget: media items whose encoding runs in one tick (so much media cannot stall decoding): an image
         is one item, a video one per temporal patch of its selected frames (Qwen2-VL: 2 frames), an audio clip
         one. A request with more items than the whole budget is encoded alone in a tick.
-    video_fps: frames sampled per second of video, by timestamp (scheduler/media.py).
+    video_fps: frames sampled per second of video, by timestamp (scheduler/models/media.py).
     video_max_frames: at most this many frames per video, spread evenly over the clip when fps would give more.
     vision_cache_bytes: byte budget of the vision-encoder output cache (VLMs; 0 turns it off).
     max_kv_size: keep only the last `max_kv_size` tokens of each request's context (rotating caches, no

@@ -18,11 +18,11 @@ from typing import Any, AsyncIterator, Iterator, Sequence
 
 import mlx.core as mx
 
-from . import adapters
+from .execution import library
 from .config import EngineConfig
 from .events import EventLog, JsonlSink, MemorySink
-from .executor import MLXExecutor
-from .runners import TextRunner, VisionLanguageRunner
+from .execution.executor import MLXExecutor
+from .execution.runners import TextRunner, VisionLanguageRunner
 from .lifecycle import RequestState
 from .request import (
     InvalidRequest,
@@ -130,12 +130,12 @@ class Engine:
         self.vlm, self.vision_cache = family.vlm, family.vision_cache
         self.tokenizer, self.vocab_size = family.tokenizer, family.vocab_size
         self.max_model_len = self.config.max_model_len or family.max_positions or 1 << 30
-        if self.config.max_kv_size is not None and not adapters.supports_max_kv_size(model):
+        if self.config.max_kv_size is not None and not library.supports_max_kv_size(model):
             raise ValueError("max_kv_size: this model builds its own caches (e.g. sliding windows); "
                              "mlx-lm ignores max_kv_size for it and so would the results")
         # The KV layout is measured for text models even without a budget: the trace records it, so a what-if
         # simulation can try a budget on any trace.
-        self.kv_layout = None if self.vlm is not None else adapters.kv_layout(model, self.config.max_kv_size)
+        self.kv_layout = None if self.vlm is not None else library.kv_layout(model, self.config.max_kv_size)
         budget_layout = self.kv_layout if self.config.kv_memory_bytes is not None else None
         self.scheduler = Scheduler(self.config, self.events, family.stop_ids, policy, budget_layout)
         self.executor = executor or MLXExecutor(family.runner, penalty_context=self.config.penalty_context,
@@ -152,7 +152,7 @@ class Engine:
         self._stats = EngineStats()
         self.events.emit(
             "engine_start", 0, config={**_config_record(self.config), "policy": self.scheduler.policy.name},
-            model=adapters.model_identity(model.language_model if self.vlm else model),
+            model=library.model_identity(model.language_model if self.vlm else model),
             vocab_size=self.vocab_size, max_model_len=self.max_model_len,
             stop_token_ids=sorted(self.scheduler.model_stop_ids),
             kv_layout=[[layer.bytes_per_token, layer.window] for layer in self.kv_layout.layers]
@@ -169,19 +169,19 @@ class Engine:
                 layer.window for layer in self.kv_layout.layers):
             raise ValueError("draft_tokens: speculative decoding needs plain KV caches on a text model (no "
                              "sliding windows, no max_kv_size)")
-        from .drafters import DraftModelDrafter, PromptLookupDrafter
+        from .execution.drafters import DraftModelDrafter, PromptLookupDrafter
 
         if cfg.drafter == "mtp":
             if mtp_head is None:
                 raise ValueError("drafter='mtp' needs Engine(..., mtp_head=...) (from_pretrained loads the head "
                                  "stored next to the model, if any)")
-            from .mtp import MTPDrafter
+            from .execution.mtp import MTPDrafter
 
             return MTPDrafter(mtp_head, self.model)
         if cfg.drafter == "draft-model":
             if draft_model is None:
                 raise ValueError("drafter='draft-model' needs Engine(..., draft_model=<mlx-lm model>)")
-            if adapters.vocab_size(draft_model) != self.vocab_size:
+            if library.vocab_size(draft_model) != self.vocab_size:
                 raise ValueError("the draft model must share the target's vocabulary")
             return DraftModelDrafter(draft_model)
         return PromptLookupDrafter()
@@ -194,14 +194,14 @@ class Engine:
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, config: EngineConfig | None = None, **kwargs: Any) -> "Engine":
         """Load a local mlx-lm model directory, or an mlx-vlm one (a config with a `vision_config`)."""
-        if adapters.is_vision_language_dir(model_dir):
+        if library.is_vision_language_dir(model_dir):
             from mlx_vlm import load as load_vlm
 
             model, processor = load_vlm(str(model_dir))
             return cls(model, processor, config, **kwargs)
         from mlx_lm import load
 
-        from .mtp import load_mtp_head
+        from .execution.mtp import load_mtp_head
 
         model, tokenizer = load(str(model_dir))
         if config is not None and config.drafter == "mtp" and "mtp_head" not in kwargs:
@@ -282,7 +282,7 @@ class Engine:
     def _prepare_media(self, prompt: Any, prompt_tokens: Any, images: Any, videos: Any = None,
                        audio: Any = None) -> tuple[Any, str | None]:
         """Preprocess on the caller's thread (CPU work). Returns (prepared inputs, media error)."""
-        from .vlm import MediaError, PreparedRequest
+        from .models.vlm import MediaError, PreparedRequest
 
         if prompt_tokens is not None:
             tokens = list(prompt_tokens)
@@ -534,14 +534,14 @@ class _ModelFamily:
 
 
 def _model_family(model: Any, tokenizer: Any, config: EngineConfig, on_vision_event: Any) -> _ModelFamily:
-    if not adapters.is_vision_language_model(model):
-        return _ModelFamily(TextRunner(model, config.max_kv_size), tokenizer, adapters.vocab_size(model),
-                            adapters.max_positions(model), adapters.eos_token_ids(tokenizer))
+    if not library.is_vision_language_model(model):
+        return _ModelFamily(TextRunner(model, config.max_kv_size), tokenizer, library.vocab_size(model),
+                            library.max_positions(model), library.eos_token_ids(tokenizer))
     if config.kv_memory_bytes is not None or config.max_kv_size is not None:
         raise ValueError("kv_memory_bytes and max_kv_size are not supported for vision-language models yet")
     from caches.vision import VisionCache
 
-    from .vlm import adapter_for
+    from .models.vlm import adapter_for
 
     vision_cache = VisionCache(config.vision_cache_bytes, on_event=on_vision_event) if config.vision_cache_bytes else None
     # for an mlx-vlm model, `tokenizer` is its processor

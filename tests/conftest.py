@@ -9,7 +9,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from scheduler.tiny_models import build_model  # noqa: E402
+from scheduler.fixtures.tiny_models import build_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

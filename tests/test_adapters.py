@@ -1,23 +1,23 @@
-"""Pins the mlx-lm behaviour scheduler/adapters.py relies on. If an mlx-lm upgrade moves any of it, these
+"""Pins the mlx-lm behaviour scheduler/execution/library.py relies on. If an mlx-lm upgrade moves any of it, these
 fail here, loudly, instead of as wrong tokens somewhere else."""
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
 
-from scheduler import adapters
+from scheduler.execution import library
 
 
 def _filled(model, tokens):
-    cache = adapters.make_request_cache(model)
+    cache = library.make_request_cache(model)
     model(mx.array(tokens)[None], cache=cache)
-    mx.eval(adapters.cache_arrays(cache))
+    mx.eval(library.cache_arrays(cache))
     return cache
 
 
 def test_request_caches_are_what_mlx_lm_generate_builds(text_model, sliding_model):
-    text = adapters.make_request_cache(text_model[0])
+    text = library.make_request_cache(text_model[0])
     assert all(type(c) is KVCache for c in text)
-    sliding = adapters.make_request_cache(sliding_model[0])
+    sliding = library.make_request_cache(sliding_model[0])
     assert [type(c) for c in sliding].count(RotatingKVCache) == 3
     assert [type(c) for c in sliding].count(KVCache) == 1
 
@@ -25,34 +25,34 @@ def test_request_caches_are_what_mlx_lm_generate_builds(text_model, sliding_mode
 def test_merge_extend_filter_round_trip_keeps_each_rows_keys(text_model):
     model = text_model[0]
     a, b, c = _filled(model, [7, 8, 9]), _filled(model, [10] * 5), _filled(model, [11, 12])
-    batch = adapters.merge_caches([a, b])
+    batch = library.merge_caches([a, b])
     assert all(type(layer) is BatchKVCache for layer in batch)
-    batch = adapters.extend_batch(batch, adapters.merge_caches([c]))
+    batch = library.extend_batch(batch, library.merge_caches([c]))
     assert batch[0].left_padding.tolist() == [2, 0, 3]
     assert batch[0].offset.tolist() == [3, 5, 2]
     # row 2 (c) keeps its own keys right-aligned after extend
     k = batch[0].keys[2, :, batch[0].left_padding[2].item(): batch[0]._idx]
     assert mx.array_equal(k, c[0].keys[0, :, :2])
-    batch = adapters.filter_batch(batch, [0, 2])
+    batch = library.filter_batch(batch, [0, 2])
     assert batch[0].offset.tolist() == [3, 2]
-    assert adapters.filter_batch(batch, []) == []
+    assert library.filter_batch(batch, []) == []
 
 
 def test_rotating_caches_merge_into_batch_rotating(sliding_model):
     model = sliding_model[0]
-    batch = adapters.merge_caches([_filled(model, [7] * 20), _filled(model, [8] * 3)])
+    batch = library.merge_caches([_filled(model, [7] * 20), _filled(model, [8] * 3)])
     kinds = [type(layer) for layer in batch]
     assert kinds.count(BatchRotatingKVCache) == 3 and kinds.count(BatchKVCache) == 1
 
 
 def test_nbytes_counts_the_real_arrays(text_model):
     cache = _filled(text_model[0], [7, 8, 9])
-    assert adapters.cache_nbytes(cache) == sum(c.keys.nbytes + c.values.nbytes for c in cache) > 0
+    assert library.cache_nbytes(cache) == sum(c.keys.nbytes + c.values.nbytes for c in cache) > 0
 
 
 def test_model_facts(text_model):
     model, tokenizer = text_model
-    assert adapters.vocab_size(model) == 512
-    assert adapters.max_positions(model) is not None
-    eos = adapters.eos_token_ids(tokenizer)
+    assert library.vocab_size(model) == 512
+    assert library.max_positions(model) is not None
+    eos = library.eos_token_ids(tokenizer)
     assert eos and all(isinstance(i, int) for i in eos)

@@ -14,10 +14,10 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from caches.vision import VisionCache  # noqa: E402
-from scheduler import adapters  # noqa: E402
-from scheduler.media import load_audio  # noqa: E402
-from scheduler.tiny_models import ALL_KINDS, MODEL_KINDS, build_model  # noqa: E402
-from scheduler.vlm import Gemma4AudioAdapter, MediaError, adapter_for  # noqa: E402
+from scheduler.execution import library  # noqa: E402
+from scheduler.models.media import load_audio  # noqa: E402
+from scheduler.fixtures.tiny_models import ALL_KINDS, MODEL_KINDS, build_model  # noqa: E402
+from scheduler.models.vlm import Gemma4AudioAdapter, MediaError, adapter_for  # noqa: E402
 
 MAX_TOKENS = 12
 CHUNK = 7
@@ -101,7 +101,7 @@ def run_batch(adapter, prepared_list, join_at=None):
     while step <= max(join_at) or rows:
         joining = [i for i in range(n) if join_at[i] == step]
         if joining:
-            batch = adapters.extend_batch(batch, adapters.merge_caches([staged[i][2] for i in joining]))
+            batch = library.extend_batch(batch, library.merge_caches([staged[i][2] for i in joining]))
             new = mx.array([staged[i][0].input_ids[-1] for i in joining], dtype=mx.uint32)
             inputs = new if inputs is None else mx.concatenate([inputs, new])
             rows += joining
@@ -114,7 +114,7 @@ def run_batch(adapter, prepared_list, join_at=None):
                 if token not in eos and len(outputs[i]) < MAX_TOKENS:
                     keep.append(row)
             if len(keep) < len(rows):
-                batch = adapters.filter_batch(batch, keep)
+                batch = library.filter_batch(batch, keep)
                 rows = [rows[r] for r in keep]
                 inputs = inputs[mx.array(keep)] if keep else None
         step += 1

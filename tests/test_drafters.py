@@ -1,4 +1,4 @@
-"""Tests for scheduler.drafters: prompt lookup and the draft-model drafter, and an end-to-end greedy
+"""Tests for scheduler.execution.drafters: prompt lookup and the draft-model drafter, and an end-to-end greedy
 speculative loop (drafter -> one batched verification forward -> greedy_accept -> rollback_rows) whose
 output must equal each request generated alone by mlx-lm."""
 
@@ -12,8 +12,8 @@ import pytest
 
 from kernels.sampling import RowSampling, SamplingArrays
 from kernels.speculative import greedy_accept, pad_drafts, processed_logprobs, rollback_rows, stochastic_accept
-from scheduler import adapters
-from scheduler.drafters import (
+from scheduler.execution import library
+from scheduler.execution.drafters import (
     Draft,
     DraftModelDrafter,
     DraftRequest,
@@ -159,14 +159,14 @@ def test_draft_model_same_as_target_proposes_the_greedy_continuation(text_model,
     assert [o.tokens for o in out] == [r[:4] for r in refs]
     assert all(o.logprobs is None for o in out)  # greedy drafting: q is one-hot
     # so greedy verification by the target accepts every draft
-    cache = adapters.merge_caches([_single(model, p[:-1]) for p in prompts])
+    cache = library.merge_caches([_single(model, p[:-1]) for p in prompts])
     tokens, lens = pad_drafts([o.tokens for o in out], 4)
     logits = model(mx.concatenate([mx.array([[p[-1]] for p in prompts]), tokens], axis=1), cache=cache)
     assert greedy_accept(logits, tokens, lens).accepted.tolist() == [4] * len(prompts)
 
 
 def _single(model, tokens):
-    cache = adapters.make_request_cache(model)
+    cache = library.make_request_cache(model)
     if tokens:
         model(mx.array(tokens)[None], cache=cache)
     return cache
@@ -272,7 +272,7 @@ def speculative_greedy(model, prompts, drafter, k, max_new):
     ids = [str(i) for i in range(len(prompts))]
     hist = [list(p) for p in prompts]
     out = [[] for _ in prompts]
-    cache = adapters.merge_caches([_single(model, p[:-1]) for p in prompts])
+    cache = library.merge_caches([_single(model, p[:-1]) for p in prompts])
     forwards = 0
     while any(len(o) < max_new for o in out):
         reqs = [DraftRequest(rid, h, max_tokens=max(0, max_new - len(o) - 1)) for rid, h, o in zip(ids, hist, out)]
@@ -325,7 +325,7 @@ def test_end_to_end_sampled_draft_model_same_as_target_accepts_almost_everything
     drafter = DraftModelDrafter(model, sample=True)
     k = 3
     drafts = drafter.propose([_req(str(i), p, sampling=s, step=0) for i, (p, s) in enumerate(zip(prompts, rows))], k)
-    cache = adapters.merge_caches([_single(model, p[:-1]) for p in prompts])
+    cache = library.merge_caches([_single(model, p[:-1]) for p in prompts])
     tokens, lens = pad_drafts([d.tokens for d in drafts], k)
     logits = model(mx.concatenate([mx.array([[p[-1]] for p in prompts]), tokens], axis=1), cache=cache)
     p = processed_logprobs(logits - mx.logsumexp(logits, axis=-1, keepdims=True), params)

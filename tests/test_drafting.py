@@ -4,7 +4,7 @@ and draft length, reproducible seeded sampling, aborts in the drafting state, re
 import pytest
 
 from scheduler import Engine, EngineConfig, FinishReason, RequestState, SamplingParams
-from scheduler.replay import load_trace, replay
+from scheduler.tools.replay import load_trace, replay
 
 from scheduler.events import MemorySink
 
@@ -25,8 +25,8 @@ def reference(text_model):
 @pytest.fixture(scope="module")
 def mtp_head(tmp_path_factory):
     """The tiny text model's own MTP head (text-mtp builds the same model weights as text, plus the head)."""
-    from scheduler.mtp import load_mtp_head
-    from scheduler.tiny_models import build_model
+    from scheduler.execution.mtp import load_mtp_head
+    from scheduler.fixtures.tiny_models import build_model
 
     return load_mtp_head(build_model("text-mtp", tmp_path_factory.mktemp("mtp")))
 
@@ -35,7 +35,7 @@ def mtp_head(tmp_path_factory):
 def other_draft_model(tmp_path_factory):
     from mlx_lm import load
 
-    from scheduler.tiny_models import build_model
+    from scheduler.fixtures.tiny_models import build_model
 
     model, _ = load(str(build_model("text", tmp_path_factory.mktemp("draft"), seed=1)))
     return model
@@ -147,7 +147,7 @@ def test_mtp_head_round_trips_and_compat_install(text_model, mtp_head, tmp_path)
     import mlx.core as mx
 
     from scheduler.compat import MLLMBatchGenerator, MLLMBatchRequest, install_mtp_mllm
-    from scheduler.mtp import load_mtp_head, save_mtp_head
+    from scheduler.execution.mtp import load_mtp_head, save_mtp_head
 
     save_mtp_head(mtp_head, tmp_path)
     again = load_mtp_head(tmp_path)

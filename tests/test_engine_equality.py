@@ -76,8 +76,8 @@ def test_reference_prompts_cover_the_length_range():
 
 def test_fresh_prompts_of_equal_length_share_one_prefill_forward_and_stay_exact(text_model):
     from scheduler import Engine
-    from scheduler.executor import MLXExecutor
-    from scheduler.runners import TextRunner
+    from scheduler.execution.executor import MLXExecutor
+    from scheduler.execution.runners import TextRunner
 
     from .helpers import mixed_prompts
 

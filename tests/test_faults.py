@@ -8,7 +8,7 @@ import pytest
 
 from scheduler import Engine, EngineConfig, FinishReason, RequestState
 from scheduler.events import MemorySink
-from scheduler.replay import load_trace, replay
+from scheduler.tools.replay import load_trace, replay
 
 from .helpers import drive, greedy, mixed_prompts, solo_tokens
 
@@ -66,7 +66,7 @@ def test_a_failing_prefill_fails_only_that_request(text_model):
 
 
 def test_a_drafter_that_raises_falls_back_to_plain_decoding(text_model):
-    from scheduler.drafters import PromptLookupDrafter
+    from scheduler.execution.drafters import PromptLookupDrafter
 
     model, tokenizer = text_model
 

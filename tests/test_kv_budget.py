@@ -5,7 +5,7 @@ import pytest
 
 from caches.kv import STEP, KVLayout, LayerLayout
 from scheduler import Engine, EngineConfig, FinishReason, InvalidRequest
-from scheduler.replay import load_trace, replay
+from scheduler.tools.replay import load_trace, replay
 
 from .helpers import drive, engine_with_log, greedy, mixed_prompts, solo_tokens
 

@@ -7,7 +7,7 @@ import pytest
 
 from caches.prefix import PrefixCache
 from scheduler import Engine, EngineConfig, SamplingParams
-from scheduler.replay import load_trace, replay
+from scheduler.tools.replay import load_trace, replay
 
 from .helpers import drive, greedy, mixed_prompts, solo_tokens
 

@@ -8,7 +8,7 @@ import pytest
 from scheduler import Engine, EngineConfig, SamplingParams
 from scheduler.cli import main
 from scheduler.events import read_jsonl
-from scheduler.replay import TraceError, load_trace, replay
+from scheduler.tools.replay import TraceError, load_trace, replay
 
 from .helpers import mixed_prompts
 

@@ -12,7 +12,7 @@ import pytest
 from scheduler.events import read_jsonl
 
 from scheduler import Engine, EngineConfig, SamplingParams
-from scheduler.simulate import (
+from scheduler.tools.simulate import (
     FEATURES,
     CostModel,
     SimExecutor,
@@ -27,7 +27,7 @@ from scheduler.simulate import (
     what_if,
 )
 from scheduler.plan import PrefillChunk, TickPlan
-from scheduler.workload import Lognormal, SimArrival, arrivals_from_trace, synthetic_workload
+from scheduler.tools.workload import Lognormal, SimArrival, arrivals_from_trace, synthetic_workload
 
 from .helpers import mixed_prompts
 

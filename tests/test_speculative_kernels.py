@@ -29,7 +29,7 @@ from kernels.speculative import (
     stack_draft_logprobs,
     stochastic_accept_from_uniforms,
 )
-from scheduler import adapters
+from scheduler.execution import library
 
 
 # ---------------------------------------------------------------------------
@@ -409,7 +409,7 @@ def test_processed_logprobs():
 
 
 def _single(model, tokens):
-    cache = adapters.make_request_cache(model)
+    cache = library.make_request_cache(model)
     if tokens:
         model(mx.array(tokens)[None], cache=cache)
     return cache
@@ -417,7 +417,7 @@ def _single(model, tokens):
 
 def _batch(model, histories):
     """The executor's layout: each row's history minus its last token, merged left-padded."""
-    return adapters.merge_caches([_single(model, h) for h in histories])
+    return library.merge_caches([_single(model, h) for h in histories])
 
 
 def _decode(model, cache, tokens):
@@ -472,9 +472,9 @@ def test_rollback_over_many_ticks_then_filter_and_extend(text_model):
     assert mx.array_equal(_decode(model, cache, step), _decode(model, ref, step))
     # filter (a row leaves) and extend (a row joins), as the executor does between ticks
     hist = [h + [t] for h, t in zip(hist, [20, 21, 22, 23])]
-    adapters.filter_batch(cache, [0, 2, 3])
+    library.filter_batch(cache, [0, 2, 3])
     joining = _prompts(9, [7])[0]
-    adapters.extend_batch(cache, _batch(model, [joining[:-1]]))
+    library.extend_batch(cache, _batch(model, [joining[:-1]]))
     rows = [hist[0], hist[2], hist[3], joining]
     ref = _batch(model, [h[:-1] for h in rows])
     step = [h[-1] for h in rows]

@@ -9,7 +9,7 @@ import pytest
 from scheduler.events import read_jsonl
 
 from scheduler import Engine, EngineConfig, SamplingParams
-from scheduler.timeline import request_stays, to_perfetto, to_png, write_timeline
+from scheduler.tools.timeline import request_stays, to_perfetto, to_png, write_timeline
 
 from .helpers import mixed_prompts
 

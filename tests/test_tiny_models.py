@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from scheduler.tiny_models import MODEL_KINDS, SPECIAL_TOKENS, build_model
+from scheduler.fixtures.tiny_models import MODEL_KINDS, SPECIAL_TOKENS, build_model
 
 N_TOKENS = 16
 VOCAB = 512
@@ -81,7 +81,7 @@ def test_build_is_deterministic(tmp_path, text_model_dir):
 def test_build_is_deterministic_across_processes(tmp_path, text_model_dir):
     # Rust hash maps in `tokenizers` are seeded per process; the BPE training must
     # not depend on their iteration order.
-    code = "import sys; from scheduler.tiny_models import build_model; build_model('text', sys.argv[1])"
+    code = "import sys; from scheduler.fixtures.tiny_models import build_model; build_model('text', sys.argv[1])"
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "other")], check=True)
     for name in ("model.safetensors", "tokenizer.json"):
         assert (tmp_path / "other" / name).read_bytes() == (text_model_dir / name).read_bytes()

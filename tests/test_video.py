@@ -1,4 +1,4 @@
-"""Video inputs for the Qwen2-VL family: frame selection (scheduler/media.py) honours fps by timestamp and the
+"""Video inputs for the Qwen2-VL family: frame selection (scheduler/models/media.py) honours fps by timestamp and the
 max_frames cap on a synthetic OpenCV video whose frames say which frame they are; a video request prefilled and
 decoded through the adapter, batched with image and text requests, gives exactly the tokens of
 mlx_vlm.stream_generate run alone with the same frames; a repeated video hits the vision cache; bad videos
@@ -16,9 +16,9 @@ import pytest  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from caches.vision import VisionCache  # noqa: E402
-from scheduler import adapters  # noqa: E402
-from scheduler.media import load_video, sample_frame_indices, validate_video_sampling  # noqa: E402
-from scheduler.vlm import MediaError, Qwen2VLAdapter  # noqa: E402
+from scheduler.execution import library  # noqa: E402
+from scheduler.models.media import load_video, sample_frame_indices, validate_video_sampling  # noqa: E402
+from scheduler.models.vlm import MediaError, Qwen2VLAdapter  # noqa: E402
 
 cv2 = pytest.importorskip("cv2")
 
@@ -216,7 +216,7 @@ def run_batch(adapter, prepared_list, join_at=None, deltas_override=None):
     while step <= max(join_at) or rows:
         joining = [i for i in range(n) if join_at[i] == step]
         if joining:
-            batch = adapters.extend_batch(batch, adapters.merge_caches([staged[i][2] for i in joining]))
+            batch = library.extend_batch(batch, library.merge_caches([staged[i][2] for i in joining]))
             new_in = mx.array([staged[i][0].input_ids[-1] for i in joining], dtype=mx.uint32)
             new_d = mx.array([staged[i][1].rope_delta if deltas_override is None else deltas_override
                               for i in joining], dtype=mx.int32)
@@ -231,7 +231,7 @@ def run_batch(adapter, prepared_list, join_at=None, deltas_override=None):
                 if token not in eos and len(outputs[i]) < MAX_TOKENS:
                     keep.append(row)
             if len(keep) < len(rows):
-                batch = adapters.filter_batch(batch, keep)
+                batch = library.filter_batch(batch, keep)
                 rows = [rows[r] for r in keep]
                 if keep:
                     idx = mx.array(keep)
@@ -378,7 +378,7 @@ def test_other_frame_selection_is_another_key(adapter, video_path):
 
 
 def test_adapter_default_sampling_and_engine_style_options(vlm, video_path):
-    from scheduler.vlm import adapter_for
+    from scheduler.models.vlm import adapter_for
 
     adapter = adapter_for(*vlm, video_fps=1.0, video_max_frames=2)
     p = adapter.prepare(video_messages("x"), videos=[video_path])

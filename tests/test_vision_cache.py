@@ -168,7 +168,7 @@ class CountingAdapter:
     """A Qwen2VLAdapter whose vision encoder (its own seam, `adapter.vision_encoder`) is wrapped to count calls."""
 
     def __init__(self, vlm, cache):
-        from scheduler.vlm import Qwen2VLAdapter
+        from scheduler.models.vlm import Qwen2VLAdapter
 
         self.adapter = Qwen2VLAdapter(*vlm, vision_cache=cache)
         self.calls = 0
@@ -266,7 +266,7 @@ def test_different_images_never_share_an_entry(vlm):
 
 def test_jpeg_bytes_and_decoded_image_share_a_key(vlm):
     """The key is the decoded, preprocessed content: bytes, a path or the PIL image of the same pixels agree."""
-    from scheduler.vlm import Qwen2VLAdapter, load_image
+    from scheduler.models.vlm import Qwen2VLAdapter, load_image
 
     adapter = Qwen2VLAdapter(*vlm)
     buf = io.BytesIO()
@@ -306,7 +306,7 @@ def test_the_key_includes_the_model(vlm, vlm_model_dir):
     """Same pixels through a model with different vision weights must not share an entry."""
     import mlx_vlm
 
-    from scheduler.vlm import Qwen2VLAdapter
+    from scheduler.models.vlm import Qwen2VLAdapter
 
     other_model, other_processor = mlx_vlm.load(str(vlm_model_dir))
     block = other_model.vision_tower.blocks[1].mlp.fc1

@@ -1,4 +1,4 @@
-"""scheduler/vlm.py: the Qwen2-VL adapter gives, solo and batched, exactly the tokens of mlx-vlm run alone; bad
+"""scheduler/models/vlm.py: the Qwen2-VL adapter gives, solo and batched, exactly the tokens of mlx-vlm run alone; bad
 images fail with MediaError naming the image; and the mlx-vlm internals the adapter relies on are pinned here so
 an upgrade that moves them fails loudly in this file."""
 
@@ -12,8 +12,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from scheduler import adapters  # noqa: E402
-from scheduler.vlm import EncodedRequest, MediaError, PreparedRequest, Qwen2VLAdapter, adapter_for  # noqa: E402
+from scheduler.execution import library  # noqa: E402
+from scheduler.models.vlm import EncodedRequest, MediaError, PreparedRequest, Qwen2VLAdapter, adapter_for  # noqa: E402
 
 MAX_TOKENS = 12
 CHUNK = 7
@@ -193,8 +193,8 @@ def run_batch(adapter, requests, join_at=None, stop_after=None, deltas_override=
     while step <= max(join_at) or rows:
         joining = [i for i in range(n) if join_at[i] == step]
         if joining:
-            merged = adapters.merge_caches([staged[i][2] for i in joining])
-            batch = adapters.extend_batch(batch, merged)
+            merged = library.merge_caches([staged[i][2] for i in joining])
+            batch = library.extend_batch(batch, merged)
             new_inputs = mx.array([staged[i][0].input_ids[-1] for i in joining], dtype=mx.uint32)
             new_deltas = mx.array([staged[i][1].rope_delta if deltas_override is None else deltas_override
                                    for i in joining], dtype=mx.int32)
@@ -211,7 +211,7 @@ def run_batch(adapter, requests, join_at=None, stop_after=None, deltas_override=
                 if not done:
                     keep.append(row)
             if len(keep) < len(rows):
-                batch = adapters.filter_batch(batch, keep)
+                batch = library.filter_batch(batch, keep)
                 rows = [rows[r] for r in keep]
                 if keep:
                     idx = mx.array(keep)
@@ -335,7 +335,7 @@ def test_adapter_for_refuses_other_families(vlm, text_model):
 
 
 def test_pin_prepare_inputs_keys_and_expansion(vlm, adapter):
-    from scheduler.vlm import _vlm_prepare_inputs
+    from scheduler.models.vlm import _vlm_prepare_inputs
 
     model, processor = vlm
     prompt = adapter.prepare(*REQUESTS[0]).prompt
@@ -348,7 +348,7 @@ def test_pin_prepare_inputs_keys_and_expansion(vlm, adapter):
 
 def test_pin_cached_image_features_replace_the_vision_tower(vlm, adapter):
     """get_input_embeddings must honour `cached_image_features` (we run the tower ourselves and cache it)."""
-    from scheduler.vlm import _vlm_input_embeddings, _vlm_vision_features
+    from scheduler.models.vlm import _vlm_input_embeddings, _vlm_vision_features
 
     model, _ = vlm
     prepared = adapter.prepare(*REQUESTS[0])
@@ -403,7 +403,7 @@ def test_pin_caches_merge_into_batch_with_per_row_offsets(adapter):
         assert all(type(c) is KVCache for c in cache)
         adapter.prefill(cache, encoded, 0, n)
         caches.append(cache)
-    batch = adapters.merge_caches(caches)
+    batch = library.merge_caches(caches)
     assert all(type(layer) is BatchKVCache for layer in batch)
     assert batch[0].offset.tolist() == [3, 5] and batch[0].left_padding.tolist() == [2, 0]
     assert adapter.decode_positions(batch, mx.array([10, -4])).tolist() == [[[13], [1]]] * 3

@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from scheduler import Engine, EngineConfig, FinishReason, RequestState, SamplingParams
-from scheduler.replay import load_trace, replay
+from scheduler.tools.replay import load_trace, replay
 
 from .helpers import drive, engine_with_log
 

@@ -32,14 +32,14 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from .config import EngineConfig
-from .events import EventLog
-from .plan import TickPlan, TickResult
-from .policy import Policy
-from .replay import Trace, TraceError, load_trace, parse_events
-from .request import Request, SamplingParams
-from .scheduler import Scheduler
-from .workload import FIRST_ORDINARY_ID, SimArrival, arrivals_from_trace
+from scheduler.config import EngineConfig
+from scheduler.events import EventLog
+from scheduler.plan import TickPlan, TickResult
+from scheduler.policy import Policy
+from scheduler.tools.replay import Trace, TraceError, load_trace, parse_events
+from scheduler.request import Request, SamplingParams
+from scheduler.scheduler import Scheduler
+from scheduler.tools.workload import FIRST_ORDINARY_ID, SimArrival, arrivals_from_trace
 
 # ---- cost model ------------------------------------------------------------------------------------------
 
@@ -504,7 +504,7 @@ class SimExecutor:
         return result
 
     def _offer_prefixes(self, plan: TickPlan, completing: list[str], result: TickResult) -> None:
-        from .plan import PrefixStore  # the prefix-cache contract (absent from older plan modules)
+        from scheduler.plan import PrefixStore  # the prefix-cache contract (absent from older plan modules)
 
         restored = {rid: length for rid, _entry, length in getattr(plan, "prefix_hits", ())}
         for rid in completing:

@@ -208,7 +208,7 @@ def to_png(events: Iterable[dict[str, Any]], path: str | os.PathLike, max_reques
 
 
 def read_events(trace_path: str | os.PathLike) -> list[dict[str, Any]]:
-    from .replay import TraceError, parse_events
+    from scheduler.tools.replay import TraceError, parse_events
 
     try:
         with open(trace_path, encoding="utf-8") as f:

@@ -28,10 +28,10 @@ from kernels.speculative import (
     stochastic_accept,
 )
 
-from .plan import PrefixStore, TickPlan, TickResult
-from .request import Request
-from .drafters import DraftRequest
-from .runners import Runner, TextRunner
+from scheduler.plan import PrefixStore, TickPlan, TickResult
+from scheduler.request import Request
+from scheduler.execution.drafters import DraftRequest
+from scheduler.execution.runners import Runner, TextRunner
 
 
 @dataclass

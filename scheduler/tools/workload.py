@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, Union
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .replay import Trace
+    from scheduler.tools.replay import Trace
 
 FIRST_ORDINARY_ID = 7  # ids 0..6 are special tokens in the tiny models (and a safe convention elsewhere)
 VOCAB = 512  # synthetic prompt ids are drawn from [FIRST_ORDINARY_ID, VOCAB)
@@ -212,7 +212,7 @@ def arrivals_from_trace(trace: "Trace | str | os.PathLike") -> list[SimArrival]:
     still live. A request that failed gets `error_after` = the tokens it had when the executor reported its
     error.
     """
-    from .simulate import load_recorded  # local: simulate imports this module
+    from scheduler.tools.simulate import load_recorded  # local: simulate imports this module
 
     rec = load_recorded(trace)
     out: list[SimArrival] = []

@@ -21,9 +21,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from .config import EngineConfig
-from .engine import Engine, Throughput
-from .request import InvalidRequest, SamplingParams, UnknownRequest
+from scheduler.config import EngineConfig
+from scheduler.engine import Engine, Throughput
+from scheduler.request import InvalidRequest, SamplingParams, UnknownRequest
 
 logger = logging.getLogger(__name__)
 
@@ -361,13 +361,13 @@ def install_chunked_prefill_mllm(batch_gen: MLLMBatchGenerator, budget: int = 10
 def install_mtp_mllm(batch_gen: MLLMBatchGenerator, language_model: Any, num_draft_tokens: int = 1) -> None:
     """Multi-token-prediction drafting: up to `num_draft_tokens` drafts per row per step from an MTP head,
     verified in the same batched forward with exact acceptance (greedy rows: unchanged output; sampled rows:
-    unchanged distribution). `language_model` is the MTP head (`scheduler.mtp.MTPHead`) or an object carrying
+    unchanged distribution). `language_model` is the MTP head (`scheduler.execution.mtp.MTPHead`) or an object carrying
     one as `.mtp_head`. Plain configuration: call it before the first `insert()`/`next()`."""
-    from .mtp import MTPHead
+    from scheduler.execution.mtp import MTPHead
 
     head = language_model if isinstance(language_model, MTPHead) else getattr(language_model, "mtp_head", None)
     if head is None:
-        raise TypeError("install_mtp_mllm needs an MTP head: pass scheduler.mtp.MTPHead (load_mtp_head(model_dir)) "
+        raise TypeError("install_mtp_mllm needs an MTP head: pass scheduler.execution.mtp.MTPHead (load_mtp_head(model_dir)) "
                         "or an object with an .mtp_head attribute")
     if not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens: must be an integer >= 1, got {num_draft_tokens!r}")

@@ -7,7 +7,7 @@ attention block). Chained, one head drafts k tokens: each step feeds its own out
 it just drafted. The head shares the target's embedding and output head, so a checkpoint adds only a few
 weights: `mtp.safetensors` + `mtp_config.json` next to the model's own files.
 
-`MTPDrafter` implements the drafter protocol of scheduler/drafters.py; it needs each row's last hidden state,
+`MTPDrafter` implements the drafter protocol of scheduler/execution/drafters.py; it needs each row's last hidden state,
 which the executor keeps when the drafter asks for it (`needs_hidden`).
 """
 
@@ -20,8 +20,8 @@ from typing import Any, Iterable, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import adapters
-from .drafters import Draft, DraftRequest
+from scheduler.execution import library
+from scheduler.execution.drafters import Draft, DraftRequest
 
 MTP_WEIGHTS = "mtp.safetensors"
 MTP_CONFIG = "mtp_config.json"
@@ -76,8 +76,8 @@ class MTPDrafter:
 
     def __init__(self, head: MTPHead, target_model: Any):
         self.head = head
-        self.embed = adapters.token_embedding(target_model)
-        self.logits = adapters.output_head(target_model)
+        self.embed = library.token_embedding(target_model)
+        self.logits = library.output_head(target_model)
         self.drafted = self.accepted = 0
 
     def propose(self, rows: Sequence[DraftRequest], k: int) -> list[Draft]:

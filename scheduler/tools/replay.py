@@ -17,12 +17,12 @@ from typing import Any, Iterable, Mapping
 
 from caches.kv import KVLayout, LayerLayout
 
-from .config import EngineConfig
-from .events import SCHEMA_VERSION, EventLog, decision_fields
-from .plan import PrefixStore, TickPlan, TickResult
-from .policy import Policy
-from .request import Request, SamplingParams
-from .scheduler import Scheduler
+from scheduler.config import EngineConfig
+from scheduler.events import SCHEMA_VERSION, EventLog, decision_fields
+from scheduler.plan import PrefixStore, TickPlan, TickResult
+from scheduler.policy import Policy
+from scheduler.request import Request, SamplingParams
+from scheduler.scheduler import Scheduler
 
 
 class TraceError(ValueError):

@@ -32,7 +32,7 @@ import mlx.core as mx
 from kernels.sampling import RowSampling, SamplingArrays
 from kernels.speculative import draft_uniforms, processed_logprobs, rollback_rows
 
-from . import adapters
+from scheduler.execution import library
 
 __all__ = [
     "Draft",
@@ -261,7 +261,7 @@ class DraftModelDrafter:
     """Drafts with a smaller mlx-lm model sharing the target's tokenizer and vocabulary.
 
     **Cache design.** One left-padded ``BatchKVCache`` per layer for every row the drafter knows (built the
-    way ``scheduler/executor.py`` builds the target's: a new request's history minus its last token is
+    way ``scheduler/execution/executor.py`` builds the target's: a new request's history minus its last token is
     prefilled alone in a single-request ``make_prompt_cache`` cache, then merged in). Drafting k tokens for
     B rows is then k batched forwards instead of k x B single-row ones, which is what matters when the
     draft model is small and per-call overhead dominates. ``_seq[rid]`` is always exactly the token list
@@ -286,7 +286,7 @@ class DraftModelDrafter:
     """
 
     def __init__(self, draft_model: Any, *, sample: bool = False, prefill_step_size: int = 512):
-        kinds = {type(layer).__name__ for layer in adapters.make_request_cache(draft_model)}
+        kinds = {type(layer).__name__ for layer in library.make_request_cache(draft_model)}
         if kinds != {"KVCache"}:
             raise TypeError(f"DraftModelDrafter needs a draft model with plain KVCache layers (its cache must be "
                             f"rolled back per row), got {sorted(kinds)}")
@@ -296,7 +296,7 @@ class DraftModelDrafter:
         self._rows: list[str] = []
         self._seq: dict[str, list[int]] = {}
         self._committed: dict[str, int] = {}  # _seq[rid][:n] is known to equal the request's history
-        self._cache: adapters.Cache = []
+        self._cache: library.Cache = []
         self._stats = _Stats()
         self.forwards = 0
         self.rolled_back = 0  # cache positions dropped by resyncs
@@ -310,7 +310,7 @@ class DraftModelDrafter:
         if not gone:
             return
         keep = [i for i, rid in enumerate(self._rows) if rid not in gone]
-        self._cache = adapters.filter_batch(self._cache, keep)
+        self._cache = library.filter_batch(self._cache, keep)
         self._rows = [self._rows[i] for i in keep]
         for rid in gone:
             del self._seq[rid], self._committed[rid]
@@ -325,7 +325,7 @@ class DraftModelDrafter:
         return list(self._seq[request_id])
 
     def cache_bytes(self) -> int:
-        return adapters.cache_nbytes(self._cache)
+        return library.cache_nbytes(self._cache)
 
     def stats(self) -> dict[str, Any]:
         out = self._stats.as_dict()
@@ -334,17 +334,17 @@ class DraftModelDrafter:
         return out
 
     # ---- proposing -------------------------------------------------------------------------------
-    def _prefill(self, tokens: Sequence[int]) -> adapters.Cache:
-        cache = adapters.make_request_cache(self.model)
+    def _prefill(self, tokens: Sequence[int]) -> library.Cache:
+        cache = library.make_request_cache(self.model)
         toks = list(tokens)
         for start in range(0, len(toks), self.prefill_step_size):
             self.model(mx.array(toks[start : start + self.prefill_step_size])[None], cache=cache)
-            mx.eval(adapters.cache_arrays(cache))
+            mx.eval(library.cache_arrays(cache))
         return cache
 
     def _join(self, rows: Sequence[DraftRequest]) -> None:
         caches = [self._prefill(r.tokens[:-1]) for r in rows]
-        self._cache = adapters.extend_batch(self._cache, adapters.merge_caches(caches))
+        self._cache = library.extend_batch(self._cache, library.merge_caches(caches))
         for r in rows:
             self._rows.append(r.request_id)
             self._seq[r.request_id] = [int(t) for t in r.tokens[:-1]]

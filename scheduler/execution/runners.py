@@ -2,7 +2,7 @@
 request is in which row, sampling); a runner owns how a chunk is prefilled and how a batch is decoded.
 
 `TextRunner` runs an mlx-lm model. `VisionLanguageRunner` runs an mlx-vlm model through its family adapter
-(`scheduler/vlm.py`): every request, text-only included, is prefilled from input embeddings with explicit
+(`scheduler/models/vlm.py`): every request, text-only included, is prefilled from input embeddings with explicit
 positions, and every decode row gets its own M-RoPE position (tokens in its cache + its rope delta), so no
 position state is ever kept on the model instance.
 """
@@ -13,20 +13,20 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
-from . import adapters
-from .request import Request
+from scheduler.execution import library
+from scheduler.request import Request
 
 
 class Runner(Protocol):
     has_vision: bool
 
-    def make_cache(self) -> adapters.Cache: ...
+    def make_cache(self) -> library.Cache: ...
 
     def encode(self, request: Request) -> Any: ...
 
-    def prefill(self, cache: adapters.Cache, request: Request, encoded: Any, start: int, end: int) -> None: ...
+    def prefill(self, cache: library.Cache, request: Request, encoded: Any, start: int, end: int) -> None: ...
 
-    def decode(self, batch_cache: adapters.Cache, inputs: mx.array, rope_deltas: mx.array | None) -> mx.array: ...
+    def decode(self, batch_cache: library.Cache, inputs: mx.array, rope_deltas: mx.array | None) -> mx.array: ...
 
 
 class TextRunner:
@@ -37,24 +37,24 @@ class TextRunner:
         self.max_kv_size = max_kv_size
         # Fresh prompts can share one prefill forward when every layer is a plain KV cache (a row of a batch
         # cache can be split back into a request's own cache; a rotating window cannot).
-        self.batched_prefill = adapters.splittable(self.make_cache())
+        self.batched_prefill = library.splittable(self.make_cache())
 
-    def make_cache(self) -> adapters.Cache:
-        return adapters.make_request_cache(self.model, self.max_kv_size)
+    def make_cache(self) -> library.Cache:
+        return library.make_request_cache(self.model, self.max_kv_size)
 
     def encode(self, request: Request) -> None:
         return None  # token ids are the model's input
 
     def prefill(self, cache, request, encoded, start, end):
         self.model(mx.array(request.prefill_tokens(start, end))[None], cache=cache)
-        mx.eval(adapters.cache_arrays(cache))
+        mx.eval(library.cache_arrays(cache))
 
     def prefill_many(self, requests, n):
         """The first `n` prompt tokens of several fresh requests in one forward; one cache per request back."""
-        batch = adapters.merge_caches([self.make_cache() for _ in requests])
+        batch = library.merge_caches([self.make_cache() for _ in requests])
         self.model(mx.array([r.prefill_tokens(0, n) for r in requests]), cache=batch)
-        mx.eval(adapters.cache_arrays(batch))
-        return adapters.split_batch(batch, len(requests))
+        mx.eval(library.cache_arrays(batch))
+        return library.split_batch(batch, len(requests))
 
     def decode(self, batch_cache, inputs, rope_deltas):
         return self.model(inputs[:, None], cache=batch_cache)[:, -1, :]
@@ -65,7 +65,7 @@ class TextRunner:
 
     def forward_with_hidden(self, batch_cache, inputs):
         """(B, n) inputs -> ((B, n, V) logits, (B, n, H) final hidden states), for hidden-state drafters."""
-        return adapters.forward_with_hidden(self.model, inputs, batch_cache)
+        return library.forward_with_hidden(self.model, inputs, batch_cache)
 
 
 class VisionLanguageRunner:
@@ -74,7 +74,7 @@ class VisionLanguageRunner:
     def __init__(self, adapter: Any):
         self.adapter = adapter
 
-    def make_cache(self) -> adapters.Cache:
+    def make_cache(self) -> library.Cache:
         return self.adapter.make_cache()
 
     def encode(self, request: Request) -> Any:

@@ -3,7 +3,7 @@
 One adapter per model family (``Qwen2VLAdapter``: images and videos; ``Gemma4AudioAdapter``: audio, see its
 docstring). It splits what ``mlx_vlm.generate`` does in one call into the pieces continuous batching needs:
 
-``prepare``  CPU only: images -> PIL (validated), videos -> selected frames (``scheduler/media.py``), chat
+``prepare``  CPU only: images -> PIL (validated), videos -> selected frames (``scheduler/models/media.py``), chat
              template, processor (expanded image / video pads, ``pixel_values`` + ``image_grid_thw`` or
              ``pixel_values_videos`` + ``video_grid_thw``), the content key for the vision cache.
 ``encode``   the vision tower (and only it; skipped on a ``VisionCache`` hit), the merge of image features into
@@ -31,7 +31,7 @@ token as the row's first decode input. That equals ``mlx_vlm.generate``'s first 
 text token is its token embedding, and its prompt position is ``(L - 1) + rope_delta``), which is why ``prepare``
 refuses a prompt ending in an image/video pad token.
 
-Videos. A video is decoded and its frames selected in ``scheduler/media.py`` (``fps`` by timestamp, capped at
+Videos. A video is decoded and its frames selected in ``scheduler/models/media.py`` (``fps`` by timestamp, capped at
 ``max_frames``), and the selected frames go to the processor as an already-sampled frame list: exactly what
 ``mlx_vlm.stream_generate(..., video=[frames])`` does with a frame list (its ``prepare_inputs`` samples only
 file paths). The processor pads an odd frame count to the temporal patch (2) by repeating the last frame and
@@ -69,7 +69,7 @@ from PIL import Image, ImageOps
 
 from caches.vision import VisionCache, content_key
 
-from .media import (AudioInput, MediaError, VideoFrames, VideoInput, describe_source, load_audio, load_video,
+from scheduler.models.media import (AudioInput, MediaError, VideoFrames, VideoInput, describe_source, load_audio, load_video,
                     validate_video_sampling)
 
 ImageInput = Any  # PIL.Image.Image | str | os.PathLike | bytes | bytearray | memoryview
@@ -344,7 +344,7 @@ def _read_source(source: Any, index: int) -> bytes:
 
 
 class _FamilyAdapter:
-    """What every family adapter tells the engine about its model (the text helpers of scheduler/adapters.py
+    """What every family adapter tells the engine about its model (the text helpers of scheduler/execution/library.py
     do not fit an mlx-vlm model). Subclasses set `model`, `processor`, `language_model`."""
 
     model: Any
@@ -417,7 +417,7 @@ class Qwen2VLAdapter(_FamilyAdapter):
     ``vision_encoder``: the callable ``(pixel_values, grid_thw) -> features`` that runs the vision tower (on
     images or on videos); replace it on the instance to instrument or offload it (tests wrap it to count calls).
     ``video_fps`` / ``video_max_frames``: the frame selection ``prepare`` uses when not given one
-    (``scheduler/media.py``).
+    (``scheduler/models/media.py``).
     """
 
     SUPPORTED_MODEL_TYPES = frozenset({"qwen2_vl"})
@@ -475,7 +475,7 @@ class Qwen2VLAdapter(_FamilyAdapter):
         ``prompt``: templated text, or chat messages (images: mlx-vlm's template, as ``mlx_vlm.generate`` does;
         videos: the model's own template, one ``{"type": "video"}`` part per video). ``videos``: file paths, raw
         bytes or frame lists; frames are selected at ``fps`` capped at ``max_frames`` (default: the adapter's
-        ``video_fps`` / ``video_max_frames``; see ``scheduler/media.py``). An unusable image / video raises
+        ``video_fps`` / ``video_max_frames``; see ``scheduler/models/media.py``). An unusable image / video raises
         ``MediaError`` naming it; a bad prompt or mismatched placeholders raise ``ValueError``.
         """
         images = list(images) if images is not None else []
@@ -754,7 +754,7 @@ class Gemma4AudioAdapter(_FamilyAdapter):
                 videos: Sequence[VideoInput] | None = (), audio: Sequence[AudioInput] | None = (),
                 fps: float | None = None, max_frames: int | None = None) -> PreparedRequest:
         """CPU-side preprocessing. ``audio``: WAV (or other audio) paths, their bytes, or
-        ``(samples, sample_rate)``; see ``scheduler/media.py``. Chat messages are rendered with mlx-vlm's
+        ``(samples, sample_rate)``; see ``scheduler/models/media.py``. Chat messages are rendered with mlx-vlm's
         template (``num_audios``), as ``mlx_vlm.generate`` does."""
         if images or videos:
             raise ValueError("the gemma4 adapter takes text and audio; images and videos are not supported yet")

@@ -1,0 +1,70 @@
+"""The layers stay layers: the decision side (core, tools over traces, cache bookkeeping) loads no MLX, and the
+public names of `scheduler` resolve lazily.
+
+Each module is imported in a fresh interpreter, because in this process the other tests have loaded MLX
+already. A failure names the module and the first MLX-side modules it pulled in.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+# Modules that decide, or read traces, and must therefore run where no MLX is installed.
+NO_MLX = [
+    "scheduler",
+    "scheduler.lifecycle",
+    "scheduler.request",
+    "scheduler.config",
+    "scheduler.plan",
+    "scheduler.policy",
+    "scheduler.planner",
+    "scheduler.scheduler",
+    "scheduler.events",
+    "scheduler.tools.replay",
+    "scheduler.tools.simulate",
+    "scheduler.tools.workload",
+    "scheduler.tools.timeline",
+    "caches.prefix",
+]
+
+FORBIDDEN_PREFIXES = ("mlx", "mlx_lm", "mlx_vlm", "transformers")
+
+
+def _modules_after_import(module: str) -> list[str]:
+    code = f"import json, sys, importlib; importlib.import_module({module!r}); print(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    return json.loads(out.stdout)
+
+
+@pytest.mark.parametrize("module", NO_MLX)
+def test_decision_side_imports_no_mlx(module):
+    loaded = _modules_after_import(module)
+    heavy = [m for m in loaded if m.split(".")[0] in FORBIDDEN_PREFIXES]
+    assert not heavy, f"importing {module} loaded {heavy[:8]}"
+
+
+def test_public_names_resolve_lazily_and_unknown_names_raise():
+    code = (
+        "import sys, scheduler\n"
+        "assert 'mlx' not in sys.modules\n"
+        "from scheduler import EngineConfig, SamplingParams\n"
+        "assert 'mlx' not in sys.modules, 'core names must not load MLX'\n"
+        "from scheduler import Engine\n"
+        "assert 'mlx.core' in sys.modules\n"
+        "try:\n"
+        "    scheduler.NoSuchName\n"
+        "except AttributeError as e:\n"
+        "    print('raised', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "raised" in out.stdout and "NoSuchName" in out.stdout
+
+
+def test_every_public_name_is_importable():
+    import scheduler
+
+    for name in scheduler.__all__:
+        assert getattr(scheduler, name) is not None, name
