@@ -188,6 +188,7 @@ class AsyncEngine:
                      sampling: SamplingParams | None = None, request_id: str | None = None,
                      images: Sequence[Any] | None = None, videos: Sequence[Any] | None = None,
                      audio: Sequence[Any] | None = None, priority: int = 0) -> AsyncIterator[StepOutput]:
+        """`Engine.add_request`'s arguments; bad input raises InvalidRequest at the first `__anext__`."""
         outputs = await self.submit(prompt, prompt_tokens, sampling, request_id, images, videos, audio, priority)
         try:
             async for out in outputs:
@@ -195,12 +196,15 @@ class AsyncEngine:
         finally:  # cancelled or abandoned before the end: stop computing for nobody
             outputs.close()
 
-    async def generate(self, prompt: Any = None, prompt_tokens: Any = None,
-                       sampling: SamplingParams | None = None, **media: Any) -> RequestOutput:
+    async def generate(self, prompt: Any = None, prompt_tokens: Any = None, sampling: SamplingParams | None = None,
+                       request_id: str | None = None, images: Any = None, videos: Any = None, audio: Any = None,
+                       priority: int = 0) -> RequestOutput:
         tokens: list[int] = []
         logprobs: list[float] = []
         last = None
-        async for out in self.stream(prompt=prompt, prompt_tokens=prompt_tokens, sampling=sampling, **media):
+        async for out in self.stream(prompt=prompt, prompt_tokens=prompt_tokens, sampling=sampling,
+                                     request_id=request_id, images=images, videos=videos, audio=audio,
+                                     priority=priority):
             tokens.extend(out.token_ids)
             logprobs.extend(out.logprobs)
             last = out

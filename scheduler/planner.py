@@ -3,7 +3,9 @@
 Deterministic and model-free: it reads no clock, no device and no randomness, so a recorded run replays to
 the same plans. Invariants it guarantees (tests assert them on every plan):
   * every decoding request decodes one token every tick (running streams never stall);
-  * prefill tokens + decode tokens <= max_batched_tokens; admitted + running <= max_seqs;
+  * prefill tokens + decode tokens <= max_batched_tokens, where a tick that verifies drafts counts what its
+    forward computes: every row of the forward at the widest draft (`TickPlan.decode_tokens`);
+    admitted + running <= max_seqs;
   * no chunk is longer than prefill_chunk;
   * with kv_memory_bytes, the bound on KV bytes after the tick (caches/kv.py) stays within it: the planner
     preempts (newest first) when decoding rows outgrow it and admits only what fits with headroom.
@@ -17,7 +19,7 @@ from typing import Callable, Sequence
 from caches.kv import KVLayout
 
 from .config import EngineConfig
-from .plan import PrefillChunk, TickPlan
+from .plan import PrefillChunk, Reason, TickPlan, WaitReason
 from .policy import Policy
 from .request import Request
 
@@ -95,13 +97,6 @@ class _KVTracker:
         return True
 
 
-def _may_draft(request: Request) -> bool:
-    """Rows whose next tokens depend on per-position Python or history the verifier does not replay keep
-    plain decoding: logits processors, penalties, per-token logprobs."""
-    s = request.sampling
-    return not (s.logits_processors or s.logprobs or s.presence_penalty or s.repetition_penalty != 1)
-
-
 class _VisionBudget:
     """Images encoded per tick. A request with more images than the whole budget is encoded alone in a tick
     rather than never."""
@@ -111,11 +106,43 @@ class _VisionBudget:
         self.chosen: list[str] = []
 
     def take(self, request: Request) -> bool:
+        """Whether `request`'s media is encoded this tick."""
         if request.num_images <= self.left or (not self.chosen and self.left == self.total):
             self.chosen.append(request.request_id)
             self.left -= request.num_images
             return True
         return False
+
+
+class _Reasons:
+    """The binding constraint per live request that got less than it could use (first noted wins, except a
+    preemption, which overrides what it was waiting for)."""
+
+    def __init__(self, config: EngineConfig, decode_rows: int):
+        self.by_id: dict[str, WaitReason] = {}
+        cap = config.max_prefill_tokens
+        # When the tick's token budget runs out, which limit was it: the prefill cap, if it is the tighter one
+        self.exhausted = (Reason.PREFILL_TOKEN_CAP
+                          if cap is not None and cap < config.max_batched_tokens - decode_rows else Reason.TOKEN_BUDGET)
+        self.prefill_chunk = config.prefill_chunk
+
+    def note(self, request_id: str, reason: Reason, others: tuple[str, ...] = ()) -> None:
+        if request_id not in self.by_id:
+            self.by_id[request_id] = WaitReason(request_id, reason, others)
+
+    def preempted(self, request_id: str, by: str | None) -> None:
+        self.by_id[request_id] = WaitReason(request_id, Reason.PREEMPTED_BY, (by,) if by is not None else ())
+
+    def chunk_given(self, request: Request, chunk: PrefillChunk, hold_last: bool) -> None:
+        """A chunk shorter than what is left to feed was cut by prefill_chunk or by the budget."""
+        self.by_id.pop(request.request_id, None)
+        if chunk.end < request.prefill_len - (1 if hold_last else 0):
+            self.note(request.request_id, Reason.PREFILL_CHUNK if chunk.num_tokens == self.prefill_chunk
+                      else self.exhausted)
+
+    def held_back(self, requests: Sequence[Request], reason: Reason, others: tuple[str, ...] = ()) -> None:
+        for request in requests:
+            self.note(request.request_id, reason, others)
 
 
 def _make_room(view: SchedulerView, kv: _KVTracker) -> tuple[list[str], list[tuple[str, str]]]:
@@ -147,6 +174,24 @@ def plan_tick(view: SchedulerView, config: EngineConfig, policy: Policy) -> Tick
     return _plan(view, config, policy, prefill_only=False)
 
 
+def _grant_drafts(view: SchedulerView, config: EngineConfig, gone: set[str], budget: int,
+                  forward_rows: int) -> list[tuple[str, int]]:
+    """Draft lengths for the rows that may draft, planned as what the verify forward computes: it runs every
+    row of the batched forward (`forward_rows`, drafting or not) at the width of the longest draft, so a width
+    of w costs forward_rows x w tokens of `max_batched_tokens`, however few rows draft. One width for all:
+    every drafting row gets up to the widest width the budget pays for (at most `draft_tokens`)."""
+    width = min(config.draft_tokens, budget // forward_rows) if forward_rows else 0
+    if width < 1:
+        return []
+    draft = []
+    for request in view.decoding:
+        # the verify forward emits up to k + 1 tokens: drafts never cross max_tokens or the context limit
+        k = min(width, request.output_limit - request.num_output_tokens - 1)
+        if request.request_id not in gone and k >= 1 and request.draft_eligible:
+            draft.append((request.request_id, k))
+    return draft
+
+
 def _plan(view: SchedulerView, config: EngineConfig, policy: Policy, prefill_only: bool) -> TickPlan:
     kv = None
     preempted: list[str] = []
@@ -160,6 +205,11 @@ def _plan(view: SchedulerView, config: EngineConfig, policy: Policy, prefill_onl
     gone = set(preempted) | {rid for rid, _ in failed}
 
     decode = () if prefill_only else tuple(r.request_id for r in view.decoding if r.request_id not in gone)
+    why = _Reasons(config, len(decode))
+    if preempted:  # they made room for the oldest request that keeps its memory
+        kept = [r.request_id for r in (*view.decoding, *view.prefilling) if r.request_id not in gone]
+        for rid in preempted:
+            why.preempted(rid, kept[0] if kept else None)
     budget = config.max_batched_tokens - len(decode)
     if config.max_prefill_tokens is not None:
         budget = min(budget, config.max_prefill_tokens)
@@ -167,7 +217,7 @@ def _plan(view: SchedulerView, config: EngineConfig, policy: Policy, prefill_onl
     seqs = len(view.decoding) + len(view.prefilling) + len(view.encoding) - len(gone)
     vision = _VisionBudget(config.vision_budget)
     for request in policy.order_prefilling(view.encoding, view.tick):
-        vision.take(request)
+        why.note(request.request_id, Reason.WAITING_FOR_MEDIA if vision.take(request) else Reason.VISION_BUDGET)
 
     prefill: list[PrefillChunk] = []
     prefix_hits: list[tuple[str, int, int]] = []
@@ -181,17 +231,22 @@ def _plan(view: SchedulerView, config: EngineConfig, policy: Policy, prefill_onl
         return (match[1], match) if match else (0, None)
 
     for request in policy.order_prefilling(view.prefilling, view.tick):
-        if budget <= 0:
-            break
         if request.request_id in gone:
+            continue
+        if budget <= 0:
+            why.note(request.request_id, why.exhausted)
             continue
         start, match = next_start(request)
         chunk = _chunk(request, start, budget, config, hold_last=prefill_only)
-        if chunk is None or (kv is not None and not kv.try_chunk(request, chunk, admission=False)):
-            continue  # nothing to feed in a prefill-only tick, or waits for memory while decoding frees it
+        if chunk is None:
+            continue  # nothing to feed in a prefill-only tick
+        if kv is not None and not kv.try_chunk(request, chunk, admission=False):
+            why.note(request.request_id, Reason.KV_BUDGET)
+            continue  # waits for memory while decoding frees it
         if match is not None:
             prefix_hits.append((request.request_id, *match))
         prefill.append(chunk)
+        why.chunk_given(request, chunk, prefill_only)
         budget -= chunk.num_tokens
 
     if kv is not None and not prefill and all(r.request_id in gone for r in view.decoding):
@@ -208,6 +263,7 @@ def _plan(view: SchedulerView, config: EngineConfig, policy: Policy, prefill_onl
                 if match is not None:
                     prefix_hits.append((head.request_id, *match))
                 prefill.append(chunk)
+                why.chunk_given(head, chunk, prefill_only)
                 budget -= chunk.num_tokens
                 break
             victim = stuck.pop()
@@ -215,44 +271,50 @@ def _plan(view: SchedulerView, config: EngineConfig, policy: Policy, prefill_onl
             gone.add(victim.request_id)
             seqs -= 1
             if victim is head:
+                why.by_id.pop(head.request_id, None)
                 failed.append((head.request_id, f"needs more KV memory than kv_memory_bytes ({kv.budget} bytes) "
                                                 "allows"))
             else:
+                why.preempted(victim.request_id, head.request_id)
                 preempted.append(victim.request_id)
 
     admitted: list[str] = []
-    for request in policy.order_waiting(view.waiting, view.tick, view.cached_prefix):
+    queue = policy.order_waiting(view.waiting, view.tick, view.cached_prefix)
+    for position, request in enumerate(queue):
+        behind = queue[position + 1:]
         if seqs >= config.max_seqs:
+            why.held_back(queue[position:], Reason.MAX_SEQS)
             break
         if request.num_images:  # media first goes through vision encoding, under the vision budget
             admitted.append(request.request_id)
-            vision.take(request)
+            why.note(request.request_id,
+                     Reason.WAITING_FOR_MEDIA if vision.take(request) else Reason.VISION_BUDGET)
             seqs += 1
             continue
         if budget <= 0:
+            why.held_back(queue[position:], why.exhausted)
             break
         start, match = next_start(request)
         chunk = _chunk(request, start, budget, config, hold_last=prefill_only)
         if chunk is None:  # a one-token prompt (or a whole-prompt hit) waits for a decode tick
+            why.held_back(behind, Reason.POLICY_ORDER, (request.request_id,))
             break
         if kv is not None and not kv.try_chunk(request, chunk, admission=True):
-            break  # the head of the queue waits for memory; nobody jumps it
+            why.note(request.request_id, Reason.KV_BUDGET)  # the head of the queue waits for memory;
+            why.held_back(behind, Reason.POLICY_ORDER, (request.request_id,))  # nobody jumps it
+            break
         if match is not None:
             prefix_hits.append((request.request_id, *match))
         admitted.append(request.request_id)
         prefill.append(chunk)
+        why.chunk_given(request, chunk, prefill_only)
         budget -= chunk.num_tokens
         seqs += 1
 
     draft: list[tuple[str, int]] = []
-    if config.draft_tokens and not prefill_only:  # speculative decoding uses what budget prefill left
-        for request in view.decoding:
-            if budget <= 0:
-                break
-            k = min(config.draft_tokens, budget, request.sampling.max_tokens - request.num_output_tokens - 1)
-            if request.request_id not in gone and k >= 1 and _may_draft(request):
-                draft.append((request.request_id, k))
-                budget -= k
+    if config.draft_tokens and not prefill_only and decode:  # speculative decoding uses what prefill left
+        draft = _grant_drafts(view, config, gone, budget, len(decode) + sum(c.completes for c in prefill))
+        budget -= (len(decode) + sum(c.completes for c in prefill)) * max((k for _, k in draft), default=0)
 
     return TickPlan(
         tick=view.tick,
@@ -267,4 +329,5 @@ def _plan(view: SchedulerView, config: EngineConfig, policy: Policy, prefill_onl
         num_batched_tokens=len(decode) + prefill_budget - budget,
         num_seqs=seqs,
         kv_bytes_bound=kv.bytes() if kv is not None else None,
+        reasons=tuple(why.by_id.values()),
     )
