@@ -18,10 +18,11 @@ import concurrent.futures
 import functools
 import itertools
 import threading
+import time
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from .engine import Engine, RequestOutput
-from .request import InvalidRequest, SamplingParams
+from .request import InvalidRequest, SamplingParams, UnknownRequest
 from .scheduler import StepOutput
 
 
@@ -211,8 +212,23 @@ class AsyncEngine:
         return RequestOutput(last.request_id, tokens, self.engine.tokenizer.decode(tokens), last.finish_reason,
                              last.error, logprobs)
 
-    def close(self) -> None:
-        """Stop the loop after the tick in progress; streams still waiting end with EngineStopped."""
+    def close(self, drain_s: float = 0.0) -> None:
+        """Stop the loop after the tick in progress; streams still waiting end with EngineStopped.
+
+        `drain_s` > 0: first abort every request still listened to and let the loop run (up to that long) until
+        the engine holds nothing, so no request's caches outlive the loop (a server shutting down)."""
+        if drain_s > 0 and self.running:
+            with self._lock:
+                live = list(self._queues)
+            for rid in live:
+                try:
+                    self.engine.abort(rid)
+                except UnknownRequest:  # still being prepared: add_request has not accepted it yet
+                    pass
+            self._wake.set()
+            deadline = time.monotonic() + drain_s
+            while self.running and self.engine.has_pending() and time.monotonic() < deadline:
+                time.sleep(0.005)
         self._stop.set()
         self._wake.set()
         self._thread.join()

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, field_validator, model_validator
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, field_validator
 
 MAX_STOP_STRINGS = 16
 MAX_N = 16
@@ -31,11 +33,33 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _param(loc: tuple) -> str:
+    """pydantic's error location as the request's field path: union members (`str`, `list[...]`) and a tagged
+    union's tag (it repeats the field under it) are pydantic's bookkeeping, not the body's structure."""
+    parts: list[str] = []
+    for p in loc:
+        name = str(p)
+        if isinstance(p, str) and (name in _TYPE_NAMES or "[" in name):
+            continue
+        if parts and parts[-1] == name and not isinstance(p, int):
+            continue
+        parts.append(name)
+    return ".".join(parts)
+
+
 def validation_error(exc: Any) -> APIError:
-    """A pydantic ValidationError as a 400 naming the first offending field (dotted path)."""
-    first = exc.errors()[0]
-    param = ".".join(str(p) for p in first.get("loc", ())) or None
-    return APIError(400, f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param)
+    """A pydantic ValidationError as a 400 naming the offending field (dotted path). Of the errors of one field
+    (one per union member) the deepest is the one that says what is wrong."""
+    errors = exc.errors()
+    first_field = _param(errors[0].get("loc", ()))[:1]
+    chosen = max((e for e in errors if _param(e.get("loc", ()))[:1] == first_field),
+                 key=lambda e: len(e.get("loc", ())))
+    param = _param(chosen.get("loc", ())) or None
+    message = str(chosen.get("msg")).removeprefix("Value error, ")
+    return APIError(400, f"{param}: {message}" if param else message, param)
 
 
 class _Strict(BaseModel):
@@ -132,7 +156,7 @@ class AudioPart(_Strict):
     input_audio: InputAudio
 
 
-ContentPart = Union[TextPart, ImagePart, AudioPart]
+ContentPart = Annotated[Union[TextPart, ImagePart, AudioPart], Field(discriminator="type")]
 
 
 class ChatMessage(_Strict):
@@ -161,14 +185,17 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError("must hold at least one message")
         return v
 
-    @model_validator(mode="after")
-    def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":
-        if self.top_logprobs is not None:
-            if not 0 <= self.top_logprobs <= 20:
-                raise ValueError("top_logprobs must be in [0, 20]")
-            if self.top_logprobs and not self.logprobs:
-                raise ValueError("top_logprobs needs logprobs: true")
-        return self
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None:
+            if not 0 <= v <= 20:
+                raise ValueError("must be in [0, 20]")
+            if v and not info.data.get("logprobs"):
+                raise ValueError("needs logprobs: true")
+            if v:  # the engine hands out the chosen token's logprob; alternatives would need every row's vector
+                raise ValueError("only 0 is supported (the chosen token's logprob, no alternatives)")
+        return v
 
     def token_limit(self) -> tuple[int | None, str]:
         """(max tokens, the field that set it)."""
@@ -176,9 +203,8 @@ class ChatCompletionRequest(_Sampling):
             return self.max_completion_tokens, "max_completion_tokens"
         return self.max_tokens, "max_tokens"
 
-    def top_logprobs_wanted(self) -> int | None:
-        """None: no logprobs; k >= 0: the chosen token's logprob and the k most likely alternatives."""
-        return (self.top_logprobs or 0) if self.logprobs else None
+    def wants_logprobs(self) -> bool:
+        return self.logprobs
 
 
 class CompletionRequest(_Sampling):
@@ -198,6 +224,8 @@ class CompletionRequest(_Sampling):
     def _logprobs_range(cls, v: int | None) -> int | None:
         if v is not None and not 0 <= v <= 5:
             raise ValueError("must be in [0, 5]")
+        if v:
+            raise ValueError("only 0 is supported (the chosen token's logprob, no alternatives)")
         return v
 
     @field_validator("echo")
@@ -210,8 +238,8 @@ class CompletionRequest(_Sampling):
     def token_limit(self) -> tuple[int | None, str]:
         return self.max_tokens, "max_tokens"
 
-    def top_logprobs_wanted(self) -> int | None:
-        return self.logprobs
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
