@@ -26,6 +26,15 @@ from .request import InvalidRequest, SamplingParams, UnknownRequest
 from .scheduler import StepOutput
 
 
+def _release_thread_streams() -> None:
+    """MLX asks every thread that ran MLX work to destroy its streams before it ends (`mx.clear_streams`):
+    otherwise the process may abort at exit ("terminate called without an active exception") once more than
+    one thread has used MLX, as the loop thread and the preprocessing worker do."""
+    import mlx.core as mx
+
+    mx.clear_streams()
+
+
 class EngineStopped(RuntimeError):
     """The engine loop is not running (it failed, or the AsyncEngine was closed)."""
 
@@ -108,6 +117,8 @@ class AsyncEngine:
         except BaseException as exc:  # surface loop crashes to every waiting client
             self._error = exc
             self._end_waiters(exc)
+        finally:
+            _release_thread_streams()
 
     def _run_calls(self) -> None:
         with self._lock:
@@ -233,6 +244,7 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join()
         self._end_waiters(EngineStopped("the engine was closed"))
+        self._prepare.submit(_release_thread_streams)  # on the worker thread, before it exits
         self._prepare.shutdown(wait=True)
 
     async def __aenter__(self) -> "AsyncEngine":

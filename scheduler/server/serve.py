@@ -37,3 +37,6 @@ def serve(model_dir: str | Path, config: EngineConfig, host: str = "127.0.0.1", 
         # by the loop before it stops: nothing of theirs outlives it
         aengine.close(drain_s=graceful_shutdown_s)
         engine.close()
+        import mlx.core as mx
+
+        mx.clear_streams()  # this thread loaded the model: its MLX streams go before the interpreter does
