@@ -417,6 +417,26 @@ def test_a_client_that_disconnects_mid_stream_aborts_its_request(server):
     server.aborted_request = f"{cid}-0"  # the trace is checked after shutdown (it is flushed on close)
 
 
+def test_a_client_that_gives_up_on_a_non_streaming_request_aborts_it(server):
+    before = server.metrics()
+    limit = MAX_MODEL_LEN - 40
+
+    async def run():
+        async with server.client() as client:
+            with pytest.raises(openai.APITimeoutError):  # the client closes its connection after 0.3 s
+                await client.with_options(timeout=0.3).chat.completions.create(
+                    model=MODEL_NAME, max_tokens=limit, temperature=0,
+                    messages=[{"role": "user", "content": "Tell me everything"}])
+
+    asyncio.run(run())
+    ended = "mlxsched_requests_ended_total"
+    _wait_for(lambda: _value(server.metrics(), ended, finish_reason="abort")
+              == _value(before, ended, finish_reason="abort") + 1)
+    after = server.metrics()
+    assert _value(after, "mlxsched_executor_requests") == 0 and _value(after, "mlxsched_kv_cache_bytes") == 0
+    assert _value(after, "mlxsched_generation_tokens_total") - _value(before, "mlxsched_generation_tokens_total") < limit
+
+
 def test_metrics_match_the_counts(server):
     before = server.metrics()
     picture, url = _picture(5, (56, 84))

@@ -8,8 +8,9 @@ name, the messages (images and audio decoded off the event loop), every choice's
 queue bound; then the engine's own `add_request` checks (prompt length, vocabulary, ...). A refusal is an
 OpenAI error body with a 4xx status naming the field, and nothing stays queued for it.
 
-A streaming client that goes away cancels its response task; closing the choice streams aborts their engine
-requests, which the engine frees at its next tick.
+A client that goes away aborts its engine requests (the engine frees them at its next tick): a streaming one
+cancels its response task, a non-streaming one is noticed by waiting for its `http.disconnect` next to the
+answer; either way the choice streams are closed.
 """
 
 from __future__ import annotations
@@ -166,6 +167,25 @@ class _Call:
         return usage(prompt, self.completion_tokens)
 
 
+async def _until_done_or_disconnect(request: Request, task: asyncio.Task) -> bool:
+    """Wait for `task`; True once it is done, False (task cancelled) if the client disconnected first. The body
+    is already read, so the next ASGI message of this request can only be its `http.disconnect`."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.create_task(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    return not task.cancelled()
+
+
 def _failure(exc: BaseException) -> APIError:
     if isinstance(exc, EngineStopped):
         return APIError(503, f"the engine stopped: {exc}", None, "server_error")
@@ -204,13 +224,22 @@ def create_app(state: ServerState) -> Any:
             out["usage"] = None
         return out
 
-    async def respond(call: _Call, render_delta: Any, render_final: Any, obj: str, first: Any = None) -> Response:
+    async def respond(request: Request, call: _Call, render_delta: Any, render_final: Any, obj: str,
+                      first: Any = None) -> Response:
         body = call.body
         if not body.stream:
             pieces: dict[int, list[Delta]] = {i: [] for i in range(body.n)}
-            try:
+
+            async def collect() -> None:
                 async for index, delta in call.deltas():
                     pieces[index].append(delta)
+
+            collecting = asyncio.create_task(collect())
+            if not await _until_done_or_disconnect(request, collecting):
+                call.usage()  # gone: the cancelled collection closed the streams (aborting the requests)
+                return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+            try:
+                collecting.result()
             except (ChoiceFailed, EngineStopped) as exc:
                 raise _failure(exc) from None
             out = {"id": call.id, "object": obj, "created": call.created, "model": state.model_name,
@@ -272,7 +301,7 @@ def create_app(state: ServerState) -> Any:
                     "logprobs": {"content": logprob_entries(deltas)} if wants_logprobs else None,
                     "finish_reason": deltas[-1].finish_reason if deltas else None}
 
-        return await respond(call, render_delta, render_final,
+        return await respond(request, call, render_delta, render_final,
                              "chat.completion.chunk" if body.stream else "chat.completion", first)
 
     @app.post("/v1/completions")
@@ -307,7 +336,7 @@ def create_app(state: ServerState) -> Any:
             return {"index": index, "text": "".join(d.text for d in deltas), "logprobs": legacy_logprobs(deltas),
                     "finish_reason": deltas[-1].finish_reason if deltas else None}
 
-        return await respond(call, render_delta, render_final, "text_completion")
+        return await respond(request, call, render_delta, render_final, "text_completion")
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
