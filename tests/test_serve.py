@@ -127,7 +127,8 @@ def _stop(server: Server) -> None:
 @pytest.fixture(scope="module")
 def servers(vlm_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
-    main = _start(vlm_model_dir, tmp, "main", "--max-seqs", "32", "--max-batched-tokens", "2048")
+    main = _start(vlm_model_dir, tmp, "main", "--max-seqs", "32", "--max-batched-tokens", "2048",
+                  "--prefix-cache-mb", "16")
     small = _start(vlm_model_dir, tmp, "small", "--max-seqs", "1", "--max-batched-tokens", "256", "--max-queue", "1",
                    preexec=_limit_file_size)
     try:
@@ -447,7 +448,8 @@ def test_metrics_match_the_counts(server):
     async def run():
         async with server.client() as client:
             answers = []
-            for messages in (image_messages, image_messages, text_messages):  # the same image twice: one hit
+            # the same image twice: a vision-cache hit (and a prefix-cache hit: same prompt, same image)
+            for messages in (image_messages, image_messages, text_messages):
                 answers.append(await client.chat.completions.create(model=MODEL_NAME, messages=messages,
                                                                     max_tokens=9, temperature=0))
             return answers
@@ -471,6 +473,13 @@ def test_metrics_match_the_counts(server):
     hits, misses = _value(after, "mlxsched_vision_cache_hits_total"), _value(after, "mlxsched_vision_cache_misses_total")
     assert _value(after, "mlxsched_vision_cache_hit_rate") == pytest.approx(hits / (hits + misses))
     assert _value(after, "mlxsched_vision_cache_entries") >= 1 and _value(after, "mlxsched_vision_cache_bytes") > 0
+    assert delta("mlxsched_prefix_cache_hits_total") >= 1 and delta("mlxsched_prefix_cache_hit_tokens_total") >= 16
+    hits, misses = _value(after, "mlxsched_prefix_cache_hits_total"), _value(after, "mlxsched_prefix_cache_misses_total")
+    assert _value(after, "mlxsched_prefix_cache_hit_rate") == pytest.approx(hits / (hits + misses))
+    assert _value(after, "mlxsched_prefix_cache_entries") >= 1 and _value(after, "mlxsched_prefix_cache_bytes") > 0
+    # a hit skips computing: prefill tokens computed are the prompt tokens less the reused ones
+    assert delta("mlxsched_prefill_tokens_total") == (delta("mlxsched_prompt_tokens_total")
+                                                      - delta("mlxsched_prefix_cache_hit_tokens_total"))
     for gauge in ("mlxsched_queue_length", "mlxsched_running_rows", "mlxsched_kv_cache_bytes"):
         assert _value(after, gauge) == 0, gauge
     assert _value(after, "mlxsched_kv_cache_budget_bytes") == 0  # no --kv-memory-mb
