@@ -44,6 +44,7 @@ class Level:
     wall_s: float
     ttft_s: list[float]
     completion_tokens: int
+    errors: int = 0  # requests that failed (connection refused / reset, an error answer): not counted as done
 
     @property
     def requests_per_s(self) -> float:
@@ -138,22 +139,27 @@ async def _level(base: str, model: str, server: str, clients: int, work: list, m
     ttft: list[float] = []
     tokens = 0
     done = 0
+    errors = 0
     deadline = time.perf_counter() + max_s
 
     async def one_client() -> None:
-        nonlocal tokens, done
+        nonlocal tokens, done, errors
         while todo and time.perf_counter() < deadline:
             messages = todo.pop()
             sent = time.perf_counter()
             first = None
-            stream = await client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
-                                                          temperature=0, stream=True,
-                                                          stream_options={"include_usage": True})
-            async for chunk in stream:
-                if first is None and any(c.delta.content for c in chunk.choices):
-                    first = time.perf_counter()
-                if chunk.usage is not None:
-                    tokens += chunk.usage.completion_tokens
+            try:
+                stream = await client.chat.completions.create(model=model, messages=messages,
+                                                              max_tokens=max_tokens, temperature=0, stream=True,
+                                                              stream_options={"include_usage": True})
+                async for chunk in stream:
+                    if first is None and any(c.delta.content for c in chunk.choices):
+                        first = time.perf_counter()
+                    if chunk.usage is not None:
+                        tokens += chunk.usage.completion_tokens
+            except openai.APIError:
+                errors += 1
+                continue
             if first is not None:
                 ttft.append(first - sent)
             done += 1
@@ -162,7 +168,7 @@ async def _level(base: str, model: str, server: str, clients: int, work: list, m
     await asyncio.gather(*[one_client() for _ in range(clients)])
     wall = time.perf_counter() - start
     await client.close()
-    return Level(server, model, clients, done, wall, ttft, tokens)
+    return Level(server, model, clients, done, wall, ttft, tokens, errors)
 
 
 def _run(base: str, model_label: str, served_as: str, server: str, clients: list[int], n: int,
@@ -175,7 +181,7 @@ def _run(base: str, model_label: str, served_as: str, server: str, clients: list
         levels.append(level)
         print(f"  {server:>8} {model_label:<12} clients={c:<3} {level.done} requests in {level.wall_s:.2f}s "
               f"{level.requests_per_s:.2f} req/s  TTFT p50 {level.ttft(0.5) * 1e3:.0f} ms  "
-              f"p95 {level.ttft(0.95) * 1e3:.0f} ms", file=sys.stderr)
+              f"p95 {level.ttft(0.95) * 1e3:.0f} ms  errors {level.errors}", file=sys.stderr)
     return levels
 
 
@@ -213,10 +219,10 @@ def main(argv: list[str] | None = None) -> int:
                 finally:
                     _stop(process)
 
-    print("| server | model | clients | requests | wall s | req/s | TTFT p50 ms | TTFT p95 ms | completion tok/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| server | model | clients | requests | errors | wall s | req/s | TTFT p50 ms | TTFT p95 ms | completion tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r.server} | {r.model} | {r.clients} | {r.done} | {r.wall_s:.2f} | {r.requests_per_s:.2f} | "
+        print(f"| {r.server} | {r.model} | {r.clients} | {r.done} | {r.errors} | {r.wall_s:.2f} | {r.requests_per_s:.2f} | "
               f"{r.ttft(0.5) * 1e3:.0f} | {r.ttft(0.95) * 1e3:.0f} | {r.completion_tokens / r.wall_s:.0f} |")
     if args.json:
         Path(args.json).write_text(json.dumps([{**r.__dict__, "requests_per_s": r.requests_per_s,
