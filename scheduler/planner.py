@@ -211,7 +211,8 @@ class _TickBuilder:
                 else:
                     self.preempted.append(rid)
         gone = self.gone = set(self.preempted) | {rid for rid, _ in self.failed}
-        self.decode = () if self.prefill_only else tuple(r.request_id for r in view.decoding if r.request_id not in gone)
+        self.decode = () if self.prefill_only else tuple(r.request_id for r in view.decoding
+                                                         if r.request_id not in gone)
         self.why = _Reasons(config, len(self.decode))
         if self.preempted:  # they made room for the oldest request that keeps its memory
             kept = [r.request_id for r in (*view.decoding, *view.prefilling) if r.request_id not in gone]

@@ -333,9 +333,9 @@ class Scheduler:
     def _emit(self, request: Request, tokens: list[int], result: TickResult, tick: int,
               released: list[str], completes_prefill: bool = False) -> StepOutput:
         """The one token-append path. `tokens` (a drafting row's accepted drafts and the target's token, else
-        the one sampled token; a fresh list, it becomes the StepOutput's) are appended one by one up to the first that ends the request (tokens after a
-        stop are dropped): a stop token ends it with STOP (it is emitted), reaching `output_limit` (max_tokens
-        or the context limit) with LENGTH. A row that did not draft also gets its logprob (requests that want
+        the one sampled token; a fresh list, it becomes the StepOutput's) are appended one by one up to the
+        first that ends the request (tokens after a stop are dropped): a stop token ends it with STOP (it is
+        emitted), reaching `output_limit` (max_tokens or the context limit) with LENGTH. A row that did not draft also gets its logprob (requests that want
         logprobs never draft: `Request.draft_eligible`). A prompt's first token moves the request to decoding
         before it can finish. Every decoding row passes here every tick: the common case returns early."""
         rid, out, sampling = request.request_id, request.output_tokens, request.sampling

@@ -70,65 +70,97 @@ def simulate(
     if len(set(ids)) != len(ids):
         raise ValueError("simulate: request ids must be unique")
     wall0 = time.perf_counter()
-    extra = {"kv_layout": kv_layout} if kv_layout is not None else {}
-    scheduler = Scheduler(config, EventLog(), stop_token_ids=[stop_token_id], policy=policy, **extra)
-    if kv_bytes_per_token is None:
-        kv_bytes_per_token = kv_layout.bytes_per_token if kv_layout is not None else 0
-    prefix_cache = getattr(scheduler, "prefix_cache", None)
-    executor = SimExecutor(cost_model, arrivals, stop_token_ids=[stop_token_id],
-                           prefix_block_size=config.prefix_block_size if prefix_cache is not None else None,
-                           kv_bytes_per_token=kv_bytes_per_token)
-    loop = TickLoop(scheduler, executor)
-    budget = getattr(config, "kv_memory_bytes", None)
-    pending = sorted(arrivals, key=lambda a: a.arrival_time)  # stable: ties keep the given order
-    aborts = sorted(((max(a.abort_time, a.arrival_time), a.request_id) for a in arrivals
-                     if a.abort_time is not None))
-    records: dict[str, RequestRecord] = {a.request_id: RequestRecord(a.request_id, a.arrival_time) for a in arrivals}
-    sampling_cache: dict[int, SamplingParams] = {}
-    live = scheduler.requests
-    next_arrival = next_abort = 0
-    tick = ticks = request_ticks = row_ticks = preemptions = 0
+    run = _Simulation(arrivals, config, cost_model, policy, stop_token_id, kv_layout, kv_bytes_per_token)
     limit = max_ticks if max_ticks is not None else math.inf
+    while run.next_arrival < len(run.pending) or run.live:
+        now = run.advance_clock()
+        run.add_arrivals(now)
+        run.abort_due(now)
+        if not run.live:
+            continue
+        run.run_tick(now)
+        if run.ticks >= limit:
+            break
+    return run.result(time.perf_counter() - wall0)
 
-    while next_arrival < len(pending) or live:
-        if not live and pending[next_arrival].arrival_time > executor.clock:
-            executor.clock = pending[next_arrival].arrival_time
-        now = executor.clock
-        while next_arrival < len(pending) and pending[next_arrival].arrival_time <= now:
-            a = pending[next_arrival]
-            next_arrival += 1
-            if kv_layout is not None and budget is not None and kv_layout.footprint([a.prompt_len + 1], []) > budget:
+
+class _Simulation:
+    """One simulation's state: the scheduler and `SimExecutor` stepped through the tick loop, the arrivals and
+    aborts still to come, the records and counters the result is made of."""
+
+    def __init__(self, arrivals: Sequence[SimArrival], config: EngineConfig, cost_model: CostModel,
+                 policy: str | Policy | None, stop_token_id: int, kv_layout: Any, kv_bytes_per_token: int | None):
+        self.config, self.kv_layout = config, kv_layout
+        extra = {"kv_layout": kv_layout} if kv_layout is not None else {}
+        self.scheduler = Scheduler(config, EventLog(), stop_token_ids=[stop_token_id], policy=policy, **extra)
+        if kv_bytes_per_token is None:
+            kv_bytes_per_token = kv_layout.bytes_per_token if kv_layout is not None else 0
+        self.prefix_cache = getattr(self.scheduler, "prefix_cache", None)
+        self.executor = SimExecutor(cost_model, arrivals, stop_token_ids=[stop_token_id],
+                                    prefix_block_size=config.prefix_block_size if self.prefix_cache is not None
+                                    else None, kv_bytes_per_token=kv_bytes_per_token)
+        self.loop = TickLoop(self.scheduler, self.executor)
+        self.budget = getattr(config, "kv_memory_bytes", None)
+        self.pending = sorted(arrivals, key=lambda a: a.arrival_time)  # stable: ties keep the given order
+        self.aborts = sorted(((max(a.abort_time, a.arrival_time), a.request_id) for a in arrivals
+                              if a.abort_time is not None))
+        self.records: dict[str, RequestRecord] = {a.request_id: RequestRecord(a.request_id, a.arrival_time)
+                                                  for a in arrivals}
+        self.sampling_cache: dict[int, SamplingParams] = {}
+        self.live = self.scheduler.requests
+        self.next_arrival = self.next_abort = 0
+        self.ticks = self.request_ticks = self.row_ticks = self.preemptions = 0  # ticks: also the next tick's number
+
+    def advance_clock(self) -> float:
+        """When nothing is live, the clock jumps to the next arrival."""
+        pending, executor = self.pending, self.executor
+        if not self.live and pending[self.next_arrival].arrival_time > executor.clock:
+            executor.clock = pending[self.next_arrival].arrival_time
+        return executor.clock
+
+    def add_arrivals(self, now: float) -> None:
+        pending, records, tick, layout = self.pending, self.records, self.ticks, self.kv_layout
+        while self.next_arrival < len(pending) and pending[self.next_arrival].arrival_time <= now:
+            a = pending[self.next_arrival]
+            self.next_arrival += 1
+            budget = self.budget
+            if layout is not None and budget is not None and layout.footprint([a.prompt_len + 1], []) > budget:
                 records[a.request_id].outcome, records[a.request_id].end = "error", now  # the engine refuses it
                 continue
-            sampling = sampling_cache.get(a.max_tokens)
+            sampling = self.sampling_cache.get(a.max_tokens)
             if sampling is None:
-                sampling = sampling_cache[a.max_tokens] = SamplingParams(max_tokens=a.max_tokens)
-            scheduler.add(Request(request_id=a.request_id, prompt_tokens=a.prompt_tokens, sampling=sampling,
-                                  priority=a.priority, arrival_tick=tick, arrival_time=a.arrival_time,
-                                  num_images=a.num_images, media_key=a.media_key), tick)
-        while next_abort < len(aborts) and aborts[next_abort][0] <= now:
-            rid = aborts[next_abort][1]
-            next_abort += 1
-            if rid in live:
-                scheduler.abort(rid, tick)
-                loop.release([rid])
-                records[rid].outcome, records[rid].end = "aborted", now
-        if not live:
-            continue
-        plan = loop.plan(tick)
+                sampling = self.sampling_cache[a.max_tokens] = SamplingParams(max_tokens=a.max_tokens)
+            self.scheduler.add(Request(request_id=a.request_id, prompt_tokens=a.prompt_tokens, sampling=sampling,
+                                       priority=a.priority, arrival_tick=tick, arrival_time=a.arrival_time,
+                                       num_images=a.num_images, media_key=a.media_key), tick)
+
+    def abort_due(self, now: float) -> None:
+        aborts = self.aborts
+        while self.next_abort < len(aborts) and aborts[self.next_abort][0] <= now:
+            rid = aborts[self.next_abort][1]
+            self.next_abort += 1
+            if rid in self.live:
+                self.scheduler.abort(rid, self.ticks)
+                self.loop.release([rid])
+                self.records[rid].outcome, self.records[rid].end = "aborted", now
+
+    def run_tick(self, now: float) -> None:
+        """Plan, count, execute and apply one tick, then record what each request did at the tick's end."""
+        tick, records = self.ticks, self.records
+        plan = self.loop.plan(tick)
         if plan.is_empty:
-            raise RuntimeError(f"simulate: tick {tick}: the scheduler planned no work with {len(live)} live "
+            raise RuntimeError(f"simulate: tick {tick}: the scheduler planned no work with {len(self.live)} live "
                                f"requests (a queue head that can never be admitted?)")
-        request_ticks += len(live)
-        row_ticks += len(plan.prefill) + len(plan.decode)
+        self.request_ticks += len(self.live)
+        self.row_ticks += len(plan.prefill) + len(plan.decode)
         preempted = getattr(plan, "preempted", ())
         if preempted:
-            preemptions += len(preempted)
+            self.preemptions += len(preempted)
         for rid in plan.admitted:
             if records[rid].admitted is None:  # first admission (a preempted request is admitted again)
                 records[rid].admitted = now
-        applied = loop.carry_out(plan).applied
-        end = executor.clock
+        applied = self.loop.carry_out(plan).applied
+        end = self.executor.clock
         for out in applied.outputs:
             r = records[out.request_id]
             if out.token_ids:
@@ -139,18 +171,18 @@ def simulate(
             if out.finished:
                 r.end = end
                 r.outcome = "error" if out.error is not None else "finished"
-        if config.check_invariants:
-            scheduler.check_invariants(plan)
-        tick += 1
-        ticks += 1
-        if ticks >= limit:
-            break
-    hit_rate = saved = None
-    if prefix_cache is not None:
-        stats = prefix_cache.stats()
-        hit_rate, saved = stats["hit_rate"], stats["tokens_saved"]
-    return SimResult(
-        requests=list(records.values()), ticks=ticks, request_ticks=request_ticks, row_ticks=row_ticks,
-        clock=executor.clock, wall_s=time.perf_counter() - wall0, preemptions=preemptions,
-        cache_hit_rate=hit_rate, prefix_tokens_saved=saved, config=config, policy=scheduler.policy.name,
-    )
+        if self.config.check_invariants:
+            self.scheduler.check_invariants(plan)
+        self.ticks += 1
+
+    def result(self, wall_s: float) -> SimResult:
+        hit_rate = saved = None
+        if self.prefix_cache is not None:
+            stats = self.prefix_cache.stats()
+            hit_rate, saved = stats["hit_rate"], stats["tokens_saved"]
+        return SimResult(
+            requests=list(self.records.values()), ticks=self.ticks, request_ticks=self.request_ticks,
+            row_ticks=self.row_ticks, clock=self.executor.clock, wall_s=wall_s, preemptions=self.preemptions,
+            cache_hit_rate=hit_rate, prefix_tokens_saved=saved, config=self.config,
+            policy=self.scheduler.policy.name,
+        )

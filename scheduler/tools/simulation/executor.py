@@ -17,7 +17,8 @@ class SimExecutor:
     of its (k+1)-th token. The token count survives a preemption (the request resumes where it stopped, as
     the real executor's sampling step does). With `prefix_block_size`, a request whose prefill completes
     offers prompt[:-1] to the prefix cache, as `MLXExecutor._offer_prefix` does (`kv_bytes_per_token` sizes
-    the entry; no payload). The `Executor` protocol (scheduler/loop.py), as `ReplayExecutor`: `execute(plan)`, `release(ids)`.
+    the entry; no payload). The `Executor` protocol (scheduler/loop.py), as `ReplayExecutor`: `execute(plan)`,
+    `release(ids)`.
     """
 
     def __init__(self, cost_model: CostModel, arrivals: Iterable[SimArrival],

@@ -9,8 +9,8 @@ reading an old trace) fails there. Re-record only on a deliberate change of deci
 from __future__ import annotations
 
 import gzip
+import json
 import os
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -37,8 +37,14 @@ def _run(engine, arrivals) -> None:
 
 
 def _gzip(src: Path, name: str) -> None:
-    with open(src, "rb") as f, gzip.GzipFile(HERE / f"{name}.jsonl.gz", "wb", mtime=0) as out:
-        shutil.copyfileobj(f, out)
+    """Compress the trace into the corpus; the header's trace_path (a temporary directory) is written as the
+    bare file name, so no machine's path lands in the repository."""
+    lines = src.read_text(encoding="utf-8").splitlines(keepends=True)
+    header = json.loads(lines[0])
+    header["config"]["trace_path"] = src.name
+    lines[0] = json.dumps(header) + "\n"
+    with gzip.GzipFile(HERE / f"{name}.jsonl.gz", "wb", mtime=0) as out:
+        out.write("".join(lines).encode("utf-8"))
 
 
 def record(work: Path) -> None:
