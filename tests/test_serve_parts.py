@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from scheduler.fixtures.tiny_models import build_tokenizer
 from scheduler.server.detokenize import IncrementalDetokenizer
-from scheduler.server.stops import StopMatcher
+from scheduler.server.stops import StopMatcher, StopResult
 
 
 def _feed(stops, pieces):
@@ -22,7 +22,9 @@ def _feed(stops, pieces):
             stopped = True
             break
     if not stopped:
-        out.append(matcher.flush())
+        tail = matcher.flush()
+        out.append(tail.text)
+        stopped = tail.stopped
     return "".join(out), stopped
 
 
@@ -48,7 +50,13 @@ def test_a_partial_stop_string_is_held_back_then_released():
     assert matcher.feed("xx S").text == "xx "
     result = matcher.feed("TOP and more")
     assert result.stopped and result.text == ""
-    assert matcher.flush() == ""
+    assert matcher.flush().text == ""
+
+
+def test_a_later_stop_string_that_starts_earlier_wins():
+    matcher = StopMatcher(["a", "baa"])
+    assert matcher.feed("ba").text == ""  # "a" matched, but "baa" may be beginning at 0
+    assert matcher.feed("a!") == StopResult("", True)  # it was "baa"
 
 
 @pytest.fixture(scope="module")

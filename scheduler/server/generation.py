@@ -101,8 +101,9 @@ async def choice_deltas(stream: RequestStream, tokenizer: Any, stop_strings: lis
                 yield Delta(matched.text, tokens, logprobs, "stop")
                 return
             if out.finished:
-                reason = "length" if out.finish_reason is FinishReason.LENGTH else "stop"
-                yield Delta(matched.text + stops.flush(), tokens, logprobs, reason)
+                tail = stops.flush()  # held text, cut if it holds a stop string
+                reason = "length" if out.finish_reason is FinishReason.LENGTH and not tail.stopped else "stop"
+                yield Delta(matched.text + tail.text, tokens, logprobs, reason)
                 return
             if matched.text or logprobs:
                 yield Delta(matched.text, tokens, logprobs)
