@@ -53,6 +53,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+import base64
+import io
+
 import numpy as np
 
 VideoInput = Any  # str | os.PathLike | bytes | bytearray | memoryview | Sequence[PIL.Image | np.ndarray]
@@ -383,3 +386,70 @@ def load_audio(source: AudioInput, index: int, sample_rate: int) -> np.ndarray:
 
 __all__ = ["AudioInput", "MediaError", "VideoFrames", "describe_source", "load_audio", "load_video",
            "sample_frame_indices", "spread_indices", "validate_video_sampling"]
+
+
+# ================================================================================================
+# images
+# ================================================================================================
+
+ImageInput = Any  # PIL.Image.Image | str | os.PathLike | bytes | bytearray | memoryview | a data:image URL
+
+
+def load_image(source: ImageInput, index: int) -> Any:
+    """Decode one image fully (a truncated file fails here, not later) into RGB, with EXIF orientation applied
+    the way ``mlx_vlm.utils.load_image`` does. Raises ``MediaError`` naming ``index``."""
+    from PIL import Image, ImageOps
+
+    if isinstance(source, Image.Image):
+        image = source
+    else:
+        data = _read_source(source, index)
+        if not data:
+            raise MediaError(index, f"empty image data ({describe_source(source)})")
+        try:
+            image = Image.open(io.BytesIO(data))
+        except Exception as exc:
+            raise MediaError(index, f"not a readable image ({describe_source(source)}): {type(exc).__name__}: {exc}") from exc
+    try:
+        image.load()  # force a full decode: truncated / corrupt data raises here
+        width, height = image.size
+        if width <= 0 or height <= 0:
+            raise MediaError(index, f"zero-size image ({width}x{height})")
+        image = ImageOps.exif_transpose(image)
+        image = image.convert("RGB")
+    except MediaError:
+        raise
+    except Exception as exc:
+        raise MediaError(index, f"cannot decode image ({describe_source(source)}): {type(exc).__name__}: {exc}") from exc
+    if image.width <= 0 or image.height <= 0:
+        raise MediaError(index, f"zero-size image ({image.width}x{image.height})")
+    return image
+
+
+def _read_source(source: Any, index: int) -> bytes:
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return bytes(source)
+    if isinstance(source, str) and source.startswith("data:"):
+        head, sep, payload = source.partition(",")
+        if not sep or not head.startswith("data:image/") or ";base64" not in head:
+            raise MediaError(index, "unsupported data URI (want data:image/...;base64,...)")
+        try:
+            return base64.b64decode(payload, validate=True)
+        except Exception as exc:
+            raise MediaError(index, f"bad base64 in data URI: {exc}") from exc
+    if isinstance(source, str) and source.startswith(("http://", "https://")):
+        raise MediaError(index, "remote URLs are not fetched; pass the image bytes, a file path or a PIL image")
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        try:
+            if not path.exists():
+                raise MediaError(index, f"file not found: {describe_source(source)}")
+            if not path.is_file():
+                raise MediaError(index, f"not a regular file: {describe_source(source)}")
+            return path.read_bytes()
+        except MediaError:
+            raise
+        except OSError as exc:
+            raise MediaError(index, f"cannot read {describe_source(source)}: {exc}") from exc
+    raise MediaError(index, f"unsupported image type {type(source).__name__} "
+                            "(want PIL.Image, a file path, bytes or a data:image URI)")

@@ -1,0 +1,76 @@
+"""The vision-language families we batch, as data: one ``FamilySpec`` per mlx-vlm ``model_type``.
+
+Every family runs through the one generic adapter (``scheduler/models/adapter.py``) over mlx-vlm's common
+model interface (``Model.get_input_embeddings`` and the language model's ``inputs_embeds`` path). What differs
+between families is declared here, and nothing else:
+
+``positions``      how the language model places tokens: ``ROPE`` (plain 1-D RoPE from each cache row's offset:
+                   llava, gemma3, idefics3, pixtral, mistral3, gemma4) or ``MROPE`` (Qwen2/2.5/3-VL: 3-D
+                   positions from the image / video grids, a per-request rope delta; see ``positions.py``).
+``media``          the media kinds the family's processor and embedding merge take.
+``placeholder``    the processor attribute naming the text a prompt holds once per image (``image_token`` for
+                   most; gemma3's prompt holds its ``boi_token``, which the processor expands).
+``media_mask_input`` / ``media_row_inputs``  extra language-model inputs that ``get_input_embeddings`` returns
+                   and the language model reads per prefill chunk: a (1, L) mask of the media positions
+                   (Qwen3-VL's ``visual_pos_masks``) and per-media-token rows (its ``deepstack_visual_embeds``).
+``sequence_inputs`` extra (1, L, ...) inputs sliced with the chunk (Gemma 4's ``per_layer_inputs``).
+``mixed_image_video`` whether one request may carry both images and videos (mlx-vlm's Qwen2/2.5-VL merge one kind).
+``video_template`` ``"processor"``: chat messages with videos render through the model's own chat template
+                   (mlx-vlm's ``apply_chat_template`` puts videos at the start of every message).
+
+A family absent from this table is refused at load with ``UnsupportedFamily`` (a ``TypeError``) naming the
+supported ones: mlx-vlm may load it, but nothing here has shown that it batches exactly.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Positions(enum.Enum):
+    ROPE = "rope"  # 1-D positions = tokens already in the row's cache
+    MROPE = "mrope"  # (3, B, L) positions; decode position = tokens in the row's cache + the request's delta
+
+
+class UnsupportedFamily(TypeError):
+    """This mlx-vlm ``model_type`` is not one the generic adapter batches (see ``FAMILIES``)."""
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    model_type: str
+    positions: Positions = Positions.ROPE
+    media: frozenset[str] = frozenset({"image"})
+    placeholder: str = "image_token"
+    media_mask_input: str | None = None
+    media_row_inputs: tuple[str, ...] = ()
+    sequence_inputs: tuple[str, ...] = ()
+    mixed_image_video: bool = False
+    video_template: str = "processor"
+    notes: str = field(default="", compare=False)
+
+
+_QWEN_MEDIA = frozenset({"image", "video"})
+
+FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
+    FamilySpec("qwen2_vl", Positions.MROPE, _QWEN_MEDIA),
+    FamilySpec("qwen2_5_vl", Positions.MROPE, _QWEN_MEDIA),
+    FamilySpec("qwen3_vl", Positions.MROPE, _QWEN_MEDIA, media_mask_input="visual_pos_masks",
+               media_row_inputs=("deepstack_visual_embeds",)),
+    FamilySpec("gemma3", placeholder="boi_token"),
+    FamilySpec("idefics3"),
+    FamilySpec("llava"),
+    FamilySpec("pixtral"),
+    FamilySpec("mistral3"),
+    FamilySpec("gemma4", media=frozenset({"audio"}), sequence_inputs=("per_layer_inputs",),
+               notes="audio only: images need gemma4's image position ids, not yet declared"),
+)}
+
+
+def family_for(model_type: str | None) -> FamilySpec:
+    spec = FAMILIES.get(model_type or "")
+    if spec is None:
+        raise UnsupportedFamily(f"no VLM family spec for model_type {model_type!r}; supported: "
+                                f"{', '.join(sorted(FAMILIES))}")
+    return spec
