@@ -51,7 +51,9 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(queue.put_nowait, exc)
 
     async def stream(self, prompt: Any = None, prompt_tokens: Any = None, sampling: SamplingParams | None = None,
-                     request_id: str | None = None) -> AsyncIterator[StepOutput]:
+                     request_id: str | None = None, images: Any = None, videos: Any = None, audio: Any = None,
+                     priority: int = 0) -> AsyncIterator[StepOutput]:
+        """`Engine.add_request`'s arguments; bad input raises InvalidRequest at the first `__anext__`."""
         if self._error is not None:
             raise RuntimeError("the engine loop has stopped") from self._error
         queue: asyncio.Queue = asyncio.Queue()
@@ -59,7 +61,8 @@ class AsyncEngine:
         # Register under the lock before the id can reach the loop thread.
         with self._lock:
             rid = self.engine.add_request(prompt=prompt, prompt_tokens=prompt_tokens, sampling=sampling,
-                                          request_id=request_id)
+                                          request_id=request_id, images=images, videos=videos, audio=audio,
+                                          priority=priority)
             self._queues[rid] = (loop, queue)
         self._wake.set()
         finished = False
@@ -78,12 +81,15 @@ class AsyncEngine:
                     self._queues.pop(rid, None)
                 self.engine.abort(rid)
 
-    async def generate(self, prompt: Any = None, prompt_tokens: Any = None,
-                       sampling: SamplingParams | None = None) -> RequestOutput:
+    async def generate(self, prompt: Any = None, prompt_tokens: Any = None, sampling: SamplingParams | None = None,
+                       request_id: str | None = None, images: Any = None, videos: Any = None, audio: Any = None,
+                       priority: int = 0) -> RequestOutput:
         tokens: list[int] = []
         logprobs: list[float] = []
         last = None
-        async for out in self.stream(prompt=prompt, prompt_tokens=prompt_tokens, sampling=sampling):
+        async for out in self.stream(prompt=prompt, prompt_tokens=prompt_tokens, sampling=sampling,
+                                     request_id=request_id, images=images, videos=videos, audio=audio,
+                                     priority=priority):
             tokens.extend(out.token_ids)
             logprobs.extend(out.logprobs)
             last = out

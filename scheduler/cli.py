@@ -76,18 +76,25 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from .request import SamplingParams
     from .fixtures.tiny_models import build_model
 
+    group = _tensor_group() if args.tensor_parallel else None
+    rank = group.rank() if group is not None else 0
+    kind = "text" if group is not None and args.kind == "vlm" else args.kind  # sharding is for text models
     model_dir = args.model
     tmp = None
-    if model_dir is None:
-        tmp = tempfile.TemporaryDirectory(prefix="mlxsched-demo-")
-        model_dir = build_model(args.kind, Path(tmp.name) / args.kind)
-        print(f"no --model given: built the tiny {args.kind} model in {model_dir} (seeded random weights: the "
-              "text below is meaningless; the schedule, stats and trace are the point)")
+    if model_dir is None:  # every rank builds its own copy (seeded: byte-identical)
+        tmp = tempfile.TemporaryDirectory(prefix=f"mlxsched-demo-{rank}-")
+        model_dir = build_model(kind, Path(tmp.name) / kind)
+        if rank == 0:
+            print(f"no --model given: built the tiny {kind} model in {model_dir} (seeded random weights: the "
+                  "text below is meaningless; the schedule, stats and trace are the point)")
     config = EngineConfig(
         max_batched_tokens=args.max_batched_tokens, max_seqs=args.max_seqs, prefill_chunk=args.prefill_chunk,
         prefix_cache_bytes=args.prefix_cache_mb << 20, trace_path=args.trace,
     )
-    engine = Engine.from_pretrained(model_dir, config)
+    engine = Engine.from_pretrained(model_dir, config, tensor_group=group)
+    if rank != 0:  # the other ranks execute rank 0's ticks on their shards until it is done
+        engine.follow()
+        return 0
     prompts, images = _demo_workload(args.requests, args.seed, with_images=engine.vlm is not None)
     samplings = [SamplingParams(max_tokens=args.max_tokens, temperature=0.0 if i % 2 == 0 else 0.8, seed=i)
                  for i in range(len(prompts))]
@@ -101,8 +108,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     stats = engine.stats().to_dict()
     stats["wall_time"] = wall
     stats["end_to_end_tps"] = stats["generation_tokens"] / wall if wall else 0.0
-    stats["prefix_cache"] = engine.prefix_cache_stats()
-    stats["vision_cache"] = engine.vision_cache_stats()
     print(json.dumps(stats, indent=2))
     engine.close()
     if args.trace:
@@ -112,12 +117,22 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tensor_group():
+    import mlx.core as mx
+
+    group = mx.distributed.init()
+    if group.size() < 2:
+        raise SystemExit("--tensor-parallel: start this under `mlx.launch -n N --backend ring -- mlxsched ...` "
+                         "(this process has no peers)")
+    return group
+
+
 def _cmd_replay(args: argparse.Namespace) -> int:
     from .tools.replay import TraceError, load_trace, replay
 
     try:
         report = replay(load_trace(args.trace), policy=args.policy)
-    except TraceError as exc:
+    except (TraceError, ValueError) as exc:  # unreadable trace, unknown or custom policy
         print(f"cannot replay: {exc}", file=sys.stderr)
         return 2
     print(report.format())
@@ -134,6 +149,36 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     except (TraceError, ValueError) as exc:
         print(f"cannot simulate: {exc}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _cmd_explain(args: argparse.Namespace) -> int:
+    from .tools.explain import explain, format_story
+    from .tools.replay import TraceError
+
+    try:
+        stories = explain(args.trace, args.requests or None, slowest=args.slowest)
+    except (TraceError, KeyError) as exc:
+        print(f"cannot explain: {exc}", file=sys.stderr)
+        return 2
+    print("\n\n".join(format_story(s) for s in stories))
+    return 0
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from .tools.replay import TraceError
+    from .tools.sweep import parse_grid, sweep, to_png
+
+    try:
+        result = sweep(args.trace, parse_grid(args.grid), workers=args.workers)
+    except (TraceError, ValueError) as exc:
+        print(f"cannot sweep: {exc}", file=sys.stderr)
+        return 2
+    print(result.cost_model.describe() + "\n")
+    print(result.table())
+    if args.out:
+        to_png(result, args.out)
+        print(f"wrote the trade-off plot to {args.out}")
     return 0
 
 
@@ -154,6 +199,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from bench.run import main as bench_main
 
     argv = args.bench_args[1:] if args.bench_args[:1] == ["--"] else args.bench_args
+    if "--tensor-parallel" in argv:  # under mlx.launch: the sharding cost bench
+        from bench.tensor_parallel import main as tensor_parallel_main
+
+        return tensor_parallel_main([a for a in argv if a != "--tensor-parallel"])
     return bench_main(argv)
 
 
@@ -202,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--show", type=int, default=6, help="how many outputs to print")
     p.add_argument("--trace", help="write the event log (JSON lines) to this file")
+    p.add_argument("--tensor-parallel", action="store_true",
+                   help="shard the model over the ranks of `mlx.launch` (rank 0 prints; README)")
     p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("replay", help="re-derive every plan of a trace (no model) and report the first divergence")
@@ -215,6 +266,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", help="policy name for the what-if run (default: the recorded one)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override an EngineConfig field")
     p.set_defaults(func=_cmd_simulate)
+
+    p = sub.add_parser("explain", help="a request's life from a trace: states, waits and why, cache hits, "
+                                       "preemptions, drafts, how it ended")
+    p.add_argument("trace")
+    p.add_argument("requests", nargs="*", help="request ids (default: every request)")
+    p.add_argument("--slowest", type=int, metavar="N", help="the N requests with the worst time to first token")
+    p.set_defaults(func=_cmd_explain)
+
+    p = sub.add_parser("sweep", help="the what-if simulator over a grid of configs and policies, in parallel "
+                                     "worker processes; a table and a PNG of p95 TTFT against throughput")
+    p.add_argument("trace")
+    p.add_argument("--grid", nargs="+", required=True, metavar="KEY=V1,V2", help="axes: EngineConfig fields or policy")
+    p.add_argument("--workers", type=int, help="worker processes (default: one per point, at most the CPUs)")
+    p.add_argument("-o", "--out", default="sweep.png", help="PNG of the trade-off (default sweep.png)")
+    p.set_defaults(func=_cmd_sweep)
 
     p = sub.add_parser("timeline", help="request-state timeline of a trace: .json (Perfetto) or .png (Gantt)")
     p.add_argument("trace")

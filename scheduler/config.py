@@ -15,7 +15,9 @@ class EngineConfig:
     prefill_chunk: the longest prefill chunk one request gets in one tick.
     max_prefill_tokens: prefill tokens of all requests together in one tick (None: whatever
         max_batched_tokens leaves after decoding).
-    max_model_len: longest prompt accepted; None means the model's `max_position_embeddings`.
+    max_model_len: the context limit: prompt + outputs never exceed it (generation ends with LENGTH there,
+        drafts stay inside it; a prompt with no room for one output is refused). None means the model's
+        `max_position_embeddings`. max_kv_size does not lift it.
     seed: engine seed; a request without its own seed samples with one derived from this and its id.
     draft_tokens: with k > 0, decoding rows may propose up to k draft tokens per tick, verified in the same
         batched forward (exact: greedy output is unchanged, sampled output keeps its distribution). Draft

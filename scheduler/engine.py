@@ -20,15 +20,18 @@ import mlx.core as mx
 
 from .execution import library
 from .config import EngineConfig
+from .plan import PLAN_RECORD_GROUPS
 from .events import EventLog, JsonlSink, MemorySink
 from .execution.executor import MLXExecutor
 from .execution.runners import TextRunner, VisionLanguageRunner
 from .lifecycle import RequestState
+from .policy import policy_record
 from .request import (
     InvalidRequest,
     Request,
     SamplingParams,
     UnknownRequest,
+    as_token_ids,
     validate_prompt_tokens,
 )
 from .scheduler import Scheduler, StepOutput
@@ -78,6 +81,11 @@ class EngineStats(Throughput):
     requests_finished: int = 0
     requests_aborted: int = 0
     time_in_state: dict[str, float] = field(default_factory=dict)
+    # the caches' and the drafter's own stats, as their separate calls give them (None: that cache is off)
+    kv_cache: dict[str, Any] = field(default_factory=dict)
+    prefix_cache: dict[str, Any] | None = None
+    vision_cache: dict[str, Any] | None = None
+    drafting: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -94,6 +102,10 @@ class EngineStats(Throughput):
             "requests_finished": self.requests_finished,
             "requests_aborted": self.requests_aborted,
             "time_in_state": dict(self.time_in_state),
+            "kv_cache": dict(self.kv_cache),
+            "prefix_cache": None if self.prefix_cache is None else dict(self.prefix_cache),
+            "vision_cache": None if self.vision_cache is None else dict(self.vision_cache),
+            "drafting": dict(self.drafting),
         }
 
 
@@ -119,11 +131,13 @@ class Engine:
         policy: Any = None,
         draft_model: Any = None,
         mtp_head: Any = None,
+        shard_group: Any = None,
     ):
         self.model = model
         self.config = config or EngineConfig()
         sinks = list(event_sinks)
-        if self.config.trace_path:
+        # one trace for a sharded model: rank 0's (the other ranks decide nothing)
+        if self.config.trace_path and (shard_group is None or shard_group.rank() == 0):
             sinks.append(JsonlSink(self.config.trace_path))
         self.events = EventLog(sinks)
         family = _model_family(model, tokenizer, self.config, self._vision_event)
@@ -137,11 +151,19 @@ class Engine:
         # simulation can try a budget on any trace.
         self.kv_layout = None if self.vlm is not None else library.kv_layout(model, self.config.max_kv_size)
         budget_layout = self.kv_layout if self.config.kv_memory_bytes is not None else None
-        self.scheduler = Scheduler(self.config, self.events, family.stop_ids, policy, budget_layout)
+        self.scheduler = Scheduler(self.config, self.events, family.stop_ids, policy, budget_layout,
+                                   max_model_len=self.max_model_len)
+        # A model sharded across processes (tensor_group / pipeline_group in from_pretrained): rank 0 runs this
+        # engine, the other ranks `follow()` it (scheduler/execution/distributed.py).
+        self.shard = _Shard.create(shard_group, self) if shard_group is not None and shard_group.size() > 1 else None
+        prefix_payloads = self.shard.prefix_payloads if self.shard is not None else self.scheduler.prefix_cache
         self.executor = executor or MLXExecutor(family.runner, penalty_context=self.config.penalty_context,
-                                                prefix_cache=self.scheduler.prefix_cache,
+                                                prefix_cache=prefix_payloads,
                                                 logprob_vectors=self.config.logprob_vectors,
-                                                drafter=self._make_drafter(draft_model, mtp_head))
+                                                drafter=self._make_drafter(draft_model, mtp_head),
+                                                on_event=self._executor_event)
+        if self.shard is not None:
+            self.executor = self.shard.wrap(self.executor)
         self.tick = 0
         self._lock = threading.Lock()
         self._inbox: list[_Arrival] = []
@@ -152,11 +174,13 @@ class Engine:
         self._stats = EngineStats()
         self.events.emit(
             "engine_start", 0, config={**_config_record(self.config), "policy": self.scheduler.policy.name},
+            policy=policy_record(self.scheduler.policy),
             model=library.model_identity(model.language_model if self.vlm else model),
             vocab_size=self.vocab_size, max_model_len=self.max_model_len,
             stop_token_ids=sorted(self.scheduler.model_stop_ids),
             kv_layout=[[layer.bytes_per_token, layer.window] for layer in self.kv_layout.layers]
             if self.kv_layout is not None else None,
+            plan_records=list(PLAN_RECORD_GROUPS),  # the optional plan-record keys this engine writes
         )
 
     def _make_drafter(self, draft_model: Any, mtp_head: Any) -> Any:
@@ -192,8 +216,21 @@ class Engine:
         return self.executor.draft_stats.as_dict()
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, config: EngineConfig | None = None, **kwargs: Any) -> "Engine":
-        """Load a local mlx-lm model directory, or an mlx-vlm one (a config with a `vision_config`)."""
+    def from_pretrained(cls, model_dir: str | Path, config: EngineConfig | None = None, *,
+                        tensor_group: Any = None, pipeline_group: Any = None, **kwargs: Any) -> "Engine":
+        """Load a local mlx-lm model directory, or an mlx-vlm one (a config with a `vision_config`).
+
+        `tensor_group` / `pipeline_group` (an `mx.distributed` group, names as mlx-lm's `sharded_load`) load the
+        model sharded across the group's ranks; call this on every rank, then use the engine on rank 0 and
+        `engine.follow()` on the others (README: "One model across processes").
+        """
+        if tensor_group is not None or pipeline_group is not None:
+            if library.is_vision_language_dir(model_dir):
+                raise ValueError("tensor_group / pipeline_group: sharding is built for mlx-lm text models only")
+            from mlx_lm.utils import sharded_load
+
+            model, tokenizer = sharded_load(str(model_dir), pipeline_group=pipeline_group, tensor_group=tensor_group)
+            return cls(model, tokenizer, config, shard_group=tensor_group or pipeline_group, **kwargs)
         if library.is_vision_language_dir(model_dir):
             from mlx_vlm import load as load_vlm
 
@@ -207,6 +244,10 @@ class Engine:
         if config is not None and config.drafter == "mtp" and "mtp_head" not in kwargs:
             kwargs["mtp_head"] = load_mtp_head(model_dir)
         return cls(model, tokenizer, config, **kwargs)
+
+    def _executor_event(self, kind: str, **fields: Any) -> None:
+        """KV decisions the executor carries out (batch merges, filters, draft rollbacks), at this tick."""
+        self.events.emit(kind, self.tick, **fields)
 
     def _vision_event(self, kind: str, key: str, info: dict) -> None:
         self.events.emit(f"vision_{kind}", self.tick, key=key,
@@ -241,6 +282,8 @@ class Engine:
                                            "expands the placeholders")
         if (prompt is None) == (prompt_tokens is None):
             raise InvalidRequest("prompt", "give exactly one of prompt and prompt_tokens", request_id)
+        if prompt_tokens is not None:  # lists, tuples, 1-D integer numpy / mx arrays
+            prompt_tokens = as_token_ids(prompt_tokens)
         if sampling is None:
             sampling = SamplingParams()
         elif not isinstance(sampling, SamplingParams):
@@ -250,6 +293,8 @@ class Engine:
             raise InvalidRequest("stop_token_ids", f"ids outside the vocabulary [0, {self.vocab_size}): {bad_stops}")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidRequest("priority", f"must be an integer, got {priority!r}")
+        if self.shard is not None:
+            self.shard.check_request(sampling)
         media, media_error = None, None
         if self.vlm is not None:
             media, media_error = self._prepare_media(prompt, prompt_tokens, images, videos, audio)
@@ -285,8 +330,7 @@ class Engine:
         from .models.vlm import MediaError, PreparedRequest
 
         if prompt_tokens is not None:
-            tokens = list(prompt_tokens)
-            return PreparedRequest(input_ids=tokens, pixel_values=None, image_grid_thw=None, extras={},
+            return PreparedRequest(input_ids=list(prompt_tokens), pixel_values=None, image_grid_thw=None, extras={},
                                    media_key=None, num_media_tokens=0), None
         if isinstance(prompt, str) and not prompt:
             raise InvalidRequest("prompt", "is empty")
@@ -343,6 +387,8 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         """Run one tick: drain the inbox, plan, execute, apply. Returns what each request did."""
+        if self.shard is not None and self.shard.rank != 0:
+            raise RuntimeError("this rank follows rank 0: call engine.follow(), not step()")
         tick = self.tick
         tick_start = time.perf_counter()
         outputs = self._drain_inbox(tick)
@@ -358,7 +404,8 @@ class Engine:
             stores = [[s.request_id, s.num_tokens, s.nbytes, s.whole_only] for s in result.prefix_stores]
             encoded = {rid: {"rope_delta": e["rope_delta"], "vision_cache_hit": e["vision_cache_hit"]}
                        for rid, e in result.encoded.items()}
-            self.events.emit("outcome", tick, sampled=result.sampled, errors=result.errors, prefix_stores=stores,
+            self.events.emit("outcome", tick, sampled=result.sampled, logprobs=result.logprobs,
+                             errors=result.errors, prefix_stores=stores,
                              encoded=encoded, accepted_drafts=result.accepted_drafts,
                              drafts={rid: list(d) for rid, d in result.drafts.items()},
                              **({"drafter_error": result.drafter_error} if result.drafter_error else {}), measure={
@@ -385,9 +432,9 @@ class Engine:
                 media=a.media, num_images=a.media.num_media_items if a.media is not None else 0,
                 media_key=a.media.media_key if a.media is not None else None,
             )
-            self.scheduler.add(request, tick)
-            if a.error is not None:
-                failed.append(self.scheduler.fail(a.request_id, tick, a.error))
+            out = self.scheduler.add(request, tick, error=a.error)
+            if out is not None:
+                failed.append(out)
         outputs = failed + [
             self.scheduler.abort(rid, tick)
             for rid in dict.fromkeys(aborts)  # an id aborted twice in one tick is aborted once
@@ -459,8 +506,16 @@ class Engine:
         return cache.stats() if cache is not None else None
 
     def stats(self) -> EngineStats:
-        self._stats.time_in_state = dict(self.scheduler.time_in_state)
-        return self._stats
+        """Everything in one place: tokens, time, tok/s, peak memory, time per state, and the KV cache, prefix
+        cache, vision cache and drafting stats (`kv_cache_stats()`, `prefix_cache_stats()`,
+        `vision_cache_stats()`, `draft_stats()` give each alone)."""
+        s = self._stats
+        s.time_in_state = dict(self.scheduler.time_in_state)
+        s.kv_cache = self.kv_cache_stats()
+        s.prefix_cache = self.prefix_cache_stats()
+        s.vision_cache = self.vision_cache_stats()
+        s.drafting = self.draft_stats()
+        return s
 
     # ---- conveniences -----------------------------------------------------------------------------
     def generate(
@@ -473,16 +528,32 @@ class Engine:
         audio: Sequence[Sequence[Any] | None] | None = None,
     ) -> list[RequestOutput]:
         """Run `prompts` (strings, chat messages or token-id lists; with `images[i]` / `videos[i]` / `audio[i]`
-        for prompt i on a multimodal model) to completion; outputs in prompt order."""
+        for prompt i on a multimodal model) to completion; outputs in prompt order.
+
+        Bad input raises InvalidRequest as `add_request` does, and then none of `prompts` runs (those already
+        queued are aborted), so a refused batch leaves nothing behind.
+        """
+        if isinstance(prompts, (str, bytes, dict)) or not isinstance(prompts, Sequence):
+            raise InvalidRequest("prompts", f"must be a list of prompts, got {type(prompts).__name__} (wrap a "
+                                            "single prompt in a list)")
         samplings = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
+        per_prompt = {"sampling": samplings, "images": images, "videos": videos, "audio": audio}
+        for name, values in per_prompt.items():
+            if values is not None and len(values) != len(prompts):
+                raise InvalidRequest(name, f"one entry per prompt: {len(values)} for {len(prompts)} prompts")
         none = [None] * len(prompts)
-        ids = []
-        for p, sp, imgs, vids, auds in zip(prompts, samplings, images or none, videos or none, audio or none):
-            media = dict(images=imgs, videos=vids, audio=auds, sampling=sp)
-            if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], dict)):
-                ids.append(self.add_request(prompt=p, **media))
-            else:
-                ids.append(self.add_request(prompt_tokens=p, **media))
+        ids: list[str] = []
+        try:
+            for p, sp, imgs, vids, auds in zip(prompts, samplings, images or none, videos or none, audio or none):
+                media = dict(images=imgs, videos=vids, audio=auds, sampling=sp)
+                if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], dict)):
+                    ids.append(self.add_request(prompt=p, **media))
+                else:
+                    ids.append(self.add_request(prompt_tokens=p, **media))
+        except BaseException:
+            for rid in ids:
+                self.abort(rid)
+            raise
         tokens: dict[str, list[int]] = {i: [] for i in ids}
         logprobs: dict[str, list[float]] = {i: [] for i in ids}
         results: dict[str, RequestOutput] = {}
@@ -516,8 +587,64 @@ class Engine:
                     if out.finished:
                         return
 
+    def follow(self) -> Any:
+        """On a rank other than 0 of a sharded engine: execute rank 0's ticks until rank 0 closes its engine.
+        Returns the follower's stats; raises `ShardLost` if rank 0 goes away, `ShardDivergence` if the ranks
+        ever sample different tokens."""
+        if self.shard is None or self.shard.rank == 0:
+            raise RuntimeError("follow() is for the ranks other than 0 of a sharded engine")
+        return self.shard.follower(self.executor).run()
+
     def close(self) -> None:
+        """Flush the trace; on rank 0 of a sharded engine, also let the followers' `follow()` return."""
+        if self.shard is not None and self.shard.rank == 0:
+            self.executor.shutdown()
         self.events.close()
+
+
+@dataclass
+class _Shard:
+    """How this engine takes part in a sharded model: the channel, and what rank 0 sends or a follower mirrors."""
+
+    rank: int
+    channel: Any
+    prefix_payloads: Any  # rank 0: the scheduler's prefix cache; followers: their own shard's payloads
+    prefix_watch: Any = None
+
+    @classmethod
+    def create(cls, group: Any, engine: "Engine") -> "_Shard":
+        from .execution.distributed import MirroredPayloads, PlanChannel, PrefixEntryWatch
+
+        cfg = engine.config
+        if engine.vlm is not None:
+            raise ValueError("sharding is built for mlx-lm text models only")
+        if cfg.draft_tokens and cfg.drafter != "prompt-lookup":
+            raise ValueError(f"drafter={cfg.drafter!r} with a sharded model: only prompt-lookup drafting is built "
+                             "(a draft model or MTP head would need its own sharding)")
+        rank, prefix = group.rank(), engine.scheduler.prefix_cache
+        shard = cls(rank, PlanChannel(group), prefix)
+        if prefix is not None and rank != 0:
+            shard.prefix_payloads = MirroredPayloads(prefix.block_size)
+        if prefix is not None and rank == 0:
+            shard.prefix_watch = PrefixEntryWatch()
+            engine.events.add_sink(shard.prefix_watch)
+        return shard
+
+    def wrap(self, executor: Any) -> Any:
+        from .execution.distributed import ShardedExecutor
+
+        return ShardedExecutor(executor, self.channel, self.prefix_watch) if self.rank == 0 else executor
+
+    def follower(self, executor: Any) -> Any:
+        from .execution.distributed import Follower
+
+        return Follower(executor, self.channel, self.prefix_payloads)
+
+    @staticmethod
+    def check_request(sampling: SamplingParams) -> None:
+        if sampling.logits_processors:
+            raise InvalidRequest("logits_processors", "run on rank 0 only, so a sharded engine cannot use them "
+                                                      "(the other ranks would sample differently)")
 
 
 @dataclass

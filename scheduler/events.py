@@ -20,7 +20,7 @@ from typing import Any, Iterable, Protocol
 
 import structlog
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: arrival error/draft_eligible, policy record, outcome logprobs, kv_* events
 MEASURE_KEY = "measure"
 
 

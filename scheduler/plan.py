@@ -7,7 +7,40 @@ many prompt tokens to feed for each; executors never see scheduler objects.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
+
+
+class Reason(str, Enum):
+    """Why a live request got less than it could use this tick: the constraint that bound (closed set)."""
+
+    MAX_SEQS = "max_seqs"  # queued: every slot is taken
+    TOKEN_BUDGET = "token_budget"  # max_batched_tokens is used up (by decode rows and chunks given before it)
+    PREFILL_CHUNK = "prefill_chunk"  # its chunk is cut at prefill_chunk tokens
+    PREFILL_TOKEN_CAP = "prefill_token_cap"  # max_prefill_tokens (the prefill share of a tick) is used up
+    KV_BUDGET = "kv_budget"  # its next chunk (or admission with headroom) does not fit kv_memory_bytes
+    VISION_BUDGET = "vision_budget"  # its media waits: this tick's vision_budget images are taken
+    POLICY_ORDER = "policy_order"  # it would fit, but a blocked request ahead of it may not be jumped
+    WAITING_FOR_MEDIA = "waiting_for_media"  # its media is encoded this tick; its prefill starts next tick
+    PREEMPTED_BY = "preempted_by"  # preempted (caches dropped) to make room for `others[0]`
+
+
+@dataclass(frozen=True)
+class WaitReason:
+    """One request's binding constraint this tick. `others`: for POLICY_ORDER the requests ahead of it that
+    hold it back; for PREEMPTED_BY the request it made room for; otherwise empty."""
+
+    request_id: str
+    reason: Reason
+    others: tuple[str, ...] = ()
+
+    def to_record(self) -> list:
+        return [self.request_id, self.reason.value, list(self.others)]
+
+    @classmethod
+    def from_record(cls, record: list) -> "WaitReason":
+        rid, reason, others = record
+        return cls(rid, Reason(reason), tuple(others))
 
 
 @dataclass(frozen=True)
@@ -28,6 +61,14 @@ class PrefillChunk:
         return self.end - self.start
 
 
+#: Optional groups of plan-record keys, named in `engine_start.plan_records` by the traces that carry them. A
+#: trace without a group (older mlxsched) did not record it, and replay does not compare it.
+PLAN_RECORD_GROUPS: dict[str, tuple[str, ...]] = {
+    "reasons": ("reasons", "reasons_cleared"),
+    "step": ("step",),
+}
+
+
 @dataclass(frozen=True)
 class TickPlan:
     tick: int
@@ -42,6 +83,7 @@ class TickPlan:
     kv_bytes_bound: int | None = None  # upper bound on KV bytes after this tick (with a KV budget)
     num_batched_tokens: int = 0
     num_seqs: int = 0  # requests holding a slot after this tick's admissions
+    reasons: tuple[WaitReason, ...] = ()  # every live request that got less than it could use, and why
 
     @property
     def is_empty(self) -> bool:
@@ -63,6 +105,16 @@ class TickPlan:
             "num_seqs": self.num_seqs,
         }
 
+    def scheduled(self) -> tuple[list[str], list[int]]:
+        """vLLM-shaped step view: request ids given tokens this tick in scheduling order (decode rows, then
+        prefill chunks in plan order) and the tokens each is given (1 + draft tokens for a decode row, the
+        chunk length for a prefill). Requests that only encode media are not listed (vLLM schedules encoder
+        inputs apart from tokens)."""
+        drafts = dict(self.draft)
+        ids = list(self.decode) + [c.request_id for c in self.prefill]
+        tokens = [1 + drafts.get(rid, 0) for rid in self.decode] + [c.num_tokens for c in self.prefill]
+        return ids, tokens
+
 
 @dataclass
 class PrefixStore:
@@ -74,6 +126,12 @@ class PrefixStore:
     nbytes: int
     whole_only: bool
     payload: Any = None
+
+
+# How an executor's error text starts when a request's prefill failed (it never joined the batch) and when
+# the batched decode failed (every row was dropped from the batch): replay's model of the batch reads them.
+PREFILL_FAILED = "prefill failed"
+DECODE_FAILED = "decode failed"
 
 
 @dataclass

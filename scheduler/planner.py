@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 from caches.kv import KVLayout
 
 from .config import EngineConfig
-from .plan import PrefillChunk, TickPlan
+from .plan import PrefillChunk, Reason, TickPlan, WaitReason
 from .policy import Policy
 from .request import Request
 
@@ -95,13 +95,6 @@ class _KVTracker:
         return True
 
 
-def _may_draft(request: Request) -> bool:
-    """Rows whose next tokens depend on per-position Python or history the verifier does not replay keep
-    plain decoding: logits processors, penalties, per-token logprobs."""
-    s = request.sampling
-    return not (s.logits_processors or s.logprobs or s.presence_penalty or s.repetition_penalty != 1)
-
-
 class _VisionBudget:
     """Images encoded per tick. A request with more images than the whole budget is encoded alone in a tick
     rather than never."""
@@ -111,11 +104,43 @@ class _VisionBudget:
         self.chosen: list[str] = []
 
     def take(self, request: Request) -> bool:
+        """Whether `request`'s media is encoded this tick."""
         if request.num_images <= self.left or (not self.chosen and self.left == self.total):
             self.chosen.append(request.request_id)
             self.left -= request.num_images
             return True
         return False
+
+
+class _Reasons:
+    """The binding constraint per live request that got less than it could use (first noted wins, except a
+    preemption, which overrides what it was waiting for)."""
+
+    def __init__(self, config: EngineConfig, decode_rows: int):
+        self.by_id: dict[str, WaitReason] = {}
+        cap = config.max_prefill_tokens
+        # When the tick's token budget runs out, which limit was it: the prefill cap, if it is the tighter one
+        self.exhausted = (Reason.PREFILL_TOKEN_CAP
+                          if cap is not None and cap < config.max_batched_tokens - decode_rows else Reason.TOKEN_BUDGET)
+        self.prefill_chunk = config.prefill_chunk
+
+    def note(self, request_id: str, reason: Reason, others: tuple[str, ...] = ()) -> None:
+        if request_id not in self.by_id:
+            self.by_id[request_id] = WaitReason(request_id, reason, others)
+
+    def preempted(self, request_id: str, by: str | None) -> None:
+        self.by_id[request_id] = WaitReason(request_id, Reason.PREEMPTED_BY, (by,) if by is not None else ())
+
+    def chunk_given(self, request: Request, chunk: PrefillChunk, hold_last: bool) -> None:
+        """A chunk shorter than what is left to feed was cut by prefill_chunk or by the budget."""
+        self.by_id.pop(request.request_id, None)
+        if chunk.end < request.prefill_len - (1 if hold_last else 0):
+            self.note(request.request_id, Reason.PREFILL_CHUNK if chunk.num_tokens == self.prefill_chunk
+                      else self.exhausted)
+
+    def held_back(self, requests: Sequence[Request], reason: Reason, others: tuple[str, ...] = ()) -> None:
+        for request in requests:
+            self.note(request.request_id, reason, others)
 
 
 def _make_room(view: SchedulerView, kv: _KVTracker) -> tuple[list[str], list[tuple[str, str]]]:
@@ -160,6 +185,11 @@ def _plan(view: SchedulerView, config: EngineConfig, policy: Policy, prefill_onl
     gone = set(preempted) | {rid for rid, _ in failed}
 
     decode = () if prefill_only else tuple(r.request_id for r in view.decoding if r.request_id not in gone)
+    why = _Reasons(config, len(decode))
+    if preempted:  # they made room for the oldest request that keeps its memory
+        kept = [r.request_id for r in (*view.decoding, *view.prefilling) if r.request_id not in gone]
+        for rid in preempted:
+            why.preempted(rid, kept[0] if kept else None)
     budget = config.max_batched_tokens - len(decode)
     if config.max_prefill_tokens is not None:
         budget = min(budget, config.max_prefill_tokens)
@@ -167,7 +197,7 @@ def _plan(view: SchedulerView, config: EngineConfig, policy: Policy, prefill_onl
     seqs = len(view.decoding) + len(view.prefilling) + len(view.encoding) - len(gone)
     vision = _VisionBudget(config.vision_budget)
     for request in policy.order_prefilling(view.encoding, view.tick):
-        vision.take(request)
+        why.note(request.request_id, Reason.WAITING_FOR_MEDIA if vision.take(request) else Reason.VISION_BUDGET)
 
     prefill: list[PrefillChunk] = []
     prefix_hits: list[tuple[str, int, int]] = []
@@ -181,17 +211,22 @@ def _plan(view: SchedulerView, config: EngineConfig, policy: Policy, prefill_onl
         return (match[1], match) if match else (0, None)
 
     for request in policy.order_prefilling(view.prefilling, view.tick):
-        if budget <= 0:
-            break
         if request.request_id in gone:
+            continue
+        if budget <= 0:
+            why.note(request.request_id, why.exhausted)
             continue
         start, match = next_start(request)
         chunk = _chunk(request, start, budget, config, hold_last=prefill_only)
-        if chunk is None or (kv is not None and not kv.try_chunk(request, chunk, admission=False)):
-            continue  # nothing to feed in a prefill-only tick, or waits for memory while decoding frees it
+        if chunk is None:
+            continue  # nothing to feed in a prefill-only tick
+        if kv is not None and not kv.try_chunk(request, chunk, admission=False):
+            why.note(request.request_id, Reason.KV_BUDGET)
+            continue  # waits for memory while decoding frees it
         if match is not None:
             prefix_hits.append((request.request_id, *match))
         prefill.append(chunk)
+        why.chunk_given(request, chunk, prefill_only)
         budget -= chunk.num_tokens
 
     if kv is not None and not prefill and all(r.request_id in gone for r in view.decoding):
@@ -208,6 +243,7 @@ def _plan(view: SchedulerView, config: EngineConfig, policy: Policy, prefill_onl
                 if match is not None:
                     prefix_hits.append((head.request_id, *match))
                 prefill.append(chunk)
+                why.chunk_given(head, chunk, prefill_only)
                 budget -= chunk.num_tokens
                 break
             victim = stuck.pop()
@@ -215,32 +251,43 @@ def _plan(view: SchedulerView, config: EngineConfig, policy: Policy, prefill_onl
             gone.add(victim.request_id)
             seqs -= 1
             if victim is head:
+                why.by_id.pop(head.request_id, None)
                 failed.append((head.request_id, f"needs more KV memory than kv_memory_bytes ({kv.budget} bytes) "
                                                 "allows"))
             else:
+                why.preempted(victim.request_id, head.request_id)
                 preempted.append(victim.request_id)
 
     admitted: list[str] = []
-    for request in policy.order_waiting(view.waiting, view.tick, view.cached_prefix):
+    queue = policy.order_waiting(view.waiting, view.tick, view.cached_prefix)
+    for position, request in enumerate(queue):
+        behind = queue[position + 1:]
         if seqs >= config.max_seqs:
+            why.held_back(queue[position:], Reason.MAX_SEQS)
             break
         if request.num_images:  # media first goes through vision encoding, under the vision budget
             admitted.append(request.request_id)
-            vision.take(request)
+            why.note(request.request_id,
+                     Reason.WAITING_FOR_MEDIA if vision.take(request) else Reason.VISION_BUDGET)
             seqs += 1
             continue
         if budget <= 0:
+            why.held_back(queue[position:], why.exhausted)
             break
         start, match = next_start(request)
         chunk = _chunk(request, start, budget, config, hold_last=prefill_only)
         if chunk is None:  # a one-token prompt (or a whole-prompt hit) waits for a decode tick
+            why.held_back(behind, Reason.POLICY_ORDER, (request.request_id,))
             break
         if kv is not None and not kv.try_chunk(request, chunk, admission=True):
-            break  # the head of the queue waits for memory; nobody jumps it
+            why.note(request.request_id, Reason.KV_BUDGET)  # the head of the queue waits for memory;
+            why.held_back(behind, Reason.POLICY_ORDER, (request.request_id,))  # nobody jumps it
+            break
         if match is not None:
             prefix_hits.append((request.request_id, *match))
         admitted.append(request.request_id)
         prefill.append(chunk)
+        why.chunk_given(request, chunk, prefill_only)
         budget -= chunk.num_tokens
         seqs += 1
 
@@ -249,8 +296,9 @@ def _plan(view: SchedulerView, config: EngineConfig, policy: Policy, prefill_onl
         for request in view.decoding:
             if budget <= 0:
                 break
-            k = min(config.draft_tokens, budget, request.sampling.max_tokens - request.num_output_tokens - 1)
-            if request.request_id not in gone and k >= 1 and _may_draft(request):
+            # the verify forward emits up to k + 1 tokens: drafts never cross max_tokens or the context limit
+            k = min(config.draft_tokens, budget, request.output_limit - request.num_output_tokens - 1)
+            if request.request_id not in gone and k >= 1 and request.draft_eligible:
                 draft.append((request.request_id, k))
                 budget -= k
 
@@ -267,4 +315,5 @@ def _plan(view: SchedulerView, config: EngineConfig, policy: Policy, prefill_onl
         num_batched_tokens=len(decode) + prefill_budget - budget,
         num_seqs=seqs,
         kv_bytes_bound=kv.bytes() if kv is not None else None,
+        reasons=tuple(why.by_id.values()),
     )

@@ -6,12 +6,14 @@ from `POLICIES` (`make_policy("priority")`) or passed as objects: any class with
 `order_prefilling` will do.
 
 Orders must be deterministic functions of their inputs (ties broken by arrival order) so that replay
-reproduces them.
+reproduces them. A registered policy records itself with its parameters (`to_record()`, read back by
+`policy_from_record`), so a trace replays under the same policy it was recorded with; any other policy object
+is recorded by name as custom, and replaying it needs the caller to pass that object.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from .request import Request
 
@@ -42,6 +44,9 @@ class FCFS:
 
     name = "fcfs"
 
+    def to_record(self) -> dict[str, Any]:
+        return {"name": self.name}
+
     def order_waiting(self, waiting, tick, cached_prefix=_no_cache):
         return waiting
 
@@ -64,6 +69,9 @@ class Priority:
             raise ValueError(f"aging_ticks must be >= 1, got {aging_ticks}")
         self.aging_ticks = aging_ticks
 
+    def to_record(self) -> dict[str, Any]:
+        return {"name": self.name, "aging_ticks": self.aging_ticks}
+
     def effective(self, request: Request, tick: int) -> float:
         return request.priority + (tick - request.arrival_tick) / self.aging_ticks
 
@@ -83,6 +91,9 @@ class ShortestPromptFirst:
     """
 
     name = "shortest-prompt-first"
+
+    def to_record(self) -> dict[str, Any]:
+        return {"name": self.name}
 
     def order_waiting(self, waiting, tick, cached_prefix=_no_cache):
         return sorted(waiting, key=lambda r: r.num_prompt_remaining)
@@ -108,6 +119,9 @@ class PrefixAware:
         self.aging_ticks = aging_ticks
         self.aging_tokens = aging_tokens
 
+    def to_record(self) -> dict[str, Any]:
+        return {"name": self.name, "aging_ticks": self.aging_ticks, "aging_tokens": self.aging_tokens}
+
     def order_waiting(self, waiting, tick, cached_prefix=_no_cache):
         def score(r: Request) -> float:
             return cached_prefix(r) + (tick - r.arrival_tick) / self.aging_ticks * self.aging_tokens
@@ -123,10 +137,34 @@ POLICIES: dict[str, type] = {
 }
 
 
-def make_policy(policy: "str | Policy") -> Policy:
-    if not isinstance(policy, str):
-        return policy
-    try:
-        return POLICIES[policy]()
-    except KeyError:
-        raise ValueError(f"unknown policy {policy!r}; known: {sorted(POLICIES)}") from None
+def make_policy(policy: "str | Mapping[str, Any] | Policy") -> Policy:
+    """A policy from its registered name, its record (`to_record()`), or the object itself."""
+    if isinstance(policy, str):
+        return policy_from_record({"name": policy})
+    if isinstance(policy, Mapping):
+        return policy_from_record(policy)
+    return policy
+
+
+def policy_record(policy: Policy) -> dict[str, Any]:
+    """What a trace records of a policy: a registered one by name and parameters; anything else (a custom
+    class, or a subclass of a registered one) as `custom` with its class, since its code cannot be recorded."""
+    name = getattr(policy, "name", type(policy).__name__)
+    if type(policy) is POLICIES.get(name):
+        return policy.to_record()
+    return {"name": name, "custom": f"{type(policy).__module__}.{type(policy).__qualname__}"}
+
+
+class PolicyUnavailable(ValueError):
+    """A policy record this process cannot rebuild: an unknown name, or a custom policy (pass the object)."""
+
+
+def policy_from_record(record: Mapping[str, Any]) -> Policy:
+    name = record.get("name")
+    if record.get("custom"):
+        raise PolicyUnavailable(f"custom policy {name!r} ({record['custom']}) cannot be rebuilt from its record; "
+                                "pass the policy object (replay(trace, policy=obj))")
+    cls = POLICIES.get(name)
+    if cls is None:
+        raise PolicyUnavailable(f"unknown policy {name!r}; known: {sorted(POLICIES)}")
+    return cls(**{k: v for k, v in record.items() if k != "name"})

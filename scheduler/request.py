@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -135,6 +137,8 @@ class Request:
     media_encoded: bool = False
     rope_delta: int = 0  # VLM decode position offset (text: 0)
     seed: int = 0  # effective sampling seed (sampling.seed or derived from the engine seed and id)
+    # the context limit: prompt + outputs never exceed it (Scheduler.add sets it; None: only max_tokens caps)
+    max_model_len: int | None = None
     # progress counters
     num_computed_tokens: int = 0  # prompt tokens whose keys/values are in the KV cache
     output_tokens: list[int] = field(default_factory=list)
@@ -151,6 +155,16 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     state: RequestState = RequestState.QUEUED
+    # May this row propose draft tokens? Not when its next tokens depend on per-position Python or history the
+    # verifier does not replay: logits processors, penalties, per-token logprobs. A decision fact, recorded in
+    # the trace (processors are code and cannot be), so replay rebuilds it; None: derived from `sampling`.
+    draft_eligible: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.draft_eligible is None:
+            s = self.sampling
+            self.draft_eligible = not (s.logits_processors or s.logprobs or s.presence_penalty
+                                       or s.repetition_penalty != 1)
 
     @property
     def prompt_len(self) -> int:
@@ -175,6 +189,14 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_tokens)
 
+    @property
+    def output_limit(self) -> int:
+        """The most output tokens this request produces: `max_tokens`, capped so that prompt + outputs fit in
+        `max_model_len` (vLLM's rule); reaching it ends the request with LENGTH."""
+        if self.max_model_len is None:
+            return self.sampling.max_tokens
+        return min(self.sampling.max_tokens, self.max_model_len - self.prompt_len)
+
     # guards named by the transition table
     def has_media(self) -> bool:
         return self.num_images > 0
@@ -192,13 +214,38 @@ class Request:
         return self.error is not None
 
 
-def validate_prompt_tokens(tokens: Sequence[int], vocab_size: int, max_len: int) -> list[int]:
-    """Token ids a model can take, as a fresh list; InvalidRequest otherwise."""
-    tokens = list(tokens)
+def as_token_ids(tokens: Any) -> list[int]:
+    """Token ids as a fresh list of Python ints, from a sequence of integers or a 1-D integer array (numpy or
+    mx: what tokenizers and mlx-lm hand out). Anything else (2-D, float or bool arrays, strings, scalars) is
+    refused with InvalidRequest("prompt_tokens", "must be integers ...")."""
+    ndim = getattr(tokens, "ndim", None)
+    if ndim is not None and hasattr(tokens, "tolist"):  # an array (numpy, mx)
+        _check(ndim == 1, "prompt_tokens", f"must be integers: a list or 1-D array of token ids, got a {ndim}-D array")
+        tokens = tokens.tolist()
+    elif isinstance(tokens, (str, bytes)) or not isinstance(tokens, Iterable):
+        raise InvalidRequest("prompt_tokens", "must be integers: a list or 1-D array of token ids, got "
+                                              f"{type(tokens).__name__}")
+    ids = []
+    for t in tokens:
+        # numbers.Integral takes numpy integer scalars; bools (Python's and numpy's) are not token ids
+        _check(isinstance(t, numbers.Integral) and not isinstance(t, bool), "prompt_tokens",
+               f"must be integers, got {t!r} ({type(t).__name__})")
+        ids.append(int(t))
+    return ids
+
+
+def validate_prompt_tokens(tokens: Any, vocab_size: int, max_len: int) -> list[int]:
+    """Token ids a model can take, as a fresh list; InvalidRequest otherwise.
+
+    The context rule: prompt + outputs never exceed `max_len` (the engine's max_model_len; generation is
+    capped there, see `Request.output_limit`), so a prompt is refused only when it leaves no room for one
+    output token.
+    """
+    tokens = as_token_ids(tokens)
     _check(len(tokens) > 0, "prompt", "is empty")
-    _check(all(_is_int(t) for t in tokens), "prompt_tokens", "must be integers")
     bad = [t for t in tokens if not 0 <= t < vocab_size]
     _check(not bad, "prompt_tokens", f"ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
-    _check(len(tokens) <= max_len, "prompt",
-           f"has {len(tokens)} tokens, more than the model allows ({max_len})")
+    _check(len(tokens) < max_len, "prompt",
+           f"has {len(tokens)} tokens; max_model_len is {max_len} and prompt + output must fit in it "
+           f"(at most {max_len - 1} prompt tokens)")
     return tokens

@@ -15,7 +15,7 @@ from caches.prefix import PrefixCache
 from .config import EngineConfig
 from .events import EventLog
 from .lifecycle import Lifecycle, RequestState, Trigger
-from .plan import TickPlan, TickResult
+from .plan import TickPlan, TickResult, WaitReason
 from .planner import SchedulerView, plan_tick
 from .policy import Policy, make_policy
 from .request import FinishReason, Request
@@ -50,8 +50,13 @@ class Scheduler:
         stop_token_ids: Iterable[int] = (),
         policy: str | Policy | None = None,
         kv_layout: KVLayout | None = None,
+        max_model_len: int | None = None,
+        record_plans: bool | None = None,
     ):
         self.config = config
+        # The context limit of every request (prompt + outputs): the engine passes the resolved one (config or
+        # the model's), replay the recorded one; a model-free run falls back to the config's.
+        self.max_model_len = max_model_len if max_model_len is not None else config.max_model_len
         self.events = events
         self.policy = make_policy(policy if policy is not None else config.policy)
         self.lifecycle = Lifecycle()
@@ -70,13 +75,30 @@ class Scheduler:
             if config.prefix_cache_bytes else None
         )
         self._prefix_memo: dict[str, tuple[int, tuple[int, int] | None]] = {}
-        self._drafting: set[str] = set()  # request ids in the drafting state
+        # request ids in the drafting state; a dict (ordered) so transitions fire in plan order in every process
+        # (a set's order follows string hashing, which differs between the recording and its replay)
+        self._drafting: dict[str, None] = {}
+        # Plan records (the `plan` event; replay builds them with no sink): reasons are recorded when they
+        # change, so the last recorded reason per live request and the ids ended since the last plan are kept.
+        self._record_plans = record_plans  # None: whenever the event log has a sink
+        self.last_plan_record: dict[str, Any] | None = None
+        self._recorded_reasons: dict[str, WaitReason] = {}
+        self._ended_since_plan: list[str] = []
+
+    @property
+    def record_plans(self) -> bool:
+        return self.events.enabled if self._record_plans is None else self._record_plans
 
     def _cache_event(self, kind: str, **fields) -> None:
         self.events.emit(kind, self._tick, **fields)
 
     # ---- requests in and out ----------------------------------------------------------------------
-    def add(self, request: Request, tick: int) -> None:
+    def add(self, request: Request, tick: int, error: str | None = None) -> StepOutput | None:
+        """Queue an arrival. With `error` (its input turned out unusable, e.g. unreadable media) it is accepted
+        and failed at once, and the StepOutput saying so is returned; the arrival event records the error so
+        replay fails it the same way."""
+        if self.max_model_len is not None:
+            request.max_model_len = self.max_model_len
         self.lifecycle.attach(request)
         request.state_entered_time = request.arrival_time
         self.requests[request.request_id] = request
@@ -84,9 +106,10 @@ class Scheduler:
         self.events.emit(
             "arrival", tick, request_id=request.request_id, prompt_tokens=request.prompt_tokens,
             sampling=request.sampling.to_record(), priority=request.priority, seed=request.seed,
-            num_images=request.num_images, media_key=request.media_key,
-            measure={"t": request.arrival_time, "admitted_to_engine_t": time.perf_counter()},
+            num_images=request.num_images, media_key=request.media_key, draft_eligible=request.draft_eligible,
+            error=error, measure={"t": request.arrival_time, "admitted_to_engine_t": time.perf_counter()},
         )
+        return self.fail(request.request_id, tick, error) if error is not None else None
 
     def abort(self, request_id: str, tick: int, reason: str = "aborted by caller") -> StepOutput:
         request = self.requests[request_id]
@@ -132,9 +155,31 @@ class Scheduler:
 
     def plan(self, view: SchedulerView) -> TickPlan:
         plan = plan_tick(view, self.config, self.policy)
-        if self.events.enabled:
-            self.events.emit("plan", view.tick, **plan.to_record())
+        if self.record_plans:
+            self.last_plan_record = self._plan_record(plan)
+            self.events.emit("plan", view.tick, **self.last_plan_record)
         return plan
+
+    def _plan_record(self, plan: TickPlan) -> dict[str, Any]:
+        """The plan's decisions, plus (a) the reasons that changed since the last plan: `reasons` lists a
+        request's new or changed binding constraint, `reasons_cleared` the live requests that had one and no
+        longer have it (a request blocked the same way tick after tick is recorded once); and (b) `step`, the
+        vLLM-shaped step fields (scheduled ids in order, tokens per scheduled id, preempted ids, ids that
+        ended since the previous step). Keys with nothing to say are left out."""
+        record = plan.to_record()
+        previous, now = self._recorded_reasons, {r.request_id: r for r in plan.reasons}
+        changed = [r.to_record() for rid, r in now.items() if previous.get(rid) != r]
+        cleared = [rid for rid in previous if rid not in now]
+        if changed:
+            record["reasons"] = changed
+        if cleared:
+            record["reasons_cleared"] = cleared
+        self._recorded_reasons = now
+        ids, tokens = plan.scheduled()
+        record["step"] = {"scheduled": ids, "num_scheduled_tokens": tokens, "preempted": list(plan.preempted),
+                          "finished": self._ended_since_plan}
+        self._ended_since_plan = []
+        return record
 
     # ---- applying ---------------------------------------------------------------------------------
     def apply(self, plan: TickPlan, result: TickResult) -> AppliedTick:
@@ -167,21 +212,19 @@ class Scheduler:
             request.rope_delta = result.encoded[rid]["rope_delta"]
             self.prefilling[rid] = self.encoding.pop(rid)
             self._move(request, Trigger.START_PREFILL, tick)
-        for store in result.prefix_stores:
-            request = self.requests[store.request_id]
-            self.prefix_cache.store(request.prefill_tokens(0, store.num_tokens), store.nbytes, store.payload,
-                                    namespace=request.media_key, whole_only=store.whole_only,
-                                    request_id=store.request_id)
+        if self.prefix_cache is not None:
+            self._record_lookups(plan, hits)
+            for store in result.prefix_stores:
+                request = self.requests.get(store.request_id)
+                if request is None:  # it failed this tick: a failing request fails alone and stores nothing
+                    continue
+                self.prefix_cache.store(request.prefill_tokens(0, store.num_tokens), store.nbytes, store.payload,
+                                        namespace=request.media_key, whole_only=store.whole_only,
+                                        request_id=store.request_id)
         for chunk in plan.prefill:
             request = self.requests.get(chunk.request_id)
             if request is None:  # failed above
                 continue
-            if request.num_computed_tokens == 0 and self.prefix_cache is not None:  # its first chunk
-                self._prefix_memo.pop(request.request_id, None)
-                if request.request_id in hits:
-                    self.prefix_cache.record_hit(*hits[request.request_id], request_id=request.request_id)
-                else:
-                    self.prefix_cache.record_miss(request.request_id)
             request.num_computed_tokens = chunk.end
             if chunk.completes:
                 self._append(request, result)
@@ -211,7 +254,7 @@ class Scheduler:
             token = sampled[rid]
             sampling = request.sampling
             if (sampling.logprobs or vectors or token in model_stops or token in sampling.stop_token_ids
-                    or len(request.output_tokens) + 1 >= sampling.max_tokens):
+                    or len(request.output_tokens) + 1 >= request.output_limit):
                 self._append(request, result)
                 outputs.append(self._after_token(request, result, tick, released))
             else:
@@ -219,19 +262,33 @@ class Scheduler:
                 outputs.append(StepOutput(rid, [token], request.state))
         return AppliedTick(outputs, released)
 
+    def _record_lookups(self, plan: TickPlan, hits: dict[str, tuple[int, int]]) -> None:
+        """Hits and misses of this tick's first chunks, before any store of the tick: a store may evict the
+        entry a hit names (LRU eviction is the steady state of a full cache). The executor restored it
+        before running the tick, so the hit stands."""
+        for chunk in plan.prefill:
+            request = self.requests.get(chunk.request_id)
+            if request is None or request.num_computed_tokens != 0:  # failed above, or not its first chunk
+                continue
+            self._prefix_memo.pop(request.request_id, None)
+            if request.request_id in hits:
+                self.prefix_cache.record_hit(*hits[request.request_id], request_id=request.request_id)
+            else:
+                self.prefix_cache.record_miss(request.request_id)
+
     def _move_drafting(self, plan: TickPlan, tick: int) -> None:
         """Rows the plan lets draft are in `drafting` while they do; they go back to `decoding` when a plan
         stops letting them (a transition only when that changes, not every tick)."""
-        drafting_now = {rid for rid, _ in plan.draft}
-        for rid in drafting_now - self._drafting:
+        drafting_now = dict.fromkeys(rid for rid, _ in plan.draft)
+        for rid in [r for r in drafting_now if r not in self._drafting]:
             request = self.requests.get(rid)
             if request is not None and request.state is RequestState.DECODING:
                 self._move(request, Trigger.START_DRAFT, tick)
-        for rid in self._drafting - drafting_now:
+        for rid in [r for r in self._drafting if r not in drafting_now]:
             request = self.requests.get(rid)
             if request is not None and request.state is RequestState.DRAFTING:
                 self._move(request, Trigger.END_DRAFT, tick)
-        self._drafting = {rid for rid in drafting_now if rid in self.requests}
+        self._drafting = {rid: None for rid in drafting_now if rid in self.requests}
 
     def _emit_many(self, request: Request, tokens: list[int], tick: int, released: list[str]) -> StepOutput:
         """Accepted drafts plus the target's token: appended one by one, stopping at the first that ends the
@@ -252,7 +309,7 @@ class Scheduler:
         rid = request.request_id
         for container in (self.encoding, self.prefilling, self.decoding):
             container.pop(rid, None)
-        self._drafting.discard(rid)
+        self._drafting.pop(rid, None)
         self.waiting = {rid: request, **self.waiting}
         request.media_encoded = False
         request.num_computed_tokens = 0
@@ -266,10 +323,11 @@ class Scheduler:
             request.output_logprobs.append(result.logprobs[request.request_id])
 
     def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
-        """After `token` was appended: a stop token ends with STOP (it is emitted), max_tokens with LENGTH."""
+        """After `token` was appended: a stop token ends with STOP (it is emitted); max_tokens, or the context
+        limit (prompt + outputs = max_model_len), with LENGTH."""
         if token in self.model_stop_ids or token in request.sampling.stop_token_ids:
             return FinishReason.STOP
-        if request.num_output_tokens >= request.sampling.max_tokens:
+        if request.num_output_tokens >= request.output_limit:
             return FinishReason.LENGTH
         return None
 
@@ -301,10 +359,13 @@ class Scheduler:
     def _end(self, request: Request, trigger: Trigger, tick: int, reason: str) -> None:
         self._move(request, trigger, tick, reason)
         rid = request.request_id
+        if self.record_plans:
+            self._ended_since_plan.append(rid)
+            self._recorded_reasons.pop(rid, None)
         for container in (self.waiting, self.encoding, self.prefilling, self.decoding, self.requests,
                           self._prefix_memo):
             container.pop(rid, None)
-        self._drafting.discard(rid)
+        self._drafting.pop(rid, None)
 
     # ---- invariants -------------------------------------------------------------------------------
     def check_invariants(self, plan: TickPlan) -> None:
@@ -337,7 +398,10 @@ class Scheduler:
             assert 0 <= request.num_computed_tokens < request.prefill_len, request.request_id
         for request in self.decoding.values():
             assert request.num_computed_tokens == request.prefill_len, request.request_id
-            assert request.recompute_tokens < request.num_output_tokens < request.sampling.max_tokens, request.request_id
+            assert request.recompute_tokens < request.num_output_tokens < request.output_limit, request.request_id
+        for request in self.requests.values():  # nothing runs past the model's context
+            assert request.max_model_len is None or (
+                request.prompt_len + request.num_output_tokens <= request.max_model_len), request.request_id
         cache = self.prefix_cache
         if cache is not None:
             entries = list(cache._entries.values())

@@ -10,7 +10,7 @@ from scheduler.lifecycle import mermaid
 
 def test_only_working_verbs_are_listed():
     verbs = set(build_parser()._subparsers._group_actions[0].choices)
-    assert verbs == {"make-model", "demo", "lifecycle", "replay", "simulate", "timeline", "bench", "doctor"}
+    assert verbs == {"make-model", "demo", "lifecycle", "replay", "simulate", "explain", "sweep", "timeline", "bench", "doctor"}
 
 
 def test_make_model_builds_a_loadable_model(tmp_path, capsys):

@@ -26,6 +26,8 @@ NO_MLX = [
     "scheduler.tools.simulate",
     "scheduler.tools.workload",
     "scheduler.tools.timeline",
+    "scheduler.tools.explain",
+    "scheduler.tools.sweep",
     "caches.prefix",
 ]
 

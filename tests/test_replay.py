@@ -62,13 +62,16 @@ def test_replay_reproduces_every_plan(trace_path):
 def test_an_edited_token_is_reported_at_the_tick_it_changes_a_decision(trace_path, tmp_path):
     events = _events(trace_path)
     eos = load_trace(trace_path).stop_token_ids[0]
-    # make r0's first sampled token a stop token: r0 then finishes at that tick, so the next plan differs
+    # make r0's first sampled token a stop token: r0 then finishes at that tick (its finish transition and
+    # its row's filter are decisions of that tick), where the recording kept it decoding
     outcome = next(e for e in events if e["event"] == "outcome" and "r0" in e["sampled"])
     outcome["sampled"]["r0"] = eos
     report = replay(load_trace(_write(tmp_path / "edited.jsonl", events)))
     assert not report.identical
-    assert report.divergence.tick == outcome["tick"] + 1
-    assert "decode" in report.divergence.differing_fields
+    assert report.divergence.tick == outcome["tick"]
+    assert "transition" in report.divergence.differing_fields
+    assert any(e["trigger"] == "finish" and e["request_id"] == "r0"
+               for e in report.divergence.replayed["transition"])
     assert any(r["id"] == "r0" for r in report.divergence.requests)
 
 
@@ -80,7 +83,10 @@ def test_an_edited_arrival_is_reported_at_its_tick(trace_path, tmp_path):
     assert not report.identical
     first_decode = min(e["tick"] for e in events if e["event"] == "plan"
                        and any(c[0] == "r3" and c[3] for c in e["prefill"]))
-    assert report.divergence.tick == first_decode + 1
+    # with max_tokens=1, r3 finishes on its first token, in the tick its prefill completes
+    assert report.divergence.tick == first_decode
+    assert any(e["trigger"] == "finish" and e["request_id"] == "r3"
+               for e in report.divergence.replayed["transition"])
     assert "divergence at tick" in report.format()
 
 

@@ -217,8 +217,11 @@ class MLLMBatchGenerator:
             logits_processors=tuple(req.logits_processors or ()),
         )
         if req.input_ids is not None:
-            tokens = req.input_ids.tolist() if hasattr(req.input_ids, "tolist") else list(req.input_ids)
-            if tokens and isinstance(tokens[0], list):  # (1, L)
+            tokens = req.input_ids
+            # vllm-mlx hands (1, L) batches of one; any other shape is refused by add_request
+            if getattr(tokens, "ndim", None) == 2 and tokens.shape[0] == 1:
+                tokens = tokens[0]
+            elif isinstance(tokens, list) and len(tokens) == 1 and isinstance(tokens[0], list):
                 tokens = tokens[0]
             self.engine.add_request(prompt_tokens=tokens, images=req.images, sampling=sampling,
                                     request_id=req.request_id)

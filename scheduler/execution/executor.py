@@ -28,7 +28,7 @@ from kernels.speculative import (
     stochastic_accept,
 )
 
-from scheduler.plan import PrefixStore, TickPlan, TickResult
+from scheduler.plan import DECODE_FAILED, PREFILL_FAILED, PrefixStore, TickPlan, TickResult
 from scheduler.request import Request
 from scheduler.execution.drafters import DraftRequest
 from scheduler.execution.runners import Runner, TextRunner
@@ -82,7 +82,9 @@ class _Row:
 
 class MLXExecutor:
     def __init__(self, runner: Runner | Any, penalty_context: int = 20, prefix_cache: Any = None,
-                 logprob_vectors: bool = False, drafter: Any = None):
+                 logprob_vectors: bool = False, drafter: Any = None, on_event: Any = None):
+        # KV decisions carried out (kv_merge, kv_filter, kv_rollback) are events: (kind, **fields)
+        self._on_event = on_event or (lambda kind, **fields: None)
         self.drafter = drafter  # proposes draft tokens for the rows a plan lets draft
         self.draft_stats = DraftStats()
         # hidden-state drafters (MTP heads) need each row's last hidden state from the previous forward
@@ -152,7 +154,7 @@ class MLXExecutor:
                     self._prefill(request, chunk.start, chunk.end - 1 if chunk.completes else chunk.end)
                 except Exception as exc:  # a failing request fails alone; others continue
                     self.kv.drop_request(chunk.request_id)
-                    result.errors[chunk.request_id] = f"prefill failed: {type(exc).__name__}: {exc}"
+                    result.errors[chunk.request_id] = f"{PREFILL_FAILED}: {type(exc).__name__}: {exc}"
                     continue
             if chunk.completes:
                 joining.append(chunk.request_id)
@@ -164,7 +166,7 @@ class MLXExecutor:
             if self._rows and (plan.decode or joining):  # a prefill-only tick pauses the rows
                 self._decode(result, dict(plan.draft))
         except Exception as exc:  # e.g. out of memory in the batched forward: that work item fails, not the engine
-            self._fail_batch(joining, result, f"decode failed: {type(exc).__name__}: {exc}")
+            self._fail_batch(joining, result, f"{DECODE_FAILED}: {type(exc).__name__}: {exc}")
         t2 = time.perf_counter()
         result.vision_time = t_vision - t0
         result.prefill_time = t1 - t_vision
@@ -174,7 +176,10 @@ class MLXExecutor:
     def _fail_batch(self, joining: list[str], result: TickResult, error: str) -> None:
         """The batched decode is one work item: every row in it (and every request joining it) fails, the
         batch state is dropped, and the executor is ready for the next tick."""
-        for rid in [row.request.request_id for row in self._rows] + joining:
+        in_batch = [row.request.request_id for row in self._rows]
+        if in_batch:
+            self._on_event("kv_filter", request_ids=in_batch)
+        for rid in in_batch + [rid for rid in joining if rid not in self._row_index]:
             result.errors[rid] = error
             result.sampled.pop(rid, None)
             self.kv.drop_request(rid)
@@ -233,6 +238,7 @@ class MLXExecutor:
     def _join(self, request_ids: list[str], requests: Mapping[str, Request]) -> None:
         encoded = [self._encoded.pop(rid, None) for rid in request_ids]  # prompt embeddings are not needed now
         self.kv.join(request_ids)
+        self._on_event("kv_merge", request_ids=list(request_ids))
         last = mx.array([_last_prefill_token(requests[rid]) for rid in request_ids], dtype=mx.uint32)
         deltas = mx.array([getattr(e, "rope_delta", 0) for e in encoded], dtype=mx.int32)
         self._next_inputs = last if self._next_inputs is None else mx.concatenate([self._next_inputs, last])
@@ -253,6 +259,8 @@ class MLXExecutor:
         if not self._released:
             return
         keep = [i for i, row in enumerate(self._rows) if row.request.request_id not in self._released]
+        self._on_event("kv_filter", request_ids=[row.request.request_id for row in self._rows
+                                                 if row.request.request_id in self._released])
         self._released.clear()
         self._rows = [self._rows[i] for i in keep]
         self._row_index = {row.request.request_id: i for i, row in enumerate(self._rows)}
@@ -415,6 +423,7 @@ class MLXExecutor:
             result.drafts[rid] = (proposed, a)
             self.drafter.accept(rid, a, out[i])
         rollback_rows(self.kv.batch, drop)
+        self._on_event("kv_rollback", rows=[[row.request.request_id, n] for row, n in zip(self._rows, drop)])
         self.draft_stats.record(sum(len(d.tokens) for d in drafts.values()), sum(accepted), len(self._rows),
                                 sum(len(o) for o in out.values()) + len(self._rows) - len(out))
         return out

@@ -1,26 +1,31 @@
 """Decision replay: re-run a recorded trace through the real scheduler, with no model, and stop at the first
-plan that differs from the recorded one.
+tick whose decisions differ from the recorded ones.
 
 A trace is the engine's event log (JSON lines, schema `events.SCHEMA_VERSION`). Replay takes from it the
-engine config and model stop ids (`engine_start`), every arrival with the tick it arrived at, every caller
-abort, and every executor outcome (`outcome`: the sampled token and the error per request). `ReplayExecutor`
-hands those outcomes back in place of a model, so the scheduler's own bookkeeping (admission, chunking,
-finish detection) re-derives every plan, and each is compared with the recorded `plan` event.
+engine config, the policy with its parameters and the model stop ids (`engine_start`), every arrival with the
+tick it arrived at (an arrival the engine failed at once, e.g. for unreadable media, carries its error), every
+caller abort, and every executor outcome (`outcome`: the sampled token, logprobs, errors, prefix stores,
+drafts per request). `ReplayExecutor` hands those outcomes back in place of a model and keeps a model of the
+batch's rows, so the scheduler's own bookkeeping (admission, chunking, finish detection, prefix-cache hits,
+stores and evictions) and the KV merges, filters and rollbacks it implies are re-derived. Each tick's plan is
+compared with the recorded `plan` event, then the tick's decision events (`COMPARED_KINDS`) with the
+recorded ones.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections import defaultdict
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterable, Mapping
 
 from caches.kv import KVLayout, LayerLayout
 
 from scheduler.config import EngineConfig
-from scheduler.events import SCHEMA_VERSION, EventLog, decision_fields
-from scheduler.plan import PrefixStore, TickPlan, TickResult
-from scheduler.policy import Policy
+from scheduler.events import SCHEMA_VERSION, EventLog, MemorySink, _jsonable, decision_fields
+from scheduler.plan import DECODE_FAILED, PLAN_RECORD_GROUPS, PREFILL_FAILED, PrefixStore, TickPlan, TickResult
+from scheduler.policy import Policy, make_policy
 from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import Scheduler
 
@@ -37,6 +42,11 @@ class Trace:
     aborts: dict[int, list[str]] = field(default_factory=dict)
     plans: dict[int, dict[str, Any]] = field(default_factory=dict)
     outcomes: dict[int, dict[str, Any]] = field(default_factory=dict)
+    decisions: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # COMPARED_KINDS, per tick
+
+    @property
+    def policy_record(self) -> dict[str, Any]:
+        return self.header.get("policy") or {"name": self.config.policy}
 
     @property
     def last_tick(self) -> int:
@@ -97,7 +107,19 @@ def load_trace(source: str | os.PathLike | Iterable[dict[str, Any]]) -> Trace:
             trace.plans[tick] = decision_fields(event)
         elif kind == "outcome":
             trace.outcomes[tick] = event
+        if kind in COMPARED_KINDS:
+            trace.decisions.setdefault(tick, []).append(_comparable(event))
     return trace
+
+
+# Decision events compared tick by tick besides the plan: transitions, prefix-cache and KV-batch decisions.
+COMPARED_KINDS = frozenset({"transition", "prefix_hit", "prefix_miss", "prefix_store", "prefix_evict",
+                            "kv_merge", "kv_filter", "kv_rollback"})
+
+
+def _comparable(event: Mapping[str, Any]) -> dict[str, Any]:
+    """Decision fields as JSON would give them back (tuples are lists, keys strings), whatever the source."""
+    return json.loads(json.dumps(decision_fields(event), default=_jsonable))
 
 
 def request_from_arrival(event: Mapping[str, Any]) -> Request:
@@ -110,27 +132,54 @@ def request_from_arrival(event: Mapping[str, Any]) -> Request:
         seed=event.get("seed", 0),
         num_images=event.get("num_images", 0),
         media_key=event.get("media_key"),
+        draft_eligible=event.get("draft_eligible"),
     )
 
 
 class ReplayExecutor:
-    """Returns the outcomes recorded in a trace instead of running a model."""
+    """Returns the outcomes recorded in a trace instead of running a model, and carries out the KV-batch
+    decisions they imply on a model of the batch (its rows, in order), emitting the same `kv_merge`,
+    `kv_filter` and `kv_rollback` events `MLXExecutor` does, so replay compares them with the recorded ones."""
 
-    def __init__(self, trace: Trace):
+    def __init__(self, trace: Trace, events: EventLog | None = None):
         self.trace = trace
+        self.events = events or EventLog()
+        self.rows: list[str] = []  # request ids in batch row order
+        self.tick = 0
 
     def execute(self, plan: TickPlan, requests: Mapping[str, Request]) -> TickResult:
+        self.tick = plan.tick
         outcome = self.trace.outcomes.get(plan.tick)
         if outcome is None:
             raise TraceError(f"tick {plan.tick}: the trace has a plan with work but no outcome")
+        dropped = list(plan.preempted) + [rid for rid, _ in plan.failed]
+        if dropped:
+            self.release(dropped)
+        errors = dict(outcome.get("errors", {}))
+        drafts = {rid: tuple(d) for rid, d in outcome.get("drafts", {}).items()}
+        joining = [c.request_id for c in plan.prefill
+                   if c.completes and not errors.get(c.request_id, "").startswith(PREFILL_FAILED)]
+        if joining:
+            self.rows += joining
+            self.events.emit("kv_merge", plan.tick, request_ids=joining)
+        width = max((proposed for proposed, _ in drafts.values()), default=0)
+        if width:  # every row is rolled back to what it accepted (rows without drafts were padded)
+            self.events.emit("kv_rollback", plan.tick, rows=[
+                [rid, width - drafts[rid][1] if rid in drafts else width] for rid in self.rows])
+        if self.rows and any(e.startswith(DECODE_FAILED) for e in errors.values()):
+            self.events.emit("kv_filter", plan.tick, request_ids=list(self.rows))  # the whole batch is dropped
+            self.rows = []
         stores = [PrefixStore(rid, n, nbytes, whole_only) for rid, n, nbytes, whole_only in outcome.get("prefix_stores", [])]
-        return TickResult(sampled=dict(outcome.get("sampled", {})), errors=dict(outcome.get("errors", {})),
-                          prefix_stores=stores, encoded=dict(outcome.get("encoded", {})),
-                          accepted_drafts=dict(outcome.get("accepted_drafts", {})),
-                          drafts={rid: tuple(d) for rid, d in outcome.get("drafts", {}).items()})
+        return TickResult(sampled=dict(outcome.get("sampled", {})), logprobs=dict(outcome.get("logprobs", {})),
+                          errors=errors, prefix_stores=stores, encoded=dict(outcome.get("encoded", {})),
+                          accepted_drafts=dict(outcome.get("accepted_drafts", {})), drafts=drafts)
 
     def release(self, request_ids: Iterable[str]) -> None:
-        pass
+        gone = set(request_ids)
+        removed = [rid for rid in self.rows if rid in gone]
+        if removed:
+            self.events.emit("kv_filter", self.tick, request_ids=removed)
+            self.rows = [rid for rid in self.rows if rid not in gone]
 
 
 @dataclass
@@ -171,33 +220,89 @@ class ReplayReport:
         return head + "DIVERGED\n" + self.divergence.format()
 
 
-def _plan_record(plan: TickPlan) -> dict[str, Any]:
-    return {"event": "plan", "tick": plan.tick, "schema": SCHEMA_VERSION, **plan.to_record()}
+def _plan_record(record: dict[str, Any], tick: int, unrecorded: tuple[str, ...]) -> dict[str, Any]:
+    """The replayed plan as the trace writes it, less the key groups this trace predates."""
+    out = {"event": "plan", "tick": tick, "schema": SCHEMA_VERSION, **record}
+    for key in unrecorded:
+        out.pop(key, None)
+    return out
+
+
+def _unrecorded_keys(trace: Trace) -> tuple[str, ...]:
+    """Plan-record keys of the groups the trace's engine did not write (`engine_start.plan_records`)."""
+    recorded = set(trace.header.get("plan_records", ()))
+    return tuple(key for group, keys in PLAN_RECORD_GROUPS.items() if group not in recorded for key in keys)
 
 
 def replay(trace: Trace, policy: str | Policy | None = None) -> ReplayReport:
-    """Re-derive every plan of `trace` with the real scheduler; stop at the first one that differs."""
+    """Re-derive every plan and decision event of `trace` with the real scheduler; stop at the first tick
+    that differs. `policy`: replay under another policy (a name or an object); by default the recorded one
+    with its recorded parameters. A trace recorded with a custom policy needs that object passed here
+    (`PolicyUnavailable` otherwise)."""
     layout = trace.header.get("kv_layout")
     kv_layout = KVLayout(tuple(LayerLayout(b, w) for b, w in layout)) if layout else None
-    scheduler = Scheduler(trace.config, EventLog(), trace.stop_token_ids, policy, kv_layout)
-    executor = ReplayExecutor(trace)
+    if policy is None:
+        policy = make_policy(trace.policy_record)  # PolicyUnavailable: a custom policy that was not passed
+    sink = MemorySink()
+    events = EventLog([sink])
+    scheduler = Scheduler(trace.config, events, trace.stop_token_ids, policy, kv_layout,
+                          max_model_len=trace.header.get("max_model_len"), record_plans=True)
+    unrecorded = _unrecorded_keys(trace)
+    executor = ReplayExecutor(trace, events)
     n_requests = 0
     for tick in range(trace.last_tick + 1):
+        executor.tick = tick
+        ended = []
         for event in trace.arrivals.get(tick, []):
-            scheduler.add(request_from_arrival(event), tick)
+            out = scheduler.add(request_from_arrival(event), tick, error=event.get("error"))
+            if out is not None:
+                ended.append(out.request_id)
             n_requests += 1
-        for rid in trace.aborts.get(tick, []):
+        for rid in dict.fromkeys(trace.aborts.get(tick, [])):
             if rid in scheduler.requests:
                 scheduler.abort(rid, tick)
+                ended.append(rid)
+        if ended:
+            executor.release(ended)
         view = scheduler.view(tick)
         plan = scheduler.plan(view)
-        replayed = _plan_record(plan)
+        replayed = _plan_record(scheduler.last_plan_record, tick, unrecorded)
         recorded = trace.plans.get(tick)
         if recorded != replayed:
             return ReplayReport(tick, n_requests, _divergence(tick, recorded, replayed, scheduler, trace.config))
         if not plan.is_empty:
-            scheduler.apply(plan, executor.execute(plan, scheduler.requests))
+            applied = scheduler.apply(plan, executor.execute(plan, scheduler.requests))
+            if applied.released:
+                executor.release(applied.released)
+        replayed_decisions = [_comparable(e) for e in sink.events if e["event"] in COMPARED_KINDS]
+        sink.events.clear()
+        recorded_decisions = trace.decisions.get(tick, [])
+        if replayed_decisions != recorded_decisions:
+            return ReplayReport(tick, n_requests, _event_divergence(tick, recorded_decisions, replayed_decisions,
+                                                                    scheduler, trace.config))
     return ReplayReport(trace.last_tick + 1, n_requests, None)
+
+
+def _by_kind(events: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for e in events:
+        out[e["event"]].append({k: v for k, v in e.items() if k not in ("event", "tick", "schema")})
+    return dict(out)
+
+
+def _event_divergence(tick: int, recorded: list[dict], replayed: list[dict], scheduler: Scheduler,
+                      config: EngineConfig) -> Divergence:
+    rec, rep = _by_kind(recorded), _by_kind(replayed)
+    differing = sorted(k for k in set(rec) | set(rep) if rec.get(k) != rep.get(k))
+    if not differing:  # same events per kind, in another order
+        differing, rec, rep = ["order of events"], {"order of events": recorded}, {"order of events": replayed}
+    involved = []
+    for e in recorded + replayed:
+        if e.get("event") in differing or differing == ["order of events"]:
+            involved += [e["request_id"]] if e.get("request_id") else []
+            involved += e.get("request_ids", []) + [r[0] for r in e.get("rows", [])]
+    return Divergence(tick, {k: rec.get(k) for k in differing}, {k: rep.get(k) for k in differing}, differing,
+                      _involved(dict.fromkeys(involved), scheduler), _budgets(config))
 
 
 def _divergence(tick: int, recorded: dict | None, replayed: dict, scheduler: Scheduler,
@@ -208,8 +313,13 @@ def _divergence(tick: int, recorded: dict | None, replayed: dict, scheduler: Sch
     for record in (recorded or {}, replayed):
         involved += record.get("admitted", []) + record.get("decode", [])
         involved += [c[0] for c in record.get("prefill", [])]
+    return Divergence(tick, recorded, replayed, differing, _involved(dict.fromkeys(involved), scheduler),
+                      _budgets(config))
+
+
+def _involved(request_ids: Iterable[str], scheduler: Scheduler) -> list[dict[str, Any]]:
     requests = []
-    for rid in dict.fromkeys(involved):
+    for rid in request_ids:
         r = scheduler.requests.get(rid)
         if r is None:
             requests.append({"id": rid, "state": "not live in the replay"})
@@ -217,6 +327,9 @@ def _divergence(tick: int, recorded: dict | None, replayed: dict, scheduler: Sch
             requests.append({"id": rid, "state": r.state.value, "prompt_len": r.prompt_len,
                              "computed": r.num_computed_tokens, "outputs": r.num_output_tokens,
                              "max_tokens": r.sampling.max_tokens})
-    budgets = {"max_batched_tokens": config.max_batched_tokens, "max_seqs": config.max_seqs,
-               "prefill_chunk": config.prefill_chunk}
-    return Divergence(tick, recorded, replayed, differing, requests, budgets)
+    return requests
+
+
+def _budgets(config: EngineConfig) -> dict[str, Any]:
+    return {"max_batched_tokens": config.max_batched_tokens, "max_seqs": config.max_seqs,
+            "prefill_chunk": config.prefill_chunk}

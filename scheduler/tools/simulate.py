@@ -28,7 +28,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -46,8 +46,11 @@ from scheduler.tools.workload import FIRST_ORDINARY_ID, SimArrival, arrivals_fro
 #: Per-tick features (see `tick_features`). The executor feeds a completing chunk's last prompt token in the
 #: batched decode forward, so "prefill tokens" excludes it and "decode rows" includes it; a completing chunk
 #: also merges that request's cache into the batch cache (`per_prefill_done`).
+#: Vision-language work: `per_image_encoded` is each media item encoded this tick that missed the vision
+#: cache (its encoder forward), `per_media_prefill_token` the extra cost of a prefill token of a media
+#: request (embedding inputs, M-RoPE positions) over a text one.
 FEATURES = ("base", "per_prefill_token", "per_decode_row", "per_prefill_chunk", "per_decode_forward",
-            "per_prefill_done")
+            "per_prefill_done", "per_image_encoded", "per_media_prefill_token")
 
 
 @dataclass
@@ -69,6 +72,8 @@ class CostModel:
     per_prefill_chunk: float = 0.0
     per_decode_forward: float = 0.0
     per_prefill_done: float = 0.0
+    per_image_encoded: float = 0.0
+    per_media_prefill_token: float = 0.0
     slowdown: float = 1.0
     overhead: float = 0.0
     r2: float | None = None
@@ -81,22 +86,29 @@ class CostModel:
     def coefficients(self) -> tuple[float, ...]:
         return tuple(getattr(self, name) for name in FEATURES)
 
-    def tick_seconds(self, prefill_tokens: int, decode_rows: int, num_chunks: int, completed: int = 0) -> float:
+    def tick_seconds(self, prefill_tokens: int, decode_rows: int, num_chunks: int, completed: int = 0,
+                     images_encoded: int = 0, media_prefill_tokens: int = 0) -> float:
         """Predicted wall time of one tick (including `overhead`)."""
         return (self.base + self.per_prefill_token * prefill_tokens + self.per_decode_row * decode_rows
                 + self.per_prefill_chunk * num_chunks + (self.per_decode_forward if decode_rows else 0.0)
-                + self.per_prefill_done * completed) * self.slowdown + self.overhead
+                + self.per_prefill_done * completed + self.per_image_encoded * images_encoded
+                + self.per_media_prefill_token * media_prefill_tokens) * self.slowdown + self.overhead
 
-    def plan_seconds(self, plan: TickPlan) -> float:
-        completing = sum(1 for c in plan.prefill if c.completes)
-        decode_rows = len(plan.decode) + completing
-        return self.tick_seconds(plan.num_batched_tokens - decode_rows, decode_rows, len(plan.prefill), completing)
+    def plan_seconds(self, plan: TickPlan, images_encoded: int = 0,
+                     media: "Callable[[str], bool]" = lambda _rid: False) -> float:
+        """A plan's predicted time; `images_encoded`: media items it encodes that miss the vision cache;
+        `media(request_id)`: whether a request carries media (its prefill tokens cost the media term too)."""
+        row = tick_features([[c.request_id, c.start, c.end, c.completes] for c in plan.prefill], plan.decode,
+                            plan.num_batched_tokens, images_encoded, media)
+        return self.tick_seconds(*row[1:4], row[5], row[6], row[7])
 
     def describe(self) -> str:
         parts = [f"{self.base * 1e3:.3g} ms/tick", f"{self.per_prefill_token * 1e6:.3g} us/prefill token",
                  f"{self.per_decode_row * 1e6:.3g} us/decode row", f"{self.per_prefill_chunk * 1e6:.3g} us/chunk",
                  f"{self.per_decode_forward * 1e3:.3g} ms/decode forward",
                  f"{self.per_prefill_done * 1e6:.3g} us/completed prefill",
+                 f"{self.per_image_encoded * 1e3:.3g} ms/image encoded",
+                 f"{self.per_media_prefill_token * 1e6:.3g} us/media prefill token",
                  f"{self.overhead * 1e6:.3g} us between ticks"]
         text = "cost model: (" + " + ".join(parts[:-1]) + f") x {self.slowdown:.3g} + {parts[-1]}"
         if self.r2 is not None:
@@ -106,12 +118,22 @@ class CostModel:
         return text
 
 
-def tick_features(prefill: Sequence[Sequence[Any]], decode: Sequence[str], num_batched_tokens: int) -> list[float]:
-    """Feature row for one recorded plan (`prefill` as `[[id, start, end, completes], ...]`), in FEATURES order."""
+def tick_features(prefill: Sequence[Sequence[Any]], decode: Sequence[str], num_batched_tokens: int,
+                  images_encoded: int = 0, media: "Callable[[str], bool]" = lambda _rid: False) -> list[float]:
+    """Feature row for one recorded plan (`prefill` as `[[id, start, end, completes], ...]`), in FEATURES order.
+    `images_encoded`: media items encoded this tick that missed the vision cache; `media(id)`: whether a
+    request carries media."""
     completing = sum(1 for c in prefill if c[3])
     decode_rows = len(decode) + completing
+    media_tokens = sum(c[2] - c[1] - (1 if c[3] else 0) for c in prefill if media(c[0]))
     return [1.0, float(num_batched_tokens - decode_rows), float(decode_rows), float(len(prefill)),
-            1.0 if decode_rows else 0.0, float(completing)]
+            1.0 if decode_rows else 0.0, float(completing), float(images_encoded), float(media_tokens)]
+
+
+def _images_encoded(outcome: Mapping[str, Any], images: Mapping[str, int]) -> int:
+    """Media items a recorded tick encoded that missed the vision cache (`outcome.encoded`)."""
+    return sum(images.get(rid, 1) for rid, info in outcome.get("encoded", {}).items()
+               if not info.get("vision_cache_hit"))
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -153,13 +175,17 @@ def fit_cost_model(trace: "Trace | str | os.PathLike | Iterable[dict]",
     the terms alone.
     """
     rec = load_recorded(trace)
+    images = {e["request_id"]: int(e.get("num_images", 0)) for e in rec.arrival_events}
+    media = lambda rid: images.get(rid, 0) > 0  # noqa: E731
     rows, ys = [], []
     for tick in sorted(rec.trace.outcomes):
         plan = rec.trace.plans.get(tick)
-        m = rec.trace.outcomes[tick].get("measure", {})
+        outcome = rec.trace.outcomes[tick]
+        m = outcome.get("measure", {})
         if plan is None or "tick_s" not in m:
             continue
-        rows.append(tick_features(plan["prefill"], plan["decode"], plan["num_batched_tokens"]))
+        rows.append(tick_features(plan["prefill"], plan["decode"], plan["num_batched_tokens"],
+                                  _images_encoded(outcome, images), media))
         ys.append(float(m["tick_s"]))
     if len(rows) < 2:
         raise TraceError("fit_cost_model: the trace has fewer than 2 timed ticks (outcome.measure.tick_s)")
@@ -475,21 +501,34 @@ class SimExecutor:
         self._stop_at: dict[str, int] = {}
         self._error_at: dict[str, int] = {}
         self._prompt_len: dict[str, int] = {}
+        self._media: dict[str, tuple[int, str | None]] = {}  # id -> (media items, media key)
+        self._vision_seen: set[str] = set()  # media keys encoded before: a vision-cache hit (unbounded cache)
         for a in arrivals:
             self._stop_at[a.request_id] = a.output_len - 1 if a.output_len < a.max_tokens else -1
             self._error_at[a.request_id] = -1 if a.error_after is None else a.error_after
             self._prompt_len[a.request_id] = a.prompt_len
+            if a.num_images:
+                self._media[a.request_id] = (a.num_images, a.media_key)
         self._produced: dict[str, int] = {}
 
     def execute(self, plan: TickPlan, requests: Mapping[str, Request] | None = None) -> TickResult:
-        seconds = self.cost_model.plan_seconds(plan)
+        encoded: dict[str, dict] = {}
+        images = 0
+        for rid in plan.encode:
+            count, key = self._media.get(rid, (1, None))
+            hit = key is not None and key in self._vision_seen
+            if key is not None:
+                self._vision_seen.add(key)
+            images += 0 if hit else count
+            encoded[rid] = {"rope_delta": 0, "vision_cache_hit": hit}
+        seconds = self.cost_model.plan_seconds(plan, images, self._media.__contains__)
         self.clock += seconds
         sampled: dict[str, int] = {}
         errors: dict[str, str] = {}
         produced, stop_at, error_at = self._produced, self._stop_at, self._error_at
         ordinary, stop = self.ordinary_token, self.stop_token
         rows = [c.request_id for c in plan.prefill if c.completes]
-        result = TickResult(sampled=sampled, errors=errors, prefill_time=seconds, decode_time=0.0)
+        result = TickResult(sampled=sampled, errors=errors, prefill_time=seconds, decode_time=0.0, encoded=encoded)
         if rows and self.prefix_block_size is not None:
             self._offer_prefixes(plan, rows, result)
         rows.extend(plan.decode)
@@ -602,7 +641,8 @@ def simulate(
             if sampling is None:
                 sampling = sampling_cache[a.max_tokens] = SamplingParams(max_tokens=a.max_tokens)
             scheduler.add(Request(request_id=a.request_id, prompt_tokens=a.prompt_tokens, sampling=sampling,
-                                  priority=a.priority, arrival_tick=tick, arrival_time=a.arrival_time), tick)
+                                  priority=a.priority, arrival_tick=tick, arrival_time=a.arrival_time,
+                                  num_images=a.num_images, media_key=a.media_key), tick)
         while next_abort < len(aborts) and aborts[next_abort][0] <= now:
             rid = aborts[next_abort][1]
             next_abort += 1

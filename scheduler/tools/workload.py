@@ -2,7 +2,7 @@
 
 A `SimArrival` is everything the simulator needs to know about one request: when it arrives, its prompt, its
 `max_tokens`, and how many tokens it will actually produce before a stop (`output_len`), which a real run only
-reveals afterwards. Images are carried as a count only (the simulator has no vision cost yet).
+reveals afterwards. Media are carried as a count and a content key (the cost model prices encoding per media item).
 
 Length specs (`prompt_len`, `output_len` of `synthetic_workload`):
   * an int: that constant;
@@ -36,6 +36,7 @@ class SimArrival:
     output_len: int  # tokens it produces before it stops (<= max_tokens); == max_tokens: ends by length
     priority: int = 0
     num_images: int = 0
+    media_key: str | None = None  # content key of its media: namespaces its prefix-cache entries, keys the vision cache
     abort_time: float | None = None  # the caller aborts it at this time (relative), if still live
     error_after: int | None = None  # it fails (executor error) when sampling token number error_after + 1
 
@@ -231,6 +232,8 @@ def arrivals_from_trace(trace: "Trace | str | os.PathLike") -> list[SimArrival]:
             max_tokens=max_tok,
             output_len=max_tok if ended_early else max(1, min(produced, max_tok)),
             priority=event.get("priority", 0),
+            num_images=int(event.get("num_images", 0)),
+            media_key=event.get("media_key"),
             abort_time=None if abort_time is None else max(0.0, abort_time - rec.t0),
             error_after=error_after,
         ))

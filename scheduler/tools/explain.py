@@ -1,0 +1,224 @@
+"""`mlxsched explain`: one request's life from a trace, in plain words and a small table.
+
+Built from the events alone (no model, no MLX): the arrival, every transition (with its wall time), the
+binding constraints the planner recorded while the request got less than it could use (`reasons` /
+`reasons_cleared` of each plan event: recorded when they change, so a reason holds from the tick it appears
+until it changes, is cleared, or the request ends), prefix-cache hits, vision-cache hits, preemptions, drafts
+and how it ended. A tick's time span is its outcome's `tick_start_t`..`t`; a wait's duration runs from the
+start of its first tick to the start of the tick after its last.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+from scheduler.plan import Reason
+from scheduler.tools.replay import TraceError, parse_events
+
+
+@dataclass(frozen=True)
+class StateSpan:
+    state: str
+    start_s: float  # seconds after the request's arrival
+    seconds: float | None  # None: still in it when the trace ends (or a terminal state)
+
+
+@dataclass(frozen=True)
+class Wait:
+    reason: Reason
+    others: tuple[str, ...]  # POLICY_ORDER: requests ahead of it; PREEMPTED_BY: the one it made room for
+    first_tick: int
+    last_tick: int
+    seconds: float | None  # None when the ticks are untimed
+
+    @property
+    def ticks(self) -> int:
+        return self.last_tick - self.first_tick + 1
+
+
+@dataclass
+class RequestStory:
+    request_id: str
+    arrival_tick: int
+    arrival_s: float  # seconds after engine start
+    prompt_tokens: int
+    num_images: int
+    states: list[StateSpan] = field(default_factory=list)
+    waits: list[Wait] = field(default_factory=list)
+    prefix_hits: list[tuple[int, int]] = field(default_factory=list)  # (tick, tokens restored)
+    vision_cache_hits: int = 0
+    vision_encodes: int = 0
+    preemptions: list[tuple[int, str | None]] = field(default_factory=list)  # (tick, made room for)
+    drafted: int = 0
+    draft_accepted: int = 0
+    output_tokens: int = 0
+    ttft_s: float | None = None
+    end: str | None = None  # trigger that ended it: finish, abort, fail (None: live at the end of the trace)
+    end_reason: str | None = None  # stop / length / the error text / ...
+    end_s: float | None = None  # seconds after arrival
+
+    @property
+    def prefix_tokens_saved(self) -> int:
+        return sum(n for _, n in self.prefix_hits)
+
+
+def _events_of(source: "str | os.PathLike | Iterable[dict]") -> list[dict[str, Any]]:
+    if isinstance(source, (str, os.PathLike)):
+        try:
+            with open(source, encoding="utf-8") as f:
+                return parse_events(f, os.fspath(source))
+        except OSError as exc:
+            raise TraceError(f"cannot read trace {os.fspath(source)}: {exc}") from None
+    return list(source)
+
+
+def explain(source: "str | os.PathLike | Iterable[dict]", request_ids: Sequence[str] | None = None,
+            slowest: int | None = None) -> list[RequestStory]:
+    """Stories of `request_ids` (default: every request), or of the `slowest` requests by TTFT (worst first;
+    a request that never got a token counts as slowest)."""
+    events = _events_of(source)
+    if not events or events[0]["event"] != "engine_start":
+        raise TraceError("trace does not start with an engine_start event")
+    t0 = float(events[0].get("measure", {}).get("t", 0.0))
+    stories: dict[str, RequestStory] = {}
+    tick_start: dict[int, float] = {}
+    tick_end: dict[int, float] = {}
+    open_waits: dict[str, tuple[Reason, tuple[str, ...], int]] = {}
+    closed: dict[str, list[tuple[Reason, tuple[str, ...], int, int]]] = {}
+    last_plan_tick = -1
+    entered: dict[str, tuple[str, float]] = {}
+
+    def close(rid: str, last_tick: int) -> None:
+        if rid in open_waits:
+            reason, others, first = open_waits.pop(rid)
+            closed.setdefault(rid, []).append((reason, others, first, last_tick))
+
+    for e in events[1:]:
+        kind, tick = e["event"], e["tick"]
+        measure = e.get("measure", {})
+        if kind == "arrival":
+            rid = e["request_id"]
+            t = float(measure.get("t", t0))
+            stories[rid] = RequestStory(rid, tick, t - t0, len(e["prompt_tokens"]), e.get("num_images", 0))
+            entered[rid] = ("queued", t)
+        elif kind == "plan":
+            last_plan_tick = tick
+            for rid in e.get("reasons_cleared", []):
+                close(rid, tick - 1)
+            for record in e.get("reasons", []):
+                rid, reason, others = record
+                close(rid, tick - 1)
+                open_waits[rid] = (Reason(reason), tuple(others), tick)
+                if reason == Reason.PREEMPTED_BY.value and rid in stories:
+                    stories[rid].preemptions.append((tick, others[0] if others else None))
+        elif kind == "outcome":
+            if "tick_start_t" in measure:
+                tick_start[tick] = float(measure["tick_start_t"])
+            if "t" in measure:
+                tick_end[tick] = float(measure["t"])
+            for rid in e.get("sampled", {}):
+                story = stories.get(rid)
+                if story is None or rid in e.get("errors", {}):
+                    continue
+                story.output_tokens += 1 + len(e.get("accepted_drafts", {}).get(rid, []))
+                if story.ttft_s is None and "t" in measure:
+                    story.ttft_s = float(measure["t"]) - t0 - story.arrival_s
+            for rid, (proposed, accepted) in e.get("drafts", {}).items():
+                if rid in stories:
+                    stories[rid].drafted += proposed
+                    stories[rid].draft_accepted += accepted
+            for rid, info in e.get("encoded", {}).items():
+                if rid in stories:
+                    stories[rid].vision_encodes += 1
+                    stories[rid].vision_cache_hits += bool(info.get("vision_cache_hit"))
+        elif kind == "prefix_hit" and e.get("request_id") in stories:
+            stories[e["request_id"]].prefix_hits.append((tick, int(e.get("length", 0))))
+        elif kind == "transition":
+            t = float(measure.get("t", t0))
+            for rid in e.get("request_ids") or [e.get("request_id")]:
+                story = stories.get(rid)
+                if story is None:
+                    continue
+                state, since = entered[rid]
+                arrival = t0 + story.arrival_s
+                story.states.append(StateSpan(state, since - arrival, t - since))
+                entered[rid] = (e["to"], t)
+                if e.get("trigger") in ("finish", "abort", "fail"):
+                    story.end, story.end_reason, story.end_s = e["trigger"], e.get("reason"), t - arrival
+                    # an abort lands before the tick's plan; a finish or failure in its apply
+                    close(rid, tick - 1 if e["trigger"] == "abort" else tick)
+    for rid, (state, since) in entered.items():
+        story = stories[rid]
+        if story.end is None:
+            story.states.append(StateSpan(state, since - t0 - story.arrival_s, None))
+    for rid in list(open_waits):
+        close(rid, last_plan_tick)
+
+    def span(first: int, last: int) -> float | None:
+        start, stop = tick_start.get(first), tick_start.get(last + 1, tick_end.get(last))
+        return None if start is None or stop is None else stop - start
+
+    for rid, waits in closed.items():
+        if rid in stories:
+            stories[rid].waits = [Wait(r, o, a, b, span(a, b)) for r, o, a, b in waits if b >= a]
+    chosen = list(stories.values())
+    if request_ids:
+        unknown = [rid for rid in request_ids if rid not in stories]
+        if unknown:
+            raise KeyError(f"not in the trace: {', '.join(unknown)}")
+        chosen = [stories[rid] for rid in request_ids]
+    if slowest is not None:
+        chosen.sort(key=lambda s: -(s.ttft_s if s.ttft_s is not None else float("inf")))
+        chosen = chosen[:slowest]
+    return chosen
+
+
+_PLAIN = {
+    Reason.MAX_SEQS: "every slot was taken (max_seqs)",
+    Reason.TOKEN_BUDGET: "the tick's token budget was used up (max_batched_tokens)",
+    Reason.PREFILL_CHUNK: "its prefill was cut into chunks (prefill_chunk)",
+    Reason.PREFILL_TOKEN_CAP: "the prefill share of the tick was used up (max_prefill_tokens)",
+    Reason.KV_BUDGET: "its KV memory did not fit (kv_memory_bytes)",
+    Reason.VISION_BUDGET: "the tick's images were taken (vision_budget)",
+    Reason.POLICY_ORDER: "the policy put a blocked request ahead of it",
+    Reason.WAITING_FOR_MEDIA: "its media was being encoded",
+    Reason.PREEMPTED_BY: "it was preempted to make room",
+}
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+
+def format_story(story: RequestStory) -> str:
+    media = f", {story.num_images} media item(s)" if story.num_images else ""
+    lines = [f"{story.request_id}: arrived at {story.arrival_s * 1e3:.1f} ms (tick {story.arrival_tick}), "
+             f"{story.prompt_tokens} prompt tokens{media}."]
+    if story.ttft_s is not None:
+        lines.append(f"First token after {_ms(story.ttft_s)}; {story.output_tokens} tokens in all.")
+    for wait in story.waits:
+        who = f" ({', '.join(wait.others)})" if wait.others else ""
+        lines.append(f"Waited {_ms(wait.seconds)} over {wait.ticks} tick(s) from tick {wait.first_tick}: "
+                     f"{_PLAIN[wait.reason]} [{wait.reason.value}{who}].")
+    if story.prefix_hits:
+        lines.append(f"Prefix cache: {len(story.prefix_hits)} hit(s), {story.prefix_tokens_saved} prompt tokens "
+                     "not recomputed.")
+    if story.vision_encodes:
+        lines.append(f"Vision cache: {story.vision_cache_hits} of {story.vision_encodes} encoding(s) hit.")
+    for tick, by in story.preemptions:
+        lines.append(f"Preempted at tick {tick}" + (f" to make room for {by}." if by else "."))
+    if story.drafted:
+        lines.append(f"Drafts: {story.draft_accepted} of {story.drafted} accepted.")
+    if story.end is None:
+        lines.append("Still live when the trace ends.")
+    else:
+        lines.append(f"Ended by {story.end} ({story.end_reason}) at {_ms(story.end_s)}.")
+    lines += ["", "| state | from | for |", "| --- | ---: | ---: |"]
+    lines += [f"| {s.state} | {_ms(s.start_s)} | {_ms(s.seconds)} |" for s in story.states]
+    if story.waits:
+        lines += ["", "| wait reason | ahead / by | first tick | ticks | for |", "| --- | --- | ---: | ---: | ---: |"]
+        lines += [f"| {w.reason.value} | {', '.join(w.others) or '-'} | {w.first_tick} | {w.ticks} | {_ms(w.seconds)} |"
+                  for w in story.waits]
+    return "\n".join(lines)

@@ -1,0 +1,209 @@
+"""Every decision carries its reason: each binding constraint of the vocabulary is produced by a constructed
+scenario and shows up in `explain`; reasons are recorded only when they change; replay flags an edited
+reason; the vLLM-shaped step fields agree with the plan; older traces without these fields still replay."""
+
+import json
+
+import pytest
+
+from caches.kv import KVLayout, LayerLayout
+from scheduler import Engine, EngineConfig, SamplingParams
+from scheduler.cli import main
+from scheduler.events import EventLog, MemorySink, read_jsonl
+from scheduler.plan import PLAN_RECORD_GROUPS, Reason, TickResult
+from scheduler.request import Request
+from scheduler.scheduler import Scheduler
+from scheduler.tools.explain import explain
+from scheduler.tools.replay import load_trace, replay
+
+from .helpers import mixed_prompts
+
+TOKEN = 100  # an ordinary token (no stop ids in these schedulers)
+
+
+def _scheduler(config, layout=None):
+    sink = MemorySink()
+    events = EventLog([sink])
+    events.emit("engine_start", 0, config={}, plan_records=list(PLAN_RECORD_GROUPS))
+    return Scheduler(config, events, kv_layout=layout), sink
+
+
+def _run(sched, ticks, arrivals=()):
+    """Plan and apply `ticks` ticks with synthetic outcomes; `arrivals`: (tick, Request)."""
+    plans = []
+    for tick in range(ticks):
+        for at, request in arrivals:
+            if at == tick:
+                sched.add(request, tick)
+        if not sched.requests:
+            break
+        plan = sched.plan(sched.view(tick))
+        plans.append(plan)
+        rows = [c.request_id for c in plan.prefill if c.completes] + list(plan.decode)
+        encoded = {rid: {"rope_delta": 0, "vision_cache_hit": False} for rid in plan.encode}
+        sched.apply(plan, TickResult(sampled={rid: TOKEN for rid in rows}, encoded=encoded))
+        sched.events.emit("outcome", tick, sampled={rid: TOKEN for rid in rows}, encoded=encoded,
+                          measure={"t": tick + 1.0, "tick_start_t": float(tick), "tick_s": 1.0})
+    return plans
+
+
+def _req(rid, n=10, images=0, max_tokens=1000):
+    return Request(rid, [TOKEN] * n, SamplingParams(max_tokens=max_tokens), num_images=images,
+                   media_key="img" if images else None)
+
+
+def _reasons_of(plan):
+    return {r.request_id: (r.reason, r.others) for r in plan.reasons}
+
+
+def _explained(sink, rid):
+    story = explain(sink.events, [rid])[0]
+    return {(w.reason, w.others) for w in story.waits}
+
+
+def test_max_seqs_and_prefill_chunk():
+    sched, sink = _scheduler(EngineConfig(max_seqs=1, max_batched_tokens=64, prefill_chunk=4))
+    plans = _run(sched, 3, [(0, _req("a")), (0, _req("b"))])
+    assert _reasons_of(plans[0]) == {"a": (Reason.PREFILL_CHUNK, ()), "b": (Reason.MAX_SEQS, ())}
+    assert (Reason.MAX_SEQS, ()) in _explained(sink, "b")
+    assert (Reason.PREFILL_CHUNK, ()) in _explained(sink, "a")
+    # recorded when it changes, not every tick: b's max_seqs appears once in three plans
+    recorded = [r for e in sink.of_kind("plan") for r in e.get("reasons", [])]
+    assert [r for r in recorded if r[0] == "b"] == [["b", "max_seqs", []]]
+    story = explain(sink.events, ["b"])[0]
+    assert story.waits[0].ticks == 3  # still waiting at the end of the trace: the wait spans every tick
+
+
+def test_token_budget_and_prefill_token_cap():
+    sched, sink = _scheduler(EngineConfig(max_seqs=4, max_batched_tokens=10, prefill_chunk=16))
+    plans = _run(sched, 1, [(0, _req("a", 20)), (0, _req("b", 20))])
+    assert _reasons_of(plans[0]) == {"a": (Reason.TOKEN_BUDGET, ()), "b": (Reason.TOKEN_BUDGET, ())}
+    assert (Reason.TOKEN_BUDGET, ()) in _explained(sink, "b")
+
+    sched, sink = _scheduler(EngineConfig(max_seqs=4, max_batched_tokens=64, prefill_chunk=16,
+                                          max_prefill_tokens=6))
+    plans = _run(sched, 1, [(0, _req("a", 20)), (0, _req("b", 20))])
+    assert _reasons_of(plans[0]) == {"a": (Reason.PREFILL_TOKEN_CAP, ()), "b": (Reason.PREFILL_TOKEN_CAP, ())}
+    assert (Reason.PREFILL_TOKEN_CAP, ()) in _explained(sink, "a")
+
+
+def test_kv_budget_and_policy_order():
+    layout = KVLayout((LayerLayout(1, None),))  # one byte per token: bounds are token counts
+    sched, sink = _scheduler(EngineConfig(max_seqs=4, max_batched_tokens=64, prefill_chunk=64,
+                                          kv_memory_bytes=300, kv_headroom_tokens=0), layout)
+    plans = _run(sched, 2, [(0, _req("a")), (1, _req("b")), (1, _req("c"))])
+    assert plans[0].admitted == ("a",)
+    assert _reasons_of(plans[1]) == {"b": (Reason.KV_BUDGET, ()), "c": (Reason.POLICY_ORDER, ("b",))}
+    assert (Reason.KV_BUDGET, ()) in _explained(sink, "b")
+    assert (Reason.POLICY_ORDER, ("b",)) in _explained(sink, "c")
+
+
+def test_preempted_by_the_request_it_made_room_for():
+    layout = KVLayout((LayerLayout(1, None),))
+    sched, sink = _scheduler(EngineConfig(max_seqs=4, max_batched_tokens=64, prefill_chunk=64,
+                                          kv_memory_bytes=600, kv_headroom_tokens=0), layout)
+    plans = _run(sched, 60, [(0, _req("a")), (0, _req("b"))])
+    preempting = [p for p in plans if p.preempted]
+    assert preempting and preempting[0].preempted == ("b",)
+    assert _reasons_of(preempting[0])["b"] == (Reason.PREEMPTED_BY, ("a",))
+    story = explain(sink.events, ["b"])[0]
+    assert (Reason.PREEMPTED_BY, ("a",)) in {(w.reason, w.others) for w in story.waits}
+    assert story.preemptions == [(preempting[0].tick, "a")]
+
+
+def test_vision_budget_and_waiting_for_media():
+    sched, sink = _scheduler(EngineConfig(max_seqs=4, max_batched_tokens=64, prefill_chunk=64, vision_budget=1))
+    plans = _run(sched, 3, [(0, _req("a", images=1)), (0, _req("b", images=1))])
+    assert plans[0].admitted == ("a", "b") and plans[0].encode == ("a",)
+    assert _reasons_of(plans[0]) == {"a": (Reason.WAITING_FOR_MEDIA, ()), "b": (Reason.VISION_BUDGET, ())}
+    assert _reasons_of(plans[1])["b"] == (Reason.WAITING_FOR_MEDIA, ())
+    assert {(Reason.VISION_BUDGET, ()), (Reason.WAITING_FOR_MEDIA, ())} <= _explained(sink, "b")
+    assert (Reason.WAITING_FOR_MEDIA, ()) in _explained(sink, "a")
+
+
+def test_every_reason_is_covered_by_a_scenario_above():
+    source = open(__file__, encoding="utf-8").read()
+    assert all(f"Reason.{r.name}" in source.split("def test_every_reason")[0] for r in Reason)
+
+
+# ---- recorded runs ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trace_path(text_model, tmp_path_factory):
+    model, tokenizer = text_model
+    path = tmp_path_factory.mktemp("reasons") / "run.jsonl"
+    engine = Engine(model, tokenizer, EngineConfig(max_batched_tokens=24, max_seqs=3, prefill_chunk=8,
+                                                   trace_path=str(path)))
+    for i, p in enumerate(mixed_prompts(8, 4, 40, seed=5)):
+        engine.add_request(prompt_tokens=p, sampling=SamplingParams(max_tokens=4 + i % 3), request_id=f"r{i}")
+        if i == 4:
+            engine.step()
+            engine.abort("r1")
+    while engine.has_pending():
+        engine.step()
+    engine.close()
+    return path
+
+
+def _write(path, events):
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    return path
+
+
+def test_a_recorded_run_carries_reasons_and_replays_them(trace_path):
+    events = read_jsonl(trace_path)
+    assert any(e.get("reasons") for e in events if e["event"] == "plan")
+    assert replay(load_trace(trace_path)).identical
+
+
+def test_replay_flags_an_edited_reason(trace_path, tmp_path):
+    events = read_jsonl(trace_path)
+    plan = next(e for e in events if e["event"] == "plan" and e.get("reasons"))
+    plan["reasons"][0][1] = "kv_budget" if plan["reasons"][0][1] != "kv_budget" else "max_seqs"
+    report = replay(load_trace(_write(tmp_path / "edited.jsonl", events)))
+    assert not report.identical
+    assert report.divergence.tick == plan["tick"] and report.divergence.differing_fields == ["reasons"]
+
+
+def test_a_trace_from_before_reasons_still_replays(trace_path, tmp_path):
+    events = read_jsonl(trace_path)
+    del events[0]["plan_records"]
+    for e in events:
+        for key in ("reasons", "reasons_cleared", "step"):
+            e.pop(key, None)
+    assert replay(load_trace(_write(tmp_path / "old.jsonl", events))).identical
+
+
+def test_step_fields_agree_with_the_plan(trace_path):
+    events = read_jsonl(trace_path)
+    ended_since: list[str] = []
+    for e in events:
+        if e["event"] == "transition" and e["trigger"] in ("finish", "abort", "fail"):
+            ended_since.append(e["request_id"])
+        if e["event"] != "plan":
+            continue
+        step = e["step"]
+        drafts = dict(map(tuple, e["draft"]))
+        assert step["scheduled"] == e["decode"] + [c[0] for c in e["prefill"]]
+        assert step["num_scheduled_tokens"] == [1 + drafts.get(r, 0) for r in e["decode"]] + [
+            c[2] - c[1] for c in e["prefill"]]
+        assert sum(step["num_scheduled_tokens"]) == e["num_batched_tokens"]
+        assert step["preempted"] == e["preempted"]
+        assert step["finished"] == ended_since
+        ended_since = []
+    assert any(e["step"]["finished"] for e in events if e["event"] == "plan")
+
+
+def test_explain_cli_tells_the_slowest(trace_path, capsys):
+    assert main(["explain", str(trace_path), "--slowest", "2"]) == 0
+    out = capsys.readouterr().out
+    stories = explain(str(trace_path), slowest=2)
+    assert [s.request_id for s in stories] == [line.split(":")[0] for line in out.splitlines()
+                                                if line.startswith("r") and ": arrived" in line]
+    # the aborted request never got a token: it counts as slowest; then the worst TTFT of the rest
+    assert stories[0].request_id == "r1" and stories[0].end == "abort" and stories[0].ttft_s is None
+    ttfts = [s.ttft_s for s in explain(str(trace_path)) if s.ttft_s is not None]
+    assert stories[1].ttft_s == max(ttfts)
+    assert "max_seqs" in out  # with 3 slots and 8 requests, the slowest waited for a slot
+    assert main(["explain", str(trace_path), "nope"]) == 2
