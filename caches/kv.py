@@ -11,7 +11,9 @@ token counts and this layout, and bounds what the arrays can hold after a tick:
   B * (longest row + STEP) (rows are right-aligned to the longest one: the padding of short rows is real
   memory, which is why mixing one long row with many short ones is expensive);
 * a sliding-window layer keeps at most `window` tokens once decoding, and `window + chunk` while a chunk is
-  being added.
+  being added;
+* a recurrent layer (SSM, conv, linear-attention state: `ArraysCache`) holds `fixed_bytes` per request
+  whatever its length, and B times that in a batch of B rows.
 
 The bound is deliberately an upper bound: `real bytes <= bound <= budget` is what the invariant checker
 verifies every tick.
@@ -29,6 +31,7 @@ STEP = 256  # mlx-lm's KVCache / BatchKVCache allocation step
 class LayerLayout:
     bytes_per_token: int  # keys + values of one token in this layer
     window: int | None  # sliding-window size, None for full attention
+    fixed_bytes: int = 0  # recurrent state held per request whatever its length
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class KVLayout:
         on every path."""
         total = 0
         for layer in self.layers:
+            total += layer.fixed_bytes
             if layer.window is None:
                 total += layer.bytes_per_token * (n_tokens + STEP)
             else:
@@ -61,7 +65,7 @@ class KVLayout:
         total = 0
         for layer in self.layers:
             length = longest + STEP if layer.window is None else min(longest + STEP, layer.window + STEP)
-            total += layer.bytes_per_token * rows * length
+            total += layer.bytes_per_token * rows * length + layer.fixed_bytes * rows
         return total
 
     def footprint(self, row_tokens: Sequence[int], prefill_tokens: Sequence[tuple[int, int]]) -> int:
@@ -79,18 +83,19 @@ class KVCacheManager:
 
     Plain and sliding-window (rotating) layers live in the same request cache because a model mixes them per
     layer (gemma3: three rotating layers, one full); splitting one request's layers across two managers would
-    make every merge and filter a two-step affair. What is rotating-specific (window bounds, whole-only
-    prefix reuse, `max_kv_size`) is in `KVLayout`, `library.snapshot_cache` and `library.make_request_cache`.
+    make every merge and filter a two-step affair. What differs per cache kind (window bounds, fixed recurrent
+    state, whole-only prefix reuse, rollback) is in `KVLayout` and the cache-layer protocol (`caches.layers`).
 
     Byte accounting is exact: `nbytes()` sums the arrays. The scheduler never sees this object, only the
     layout's bound and these summaries.
     """
 
-    def __init__(self, make_cache):
-        from scheduler.execution import library
+    def __init__(self, make_cache, merge=None):
+        from . import layers  # layers imports this module's layout types
 
-        self._adapters = library
+        self._layers = layers
         self._make_cache = make_cache
+        self._merge = merge or layers.merge_caches  # a family's merge (its mask layout), or the default
         self._requests: dict[str, list] = {}
         self.batch: list = []  # one batch cache per layer; rows in the executor's row order
         self.peak_bytes = 0
@@ -112,10 +117,10 @@ class KVCacheManager:
         self._requests[request_id] = cache
 
     def restore(self, request_id: str, payload, length: int) -> None:
-        self._requests[request_id] = self._adapters.restore_cache(payload, length)
+        self._requests[request_id] = self._layers.restore_cache(payload, length)
 
     def snapshot(self, request_id: str):
-        return self._adapters.snapshot_cache(self._requests[request_id])
+        return self._layers.snapshot_cache(self._requests[request_id])
 
     def drop_request(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
@@ -124,12 +129,12 @@ class KVCacheManager:
     def join(self, request_ids: Sequence[str]) -> None:
         """Move these requests' caches into the batch, appended as new rows in this order."""
         caches = [self._requests.pop(rid) for rid in request_ids]
-        self.batch = self._adapters.extend_batch(self.batch, self._adapters.merge_caches(caches))
+        self.batch = self._layers.extend_batch(self.batch, self._merge(caches))
         self.merges += 1
         self._note_peak()
 
     def keep_rows(self, keep: list[int]) -> None:
-        self.batch = self._adapters.filter_batch(self.batch, keep)
+        self.batch = self._layers.filter_batch(self.batch, keep)
         self.filters += 1
 
     def clear_batch(self) -> None:
@@ -140,7 +145,7 @@ class KVCacheManager:
         return set(self._requests)
 
     def nbytes(self) -> int:
-        a = self._adapters
+        a = self._layers
         return a.cache_nbytes(self.batch) + sum(a.cache_nbytes(c) for c in self._requests.values())
 
     def _note_peak(self) -> None:

@@ -60,7 +60,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models import cache as mlx_cache
+from caches.layers import rollback_rows  # noqa: F401  (re-exported)
 
 from .sampling import SamplingArrays, _filter, _fmix32, _row_keys
 
@@ -386,87 +386,5 @@ def processed_logprobs(logprobs: mx.array, params: SamplingArrays) -> mx.array:
     return out[:, 0, :] if squeeze else out
 
 
-# ---------------------------------------------------------------------------
-# Per-row KV rollback
-# ---------------------------------------------------------------------------
-
-
-def _batch_kv_class() -> tuple[type, type]:
-    return mlx_cache.BatchKVCache, mlx_cache.BatchRotatingKVCache
-
-
-def _shift_rows(x: mx.array, shift: np.ndarray) -> mx.array:
-    """Row b of x (B, H, L, D) moved by shift[b] positions along axis 2 (right if > 0), into a fresh buffer of
-    the same capacity; vacated positions are zero (they become left padding, or lie beyond ``_idx``).
-
-    One slice copy per row (memcpy speed) rather than mlx-lm's ``dynamic_roll`` gather, which measured ~4x
-    slower on the CPU backend (17 MB: 2.4 ms vs 9-11 ms)."""
-    L = x.shape[2]
-    y = mx.zeros_like(x)
-    for b, s in enumerate(shift.tolist()):
-        if s >= L or -s >= L:
-            continue  # nothing of the row survives inside the buffer (only possible for an empty row)
-        if s > 0:
-            y[b : b + 1, :, s:] = x[b : b + 1, :, : L - s]
-        elif s < 0:
-            y[b : b + 1, :, : L + s] = x[b : b + 1, :, -s:]
-        else:
-            y[b : b + 1] = x[b : b + 1]
-    return y
-
-
-def rollback_rows(batch_cache_layers: Sequence[Any], drop: Sequence[int] | mx.array | np.ndarray) -> list[int]:
-    """Drop the last ``drop[b]`` positions of row ``b`` from every layer of a left-padded batch cache.
-
-    ``batch_cache_layers``: one mlx-lm ``BatchKVCache`` per layer (the target's batch cache after the
-    verification forward, or a draft model's). In place. Rows stay right-aligned at the cache's ``_idx``:
-    row b's kept positions move right by ``drop[b]`` (its left padding grows) -- the mechanism of mlx-lm's
-    ``BatchKVCache.prepare(right_padding=...)`` + ``finalize()`` -- and then the padding every row shares is
-    removed, so ``_idx`` ends at the longest row and padding does not accumulate tick after tick. Both moves
-    are one copy of each array (one slice copy per row into a buffer of the same capacity, so the next
-    forward does not reallocate). When every row drops the same number and no shared padding appears, it is
-    a plain ``trim`` (no copy). The copy costs about what one decode step's attention reads, per tick.
-
-    ``offset`` (per-row real length, the RoPE position) and ``left_padding`` are updated, so the next forward
-    sees exactly a cache that never held the dropped tokens. Returns the new per-row lengths.
-
-    Raises TypeError for any other layer type: ``BatchRotatingKVCache`` (a sliding window that has wrapped
-    has already overwritten the positions a rollback would have to restore), ``ArraysCache`` (recurrent
-    state cannot be rewound), quantised caches. Speculation must be off for such models.
-    """
-    BatchKVCache, BatchRotatingKVCache = _batch_kv_class()
-    layers = list(batch_cache_layers)
-    for layer in layers:
-        if type(layer) is not BatchKVCache:
-            hint = " (sliding-window caches cannot be rolled back)" if isinstance(layer, BatchRotatingKVCache) else ""
-            raise TypeError(f"rollback_rows supports mlx-lm BatchKVCache layers only, got {type(layer).__name__}{hint}")
-    if not layers:
-        return []
-    d = np.asarray(drop.tolist() if isinstance(drop, mx.array) else drop, dtype=np.int64).reshape(-1)
-    first = layers[0]
-    lengths = np.asarray(first.offset.tolist(), dtype=np.int64).reshape(-1)
-    if d.shape[0] != lengths.shape[0]:
-        raise ValueError(f"drop has {d.shape[0]} rows, the cache has {lengths.shape[0]}")
-    if (d < 0).any():
-        raise ValueError(f"drop must be >= 0, got {d.tolist()}")
-    if (d > lengths).any():
-        raise ValueError(f"cannot drop more positions than a row holds: drop {d.tolist()}, lengths {lengths.tolist()}")
-    new_len = lengths - d
-    if not d.any():
-        return new_len.tolist()
-    idx = first._idx
-    new_idx = int(new_len.max()) if new_len.size else 0
-    shift = d - (idx - new_idx)  # >0: move right (row dropped more than the shared trim); <0: move left
-    for layer in layers:
-        if layer._idx != idx or layer.offset.shape[0] != d.shape[0]:
-            raise ValueError("all layers of a batch cache must have the same rows and length")
-        if not shift.any():
-            layer.trim(idx - new_idx)
-            continue
-        if layer.keys is not None:
-            layer.keys = _shift_rows(layer.keys, shift)
-            layer.values = _shift_rows(layer.values, shift)
-        layer._idx = new_idx
-        layer.offset = mx.array(new_len.astype(np.int32))
-        layer.left_padding = mx.array((new_idx - new_len).astype(np.int32))
-    return new_len.tolist()
+# Per-row KV rollback is a capability of the cache-layer protocol (`caches.layers.rollback_rows`): only plain
+# KV batch layers declare it. Imported here because the acceptance rules and the rollback go together.

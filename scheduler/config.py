@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
+
+CHECK_INVARIANTS_ENV = "MLXSCHED_CHECK_INVARIANTS"  # "1": check_invariants defaults to on (the test suite sets it)
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,10 @@ class EngineConfig:
         longer time to first token under load) or "prefill-first" (ticks with prefill work run prefill only and
         running rows pause: shortest time to first token, decode stalls while prompts arrive).
     trace_path: write every event as JSON lines to this file.
-    check_invariants: verify bookkeeping after every tick (tests turn it on).
+    check_invariants: verify bookkeeping after every tick, raising InvariantViolation: the plan's budgets,
+        computed token positions <= planned, real KV bytes <= the plan's bound <= kv_memory_bytes, no cache of an
+        ended request. Defaults to on when the environment has MLXSCHED_CHECK_INVARIANTS=1 (tests/conftest.py
+        sets it, so every engine a test builds checks them).
     """
 
     max_batched_tokens: int = 2048
@@ -69,7 +75,7 @@ class EngineConfig:
     prefix_block_size: int = 16
     logprob_vectors: bool = False
     trace_path: str | None = None
-    check_invariants: bool = False
+    check_invariants: bool = field(default_factory=lambda: os.environ.get(CHECK_INVARIANTS_ENV) == "1")
 
     def __post_init__(self) -> None:
         for name in ("max_batched_tokens", "max_seqs", "prefill_chunk", "penalty_context", "vision_budget"):

@@ -24,6 +24,7 @@ from .plan import PLAN_RECORD_GROUPS
 from .events import EventLog, JsonlSink, MemorySink
 from .execution.executor import MLXExecutor
 from .execution.runners import TextRunner, VisionLanguageRunner
+from .families import UnsupportedFeature
 from .lifecycle import RequestState
 from .policy import policy_record
 from .request import (
@@ -34,7 +35,7 @@ from .request import (
     as_token_ids,
     validate_prompt_tokens,
 )
-from .scheduler import Scheduler, StepOutput
+from .scheduler import InvariantViolation, Scheduler, StepOutput
 
 _ENDED_MEMORY = 65536  # how many ended ids `abort`/`state_of` still recognise
 
@@ -141,6 +142,7 @@ class Engine:
             sinks.append(JsonlSink(self.config.trace_path))
         self.events = EventLog(sinks)
         family = _model_family(model, tokenizer, self.config, self._vision_event)
+        self._runner = family.runner
         self.vlm, self.vision_cache = family.vlm, family.vision_cache
         self.tokenizer, self.vocab_size = family.tokenizer, family.vocab_size
         self.max_model_len = self.config.max_model_len or family.max_positions or 1 << 30
@@ -189,10 +191,15 @@ class Engine:
             if draft_model is not None:
                 raise ValueError("draft_model given but draft_tokens is 0: set EngineConfig(draft_tokens=k)")
             return None
-        if self.vlm is not None or cfg.max_kv_size is not None or any(
-                layer.window for layer in self.kv_layout.layers):
+        if self.vlm is not None or cfg.max_kv_size is not None:
             raise ValueError("draft_tokens: speculative decoding needs plain KV caches on a text model (no "
                              "sliding windows, no max_kv_size)")
+        runner = self._runner
+        if not runner.capabilities.rollback:  # verification must be undone exactly for rejected drafts
+            kinds = [c.kind for c in runner.capabilities.layers if not c.rollback]
+            raise UnsupportedFeature(runner.family.model_type, "draft_tokens",
+                                     f"its {sorted(set(kinds))} layers cannot be rolled back after verification "
+                                     "(sliding windows overwrite, recurrent state cannot be rewound)")
         from .execution.drafters import DraftModelDrafter, PromptLookupDrafter
 
         if cfg.drafter == "mtp":
@@ -214,6 +221,11 @@ class Engine:
         """Speculative decoding: drafted, accepted, rejected, acceptance rate, verify forwards and tokens per
         row per verify forward (zeros when drafting is off)."""
         return self.executor.draft_stats.as_dict()
+
+    def prefill_stats(self) -> dict[str, int]:
+        """Batched first-chunk prefill: groups and rows that took the one-forward path, and fallbacks (groups
+        whose batched forward raised and were prefilled one by one; each is also in its tick's outcome event)."""
+        return self.executor.prefill_stats.as_dict()
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, config: EngineConfig | None = None, *,
@@ -408,13 +420,17 @@ class Engine:
                              errors=result.errors, prefix_stores=stores,
                              encoded=encoded, accepted_drafts=result.accepted_drafts,
                              drafts={rid: list(d) for rid, d in result.drafts.items()},
+                             computed_tokens=result.computed_tokens,
+                             **({"prefill_fallbacks": [[list(f.request_ids), f.num_tokens, f.error]
+                                                       for f in result.prefill_fallbacks]}
+                                if result.prefill_fallbacks else {}),
                              **({"drafter_error": result.drafter_error} if result.drafter_error else {}), measure={
                 "t": time.perf_counter(), "tick_start_t": tick_start, "tick_s": time.perf_counter() - tick_start,
                 "prefill_s": result.prefill_time, "decode_s": result.decode_time,
             })
         if self.config.check_invariants:
             self.scheduler.check_invariants(plan)
-            self._check_executor()
+            self._check_executor(plan, result if not plan.is_empty else None)
         self._record_ends(outputs)
         self.tick += 1
         return outputs
@@ -471,14 +487,23 @@ class Engine:
         s.generation_time += result.decode_time
         s.peak_memory_bytes = max(s.peak_memory_bytes, mx.get_peak_memory())
 
-    def _check_executor(self) -> None:
+    def _check_executor(self, plan: Any, result: Any) -> None:
+        """What the executor really did stays inside what was planned: the positions it computed within
+        num_batched_tokens, the KV bytes it held within the plan's bound (and so the budget)."""
+        if result is not None and result.computed_tokens > plan.num_batched_tokens:
+            raise InvariantViolation(f"tick {plan.tick} computed {result.computed_tokens} token positions, "
+                                     f"planned {plan.num_batched_tokens}")
         if self.config.kv_memory_bytes is not None:
             held = self.executor.cache_bytes()
-            assert held <= self.config.kv_memory_bytes, f"KV caches hold {held} bytes, over the budget"
+            if plan.kv_bytes_bound is not None and held > plan.kv_bytes_bound:
+                raise InvariantViolation(f"tick {plan.tick}: KV caches hold {held} bytes, over the planned bound "
+                                         f"{plan.kv_bytes_bound}")
+            if held > self.config.kv_memory_bytes:
+                raise InvariantViolation(f"KV caches hold {held} bytes, over the budget")
         live_in_executor = self.executor.live_request_ids()
-        assert live_in_executor <= set(self.scheduler.requests), (
-            f"executor holds caches of ended requests: {live_in_executor - set(self.scheduler.requests)}"
-        )
+        if not live_in_executor <= set(self.scheduler.requests):
+            raise InvariantViolation(
+                f"executor holds caches of ended requests: {live_in_executor - set(self.scheduler.requests)}")
 
     def prefill_progress(self, request_id: str) -> tuple[int, int] | None:
         """(prompt tokens computed, prompt tokens) of a live request, prefix-cache hits included; None once

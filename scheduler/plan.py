@@ -86,6 +86,26 @@ class TickPlan:
     reasons: tuple[WaitReason, ...] = ()  # every live request that got less than it could use, and why
 
     @property
+    def verify_width(self) -> int:
+        """Draft positions per row of this tick's batched forward: the longest draft any row may propose. The
+        executor verifies every row of the forward at this width (rows with shorter drafts are padded), so
+        that is what the tick computes."""
+        return max((k for _, k in self.draft), default=0)
+
+    @property
+    def forward_rows(self) -> int:
+        """Rows of the batched decode forward: the decoding rows and the requests whose prefill completes
+        (their last prompt token is that forward's input)."""
+        return len(self.decode) + sum(1 for c in self.prefill if c.completes)
+
+    @property
+    def decode_tokens(self) -> int:
+        """Positions the batched decode forward computes beyond the prefill chunks' tokens: one per decoding
+        row, plus `verify_width` draft positions for every row of the forward (a completing chunk's last token
+        is counted in its chunk)."""
+        return len(self.decode) + self.forward_rows * self.verify_width
+
+    @property
     def is_empty(self) -> bool:
         return not (self.prefill or self.decode or self.encode or self.preempted or self.failed)
 
@@ -134,6 +154,15 @@ PREFILL_FAILED = "prefill failed"
 DECODE_FAILED = "decode failed"
 
 
+@dataclass(frozen=True)
+class PrefillFallback:
+    """A batched first-chunk prefill that raised: its requests were prefilled one by one instead."""
+
+    request_ids: tuple[str, ...]
+    num_tokens: int
+    error: str
+
+
 @dataclass
 class TickResult:
     """What an executor reports back: the only input `apply` takes besides the plan."""
@@ -147,6 +176,8 @@ class TickResult:
     errors: dict[str, str] = field(default_factory=dict)  # request id -> readable error; that request fails
     prefix_stores: list[PrefixStore] = field(default_factory=list)
     encoded: dict[str, dict] = field(default_factory=dict)  # request id -> {rope_delta, vision_cache_hit, ...}
+    prefill_fallbacks: list[PrefillFallback] = field(default_factory=list)
+    computed_tokens: int = 0  # token positions the model actually ran this tick (prefill + decode/verify forward)
     vision_time: float = 0.0
     prefill_time: float = 0.0
     decode_time: float = 0.0

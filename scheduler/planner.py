@@ -3,7 +3,9 @@
 Deterministic and model-free: it reads no clock, no device and no randomness, so a recorded run replays to
 the same plans. Invariants it guarantees (tests assert them on every plan):
   * every decoding request decodes one token every tick (running streams never stall);
-  * prefill tokens + decode tokens <= max_batched_tokens; admitted + running <= max_seqs;
+  * prefill tokens + decode tokens <= max_batched_tokens, where a tick that verifies drafts counts what its
+    forward computes: every row of the forward at the widest draft (`TickPlan.decode_tokens`);
+    admitted + running <= max_seqs;
   * no chunk is longer than prefill_chunk;
   * with kv_memory_bytes, the bound on KV bytes after the tick (caches/kv.py) stays within it: the planner
     preempts (newest first) when decoding rows outgrow it and admits only what fits with headroom.
@@ -172,6 +174,24 @@ def plan_tick(view: SchedulerView, config: EngineConfig, policy: Policy) -> Tick
     return _plan(view, config, policy, prefill_only=False)
 
 
+def _grant_drafts(view: SchedulerView, config: EngineConfig, gone: set[str], budget: int,
+                  forward_rows: int) -> list[tuple[str, int]]:
+    """Draft lengths for the rows that may draft, planned as what the verify forward computes: it runs every
+    row of the batched forward (`forward_rows`, drafting or not) at the width of the longest draft, so a width
+    of w costs forward_rows x w tokens of `max_batched_tokens`, however few rows draft. One width for all:
+    every drafting row gets up to the widest width the budget pays for (at most `draft_tokens`)."""
+    width = min(config.draft_tokens, budget // forward_rows) if forward_rows else 0
+    if width < 1:
+        return []
+    draft = []
+    for request in view.decoding:
+        # the verify forward emits up to k + 1 tokens: drafts never cross max_tokens or the context limit
+        k = min(width, request.output_limit - request.num_output_tokens - 1)
+        if request.request_id not in gone and k >= 1 and request.draft_eligible:
+            draft.append((request.request_id, k))
+    return draft
+
+
 def _plan(view: SchedulerView, config: EngineConfig, policy: Policy, prefill_only: bool) -> TickPlan:
     kv = None
     preempted: list[str] = []
@@ -292,15 +312,9 @@ def _plan(view: SchedulerView, config: EngineConfig, policy: Policy, prefill_onl
         seqs += 1
 
     draft: list[tuple[str, int]] = []
-    if config.draft_tokens and not prefill_only:  # speculative decoding uses what budget prefill left
-        for request in view.decoding:
-            if budget <= 0:
-                break
-            # the verify forward emits up to k + 1 tokens: drafts never cross max_tokens or the context limit
-            k = min(config.draft_tokens, budget, request.output_limit - request.num_output_tokens - 1)
-            if request.request_id not in gone and k >= 1 and request.draft_eligible:
-                draft.append((request.request_id, k))
-                budget -= k
+    if config.draft_tokens and not prefill_only and decode:  # speculative decoding uses what prefill left
+        draft = _grant_drafts(view, config, gone, budget, len(decode) + sum(c.completes for c in prefill))
+        budget -= (len(decode) + sum(c.completes for c in prefill)) * max((k for _, k in draft), default=0)
 
     return TickPlan(
         tick=view.tick,

@@ -369,15 +369,17 @@ class Scheduler:
 
     # ---- invariants -------------------------------------------------------------------------------
     def check_invariants(self, plan: TickPlan) -> None:
-        """Raise AssertionError if bookkeeping is inconsistent (tests and check_invariants=True)."""
+        """Raise InvariantViolation if bookkeeping is inconsistent (EngineConfig.check_invariants; the test
+        suite turns it on for every engine). Explicit checks, not `assert`: they hold under `python -O`."""
         cfg = self.config
-        assert plan.num_batched_tokens <= cfg.max_batched_tokens, plan
-        assert plan.num_seqs <= cfg.max_seqs, plan
-        assert all(c.num_tokens <= cfg.prefill_chunk for c in plan.prefill), plan
+        prefill_tokens = sum(c.num_tokens for c in plan.prefill)
+        require(plan.num_batched_tokens <= cfg.max_batched_tokens, "num_batched_tokens over max_batched_tokens", plan)
+        require(plan.num_seqs <= cfg.max_seqs, "num_seqs over max_seqs", plan)
+        require(all(c.num_tokens <= cfg.prefill_chunk for c in plan.prefill), "a chunk over prefill_chunk", plan)
         if cfg.max_prefill_tokens is not None:
-            assert sum(c.num_tokens for c in plan.prefill) <= cfg.max_prefill_tokens, plan
-        assert (sum(c.num_tokens for c in plan.prefill) + len(plan.decode) + sum(k for _, k in plan.draft)
-                == plan.num_batched_tokens), plan
+            require(prefill_tokens <= cfg.max_prefill_tokens, "prefill over max_prefill_tokens", plan)
+        require(prefill_tokens + plan.decode_tokens == plan.num_batched_tokens,
+                "num_batched_tokens is not what the tick computes", plan)
         containers = {
             (RequestState.QUEUED,): self.waiting,
             (RequestState.VISION_ENCODING,): self.encoding,
@@ -387,28 +389,55 @@ class Scheduler:
         seen = 0
         for states, container in containers.items():
             for rid, request in container.items():
-                assert request.state in states, (rid, request.state, states)
-                assert (request.state is RequestState.DRAFTING) == (rid in self._drafting), rid
-                assert self.requests.get(rid) is request, rid
+                require(request.state in states, f"{rid} is {request.state} in the container of {states}")
+                require((request.state is RequestState.DRAFTING) == (rid in self._drafting),
+                        f"{rid}: drafting state and drafting set disagree")
+                require(self.requests.get(rid) is request, f"{rid} is not the live request of that id")
             seen += len(container)
-        assert seen == len(self.requests), "a live request is in no container or in two"
+        require(seen == len(self.requests), "a live request is in no container or in two")
         for request in self.waiting.values():
-            assert request.num_computed_tokens == 0, request.request_id
+            require(request.num_computed_tokens == 0, f"{request.request_id} waits with computed tokens")
         for request in self.prefilling.values():
-            assert 0 <= request.num_computed_tokens < request.prefill_len, request.request_id
+            require(0 <= request.num_computed_tokens < request.prefill_len,
+                    f"{request.request_id} prefills outside its prompt")
         for request in self.decoding.values():
-            assert request.num_computed_tokens == request.prefill_len, request.request_id
-            assert request.recompute_tokens < request.num_output_tokens < request.output_limit, request.request_id
+            require(request.num_computed_tokens == request.prefill_len,
+                    f"{request.request_id} decodes before its prefill completed")
+            require(request.recompute_tokens < request.num_output_tokens < request.output_limit,
+                    f"{request.request_id} decodes with an impossible output count")
         for request in self.requests.values():  # nothing runs past the model's context
-            assert request.max_model_len is None or (
-                request.prompt_len + request.num_output_tokens <= request.max_model_len), request.request_id
+            require(request.max_model_len is None
+                    or request.prompt_len + request.num_output_tokens <= request.max_model_len,
+                    f"{request.request_id} runs past the model's context")
         cache = self.prefix_cache
         if cache is not None:
             entries = list(cache._entries.values())
-            assert cache.bytes == sum(e.nbytes for e in entries) <= cache.max_bytes
+            require(cache.bytes == sum(e.nbytes for e in entries) <= cache.max_bytes,
+                    "prefix-cache bytes are not the sum of its entries, or over its budget")
             for entry in entries:  # recorded sizes are the real arrays' sizes
                 if entry.payload is not None:
-                    assert entry.nbytes == sum(x.nbytes for _, state in entry.payload for x in state[:2]), entry.entry_id
-        assert len(self.encoding) + len(self.prefilling) + len(self.decoding) <= cfg.max_seqs
+                    require(entry.nbytes == _array_bytes(entry.payload),
+                            f"prefix entry {entry.entry_id}: recorded size is not its arrays' size")
+        require(len(self.encoding) + len(self.prefilling) + len(self.decoding) <= cfg.max_seqs,
+                "more live sequences than max_seqs")
         if cfg.kv_memory_bytes is not None and plan.kv_bytes_bound is not None:
-            assert plan.kv_bytes_bound <= cfg.kv_memory_bytes, plan
+            require(plan.kv_bytes_bound <= cfg.kv_memory_bytes, "the KV bound is over kv_memory_bytes", plan)
+
+
+class InvariantViolation(RuntimeError):
+    """The engine's bookkeeping broke one of its invariants (a bug, never bad input)."""
+
+
+def require(condition: bool, what: str, context: Any = None) -> None:
+    if not condition:
+        raise InvariantViolation(what if context is None else f"{what}: {context}")
+
+
+def _array_bytes(payload: Any) -> int:
+    """Bytes of every array in an opaque prefix-cache payload (nested tuples and lists of arrays and metadata;
+    the payload's layout belongs to the cache-layer protocol, so this only walks it)."""
+    if isinstance(payload, (list, tuple)):
+        return sum(_array_bytes(x) for x in payload)
+    if isinstance(payload, (int, float, str, type)) or payload is None:
+        return 0
+    return int(getattr(payload, "nbytes", 0))

@@ -4,6 +4,8 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Every EngineConfig a test builds checks the engine's invariants after every tick (scheduler/config.py).
+os.environ["MLXSCHED_CHECK_INVARIANTS"] = "1"
 
 from pathlib import Path  # noqa: E402
 
@@ -46,3 +48,16 @@ def sliding_model(sliding_model_dir):
     import mlx_lm
 
     return mlx_lm.load(str(sliding_model_dir))
+
+
+@pytest.fixture(scope="session")
+def text_eos_model(tmp_path_factory):
+    """(model, TokenizerWrapper) of the tiny qwen3 that stops on eos for some prompts (tiny_models text-eos)."""
+    import mlx_lm
+
+    return mlx_lm.load(str(build_model("text-eos", tmp_path_factory.mktemp("tiny-text-eos"))))
+
+
+@pytest.fixture(scope="session")
+def vlm_eos_model_dir(tmp_path_factory) -> Path:
+    return build_model("vlm-eos", tmp_path_factory.mktemp("tiny-vlm-eos"))

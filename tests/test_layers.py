@@ -70,3 +70,19 @@ def test_every_public_name_is_importable():
 
     for name in scheduler.__all__:
         assert getattr(scheduler, name) is not None, name
+
+
+def test_caches_and_kernels_never_import_scheduler():
+    """caches/ and kernels/ sit below the scheduler: they are imported by it, never the other way, not even
+    lazily inside a function (checked on the source, so a late import cannot hide)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    offenders = []
+    for path in sorted([*root.glob("caches/*.py"), *root.glob("kernels/*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            offenders += [f"{path.relative_to(root)}:{node.lineno} {n}" for n in names if n.split(".")[0] == "scheduler"]
+    assert not offenders, offenders

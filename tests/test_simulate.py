@@ -409,7 +409,8 @@ def test_prefix_cache_in_the_simulation():
 
 
 def test_kv_budget_preempts_in_the_simulation():
-    kv = pytest.importorskip("caches.kv")
+    from caches import kv  # an in-repo module: an import error must fail the test, not skip it
+
     layout = kv.KVLayout((kv.LayerLayout(1000, None),))
     arrivals = synthetic_workload(200, 100.0, prompt_len=(32, 128), output_len=(100, 400), seed=3)
     cost = CostModel(base=2e-3, per_prefill_token=20e-6, per_decode_row=40e-6, per_decode_forward=1e-3)

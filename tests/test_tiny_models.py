@@ -264,3 +264,24 @@ def test_vlm_generate(vlm):
     other = mlx_vlm.generate(model, processor, prompt, image=[make_image(seed=1)],
                              max_tokens=N_TOKENS, verbose=False)
     assert other.token_ids != tokens
+
+
+@pytest.mark.parametrize("kind,base", [("text-eos", "text"), ("vlm-eos", "vlm")])
+def test_eos_kinds_are_deterministic_and_differ_from_their_base_only_in_the_eos_row(tmp_path, kind, base):
+    """The -eos kinds rebuild byte-identically, and their weights are the base kind's except <|im_end|>'s
+    lm_head row (scaled, not zeroed): so they are the same model, able to stop."""
+    import mlx.core as mx
+
+    from scheduler.fixtures.tiny_models import EOS_GAIN
+
+    first, again = build_model(kind, tmp_path / "a"), build_model(kind, tmp_path / "b")
+    assert (first / "model.safetensors").read_bytes() == (again / "model.safetensors").read_bytes()
+    ours = mx.load(str(first / "model.safetensors"))
+    theirs = mx.load(str(build_model(base, tmp_path / "base") / "model.safetensors"))
+    head = next(name for name in ours if name.endswith("lm_head.weight"))
+    assert all(mx.array_equal(ours[name], theirs[name]) for name in ours if name != head)
+    eos = SPECIAL_TOKENS.index("<|im_end|>")
+    others = [i for i in range(ours[head].shape[0]) if i != eos]
+    assert mx.array_equal(ours[head][mx.array(others)], theirs[head][mx.array(others)])
+    assert not mx.any(theirs[head][eos]).item() and mx.all(ours[head][eos] != 0).item()
+    assert EOS_GAIN > 1

@@ -189,3 +189,28 @@ def test_prefix_cache_is_media_safe(vlm):
     assert outs == [solo(vlm, prompt, [a]), solo(vlm, prompt, [b]), solo(vlm, prompt, [a])]
     stats = engine.prefix_cache_stats()
     assert stats["hits"] == 1 and stats["misses"] == 2  # only the repeat of image a hit
+
+
+def test_eos_model_stops_where_solo_mlx_vlm_stops(vlm_eos_model_dir):
+    """A tiny Qwen2-VL that emits eos (tiny_models vlm-eos): image and text requests stop on the VLM's eos set
+    exactly where mlx_vlm.stream_generate run alone stops, and the others run to max_tokens."""
+    import mlx_vlm
+
+    eos_vlm = mlx_vlm.load(str(vlm_eos_model_dir))
+    model, processor = eos_vlm
+    requests = [(templated(eos_vlm, f"Picture {i}: {TEXTS[i % 2]}", 1), [noise_image(*SIZES[i % 4], seed=i)])
+                for i in range(6)]
+    requests += [(templated(eos_vlm, " ".join(TEXTS[: 1 + i % 4]) + f" ({i})", 0), []) for i in range(6)]
+    reference = [solo(eos_vlm, p, imgs) for p, imgs in requests]
+    engine = Engine(model, processor, EngineConfig(max_batched_tokens=64, prefill_chunk=16, max_seqs=8))
+    run = drive(engine, [(i // 2, {"prompt": p, "images": imgs, "sampling": SamplingParams(max_tokens=MAX_TOKENS)})
+                         for i, (p, imgs) in enumerate(requests)])
+    assert list(run.tokens.values()) == reference
+    eos = engine.vlm.eos_token_ids
+    reasons = {rid: run.finish[rid] for rid in run.tokens}
+    for rid, tokens in run.tokens.items():
+        if tokens[-1] in eos:
+            assert reasons[rid] is FinishReason.STOP
+        else:
+            assert reasons[rid] is FinishReason.LENGTH and len(tokens) == MAX_TOKENS
+    assert FinishReason.STOP in reasons.values() and FinishReason.LENGTH in reasons.values()

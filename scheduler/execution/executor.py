@@ -19,16 +19,16 @@ import mlx.core as mx
 
 from caches.kv import KVCacheManager
 from kernels.sampling import RowSampling, SamplingArrays, sample_tokens
+from caches.layers import rollback_rows
 from kernels.speculative import (
     greedy_accept,
     pad_drafts,
     processed_logprobs,
-    rollback_rows,
     stack_draft_logprobs,
     stochastic_accept,
 )
 
-from scheduler.plan import DECODE_FAILED, PREFILL_FAILED, PrefixStore, TickPlan, TickResult
+from scheduler.plan import DECODE_FAILED, PREFILL_FAILED, PrefillFallback, PrefixStore, TickPlan, TickResult
 from scheduler.request import Request
 from scheduler.execution.drafters import DraftRequest
 from scheduler.execution.runners import Runner, TextRunner
@@ -67,6 +67,19 @@ class DraftStats:
         }
 
 
+@dataclass
+class PrefillStats:
+    """Batched first-chunk prefill (fresh prompts of equal length in one forward), all ticks together."""
+
+    batched_groups: int = 0
+    batched_rows: int = 0
+    fallbacks: int = 0  # groups whose batched forward raised and were prefilled one by one
+
+    def as_dict(self) -> dict[str, int]:
+        return {"batched_groups": self.batched_groups, "batched_rows": self.batched_rows,
+                "fallbacks": self.fallbacks}
+
+
 def _row_sampling(request: Request) -> RowSampling:
     s = request.sampling
     return RowSampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
@@ -87,6 +100,7 @@ class MLXExecutor:
         self._on_event = on_event or (lambda kind, **fields: None)
         self.drafter = drafter  # proposes draft tokens for the rows a plan lets draft
         self.draft_stats = DraftStats()
+        self.prefill_stats = PrefillStats()
         # hidden-state drafters (MTP heads) need each row's last hidden state from the previous forward
         self._keeps_hidden = bool(getattr(drafter, "needs_hidden", False))
         self._last_hidden: mx.array | None = None  # (B, H)
@@ -95,7 +109,7 @@ class MLXExecutor:
         self.runner: Runner = runner if hasattr(runner, "decode") and hasattr(runner, "make_cache") else TextRunner(runner)
         self.prefix_cache = prefix_cache  # read here (payloads to restore); the scheduler decides what is in it
         self.penalty_context = penalty_context
-        self.kv = KVCacheManager(self.runner.make_cache)
+        self.kv = KVCacheManager(self.runner.make_cache, getattr(self.runner, "merge", None))
         self._encoded: dict[str, Any] = {}  # request id -> model inputs prepared for prefill (VLM embeddings)
         self._rows: list[_Row] = []
         self._row_index: dict[str, int] = {}
@@ -146,16 +160,18 @@ class MLXExecutor:
             self.kv.restore(rid, self.prefix_cache.payload(entry_id), length)
             restored[rid] = length
         joining: list[str] = []
-        grouped = self._prefill_fresh_groups(plan.prefill, requests, restored)
+        grouped = self._prefill_fresh_groups(plan.prefill, requests, restored, result)
         for chunk in plan.prefill:
             request = requests[chunk.request_id]
+            fed = (chunk.end - 1 if chunk.completes else chunk.end) - chunk.start
             if chunk.request_id not in grouped:
                 try:
-                    self._prefill(request, chunk.start, chunk.end - 1 if chunk.completes else chunk.end)
+                    self._prefill(request, chunk.start, chunk.start + fed)
                 except Exception as exc:  # a failing request fails alone; others continue
                     self.kv.drop_request(chunk.request_id)
                     result.errors[chunk.request_id] = f"{PREFILL_FAILED}: {type(exc).__name__}: {exc}"
                     continue
+            result.computed_tokens += fed
             if chunk.completes:
                 joining.append(chunk.request_id)
                 self._offer_prefix(request, restored.get(request.request_id, 0), result)
@@ -190,11 +206,13 @@ class MLXExecutor:
         self._has_hidden = []
         self._released.clear()
 
-    def _prefill_fresh_groups(self, chunks, requests: Mapping[str, Request], restored: dict) -> set[str]:
+    def _prefill_fresh_groups(self, chunks, requests: Mapping[str, Request], restored: dict,
+                              result: TickResult) -> set[str]:
         """First chunks of the same length (no cache yet, no prefix hit) run as one batched forward: the same
         computation row by row, but bigger matrices for the BLAS than one forward per request. Each row then
         becomes that request's own cache again. Returns the request ids prefilled here; anything that cannot
-        be grouped (or a group that fails) goes the one-request way."""
+        be grouped (or a group that fails) goes the one-request way; a failed group is a `PrefillFallback` in the
+        tick's result (the outcome event) and counted in `prefill_stats`, never silent."""
         if not getattr(self.runner, "batched_prefill", False):
             return set()
         groups: dict[int, list[str]] = {}
@@ -208,8 +226,12 @@ class MLXExecutor:
                 continue
             try:
                 caches = self.runner.prefill_many([requests[rid] for rid in rids], n)
-            except Exception:  # retried one by one below, where an error is attributed to its own request
+            except Exception as exc:  # retried one by one below, where an error is attributed to its own request
+                self.prefill_stats.fallbacks += 1
+                result.prefill_fallbacks.append(PrefillFallback(tuple(rids), n, f"{type(exc).__name__}: {exc}"))
                 continue
+            self.prefill_stats.batched_groups += 1
+            self.prefill_stats.batched_rows += len(rids)
             for rid, cache in zip(rids, caches):
                 self.kv.adopt(rid, cache)
                 self._encoded[rid] = None
@@ -318,6 +340,7 @@ class MLXExecutor:
         width = max((len(d.tokens) for d in drafts.values()), default=0) if drafts else 0
         inputs = self._next_inputs
         all_hidden = None
+        result.computed_tokens += len(self._rows) * (1 + width)  # every row runs at the widest draft
         if width == 0 and not self._keeps_hidden:
             logits = self.runner.decode(self.kv.batch, inputs, self._rope_deltas)
             all_logits = None

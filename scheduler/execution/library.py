@@ -1,18 +1,37 @@
 """The one place that reaches into mlx-lm internals.
 
 mlx-lm's batch-cache classes and model attributes move between minor releases (a refactor of the batch
-classes broke wrappers before). Everything version-sensitive is here, and tests/test_adapters.py pins the
-exact behaviour we rely on so an upgrade fails loudly in one spot.
+classes broke wrappers before). Everything version-sensitive is here and in the cache-layer protocol
+(`caches/layers.py`, which this module imports and which imports nothing from `scheduler`), and
+tests/test_adapters.py pins the exact behaviour we rely on so an upgrade fails loudly in one spot.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
-Cache = list[Any]  # one cache object per layer
+from caches import layers
+from caches.kv import KVLayout
+
+# The cache-layer protocol is `caches.layers`; these names are its operations, for the modules that drive
+# model caches through this seam.
+from caches.layers import (  # noqa: F401  (re-exported)
+    Cache,
+    cache_arrays,
+    cache_nbytes,
+    extend_batch,
+    filter_batch,
+    merge_caches,
+    restore_cache,
+    snapshot_cache,
+    split_batch,
+    splittable,
+)
+
+from scheduler.families import Family, UnsupportedModel, family_of, model_type_of
 
 
 def make_request_cache(model: Any, max_kv_size: int | None = None) -> Cache:
@@ -35,129 +54,76 @@ def supports_max_kv_size(model: Any) -> bool:
     return not hasattr(model, "make_cache")
 
 
-def merge_caches(caches: Sequence[Cache]) -> Cache:
-    """Single-request caches -> one left-padded batch cache per layer (BatchKVCache / BatchRotatingKVCache)."""
-    layers = len(caches[0])
-    merged = []
-    for i in range(layers):
-        layer = caches[0][i]
-        if not hasattr(type(layer), "merge"):
-            raise TypeError(f"{type(layer).__name__} cannot be batched (no merge)")
-        merged.append(type(layer).merge([c[i] for c in caches]))
-    return merged
-
-
-def extend_batch(batch: Cache, other: Cache) -> Cache:
-    """Append the rows of `other` to `batch` (in place where possible); returns the batch."""
-    if not batch:
-        return other
-    for a, b in zip(batch, other):
-        a.extend(b)
-    return batch
-
-
-def splittable(cache: Cache) -> bool:
-    """Whether a batch of such caches can be split back into single-request caches (plain KV layers)."""
-    return all(type(layer) is mlx_cache.KVCache for layer in cache)
-
-
-def split_batch(batch: Cache, rows: int) -> list[Cache]:
-    """One single-request cache per row of a plain-KV batch cache (mlx-lm's `extract`, which copies)."""
-    return [[layer.extract(i) for layer in batch] for i in range(rows)]
-
-
-def filter_batch(batch: Cache, keep: list[int]) -> Cache:
-    """Keep only rows `keep` (in that order). An empty keep list drops the batch."""
-    if not keep:
-        return []
-    for layer in batch:
-        layer.filter(keep)
-    return batch
-
-
-def _plain_kv_classes() -> tuple[type, ...]:
-    """mlx-lm's KVCache, and mlx-vlm's copy of it (same fields: keys, values, offset)."""
-    classes: list[type] = [mlx_cache.KVCache]
+def model_family(model: Any) -> Family:
+    """The family facts of a text model, after checking that its caches can be batched at all: a family
+    mlx-lm cannot batch raises UnsupportedModel (model type and reason) here, at load."""
+    model_type = model_type_of(model)
+    family = family_of(model_type)
+    if family.refused:
+        raise UnsupportedModel(model_type, family.refused)
     try:
-        from mlx_vlm.models import cache as vlm_cache
-
-        classes.append(vlm_cache.KVCache)
-    except ImportError:  # mlx-vlm is optional for text-only use
-        pass
-    return tuple(classes)
+        layers.check_batchable(make_request_cache(model))
+    except layers.UnsupportedCache as exc:
+        raise UnsupportedModel(model_type, str(exc)) from exc
+    return family
 
 
-_PLAIN_KV = _plain_kv_classes()
-
-
-def snapshot_cache(cache: Cache) -> tuple[list[tuple[type, tuple]], int, bool]:
-    """A prefix-cache payload from a single-request cache that is about to be dropped.
-
-    Returns (payload, nbytes, whole_only). Plain KV layers are cut to their real length (the buffer grows in
-    256-token steps); rotating layers keep their ring buffer as is and make the entry reusable only whole.
-    """
-    payload, nbytes, whole_only = [], 0, False
-    for layer in cache:
-        kind = type(layer)
-        if kind in _PLAIN_KV:
-            n = layer.offset
-            keys, values = mx.contiguous(layer.keys[..., :n, :]), mx.contiguous(layer.values[..., :n, :])
-            payload.append((kind, (keys, values, n)))
-        elif kind is mlx_cache.RotatingKVCache:
-            keys, values = layer.keys, layer.values
-            payload.append((kind, layer.state))
-            whole_only = True
-        else:
-            raise TypeError(f"{kind.__name__} layers cannot be stored in the prefix cache")
-        nbytes += keys.nbytes + values.nbytes
-    mx.eval([state[:2] for _, state in payload])
-    return payload, nbytes, whole_only
-
-
-def restore_cache(payload: list[tuple[type, tuple]], length: int) -> Cache:
-    """A fresh single-request cache holding the first `length` tokens of a payload.
-
-    Copy-on-restore: every array the new cache will write into is a distinct array object, so the request
-    that reuses an entry can never change it.
-    """
-    cache = []
-    for kind, state in payload:
-        if kind in _PLAIN_KV:
-            keys, values, n = state
-            if length > n:
-                raise ValueError(f"cannot restore {length} tokens from an entry of {n}")
-            layer = kind()
-            layer.keys, layer.values, layer.offset = keys[..., :length, :], values[..., :length, :], length
-        else:
-            layer = kind.from_state(tuple(mx.array(x) if isinstance(x, mx.array) else x for x in state))
-            if layer.offset != length:
-                raise ValueError(f"a rotating entry of {layer.offset} tokens cannot be cut to {length}")
-        cache.append(layer)
-    return cache
-
-
-def kv_layout(model: Any, max_kv_size: int | None = None) -> "KVLayout":
-    """Per-token KV bytes of each layer, measured on a one-token probe of the model's own cache."""
-    from caches.kv import KVLayout, LayerLayout
-
+def kv_layout(model: Any, max_kv_size: int | None = None) -> KVLayout:
+    """Bytes of each layer (per token, sliding windows, fixed recurrent state), measured on a one-token probe
+    of the model's own cache."""
     cache = make_request_cache(model, max_kv_size)
     model(mx.array([[0]]), cache=cache)
     mx.eval(cache_arrays(cache))
-    layers = []
-    for layer in cache:
-        if type(layer) not in (mlx_cache.KVCache, mlx_cache.RotatingKVCache):
-            raise TypeError(f"{type(layer).__name__} layers are not supported by the KV budget")
-        per_token = (layer.keys.nbytes + layer.values.nbytes) // layer.keys.shape[2]
-        window = layer.max_size if type(layer) is mlx_cache.RotatingKVCache else None
-        layers.append(LayerLayout(per_token, window))
-    return KVLayout(tuple(layers))
+    return layers.probe_layout(cache)
+
+
+class HiddenStateSeamError(ValueError):
+    """The model's logits are not `logits_from_hidden(model)(model.model(x))`: a hidden-state drafter (MTP)
+    cannot run on it exactly, so it is refused at configuration."""
+
+
+# Families whose `__call__` transforms the output head's logits after `output_head(model.model(x))`: the same
+# transform, as data. `check_hidden_seam` proves on a probe that the result is the model's own call; a family
+# that is neither here nor plain fails that probe and is refused.
+_LOGIT_TRANSFORMS = {
+    "granite": lambda model, logits: logits / model.logits_scaling,  # mlx_lm.models.granite
+    "cohere": lambda model, logits: logits * model.model.args.logit_scale,  # mlx_lm.models.cohere
+}
+
+
+def logits_from_hidden(model: Any):
+    """hidden -> logits exactly as the model's own `__call__` computes them from `model.model`'s output."""
+    head = output_head(model)
+    transform = _LOGIT_TRANSFORMS.get(getattr(model_args(model), "model_type", None))
+    if transform is None:
+        return head
+    return lambda hidden: transform(model, head(hidden))
+
+
+def check_hidden_seam(model: Any) -> None:
+    """Raise HiddenStateSeamError unless `forward_with_hidden` gives the logits of the model's own `__call__`
+    (compared on a probe with fresh caches): what the hidden-state path rests on, proved, not assumed."""
+    probe = mx.array([[1, 2, 3, 4]])
+    own = model(probe, cache=make_request_cache(model))
+    try:
+        seam, _ = forward_with_hidden(model, probe, make_request_cache(model))
+        same = seam.shape == own.shape and bool(mx.allclose(seam, own, rtol=1e-4, atol=1e-5))
+    except Exception as exc:  # no `model.model`, another signature: not the seam either
+        raise HiddenStateSeamError(f"{type(model).__module__}: no hidden-state seam ({type(exc).__name__}: "
+                                   f"{exc})") from None
+    if not same:
+        raise HiddenStateSeamError(
+            f"{type(model).__module__}: its logits are not output_head(model.model(x)) (a logit scale, soft cap "
+            "or other transform this adapter does not know), so a hidden-state drafter would sample from the "
+            "wrong distribution; use drafter='prompt-lookup' or 'draft-model'")
 
 
 def forward_with_hidden(model: Any, inputs: mx.array, cache: Cache) -> tuple[mx.array, mx.array]:
     """(logits, final hidden states) of an mlx-lm model whose `model.model` returns the normed hidden states
-    and whose output head is `lm_head` or the tied embedding (llama, qwen3 and most decoder models)."""
+    and whose output head is `lm_head` or the tied embedding, followed by the family's logit transform if it
+    has one (`_LOGIT_TRANSFORMS`). Only for models `check_hidden_seam` accepts."""
     hidden = model.model(inputs, cache)
-    return output_head(model)(hidden), hidden
+    return logits_from_hidden(model)(hidden), hidden
 
 
 def token_embedding(model: Any):
@@ -168,15 +134,6 @@ def output_head(model: Any):
     if getattr(model.args, "tie_word_embeddings", False) or not hasattr(model, "lm_head"):
         return model.model.embed_tokens.as_linear
     return model.lm_head
-
-
-def cache_nbytes(cache: Cache) -> int:
-    return sum(layer.nbytes for layer in cache)
-
-
-def cache_arrays(cache: Cache) -> list[mx.array]:
-    """The arrays to evaluate so a cache's pending writes are materialised."""
-    return [layer.state for layer in cache]
 
 
 def model_args(model: Any) -> Any:

@@ -75,9 +75,11 @@ class MTPDrafter:
     needs_hidden = True
 
     def __init__(self, head: MTPHead, target_model: Any):
+        # every target forward then goes through the hidden-state seam: refuse a model whose own logits differ
+        library.check_hidden_seam(target_model)
         self.head = head
         self.embed = library.token_embedding(target_model)
-        self.logits = library.output_head(target_model)
+        self.logits = library.logits_from_hidden(target_model)
         self.drafted = self.accepted = 0
 
     def propose(self, rows: Sequence[DraftRequest], k: int) -> list[Draft]:

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
+from caches import layers
 from scheduler.execution import library
 from scheduler.request import Request
 
@@ -35,12 +36,18 @@ class TextRunner:
     def __init__(self, model: Any, max_kv_size: int | None = None):
         self.model = model
         self.max_kv_size = max_kv_size
-        # Fresh prompts can share one prefill forward when every layer is a plain KV cache (a row of a batch
-        # cache can be split back into a request's own cache; a rotating window cannot).
-        self.batched_prefill = library.splittable(self.make_cache())
+        self.family = library.model_family(model)  # raises UnsupportedModel for a family that cannot batch
+        self.capabilities = layers.capabilities(self.make_cache())
+        # Fresh prompts can share one prefill forward when a row of a batch cache can be split back into a
+        # request's own cache (plain KV; a rotating window or recurrent state cannot).
+        self.batched_prefill = self.capabilities.splittable
 
     def make_cache(self) -> library.Cache:
         return library.make_request_cache(self.model, self.max_kv_size)
+
+    def merge(self, caches):
+        """Single-request caches -> the batch cache, with the mask layout this family's attention needs."""
+        return layers.merge_caches(caches, self.family.mask)
 
     def encode(self, request: Request) -> None:
         return None  # token ids are the model's input
@@ -51,7 +58,7 @@ class TextRunner:
 
     def prefill_many(self, requests, n):
         """The first `n` prompt tokens of several fresh requests in one forward; one cache per request back."""
-        batch = library.merge_caches([self.make_cache() for _ in requests])
+        batch = self.merge([self.make_cache() for _ in requests])
         self.model(mx.array([r.prefill_tokens(0, n) for r in requests]), cache=batch)
         mx.eval(library.cache_arrays(batch))
         return library.split_batch(batch, len(requests))

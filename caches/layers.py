@@ -1,0 +1,460 @@
+"""The cache-layer protocol: everything the engine does with one layer's cache, for every cache class mlx-lm
+builds, in one place.
+
+A model's cache is a list with one object per layer (`Cache`). Each object is of a *kind* (`LayerKind`): plain
+KV (`KVCache`, mlx-vlm's copy of it), rotating KV (`RotatingKVCache`, a sliding window or `max_kv_size`),
+arrays (`ArraysCache` and its subclasses: SSM, conv and linear-attention state), or a list of those
+(`CacheList`). A kind knows how to merge single-request caches into a batch, snapshot and restore a request's
+cache for the prefix cache, measure its bytes, and what it can do: `LayerCapabilities` is plain data (can it
+be trimmed to a shorter prefix? rolled back per row after draft verification? split back out of a batch? is
+its size fixed or growing?). Callers read the capabilities; they never test cache classes.
+
+Kinds mlx-lm cannot batch (`ChunkedKVCache`, `QuantizedKVCache`, `ConcatenateKVCache`, anything without
+`merge`) are refused by `check_batchable` with `UnsupportedCache` naming the class and why.
+
+This module and `scheduler/adapters.py` are the only places that know mlx-lm's cache internals; this one
+imports nothing from `scheduler`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Sequence
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models import cache as mlx_cache
+
+from .kv import KVLayout, LayerLayout
+
+Cache = list[Any]  # one cache object per layer
+
+
+class Growth(str, Enum):
+    PER_TOKEN = "per-token"  # a full-attention layer: every token stored
+    WINDOW = "window"  # a sliding window: at most `window` tokens
+    FIXED = "fixed"  # recurrent / conv state: the same bytes whatever the length
+
+
+class MaskLayout(str, Enum):
+    """How a batch cache's attention mask must be shaped for the family's score tensor.
+
+    `HEADS`: (B, 1, L, S), for scores (B, heads, L, S) -- what mlx-lm's batch caches build. `GROUPED`:
+    (B, 1, 1, L, S), for models that reshape queries to (B, kv_heads, repeats, L, D) before the score matmul
+    (gemma2): mlx-lm's own batch mask does not broadcast against those five-dimensional scores."""
+
+    HEADS = "heads"
+    GROUPED = "grouped"
+
+
+class UnsupportedCache(TypeError):
+    """A cache class the engine (and mlx-lm's BatchGenerator) cannot batch."""
+
+    def __init__(self, cache_class: str, reason: str):
+        super().__init__(f"{cache_class}: {reason}")
+        self.cache_class = cache_class
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class LayerCapabilities:
+    kind: str  # the cache class name
+    growth: Growth
+    trimmable: bool  # a stored prefix can be cut to a shorter one (otherwise reusable only whole)
+    rollback: bool  # batch rows can drop their last tokens in place (speculative decoding)
+    splittable: bool  # a batch row can become a single-request cache again (batched first prefill chunks)
+
+    def __and__(self, other: "LayerCapabilities") -> "LayerCapabilities":
+        order = (Growth.FIXED, Growth.WINDOW, Growth.PER_TOKEN)
+        return LayerCapabilities(f"{self.kind}+{other.kind}", max(self.growth, other.growth, key=order.index),
+                                 self.trimmable and other.trimmable, self.rollback and other.rollback,
+                                 self.splittable and other.splittable)
+
+
+@dataclass(frozen=True)
+class CacheCapabilities:
+    """What a whole model cache (every layer) supports: every layer must."""
+
+    layers: tuple[LayerCapabilities, ...]
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(sorted({layer.kind for layer in self.layers}))
+
+    @property
+    def trimmable(self) -> bool:
+        return all(layer.trimmable for layer in self.layers)
+
+    @property
+    def rollback(self) -> bool:
+        return all(layer.rollback for layer in self.layers)
+
+    @property
+    def splittable(self) -> bool:
+        return all(layer.splittable for layer in self.layers)
+
+    @property
+    def has_fixed_state(self) -> bool:
+        return any(layer.growth is Growth.FIXED for layer in self.layers)
+
+    @property
+    def has_window(self) -> bool:
+        return any(layer.growth is Growth.WINDOW for layer in self.layers)
+
+
+# ---- the kinds ---------------------------------------------------------------------------------------------
+
+
+def _plain_kv_classes() -> tuple[type, ...]:
+    """mlx-lm's KVCache, and mlx-vlm's copy of it (same fields: keys, values, offset)."""
+    classes: list[type] = [mlx_cache.KVCache]
+    try:
+        from mlx_vlm.models import cache as vlm_cache
+
+        classes.append(vlm_cache.KVCache)
+    except ImportError:  # mlx-vlm is optional for text-only use
+        pass
+    return tuple(classes)
+
+
+class _GroupedMaskBatchKVCache(mlx_cache.BatchKVCache):
+    """mlx-lm's BatchKVCache whose mask has one more broadcast axis (MaskLayout.GROUPED)."""
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs):
+        mask = super().make_mask(N, return_array=return_array, **kwargs)
+        return mask[:, None] if isinstance(mask, mx.array) and mask.ndim == 4 else mask
+
+
+class PlainKV:
+    classes = _plain_kv_classes()
+    batch_classes = (mlx_cache.BatchKVCache,)
+    caps = LayerCapabilities("KVCache", Growth.PER_TOKEN, trimmable=True, rollback=True, splittable=True)
+
+    @staticmethod
+    def merge(layers: Sequence[Any], mask: MaskLayout) -> Any:
+        if mask is MaskLayout.GROUPED:
+            if all(layer.keys is None for layer in layers):
+                return _GroupedMaskBatchKVCache([0] * len(layers))
+            return _GroupedMaskBatchKVCache.merge(layers)
+        return type(layers[0]).merge(layers)
+
+    @staticmethod
+    def snapshot(layer: Any) -> tuple[tuple, list[mx.array]]:
+        n = layer.offset
+        keys, values = mx.contiguous(layer.keys[..., :n, :]), mx.contiguous(layer.values[..., :n, :])
+        return (keys, values, n), [keys, values]
+
+    @staticmethod
+    def restore(kind: type, state: tuple, length: int) -> Any:
+        keys, values, n = state
+        if length > n:
+            raise ValueError(f"cannot restore {length} tokens from an entry of {n}")
+        layer = kind()
+        layer.keys, layer.values, layer.offset = keys[..., :length, :], values[..., :length, :], length
+        return layer
+
+    @staticmethod
+    def layout(layer: Any) -> LayerLayout:
+        return LayerLayout((layer.keys.nbytes + layer.values.nbytes) // layer.keys.shape[2], None)
+
+
+def _vlm_rotating_classes() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """mlx-vlm 0.7's own rotating caches (Gemma 4's language model builds them). They batch like mlx-lm's, but
+    keep the pre-0.32 state contract: `state` is (keys, values) and `from_state(state, meta_state)`."""
+    try:
+        from mlx_vlm.models import cache as vlm_cache
+    except ImportError:  # mlx-vlm is optional for text-only use
+        return (), ()
+    return (vlm_cache.RotatingKVCache,), (vlm_cache.BatchRotatingKVCache,)
+
+
+_VLM_ROTATING, _VLM_BATCH_ROTATING = _vlm_rotating_classes()
+
+
+class RotatingKV:
+    classes = (mlx_cache.RotatingKVCache, *_VLM_ROTATING)
+    batch_classes = (mlx_cache.BatchRotatingKVCache, *_VLM_BATCH_ROTATING)
+    # A window that has wrapped has overwritten what a trim or a rollback would have to bring back.
+    caps = LayerCapabilities("RotatingKVCache", Growth.WINDOW, trimmable=False, rollback=False, splittable=False)
+
+    @staticmethod
+    def merge(layers: Sequence[Any], mask: MaskLayout) -> Any:
+        return type(layers[0]).merge(layers)
+
+    @staticmethod
+    def snapshot(layer: Any) -> tuple[tuple, list[mx.array]]:
+        if isinstance(layer, _VLM_ROTATING):
+            keys, values = (mx.array(x) for x in layer.state)
+            return (keys, values, layer.meta_state), [keys, values]
+        return layer.state, [layer.keys, layer.values]
+
+    @staticmethod
+    def restore(kind: type, state: tuple, length: int) -> Any:
+        if issubclass(kind, _VLM_ROTATING):
+            keys, values, meta = state
+            layer = kind.from_state((mx.array(keys), mx.array(values)), meta)
+        else:
+            layer = kind.from_state(tuple(mx.array(x) if isinstance(x, mx.array) else x for x in state))
+        if layer.offset != length:
+            raise ValueError(f"a rotating entry of {layer.offset} tokens cannot be cut to {length}")
+        return layer
+
+    @staticmethod
+    def layout(layer: Any) -> LayerLayout:
+        return LayerLayout((layer.keys.nbytes + layer.values.nbytes) // layer.keys.shape[2], layer.max_size)
+
+
+class Arrays:
+    """Recurrent state (SSM, conv, linear attention): fixed bytes per request, no notion of a token count.
+    A state cannot be cut back to a shorter prefix, nor rewound after draft verification."""
+
+    classes = (mlx_cache.ArraysCache,)
+    batch_classes = (mlx_cache.ArraysCache,)
+    caps = LayerCapabilities("ArraysCache", Growth.FIXED, trimmable=False, rollback=False, splittable=False)
+
+    @staticmethod
+    def merge(layers: Sequence[Any], mask: MaskLayout) -> Any:
+        return type(layers[0]).merge(layers)
+
+    @staticmethod
+    def snapshot(layer: Any) -> tuple[tuple, list[mx.array]]:
+        arrays = [mx.array(a) if a is not None else None for a in layer.cache]
+        return (len(layer.cache), arrays), [a for a in arrays if a is not None]
+
+    @staticmethod
+    def restore(kind: type, state: tuple, length: int) -> Any:
+        size, arrays = state
+        layer = kind(size)
+        layer.cache = [mx.array(a) if a is not None else None for a in arrays]  # copy-on-restore
+        return layer
+
+    @staticmethod
+    def layout(layer: Any) -> LayerLayout:
+        return LayerLayout(0, None, fixed_bytes=layer.nbytes)
+
+
+_KINDS = (PlainKV, RotatingKV, Arrays)
+
+_REFUSED = {
+    "ChunkedKVCache": "chunked attention caches have no batch form in mlx-lm (its BatchGenerator refuses them too)",
+    "QuantizedKVCache": "quantized KV caches have no batch form in mlx-lm (its BatchGenerator refuses them too)",
+    "ConcatenateKVCache": "concatenating caches have no batch form in mlx-lm",
+}
+
+
+def _kind_of(layer: Any):
+    for kind in _KINDS:
+        if isinstance(layer, kind.classes) or isinstance(layer, kind.batch_classes):
+            return kind
+    name = type(layer).__name__
+    raise UnsupportedCache(name, _REFUSED.get(name, "no batch form (no merge) in mlx-lm"))
+
+
+# ---- the protocol, on whole caches ---------------------------------------------------------------------------
+
+
+def layer_capabilities(layer: Any) -> LayerCapabilities:
+    if isinstance(layer, mlx_cache.CacheList):
+        caps = [layer_capabilities(c) for c in layer.caches]
+        out = caps[0]
+        for c in caps[1:]:
+            out = out & c
+        return LayerCapabilities(f"CacheList[{out.kind}]", out.growth, out.trimmable, out.rollback, out.splittable)
+    return _kind_of(layer).caps
+
+
+def capabilities(cache: Cache) -> CacheCapabilities:
+    """Raises UnsupportedCache for a layer mlx-lm cannot batch."""
+    return CacheCapabilities(tuple(layer_capabilities(layer) for layer in cache))
+
+
+def check_batchable(cache: Cache) -> CacheCapabilities:
+    return capabilities(cache)
+
+
+def merge_caches(caches: Sequence[Cache], mask: MaskLayout = MaskLayout.HEADS) -> Cache:
+    """Single-request caches -> one batch cache per layer (left-padded KV, stacked recurrent state)."""
+    return [_merge_layer([c[i] for c in caches], mask) for i in range(len(caches[0]))]
+
+
+def _merge_layer(layers: Sequence[Any], mask: MaskLayout) -> Any:
+    if isinstance(layers[0], mlx_cache.CacheList):
+        merged = mlx_cache.CacheList()
+        merged.caches = tuple(_merge_layer([layer.caches[j] for layer in layers], mask)
+                              for j in range(len(layers[0].caches)))
+        return merged
+    return _kind_of(layers[0]).merge(layers, mask)
+
+
+def extend_batch(batch: Cache, other: Cache) -> Cache:
+    """Append the rows of `other` to `batch` (in place where possible); returns the batch."""
+    if not batch:
+        return other
+    for a, b in zip(batch, other):
+        a.extend(b)
+    return batch
+
+
+def filter_batch(batch: Cache, keep: list[int]) -> Cache:
+    """Keep only rows `keep` (in that order). An empty keep list drops the batch."""
+    if not keep:
+        return []
+    for layer in batch:
+        layer.filter(keep)
+    return batch
+
+
+def splittable(cache: Cache) -> bool:
+    return capabilities(cache).splittable
+
+
+def split_batch(batch: Cache, rows: int) -> list[Cache]:
+    """One single-request cache per row of a splittable batch cache (mlx-lm's `extract`, which copies)."""
+    return [[layer.extract(i) for layer in batch] for i in range(rows)]
+
+
+def snapshot_cache(cache: Cache) -> tuple[list[tuple[type, Any]], int, bool]:
+    """A prefix-cache payload from a single-request cache: (payload, nbytes, whole_only).
+
+    Plain KV layers are cut to their real length (the buffer grows in 256-token steps). A layer that cannot
+    be trimmed (a rotating window, recurrent state) makes the entry reusable only whole, as an exact
+    checkpoint of the tokens it holds. The arrays are copies or fresh slices: later writes to `cache` never
+    reach the payload."""
+    payload, arrays, whole_only = [], [], False
+    for layer in cache:
+        state, layer_arrays = _snapshot_layer(layer)
+        payload.append((type(layer), state))
+        arrays += layer_arrays
+        whole_only = whole_only or not layer_capabilities(layer).trimmable
+    mx.eval(arrays)
+    return payload, sum(a.nbytes for a in arrays), whole_only
+
+
+def _snapshot_layer(layer: Any) -> tuple[Any, list[mx.array]]:
+    if isinstance(layer, mlx_cache.CacheList):
+        parts = [(type(c), *_snapshot_layer(c)) for c in layer.caches]
+        return [(kind, state) for kind, state, _ in parts], [a for *_, arrays in parts for a in arrays]
+    return _kind_of(layer).snapshot(layer)
+
+
+def restore_cache(payload: list[tuple[type, Any]], length: int) -> Cache:
+    """A fresh single-request cache holding the first `length` tokens of a payload (copy-on-restore: the
+    request that reuses an entry can never change it)."""
+    return [_restore_layer(kind, state, length) for kind, state in payload]
+
+
+def _restore_layer(kind: type, state: Any, length: int) -> Any:
+    if issubclass(kind, mlx_cache.CacheList):
+        return mlx_cache.CacheList(*(_restore_layer(k, s, length) for k, s in state))
+    for strategy in _KINDS:
+        if issubclass(kind, strategy.classes):
+            return strategy.restore(kind, state, length)
+    raise UnsupportedCache(kind.__name__, "cannot be restored from the prefix cache")
+
+
+def probe_layout(cache: Cache) -> KVLayout:
+    """The per-layer byte layout of a single-request cache that holds exactly one token."""
+    layers = []
+    for layer in cache:
+        parts = layer.caches if isinstance(layer, mlx_cache.CacheList) else (layer,)
+        per_token, window, fixed = 0, None, 0
+        for part in parts:
+            one = _kind_of(part).layout(part)
+            per_token += one.bytes_per_token
+            fixed += one.fixed_bytes
+            window = one.window if one.window is not None else window
+        layers.append(LayerLayout(per_token, window, fixed_bytes=fixed))
+    return KVLayout(tuple(layers))
+
+
+def cache_nbytes(cache: Cache) -> int:
+    return sum(layer.nbytes for layer in cache)
+
+
+def cache_arrays(cache: Cache) -> list[Any]:
+    """The arrays to evaluate so a cache's pending writes are materialised."""
+    return [layer.state for layer in cache]
+
+
+# ---- per-row rollback (speculative decoding) --------------------------------------------------------------
+
+
+def _shift_rows(x: mx.array, shift: np.ndarray) -> mx.array:
+    """Row b of x (B, H, L, D) moved by shift[b] positions along axis 2 (right if > 0), into a fresh buffer of
+    the same capacity; vacated positions are zero (they become left padding, or lie beyond ``_idx``).
+
+    One slice copy per row (memcpy speed) rather than mlx-lm's ``dynamic_roll`` gather, which measured ~4x
+    slower on the CPU backend (17 MB: 2.4 ms vs 9-11 ms)."""
+    L = x.shape[2]
+    y = mx.zeros_like(x)
+    for b, s in enumerate(shift.tolist()):
+        if s >= L or -s >= L:
+            continue  # nothing of the row survives inside the buffer (only possible for an empty row)
+        if s > 0:
+            y[b : b + 1, :, s:] = x[b : b + 1, :, : L - s]
+        elif s < 0:
+            y[b : b + 1, :, : L + s] = x[b : b + 1, :, -s:]
+        else:
+            y[b : b + 1] = x[b : b + 1]
+    return y
+
+
+def rollback_rows(batch_cache_layers: Sequence[Any], drop: Sequence[int] | mx.array | np.ndarray) -> list[int]:
+    """Drop the last ``drop[b]`` positions of row ``b`` from every layer of a left-padded batch cache.
+
+    Only layers whose capabilities declare `rollback` (plain KV batch layers). In place. Rows stay
+    right-aligned at the cache's ``_idx``: row b's kept positions move right by ``drop[b]`` (its left padding
+    grows) -- the mechanism of mlx-lm's ``BatchKVCache.prepare(right_padding=...)`` + ``finalize()`` -- and
+    then the padding every row shares is removed, so ``_idx`` ends at the longest row and padding does not
+    accumulate tick after tick. Both moves are one copy of each array (one slice copy per row into a buffer of
+    the same capacity, so the next forward does not reallocate). When every row drops the same number and no
+    shared padding appears, it is a plain ``trim`` (no copy).
+
+    ``offset`` (per-row real length, the RoPE position) and ``left_padding`` are updated, so the next forward
+    sees exactly a cache that never held the dropped tokens. Returns the new per-row lengths.
+
+    Raises TypeError for a layer that cannot roll back: a sliding window that has wrapped has already
+    overwritten the positions a rollback would have to restore, recurrent state cannot be rewound.
+    Speculation must be off for such models (the engine refuses it at configuration time).
+    """
+    layers = list(batch_cache_layers)
+    for layer in layers:
+        if not isinstance(layer, mlx_cache.BatchKVCache):
+            kind = _kind_of(layer) if not isinstance(layer, mlx_cache.CacheList) else None
+            why = "cannot be rolled back" if kind is not None and not kind.caps.rollback else "is not a batch cache"
+            raise TypeError(f"rollback_rows: {type(layer).__name__} {why}")
+    if not layers:
+        return []
+    d = np.asarray(drop.tolist() if isinstance(drop, mx.array) else drop, dtype=np.int64).reshape(-1)
+    first = layers[0]
+    lengths = np.asarray(first.offset.tolist(), dtype=np.int64).reshape(-1)
+    if d.shape[0] != lengths.shape[0]:
+        raise ValueError(f"drop has {d.shape[0]} rows, the cache has {lengths.shape[0]}")
+    if (d < 0).any():
+        raise ValueError(f"drop must be >= 0, got {d.tolist()}")
+    if (d > lengths).any():
+        raise ValueError(f"cannot drop more positions than a row holds: drop {d.tolist()}, lengths {lengths.tolist()}")
+    new_len = lengths - d
+    if not d.any():
+        return new_len.tolist()
+    idx = first._idx
+    new_idx = int(new_len.max()) if new_len.size else 0
+    shift = d - (idx - new_idx)  # >0: move right (row dropped more than the shared trim); <0: move left
+    for layer in layers:
+        if layer._idx != idx or layer.offset.shape[0] != d.shape[0]:
+            raise ValueError("all layers of a batch cache must have the same rows and length")
+        if not shift.any():
+            layer.trim(idx - new_idx)
+            continue
+        if layer.keys is not None:
+            layer.keys = _shift_rows(layer.keys, shift)
+            layer.values = _shift_rows(layer.values, shift)
+        layer._idx = new_idx
+        layer.offset = mx.array(new_len.astype(np.int32))
+        layer.left_padding = mx.array((new_idx - new_len).astype(np.int32))
+    return new_len.tolist()
+
+
+# The capabilities of each cache class by name (the family table declares kinds by name).
+KIND_CAPABILITIES: dict[str, LayerCapabilities] = {kind.caps.kind: kind.caps for kind in _KINDS}
