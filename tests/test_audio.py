@@ -1,5 +1,5 @@
 """Audio inputs on a tiny Gemma 4 built offline (`build_model("audio")`): it loads and generates through
-mlx_vlm with an audio clip; the Gemma4AudioAdapter, solo and batched with text requests (sliding-window caches
+mlx_vlm with an audio clip; the VLMAdapter, solo and batched with text requests (sliding-window caches
 wrapping), gives exactly the tokens of mlx_vlm.stream_generate run alone; a repeated clip hits the encoder
 cache; bad audio fails with MediaError naming the clip."""
 
@@ -17,7 +17,7 @@ from caches.vision import VisionCache  # noqa: E402
 from scheduler.execution import library  # noqa: E402
 from scheduler.models.media import load_audio  # noqa: E402
 from scheduler.fixtures.tiny_models import ALL_KINDS, MODEL_KINDS, build_model  # noqa: E402
-from scheduler.models.vlm import Gemma4AudioAdapter, MediaError, adapter_for  # noqa: E402
+from scheduler.models.adapter import MediaError, VLMAdapter, adapter_for  # noqa: E402
 
 MAX_TOKENS = 12
 CHUNK = 7
@@ -38,7 +38,7 @@ def gemma(audio_model_dir):
 
 @pytest.fixture(scope="module")
 def adapter(gemma):
-    return Gemma4AudioAdapter(*gemma)
+    return VLMAdapter(*gemma)
 
 
 def tone(seconds, seed, rate=RATE):
@@ -190,7 +190,7 @@ def mixed(gemma, adapter, clips):
 def test_prepare_shapes(adapter, mixed):
     prepared, _ = mixed
     first = prepared[0]
-    assert first.num_audio == 1 and first.num_media_tokens == 25 == first.input_ids.count(adapter.audio_token_id)
+    assert first.num_audio == 1 and first.num_media_tokens == 25 == first.input_ids.count(adapter.model.config.audio_token_id)
     assert first.num_media_items == 1 and first.media_key is not None
     assert prepared[1].num_media_tokens == 38  # ceil(1500 ms / 40 ms)
     assert len(prepared[1].input_ids) + MAX_TOKENS > 64  # the sliding layer's window wraps
@@ -219,10 +219,10 @@ def test_merge_equals_mlx_vlm_get_input_embeddings(gemma, adapter, mixed):
     model, _ = gemma
     for p in (mixed[0][0], mixed[0][5]):
         ours = adapter.encode(p)
-        theirs = model.get_input_embeddings(ours.input_ids, input_features=p.audio_features,
-                                            input_features_mask=p.audio_features_mask)
+        theirs = model.get_input_embeddings(ours.input_ids, input_features=p.media_inputs["input_features"],
+                                            input_features_mask=p.media_inputs["input_features_mask"])
         assert mx.array_equal(ours.embeddings, theirs.inputs_embeds)
-        assert mx.array_equal(ours.per_layer_inputs, theirs.per_layer_inputs)
+        assert mx.array_equal(ours.sequence_inputs["per_layer_inputs"], theirs.per_layer_inputs)
 
 
 def test_audio_inputs_as_path_bytes_and_array_agree(adapter, clips):
@@ -241,10 +241,10 @@ def test_audio_inputs_as_path_bytes_and_array_agree(adapter, clips):
 def test_repeated_clip_hits_the_cache(gemma, clips, mixed):
     _, references = mixed
     cache = VisionCache(16 << 20)
-    adapter = Gemma4AudioAdapter(*gemma, vision_cache=cache)
+    adapter = VLMAdapter(*gemma, vision_cache=cache)
     calls = []
-    inner = adapter.audio_encoder
-    adapter.audio_encoder = lambda f, m: calls.append(1) or inner(f, m)
+    inner = adapter.media_encoder
+    adapter.media_encoder = lambda ids, media, mask: calls.append(1) or inner(ids, media, mask)
     messages = audio_messages("What is in this clip?")
     first = adapter.prepare(messages, audio=[clips["a"]])
     again = adapter.prepare(messages, audio=[clips["a"].read_bytes()])
@@ -258,7 +258,7 @@ def test_repeated_clip_hits_the_cache(gemma, clips, mixed):
 
 
 def test_adapter_for_picks_gemma4(gemma):
-    assert isinstance(adapter_for(*gemma), Gemma4AudioAdapter)
+    assert isinstance(adapter_for(*gemma), VLMAdapter)
     assert adapter_for(*gemma).eos_token_ids == frozenset({1, 4})
 
 

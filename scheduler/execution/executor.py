@@ -352,7 +352,7 @@ class MLXExecutor:
             if self._keeps_hidden:  # (B, width + 1, V) logits and (B, width + 1, H) hidden states
                 all_logits, all_hidden = self.runner.forward_with_hidden(self.kv.batch, verify_inputs)
             else:
-                all_logits = self.runner.verify(self.kv.batch, verify_inputs)
+                all_logits = self.runner.verify(self.kv.batch, verify_inputs, self._rope_deltas)
             logits = all_logits[:, 0, :]
         logits = self._apply_processors(logits, result)
         params = self._sampling_arrays()

@@ -48,6 +48,7 @@ class FamilySpec:
     sequence_inputs: tuple[str, ...] = ()
     mixed_image_video: bool = False
     video_template: str = "processor"
+    refused: str | None = None  # why mlx-vlm's model cannot be batched here (refused at load)
     notes: str = field(default="", compare=False)
 
 

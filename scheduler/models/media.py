@@ -384,8 +384,6 @@ def load_audio(source: AudioInput, index: int, sample_rate: int) -> np.ndarray:
     return _check_waveform(wave, index, what)
 
 
-__all__ = ["AudioInput", "MediaError", "VideoFrames", "describe_source", "load_audio", "load_video",
-           "sample_frame_indices", "spread_indices", "validate_video_sampling"]
 
 
 # ================================================================================================
@@ -453,3 +451,7 @@ def _read_source(source: Any, index: int) -> bytes:
             raise MediaError(index, f"cannot read {describe_source(source)}: {exc}") from exc
     raise MediaError(index, f"unsupported image type {type(source).__name__} "
                             "(want PIL.Image, a file path, bytes or a data:image URI)")
+
+
+__all__ = ["AudioInput", "ImageInput", "MediaError", "VideoFrames", "describe_source", "load_audio", "load_image",
+           "load_video", "sample_frame_indices", "spread_indices", "validate_video_sampling"]

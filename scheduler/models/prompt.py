@@ -90,18 +90,6 @@ def from_openai_messages(messages: list[dict]) -> tuple[list[dict], MediaInputs]
     return out, media
 
 
-def _plain_text_messages(messages: list[dict]) -> list[dict]:
-    """mlx-vlm's template adds the placeholders itself (``num_images``): it wants each message's text, not our
-    placeholder parts (which would be rendered twice)."""
-    plain = []
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, list):
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-        plain.append({**message, "content": content})
-    return plain
-
-
 def render(processor: Any, config: Any, messages: list[dict], num_images: int, num_videos: int,
            num_audio: int) -> str:
     if not messages:
@@ -111,6 +99,6 @@ def render(processor: Any, config: Any, messages: list[dict], num_images: int, n
         if render_own is None or not (getattr(processor, "chat_template", None)
                                       or getattr(getattr(processor, "tokenizer", None), "chat_template", None)):
             raise ValueError("this model has no chat template for video messages; pass a templated prompt string")
-        return render_own(messages, add_generation_prompt=True, tokenize=False)
-    return seam.chat_template(processor, config, _plain_text_messages(messages), num_images=num_images,
+        return seam.own_chat_template(processor, messages)
+    return seam.chat_template(processor, config, messages, num_images=num_images,
                               num_audios=num_audio)

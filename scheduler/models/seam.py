@@ -44,12 +44,38 @@ def prepare_inputs(model: Any, processor: Any, prompt: str, images: list | None,
 
 def chat_template(processor: Any, config: Any, messages: list[dict], num_images: int = 0,
                   num_audios: int = 0) -> str:
+    """Chat messages -> prompt text exactly as mlx-vlm's ``apply_chat_template`` renders them (its per-family
+    messages with placeholders, then the chat template with the generation prompt), but calling the template
+    the way transformers wants: mlx-vlm passes ``enable_thinking=False`` to every template, and a processor
+    whose template does not use it prints a "processor_kwargs" warning per request; we pass it only to a
+    template that reads it (what it renders is the same either way)."""
     from mlx_vlm.prompt_utils import apply_chat_template
 
-    kwargs: dict[str, Any] = {"num_images": num_images}
-    if num_audios:
-        kwargs["num_audios"] = num_audios
-    return apply_chat_template(processor, config, messages, **kwargs)
+    rendered = apply_chat_template(processor, config, messages, return_messages=True, num_images=num_images,
+                                   num_audios=num_audios)
+    template_processor = processor
+    if getattr(processor, "chat_template", None) is None and getattr(
+            getattr(processor, "tokenizer", None), "chat_template", None) is not None:
+        template_processor = processor.tokenizer
+    if getattr(template_processor, "chat_template", None) is None:  # no template: mlx-vlm's own rendering
+        return apply_chat_template(processor, config, messages, num_images=num_images, num_audios=num_audios)
+    kwargs = {"enable_thinking": False} if _template_mentions(template_processor, "enable_thinking") else {}
+    return template_processor.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True, **kwargs)
+
+
+def own_chat_template(processor: Any, messages: list[dict]) -> str:
+    """The model's own chat template on messages holding media parts (each placeholder where its part is)."""
+    return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def _template_mentions(template_processor: Any, name: str) -> bool:
+    templates = [getattr(template_processor, "chat_template", None),
+                 getattr(getattr(template_processor, "tokenizer", None), "chat_template", None)]
+    for template in templates:
+        values = template.values() if isinstance(template, dict) else [template]
+        if any(isinstance(v, str) and name in v for v in values):
+            return True
+    return False
 
 
 def input_embeddings(model: Any, input_ids: mx.array, media_inputs: dict[str, Any], mask: mx.array | None) -> Any:
