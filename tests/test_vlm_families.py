@@ -1,0 +1,135 @@
+"""Every vision-language family the generic adapter batches (scheduler/models/families.py), built tiny and seeded
+offline, loaded by mlx_vlm.load: the engine's greedy output for a mixed workload (images of several sizes, two
+images in one request, a repeated image, text-only requests) equals, request by request, mlx_vlm.stream_generate
+run on that request alone, in three schedules:
+
+``staggered``  arrivals one tick apart, small token / chunk / vision budgets, vision cache and prefix cache on
+               (a later request with the same image and prompt prefix restores an earlier one's cache);
+``kv-budget``  a KV memory budget that preempts running requests, image requests among them (they are recomputed
+               from the vision cache or re-encoded);
+``drafting``   prompt-lookup drafting on every row, image rows included (verified in the batched forward, rolled
+               back per row).
+
+The family table is the data a new family needs: its builder and the media its processor takes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from scheduler import Engine, EngineConfig, SamplingParams
+from scheduler.fixtures.tiny_models import build_model
+from scheduler.fixtures.vlm_qwen import build_qwen_vl
+
+from .helpers import drive, engine_with_log
+
+MAX_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class FamilyCase:
+    build: Callable  # (out_dir) -> model dir
+    media: tuple[str, ...] = ("image",)
+
+
+FAMILY_CASES = {
+    "qwen2_vl": FamilyCase(lambda d: build_model("vlm", d)),
+    "qwen2_5_vl": FamilyCase(lambda d: build_qwen_vl("qwen2_5_vl", d)),
+    "qwen3_vl": FamilyCase(lambda d: build_qwen_vl("qwen3_vl", d)),
+}
+
+SCHEDULES = {
+    "staggered": dict(stagger=1, config=dict(max_batched_tokens=40, prefill_chunk=9, max_seqs=6, vision_budget=1)),
+    "kv-budget": dict(stagger=0, config=dict(max_seqs=8, kv_headroom_tokens=2), budget_tokens=1400),
+    "drafting": dict(stagger=1, config=dict(draft_tokens=3, max_batched_tokens=96)),
+}
+
+LONG = "The old man reads many books in the morning, and the teacher brings a warm coat to the farmer. "
+
+
+def noise_image(width, height, seed):
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def workload() -> list[tuple[list[dict], list]]:
+    """(chat messages, images): images of four sizes, one request with two, the first image again under a prompt
+    that shares a long prefix with the first request (a prefix-cache and vision-cache hit), and text-only rows
+    with repeated phrases (something for prompt lookup to find)."""
+    def user(text, n):
+        content = [{"type": "image"}] * n + [{"type": "text", "text": text}] if n else text
+        return [{"role": "user", "content": content}]
+
+    first = noise_image(112, 140, seed=1)
+    return [
+        (user(LONG + "What is in the picture?", 1), [first]),
+        (user("Hi. The cat sat on the mat. The cat sat on the mat.", 0), []),
+        (user("Describe it.", 1), [noise_image(56, 56, seed=2)]),
+        (user("Compare the two pictures, please.", 2), [noise_image(84, 112, seed=3), noise_image(56, 84, seed=4)]),
+        (user("Why does the river see the green door? " * 2, 0), []),
+        (user("A wide one.", 1), [noise_image(140, 84, seed=5)]),
+        (user(LONG + LONG, 0), []),
+        (user(LONG + "What colour is it?", 1), [first.copy()]),
+    ]
+
+
+@pytest.fixture(scope="module", params=list(FAMILY_CASES))
+def family(request, tmp_path_factory):
+    """(name, (model, processor), requests, solo references) of one family."""
+    import mlx_vlm
+    from mlx_vlm.prompt_utils import apply_chat_template
+
+    name = request.param
+    model_dir = FAMILY_CASES[name].build(tmp_path_factory.mktemp(f"tiny-{name}"))
+    model, processor = mlx_vlm.load(str(model_dir))
+    requests = workload()
+    references = []
+    for messages, images in requests:
+        prompt = apply_chat_template(processor, model.config, messages, num_images=len(images))
+        last = None
+        for last in mlx_vlm.stream_generate(model, processor, prompt, image=images or None,
+                                            max_tokens=MAX_TOKENS, temperature=0.0):
+            pass
+        references.append(list(last.token_ids))
+    return name, (model, processor), requests, references
+
+
+def _config(engine_probe: Engine | None, schedule: dict) -> EngineConfig:
+    cfg = dict(schedule["config"], prefix_cache_bytes=8 << 20, prefix_block_size=8, check_invariants=True)
+    if "budget_tokens" in schedule:
+        cfg["kv_memory_bytes"] = engine_probe.kv_layout.bytes_per_token * schedule["budget_tokens"]
+    return EngineConfig(**cfg)
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_family_batches_exactly(family, schedule):
+    name, (model, processor), requests, references = family
+    spec = SCHEDULES[schedule]
+    probe = Engine(model, processor) if "budget_tokens" in spec else None
+    engine, log = engine_with_log(model, processor, _config(probe, spec))
+    arrivals = [(i * spec["stagger"], {"prompt": messages, "images": images,
+                                       "sampling": SamplingParams(max_tokens=MAX_TOKENS)})
+                for i, (messages, images) in enumerate(requests)]
+    run = drive(engine, arrivals)
+    assert not run.errors, run.errors
+    outputs = list(run.tokens.values())
+    mismatches = [i for i, (got, want) in enumerate(zip(outputs, references)) if got != want]
+    assert not mismatches, f"{name}/{schedule}: requests {mismatches} differ from solo mlx_vlm"
+    assert engine.executor.cache_bytes() == 0 and not engine.executor.live_request_ids()
+    stats = engine.stats()
+    assert stats.vision_cache["hits"] >= 1, "the repeated image was encoded again"
+    image_ids = {rid for rid, (_, images) in zip(run.tokens, requests) if images}
+    if schedule == "staggered":
+        assert stats.prefix_cache["hits"] >= 1, "the shared image + prompt prefix was not reused"
+    if schedule == "kv-budget":
+        preempted = {e["request_id"] for e in log.of_kind("transition") if e["to"] == "queued" and e["from"] != "queued"}
+        assert preempted & image_ids, f"no image request was preempted (preempted: {sorted(preempted)})"
+    if schedule == "drafting":
+        drafting = engine.draft_stats()
+        assert drafting["drafted"] > 0 and drafting["verify_forwards"] > 0
+        drafted_rows = {e["request_id"] for e in log.of_kind("transition") if e["to"] == "drafting"}
+        assert drafted_rows & image_ids, "no image row drafted"
