@@ -211,12 +211,22 @@ class RotatingKV:
         return LayerLayout((layer.keys.nbytes + layer.values.nbytes) // layer.keys.shape[2], layer.max_size)
 
 
+def _arrays_classes() -> tuple[type, ...]:
+    """mlx-lm's ArraysCache, and mlx-vlm's own (hybrid VLMs such as Qwen3.5 build it; same merge / filter /
+    extend and ``cache`` list)."""
+    try:
+        from mlx_vlm.models import cache as vlm_cache
+    except ImportError:  # mlx-vlm is optional for text-only use
+        return (mlx_cache.ArraysCache,)
+    return (mlx_cache.ArraysCache, vlm_cache.ArraysCache)
+
+
 class Arrays:
     """Recurrent state (SSM, conv, linear attention): fixed bytes per request, no notion of a token count.
     A state cannot be cut back to a shorter prefix, nor rewound after draft verification."""
 
-    classes = (mlx_cache.ArraysCache,)
-    batch_classes = (mlx_cache.ArraysCache,)
+    classes = _arrays_classes()
+    batch_classes = classes
     caps = LayerCapabilities("ArraysCache", Growth.FIXED, trimmable=False, rollback=False, splittable=False)
 
     @staticmethod

@@ -120,7 +120,8 @@ def builds_own_cache(language_model: Any) -> bool:
 def row_offsets(cache: list) -> mx.array:
     """(B,) tokens each row's cache holds. Single-request caches have an int ``offset``; mlx-vlm's
     ``BatchKVCache.offset`` is an array of real (non-padding) tokens per row."""
-    offset = cache[0].offset
+    layer = next(c for c in cache if hasattr(c, "offset"))  # hybrids: the first attention layer (recurrent
+    offset = layer.offset                                   # state has no length)
     if isinstance(offset, mx.array):
         return offset.reshape(-1).astype(mx.int32)
     return mx.array([int(offset)], dtype=mx.int32)
