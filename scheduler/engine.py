@@ -290,9 +290,6 @@ class Engine:
         messages). Media that cannot be read does not raise: the request is accepted and fails at the next tick
         with the error in its output, like any failure of its own work.
         """
-        if images is not None and len(images) > self.config.max_images_per_request:
-            raise InvalidRequest("images", f"{len(images)} images; max_images_per_request is "
-                                           f"{self.config.max_images_per_request}", request_id)
         for name, items in (("images", images), ("videos", videos), ("audio", audio)):
             if items and self.vlm is None:
                 raise InvalidRequest(name, "this engine was loaded with a text-only model")
@@ -346,7 +343,7 @@ class Engine:
     def _prepare_media(self, prompt: Any, prompt_tokens: Any, images: Any, videos: Any = None,
                        audio: Any = None) -> tuple[Any, str | None]:
         """Preprocess on the caller's thread (CPU work). Returns (prepared inputs, media error)."""
-        from .models.media import MediaError
+        from .models.media import MediaError, MediaLimit, RemoteMedia
 
         if prompt_tokens is not None:
             return self.vlm.text_request(prompt_tokens), None
@@ -359,6 +356,8 @@ class Engine:
             kwargs["audio"] = list(audio)
         try:
             return self.vlm.prepare(prompt, list(images or ()), **kwargs), None
+        except (RemoteMedia, MediaLimit) as exc:  # known without reading anything: refused now
+            raise InvalidRequest(f"{exc.kind}s", str(exc)) from None
         except MediaError as exc:
             return None, f"unreadable {getattr(exc, 'kind', 'image')}: {exc}"
         except (ValueError, TypeError) as exc:
@@ -702,7 +701,8 @@ def _model_family(model: Any, tokenizer: Any, config: EngineConfig, on_vision_ev
     vision_cache = VisionCache(config.vision_cache_bytes, on_event=on_vision_event) if config.vision_cache_bytes else None
     # for an mlx-vlm model, `tokenizer` is its processor
     vlm = adapter_for(model, tokenizer, vision_cache, video_fps=config.video_fps,
-                      video_max_frames=config.video_max_frames, max_kv_size=config.max_kv_size)
+                      video_max_frames=config.video_max_frames, max_kv_size=config.max_kv_size,
+                      max_images_per_request=config.max_images_per_request)
     return _ModelFamily(VisionLanguageRunner(vlm), vlm.tokenizer, vlm.vocab_size, vlm.max_positions,
                         vlm.eos_token_ids, vlm, vision_cache)
 

@@ -146,3 +146,23 @@ def test_family_batches_exactly(family, schedule):
         assert drafting["drafted"] > 0 and drafting["verify_forwards"] > 0
         drafted_rows = {e["request_id"] for e in log.of_kind("transition") if e["to"] == "drafting"}
         assert drafted_rows & image_ids, "no image row drafted"
+
+
+def test_family_is_quiet_per_request(family, capfd, caplog, recwarn):
+    """Nothing prints, logs or warns per request (mlx-vlm's template call made transformers warn about
+    "processor_kwargs" once per image request)."""
+    import logging
+
+    name, (model, processor), requests, references = family
+    engine = Engine(model, processor, EngineConfig(check_invariants=True))
+    capfd.readouterr()
+    caplog.clear()
+    recwarn.clear()
+    with caplog.at_level(logging.WARNING):
+        run = drive(engine, [(0, {"prompt": m, "images": im, "sampling": SamplingParams(max_tokens=MAX_TOKENS)})
+                             for m, im in requests[2:4]])
+    assert list(run.tokens.values()) == references[2:4]
+    out, err = capfd.readouterr()
+    assert (out, err) == ("", ""), f"{name} printed per request: {(out + err)[:300]}"
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [r.getMessage() for r in caplog.records]
+    assert not [str(w.message) for w in recwarn]

@@ -45,8 +45,8 @@ from caches.vision import VisionCache, content_key
 from scheduler.models import prompt as prompts
 from scheduler.models import seam
 from scheduler.models.families import FamilySpec, UnsupportedFamily, family_for
-from scheduler.models.media import (AudioInput, ImageInput, MediaError, VideoFrames, VideoInput, load_audio,
-                                    load_image, load_video, validate_video_sampling)
+from scheduler.models.media import (AudioInput, ImageInput, MediaError, MediaLimit, VideoFrames, VideoInput,
+                                    load_audio, load_image, load_video, validate_video_sampling)
 from scheduler.models.positions import STRATEGIES
 
 DEFAULT_VIDEO_FPS = 2.0  # Qwen2-VL's own default sampling rate
@@ -119,11 +119,12 @@ class VLMAdapter:
     """The generic adapter. ``vision_cache``: optional ``VisionCache`` of media rows by ``media_key``.
     ``media_encoder``: the callable ``(input_ids, media_inputs, mask) -> InputEmbeddingsFeatures`` that runs the
     encoders and the merge (``Model.get_input_embeddings``); replace it on the instance to instrument it (tests
-    count its calls). ``max_kv_size``: rotating caches of that many tokens (``seam.make_cache``)."""
+    count its calls). ``max_kv_size``: rotating caches of that many tokens (``seam.make_cache``).
+    ``max_images_per_request``: more images in one request raise ``MediaLimit``."""
 
     def __init__(self, model: Any, processor: Any, vision_cache: VisionCache | None = None,
                  video_fps: float = DEFAULT_VIDEO_FPS, video_max_frames: int = DEFAULT_VIDEO_MAX_FRAMES,
-                 max_kv_size: int | None = None):
+                 max_kv_size: int | None = None, max_images_per_request: int | None = None):
         self.spec: FamilySpec = family_for(getattr(getattr(model, "config", None), "model_type", None))
         if self.spec.refused:
             raise UnsupportedFamily(f"model_type {self.spec.model_type!r} cannot be batched: {self.spec.refused}")
@@ -131,6 +132,7 @@ class VLMAdapter:
         self.language_model = model.language_model
         self.vision_cache = vision_cache
         self.max_kv_size = max_kv_size
+        self.max_images_per_request = max_images_per_request
         self.positions = STRATEGIES[self.spec.positions]
         self.media_encoder: Callable[[mx.array, dict, Any], Any] = self._encode_media
         self.media_token_ids = seam.media_token_ids(model, processor)
@@ -207,11 +209,21 @@ class VLMAdapter:
                 videos: Sequence[VideoInput] | None = (), audio: Sequence[AudioInput] | None = (),
                 fps: float | None = None, max_frames: int | None = None) -> PreparedRequest:
         """CPU-side preprocessing of one request. ``prompt``: templated text, or chat messages (rendered as
-        ``mlx_vlm.generate`` renders them; see ``prompt.render``). An unusable medium raises ``MediaError``
-        naming it; a bad prompt, mismatched placeholders or media the family does not take raise ``ValueError``."""
+        ``mlx_vlm.generate`` renders them; see ``prompt.render``), whose media may also come as OpenAI-style
+        content parts (``image_url`` / ``video_url`` / ``input_audio``; ``prompt.from_openai_messages``). An
+        unusable medium raises ``MediaError`` naming it (``RemoteMedia`` for an http(s) URL); too many images
+        ``MediaLimit``; a bad prompt, mismatched placeholders or media the family does not take ``ValueError``."""
         images = list(images) if images is not None else []
         videos = list(videos) if videos is not None else []
         clips_in = list(audio) if audio is not None else []
+        if isinstance(prompt, (list, tuple)) and prompts.has_media_parts(list(prompt)):
+            if images or videos or clips_in:
+                raise ValueError("give media either as content parts of the messages or as images= / videos= / "
+                                 "audio=, not both")
+            prompt, parts = prompts.from_openai_messages(list(prompt))
+            images, videos, clips_in = parts.images, parts.videos, parts.audio
+        if self.max_images_per_request is not None and len(images) > self.max_images_per_request:
+            raise MediaLimit("image", len(images), self.max_images_per_request)
         for kind, items in (("image", images), ("video", videos), ("audio", clips_in)):
             if items and kind not in self.spec.media:
                 raise ValueError(f"{kind}s are not supported for {self.spec.model_type} (it takes "

@@ -5,7 +5,7 @@ model interface (``Model.get_input_embeddings`` and the language model's ``input
 between families is declared here, and nothing else:
 
 ``positions``      how the language model places tokens: ``ROPE`` (plain 1-D RoPE from each cache row's offset:
-                   llava, gemma3, idefics3, pixtral, mistral3, gemma4) or ``MROPE`` (Qwen2/2.5/3-VL: 3-D
+                   gemma3, idefics3, mistral3, gemma4) or ``MROPE`` (Qwen2/2.5/3-VL: 3-D
                    positions from the image / video grids, a per-request rope delta; see ``positions.py``).
 ``media``          the media kinds the family's processor and embedding merge take.
 ``placeholder``    the processor attribute naming the text a prompt holds once per image (``image_token`` for
@@ -19,7 +19,9 @@ between families is declared here, and nothing else:
                    (mlx-vlm's ``apply_chat_template`` puts videos at the start of every message).
 
 A family absent from this table is refused at load with ``UnsupportedFamily`` (a ``TypeError``) naming the
-supported ones: mlx-vlm may load it, but nothing here has shown that it batches exactly.
+supported ones: mlx-vlm may load it, but nothing here has shown that it batches exactly. A family declared with
+``refused`` is one mlx-vlm runs that cannot batch through this interface; it is refused at load with the reason.
+Every family here without ``refused`` is exact in tests/test_vlm_families.py (gemma4: tests/test_audio.py).
 """
 
 from __future__ import annotations
@@ -63,11 +65,12 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
                notes="hybrid: gated-delta (recurrent) layers next to full attention; no drafting (no rollback)"),
     FamilySpec("gemma3", placeholder="boi_token"),
     FamilySpec("idefics3"),
-    FamilySpec("llava"),
-    FamilySpec("pixtral"),
     FamilySpec("mistral3"),
     FamilySpec("gemma4", media=frozenset({"audio"}), sequence_inputs=("per_layer_inputs",),
                notes="audio only: images need gemma4's image position ids, not yet declared"),
+    FamilySpec("mllama", refused="its language model cross-attends to each request's vision states (cross-"
+               "attention layers fed `cross_attention_states`), which neither the inputs_embeds path nor a batch "
+               "cache carries per row"),
 )}
 
 
@@ -75,5 +78,5 @@ def family_for(model_type: str | None) -> FamilySpec:
     spec = FAMILIES.get(model_type or "")
     if spec is None:
         raise UnsupportedFamily(f"no VLM family spec for model_type {model_type!r}; supported: "
-                                f"{', '.join(sorted(FAMILIES))}")
+                                f"{', '.join(sorted(k for k, v in FAMILIES.items() if not v.refused))}")
     return spec

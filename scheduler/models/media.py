@@ -73,6 +73,18 @@ class MediaError(ValueError):
         super().__init__(f"{where}: {reason}")
 
 
+class RemoteMedia(MediaError):
+    """A medium given as an ``http(s)`` URL: never fetched (no network); pass its bytes, a path or a data: URL."""
+
+
+class MediaLimit(ValueError):
+    """More media of one kind in a request than the engine allows (``max_images_per_request``)."""
+
+    def __init__(self, kind: str, count: int, limit: int):
+        self.kind, self.count, self.limit = kind, count, limit
+        super().__init__(f"{count} {kind}s in one request; at most {limit} (max_{kind}s_per_request)")
+
+
 def describe_source(source: Any) -> str:
     if isinstance(source, (str, os.PathLike)):
         text = os.fspath(source)
@@ -292,8 +304,8 @@ def load_video(source: VideoInput, index: int, fps: float, max_frames: int) -> V
             except OSError:
                 pass
     if isinstance(source, str) and source.startswith(("http://", "https://")):
-        raise MediaError(index, "remote URLs are not fetched; pass the video bytes, a file path or its frames",
-                         "video")
+        raise RemoteMedia(index, "remote URLs are not fetched; pass the video bytes, a file path or its frames",
+                          "video")
     if isinstance(source, str) and source.startswith("file://"):
         source = source[len("file://"):]
     if isinstance(source, (str, os.PathLike)):
@@ -354,7 +366,7 @@ def load_audio(source: AudioInput, index: int, sample_rate: int) -> np.ndarray:
     if isinstance(source, np.ndarray):
         raise MediaError(index, "a bare array has no sample rate: pass (samples, sample_rate)", "audio")
     if isinstance(source, str) and source.startswith(("http://", "https://")):
-        raise MediaError(index, "remote URLs are not fetched; pass the audio bytes or a file path", "audio")
+        raise RemoteMedia(index, "remote URLs are not fetched; pass the audio bytes or a file path", "audio")
     from mlx_vlm.utils import load_audio as vlm_load_audio
 
     if isinstance(source, (bytes, bytearray, memoryview)):
@@ -436,7 +448,8 @@ def _read_source(source: Any, index: int) -> bytes:
         except Exception as exc:
             raise MediaError(index, f"bad base64 in data URI: {exc}") from exc
     if isinstance(source, str) and source.startswith(("http://", "https://")):
-        raise MediaError(index, "remote URLs are not fetched; pass the image bytes, a file path or a PIL image")
+        raise RemoteMedia(index, "remote URLs are not fetched; pass the image bytes, a file path, a data: URL or "
+                                 "a PIL image")
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         try:
@@ -453,5 +466,5 @@ def _read_source(source: Any, index: int) -> bytes:
                             "(want PIL.Image, a file path, bytes or a data:image URI)")
 
 
-__all__ = ["AudioInput", "ImageInput", "MediaError", "VideoFrames", "describe_source", "load_audio", "load_image",
+__all__ = ["AudioInput", "ImageInput", "MediaError", "MediaLimit", "RemoteMedia", "VideoFrames", "describe_source", "load_audio", "load_image",
            "load_video", "sample_frame_indices", "spread_indices", "validate_video_sampling"]

@@ -36,6 +36,23 @@ class ContentPartError(ValueError):
         super().__init__(f"message {message_index}, content part {part_index}: {reason}")
 
 
+_PLACEHOLDER_PARTS = ("text", "image", "video", "audio")
+
+
+def has_media_parts(messages: list[dict]) -> bool:
+    """Whether any message's content parts go through ``from_openai_messages``: media given in the part (a url
+    or data: ``image_url``, ``video_url``, ``input_audio``, an ``image`` part with a source) or a part type
+    that is not one of our placeholders (refused there with ``ContentPartError``)."""
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind not in _PLACEHOLDER_PARTS or (kind in ("image", "video") and part.get(kind) is not None):
+                    return True
+    return False
+
+
 def _url_of(value: Any) -> Any:
     return value.get("url") if isinstance(value, dict) else value
 
