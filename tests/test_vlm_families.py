@@ -5,8 +5,8 @@ run on that request alone, in three schedules:
 
 ``staggered``  arrivals one tick apart, small token / chunk / vision budgets, vision cache and prefix cache on
                (a later request with the same image and prompt prefix restores an earlier one's cache);
-``kv-budget``  a KV memory budget that preempts running requests, image requests among them (they are recomputed
-               from the vision cache or re-encoded);
+``kv-budget``  a KV memory budget that preempts running requests, image requests among them (recomputed from
+               the vision cache; ``kv-budget-reencode``: with no vision cache, their media encoded again);
 ``drafting``   prompt-lookup drafting on every row, image rows included (verified in the batched forward, rolled
                back per row).
 
@@ -49,6 +49,9 @@ FAMILY_CASES = {
 SCHEDULES = {
     "staggered": dict(stagger=1, config=dict(max_batched_tokens=40, prefill_chunk=9, max_seqs=6, vision_budget=1)),
     "kv-budget": dict(stagger=0, config=dict(max_seqs=8, kv_headroom_tokens=2), budget_tokens=1400),
+    # the same without a vision cache: a preempted image request is encoded again from its kept media tensors
+    "kv-budget-reencode": dict(stagger=0, config=dict(max_seqs=8, kv_headroom_tokens=2, vision_cache_bytes=0),
+                               budget_tokens=1400),
     "drafting": dict(stagger=1, config=dict(draft_tokens=3, max_batched_tokens=96)),
 }
 
@@ -131,16 +134,20 @@ def test_family_batches_exactly(family, schedule):
     assert not mismatches, f"{name}/{schedule}: requests {mismatches} differ from solo mlx_vlm"
     assert engine.executor.cache_bytes() == 0 and not engine.executor.live_request_ids()
     stats = engine.stats()
-    assert stats.vision_cache["hits"] >= 1, "the repeated image was encoded again"
     image_ids = {rid for rid, (_, images) in zip(run.tokens, requests) if images}
+    encodes = [e["request_id"] for e in log.of_kind("transition") if e["to"] == "vision_encoding"]
+    if stats.vision_cache is not None:
+        assert stats.vision_cache["hits"] >= 1, "the repeated image was encoded again"
     if schedule == "staggered":
         # the whole repeated prompt always; a shared prefix only where every cache layer can be cut back to it
         # (sliding windows and recurrent state reuse whole entries only)
         wanted = 2 if engine._runner.capabilities.trimmable else 1
         assert stats.prefix_cache["hits"] >= wanted, "the shared image + prompt (prefix) was not reused"
-    if schedule == "kv-budget":
+    if schedule.startswith("kv-budget"):
         preempted = {e["request_id"] for e in log.of_kind("transition") if e["to"] == "queued" and e["from"] != "queued"}
         assert preempted & image_ids, f"no image request was preempted (preempted: {sorted(preempted)})"
+        # encoded again after preemption: from the vision cache, or (no cache) by the encoders
+        assert len(encodes) > len(image_ids), "a preempted image request was not encoded again"
     if schedule == "drafting":
         drafting = engine.draft_stats()
         assert drafting["drafted"] > 0 and drafting["verify_forwards"] > 0
