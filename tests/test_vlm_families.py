@@ -39,11 +39,12 @@ class FamilyCase:
 
 
 FAMILY_CASES = {
-    "qwen2_vl": FamilyCase(lambda d: build_model("vlm", d)),
-    **{name: FamilyCase(lambda d, name=name: build_tiny_vlm(name, d))
-       for name in ("qwen2_5_vl", "qwen3_vl", "idefics3", "mistral3")},
+    "qwen2_vl": FamilyCase(lambda d: build_model("vlm", d), ("image", "video")),
+    **{name: FamilyCase(lambda d, name=name: build_tiny_vlm(name, d), ("image", "video"))
+       for name in ("qwen2_5_vl", "qwen3_vl")},
+    **{name: FamilyCase(lambda d, name=name: build_tiny_vlm(name, d)) for name in ("idefics3", "mistral3")},
     "gemma3": FamilyCase(lambda d: build_tiny_vlm("gemma3", d), drafting=False),
-    "qwen3_5": FamilyCase(lambda d: build_tiny_vlm("qwen3_5", d), drafting=False),
+    "qwen3_5": FamilyCase(lambda d: build_tiny_vlm("qwen3_5", d), ("image", "video"), drafting=False),
 }
 
 SCHEDULES = {
@@ -93,6 +94,9 @@ def family(request, tmp_path_factory):
 
     name = request.param
     model_dir = FAMILY_CASES[name].build(tmp_path_factory.mktemp(f"tiny-{name}"))
+    from scheduler.models.families import FAMILIES
+
+    assert set(FAMILY_CASES[name].media) == set(FAMILIES[name].media), "the family table and its test disagree"
     model, processor = mlx_vlm.load(str(model_dir))
     requests = workload()
     references = []
@@ -173,3 +177,45 @@ def test_family_is_quiet_per_request(family, capfd, caplog, recwarn):
     assert (out, err) == ("", ""), f"{name} printed per request: {(out + err)[:300]}"
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [r.getMessage() for r in caplog.records]
     assert not [str(w.message) for w in recwarn]
+
+
+def _frames(seed: int, count: int, width: int, height: int) -> list:
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)) for _ in range(count)]
+
+
+def test_family_video_batches_exactly(family):
+    """Families whose processor takes video: two clips (frame lists of different lengths and sizes) batched with
+    an image and a text request, staggered, small budgets; each equals mlx_vlm.stream_generate alone with the
+    same frames. The others refuse videos at add_request with a typed error."""
+    import mlx_vlm
+    from mlx_vlm.prompt_utils import apply_chat_template
+
+    from scheduler.request import InvalidRequest
+
+    name, (model, processor), requests, references = family
+    engine = Engine(model, processor, EngineConfig(max_batched_tokens=40, prefill_chunk=9, vision_budget=2,
+                                                   check_invariants=True))
+    clips = [_frames(7, 4, 56, 56), _frames(8, 5, 84, 56)]
+    video_messages = [[{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": text}]}]
+                      for text in ("What happens?", "Describe the clip, please.")]
+    if "video" not in FAMILY_CASES[name].media:
+        with pytest.raises(InvalidRequest, match="videos are not supported"):
+            engine.add_request(prompt=video_messages[0], videos=[clips[0]])
+        return
+    want = []
+    for messages, frames in zip(video_messages, clips):
+        prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        last = None
+        for last in mlx_vlm.stream_generate(model, processor, prompt, video=[frames], max_tokens=MAX_TOKENS,
+                                            temperature=0.0):
+            pass
+        want.append(list(last.token_ids))
+    arrivals = [(0, {"prompt": video_messages[0], "videos": [clips[0]]}),
+                (1, {"prompt": requests[2][0], "images": requests[2][1]}),
+                (2, {"prompt": video_messages[1], "videos": [clips[1]]}),
+                (3, {"prompt": requests[1][0]})]
+    run = drive(engine, [(t, dict(kw, sampling=SamplingParams(max_tokens=MAX_TOKENS))) for t, kw in arrivals])
+    assert not run.errors, run.errors
+    got = list(run.tokens.values())
+    assert got == [want[0], references[2], want[1], references[1]]
