@@ -353,3 +353,16 @@ def test_engine_repeated_clip_hits_the_cache_and_bad_audio_fails_alone(gemma, mi
     stats = engine.vision_cache_stats()
     assert (stats["hits"], stats["misses"]) == (1, 1)
     assert second.finish["missing"] is FinishReason.ERROR and "unreadable audio: audio 0:" in second.errors["missing"]
+
+
+def test_drafting_and_max_kv_size_are_refused_for_gemma4(gemma):
+    """Gemma 4 builds its own sliding-window caches: they cannot be rolled back after draft verification, and
+    max_kv_size would be ignored by them; both are refused at construction with the reason."""
+    from scheduler import Engine, EngineConfig
+    from scheduler.families import UnsupportedFeature
+
+    model, processor = gemma
+    with pytest.raises(UnsupportedFeature, match="cannot be rolled back"):
+        Engine(model, processor, EngineConfig(draft_tokens=2))
+    with pytest.raises(ValueError, match="max_kv_size"):
+        Engine(model, processor, EngineConfig(max_kv_size=64))
