@@ -14,7 +14,7 @@ import pytest
 from scheduler.fixtures.vlm_families import VLM_FAMILIES, build_tiny_vlm
 
 MAX_TOKENS = 12
-PROMPTS = ("What does the cat see?", "Tell me a story about the moon.")
+PROMPTS = ("What does the cat see?", "Where is the red ball?")
 IMAGE_SIZES = ((56, 56), (112, 140))  # (height, width)
 
 
@@ -26,11 +26,11 @@ def make_image(seed: int, height: int, width: int):
 
 
 @pytest.fixture(scope="module", params=sorted(VLM_FAMILIES))
-def tiny_vlm(request, tmp_path_factory):
+def tiny_vlm(request, tiny_vlm_dir):
     import mlx_vlm
 
     family = request.param
-    directory = build_tiny_vlm(family, tmp_path_factory.mktemp(f"tiny-vlm-{family}"))
+    directory = tiny_vlm_dir(family)
     model, processor = mlx_vlm.load(str(directory))
     return family, directory, model, processor
 
@@ -91,6 +91,7 @@ def test_greedy_generation_is_deterministic_and_sees_the_image(tiny_vlm):
     image_changes_output = False
     images_differ = False
     all_tokens = []
+    stopped_on_eos = []
     for text in PROMPTS:
         runs = {}
         for size in (None, *IMAGE_SIZES):
@@ -102,11 +103,14 @@ def test_greedy_generation_is_deterministic_and_sees_the_image(tiny_vlm):
             assert 0 < len(first.token_ids) <= MAX_TOKENS
             runs[size] = first.token_ids
             all_tokens.extend(first.token_ids)
+            stopped_on_eos.append(len(first.token_ids) < MAX_TOKENS)
         image_changes_output |= any(runs[size] != runs[None] for size in IMAGE_SIZES)
         images_differ |= runs[IMAGE_SIZES[0]] != runs[IMAGE_SIZES[1]]
     assert image_changes_output, f"{family}: the image never changes the continuation"
     assert images_differ, f"{family}: two different images give the same continuation"
     assert len(set(all_tokens)) > 8, f"{family}: greedy decoding collapsed onto {sorted(set(all_tokens))}"
+    # eos is reachable but does not win every time: some generations stop early, some run to max_tokens.
+    assert any(stopped_on_eos) and not all(stopped_on_eos), (family, stopped_on_eos)
 
 
 def _frames(seed: int, count: int = 4, size: int = 64):
