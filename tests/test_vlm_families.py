@@ -42,7 +42,8 @@ FAMILY_CASES = {
     "qwen2_vl": FamilyCase(lambda d: build_model("vlm", d), ("image", "video")),
     **{name: FamilyCase(lambda d, name=name: build_tiny_vlm(name, d), ("image", "video"))
        for name in ("qwen2_5_vl", "qwen3_vl")},
-    **{name: FamilyCase(lambda d, name=name: build_tiny_vlm(name, d)) for name in ("idefics3", "mistral3")},
+    **{name: FamilyCase(lambda d, name=name: build_tiny_vlm(name, d))
+       for name in ("idefics3", "smolvlm", "mistral3")},
     "gemma3": FamilyCase(lambda d: build_tiny_vlm("gemma3", d), drafting=False),
     "qwen3_5": FamilyCase(lambda d: build_tiny_vlm("qwen3_5", d), ("image", "video"), drafting=False),
 }

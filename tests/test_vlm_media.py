@@ -144,10 +144,16 @@ def _tiny_mllama():
     return mllama.Model(mllama.ModelConfig(text_config=text, vision_config=vision, model_type="mllama"))
 
 
-def test_families_that_do_not_batch_are_refused_at_load():
-    """Real mlx-vlm models: an unlisted family (llava: no exactness test here) and a declared refusal (mllama:
-    cross-attention to per-request vision states) raise UnsupportedFamily (a TypeError) with the reason."""
+def test_families_that_do_not_batch_are_refused_at_load(tiny_vlm_dir):
+    """Real mlx-vlm models: an unlisted family (llava: no exactness test here) and declared refusals (mllama:
+    cross-attention to per-request vision states; llava_next, loaded by mlx_vlm.load: an embedded prompt longer
+    than its tokens) raise UnsupportedFamily (a TypeError) with the reason."""
+    import mlx_vlm
+
     with pytest.raises(UnsupportedFamily, match="no VLM family spec for model_type 'llava'"):
         Engine(_tiny_llava(), None)
     with pytest.raises(UnsupportedFamily, match="'mllama' cannot be batched: its language model cross-attends"):
         Engine(_tiny_mllama(), None)
+    with pytest.raises(UnsupportedFamily, match="'llava_next' cannot be batched: .* longer than its token ids"):
+        Engine.from_pretrained(tiny_vlm_dir("llava_next"))
+    assert isinstance(UnsupportedFamily("x"), TypeError)

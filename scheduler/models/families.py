@@ -65,9 +65,14 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
                notes="hybrid: gated-delta (recurrent) layers next to full attention; no drafting (no rollback)"),
     FamilySpec("gemma3", placeholder="boi_token"),
     FamilySpec("idefics3"),
+    FamilySpec("smolvlm", notes="idefics3's model with SmolVLMProcessor (video frames become images there)"),
     FamilySpec("mistral3"),
     FamilySpec("gemma4", media=frozenset({"audio"}), sequence_inputs=("per_layer_inputs",),
                notes="audio only: images need gemma4's image position ids, not yet declared"),
+    FamilySpec("llava_next", refused="mlx-vlm's merge inserts one feature block per image view instead of filling "
+               "the expanded <image> tokens, so the embedded prompt is longer than its token ids and its length is "
+               "known only after the vision tower; the scheduler plans prefill, caches and positions on token "
+               "counts"),
     FamilySpec("mllama", refused="its language model cross-attends to each request's vision states (cross-"
                "attention layers fed `cross_attention_states`), which neither the inputs_embeds path nor a batch "
                "cache carries per row"),
