@@ -29,6 +29,9 @@ class Runner(Protocol):
 
     def decode(self, batch_cache: library.Cache, inputs: mx.array, rope_deltas: mx.array | None) -> mx.array: ...
 
+    def verify(self, batch_cache: library.Cache, inputs: mx.array, rope_deltas: mx.array | None = None) -> mx.array:
+        """(B, n) inputs -> (B, n, V) logits (draft verification); rope_deltas: each row's position offset."""
+
 
 class TextRunner:
     has_vision = False
