@@ -5,7 +5,7 @@ model interface (``Model.get_input_embeddings`` and the language model's ``input
 between families is declared here, and nothing else:
 
 ``positions``      how the language model places tokens: ``ROPE`` (plain 1-D RoPE from each cache row's offset:
-                   gemma3, idefics3, mistral3, gemma4) or ``MROPE`` (Qwen2/2.5/3-VL: 3-D
+                   gemma3, idefics3, smolvlm, mistral3, gemma4) or ``MROPE`` (Qwen2/2.5/3-VL, Qwen3.5: 3-D
                    positions from the image / video grids, a per-request rope delta; see ``positions.py``).
 ``media``          the media kinds the family's processor and embedding merge take.
 ``placeholder``    the processor attribute naming the text a prompt holds once per image (``image_token`` for
@@ -15,8 +15,6 @@ between families is declared here, and nothing else:
                    (Qwen3-VL's ``visual_pos_masks``) and per-media-token rows (its ``deepstack_visual_embeds``).
 ``sequence_inputs`` extra (1, L, ...) inputs sliced with the chunk (Gemma 4's ``per_layer_inputs``).
 ``mixed_image_video`` whether one request may carry both images and videos (mlx-vlm's Qwen2/2.5-VL merge one kind).
-``video_template`` ``"processor"``: chat messages with videos render through the model's own chat template
-                   (mlx-vlm's ``apply_chat_template`` puts videos at the start of every message).
 
 A family absent from this table is refused at load with ``UnsupportedFamily`` (a ``TypeError``) naming the
 supported ones: mlx-vlm may load it, but nothing here has shown that it batches exactly. A family declared with
@@ -49,7 +47,6 @@ class FamilySpec:
     media_row_inputs: tuple[str, ...] = ()
     sequence_inputs: tuple[str, ...] = ()
     mixed_image_video: bool = False
-    video_template: str = "processor"
     refused: str | None = None  # why mlx-vlm's model cannot be batched here (refused at load)
     notes: str = field(default="", compare=False)
 

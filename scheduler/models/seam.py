@@ -3,7 +3,9 @@
 
 ``prepare_inputs``        the processor call ``mlx_vlm.stream_generate`` makes (same arguments, so the expanded ids
                           and pixel values equal a solo run's).
-``chat_template``         mlx-vlm's ``apply_chat_template`` (the family's placeholders + generation prompt).
+``chat_template``         mlx-vlm's ``apply_chat_template`` (the family's placeholders + generation prompt), with
+                          the template called without kwargs it does not read (no per-request warning);
+                          ``own_chat_template``: the model's own template (messages with videos).
 ``input_embeddings``      ``Model.get_input_embeddings``: the encoder(s) and the merge, as ``mlx_vlm.generate``
                           calls it; also with no media (the text path).
 ``rope_index``            the language model's ``get_rope_index`` (M-RoPE families): pure, it touches none of the
@@ -111,10 +113,6 @@ def make_cache(language_model: Any, max_kv_size: int | None = None) -> list:
         raise ValueError("max_kv_size: this model builds its own caches (e.g. sliding windows); mlx-vlm ignores "
                          "max_kv_size for it and so would the results")
     return [vlm_cache.RotatingKVCache(max_size=max_kv_size, keep=0) for _ in language_model.layers]
-
-
-def builds_own_cache(language_model: Any) -> bool:
-    return hasattr(language_model, "make_cache")
 
 
 def row_offsets(cache: list) -> mx.array:
