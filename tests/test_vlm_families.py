@@ -220,3 +220,30 @@ def test_family_video_batches_exactly(family):
     assert not run.errors, run.errors
     got = list(run.tokens.values())
     assert got == [want[0], references[2], want[1], references[1]]
+
+
+def test_model_instance_position_state_is_neither_read_nor_written(family):
+    """mlx-vlm's M-RoPE language models keep `_position_ids` / `_rope_deltas` on the instance (one per model, not
+    per row). With junk there, a batch of image and text rows still equals solo mlx_vlm, and the junk is left
+    as it was: every call passes explicit positions. 1-D RoPE families have no such state to keep."""
+    import mlx.core as mx
+
+    from scheduler.models.families import FAMILIES, Positions
+
+    name, (model, processor), requests, references = family
+    lm = model.language_model
+    if FAMILIES[name].positions is not Positions.MROPE:
+        assert getattr(lm, "_rope_deltas", None) is None
+        return
+    saved = (lm._position_ids, lm._rope_deltas)
+    junk = (mx.full((3, 1, 900), 1234, dtype=mx.int32), mx.array([[777]]))
+    lm._position_ids, lm._rope_deltas = junk
+    try:
+        engine = Engine(model, processor, EngineConfig(max_batched_tokens=40, prefill_chunk=9, draft_tokens=2
+                                                       if FAMILY_CASES[name].drafting else 0, check_invariants=True))
+        run = drive(engine, [(i, {"prompt": m, "images": im, "sampling": SamplingParams(max_tokens=MAX_TOKENS)})
+                             for i, (m, im) in enumerate(requests[:4])])
+        assert lm._position_ids is junk[0] and lm._rope_deltas is junk[1]
+    finally:
+        lm._position_ids, lm._rope_deltas = saved
+    assert list(run.tokens.values()) == references[:4]

@@ -123,3 +123,11 @@ def test_seeded_sampling_does_not_depend_on_the_batch(vlm):
     assert together == alone
     greedy = [solo(vlm, m, im)[0] for m, im in REQUESTS]
     assert together != greedy  # it really sampled
+
+
+def test_mtp_drafting_is_refused_for_vlms(vlm):
+    from scheduler.families import UnsupportedFeature
+
+    model, processor = vlm
+    with pytest.raises(UnsupportedFeature, match="MTP head"):
+        Engine(model, processor, EngineConfig(draft_tokens=2, drafter="mtp"))
