@@ -366,3 +366,27 @@ def test_drafting_and_max_kv_size_are_refused_for_gemma4(gemma):
         Engine(model, processor, EngineConfig(draft_tokens=2))
     with pytest.raises(ValueError, match="max_kv_size"):
         Engine(model, processor, EngineConfig(max_kv_size=64))
+
+
+def test_engine_kv_budget_preempts_audio_requests_and_stays_exact(gemma, mixed, clips):
+    """A KV budget of about three full rows (sliding-window layers counted at their window): audio requests are
+    preempted and recomputed (their clips re-encoded or taken from the cache), and every output equals solo."""
+    from scheduler.events import MemorySink
+
+    from .helpers import drive
+
+    model, processor = gemma
+    prepared, references = mixed
+    audio = [[clips["a"]], [clips["b"]], [clips["b8k"]], [(tone(0.8, 3), RATE)], [clips["stereo"]],
+             [clips["a"], (tone(0.5, 4), RATE)], None, None]
+    longest = max(len(p.input_ids) for p in prepared) + MAX_TOKENS
+    budget = Engine(model, processor).kv_layout.footprint([longest] * 3, [])
+    log = MemorySink()
+    engine = Engine(model, processor, EngineConfig(kv_memory_bytes=budget, kv_headroom_tokens=2,
+                                                   check_invariants=True), event_sinks=[log])
+    run = drive(engine, [(0, {"prompt": p.prompt, "audio": a, "sampling": SamplingParams(max_tokens=MAX_TOKENS)})
+                         for p, a in zip(prepared, audio)])
+    assert list(run.tokens.values()) == references
+    audio_ids = {rid for rid, a in zip(run.tokens, audio) if a}
+    preempted = {e["request_id"] for e in log.of_kind("transition") if e["to"] == "queued" and e["from"] != "queued"}
+    assert preempted & audio_ids, f"no audio request was preempted ({sorted(preempted)})"
