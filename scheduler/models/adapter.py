@@ -140,7 +140,9 @@ class VLMAdapter:
         self.video_token = _placeholder(processor, "video_token")
         self.audio_token = _placeholder(processor, "audio_token")
         self.video_fps, self.video_max_frames = validate_video_sampling(video_fps, video_max_frames)
-        self.sample_rate = int(getattr(getattr(processor, "feature_extractor", None), "sampling_rate", 16000))
+        # the audio rate of families that take audio (None: no audio; the server reads it to accept audio parts)
+        self.sample_rate = (int(getattr(getattr(processor, "feature_extractor", None), "sampling_rate", 16000))
+                            if "audio" in self.spec.media else None)
         if "audio" in self.spec.media and getattr(model, "audio_tower", None) is None:
             raise UnsupportedFamily(f"this {self.spec.model_type} checkpoint has no audio tower")
         try:
