@@ -106,16 +106,22 @@ class CacheCapabilities:
 # ---- the kinds ---------------------------------------------------------------------------------------------
 
 
-def _plain_kv_classes() -> tuple[type, ...]:
-    """mlx-lm's KVCache, and mlx-vlm's copy of it (same fields: keys, values, offset)."""
+def _plain_kv_classes() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """mlx-lm's KVCache and BatchKVCache, and mlx-vlm's copies of them (same fields: keys, values, offset;
+    the batch class also left_padding and _idx)."""
     classes: list[type] = [mlx_cache.KVCache]
+    batch_classes: list[type] = [mlx_cache.BatchKVCache]
     try:
         from mlx_vlm.models import cache as vlm_cache
 
         classes.append(vlm_cache.KVCache)
+        batch_classes.append(vlm_cache.BatchKVCache)
     except ImportError:  # mlx-vlm is optional for text-only use
         pass
-    return tuple(classes)
+    return tuple(classes), tuple(batch_classes)
+
+
+_PLAIN_KV, _PLAIN_BATCH_KV = _plain_kv_classes()
 
 
 class _GroupedMaskBatchKVCache(mlx_cache.BatchKVCache):
@@ -127,8 +133,8 @@ class _GroupedMaskBatchKVCache(mlx_cache.BatchKVCache):
 
 
 class PlainKV:
-    classes = _plain_kv_classes()
-    batch_classes = (mlx_cache.BatchKVCache,)
+    classes = _PLAIN_KV
+    batch_classes = _PLAIN_BATCH_KV
     caps = LayerCapabilities("KVCache", Growth.PER_TOKEN, trimmable=True, rollback=True, splittable=True)
 
     @staticmethod
@@ -205,12 +211,22 @@ class RotatingKV:
         return LayerLayout((layer.keys.nbytes + layer.values.nbytes) // layer.keys.shape[2], layer.max_size)
 
 
+def _arrays_classes() -> tuple[type, ...]:
+    """mlx-lm's ArraysCache, and mlx-vlm's own (hybrid VLMs such as Qwen3.5 build it; same merge / filter /
+    extend and ``cache`` list)."""
+    try:
+        from mlx_vlm.models import cache as vlm_cache
+    except ImportError:  # mlx-vlm is optional for text-only use
+        return (mlx_cache.ArraysCache,)
+    return (mlx_cache.ArraysCache, vlm_cache.ArraysCache)
+
+
 class Arrays:
     """Recurrent state (SSM, conv, linear attention): fixed bytes per request, no notion of a token count.
     A state cannot be cut back to a shorter prefix, nor rewound after draft verification."""
 
-    classes = (mlx_cache.ArraysCache,)
-    batch_classes = (mlx_cache.ArraysCache,)
+    classes = _arrays_classes()
+    batch_classes = classes
     caps = LayerCapabilities("ArraysCache", Growth.FIXED, trimmable=False, rollback=False, splittable=False)
 
     @staticmethod
@@ -420,7 +436,7 @@ def rollback_rows(batch_cache_layers: Sequence[Any], drop: Sequence[int] | mx.ar
     """
     layers = list(batch_cache_layers)
     for layer in layers:
-        if not isinstance(layer, mlx_cache.BatchKVCache):
+        if not isinstance(layer, _PLAIN_BATCH_KV):
             kind = _kind_of(layer) if not isinstance(layer, mlx_cache.CacheList) else None
             why = "cannot be rolled back" if kind is not None and not kind.caps.rollback else "is not a batch cache"
             raise TypeError(f"rollback_rows: {type(layer).__name__} {why}")

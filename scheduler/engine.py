@@ -147,12 +147,13 @@ class Engine:
         self.vlm, self.vision_cache = family.vlm, family.vision_cache
         self.tokenizer, self.vocab_size = family.tokenizer, family.vocab_size
         self.max_model_len = self.config.max_model_len or family.max_positions or 1 << 30
-        if self.config.max_kv_size is not None and not library.supports_max_kv_size(model):
+        if self.config.max_kv_size is not None and not library.supports_max_kv_size(
+                model.language_model if self.vlm is not None else model):
             raise ValueError("max_kv_size: this model builds its own caches (e.g. sliding windows); "
                              "mlx-lm ignores max_kv_size for it and so would the results")
         # The KV layout is measured for text models even without a budget: the trace records it, so a what-if
         # simulation can try a budget on any trace.
-        self.kv_layout = None if self.vlm is not None else library.kv_layout(model, self.config.max_kv_size)
+        self.kv_layout = self.vlm.kv_layout() if self.vlm is not None else library.kv_layout(model, self.config.max_kv_size)
         budget_layout = self.kv_layout if self.config.kv_memory_bytes is not None else None
         self.scheduler = Scheduler(self.config, self.events, family.stop_ids, policy, budget_layout,
                                    max_model_len=self.max_model_len)
@@ -195,9 +196,12 @@ class Engine:
             if draft_model is not None:
                 raise ValueError("draft_model given but draft_tokens is 0: set EngineConfig(draft_tokens=k)")
             return None
-        if self.vlm is not None or cfg.max_kv_size is not None:
-            raise ValueError("draft_tokens: speculative decoding needs plain KV caches on a text model (no "
-                             "sliding windows, no max_kv_size)")
+        if cfg.max_kv_size is not None:
+            raise ValueError("draft_tokens: speculative decoding needs plain KV caches (no sliding windows, no "
+                             "max_kv_size)")
+        if self.vlm is not None and cfg.drafter == "mtp":
+            raise UnsupportedFeature(self.vlm.spec.model_type, "drafter='mtp'",
+                                     "an MTP head reads a text model's hidden states; no mlx-vlm family here has one")
         runner = self._runner
         if not runner.capabilities.rollback:  # verification must be undone exactly for rejected drafts
             kinds = [c.kind for c in runner.capabilities.layers if not c.rollback]
@@ -348,11 +352,10 @@ class Engine:
     def _prepare_media(self, prompt: Any, prompt_tokens: Any, images: Any, videos: Any = None,
                        audio: Any = None) -> tuple[Any, str | None]:
         """Preprocess on the caller's thread (CPU work). Returns (prepared inputs, media error)."""
-        from .models.vlm import MediaError, PreparedRequest
+        from .models.media import MediaError, MediaLimit, RemoteMedia
 
         if prompt_tokens is not None:
-            return PreparedRequest(input_ids=list(prompt_tokens), pixel_values=None, image_grid_thw=None, extras={},
-                                   media_key=None, num_media_tokens=0), None
+            return self.vlm.text_request(prompt_tokens), None
         if isinstance(prompt, str) and not prompt:
             raise InvalidRequest("prompt", "is empty")
         kwargs: dict[str, Any] = {}
@@ -362,6 +365,8 @@ class Engine:
             kwargs["audio"] = list(audio)
         try:
             return self.vlm.prepare(prompt, list(images or ()), **kwargs), None
+        except (RemoteMedia, MediaLimit) as exc:  # known without reading anything: refused now
+            raise InvalidRequest(f"{exc.kind}s", str(exc)) from None
         except MediaError as exc:
             return None, f"unreadable {getattr(exc, 'kind', 'image')}: {exc}"
         except (ValueError, TypeError) as exc:
@@ -708,16 +713,15 @@ def _model_family(model: Any, tokenizer: Any, config: EngineConfig, on_vision_ev
     if not library.is_vision_language_model(model):
         return _ModelFamily(TextRunner(model, config.max_kv_size), tokenizer, library.vocab_size(model),
                             library.max_positions(model), library.eos_token_ids(tokenizer))
-    if config.kv_memory_bytes is not None or config.max_kv_size is not None:
-        raise ValueError("kv_memory_bytes and max_kv_size are not supported for vision-language models yet")
     from caches.vision import VisionCache
 
-    from .models.vlm import adapter_for
+    from .models.adapter import adapter_for
 
     vision_cache = VisionCache(config.vision_cache_bytes, on_event=on_vision_event) if config.vision_cache_bytes else None
     # for an mlx-vlm model, `tokenizer` is its processor
     vlm = adapter_for(model, tokenizer, vision_cache, video_fps=config.video_fps,
-                      video_max_frames=config.video_max_frames)
+                      video_max_frames=config.video_max_frames, max_kv_size=config.max_kv_size,
+                      max_images_per_request=config.max_images_per_request)
     return _ModelFamily(VisionLanguageRunner(vlm), vlm.tokenizer, vlm.vocab_size, vlm.max_positions,
                         vlm.eos_token_ids, vlm, vision_cache)
 

@@ -372,7 +372,7 @@ class MLXExecutor:
                 all_logits, all_hidden = self.runner.forward_with_hidden(self.kv.batch, verify_inputs,
                                                                          native=self._native_hidden)
             else:
-                all_logits = self.runner.verify(self.kv.batch, verify_inputs)
+                all_logits = self.runner.verify(self.kv.batch, verify_inputs, self._rope_deltas)
             logits = all_logits[:, 0, :]
         logits = self._apply_processors(logits, result)
         params = self._sampling_arrays()

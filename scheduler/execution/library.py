@@ -175,8 +175,10 @@ def max_positions(model: Any) -> int | None:
 
 
 def is_vision_language_model(model: Any) -> bool:
-    """mlx-vlm models carry a vision tower next to their language model."""
-    return hasattr(model, "vision_tower") and hasattr(model, "language_model")
+    """mlx-vlm models: a language model next to their encoders (named per family: vision_tower, vision_model,
+    audio_tower), built by mlx-vlm's model modules."""
+    return hasattr(model, "language_model") and (
+        type(model).__module__.startswith("mlx_vlm.") or hasattr(model, "vision_tower"))
 
 
 def is_vision_language_dir(model_dir: Any) -> bool:
