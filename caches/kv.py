@@ -296,7 +296,7 @@ class KVCacheManager:
         self._order = kept
         if self.quantize is None:
             self.batch = self._layers.filter_batch(self.batch, keep)
-            self._batch_rows = kept
+            self._batch_rows = list(kept)  # its own list: join extends both in place
         else:
             alive = set(kept)
             for rid in set(self._points) - alive:
