@@ -12,6 +12,9 @@ unquantized cache). Figures:
   not the limit (it is set above the number of requests).
 * decode tok/s: tokens generated after every row of the batch has its first token, over that window (no
   prefill in it), one run after a warm-up; the ratio is to the unquantized run of the same process.
+* bare forward tok/s: the same batch decoded by forward + argmax on a merged batch cache, no engine: what the
+  attention kernels cost (mlx-lm reads a quantized cache with two `quantized_matmul`s and a softmax instead
+  of the fused float attention).
 Greedy outputs of the quantized runs are checked against mlx-lm alone with the same kv_bits for two prompts.
 """
 
@@ -26,7 +29,9 @@ import time
 import mlx.core as mx
 from mlx_lm import load, stream_generate
 
+from caches import layers
 from scheduler import Engine, EngineConfig, SamplingParams
+from scheduler.execution.library import make_request_cache as layers_make
 from scheduler.events import MemorySink
 from scheduler.fixtures.families import build_family_model
 
@@ -77,12 +82,34 @@ def decode_tps(model, tokenizer, bits, batch: int, prompt_len: int, new_tokens: 
     return after / (time.perf_counter() - t_first), prompts, [got[rid] for rid in ids]
 
 
+def bare_decode_tps(model, bits, prompts: list[list[int]], new_tokens: int) -> float:
+    """The same batch decoded without the engine: each prompt prefilled into its own mlx-lm cache (converted
+    as mlx-lm converts it), merged into one batch cache, then forward + argmax per step. What the attention
+    kernels cost, apart from the engine's per-tick work."""
+    caches = []
+    for prompt in prompts:
+        cache = layers_make(model)
+        model(mx.array(prompt[:-1])[None], cache=cache)
+        if bits is not None:
+            layers.quantize_layers(cache, 64, bits)
+        mx.eval(layers.cache_arrays(cache))
+        caches.append(cache)
+    batch = layers.merge_caches(caches)
+    tokens = mx.array([p[-1] for p in prompts])
+    mx.eval(model(tokens[:, None], cache=batch))  # the first step (not timed)
+    t0 = time.perf_counter()
+    for _ in range(new_tokens - 1):
+        tokens = mx.argmax(model(tokens[:, None], cache=batch)[:, -1, :], axis=-1)
+        mx.eval(tokens)
+    return len(prompts) * (new_tokens - 1) / (time.perf_counter() - t0)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=48)
-    ap.add_argument("--admit-requests", type=int, default=48)
+    ap.add_argument("--admit-requests", type=int, default=16)
     ap.add_argument("--admit-len", type=int, default=512)
     ap.add_argument("--admit-base", type=int, default=4, help="the budget holds this many unquantized requests")
     ap.add_argument("--json", default=None)
@@ -112,19 +139,23 @@ def main(argv: list[str] | None = None) -> int:
         solo = [[r.token for r in stream_generate(model, tokenizer, p, max_tokens=args.new_tokens, **_quantized(bits))]
                 for p in prompts[:2]]
         row["equals_mlx_lm_alone"] = outputs[:2] == solo
+        row["bare_decode_tps"] = bare_decode_tps(model, bits, prompts, args.new_tokens)
     base = rows[0]
     for row in rows:
         row["bytes_ratio"] = row["bytes_per_token"] / base["bytes_per_token"]
         row["admitted_ratio"] = row["admitted"] / base["admitted"]
         row["decode_ratio"] = row["decode_tps"] / base["decode_tps"]
+        row["bare_ratio"] = row["bare_decode_tps"] / base["bare_decode_tps"]
     print(f"model: llama {BENCH_MODEL}, float16; budget {budget} bytes "
           f"({args.admit_base} unquantized requests of {args.admit_len} tokens); decode: batch {args.batch}, "
           f"prompts of {args.prompt_len}, {args.new_tokens} new tokens")
-    print("| kv bits | bytes/token | ratio | admitted | ratio | decode tok/s | ratio | = mlx-lm alone |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| kv bits | bytes/token | ratio | admitted | ratio | decode tok/s | ratio | bare forward tok/s | ratio "
+          "| = mlx-lm alone |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['bits']} | {r['bytes_per_token']} | {r['bytes_ratio']:.3f} | {r['admitted']} | "
-              f"{r['admitted_ratio']:.2f} | {r['decode_tps']:.1f} | {r['decode_ratio']:.2f} | {r['equals_mlx_lm_alone']} |")
+              f"{r['admitted_ratio']:.2f} | {r['decode_tps']:.1f} | {r['decode_ratio']:.2f} | "
+              f"{r['bare_decode_tps']:.1f} | {r['bare_ratio']:.2f} | {r['equals_mlx_lm_alone']} |")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"budget": budget, "args": vars(args), "rows": rows}, f, indent=1)
