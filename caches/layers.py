@@ -238,10 +238,14 @@ class Arrays:
         return LayerLayout(0, None, fixed_bytes=layer.nbytes)
 
 
-def _vlm_batch_quantized() -> type:
+def _vlm_batch_quantized() -> tuple[type, ...]:
     """mlx-vlm 0.7's BatchQuantizedKVCache (mlx-lm 0.32 has none), with what the engine needs on top: exact
-    bytes, and rows extracted as mlx-lm's own QuantizedKVCache."""
-    from mlx_vlm.models import cache as vlm_cache
+    bytes, and rows extracted as mlx-lm's own QuantizedKVCache. Empty without mlx-vlm (then kv_bits cannot
+    batch: merging raises UnsupportedCache)."""
+    try:
+        from mlx_vlm.models import cache as vlm_cache
+    except ImportError:  # mlx-vlm is optional for text-only use
+        return ()
 
     class BatchQuantizedKV(vlm_cache.BatchQuantizedKVCache):
         @property
@@ -260,7 +264,7 @@ def _vlm_batch_quantized() -> type:
             layer.offset = self._idx - padding
             return layer
 
-    return BatchQuantizedKV
+    return (BatchQuantizedKV,)
 
 
 def _quantized_classes() -> tuple[type, ...]:
@@ -280,14 +284,15 @@ class QuantizedKV:
     with kv_bits)."""
 
     classes = _quantized_classes()
-    batch_classes = (_vlm_batch_quantized(),)
+    batch_classes = _vlm_batch_quantized()
     caps = LayerCapabilities("QuantizedKVCache", Growth.PER_TOKEN, trimmable=True, rollback=False, splittable=True)
 
     @staticmethod
     def merge(layers: Sequence[Any], mask: MaskLayout) -> Any:
         """Left-padded like mlx-lm's BatchKVCache.merge: row i's tokens end at the longest row's length."""
-        if mask is not MaskLayout.HEADS:
-            raise UnsupportedCache("QuantizedKVCache", f"no batch form for the {mask.value} mask layout")
+        if mask is not MaskLayout.HEADS or not QuantizedKV.batch_classes:
+            raise UnsupportedCache("QuantizedKVCache", f"no batch form (mask layout {mask.value}; it is mlx-vlm's "
+                                   "BatchQuantizedKVCache)")
         kind = QuantizedKV.batch_classes[0]
         first = layers[0]
         lengths = [layer.offset for layer in layers]
