@@ -28,6 +28,7 @@ from .execution.executor import MLXExecutor
 from .execution.runners import TextRunner, VisionLanguageRunner
 from .families import UnsupportedFeature
 from .lifecycle import RequestState
+from .loop import TickLoop
 from .policy import policy_record
 from .request import (
     InvalidRequest,
@@ -163,16 +164,19 @@ class Engine:
         self.shard = _Shard.create(shard_group, self) if shard_group is not None and shard_group.size() > 1 else None
         prefix_payloads = self.shard.prefix_payloads if self.shard is not None else self.scheduler.prefix_cache
         self.executor = executor or MLXExecutor(family.runner, penalty_context=self.config.penalty_context,
+                                                processor_history=self.config.processor_history,
                                                 prefix_cache=prefix_payloads,
                                                 logprob_vectors=self.config.logprob_vectors,
                                                 drafter=self._make_drafter(draft_model, mtp_head),
                                                 on_event=self._executor_event, quantize=self.quantize)
         if self.shard is not None:
             self.executor = self.shard.wrap(self.executor)
+        self.loop = TickLoop(self.scheduler, self.executor)
         self.tick = 0
         self._lock = threading.Lock()
         self._inbox: list[_Arrival] = []
         self._abort_inbox: list[str] = []
+        self._clear_prefix_requested = False  # clear_prefix_cache(): applied at the start of the next tick
         self._known_live: set[str] = set()  # ids accepted and not ended (guarded by _lock)
         self._ended: OrderedDict[str, RequestState] = OrderedDict()
         self._ids = itertools.count()
@@ -229,10 +233,15 @@ class Engine:
 
         if cfg.drafter == "mtp":
             if mtp_head is None:
-                raise ValueError("drafter='mtp' needs Engine(..., mtp_head=...) (from_pretrained loads the head "
-                                 "stored next to the model, if any)")
-            from .execution.mtp import MTPDrafter
+                raise ValueError("drafter='mtp' needs Engine(..., mtp_head=...): an MTPHead (from_pretrained loads "
+                                 "the head stored next to the model, if any), or the model itself when it carries "
+                                 "its own MTP module (.mtp and .mtp_forward)")
+            from .execution.mtp import MTPDrafter, NativeMTPDrafter
 
+            if library.has_native_mtp(mtp_head):
+                if mtp_head is not self.model:
+                    raise ValueError("a native MTP module drafts for its own model: pass mtp_head=<the engine's model>")
+                return NativeMTPDrafter(self.model)
             return MTPDrafter(mtp_head, self.model)
         if cfg.drafter == "draft-model":
             if draft_model is None:
@@ -406,6 +415,18 @@ class Engine:
                 return False
         raise UnknownRequest(request_id)
 
+    def clear_prefix_cache(self) -> bool:
+        """Empty the prefix cache at the start of the next tick, like an abort (so the trace records it at a
+        tick and replay applies it there); requests arriving before that tick see an empty cache too. Returns
+        False when this engine has no prefix cache."""
+        if self.scheduler.prefix_cache is None:
+            return False
+        if self.shard is not None:
+            raise RuntimeError("clear_prefix_cache: not built for a sharded engine (the followers hold payloads)")
+        with self._lock:
+            self._clear_prefix_requested = True
+        return True
+
     # ---- the loop -------------------------------------------------------------------------------
     def has_pending(self) -> bool:
         with self._lock:
@@ -429,14 +450,10 @@ class Engine:
         tick = self.tick
         tick_start = time.perf_counter()
         outputs = self._drain_inbox(tick)
-        view = self.scheduler.view(tick)
-        plan = self.scheduler.plan(view)
-        if not plan.is_empty:
-            result = self.executor.execute(plan, self.scheduler.requests)
-            applied = self.scheduler.apply(plan, result)
-            outputs.extend(applied.outputs)
-            if applied.released:
-                self.executor.release(applied.released)
+        ran = self.loop.run_tick(tick)
+        plan, result = ran.plan, ran.result
+        if result is not None:
+            outputs.extend(ran.applied.outputs)
             self._account(plan, result)
             stores = [[s.request_id, s.num_tokens, s.nbytes, s.whole_only] for s in result.prefix_stores]
             encoded = {rid: {"rope_delta": e["rope_delta"], "vision_cache_hit": e["vision_cache_hit"]}
@@ -455,7 +472,7 @@ class Engine:
             })
         if self.config.check_invariants:
             self.scheduler.check_invariants(plan)
-            self._check_executor(plan, result if not plan.is_empty else None)
+            self._check_executor(plan, result)
         self._record_ends(outputs)
         self.tick += 1
         return outputs
@@ -464,6 +481,7 @@ class Engine:
         with self._lock:
             arrivals, self._inbox = self._inbox, []
             aborts, self._abort_inbox = self._abort_inbox, []
+            clear_prefix, self._clear_prefix_requested = self._clear_prefix_requested, False
         failed = []
         for a in arrivals:
             request = Request(
@@ -481,8 +499,9 @@ class Engine:
             for rid in dict.fromkeys(aborts)  # an id aborted twice in one tick is aborted once
             if rid in self.scheduler.requests
         ]
-        if outputs:
-            self.executor.release([o.request_id for o in outputs])
+        self.loop.release(o.request_id for o in outputs)
+        if clear_prefix:
+            self.scheduler.clear_prefix_cache(tick)
         return outputs
 
     def _record_ends(self, outputs: list[StepOutput]) -> None:
