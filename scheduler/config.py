@@ -6,6 +6,8 @@ import math
 import os
 from dataclasses import dataclass, field
 
+KV_BITS = (4, 8)  # quantized KV cache bits (kv_bits)
+KV_GROUP_SIZES = (32, 64, 128)  # what mx.quantize supports
 CHECK_INVARIANTS_ENV = "MLXSCHED_CHECK_INVARIANTS"  # "1": check_invariants defaults to on (the test suite sets it)
 
 
@@ -40,6 +42,14 @@ class EngineConfig:
     kv_memory_bytes: hard budget on the bytes of the KV caches of running requests (prefix-cache entries have
         their own budget). The planner admits only what fits and preempts when decoding outgrows it.
     kv_headroom_tokens: tokens of growth per row an admission must leave room for (prevents thrash).
+    kv_bits: quantized KV cache (mlx-lm's `kv_bits`): 4 or 8 bits per value, or None (off). A request's
+        plain KV layers switch to quantized storage once its context passes `quantized_kv_start`, at exactly
+        the point mlx-lm's generate_step would switch that request alone (caches/kv.py QuantizeRule), so
+        batched greedy output equals mlx-lm's with the same three settings; the KV budget counts the
+        quantized bytes. Recurrent layers stay as they are (as in mlx-lm); sliding-window layers and
+        max_kv_size are refused (mlx-lm 0.32 cannot quantize a rotating cache), and so is drafting.
+    kv_group_size: values per quantization group along head_dim (32, 64 or 128; must divide head_dim).
+    quantized_kv_start: context length (tokens in the cache) from which a request's KV is quantized.
     prefix_cache_bytes: byte budget of the prefix cache (LRU); 0 turns it off.
     prefix_block_size: tokens per hashed block of the prefix index (the shortest reusable prefix).
     processor_history: the tokens a logits processor and the repetition / presence penalties see: "prompt+output"
@@ -77,6 +87,9 @@ class EngineConfig:
     max_kv_size: int | None = None  # bounded context: rotating caches of this many tokens
     kv_memory_bytes: int | None = None  # hard budget for KV caches; None = unbounded
     kv_headroom_tokens: int = 32
+    kv_bits: int | None = None  # quantized KV cache: 4 or 8 bits, None = off
+    kv_group_size: int = 64
+    quantized_kv_start: int = 0
     prefix_cache_bytes: int = 0  # 0 disables the prefix cache
     prefix_block_size: int = 16
     logprob_vectors: bool = False
@@ -114,6 +127,20 @@ class EngineConfig:
             raise ValueError(f"max_kv_size: must be an integer >= 2 or None, got {self.max_kv_size!r}")
         if self.kv_memory_bytes is not None and (not isinstance(self.kv_memory_bytes, int) or self.kv_memory_bytes < 1):
             raise ValueError(f"kv_memory_bytes: must be a positive integer or None, got {self.kv_memory_bytes!r}")
+        if self.kv_bits is not None:
+            if self.kv_bits not in KV_BITS or isinstance(self.kv_bits, bool):
+                raise ValueError(f"kv_bits: must be one of {KV_BITS} or None, got {self.kv_bits!r}")
+            if self.max_kv_size is not None:
+                raise ValueError("kv_bits with max_kv_size: mlx-lm 0.32 cannot quantize the rotating caches "
+                                 "max_kv_size builds (RotatingKVCache.to_quantized raises NotImplementedError)")
+            if self.draft_tokens:
+                raise ValueError("kv_bits with draft_tokens: a quantized batch cache cannot be rolled back per "
+                                 "row after draft verification")
+        if self.kv_group_size not in KV_GROUP_SIZES or isinstance(self.kv_group_size, bool):
+            raise ValueError(f"kv_group_size: must be one of {KV_GROUP_SIZES}, got {self.kv_group_size!r}")
+        if (not isinstance(self.quantized_kv_start, int) or isinstance(self.quantized_kv_start, bool)
+                or self.quantized_kv_start < 0):
+            raise ValueError(f"quantized_kv_start: must be an integer >= 0, got {self.quantized_kv_start!r}")
         if not isinstance(self.kv_headroom_tokens, int) or self.kv_headroom_tokens < 0:
             raise ValueError(f"kv_headroom_tokens: must be an integer >= 0, got {self.kv_headroom_tokens!r}")
         if not isinstance(self.vision_cache_bytes, int) or self.vision_cache_bytes < 0:

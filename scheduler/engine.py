@@ -18,6 +18,8 @@ from typing import Any, AsyncIterator, Iterator, Sequence
 
 import mlx.core as mx
 
+from caches.layers import MaskLayout, QuantizationRefused
+
 from .execution import library
 from .config import EngineConfig
 from .plan import PLAN_RECORD_GROUPS
@@ -154,6 +156,7 @@ class Engine:
         # The KV layout is measured for text models even without a budget: the trace records it, so a what-if
         # simulation can try a budget on any trace.
         self.kv_layout = self.vlm.kv_layout() if self.vlm is not None else library.kv_layout(model, self.config.max_kv_size)
+        self.quantize = self._quantize_rule(model)  # kv_bits: and the layout counts quantized bytes
         budget_layout = self.kv_layout if self.config.kv_memory_bytes is not None else None
         self.scheduler = Scheduler(self.config, self.events, family.stop_ids, policy, budget_layout,
                                    max_model_len=self.max_model_len)
@@ -166,7 +169,7 @@ class Engine:
                                                 prefix_cache=prefix_payloads,
                                                 logprob_vectors=self.config.logprob_vectors,
                                                 drafter=self._make_drafter(draft_model, mtp_head),
-                                                on_event=self._executor_event)
+                                                on_event=self._executor_event, quantize=self.quantize)
         if self.shard is not None:
             self.executor = self.shard.wrap(self.executor)
         self.loop = TickLoop(self.scheduler, self.executor)
@@ -185,10 +188,32 @@ class Engine:
             model=library.model_identity(model.language_model if self.vlm else model),
             vocab_size=self.vocab_size, max_model_len=self.max_model_len,
             stop_token_ids=sorted(self.scheduler.model_stop_ids),
-            kv_layout=[[layer.bytes_per_token, layer.window] for layer in self.kv_layout.layers]
-            if self.kv_layout is not None else None,
+            kv_layout=None if self.kv_layout is None else (
+                self.kv_layout.record() if self.quantize is not None
+                else [[layer.bytes_per_token, layer.window] for layer in self.kv_layout.layers]),
             plan_records=list(PLAN_RECORD_GROUPS),  # the optional plan-record keys this engine writes
         )
+
+    def _quantize_rule(self, model: Any) -> Any:
+        """The QuantizeRule for EngineConfig.kv_bits (None when off), after checking at configuration that this
+        model's caches can be quantized and batched that way; self.kv_layout then counts quantized bytes."""
+        cfg = self.config
+        if cfg.kv_bits is None:
+            return None
+        if self.vlm is not None:
+            raise UnsupportedFeature(library.model_type_of(model.language_model), "kv_bits",
+                                     "quantized KV caches are not built for vision-language models yet (mlx-vlm's "
+                                     "own generate keeps its last layer unquantized and has its own schedule)")
+        family = self._runner.family
+        if family.mask is not MaskLayout.HEADS:
+            raise UnsupportedFeature(family.model_type, "kv_bits", f"its attention needs the {family.mask.value} "
+                                     "mask layout, which the quantized batch cache does not build")
+        rule = library.quantize_rule(cfg.kv_bits, cfg.kv_group_size, cfg.quantized_kv_start)
+        try:
+            self.kv_layout = library.quantized_kv_layout(model, self.kv_layout, rule)
+        except QuantizationRefused as exc:
+            raise UnsupportedFeature(family.model_type, "kv_bits", str(exc)) from None
+        return rule
 
     def _make_drafter(self, draft_model: Any, mtp_head: Any) -> Any:
         cfg = self.config

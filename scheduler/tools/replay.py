@@ -20,7 +20,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterable, Mapping
 
-from caches.kv import KVLayout, LayerLayout
+from caches.kv import KVLayout
 
 from scheduler.config import EngineConfig
 from scheduler.loop import TickLoop
@@ -244,7 +244,7 @@ def replay(trace: Trace, policy: str | Policy | None = None) -> ReplayReport:
     with its recorded parameters. A trace recorded with a custom policy needs that object passed here
     (`PolicyUnavailable` otherwise)."""
     layout = trace.header.get("kv_layout")
-    kv_layout = KVLayout(tuple(LayerLayout(b, w) for b, w in layout)) if layout else None
+    kv_layout = KVLayout.from_record(layout) if layout else None
     if policy is None:
         policy = make_policy(trace.policy_record)  # PolicyUnavailable: a custom policy that was not passed
     sink = MemorySink()
