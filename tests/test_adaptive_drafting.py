@@ -100,7 +100,8 @@ def trained_model(tmp_path_factory):
     from scheduler.fixtures import trained
 
     root = tmp_path_factory.mktemp("trained")
-    path = trained.build_trained(root / "model", steps=trained.TEST_STEPS, cache_dir=root / "cache")
+    path = trained.build_trained(root / "model", steps=trained.TEST_STEPS, batch=trained.TEST_BATCH,
+                                 cache_dir=root / "cache")
     model, tokenizer = load(str(path))
     return model, tokenizer, (path / "training.json").read_text()
 
