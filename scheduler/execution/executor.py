@@ -118,6 +118,9 @@ class MLXExecutor:
         self._params: SamplingArrays | None = None
         self._context: mx.array | None = None  # (B, W) recent tokens for penalties, -1 padded
         self._released: set[str] = set()
+        # this executor's own copy of each request it works on (from the plan's new_requests), with the tokens
+        # it produced appended: what prefill, sampling and drafting read; never the scheduler's objects
+        self._requests: dict[str, Request] = {}
 
     # ---- bookkeeping the scheduler drives -------------------------------------------------------
     def release(self, request_ids: Iterable[str]) -> None:
@@ -129,6 +132,7 @@ class MLXExecutor:
         for rid in request_ids:
             self.kv.drop_request(rid)
             self._encoded.pop(rid, None)
+            self._requests.pop(rid, None)
             if rid in self._row_index:
                 self._released.add(rid)
         self._drop_released()
@@ -137,14 +141,23 @@ class MLXExecutor:
         return self.kv.nbytes()
 
     def live_request_ids(self) -> set[str]:
-        return self.kv.request_ids() | set(self._row_index) | set(self._encoded)
+        return self.kv.request_ids() | set(self._row_index) | set(self._encoded) | set(self._requests)
 
     # ---- one tick ---------------------------------------------------------------------------------
-    def execute(self, plan: TickPlan, requests: Mapping[str, Request]) -> TickResult:
+    def execute(self, plan: TickPlan) -> TickResult:
         result = TickResult()
         dropped = list(plan.preempted) + [rid for rid, _ in plan.failed]
         if dropped:
             self.release(dropped)
+        requests = self._requests
+        for new in plan.new_requests:
+            requests[new.request_id] = Request.from_new_request(new)
+        result = self._execute(plan, requests, result)
+        for rid, token in result.sampled.items():  # the copies follow what was produced (accepted drafts first)
+            requests[rid].output_tokens += [*result.accepted_drafts.get(rid, ()), token]
+        return result
+
+    def _execute(self, plan: TickPlan, requests: Mapping[str, Request], result: TickResult) -> TickResult:
         t0 = time.perf_counter()
         for rid in plan.encode:
             try:
