@@ -15,18 +15,21 @@ from tests.helpers import solo_tokens
 
 
 # ---------------------------------------------------------------------------------------------- the pace
-def test_pace_caps_k_after_a_partial_acceptance_and_grows_back():
+def test_pace_halves_k_after_a_rejected_draft_and_grows_back():
     pace = AdaptivePace(patience=2, backoff=4, max_backoff=16)
     assert pace.limit("r", 4, 10) == 4  # no evidence yet: the caller's k
     pace.drafted("r", 4)
-    pace.update("r", 1, 4, 12)  # 1 of 4 accepted: cap at 2
-    assert pace.limit("r", 4, 12) == 2
+    pace.update("r", 0, 4, 11)  # nothing accepted: half
+    assert pace.limit("r", 4, 11) == 2
     pace.drafted("r", 2)
-    pace.update("r", 2, 4, 15)  # all accepted: grow by one
-    assert pace.limit("r", 4, 15) == 3
-    for h in (19, 23):
+    pace.update("r", 2, 4, 14)  # all accepted: one more than drafted
+    assert pace.limit("r", 4, 14) == 3
+    pace.drafted("r", 3)
+    pace.update("r", 1, 4, 16)  # partly accepted: kept
+    assert pace.limit("r", 4, 16) == 3
+    for h in (20, 24):
         pace.drafted("r", pace.limit("r", 4, h))
-        pace.update("r", 3, 4, h + 4)
+        pace.update("r", 4, 4, h + 4)
     assert pace.limit("r", 4, 30) == 4  # never above the caller's k
     assert pace.limit("r", 2, 30) == 2
 
@@ -35,9 +38,9 @@ def test_pace_pauses_a_rejected_row_with_a_doubling_backoff():
     pace = AdaptivePace(patience=2, backoff=4, max_backoff=16)
     assert pace.limit("r", 4, 9) == 4
     pace.drafted("r", 4)
-    pace.update("r", 0, 4, 10)  # one miss: not paused, but k drops to 1
-    assert pace.limit("r", 4, 11) == 1
-    pace.drafted("r", 1)
+    pace.update("r", 0, 4, 10)  # one miss: not paused, but k halves
+    assert pace.limit("r", 4, 11) == 2
+    pace.drafted("r", 2)
     pace.update("r", 0, 4, 12)  # second miss in a row: paused for 4 tokens of history
     assert [pace.limit("r", 4, h) for h in (12, 13, 15)] == [0, 0, 0]
     assert pace.limit("r", 4, 16) == 1
@@ -59,7 +62,7 @@ def test_pace_resumes_early_on_a_long_match_at_a_new_distance():
     pace.update("r", 0, 4, 11)  # paused until history 43, on the copy 7 tokens back
     assert pace.limit("r", 4, 12, ngram=3, distance=7) == 0  # the same copy continued: still paused
     assert pace.limit("r", 4, 12, ngram=2, distance=9) == 0  # a short match: not new context enough
-    assert pace.limit("r", 4, 12, ngram=3, distance=9) == 1  # another occurrence: drafts again
+    assert pace.limit("r", 4, 12, ngram=3, distance=9) == 2  # another occurrence: drafts again (k halved)
     assert pace.stats()["early_resumes"] == 1
 
 
@@ -86,7 +89,7 @@ def test_prompt_lookup_stops_proposing_drafts_that_are_rejected():
                 d.accept("r", 0, [7])
         history = history + [7]
     assert lengths["fixed"] == [4] * 6
-    assert lengths["adaptive"][:2] == [4, 1]  # full k, then 1 after a miss
+    assert lengths["adaptive"][:2] == [4, 2]  # full k, then half after a miss
     assert lengths["adaptive"][2] == 0  # paused after the second miss
     assert sum(lengths["adaptive"]) < sum(lengths["fixed"]) / 2
     assert adaptive.stats()["adaptive"]["pauses"] >= 1
@@ -103,7 +106,17 @@ def trained_model(tmp_path_factory):
     path = trained.build_trained(root / "model", steps=trained.TEST_STEPS, batch=trained.TEST_BATCH,
                                  cache_dir=root / "cache")
     model, tokenizer = load(str(path))
-    return model, tokenizer, (path / "training.json").read_text()
+    return model, tokenizer, (path / "training.json").read_text(), root
+
+
+def test_a_second_build_is_the_cached_copy(trained_model):
+    from scheduler.fixtures import trained
+
+    root = trained_model[3]
+    again = trained.build_trained(root / "again", steps=trained.TEST_STEPS, batch=trained.TEST_BATCH,
+                                  cache_dir=root / "cache")
+    assert (again / "model.safetensors").read_bytes() == (root / "model" / "model.safetensors").read_bytes()
+    assert [p.name for p in (root / "cache").iterdir()] == [f"trained-{trained.cache_key(trained.TEST_STEPS, 0, trained.TEST_BATCH)}"]
 
 
 def _repetitive(tokenizer, n):
@@ -128,7 +141,7 @@ def test_the_trained_model_learned_its_corpus(trained_model):
 
 
 def test_drafting_on_the_trained_model_is_exact_and_accepted(trained_model):
-    model, tokenizer, _ = trained_model
+    model, tokenizer = trained_model[:2]
     rng = random.Random(1)
     prompts = _repetitive(tokenizer, 3) + [[rng.randrange(7, 512) for _ in range(40)]]
     new = 24

@@ -14,8 +14,8 @@ the target's KV rollback is ``kernels.speculative.rollback_rows``.
   :meth:`accept` being called: a tick without drafting, a partial acceptance or a preemption all resync.
 
 **Adaptive draft length** (:class:`AdaptivePace`, on by default in both drafters): each row's k follows its
-recent acceptance (a fully accepted draft lets the next one grow by one, a partial one caps it at what was
-accepted plus one), and a row whose drafts are rejected ``patience`` times in a row pauses: it drafts nothing
+recent acceptance (a fully accepted draft lets the next one grow by one, a wholly rejected one halves it),
+and a row whose drafts are rejected ``patience`` times in a row pauses: it drafts nothing
 until its history has grown by a back-off (doubling per further miss) or, for prompt lookup, until a match
 of the longest n-gram appears at a new distance (a different earlier occurrence: the context changed). A
 paused row costs nothing: a tick where no row drafts is a plain one-token decode step. That is what keeps
@@ -148,8 +148,10 @@ class _Pace:
 class AdaptivePace:
     """Per-row draft length that follows acceptance, and pauses for rows whose drafts are rejected.
 
-    * k: no cap at first (the caller's k). After a verification with ``a`` of ``d`` drafted tokens accepted: ``a == d``
-      grows the cap by one (up to the caller's k); otherwise the cap becomes ``max(1, a + 1)``.
+    * k: no cap at first (the caller's k). After a verification with ``a`` of ``d`` drafted tokens accepted:
+      ``a == d`` sets the cap to ``d + 1`` (up to the caller's k), ``a == 0`` halves it (at least 1), a partial
+      acceptance keeps it. Measured on the trained tiny model (bench/README.md): capping at ``a + 1`` after a
+      partial acceptance lost more tokens per verify forward than the shorter verify saved.
     * pause: ``patience`` consecutive drafts with nothing accepted pause the row for ``backoff`` tokens of
       history growth, doubling with each further miss up to ``max_backoff``. A prompt-lookup match of length
       ``resume_ngram`` (or more) at a distance other than the one that failed ends the pause early: a new
@@ -197,7 +199,10 @@ class AdaptivePace:
         if pace is None or not pace.drafted:
             return
         drafted, pace.drafted = pace.drafted, 0
-        pace.k = min(k, pace.k + 1) if accepted >= drafted else max(1, accepted + 1)
+        if accepted >= drafted:
+            pace.k = min(k, drafted + 1)
+        elif not accepted:
+            pace.k = max(1, drafted // 2)
         if accepted:
             pace.misses = 0
             return
