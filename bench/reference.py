@@ -11,8 +11,9 @@ pre-tokenized requests), and `is_text_only=True` sends it down its chunked text 
 forward. Sampling is greedy (`temperature=0`: `make_sampler` returns argmax) and `stop_tokens` is empty, so it
 produces exactly `new_tokens` tokens per request like the other two sides.
 
-Image requests go through the generator's own path: a prompt string (our chat template applied), image files
-on disk, `mlx_vlm.utils.prepare_inputs` with the processor, then one VLM forward per request.
+Image requests go through the generator's own path: a prompt string (our chat template applied), each image
+file as a `data:image/png;base64,...` URI (it accepts only URLs and data URIs), `mlx_vlm.utils.prepare_inputs`
+with the processor, then one VLM forward per request.
 """
 
 from __future__ import annotations
@@ -95,6 +96,13 @@ def run_reference(model: Any, tokenizer: Any, workload: Workload, completion_bat
         gen.close()
 
 
+def _data_uri(path: str) -> str:
+    import base64
+
+    with open(path, "rb") as f:
+        return "data:image/png;base64," + base64.b64encode(f.read()).decode("ascii")
+
+
 def run_reference_media(model: Any, processor: Any, prompts: Sequence[str], image_paths: Sequence[list[str] | None],
                         new_tokens: int) -> RunStats:
     """One timed run of string prompts (chat template applied), some with image files, through the reference."""
@@ -102,7 +110,9 @@ def run_reference_media(model: Any, processor: Any, prompts: Sequence[str], imag
 
     gen = _generator(model, processor, len(prompts), None, 1024)
     try:
-        requests = [MLLMBatchRequest(uid=0, request_id=f"r{i}", prompt=p, images=list(imgs) if imgs else None,
+        # vllm-mlx takes only http(s) URLs and data: URIs (a local path is dropped with a warning)
+        requests = [MLLMBatchRequest(uid=0, request_id=f"r{i}", prompt=p,
+                                     images=[_data_uri(path) for path in imgs] if imgs else None,
                                      max_tokens=new_tokens, temperature=0.0, top_p=1.0)
                     for i, (p, imgs) in enumerate(zip(prompts, image_paths))]
         return _drive(gen, requests, len(prompts), new_tokens)

@@ -93,6 +93,9 @@ def main(argv=None) -> int:
         model, processor = mlx_vlm.load(str(model_dir))
         prompts, images = _workload(processor, model.config, tmp, args.requests)
         truth = solo(model, processor, prompts, images, args.new_tokens)
+        # the reference gets a model instance of its own: mlx-vlm's Qwen2-VL language model keeps position
+        # state between calls (its rope deltas), which the solo runs above and our engine's calls would leave
+        ref_model, ref_processor = mlx_vlm.load(str(model_dir))
 
         def ours() -> RunStats:
             # a fresh engine per run: vision cache cold, like the reference's fresh generator
@@ -103,10 +106,10 @@ def main(argv=None) -> int:
                 engine.close()
 
         def ref() -> RunStats:
-            return run_reference_media(model, processor, prompts, images, args.new_tokens)
+            return run_reference_media(ref_model, ref_processor, prompts, images, args.new_tokens)
 
         run_ours(Engine(model, processor, EngineConfig()), prompts, images, 2)  # warm-up
-        run_reference_media(model, processor, prompts, images, 2)
+        run_reference_media(ref_model, ref_processor, prompts, images, 2)
         runs = {"ours": [], "vllm-mlx": []}
         for rep in range(args.repeats):
             order = [("ours", ours), ("vllm-mlx", ref)]
