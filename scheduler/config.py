@@ -29,6 +29,9 @@ class EngineConfig:
         tokens count against max_batched_tokens, after prefill.
     drafter: "prompt-lookup" (n-gram match in the request's own history, no model), "draft-model" (a smaller
         model with the same vocabulary) or "mtp" (a multi-token-prediction head on the target's hidden states).
+    adaptive_drafting: each row's draft length follows its recent acceptance and a row whose drafts keep
+        being rejected pauses until its context changes (prompt lookup, draft model; see
+        `scheduler/execution/drafters.py`). False: every drafting row proposes up to draft_tokens each tick.
     vision_budget: media items whose encoding runs in one tick (so much media cannot stall decoding): an image
         is one item, a video one per temporal patch of its selected frames (Qwen2-VL: 2 frames), an audio clip
         one. A request with more items than the whole budget is encoded alone in a tick.
@@ -79,6 +82,7 @@ class EngineConfig:
     mix: str = "decode-first"  # or "prefill-first"
     draft_tokens: int = 0  # speculative decoding: draft tokens per row per tick (0 = off)
     drafter: str = "prompt-lookup"  # or "draft-model" (Engine(draft_model=...)) or "mtp" (Engine(mtp_head=...))
+    adaptive_drafting: bool = True
     vision_budget: int = 4  # media items encoded per tick
     video_fps: float = 2.0
     video_max_frames: int = 32

@@ -252,8 +252,8 @@ class Engine:
                 raise ValueError("drafter='draft-model' needs Engine(..., draft_model=<mlx-lm model>)")
             if library.vocab_size(draft_model) != self.vocab_size:
                 raise ValueError("the draft model must share the target's vocabulary")
-            return DraftModelDrafter(draft_model)
-        return PromptLookupDrafter()
+            return DraftModelDrafter(draft_model, adaptive=cfg.adaptive_drafting)
+        return PromptLookupDrafter(adaptive=cfg.adaptive_drafting)
 
     def draft_stats(self) -> dict[str, Any]:
         """Speculative decoding: drafted, accepted, rejected, acceptance rate, verify forwards and tokens per
