@@ -14,7 +14,7 @@ import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
 from caches import layers
-from caches.kv import KVLayout
+from caches.kv import KVLayout, QuantizeRule
 
 # The cache-layer protocol is `caches.layers`; these names are its operations, for the modules that drive
 # model caches through this seam.
@@ -75,6 +75,38 @@ def kv_layout(model: Any, max_kv_size: int | None = None) -> KVLayout:
     model(mx.array([[0]]), cache=cache)
     mx.eval(cache_arrays(cache))
     return layers.probe_layout(cache)
+
+
+def mlx_lm_prefill_step() -> int:
+    """mlx-lm generate_step's default `prefill_step_size`: where its quantized-KV check runs during a prompt."""
+    import inspect
+
+    from mlx_lm.generate import generate_step
+
+    return int(inspect.signature(generate_step).parameters["prefill_step_size"].default)
+
+
+def quantize_rule(bits: int, group_size: int, start: int) -> QuantizeRule:
+    return QuantizeRule(bits, group_size, start, mlx_lm_prefill_step())
+
+
+def quantized_kv_layout(model: Any, layout: KVLayout, rule: QuantizeRule) -> KVLayout:
+    """`layout` with the bytes per token of each layer once quantized, measured on a one-token probe that is
+    converted the way mlx-lm converts (and then run once more, so a family whose attention cannot read a
+    quantized cache fails here, at configuration, as QuantizationRefused)."""
+    cache = make_request_cache(model)
+    layers.check_quantizable(cache)
+    model(mx.array([[0]]), cache=cache)
+    mx.eval(cache_arrays(cache))
+    try:
+        quantized = layers.quantized_layout(cache, rule.group_size, rule.bits)
+        mx.eval(model(mx.array([[1]]), cache=cache))
+    except (ValueError, TypeError, NotImplementedError) as exc:  # e.g. head_dim not a multiple of the group
+        raise layers.QuantizationRefused("QuantizedKVCache", f"{type(exc).__name__}: {exc}") from None
+    if not any(q is not None for q in quantized):
+        raise layers.QuantizationRefused(", ".join(sorted({type(c).__name__ for c in cache})),
+                                         "no layer of this model's cache can be quantized")
+    return layout.quantized(rule, quantized)
 
 
 class HiddenStateSeamError(ValueError):
@@ -175,8 +207,10 @@ def max_positions(model: Any) -> int | None:
 
 
 def is_vision_language_model(model: Any) -> bool:
-    """mlx-vlm models carry a vision tower next to their language model."""
-    return hasattr(model, "vision_tower") and hasattr(model, "language_model")
+    """mlx-vlm models: a language model next to their encoders (named per family: vision_tower, vision_model,
+    audio_tower), built by mlx-vlm's model modules."""
+    return hasattr(model, "language_model") and (
+        type(model).__module__.startswith("mlx_vlm.") or hasattr(model, "vision_tower"))
 
 
 def is_vision_language_dir(model_dir: Any) -> bool:
