@@ -63,6 +63,10 @@ class _KVTracker:
         self.layout, self.budget, self.headroom = layout, budget, headroom_tokens
         self.rows: dict[str, int] = {}
         self.prefilling: dict[str, tuple[int, int]] = {}
+        # Admitted media requests not prefilling yet (encoding, or admitted this tick): they hold no KV after
+        # this tick, but their whole prompts are reserved in every admission check, so what is let in behind
+        # them cannot take the memory they are about to prefill into.
+        self.pending: dict[str, int] = {}
 
     def bytes(self, rows: dict[str, int] | None = None, prefilling: dict | None = None, grow: int = 0) -> int:
         rows = self.rows if rows is None else rows
@@ -83,18 +87,27 @@ class _KVTracker:
 
     def try_chunk(self, request: Request, chunk: PrefillChunk, admission: bool) -> bool:
         rows, prefilling = self.with_chunk(request, chunk)
-        if admission:
-            # Admit only if the whole prompt fits next to every row grown by the headroom: a request that is
-            # let in must not be preempted again a few ticks later (no preempt/readmit thrash).
-            full_rows = dict(rows)
-            full_rows[request.request_id] = request.prefill_len
-            full_prefilling = {k: v for k, v in prefilling.items() if k != request.request_id}
-            if self.bytes(full_rows, full_prefilling, grow=self.headroom) > self.budget:
-                return False
-        elif self.bytes(rows, prefilling) > self.budget:
+        fits = self.admits(request, rows, prefilling) if admission else self.bytes(rows, prefilling) <= self.budget
+        if not fits:
             return False
         self.rows, self.prefilling = rows, prefilling
         return True
+
+    def try_admit_media(self, request: Request) -> bool:
+        """A media request is admitted to encoding under the same rule as a text request's admission (it
+        holds no KV until its first chunk, next tick at the earliest); once admitted its prompt is reserved."""
+        if not self.admits(request, self.rows, self.prefilling):
+            return False
+        self.pending[request.request_id] = request.prefill_len
+        return True
+
+    def admits(self, request: Request, rows: dict[str, int], prefilling: dict) -> bool:
+        """Admit only if the whole prompt fits next to every row grown by the headroom (and the prompts
+        reserved for admitted media): a request that is let in must not be preempted again a few ticks later
+        (no preempt/readmit thrash)."""
+        full_rows = {**rows, **self.pending, request.request_id: request.prefill_len}
+        full_prefilling = {k: v for k, v in prefilling.items() if k != request.request_id}
+        return self.bytes(full_rows, full_prefilling, grow=self.headroom) <= self.budget
 
 
 class _VisionBudget:
@@ -148,10 +161,13 @@ class _Reasons:
 def plan_tick(view: SchedulerView, config: EngineConfig, policy: Policy) -> TickPlan:
     """decode-first: every decoding row decodes every tick and prefill gets the rest of the budget.
     prefill-first: while any prompt has tokens left to prefill, a tick is prefill only (decoding rows pause,
-    and prompts stop one token short: that token goes with the next decode step); otherwise as decode-first."""
+    and prompts stop one token short: that token goes with the next decode step); otherwise as decode-first.
+    Only prefill chunks make a tick prefill only: media encoding (and admitting media to it) runs next to the
+    decoding rows, or a tick that only encodes would pause them for nothing (and, when those admissions are
+    preempted again next tick, for ever)."""
     if config.mix == "prefill-first":
         plan = _plan(view, config, policy, prefill_only=True)
-        if plan.prefill or plan.encode or plan.admitted:
+        if plan.prefill:
             return plan
     return _plan(view, config, policy, prefill_only=False)
 
@@ -200,6 +216,7 @@ class _TickBuilder:
             # (+ draft_tokens: a verification holds that many extra positions until it is rolled back)
             kv.rows = {r.request_id: r.prompt_len + r.num_output_tokens + config.draft_tokens for r in view.decoding}
             kv.prefilling = {r.request_id: (r.num_computed_tokens, 0) for r in view.prefilling}
+            kv.pending = {r.request_id: r.prefill_len for r in view.encoding}
             victims = [r.request_id for r in view.decoding] + [r.request_id for r in view.prefilling]
             while not kv.fits() and victims:
                 rid = victims.pop()
@@ -284,6 +301,9 @@ class _TickBuilder:
                 why.held_back(queue[position:], Reason.MAX_SEQS)
                 break
             if request.num_images:  # media first goes through vision encoding, under the vision budget
+                if self.kv is not None and not self.kv.try_admit_media(request):
+                    self._hold_for_kv(request, behind)
+                    break
                 self.admitted.append(request.request_id)
                 self._note_media(request)
                 self.seqs += 1
@@ -296,8 +316,7 @@ class _TickBuilder:
                 why.held_back(behind, Reason.POLICY_ORDER, (request.request_id,))
                 break
             if self.kv is not None and not self.kv.try_chunk(request, offer[0], admission=True):
-                why.note(request.request_id, Reason.KV_BUDGET)  # the head of the queue waits for memory;
-                why.held_back(behind, Reason.POLICY_ORDER, (request.request_id,))  # nobody jumps it
+                self._hold_for_kv(request, behind)
                 break
             self.admitted.append(request.request_id)
             self.grant(request, *offer)
@@ -359,6 +378,11 @@ class _TickBuilder:
         self.prefill.append(chunk)
         self.why.chunk_given(request, chunk, self.prefill_only)
         self.budget -= chunk.num_tokens
+
+    def _hold_for_kv(self, request: Request, behind: Sequence[Request]) -> None:
+        """The head of the queue waits for memory; nobody jumps it."""
+        self.why.note(request.request_id, Reason.KV_BUDGET)
+        self.why.held_back(behind, Reason.POLICY_ORDER, (request.request_id,))
 
     def _note_media(self, request: Request) -> None:
         self.why.note(request.request_id,
