@@ -231,6 +231,8 @@ class _TickBuilder:
         self.decode = () if self.prefill_only else tuple(r.request_id for r in view.decoding
                                                          if r.request_id not in gone)
         self.why = _Reasons(config, len(self.decode))
+        if self.prefill_only:  # (this plan is used only if it prefills: then every running row pauses)
+            self.why.held_back([r for r in view.decoding if r.request_id not in gone], Reason.PREFILL_FIRST)
         if self.preempted:  # they made room for the oldest request that keeps its memory
             kept = [r.request_id for r in (*view.decoding, *view.prefilling) if r.request_id not in gone]
             for rid in self.preempted:
@@ -333,12 +335,19 @@ class _TickBuilder:
             return
         forward_rows = len(self.decode) + sum(c.completes for c in self.prefill)
         width = min(config.draft_tokens, self.budget // forward_rows) if forward_rows else 0
-        if width >= 1:
-            for request in self.view.decoding:
-                # the verify forward emits up to k + 1 tokens: drafts never cross max_tokens or the context limit
-                k = min(width, request.output_limit - request.num_output_tokens - 1)
-                if request.request_id not in self.gone and k >= 1 and request.draft_eligible:
-                    self.draft.append(DraftGrant(request.request_id, k))
+        for request in self.view.decoding:
+            if request.request_id in self.gone:
+                continue
+            if not request.draft_eligible:
+                self.why.note(request.request_id, Reason.DRAFT_INELIGIBLE)
+                continue
+            # the verify forward emits up to k + 1 tokens: drafts never cross max_tokens or the context limit
+            usable = min(config.draft_tokens, request.output_limit - request.num_output_tokens - 1)
+            k = min(width, usable)
+            if k < usable:  # (a row near its end that drafts all it can use got all it could use)
+                self.why.note(request.request_id, Reason.DRAFT_BUDGET)
+            if k >= 1:
+                self.draft.append(DraftGrant(request.request_id, k))
         self.budget -= forward_rows * max((k for _, k in self.draft), default=0)
 
     def build(self) -> TickPlan:
