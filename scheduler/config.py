@@ -41,6 +41,9 @@ class EngineConfig:
     kv_headroom_tokens: tokens of growth per row an admission must leave room for (prevents thrash).
     prefix_cache_bytes: byte budget of the prefix cache (LRU); 0 turns it off.
     prefix_block_size: tokens per hashed block of the prefix index (the shortest reusable prefix).
+    processor_history: the tokens a logits processor and the repetition / presence penalties see: "prompt+output"
+        (mlx-lm's semantics: every token so far) or "output" (vllm-mlx's: generated tokens only, an empty array
+        for the first token; the compat surface's setting).
     logprob_vectors: give every output token's full log-softmax vector in StepOutput.logprob_vectors
         (what vllm-mlx's MLLMBatchResponse.logprobs carries); off by default: it keeps a (V,) array per row.
     mix: "decode-first" (every running row decodes every tick; prefill gets what is left: steady streams,
@@ -59,6 +62,7 @@ class EngineConfig:
     max_prefill_tokens: int | None = None  # cap on prefill tokens per tick (None: what decode leaves)
     max_model_len: int | None = None
     penalty_context: int = 20
+    processor_history: str = "prompt+output"  # or "output" (vllm-mlx)
     seed: int = 0
     policy: str = "fcfs"
     mix: str = "decode-first"  # or "prefill-first"
@@ -99,6 +103,8 @@ class EngineConfig:
             raise ValueError(f"draft_tokens: must be an integer in [0, 64], got {self.draft_tokens!r}")
         if self.mix not in ("decode-first", "prefill-first"):
             raise ValueError(f"mix: must be 'decode-first' or 'prefill-first', got {self.mix!r}")
+        if self.processor_history not in ("prompt+output", "output"):
+            raise ValueError(f"processor_history: must be 'prompt+output' or 'output', got {self.processor_history!r}")
         if self.drafter not in ("prompt-lookup", "draft-model", "mtp"):
             raise ValueError(f"drafter: must be 'prompt-lookup', 'draft-model' or 'mtp', got {self.drafter!r}")
         if self.max_kv_size is not None and (not isinstance(self.max_kv_size, int) or self.max_kv_size < 2):

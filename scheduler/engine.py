@@ -161,6 +161,7 @@ class Engine:
         self.shard = _Shard.create(shard_group, self) if shard_group is not None and shard_group.size() > 1 else None
         prefix_payloads = self.shard.prefix_payloads if self.shard is not None else self.scheduler.prefix_cache
         self.executor = executor or MLXExecutor(family.runner, penalty_context=self.config.penalty_context,
+                                                processor_history=self.config.processor_history,
                                                 prefix_cache=prefix_payloads,
                                                 logprob_vectors=self.config.logprob_vectors,
                                                 drafter=self._make_drafter(draft_model, mtp_head),
@@ -172,6 +173,7 @@ class Engine:
         self._lock = threading.Lock()
         self._inbox: list[_Arrival] = []
         self._abort_inbox: list[str] = []
+        self._clear_prefix_requested = False  # clear_prefix_cache(): applied at the start of the next tick
         self._known_live: set[str] = set()  # ids accepted and not ended (guarded by _lock)
         self._ended: OrderedDict[str, RequestState] = OrderedDict()
         self._ids = itertools.count()
@@ -206,10 +208,15 @@ class Engine:
 
         if cfg.drafter == "mtp":
             if mtp_head is None:
-                raise ValueError("drafter='mtp' needs Engine(..., mtp_head=...) (from_pretrained loads the head "
-                                 "stored next to the model, if any)")
-            from .execution.mtp import MTPDrafter
+                raise ValueError("drafter='mtp' needs Engine(..., mtp_head=...): an MTPHead (from_pretrained loads "
+                                 "the head stored next to the model, if any), or the model itself when it carries "
+                                 "its own MTP module (.mtp and .mtp_forward)")
+            from .execution.mtp import MTPDrafter, NativeMTPDrafter
 
+            if library.has_native_mtp(mtp_head):
+                if mtp_head is not self.model:
+                    raise ValueError("a native MTP module drafts for its own model: pass mtp_head=<the engine's model>")
+                return NativeMTPDrafter(self.model)
             return MTPDrafter(mtp_head, self.model)
         if cfg.drafter == "draft-model":
             if draft_model is None:
@@ -383,6 +390,18 @@ class Engine:
                 return False
         raise UnknownRequest(request_id)
 
+    def clear_prefix_cache(self) -> bool:
+        """Empty the prefix cache at the start of the next tick, like an abort (so the trace records it at a
+        tick and replay applies it there); requests arriving before that tick see an empty cache too. Returns
+        False when this engine has no prefix cache."""
+        if self.scheduler.prefix_cache is None:
+            return False
+        if self.shard is not None:
+            raise RuntimeError("clear_prefix_cache: not built for a sharded engine (the followers hold payloads)")
+        with self._lock:
+            self._clear_prefix_requested = True
+        return True
+
     # ---- the loop -------------------------------------------------------------------------------
     def has_pending(self) -> bool:
         with self._lock:
@@ -437,6 +456,7 @@ class Engine:
         with self._lock:
             arrivals, self._inbox = self._inbox, []
             aborts, self._abort_inbox = self._abort_inbox, []
+            clear_prefix, self._clear_prefix_requested = self._clear_prefix_requested, False
         failed = []
         for a in arrivals:
             request = Request(
@@ -455,6 +475,8 @@ class Engine:
             if rid in self.scheduler.requests
         ]
         self.loop.release(o.request_id for o in outputs)
+        if clear_prefix:
+            self.scheduler.clear_prefix_cache(tick)
         return outputs
 
     def _record_ends(self, outputs: list[StepOutput]) -> None:

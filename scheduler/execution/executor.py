@@ -95,7 +95,8 @@ class _Row:
 
 class MLXExecutor:
     def __init__(self, runner: Runner | Any, penalty_context: int = 20, prefix_cache: Any = None,
-                 logprob_vectors: bool = False, drafter: Any = None, on_event: Any = None):
+                 logprob_vectors: bool = False, drafter: Any = None, on_event: Any = None,
+                 processor_history: str = "prompt+output"):
         # KV decisions carried out (kv_merge, kv_filter, kv_rollback) are events: (kind, **fields)
         self._on_event = on_event or (lambda kind, **fields: None)
         self.drafter = drafter  # proposes draft tokens for the rows a plan lets draft
@@ -103,12 +104,15 @@ class MLXExecutor:
         self.prefill_stats = PrefillStats()
         # hidden-state drafters (MTP heads) need each row's last hidden state from the previous forward
         self._keeps_hidden = bool(getattr(drafter, "needs_hidden", False))
+        self._native_hidden = bool(getattr(drafter, "native_hidden", False))  # the model's own return_hidden
         self._last_hidden: mx.array | None = None  # (B, H)
         self._has_hidden: list[bool] = []
         self.logprob_vectors = logprob_vectors  # hand every row's full log-softmax vector back (compat API)
         self.runner: Runner = runner if hasattr(runner, "decode") and hasattr(runner, "make_cache") else TextRunner(runner)
         self.prefix_cache = prefix_cache  # read here (payloads to restore); the scheduler decides what is in it
         self.penalty_context = penalty_context
+        # what processors and penalties see: every token so far (mlx-lm) or the generated ones only (vllm-mlx)
+        self.output_only_history = processor_history == "output"
         self.kv = KVCacheManager(self.runner.make_cache, getattr(self.runner, "merge", None))
         self._encoded: dict[str, Any] = {}  # request id -> model inputs prepared for prefill (VLM embeddings)
         self._rows: list[_Row] = []
@@ -325,13 +329,15 @@ class MLXExecutor:
     def _extend_context(self, request_ids: list[str], requests: Mapping[str, Request]) -> mx.array:
         """Penalty context for new rows: the tail of their prompt, like mlx-lm's processors see it.
 
-        The last prompt token is excluded here because it is appended as the row's first decode input.
+        The last prompt token is excluded here because it is appended as the row's first decode input. With an
+        output-only history the tail starts after the prompt (a resumed request keeps its re-fed outputs).
         """
         w = self.penalty_context
         rows = []
         for rid in request_ids:
             r = requests[rid]
-            tail = r.prefill_tokens(max(0, r.prefill_len - w), r.prefill_len - 1) if w > 1 else []
+            first = max(r.prompt_len if self.output_only_history else 0, r.prefill_len - w)
+            tail = r.prefill_tokens(first, r.prefill_len - 1) if w > 1 and first < r.prefill_len - 1 else []
             rows.append([-1] * (w - len(tail)) + tail)
         new = mx.array(rows, dtype=mx.int32)
         if self._context is None:
@@ -363,7 +369,8 @@ class MLXExecutor:
             draft_tokens, draft_lens = pad_drafts(padded, width)
             verify_inputs = mx.concatenate([inputs[:, None].astype(mx.int32), draft_tokens], axis=1)
             if self._keeps_hidden:  # (B, width + 1, V) logits and (B, width + 1, H) hidden states
-                all_logits, all_hidden = self.runner.forward_with_hidden(self.kv.batch, verify_inputs)
+                all_logits, all_hidden = self.runner.forward_with_hidden(self.kv.batch, verify_inputs,
+                                                                         native=self._native_hidden)
             else:
                 all_logits = self.runner.verify(self.kv.batch, verify_inputs)
             logits = all_logits[:, 0, :]
@@ -371,10 +378,14 @@ class MLXExecutor:
         params = self._sampling_arrays()
         context = None
         if params.any_penalty:
-            self._context = mx.concatenate([self._context[:, 1:], inputs.astype(mx.int32)[:, None]], axis=1)
+            fed = inputs.astype(mx.int32)
+            if self.output_only_history:  # a fresh row's first input is its last prompt token: not history here
+                fed = mx.where(mx.array([row.step > 0 for row in self._rows]), fed, -1)
+            self._context = mx.concatenate([self._context[:, 1:], fed[:, None]], axis=1)
             context = self._context
         steps = mx.array([row.step for row in self._rows], dtype=mx.uint32)
         tokens, logprobs = sample_tokens(logits, params, steps, context)
+        tokens = self._apply_samplers(tokens, logprobs, result)
         want_logprobs = [i for i, row in enumerate(self._rows) if row.request.sampling.logprobs]
         picked = None
         if want_logprobs:
@@ -467,8 +478,9 @@ class MLXExecutor:
     def _apply_processors(self, logits: mx.array, result: TickResult) -> mx.array:
         """User logits processors run per row (they are arbitrary Python); rows without them are untouched.
 
-        Like mlx-lm, a processor sees every token so far (prompt + output). One that raises fails its own
-        request (reported in `result.errors`); its row samples from the unprocessed logits and is dropped.
+        Like mlx-lm, a processor sees every token so far (prompt + output); with an output-only history (vllm-mlx)
+        the generated tokens only. One that raises fails its own request (reported in `result.errors`); its row
+        samples from the unprocessed logits and is dropped.
         """
         rows = [i for i, row in enumerate(self._rows) if row.request.sampling.logits_processors]
         if not rows:
@@ -476,7 +488,8 @@ class MLXExecutor:
         parts = list(logits)
         for i in rows:
             request = self._rows[i].request
-            context = mx.array(request.prompt_tokens + request.output_tokens, dtype=mx.uint32)
+            history = request.output_tokens if self.output_only_history else request.prompt_tokens + request.output_tokens
+            context = mx.array(history, dtype=mx.uint32)
             row_logits = logits[i : i + 1]
             try:
                 for processor in request.sampling.logits_processors:
@@ -485,6 +498,24 @@ class MLXExecutor:
             except Exception as exc:  # user code: contain it to its own request
                 result.errors[request.request_id] = f"logits processor failed: {type(exc).__name__}: {exc}"
         return mx.stack(parts)
+
+
+    def _apply_samplers(self, tokens: mx.array, logprobs: mx.array, result: TickResult) -> mx.array:
+        """Rows with a custom sampler (`SamplingParams.sampler`) take its token, drawn from their log-softmax
+        vector like mlx-lm's samplers are; one that raises fails its own request, like a logits processor."""
+        rows = [i for i, row in enumerate(self._rows) if row.request.sampling.sampler is not None]
+        if not rows:
+            return tokens
+        index = mx.arange(tokens.shape[0])
+        for i in rows:
+            request = self._rows[i].request
+            try:
+                token = mx.reshape(request.sampling.sampler(logprobs[i : i + 1]), ()).astype(tokens.dtype)
+            except Exception as exc:  # user code: contain it to its own request
+                result.errors[request.request_id] = f"sampler failed: {type(exc).__name__}: {exc}"
+                continue
+            tokens = mx.where(index == i, token, tokens)
+        return tokens
 
 
 def _last_prefill_token(request: Request) -> int:

@@ -126,6 +126,27 @@ def forward_with_hidden(model: Any, inputs: mx.array, cache: Cache) -> tuple[mx.
     return logits_from_hidden(model)(hidden), hidden
 
 
+def has_native_mtp(model: Any) -> bool:
+    """A model carrying its own multi-token-prediction module the way vllm-mlx's MTP models do: `.mtp` (not
+    None), `.mtp_forward(hidden, next_tokens, mtp_cache=None) -> logits`, and `return_hidden=True` on its call."""
+    return getattr(model, "mtp", None) is not None and callable(getattr(model, "mtp_forward", None))
+
+
+def forward_with_native_hidden(model: Any, inputs: mx.array, cache: Cache) -> tuple[mx.array, mx.array]:
+    """(logits, hidden states) from the model's own `return_hidden=True` call: the hidden states its own
+    `mtp_forward` expects (whatever norm they are taken at), with the logits of its own call."""
+    out = model(inputs, cache=cache, return_hidden=True)
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise HiddenStateSeamError(f"{type(model).__module__}: return_hidden=True did not give (logits, hidden)")
+    return out
+
+
+def native_mtp_logits(model: Any, hidden: mx.array, tokens: mx.array) -> mx.array:
+    """(n, H) hidden states and (n,) tokens they produced -> (n, V) logits of the token after, from the model's
+    native MTP module (no MTP cache: each draft attends to itself only, as vllm-mlx calls it)."""
+    return model.mtp_forward(hidden[:, None, :], tokens[:, None], mtp_cache=None)[:, -1, :]
+
+
 def token_embedding(model: Any):
     return model.model.embed_tokens
 

@@ -70,8 +70,11 @@ class TextRunner:
         """(B, n) inputs -> (B, n, V) logits: one forward over each row's last token and its drafts."""
         return self.model(inputs, cache=batch_cache)
 
-    def forward_with_hidden(self, batch_cache, inputs):
-        """(B, n) inputs -> ((B, n, V) logits, (B, n, H) final hidden states), for hidden-state drafters."""
+    def forward_with_hidden(self, batch_cache, inputs, native: bool = False):
+        """(B, n) inputs -> ((B, n, V) logits, (B, n, H) hidden states), for hidden-state drafters: the final
+        normed hidden states of the seam, or (`native`) those of the model's own `return_hidden=True` call."""
+        if native:
+            return library.forward_with_native_hidden(self.model, inputs, batch_cache)
         return library.forward_with_hidden(self.model, inputs, batch_cache)
 
 
