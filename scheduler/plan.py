@@ -24,6 +24,16 @@ class Reason(str, Enum):
     POLICY_ORDER = "policy_order"  # it would fit, but a blocked request ahead of it may not be jumped
     WAITING_FOR_MEDIA = "waiting_for_media"  # its media is encoded this tick; its prefill starts next tick
     PREEMPTED_BY = "preempted_by"  # preempted (caches dropped) to make room for `others[0]`
+    # a running row's (ROW_REASONS):
+    PREFILL_FIRST = "prefill_first"  # its decode is paused: mix="prefill-first" gives this tick to prefill
+    DRAFT_BUDGET = "draft_budget"  # fewer draft positions than draft_tokens (or none): what the tick's token
+    # budget left after the decode rows and the prefill chunks pays for fewer per row of the verify forward
+    DRAFT_INELIGIBLE = "draft_ineligible"  # it never drafts: it asked for logprobs, processors or penalties
+
+
+#: Reasons of running (decoding) rows rather than of requests waiting to run; recorded since the `row_reasons`
+#: plan-record group (a trace without it was written before they existed, and replay leaves them out).
+ROW_REASONS = frozenset({Reason.PREFILL_FIRST, Reason.DRAFT_BUDGET, Reason.DRAFT_INELIGIBLE})
 
 
 @dataclass(frozen=True)
@@ -110,6 +120,7 @@ class NewRequest:
 PLAN_RECORD_GROUPS: dict[str, tuple[str, ...]] = {
     "reasons": ("reasons", "reasons_cleared"),
     "step": ("step",),
+    "row_reasons": (),  # no keys of its own: `reasons` also carries the ROW_REASONS of running rows
 }
 
 

@@ -63,6 +63,10 @@ class _KVTracker:
         self.layout, self.budget, self.headroom = layout, budget, headroom_tokens
         self.rows: dict[str, int] = {}
         self.prefilling: dict[str, tuple[int, int]] = {}
+        # Admitted media requests not prefilling yet (encoding, or admitted this tick): they hold no KV after
+        # this tick, but their whole prompts are reserved in every admission check, so what is let in behind
+        # them cannot take the memory they are about to prefill into.
+        self.pending: dict[str, int] = {}
 
     def bytes(self, rows: dict[str, int] | None = None, prefilling: dict | None = None, grow: int = 0) -> int:
         rows = self.rows if rows is None else rows
@@ -84,25 +88,42 @@ class _KVTracker:
     def try_chunk(self, request: Request, chunk: PrefillChunk, admission: bool) -> bool:
         rows, prefilling = self.with_chunk(request, chunk)
         if admission:
-            # Admit only if the whole prompt fits next to every row grown by the headroom: a request that is
-            # let in must not be preempted again a few ticks later (no preempt/readmit thrash).
-            full_rows = dict(rows)
-            full_rows[request.request_id] = request.prefill_len
-            full_prefilling = {k: v for k, v in prefilling.items() if k != request.request_id}
-            if self.bytes(full_rows, full_prefilling, grow=self.headroom) > self.budget:
-                return False
-            if self.layout.quantized_rows_from is not None:
-                # kv_bits: a prompt is held in float storage until its conversion point, so its prefill
-                # peak (all but its last token, float) can exceed what it costs as a quantized row
-                full_rows.pop(request.request_id)
-                full_prefilling[request.request_id] = (request.prefill_len - 1, chunk.num_tokens)
-                if (self.bytes(full_rows, full_prefilling, grow=self.headroom) > self.budget
-                        or self.bytes(rows, prefilling) > self.budget):
-                    return False
-        elif self.bytes(rows, prefilling) > self.budget:
+            fits = (self.admits(request, rows, prefilling)
+                    and self.quantized_prefill_fits(request, chunk, rows, prefilling))
+        else:
+            fits = self.bytes(rows, prefilling) <= self.budget
+        if not fits:
             return False
         self.rows, self.prefilling = rows, prefilling
         return True
+
+    def try_admit_media(self, request: Request) -> bool:
+        """A media request is admitted to encoding under the same rule as a text request's admission (it
+        holds no KV until its first chunk, next tick at the earliest); once admitted its prompt is reserved."""
+        if not self.admits(request, self.rows, self.prefilling):
+            return False
+        self.pending[request.request_id] = request.prefill_len
+        return True
+
+    def admits(self, request: Request, rows: dict[str, int], prefilling: dict) -> bool:
+        """Admit only if the whole prompt fits next to every row grown by the headroom (and the prompts
+        reserved for admitted media): a request that is let in must not be preempted again a few ticks later
+        (no preempt/readmit thrash)."""
+        full_rows = {**rows, **self.pending, request.request_id: request.prefill_len}
+        full_prefilling = {k: v for k, v in prefilling.items() if k != request.request_id}
+        return self.bytes(full_rows, full_prefilling, grow=self.headroom) <= self.budget
+
+    def quantized_prefill_fits(self, request: Request, chunk: PrefillChunk, rows: dict[str, int],
+                               prefilling: dict) -> bool:
+        """kv_bits: a prompt is held in float storage until its conversion point, so its prefill peak (all but
+        its last token, float) can exceed what it costs as a quantized row; admit only if that peak fits too."""
+        if self.layout.quantized_rows_from is None:
+            return True
+        full_rows = {k: v for k, v in {**rows, **self.pending}.items() if k != request.request_id}
+        full_prefilling = {k: v for k, v in prefilling.items() if k != request.request_id}
+        full_prefilling[request.request_id] = (request.prefill_len - 1, chunk.num_tokens)
+        return (self.bytes(full_rows, full_prefilling, grow=self.headroom) <= self.budget
+                and self.bytes(rows, prefilling) <= self.budget)
 
 
 class _VisionBudget:
@@ -156,10 +177,13 @@ class _Reasons:
 def plan_tick(view: SchedulerView, config: EngineConfig, policy: Policy) -> TickPlan:
     """decode-first: every decoding row decodes every tick and prefill gets the rest of the budget.
     prefill-first: while any prompt has tokens left to prefill, a tick is prefill only (decoding rows pause,
-    and prompts stop one token short: that token goes with the next decode step); otherwise as decode-first."""
+    and prompts stop one token short: that token goes with the next decode step); otherwise as decode-first.
+    Only prefill chunks make a tick prefill only: media encoding (and admitting media to it) runs next to the
+    decoding rows, or a tick that only encodes would pause them for nothing (and, when those admissions are
+    preempted again next tick, for ever)."""
     if config.mix == "prefill-first":
         plan = _plan(view, config, policy, prefill_only=True)
-        if plan.prefill or plan.encode or plan.admitted:
+        if plan.prefill:
             return plan
     return _plan(view, config, policy, prefill_only=False)
 
@@ -208,6 +232,7 @@ class _TickBuilder:
             # (+ draft_tokens: a verification holds that many extra positions until it is rolled back)
             kv.rows = {r.request_id: r.prompt_len + r.num_output_tokens + config.draft_tokens for r in view.decoding}
             kv.prefilling = {r.request_id: (r.num_computed_tokens, 0) for r in view.prefilling}
+            kv.pending = {r.request_id: r.prefill_len for r in view.encoding}
             victims = [r.request_id for r in view.decoding] + [r.request_id for r in view.prefilling]
             while not kv.fits() and victims:
                 rid = victims.pop()
@@ -222,6 +247,8 @@ class _TickBuilder:
         self.decode = () if self.prefill_only else tuple(r.request_id for r in view.decoding
                                                          if r.request_id not in gone)
         self.why = _Reasons(config, len(self.decode))
+        if self.prefill_only:  # (this plan is used only if it prefills: then every running row pauses)
+            self.why.held_back([r for r in view.decoding if r.request_id not in gone], Reason.PREFILL_FIRST)
         if self.preempted:  # they made room for the oldest request that keeps its memory
             kept = [r.request_id for r in (*view.decoding, *view.prefilling) if r.request_id not in gone]
             for rid in self.preempted:
@@ -292,6 +319,9 @@ class _TickBuilder:
                 why.held_back(queue[position:], Reason.MAX_SEQS)
                 break
             if request.num_images:  # media first goes through vision encoding, under the vision budget
+                if self.kv is not None and not self.kv.try_admit_media(request):
+                    self._hold_for_kv(request, behind)
+                    break
                 self.admitted.append(request.request_id)
                 self._note_media(request)
                 self.seqs += 1
@@ -304,8 +334,7 @@ class _TickBuilder:
                 why.held_back(behind, Reason.POLICY_ORDER, (request.request_id,))
                 break
             if self.kv is not None and not self.kv.try_chunk(request, offer[0], admission=True):
-                why.note(request.request_id, Reason.KV_BUDGET)  # the head of the queue waits for memory;
-                why.held_back(behind, Reason.POLICY_ORDER, (request.request_id,))  # nobody jumps it
+                self._hold_for_kv(request, behind)
                 break
             self.admitted.append(request.request_id)
             self.grant(request, *offer)
@@ -322,12 +351,19 @@ class _TickBuilder:
             return
         forward_rows = len(self.decode) + sum(c.completes for c in self.prefill)
         width = min(config.draft_tokens, self.budget // forward_rows) if forward_rows else 0
-        if width >= 1:
-            for request in self.view.decoding:
-                # the verify forward emits up to k + 1 tokens: drafts never cross max_tokens or the context limit
-                k = min(width, request.output_limit - request.num_output_tokens - 1)
-                if request.request_id not in self.gone and k >= 1 and request.draft_eligible:
-                    self.draft.append(DraftGrant(request.request_id, k))
+        for request in self.view.decoding:
+            if request.request_id in self.gone:
+                continue
+            if not request.draft_eligible:
+                self.why.note(request.request_id, Reason.DRAFT_INELIGIBLE)
+                continue
+            # the verify forward emits up to k + 1 tokens: drafts never cross max_tokens or the context limit
+            usable = min(config.draft_tokens, request.output_limit - request.num_output_tokens - 1)
+            k = min(width, usable)
+            if k < usable:  # (a row near its end that drafts all it can use got all it could use)
+                self.why.note(request.request_id, Reason.DRAFT_BUDGET)
+            if k >= 1:
+                self.draft.append(DraftGrant(request.request_id, k))
         self.budget -= forward_rows * max((k for _, k in self.draft), default=0)
 
     def build(self) -> TickPlan:
@@ -367,6 +403,11 @@ class _TickBuilder:
         self.prefill.append(chunk)
         self.why.chunk_given(request, chunk, self.prefill_only)
         self.budget -= chunk.num_tokens
+
+    def _hold_for_kv(self, request: Request, behind: Sequence[Request]) -> None:
+        """The head of the queue waits for memory; nobody jumps it."""
+        self.why.note(request.request_id, Reason.KV_BUDGET)
+        self.why.held_back(behind, Reason.POLICY_ORDER, (request.request_id,))
 
     def _note_media(self, request: Request) -> None:
         self.why.note(request.request_id,

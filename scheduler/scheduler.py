@@ -16,7 +16,7 @@ from caches.prefix import PrefixCache
 from .config import EngineConfig
 from .events import EventLog
 from .lifecycle import Lifecycle, RequestState, Trigger
-from .plan import NewRequest, TickPlan, TickResult, WaitReason
+from .plan import ROW_REASONS, NewRequest, TickPlan, TickResult, WaitReason
 from .planner import SchedulerView, plan_tick
 from .policy import Policy, make_policy
 from .request import FinishReason, Request
@@ -53,6 +53,7 @@ class Scheduler:
         kv_layout: KVLayout | None = None,
         max_model_len: int | None = None,
         record_plans: bool | None = None,
+        record_row_reasons: bool = True,
     ):
         self.config = config
         # The context limit of every request (prompt + outputs): the engine passes the resolved one (config or
@@ -82,6 +83,8 @@ class Scheduler:
         # Plan records (the `plan` event; replay builds them with no sink): reasons are recorded when they
         # change, so the last recorded reason per live request and the ids ended since the last plan are kept.
         self._record_plans = record_plans  # None: whenever the event log has a sink
+        # False only to replay a trace written before running rows had reasons (plan.ROW_REASONS)
+        self._record_row_reasons = record_row_reasons
         self.last_plan_record: dict[str, Any] | None = None
         self._recorded_reasons: dict[str, WaitReason] = {}
         self._ended_since_plan: list[str] = []
@@ -193,7 +196,8 @@ class Scheduler:
         vLLM-shaped step fields (scheduled ids in order, tokens per scheduled id, preempted ids, ids that
         ended since the previous step). Keys with nothing to say are left out."""
         record = plan.to_record()
-        previous, now = self._recorded_reasons, {r.request_id: r for r in plan.reasons}
+        previous = self._recorded_reasons
+        now = {r.request_id: r for r in plan.reasons if self._record_row_reasons or r.reason not in ROW_REASONS}
         changed = [r.to_record() for rid, r in now.items() if previous.get(rid) != r]
         cleared = [rid for rid in previous if rid not in now]
         if changed:

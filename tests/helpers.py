@@ -67,11 +67,12 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens)
 
 
-def simulate_planning(config, requests, policy=None, max_ticks=10_000):
-    """Model-free run of the real Scheduler. requests: (arrival_tick, prompt_len, max_tokens[, priority]).
+def simulate_planning(config, requests, policy=None, max_ticks=10_000, kv_layout=None):
+    """Model-free run of the real Scheduler. requests: (arrival_tick, prompt_len, max_tokens[, priority[,
+    num_images]]); `kv_layout`: the per-token KV cost that `config.kv_memory_bytes` is planned against.
 
     Returns (scheduler, plans, {request_id: (finish tick, reason)}); checks invariants every tick."""
-    sched = Scheduler(config, EventLog(), policy=policy)
+    sched = Scheduler(config, EventLog(), policy=policy, kv_layout=kv_layout)
     loop = TickLoop(sched, FixedTokenExecutor())
     plans, finished_at, tick = [], {}, 0
     pending = sorted(enumerate(requests), key=lambda x: x[1][0])
@@ -79,14 +80,17 @@ def simulate_planning(config, requests, policy=None, max_ticks=10_000):
         while pending and pending[0][1][0] <= tick:
             i, spec = pending.pop(0)
             priority = spec[3] if len(spec) > 3 else 0
+            images = spec[4] if len(spec) > 4 else 0
             sched.add(Request(f"r{i}", [5] * spec[1], SamplingParams(max_tokens=spec[2]), priority=priority,
-                              arrival_tick=tick), tick)
+                              arrival_tick=tick, num_images=images, media_key=f"media-{i}" if images else None),
+                      tick)
         decoding_before = set(sched.decoding)
         plan = loop.plan(tick)
+        running = decoding_before - set(plan.preempted) - {rid for rid, _ in plan.failed}
         if config.mix == "decode-first":
-            assert set(plan.decode) == decoding_before, "every decoding request decodes every tick"
+            assert set(plan.decode) == running, "every decoding request decodes every tick"
         else:
-            assert set(plan.decode) in (decoding_before, set()), "prefill-first pauses all rows or none"
+            assert set(plan.decode) in (running, set()), "prefill-first pauses all rows or none"
         applied = loop.carry_out(plan).applied
         sched.check_invariants(plan)
         plans.append(plan)

@@ -10,7 +10,7 @@ from caches.kv import KVLayout, LayerLayout
 from scheduler import Engine, EngineConfig, SamplingParams
 from scheduler.cli import main
 from scheduler.events import EventLog, MemorySink, read_jsonl
-from scheduler.plan import PLAN_RECORD_GROUPS, Reason, TickResult
+from scheduler.plan import PLAN_RECORD_GROUPS, ROW_REASONS, Reason, TickResult
 from scheduler.fixtures.executors import FixedTokenExecutor
 from scheduler.loop import TickLoop
 from scheduler.request import Request
@@ -121,6 +121,36 @@ def test_vision_budget_and_waiting_for_media():
     assert (Reason.WAITING_FOR_MEDIA, ()) in _explained(sink, "a")
 
 
+def test_prefill_first_pauses_the_running_rows():
+    sched, sink = _scheduler(EngineConfig(max_seqs=4, max_batched_tokens=64, prefill_chunk=8, mix="prefill-first"))
+    plans = _run(sched, 6, [(0, _req("a", 4)), (3, _req("b", 20))])
+    assert plans[2].decode == ("a",) and "a" not in _reasons_of(plans[2])
+    assert plans[3].decode == () and _reasons_of(plans[3])["a"] == (Reason.PREFILL_FIRST, ())
+    assert (Reason.PREFILL_FIRST, ()) in _explained(sink, "a")
+    story = explain(sink.events, ["a"])[0]
+    paused = next(w for w in story.waits if w.reason is Reason.PREFILL_FIRST)
+    # b's 19 tokens before its last take ticks 3..5 (8 + 8 + 3): a pauses over exactly those
+    assert (paused.first_tick, paused.ticks) == (3, 3)
+
+
+def test_draft_budget_and_draft_ineligible():
+    sched, sink = _scheduler(EngineConfig(max_seqs=4, max_batched_tokens=10, prefill_chunk=16, draft_tokens=3))
+    penalised = Request("c", [TOKEN] * 4, SamplingParams(max_tokens=1000, presence_penalty=0.5))
+    plans = _run(sched, 4, [(0, _req("a", 4)), (0, penalised), (2, _req("b", 20))])
+    # tick 1: two rows, 8 tokens left: a drafts all 3; c never drafts
+    assert plans[1].draft == (("a", 3),) and _reasons_of(plans[1]) == {"c": (Reason.DRAFT_INELIGIBLE, ())}
+    # tick 2: b's first chunk takes the 8 tokens the rows leave: no draft positions are left for a
+    assert plans[2].draft == () and _reasons_of(plans[2])["a"] == (Reason.DRAFT_BUDGET, ())
+    assert (Reason.DRAFT_BUDGET, ()) in _explained(sink, "a")
+    assert (Reason.DRAFT_INELIGIBLE, ()) in _explained(sink, "c")
+
+
+def test_a_row_near_its_end_drafts_what_it_can_use_without_a_reason():
+    sched, _ = _scheduler(EngineConfig(max_seqs=4, max_batched_tokens=64, prefill_chunk=16, draft_tokens=3))
+    plans = _run(sched, 3, [(0, _req("a", 4, max_tokens=3))])
+    assert plans[1].draft == (("a", 1),) and plans[1].reasons == ()  # 1 output, 2 left: 1 draft + its token
+
+
 def test_every_reason_is_covered_by_a_scenario_above():
     source = open(__file__, encoding="utf-8").read()
     assert all(f"Reason.{r.name}" in source.split("def test_every_reason")[0] for r in Reason)
@@ -207,3 +237,51 @@ def test_explain_cli_tells_the_slowest(trace_path, capsys):
     assert stories[1].ttft_s == max(ttfts)
     assert "max_seqs" in out  # with 3 slots and 8 requests, the slowest waited for a slot
     assert main(["explain", str(trace_path), "nope"]) == 2
+
+
+@pytest.fixture(scope="module")
+def row_trace_path(text_model, tmp_path_factory):
+    """prefill-first with drafting: running rows pause for prefill, draft less than draft_tokens when the
+    budget is short, and a row with a penalty never drafts."""
+    model, tokenizer = text_model
+    path = tmp_path_factory.mktemp("row-reasons") / "run.jsonl"
+    engine = Engine(model, tokenizer, EngineConfig(max_batched_tokens=8, max_seqs=3, prefill_chunk=8,
+                                                   draft_tokens=2, mix="prefill-first", trace_path=str(path)))
+    prompts = mixed_prompts(5, 4, 20, seed=9)
+    for i, p in enumerate(prompts):
+        sampling = SamplingParams(max_tokens=8, presence_penalty=0.5 if i == 1 else 0.0)
+        engine.add_request(prompt_tokens=p, sampling=sampling, request_id=f"r{i}")
+        for _ in range(3):
+            engine.step()
+    while engine.has_pending():
+        engine.step()
+    engine.close()
+    return path
+
+
+def test_a_recorded_run_carries_row_reasons_and_replays_them(row_trace_path):
+    events = read_jsonl(row_trace_path)
+    recorded = {r[1] for e in events if e["event"] == "plan" for r in e.get("reasons", [])}
+    assert {r.value for r in ROW_REASONS} <= recorded
+    assert replay(load_trace(row_trace_path)).identical
+    held = {w.reason for story in explain(str(row_trace_path)) for w in story.waits}
+    assert ROW_REASONS <= held
+    assert (Reason.DRAFT_INELIGIBLE, ()) in {(w.reason, w.others) for w in explain(str(row_trace_path), ["r1"])[0].waits}
+
+
+def test_replay_compares_row_reasons_only_in_traces_that_record_them(row_trace_path, tmp_path):
+    events = read_jsonl(row_trace_path)
+    row_values = {r.value for r in ROW_REASONS}
+    first = next(e for e in events if e["event"] == "plan" and any(r[1] in row_values for r in e.get("reasons", [])))
+    edited = json.loads(json.dumps(events))
+    plan = next(e for e in edited if e["event"] == "plan" and e["tick"] == first["tick"])
+    record = next(r for r in plan["reasons"] if r[1] in row_values)
+    record[1] = "draft_budget" if record[1] != "draft_budget" else "prefill_first"
+    report = replay(load_trace(_write(tmp_path / "edited.jsonl", edited)))
+    assert report.divergence.tick == first["tick"] and report.divergence.differing_fields == ["reasons"]
+    # a header without the row_reasons group says the engine did not record them: replay leaves them out, so
+    # this (new) trace now differs at its first row reason, where an older engine's trace has none
+    events[0]["plan_records"].remove("row_reasons")
+    report = replay(load_trace(_write(tmp_path / "predates.jsonl", events)))
+    assert report.divergence.tick == first["tick"] and report.divergence.differing_fields == ["reasons"]
+    assert not any(r[1] in row_values for r in report.divergence.replayed.get("reasons", []))

@@ -295,6 +295,21 @@ def test_fit_recovers_known_terms_despite_spikes():
     assert predicted == pytest.approx(busy, rel=1e-6)
 
 
+def test_the_fit_says_when_decode_rows_barely_varied():
+    true = CostModel(base=1e-3, per_prefill_token=20e-6, per_decode_row=100e-6, per_decode_forward=2e-3)
+    varied = fit_cost_model(_synthetic_trace(true, 200, spikes=0))
+    lo, hi = varied.decode_rows_seen
+    assert 1 <= lo < hi <= 8 and "too narrow" not in varied.describe()
+    events = _synthetic_trace(true, 200, spikes=0)
+    for e in events:  # every tick decodes the same 6 rows: per-row and per-tick decode costs are one column
+        if e["event"] == "plan":
+            e["decode"] = [f"d{j}" for j in range(6)]
+            e["prefill"] = [[rid, start, end, False] for rid, start, end, _ in e["prefill"]]  # none joins
+            e["num_batched_tokens"] = sum(c[2] - c[1] for c in e["prefill"]) + 6
+    narrow = fit_cost_model(events)
+    assert narrow.decode_rows_seen == (6, 6) and "too narrow" in narrow.describe()
+
+
 def _row(plan):
     _, prefill_tokens, decode_rows, chunks, _, done, *_media = tick_features(plan["prefill"], plan["decode"],
                                                                     plan["num_batched_tokens"])

@@ -69,6 +69,8 @@ def workload(vlm):
 CONFIGS = {
     "default": dict(),
     "small-budgets": dict(max_batched_tokens=24, prefill_chunk=7, max_seqs=6, vision_budget=1),
+    # prefill-first: rows pause for prefill chunks only, not for a tick that only encodes media
+    "prefill-first": dict(max_batched_tokens=24, prefill_chunk=7, max_seqs=6, vision_budget=1, mix="prefill-first"),
 }
 
 
@@ -121,6 +123,20 @@ def test_vision_cache_respects_its_byte_budget(vlm):
         drive(engine, [(0, {"prompt": prompt, "images": [noise_image(112, 140, seed)], "sampling": SamplingParams(max_tokens=2)})])
     stats = engine.vision_cache_stats()
     assert stats["bytes"] <= 30_000 and stats["evictions"] >= 1
+
+
+def test_prefill_first_decodes_while_media_encodes(vlm, workload):
+    """In prefill-first mode a tick that only encodes media decodes the running rows too (only prefill chunks
+    pause them), and every output is still solo mlx_vlm's."""
+    requests, reference = workload
+    model, processor = vlm
+    text, image = requests[1], requests[0]  # (the workload interleaves image and text requests)
+    engine, log = engine_with_log(model, processor, EngineConfig(mix="prefill-first", check_invariants=True))
+    run = drive(engine, [(t, {"prompt": p, "images": imgs, "sampling": SamplingParams(max_tokens=MAX_TOKENS)})
+                         for t, (p, imgs) in ((0, text), (4, image))])
+    assert list(run.tokens.values()) == [reference[1], reference[0]]
+    encoding = next(p for p in log.of_kind("plan") if p["encode"])
+    assert encoding["tick"] == 4 and not encoding["prefill"] and encoding["decode"] == [list(run.tokens)[0]]
 
 
 def test_media_is_admitted_while_text_keeps_arriving(vlm):

@@ -1,7 +1,8 @@
 """`mlxsched explain`: one request's life from a trace, in plain words and a small table.
 
 Built from the events alone (no model, no MLX): the arrival, every transition (with its wall time), the
-binding constraints the planner recorded while the request got less than it could use (`reasons` /
+binding constraints the planner recorded while the request got less than it could use, waiting to run or
+as a running row paused or drafting less (`reasons` /
 `reasons_cleared` of each plan event: recorded when they change, so a reason holds from the tick it appears
 until it changes, is cleared, or the request ends), prefix-cache hits, vision-cache hits, preemptions, drafts
 and how it ended. A tick's time span is its outcome's `tick_start_t`..`t`; a wait's duration runs from the
@@ -185,7 +186,12 @@ _PLAIN = {
     Reason.POLICY_ORDER: "the policy put a blocked request ahead of it",
     Reason.WAITING_FOR_MEDIA: "its media was being encoded",
     Reason.PREEMPTED_BY: "it was preempted to make room",
+    Reason.PREFILL_FIRST: "prefill went first (mix=prefill-first)",
+    Reason.DRAFT_BUDGET: "the token budget left paid for fewer draft tokens (draft_tokens)",
+    Reason.DRAFT_INELIGIBLE: "it does not draft (logprobs, logits processors or penalties)",
 }
+# what a running row's reason held back: its decode, or its drafts (every other reason holds back a wait)
+_HELD = {Reason.PREFILL_FIRST: "Paused", Reason.DRAFT_BUDGET: "Drafted less", Reason.DRAFT_INELIGIBLE: "No drafts"}
 
 
 def _ms(seconds: float | None) -> str:
@@ -200,7 +206,8 @@ def format_story(story: RequestStory) -> str:
         lines.append(f"First token after {_ms(story.ttft_s)}; {story.output_tokens} tokens in all.")
     for wait in story.waits:
         who = f" ({', '.join(wait.others)})" if wait.others else ""
-        lines.append(f"Waited {_ms(wait.seconds)} over {wait.ticks} tick(s) from tick {wait.first_tick}: "
+        lines.append(f"{_HELD.get(wait.reason, 'Waited')} {_ms(wait.seconds)} over {wait.ticks} tick(s) from tick "
+                     f"{wait.first_tick}: "
                      f"{_PLAIN[wait.reason]} [{wait.reason.value}{who}].")
     if story.prefix_hits:
         lines.append(f"Prefix cache: {len(story.prefix_hits)} hit(s), {story.prefix_tokens_saved} prompt tokens "

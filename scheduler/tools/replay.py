@@ -250,7 +250,8 @@ def replay(trace: Trace, policy: str | Policy | None = None) -> ReplayReport:
     sink = MemorySink()
     events = EventLog([sink])
     scheduler = Scheduler(trace.config, events, trace.stop_token_ids, policy, kv_layout,
-                          max_model_len=trace.header.get("max_model_len"), record_plans=True)
+                          max_model_len=trace.header.get("max_model_len"), record_plans=True,
+                          record_row_reasons="row_reasons" in trace.header.get("plan_records", ()))
     unrecorded = _unrecorded_keys(trace)
     executor = ReplayExecutor(trace, events)
     loop = TickLoop(scheduler, executor)

@@ -52,6 +52,10 @@ class CostModel:
     typical_rel_error: float | None = None
     n_ticks: int = 0
     dropped: int = 0  # outlier ticks left out of the final fit (e.g. the first tick's warm-up)
+    # decode rows of the fitted ticks that decode (10th..90th percentile): what the per-row term was fitted
+    # over; a recording that decoded at one batch size cannot split a decode forward's cost into per-tick
+    # and per-row parts, and a what-if at another batch size then extrapolates an arbitrary split
+    decode_rows_seen: tuple[int, int] | None = None
 
     @property
     def coefficients(self) -> tuple[float, ...]:
@@ -86,6 +90,12 @@ class CostModel:
             text += (f"; fit over {self.n_ticks} ticks ({self.dropped} outliers left out of the terms): "
                      f"R^2 = {self.r2:.3f}, mean relative error {self.mean_rel_error:.1%}, "
                      f"typical tick (median, terms alone) {self.typical_rel_error:.1%}")
+        if self.decode_rows_seen is not None:
+            lo, hi = self.decode_rows_seen
+            text += f"; decode rows seen {lo}..{hi} (10th..90th percentile)"
+            if hi - lo < 2:
+                text += (": too narrow to tell the per-row decode cost from the per-tick cost (a what-if at "
+                         "another batch size extrapolates)")
         return text
 
 
@@ -190,6 +200,9 @@ def fit_cost_model(trace: "Trace | str | os.PathLike | Iterable[dict]",
             if "tick_start_t" in mb and "t" in ma:
                 gaps.append(max(0.0, mb["tick_start_t"] - ma["t"]))
     overhead = float(np.median(gaps)) if gaps else 0.0
+    rows = x[keep, FEATURES.index("per_decode_row")]
+    rows = rows[rows > 0]
+    seen = tuple(int(v) for v in np.percentile(rows, [10, 90], method="nearest")) if rows.size else None
     return CostModel(*[float(c) for c in coef], slowdown=slowdown, overhead=overhead, r2=r2,
                      mean_rel_error=float(rel.mean()), typical_rel_error=typical, n_ticks=len(y),
-                     dropped=int((~keep).sum()))
+                     dropped=int((~keep).sum()), decode_rows_seen=seen)
