@@ -1,7 +1,12 @@
 """Steady-state decode: the engine's tick vs a bare forward loop (batched forward + argmax, nothing else) on the
-same model, batch and cache length, in one process.
+same model, batch and cache length, in one process: what the scheduler, the cache-layer protocol and the
+executor's bookkeeping add to a decode step.
 
-    python -m bench.decode_overhead [--model text-medium] [--batch 32] [--steps 32]
+    python -m bench.decode_overhead [--model text-medium | qwen3_next-medium] [--batch 32] [--steps 32]
+
+`qwen3_next-medium` is a hybrid of about text-medium's size (hidden 512 x 8 layers: gated delta-net
+linear-attention layers, whose recurrent state is an `ArraysCache`, alternating with attention layers; MoE
+MLPs), built from the conformance suite's tiny qwen3_next config with larger dimensions.
 """
 
 from __future__ import annotations
@@ -15,6 +20,25 @@ from pathlib import Path
 
 import mlx.core as mx
 
+# Hybrid builds at about text-medium's size: the family's tiny config with these fields changed.
+MEDIUM_FAMILIES = {
+    "qwen3_next-medium": ("qwen3_next", {
+        "hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 64, "linear_num_value_heads": 8, "linear_num_key_heads": 4, "linear_key_head_dim": 64,
+        "linear_value_head_dim": 64, "intermediate_size": 1536, "moe_intermediate_size": 384,
+        "shared_expert_intermediate_size": 384}),
+}
+
+
+def build(kind: str, out: Path) -> Path:
+    from scheduler.fixtures.families import build_family_model
+    from scheduler.fixtures.tiny_models import build_model
+
+    if kind in MEDIUM_FAMILIES:
+        model_type, overrides = MEDIUM_FAMILIES[kind]
+        return build_family_model(model_type, out, overrides=overrides)
+    return build_model(kind, out)
+
 
 def bare_loop(model, prompts, steps):
     from mlx_lm.models.cache import make_prompt_cache
@@ -25,7 +49,7 @@ def bare_loop(model, prompts, steps):
     for p in prompts:  # the same per-request prefill the engine does, then one merged batch cache
         cache = make_prompt_cache(model)
         model(mx.array(p[:-1])[None], cache=cache)
-        mx.eval([c.state for c in cache])
+        mx.eval(library.cache_arrays(cache))
         caches.append(cache)
     batch = library.merge_caches(caches)
     y = mx.array([p[-1] for p in prompts])
@@ -58,10 +82,9 @@ def main(argv=None) -> int:
     from mlx_lm import load
 
     from bench.blas import describe, detect_blas
-    from scheduler.fixtures.tiny_models import build_model
 
     ap = argparse.ArgumentParser(prog="python -m bench.decode_overhead", description=__doc__)
-    ap.add_argument("--model", default="text-medium", choices=["text", "text-medium"])
+    ap.add_argument("--model", default="text-medium", choices=["text", "text-medium", *MEDIUM_FAMILIES])
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=32)
@@ -69,7 +92,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     print(describe(detect_blas()))
     with tempfile.TemporaryDirectory() as d:
-        model, tokenizer = load(str(build_model(args.model, Path(d) / args.model)))
+        model, tokenizer = load(str(build(args.model, Path(d) / args.model)))
         rng = random.Random(0)
         prompts = [[rng.randrange(7, 512) for _ in range(args.prompt_len)] for _ in range(args.batch)]
         bare, ours = [], []

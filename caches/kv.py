@@ -96,16 +96,20 @@ class KVLayout:
         return {"layers": [[layer.bytes_per_token, layer.window]
                            + ([layer.quantized_bytes_per_token] if layer.quantized_bytes_per_token is not None else [])
                            for layer in self.layers],
-                "quantized_from": [self.quantized_prefill_from, self.quantized_rows_from]}
+                "quantized_from": [self.quantized_prefill_from, self.quantized_rows_from],
+                # recurrent state per request (hybrid / SSM layers): without it a replay bounds less memory
+                "fixed_bytes": [layer.fixed_bytes for layer in self.layers]}
 
     @classmethod
     def from_record(cls, record: Any) -> "KVLayout":
-        """A recorded layout: a list of [bytes_per_token, window] (traces before quantized KV) or `record()`."""
+        """A recorded layout: a list of [bytes_per_token, window] (traces before quantized KV) or `record()`
+        (traces before fixed-state bytes were recorded hold none)."""
         layers, quantized_from = (record, [None, None]) if isinstance(record, list) else (
             record["layers"], record.get("quantized_from") or [None, None])
-        return cls(tuple(LayerLayout(int(b), None if w is None else int(w),
+        fixed = ([] if isinstance(record, list) else record.get("fixed_bytes")) or [0] * len(layers)
+        return cls(tuple(LayerLayout(int(b), None if w is None else int(w), int(f),
                                      quantized_bytes_per_token=int(q[0]) if q else None)
-                         for b, w, *q in layers), *quantized_from)
+                         for (b, w, *q), f in zip(layers, fixed)), *quantized_from)
 
     def _per_token(self, layer: LayerLayout, quantized: bool) -> int:
         return layer.quantized_bytes_per_token if quantized and layer.quantized_bytes_per_token is not None \

@@ -11,9 +11,12 @@ That finds exact matches, entries shorter than the prompt (a prefix of it), entr
 (trimmed to it) and entries that share only a longest common prefix. A token trie (mlx-lm's PromptTrie) finds
 the same matches but costs a Python dict per token of every stored prompt; the chain costs one per block.
 
-An entry with rotating (sliding-window) layers can only be reused whole: once a window has wrapped, the
-tokens needed to trim it back are gone. Entries are namespaced (e.g. by the content hash of a request's
-images) so a prefix with image tokens only matches a request with the same images.
+An entry with layers that cannot be trimmed (a rotating window: once it has wrapped, the tokens needed to
+trim it back are gone; recurrent state: it has no notion of a shorter prefix) can only be reused whole, as an
+exact checkpoint. The executor stores such caches at the block boundaries their prefill passes, so a prompt
+that shares only some blocks with a stored one still finds the deepest checkpoint it shares; a hit says how
+it used its entry (`reuse`: whole, trimmed or checkpoint). Entries are namespaced (e.g. by the content hash
+of a request's images) so a prefix with image tokens only matches a request with the same images.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ class PrefixEntry:
     tokens: tuple[int, ...]
     namespace: str | None
     nbytes: int
-    whole_only: bool  # rotating layers: reusable only as a whole prefix, never trimmed
+    # a cache that cannot be trimmed (a rotating window, recurrent state): the entry is an exact checkpoint of
+    # its tokens, reusable only whole, never cut to a shorter prefix
+    whole_only: bool
     payload: Any = None
 
 
@@ -40,6 +45,30 @@ class PrefixMatch:
     entry_id: int
     length: int  # prompt tokens whose KV the entry provides
     kind: str  # "exact" | "shorter" | "longer" | "lcp"
+    reuse: str = "whole"  # how the entry is used: one of REUSE_KINDS
+
+
+# How a hit uses its entry (the `reuse` field of a prefix_hit event, which replay compares): a trimmable (KV)
+# entry used in full ("whole") or cut to a shorter prefix ("trimmed"); an entry that cannot be trimmed used as
+# the exact checkpoint it is ("checkpoint": recurrent state or a rotating window stored at a boundary the
+# prefill passed).
+REUSE_KINDS = ("whole", "trimmed", "checkpoint")
+
+
+def reuse_kind(whole_only: bool, length: int, entry_tokens: int) -> str:
+    if whole_only:
+        if length != entry_tokens:
+            raise ValueError(f"a checkpoint of {entry_tokens} tokens cannot provide {length}")
+        return "checkpoint"
+    return "whole" if length == entry_tokens else "trimmed"
+
+
+def checkpoint_position(start: int, end: int, prefill_len: int, block: int) -> int | None:
+    """Where a prefill feeding tokens [start, end) stores a checkpoint of a cache that cannot be trimmed: the
+    last block boundary strictly inside the feed (at most one per chunk), never the prefill end
+    (`prefill_len - 1` tokens: that one is stored whole when the prefill completes)."""
+    at = end // block * block
+    return at if start < at < prefill_len - 1 else None
 
 
 def _chain(tokens: Sequence[int], block: int, limit: int | None = None) -> list[int]:
@@ -87,12 +116,21 @@ class PrefixCache:
             if (namespace, h) not in self._index:
                 break
             depth = k + 1
-        if depth == 0:
-            return None
+        # The deepest shared block first. A checkpoint (whole-only entry) that does not fit there may have a
+        # shorter one further up the chain: the prefill stored one at each block boundary it passed. The first
+        # depth with a usable entry holds the best one: every usable entry found at depth d provides at least
+        # min(d blocks, limit) tokens, and an entry indexed only above d shares fewer than d blocks.
+        for d in range(depth, 0, -1):
+            best = self._best_at(tokens, namespace, chain[d - 1], d * self.block_size, limit)
+            if best is not None:
+                return best
+        return None
+
+    def _best_at(self, tokens: Sequence[int], namespace: str | None, block_hash: int, shared: int,
+                 limit: int) -> PrefixMatch | None:
         best: PrefixMatch | None = None
-        for entry_id in self._index[(namespace, chain[depth - 1])]:
+        for entry_id in self._index[(namespace, block_hash)]:
             entry = self._entries[entry_id]
-            shared = depth * self.block_size
             if tuple(tokens[:shared]) != entry.tokens[:shared]:  # hash collision guard
                 continue
             lcp = _common_prefix(tokens, entry.tokens, shared)
@@ -100,7 +138,8 @@ class PrefixCache:
             if entry.whole_only and usable < len(entry.tokens):
                 continue
             if best is None or usable > best.length or (usable == best.length and entry_id > best.entry_id):
-                best = PrefixMatch(entry_id, usable, self._kind(len(entry.tokens), lcp, limit))
+                best = PrefixMatch(entry_id, usable, self._kind(len(entry.tokens), lcp, limit),
+                                   reuse_kind(entry.whole_only, usable, len(entry.tokens)))
         return best
 
     @staticmethod
@@ -116,7 +155,7 @@ class PrefixCache:
         self.hits += 1
         self.tokens_saved += length
         self._on_event("prefix_hit", request_id=request_id, entry_id=entry_id, length=length,
-                       entry_tokens=len(entry.tokens))
+                       entry_tokens=len(entry.tokens), reuse=reuse_kind(entry.whole_only, length, len(entry.tokens)))
 
     def record_miss(self, request_id: str) -> None:
         self.misses += 1

@@ -188,9 +188,9 @@ class Engine:
             model=library.model_identity(model.language_model if self.vlm else model),
             vocab_size=self.vocab_size, max_model_len=self.max_model_len,
             stop_token_ids=sorted(self.scheduler.model_stop_ids),
-            kv_layout=None if self.kv_layout is None else (
-                self.kv_layout.record() if self.quantize is not None
-                else [[layer.bytes_per_token, layer.window] for layer in self.kv_layout.layers]),
+            kv_layout=None if self.kv_layout is None else self.kv_layout.record(),
+            # prefix-cache entries are exact checkpoints (a what-if simulation stores them the same way)
+            prefix_checkpoints=bool(getattr(family.runner, "prefix_checkpoints", False)),
             plan_records=list(PLAN_RECORD_GROUPS),  # the optional plan-record keys this engine writes
         )
 

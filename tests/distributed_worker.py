@@ -8,6 +8,9 @@ Scenarios:
   that preempts; the prefix cache with shared prefixes; prompt-lookup drafting; an abort), each compared with
   mlx-lm's own sharded generation of every request alone under the same launch (all ranks generate together),
   then, after the followers are released, with the unsharded model on rank 0 alone.
+- `checkpoints`: a model whose caches cannot be trimmed (a tiny gpt_oss: sliding-window layers) with the prefix
+  cache: its prefill stores exact checkpoints, so one request can store two entries in one tick (a checkpoint
+  and its prefill end); the followers must keep each under its own entry id. Compared with mlx-lm alone.
 - `a-rank-dies`: both ranks write their pids and run; the test kills one and times how long the survivor takes
   to record the error its engine raised.
 """
@@ -146,6 +149,42 @@ def equality(model_dir: str, out: Path, group) -> None:
     (out / "result.json").write_text(json.dumps(results))
 
 
+def checkpoints(model_dir: str, out: Path, group) -> None:
+    shared = mixed_prompts(1, 40, 40, seed=5)[0]
+    # chunks of 9: r0's completing chunk [45, 53) passes block boundary 48 (a checkpoint) and ends at 52 (its
+    # prefill end), in one tick; r1 shares 50 tokens with it (the checkpoint at 48 is what it can reuse), r2 35
+    # (the checkpoint at 32). Each arrives after the previous one finished.
+    first = shared + list(range(9, 22))
+    prompts = [first, first[:50] + [7, 7], shared[:35] + [12, 13]]
+    trace = out / "checkpoints.jsonl"
+    config = EngineConfig(max_batched_tokens=64, max_seqs=4, prefill_chunk=9, prefix_cache_bytes=4 << 20,
+                          prefix_block_size=16, trace_path=str(trace))
+    engine = Engine.from_pretrained(model_dir, config, tensor_group=group)
+    if group.rank() == 0:
+        tokens: dict[str, list[int]] = {}
+        for i, p in enumerate(prompts):
+            tokens[engine.add_request(prompt_tokens=p, sampling=SamplingParams(max_tokens=6), request_id=f"r{i}")] = []
+            while engine.has_pending():
+                for o in engine.step():
+                    tokens[o.request_id].extend(o.token_ids)
+        results = {"tokens": tokens, "kv_bytes_left": engine.executor.cache_bytes()}
+        engine.close()
+    else:
+        engine.follow()
+    solo = {f"r{i}": solo_tokens(engine.model, engine.tokenizer, p, 6) for i, p in enumerate(prompts)}
+    if group.rank() != 0:
+        return
+    import mlx_lm
+
+    model, tokenizer = mlx_lm.load(model_dir)
+    events = read_jsonl(trace)
+    results.update(sharded_solo=solo,
+                   unsharded_solo={f"r{i}": solo_tokens(model, tokenizer, p, 6) for i, p in enumerate(prompts)},
+                   stores=[[e["tick"], e["request_id"], e["tokens"]] for e in events if e["event"] == "prefix_store"],
+                   hits=[[e["request_id"], e["length"], e["reuse"]] for e in events if e["event"] == "prefix_hit"])
+    (out / "result.json").write_text(json.dumps(results))
+
+
 def _keep_busy(engine: Engine) -> None:
     if not engine.has_pending():
         engine.add_request(prompt_tokens=[7, 8, 9], sampling=SamplingParams(max_tokens=50))
@@ -174,7 +213,7 @@ def a_rank_dies(model_dir: str, out: Path, group) -> None:
 def main() -> None:
     model_dir, out, scenario = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     group = mx.distributed.init()
-    {"equality": equality, "a-rank-dies": a_rank_dies}[scenario](model_dir, out, group)
+    {"equality": equality, "checkpoints": checkpoints, "a-rank-dies": a_rank_dies}[scenario](model_dir, out, group)
 
 
 if __name__ == "__main__":

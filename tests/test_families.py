@@ -1,6 +1,8 @@
 """Conformance across mlx-lm text families: tiny seeded builds of every family in the table (and quantized
 ones), batched greedy == `mlx_lm.generate` alone, in every schedule: all at once; staggered with a small token
-budget and small chunks; fewer slots than requests; the prefix cache on; a KV budget that forces preemption."""
+budget and small chunks; fewer slots than requests; the prefix cache on (trimmed hits, or exact checkpoints
+for caches that cannot be trimmed); a KV budget that forces preemption (and, for a model whose state does not
+grow, limits the batch)."""
 
 from __future__ import annotations
 
@@ -37,10 +39,16 @@ def _run(model, tokenizer, config, prompts, stagger=0):
     return [run.tokens[f"r{i}"] for i in range(len(prompts))], engine, sink
 
 
-def _kv_budget_forcing_preemption(model, prompts) -> int:
+def kv_budget_forcing_preemption(model, prompts, rows: int = 3) -> tuple[int, bool]:
+    """(budget, grows): `rows` rows of the longest prompt fit with two tokens to spare, so with no admission
+    headroom the rows admitted together outgrow it a few decode steps later and the newest is preempted.
+    A model whose caches do not grow with length (only recurrent state: mamba2) cannot outgrow anything:
+    its budget holds `rows` states and a half, which limits how many run at once, exactly."""
     layout = library.kv_layout(model)
-    longest = max(len(p) for p in prompts) + MAX_TOKENS
-    return layout.batch_bytes([longest] * 2) + layout.request_bytes(longest, 8)
+    if layout.bytes_per_token:
+        return layout.batch_bytes([max(len(p) for p in prompts) + 2] * rows), True
+    fixed = sum(layer.fixed_bytes for layer in layout.layers)
+    return rows * fixed + fixed // 2, False
 
 
 SCHEDULES = {
@@ -56,23 +64,29 @@ SCHEDULES = {
 def test_family_matches_solo_mlx_lm(family, schedule):
     model_type, model, tokenizer, prompts, reference = family
     stagger = 2 if schedule == "staggered-small-chunks" else (3 if schedule == "prefix-cache" else 0)
-    got, engine, _ = _run(model, tokenizer, EngineConfig(**SCHEDULES[schedule]), prompts, stagger)
+    got, _, sink = _run(model, tokenizer, EngineConfig(**SCHEDULES[schedule]), prompts, stagger)
     assert got == reference, f"{model_type} / {schedule}"
-    if schedule == "prefix-cache" and FAMILIES[model_type].capabilities.trimmable:
-        # (untrimmable caches reuse only whole entries; the block checkpoints that would give them a hit here
-        # are not built yet)
-        assert engine.prefix_cache_stats()["hits"] >= 1, "the shared-prefix prompt reuses a stored entry"
+    if schedule == "prefix-cache":
+        # the shared-prefix prompt reuses a stored entry: cut to the shared tokens where the caches can be
+        # trimmed, else the exact checkpoint its neighbour's prefill stored at a block boundary
+        reuse = {e["reuse"] for e in sink.of_kind("prefix_hit")}
+        assert reuse, "the shared-prefix prompt reuses a stored entry"
+        assert (reuse == {"checkpoint"}) == (not FAMILIES[model_type].capabilities.trimmable), reuse
 
 
 @pytest.mark.slow
-def test_family_under_a_kv_budget_that_limits_the_batch(family):
+def test_family_under_a_kv_budget_that_forces_preemption(family):
     model_type, model, tokenizer, prompts, reference = family
-    config = EngineConfig(max_batched_tokens=64, max_seqs=8, prefill_chunk=8,
-                          kv_memory_bytes=_kv_budget_forcing_preemption(model, prompts))
+    budget, grows = kv_budget_forcing_preemption(model, prompts)
+    config = EngineConfig(max_batched_tokens=128, max_seqs=8, prefill_chunk=64, kv_memory_bytes=budget,
+                          kv_headroom_tokens=0, check_invariants=True)
     got, engine, sink = _run(model, tokenizer, config, prompts)
     assert got == reference, model_type
-    most = max(e["num_seqs"] for e in sink.events if e["event"] == "plan")
-    assert most < len(prompts), "the budget is small enough to hold requests back"
+    plans = sink.of_kind("plan")
+    assert all(p["kv_bytes_bound"] <= budget for p in plans)
+    assert max(p["num_seqs"] for p in plans) == 3, "the budget holds three rows back from the seven"
+    preempted = [e for e in sink.of_kind("transition") if e["trigger"] == "preempt"]
+    assert bool(preempted) == grows, f"{model_type}: rows that grow outgrow the budget and are preempted"
 
 
 def test_declared_cache_kinds_match_the_real_builds(family):

@@ -43,6 +43,29 @@ def test_whole_only_entries_are_never_trimmed():
     assert m.length == 12
 
 
+def test_the_deepest_checkpoint_that_fits_is_found_above_the_deepest_shared_block():
+    """Checkpoints (whole-only entries) at 4, 8 and 11 tokens of one prompt: a prompt that shares 10 tokens
+    shares block 2, where only the 8- and 11-token entries are indexed; the 11 does not fit, the 8 does. One
+    that shares 6 tokens falls back to block 1's checkpoint. Hits say how they used their entry."""
+    events = []
+    c = _cache(events=events)
+    stored = list(range(50, 61))
+    ids = {n: c.store(stored[:n], nbytes=1, whole_only=True) for n in (4, 8, 11)}
+    m = c.lookup(stored[:10] + [1, 1], max_len=11)
+    assert (m.entry_id, m.length, m.reuse) == (ids[8], 8, "checkpoint")
+    m = c.lookup(stored[:6] + [1, 1, 1], max_len=8)
+    assert (m.entry_id, m.length, m.reuse) == (ids[4], 4, "checkpoint")
+    assert c.lookup(stored + [1], max_len=11).entry_id == ids[11]
+    assert c.lookup(stored[:3] + [1] * 6, max_len=8) is None  # shares no full block
+    kv = c.store(list(range(200, 212)), nbytes=1)
+    assert c.lookup(list(range(200, 209)) + [1], max_len=9).reuse == "trimmed"
+    assert c.lookup(list(range(200, 212)) + [1], max_len=12).reuse == "whole"
+    c.record_hit(ids[8], 8, "r1")
+    c.record_hit(kv, 9, "r2")
+    hits = [f["reuse"] for kind, f in events if kind == "prefix_hit"]
+    assert hits == ["checkpoint", "trimmed"]
+
+
 def test_namespaces_isolate_media():
     c = _cache()
     tokens = list(range(10, 30))

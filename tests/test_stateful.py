@@ -1,4 +1,4 @@
-"""Stateful property test on the real tiny model: random interleavings of add (varied lengths, shared
+"""Stateful property test on the real tiny model (and on a hybrid one): random interleavings of add (varied lengths, shared
 prefixes, greedy and seeded sampling), abort in any state, and ticks, under KV-budget pressure, with the
 prefix cache, speculative decoding (prompt lookup) and either tick mix. Invariants are checked every tick (EngineConfig.check_invariants); at the end every request
 ended exactly once, every unaborted greedy request equals its solo mlx-lm output, and every cache byte held
@@ -11,8 +11,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from caches import layers
 from scheduler import Engine, EngineConfig, FinishReason, RequestState, SamplingParams
 from scheduler.events import MemorySink
+from scheduler.execution import library
 
 from .helpers import solo_tokens
 
@@ -27,13 +29,13 @@ def _solo(model, tokenizer, prompt, n):
     return _SOLO[key]
 
 
-@pytest.fixture(scope="module")
-def machine_class(text_model):
-    model, tokenizer = text_model
+def _engine_machine(model, tokenizer, kv_budgets, drafts):
+    """The machine for one model: `kv_budgets` and `drafts` are what its caches allow (a hybrid cannot draft)."""
+    checkpoints_only = not layers.capabilities(library.make_request_cache(model)).trimmable
 
     class EngineMachine(RuleBasedStateMachine):
-        @initialize(kv_budget=st.sampled_from([None, 1_500_000]), prefix=st.booleans(),
-                    chunk=st.sampled_from([5, 16, 64]), draft=st.sampled_from([0, 0, 2]),
+        @initialize(kv_budget=st.sampled_from(kv_budgets), prefix=st.booleans(),
+                    chunk=st.sampled_from([5, 16, 64]), draft=st.sampled_from(drafts),
                     mix=st.sampled_from(["decode-first", "prefill-first"]))
         def start(self, kv_budget, prefix, chunk, draft, mix):
             self.engine = Engine(model, tokenizer, EngineConfig(
@@ -82,6 +84,12 @@ def machine_class(text_model):
             for rid in self.ended:
                 assert self.engine.state_of(rid) in (RequestState.FINISHED, RequestState.ABORTED)
 
+        @invariant()
+        def untrimmable_state_is_stored_as_exact_checkpoints(self):
+            cache = getattr(self, "engine", None) and self.engine.scheduler.prefix_cache
+            if cache and checkpoints_only:
+                assert all(entry.whole_only for entry in cache._entries.values())
+
         def teardown(self):
             if not hasattr(self, "engine"):
                 return
@@ -103,6 +111,32 @@ def machine_class(text_model):
                 assert cache.bytes == sum(e.nbytes for e in cache._entries.values()) <= cache.max_bytes
 
     return EngineMachine
+
+
+@pytest.fixture(scope="module")
+def machine_class(text_model):
+    return _engine_machine(*text_model, kv_budgets=[None, 1_500_000], drafts=[0, 0, 2])
+
+
+@pytest.fixture(scope="module")
+def hybrid_machine_class(tmp_path_factory):
+    """qwen3_next: gated delta-net linear-attention state next to attention KV (and mixture-of-experts MLPs).
+    The budget holds two rows of 80 tokens (the longest request fits alone), so the KV-budget examples
+    preempt; derandomized, so the same examples (with preemptions and checkpoint hits) run every time."""
+    from mlx_lm import load
+
+    from scheduler.fixtures.families import build_family_model
+
+    model, tokenizer = load(str(build_family_model("qwen3_next", tmp_path_factory.mktemp("qwen3_next"))))
+    budget = library.kv_layout(model).batch_bytes([len(SHARED) + 40] * 2)
+    return _engine_machine(model, tokenizer, kv_budgets=[None, budget], drafts=[0])
+
+
+def test_random_interleavings_on_a_hybrid_model(hybrid_machine_class):
+    hybrid_machine_class.TestCase.settings = settings(
+        max_examples=6, stateful_step_count=25, deadline=None, derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    hybrid_machine_class.TestCase().runTest()
 
 
 @pytest.mark.slow

@@ -141,13 +141,36 @@ def test_a_killed_rank_fails_the_other_with_a_clear_error_quickly(text_model_dir
             p.wait()
 
 
+@pytest.mark.slow
+def test_followers_keep_every_checkpoint_a_request_stores_in_one_tick(tmp_path):
+    """gpt_oss (sliding-window layers: its caches cannot be trimmed) with the prefix cache: the prefill stores
+    exact checkpoints, one request stores a checkpoint and its prefill end in the same tick, and the followers
+    restore each from its own entry (a follower that kept one payload per request would restore the wrong
+    state, or fail the restore)."""
+    from scheduler.fixtures.families import build_family_model
+
+    model_dir = build_family_model("gpt_oss", tmp_path / "gpt_oss")
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.run([*LAUNCH, "-n", "2", "--backend", "ring", sys.executable, str(WORKER), str(model_dir),
+                           str(out), "checkpoints"], capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
+    assert proc.returncode == 0 and (out / "result.json").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((out / "result.json").read_text())
+    assert result["tokens"] == result["sharded_solo"] == result["unsharded_solo"]
+    assert result["kv_bytes_left"] == 0
+    per_tick = [(tick, rid) for tick, rid, _ in result["stores"]]
+    assert any(per_tick.count(key) == 2 for key in per_tick), "a request stored two entries in one tick"
+    assert [48, 52] == [n for _, rid, n in result["stores"] if rid == "r0" and per_tick.count((_, rid)) == 2]
+    assert sorted(result["hits"]) == [["r1", 48, "checkpoint"], ["r2", 32, "checkpoint"]]
+
+
 def test_the_plan_crosses_the_wire_unchanged():
     plan = TickPlan(tick=7, admitted=("a",), prefill=(PrefillChunk("a", 0, 16, False), PrefillChunk("b", 16, 20, True)),
                     decode=("c", "d"), draft=(("c", 2),), prefix_hits=(("a", 3, 16),), preempted=("e",),
                     failed=(("f", "too big"),), kv_bytes_bound=1234, num_batched_tokens=24, num_seqs=4)
     message = TickMessage(MessageKind.TICK, plan=encode_plan(plan),
                           requests={"a": RequestData([1, 2], SamplingParams(max_tokens=3).to_record(), 9, 0, [])},
-                          appended={"c": [5, 6]}, released=["z"], prefix_added=[(3, "y")], prefix_evicted=[1])
+                          appended={"c": [5, 6]}, released=["z"], prefix_added=[(3, "y", 16)], prefix_evicted=[1])
     back = TickMessage.from_bytes(message.to_bytes())
     assert decode_plan(back.plan) == plan
     assert back == message

@@ -103,7 +103,9 @@ class TickMessage:
     requests: dict[str, RequestData] = field(default_factory=dict)
     appended: dict[str, list[int]] = field(default_factory=dict)  # tokens rank 0 sampled last tick, per request
     released: list[str] = field(default_factory=list)
-    prefix_added: list[tuple[int, str]] = field(default_factory=list)  # (entry id, request id that stored it)
+    # (entry id, request id that stored it, its tokens: a request may store a checkpoint and its prefill end in
+    # one tick)
+    prefix_added: list[tuple[int, str, int]] = field(default_factory=list)
     prefix_evicted: list[int] = field(default_factory=list)
 
     def to_bytes(self) -> bytes:
@@ -157,12 +159,12 @@ class PrefixEntryWatch:
     last tick, so followers keep the same entries for their own shards."""
 
     def __init__(self) -> None:
-        self.added: list[tuple[int, str]] = []
+        self.added: list[tuple[int, str, int]] = []
         self.evicted: list[int] = []
 
     def write(self, event: dict[str, Any]) -> None:
         if event["event"] == "prefix_store":
-            self.added.append((event["entry_id"], event["request_id"]))
+            self.added.append((event["entry_id"], event["request_id"], event["tokens"]))
         elif event["event"] == "prefix_evict":
             self.evicted.append(event["entry_id"])
 
@@ -252,7 +254,7 @@ class Follower:
         self.payloads = payloads
         self.stats = FollowerStats()
         self._produced: dict[str, list[int]] = {}  # tokens this rank emitted last tick, per request
-        self._pending_stores: dict[str, Any] = {}
+        self._pending_stores: dict[tuple[str, int], Any] = {}
 
     def run(self) -> FollowerStats:
         while True:
@@ -270,8 +272,8 @@ class Follower:
             for rid in message.released:
                 self._produced.pop(rid, None)
         if self.payloads is not None:
-            for entry_id, rid in message.prefix_added:
-                self.payloads.entries[entry_id] = self._pending_stores[rid]
+            for entry_id, rid, tokens in message.prefix_added:
+                self.payloads.entries[entry_id] = self._pending_stores[(rid, tokens)]
             for entry_id in message.prefix_evicted:
                 self.payloads.entries.pop(entry_id, None)
         self._pending_stores = {}
@@ -284,7 +286,7 @@ class Follower:
             self._produced.pop(rid, None)
         result = self.executor.execute(dataclasses.replace(decode_plan(message.plan), new_requests=new))
         raise_if_peer_lost(result, self.channel.rank)
-        self._pending_stores = {s.request_id: s.payload for s in result.prefix_stores}
+        self._pending_stores = {(s.request_id, s.num_tokens): s.payload for s in result.prefix_stores}
         self._produced = {rid: result.accepted_drafts.get(rid, []) + [token] for rid, token in result.sampled.items()}
         return result
 

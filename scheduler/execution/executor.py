@@ -20,6 +20,7 @@ import mlx.core as mx
 from caches.kv import KVCacheManager, QuantizeRule
 from kernels.sampling import RowSampling, SamplingArrays, sample_tokens
 from caches.layers import rollback_rows
+from caches.prefix import checkpoint_position
 from kernels.speculative import (
     greedy_accept,
     pad_drafts,
@@ -116,6 +117,9 @@ class MLXExecutor:
         # kv_bits: when each request's cache switches to quantized storage (None: never)
         self.quantize = quantize
         self.kv = KVCacheManager(self.runner.make_cache, getattr(self.runner, "merge", None), quantize)
+        # A cache that cannot be trimmed (recurrent state, a rotating window) is reusable only as an exact
+        # checkpoint: its prefill stores one at the block boundaries it passes (`_prefill_chunk`).
+        self._checkpoints = prefix_cache is not None and getattr(self.runner, "prefix_checkpoints", False)
         self._encoded: dict[str, Any] = {}  # request id -> model inputs prepared for prefill (VLM embeddings)
         self._rows: list[_Row] = []
         self._row_index: dict[str, int] = {}
@@ -186,7 +190,7 @@ class MLXExecutor:
             fed = (chunk.end - 1 if chunk.completes else chunk.end) - chunk.start
             if chunk.request_id not in grouped:
                 try:
-                    self._prefill(request, chunk.start, chunk.start + fed)
+                    self._prefill_chunk(request, chunk.start, chunk.start + fed, result)
                 except Exception as exc:  # a failing request fails alone; others continue
                     self.kv.drop_request(chunk.request_id)
                     result.errors[chunk.request_id] = f"{PREFILL_FAILED}: {type(exc).__name__}: {exc}"
@@ -260,6 +264,26 @@ class MLXExecutor:
                 self._quantize_if_due(requests[rid], n)
                 done.add(rid)
         return done
+
+    def _prefill_chunk(self, request: Request, start: int, end: int, result: TickResult) -> None:
+        """Feed prompt tokens [start, end). For a cache that cannot be trimmed, the feed stops at the last block
+        boundary inside the chunk and offers the state there to the prefix cache (a checkpoint: a later prompt
+        that shares those blocks restores it exactly), then goes on: at most one checkpoint per chunk, so small
+        chunks checkpoint every block and large ones cost one extra split. The prefill end is offered whole at
+        completion (`_offer_prefix`), so it is not a checkpoint here."""
+        at = self._checkpoint_at(request, start, end)
+        if at is None:
+            self._prefill(request, start, end)
+            return
+        self._prefill(request, start, at)
+        payload, nbytes, whole_only = self.kv.snapshot(request.request_id)
+        result.prefix_stores.append(PrefixStore(request.request_id, at, nbytes, whole_only, payload))
+        self._prefill(request, at, end)
+
+    def _checkpoint_at(self, request: Request, start: int, end: int) -> int | None:
+        if not self._checkpoints:
+            return None
+        return checkpoint_position(start, end, request.prefill_len, self.prefix_cache.block_size)
 
     def _prefill(self, request: Request, start: int, end: int) -> None:
         rid = request.request_id

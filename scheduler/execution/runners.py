@@ -44,6 +44,9 @@ class TextRunner:
         # Fresh prompts can share one prefill forward when a row of a batch cache can be split back into a
         # request's own cache (plain KV; a rotating window or recurrent state cannot).
         self.batched_prefill = self.capabilities.splittable
+        # A cache that cannot be trimmed (recurrent state, a rotating window) goes into the prefix cache as exact
+        # checkpoints, stored at the block boundaries its prefill passes.
+        self.prefix_checkpoints = not self.capabilities.trimmable
 
     def make_cache(self) -> library.Cache:
         return library.make_request_cache(self.model, self.max_kv_size)

@@ -80,7 +80,8 @@ def sweep(trace: Any, grid: Mapping[str, Sequence[str]], workers: int | None = N
     base = dataclasses.replace(rec.trace.config, trace_path=None)
     per_token = rec.prefix_bytes_per_token
     kwargs = dict(stop_token_id=rec.trace.stop_token_ids[0] if rec.trace.stop_token_ids else 0,
-                  kv_layout=rec.kv_layout(), kv_bytes_per_token=int(round(per_token)) if per_token else None)
+                  kv_layout=rec.kv_layout(), kv_bytes_per_token=int(round(per_token)) if per_token else None,
+                  prefix_checkpoints=rec.prefix_checkpoints)
     axes = list(grid)
     jobs, settings = [], []
     for values in itertools.product(*(grid[a] for a in axes)):

@@ -56,6 +56,7 @@ def simulate(
     kv_layout: Any = None,
     kv_bytes_per_token: int | None = None,
     max_ticks: int | None = None,
+    prefix_checkpoints: bool = False,
 ) -> SimResult:
     """Drive the real Scheduler over `arrivals` in virtual time; see the module docstring.
 
@@ -64,13 +65,15 @@ def simulate(
     `kv_layout` (a `caches.kv.KVLayout`) enables `config.kv_memory_bytes` (admission and preemption); an
     arrival that could never fit is refused as the engine refuses it (outcome "error", never queued).
     `config.prefix_cache_bytes` turns the real prefix cache on; its entries are sized `kv_bytes_per_token`
-    per token (default: the layout's, else 0). `config.check_invariants` checks the bookkeeping every tick.
+    per token (default: the layout's, else 0); `prefix_checkpoints` stores them as a model whose caches cannot
+    be trimmed does (exact checkpoints, see SimExecutor). `config.check_invariants` checks the bookkeeping every tick.
     """
     ids = [a.request_id for a in arrivals]
     if len(set(ids)) != len(ids):
         raise ValueError("simulate: request ids must be unique")
     wall0 = time.perf_counter()
-    run = _Simulation(arrivals, config, cost_model, policy, stop_token_id, kv_layout, kv_bytes_per_token)
+    run = _Simulation(arrivals, config, cost_model, policy, stop_token_id, kv_layout, kv_bytes_per_token,
+                      prefix_checkpoints)
     limit = max_ticks if max_ticks is not None else math.inf
     while run.next_arrival < len(run.pending) or run.live:
         now = run.advance_clock()
@@ -89,7 +92,8 @@ class _Simulation:
     aborts still to come, the records and counters the result is made of."""
 
     def __init__(self, arrivals: Sequence[SimArrival], config: EngineConfig, cost_model: CostModel,
-                 policy: str | Policy | None, stop_token_id: int, kv_layout: Any, kv_bytes_per_token: int | None):
+                 policy: str | Policy | None, stop_token_id: int, kv_layout: Any, kv_bytes_per_token: int | None,
+                 prefix_checkpoints: bool = False):
         self.config, self.kv_layout = config, kv_layout
         extra = {"kv_layout": kv_layout} if kv_layout is not None else {}
         self.scheduler = Scheduler(config, EventLog(), stop_token_ids=[stop_token_id], policy=policy, **extra)
@@ -98,7 +102,8 @@ class _Simulation:
         self.prefix_cache = getattr(self.scheduler, "prefix_cache", None)
         self.executor = SimExecutor(cost_model, arrivals, stop_token_ids=[stop_token_id],
                                     prefix_block_size=config.prefix_block_size if self.prefix_cache is not None
-                                    else None, kv_bytes_per_token=kv_bytes_per_token)
+                                    else None, kv_bytes_per_token=kv_bytes_per_token,
+                                    prefix_checkpoints=prefix_checkpoints)
         self.loop = TickLoop(self.scheduler, self.executor)
         self.budget = getattr(config, "kv_memory_bytes", None)
         self.pending = sorted(arrivals, key=lambda a: a.arrival_time)  # stable: ties keep the given order

@@ -17,14 +17,19 @@ class SimExecutor:
     of its (k+1)-th token. The token count survives a preemption (the request resumes where it stopped, as
     the real executor's sampling step does). With `prefix_block_size`, a request whose prefill completes
     offers prompt[:-1] to the prefix cache, as `MLXExecutor._offer_prefix` does (`kv_bytes_per_token` sizes
-    the entry; no payload). The `Executor` protocol (scheduler/loop.py), as `ReplayExecutor`: `execute(plan)`,
+    the entry; no payload); with `prefix_checkpoints` (a model whose caches cannot be trimmed) those entries
+    are whole-only and each prefill chunk also stores the checkpoint the real executor stores
+    (`caches.prefix.checkpoint_position`). The `Executor` protocol (scheduler/loop.py), as `ReplayExecutor`: `execute(plan)`,
     `release(ids)`.
     """
 
     def __init__(self, cost_model: CostModel, arrivals: Iterable[SimArrival],
                  stop_token_ids: Sequence[int] = (0,), ordinary_token: int | None = None,
-                 prefix_block_size: int | None = None, kv_bytes_per_token: int = 0):
+                 prefix_block_size: int | None = None, kv_bytes_per_token: int = 0,
+                 prefix_checkpoints: bool = False):
         self.cost_model = cost_model
+        self.prefix_checkpoints = prefix_checkpoints
+        self._prefill_len: dict[str, int] = {}  # prompt + outputs re-fed after a preemption
         self.clock = 0.0
         stops = set(stop_token_ids)
         if not stops:
@@ -51,6 +56,8 @@ class SimExecutor:
         self._produced: dict[str, int] = {}
 
     def execute(self, plan: TickPlan) -> TickResult:
+        for new in plan.new_requests:
+            self._prefill_len[new.request_id] = len(new.prompt_tokens) + new.recompute_tokens
         encoded: dict[str, dict] = {}
         images = 0
         for rid in plan.encode:
@@ -68,6 +75,8 @@ class SimExecutor:
         ordinary, stop = self.ordinary_token, self.stop_token
         rows = [c.request_id for c in plan.prefill if c.completes]
         result = TickResult(sampled=sampled, errors=errors, prefill_time=seconds, decode_time=0.0, encoded=encoded)
+        if self.prefix_checkpoints and self.prefix_block_size is not None:
+            self._offer_checkpoints(plan, result)
         if rows and self.prefix_block_size is not None:
             self._offer_prefixes(plan, rows, result)
         rows.extend(plan.decode)
@@ -89,8 +98,20 @@ class SimExecutor:
             n = self._prompt_len[rid] - 1
             if n < self.prefix_block_size or restored.get(rid, 0) == n:
                 continue
-            result.prefix_stores.append(PrefixStore(rid, n, n * self.kv_bytes_per_token, False, None))
+            result.prefix_stores.append(PrefixStore(rid, n, n * self.kv_bytes_per_token, self.prefix_checkpoints,
+                                                    None))
+
+    def _offer_checkpoints(self, plan: TickPlan, result: TickResult) -> None:
+        from caches.prefix import checkpoint_position
+        from scheduler.plan import PrefixStore
+
+        for c in plan.prefill:
+            n = self._prefill_len.get(c.request_id, self._prompt_len[c.request_id])
+            at = checkpoint_position(c.start, c.end - 1 if c.completes else c.end, n, self.prefix_block_size)
+            if at is not None:
+                result.prefix_stores.append(PrefixStore(c.request_id, at, at * self.kv_bytes_per_token, True, None))
 
     def release(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
             self._produced.pop(rid, None)
+            self._prefill_len.pop(rid, None)

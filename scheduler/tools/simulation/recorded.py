@@ -38,6 +38,11 @@ class Recorded:
         lookups = self.prefix_hits + self.prefix_misses
         return self.prefix_hits / lookups if lookups else None
 
+    @property
+    def prefix_checkpoints(self) -> bool:
+        """Whether the model's prefix-cache entries are exact checkpoints (caches that cannot be trimmed)."""
+        return bool(self.trace.header.get("prefix_checkpoints", False))
+
     def kv_layout(self) -> Any:
         """The engine's KV layout (`caches.kv.KVLayout`) if the trace recorded one, else None."""
         layers = self.trace.header.get("kv_layout")

@@ -79,7 +79,8 @@ def what_if(trace_path: "str | os.PathLike | Trace", policy: str | Policy | None
                          "kv_layout); pass kv_layout=")
     per_token = rec.prefix_bytes_per_token
     per_token = int(round(per_token)) if per_token is not None else None
-    kwargs = dict(stop_token_id=stop, kv_layout=layout, kv_bytes_per_token=per_token)
+    kwargs = dict(stop_token_id=stop, kv_layout=layout, kv_bytes_per_token=per_token,
+                  prefix_checkpoints=rec.prefix_checkpoints)
     recorded_policy = config.policy
     rows = {"recorded": recorded_metrics(rec)}
     same = simulate(arrivals, config, cost, policy=recorded_policy, **kwargs)
