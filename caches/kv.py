@@ -13,7 +13,13 @@ token counts and this layout, and bounds what the arrays can hold after a tick:
 * a sliding-window layer keeps at most `window` tokens once decoding, and `window + chunk` while a chunk is
   being added;
 * a recurrent layer (SSM, conv, linear-attention state: `ArraysCache`) holds `fixed_bytes` per request
-  whatever its length, and B times that in a batch of B rows.
+  whatever its length, and B times that in a batch of B rows;
+* a merge (requests whose prefill completed joining the batch; `layers.join_rows`, one layer at a time)
+  briefly holds, next to what the tick ends with, the joining requests' own caches and, at the layer being
+  merged, its old form, the merged rows and the padded copies mlx-lm's `extend` concatenates (no bigger
+  than the new layer): `join_bytes`;
+* a draft model (speculative decoding) keeps its own batch cache with a row per decoding request: its layers
+  are appended to the target's (`combined`), so every term above counts both models.
 
 The bound is deliberately an upper bound: `real bytes <= bound <= budget` is what the invariant checker
 verifies every tick.
@@ -59,18 +65,39 @@ class KVLayout:
 
     def batch_bytes(self, row_tokens: Sequence[int]) -> int:
         """Upper bound of a batch cache whose rows hold `row_tokens` tokens each."""
-        if not row_tokens:
-            return 0
-        rows, longest = len(row_tokens), max(row_tokens)
-        total = 0
-        for layer in self.layers:
-            length = longest + STEP if layer.window is None else min(longest + STEP, layer.window + STEP)
-            total += layer.bytes_per_token * rows * length + layer.fixed_bytes * rows
-        return total
+        return sum(_layer_batch_bytes(layer, row_tokens) for layer in self.layers)
 
     def footprint(self, row_tokens: Sequence[int], prefill_tokens: Sequence[tuple[int, int]]) -> int:
         """Batch rows plus single-request caches given as (tokens, last chunk)."""
         return self.batch_bytes(row_tokens) + sum(self.request_bytes(n, c) for n, c in prefill_tokens)
+
+    def join_bytes(self, old_rows: Sequence[int], joining: Sequence[tuple[int, int]]) -> int:
+        """Held on top of the footprint after a tick while its merge runs (`layers.join_rows`, layer by
+        layer): the `joining` requests' own caches ((tokens, last chunk) each) and, when there is a batch of
+        `old_rows` to extend, at the layer being merged its old form, the joiners merged and the padded copies
+        `extend` concatenates (at most the new layer): the largest layer's sum. With no batch yet the merged
+        rows are the new batch itself."""
+        if not joining:
+            return 0
+        extra = sum(self.request_bytes(n, c) for n, c in joining)
+        if old_rows:
+            joined = [n for n, _ in joining]
+            extra += max(_layer_batch_bytes(layer, old_rows) + _layer_batch_bytes(layer, joined)
+                         + _layer_batch_bytes(layer, list(old_rows) + joined) for layer in self.layers)
+        return extra
+
+    def combined(self, other: "KVLayout") -> "KVLayout":
+        """The layers of both (a target and its draft model: every row holds KV in each)."""
+        return KVLayout(self.layers + other.layers)
+
+
+def _layer_batch_bytes(layer: LayerLayout, row_tokens: Sequence[int]) -> int:
+    """Upper bound of one layer of a batch cache whose rows hold `row_tokens` tokens each."""
+    if not row_tokens:
+        return 0
+    rows, longest = len(row_tokens), max(row_tokens)
+    length = longest + STEP if layer.window is None else min(longest + STEP, layer.window + STEP)
+    return layer.bytes_per_token * rows * length + layer.fixed_bytes * rows
 
 
 class KVCacheManager:
@@ -98,7 +125,8 @@ class KVCacheManager:
         self._merge = merge or layers.merge_caches  # a family's merge (its mask layout), or the default
         self._requests: dict[str, list] = {}
         self.batch: list = []  # one batch cache per layer; rows in the executor's row order
-        self.peak_bytes = 0
+        self.peak_bytes = 0  # the most held at once, merges' transients included
+        self.tick_peak_bytes = 0  # the same since start_tick()
         self.merges = 0
         self.filters = 0
 
@@ -127,11 +155,16 @@ class KVCacheManager:
 
     # ---- the batch --------------------------------------------------------------------------------------
     def join(self, request_ids: Sequence[str]) -> None:
-        """Move these requests' caches into the batch, appended as new rows in this order."""
+        """Move these requests' caches into the batch, appended as new rows in this order.
+
+        The merge runs here, layer by layer (`layers.join_rows`), so it holds one layer twice at most and its
+        inputs are freed before the next forward allocates. Its peak, from the arrays, is noted next to the
+        other requests' caches (`KVLayout.join_bytes` bounds it)."""
+        others = sum(self._layers.cache_nbytes(c) for rid, c in self._requests.items() if rid not in request_ids)
         caches = [self._requests.pop(rid) for rid in request_ids]
-        self.batch = self._layers.extend_batch(self.batch, self._merge(caches))
+        self.batch, peak = self._layers.join_rows(self.batch, caches, self._merge)
         self.merges += 1
-        self._note_peak()
+        self._note(others + peak)
 
     def keep_rows(self, keep: list[int]) -> None:
         self.batch = self._layers.filter_batch(self.batch, keep)
@@ -148,8 +181,13 @@ class KVCacheManager:
         a = self._layers
         return a.cache_nbytes(self.batch) + sum(a.cache_nbytes(c) for c in self._requests.values())
 
-    def _note_peak(self) -> None:
-        self.peak_bytes = max(self.peak_bytes, self.nbytes())
+    def start_tick(self) -> None:
+        self.tick_peak_bytes = self.nbytes()
+
+    def _note(self, held: int) -> None:
+        held = max(held, self.nbytes())
+        self.peak_bytes = max(self.peak_bytes, held)
+        self.tick_peak_bytes = max(self.tick_peak_bytes, held)
 
     def stats(self) -> dict:
         return {"bytes": self.nbytes(), "peak_bytes": self.peak_bytes, "request_caches": len(self._requests),
