@@ -28,6 +28,7 @@ from .families import UnsupportedFeature
 from .lifecycle import RequestState
 from .policy import policy_record
 from .request import (
+    FinishReason,
     InvalidRequest,
     Request,
     SamplingParams,
@@ -517,11 +518,12 @@ class Engine:
 
     def prefill_progress(self, request_id: str) -> tuple[int, int] | None:
         """(prompt tokens computed, prompt tokens) of a live request, prefix-cache hits included; None once
-        it has ended or before it reached the engine's loop."""
+        it has ended or before it reached the engine's loop. After a preemption the request recomputes its
+        prompt and then its outputs so far: only the prompt part is counted here, so it never passes 100%."""
         request = self.scheduler.requests.get(request_id)
         if request is None:
             return None
-        return request.num_computed_tokens, request.prompt_len
+        return min(request.num_computed_tokens, request.prompt_len), request.prompt_len
 
     def _images_of(self, request_id: str) -> int:
         request = self.scheduler.requests.get(request_id)
@@ -600,14 +602,29 @@ class Engine:
                 logprobs[out.request_id].extend(out.logprobs)
                 if out.finished:
                     toks = tokens[out.request_id]
+                    # the text leaves out the stop token that ended it (as mlx-lm's generate does); token_ids keep it
+                    shown = toks[:-1] if out.finish_reason is FinishReason.STOP else toks
                     results[out.request_id] = RequestOutput(
                         request_id=out.request_id, token_ids=toks,
-                        text=self.tokenizer.decode(toks) if toks else "",
+                        text=self._text(shown),
                         finish_reason=out.finish_reason, error=out.error, logprobs=logprobs[out.request_id],
                     )
                     if progress is not None:
                         progress(out)
         return [results[i] for i in ids]
+
+    def _text(self, tokens: list[int]) -> str:
+        """The text of `tokens` as mlx-lm's generate builds it: through the tokenizer's streaming detokenizer
+        where it has one (its first-token spacing differs from a plain decode), else a plain decode."""
+        if not tokens:
+            return ""
+        detokenizer = getattr(self.tokenizer, "detokenizer", None)
+        if detokenizer is None:
+            return self.tokenizer.decode(tokens)
+        for token in tokens:
+            detokenizer.add_token(token)
+        detokenizer.finalize()
+        return detokenizer.text
 
     def stream(self, prompt: Any = None, prompt_tokens: Sequence[int] | None = None, images: Sequence[Any] | None = None,
                sampling: SamplingParams | None = None, request_id: str | None = None,

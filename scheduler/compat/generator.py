@@ -195,6 +195,9 @@ class MLLMBatchGenerator:
         """Queue requests; returns their uids. Bad input never raises here: that request gets an "error"
         response from the next `next()`, like the reference's preprocessing failures."""
         uids = []
+        # the engine first: a configuration error (e.g. drafting this model cannot do) is the caller's, raised
+        # here for the whole call, never turned into one request's error response
+        self.engine
         for req in requests:
             req.uid = self._uid_counter
             self._uid_counter += 1
@@ -268,9 +271,10 @@ class MLLMBatchGenerator:
 
     # ---- the loop -----------------------------------------------------------------------------------------
     def next(self) -> List[MLLMBatchResponse]:
+        engine = self.engine  # before taking the queued responses: if this raises, none of them is lost
         self.process_pending_removals()
         responses, self._pending_error_responses = self._pending_error_responses, []
-        if not self.engine.has_pending():
+        if not engine.has_pending():
             return responses
         for out in self.engine.step():
             uid = self._uid_of.get(out.request_id)
@@ -365,7 +369,9 @@ def install_mtp_mllm(batch_gen: MLLMBatchGenerator, language_model: Any, num_dra
     """Multi-token-prediction drafting: up to `num_draft_tokens` drafts per row per step from an MTP head,
     verified in the same batched forward with exact acceptance (greedy rows: unchanged output; sampled rows:
     unchanged distribution). `language_model` is the MTP head (`scheduler.execution.mtp.MTPHead`) or an object carrying
-    one as `.mtp_head`. Plain configuration: call it before the first `insert()`/`next()`."""
+    one as `.mtp_head`. Plain configuration: call it before the first `insert()`/`next()`. A configuration the
+    engine refuses (drafting on a model whose caches cannot be rolled back, a vision-language model, a model
+    whose logits the MTP seam cannot reproduce) raises here, and the generator stays as it was."""
     from scheduler.execution.mtp import MTPHead
 
     head = language_model if isinstance(language_model, MTPHead) else getattr(language_model, "mtp_head", None)
@@ -374,7 +380,15 @@ def install_mtp_mllm(batch_gen: MLLMBatchGenerator, language_model: Any, num_dra
                         "or an object with an .mtp_head attribute")
     if not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens: must be an integer >= 1, got {num_draft_tokens!r}")
+    before = batch_gen._config
     batch_gen._configure(draft_tokens=num_draft_tokens, drafter="mtp",
                          max_batched_tokens=batch_gen._config.max_batched_tokens
                          + num_draft_tokens * batch_gen.completion_batch_size)
+    try:  # what the engine would refuse (a model whose caches cannot roll back, a VLM, ...) is refused here,
+        # by building one as configured (no trace, no sinks) and dropping it: the real one is built at first use
+        Engine(batch_gen.model, batch_gen.processor, dataclasses.replace(batch_gen._config, trace_path=None),
+               mtp_head=head)
+    except Exception:
+        batch_gen._config = before  # the generator stays usable without MTP
+        raise
     batch_gen._mtp_head = head
