@@ -634,7 +634,10 @@ def simulate(
         while next_arrival < len(pending) and pending[next_arrival].arrival_time <= now:
             a = pending[next_arrival]
             next_arrival += 1
-            if kv_layout is not None and budget is not None and kv_layout.footprint([a.prompt_len + 1], []) > budget:
+            n = a.prompt_len
+            if kv_layout is not None and budget is not None and (  # the engine's add_request rule
+                    kv_layout.footprint([n + max(1, config.kv_headroom_tokens)], [])
+                    + kv_layout.join_bytes([], [(n, min(n, config.prefill_chunk))]) > budget):
                 records[a.request_id].outcome, records[a.request_id].end = "error", now  # the engine refuses it
                 continue
             sampling = sampling_cache.get(a.max_tokens)
