@@ -12,8 +12,23 @@ import time
 from scheduler.config import EngineConfig
 from scheduler.events import EventLog, MemorySink
 from scheduler.plan import TickResult
+from scheduler.fixtures.executors import FixedTokenExecutor
+from scheduler.loop import TickLoop
 from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import Scheduler
+
+
+class _SameResult:
+    """The steady state's executor, costing nothing: every tick every row samples the same ordinary token."""
+
+    def __init__(self, result: TickResult):
+        self.result = result
+
+    def execute(self, plan) -> TickResult:
+        return self.result
+
+    def release(self, request_ids) -> None:
+        pass
 
 
 def per_tick_cost(live: int, ticks: int, log_events: bool) -> float:
@@ -22,16 +37,14 @@ def per_tick_cost(live: int, ticks: int, log_events: bool) -> float:
     for i in range(live):
         sched.add(Request(f"r{i}", [5] * 16, SamplingParams(max_tokens=10**6)), 0)
     tick = 0
+    warmup = TickLoop(sched, FixedTokenExecutor(100))
     while sched.waiting or sched.prefilling:  # admit and prefill everyone first
-        plan = sched.plan(sched.view(tick))
-        rows = [c.request_id for c in plan.prefill if c.completes] + list(plan.decode)
-        sched.apply(plan, TickResult(sampled={rid: 100 for rid in rows}))
+        warmup.run_tick(tick)
         tick += 1
-    sampled = {f"r{i}": 100 for i in range(live)}
+    loop = TickLoop(sched, _SameResult(TickResult(sampled={f"r{i}": 100 for i in range(live)})))
     t0 = time.perf_counter()
     for _ in range(ticks):
-        plan = sched.plan(sched.view(tick))
-        sched.apply(plan, TickResult(sampled=sampled))
+        loop.run_tick(tick)
         tick += 1
     return (time.perf_counter() - t0) / ticks
 

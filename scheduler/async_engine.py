@@ -1,19 +1,75 @@
 """An asyncio front for `Engine`: the tick loop runs on one background thread, clients await their tokens.
 
-Each `stream()` registers a queue for its request id before the request can produce output; the loop thread
-hands outputs to the owning event loop with `call_soon_threadsafe`. A client that stops listening (its task
-is cancelled, or it breaks out of the iteration) aborts its request, so nothing keeps computing for nobody.
+`submit()` registers a queue for the request id *before* the request can reach the loop (so no output is
+lost), then runs `add_request` (tokenizing, media preprocessing) on a worker thread, off the event loop; it
+raises `InvalidRequest` with nothing queued, like `add_request`. The loop thread hands outputs to the owning
+event loop with `call_soon_threadsafe`. A client that stops listening (its task is cancelled, it closes the
+`RequestStream` or breaks out of `stream()`) aborts its request, so nothing keeps computing for nobody.
+
+`call(fn)` runs `fn` on the loop thread between two ticks, where the engine's state is consistent (a metrics
+scrape reads cache sizes there). `error` is the exception that stopped the loop, if one did; after that, and
+after `close()`, every waiting stream ends with a `RuntimeError` instead of waiting forever.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
+import itertools
 import threading
-from typing import Any, AsyncIterator
+import time
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from .engine import Engine, RequestOutput
-from .request import SamplingParams
+from .request import InvalidRequest, SamplingParams, UnknownRequest
 from .scheduler import StepOutput
+
+
+def _release_thread_streams() -> None:
+    """MLX asks every thread that ran MLX work to destroy its streams before it ends (`mx.clear_streams`):
+    otherwise the process may abort at exit ("terminate called without an active exception") once more than
+    one thread has used MLX, as the loop thread and the preprocessing worker do."""
+    import mlx.core as mx
+
+    mx.clear_streams()
+
+
+class EngineStopped(RuntimeError):
+    """The engine loop is not running (it failed, or the AsyncEngine was closed)."""
+
+
+class RequestStream:
+    """The outputs of one submitted request, as an async iterator. Closing it before the request ended aborts
+    the request (the engine frees its caches at the next tick)."""
+
+    def __init__(self, aengine: "AsyncEngine", request_id: str, queue: asyncio.Queue):
+        self.request_id = request_id
+        self._aengine = aengine
+        self._queue = queue
+        self._done = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> StepOutput:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise EngineStopped(f"the engine loop stopped: {item}") from item
+        if item.finished:
+            self._done = True
+        return item
+
+    def close(self) -> None:
+        """Stop listening; aborts the request if it has not ended. Idempotent."""
+        if self._done:
+            return
+        self._done = True
+        self._aengine._unregister(self.request_id)
+        self._aengine.engine.abort(self.request_id)
 
 
 class AsyncEngine:
@@ -21,16 +77,31 @@ class AsyncEngine:
         self.engine = engine
         self._idle_wait_s = idle_wait_s
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._calls: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._error: BaseException | None = None
+        self._ids = itertools.count()
+        # One worker: requests are preprocessed in arrival order, and the processor is never called from two
+        # threads at once (tokenizers are not all safe for that).
+        self._prepare = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxsched-prepare")
         self._thread = threading.Thread(target=self._run, name="mlxsched-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def error(self) -> BaseException | None:
+        """The exception that stopped the engine loop, or None while it runs (or after a clean close)."""
+        return self._error
+
+    @property
+    def running(self) -> bool:
+        return self._error is None and not self._stop.is_set() and self._thread.is_alive()
 
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
+                self._run_calls()
                 if not self.engine.has_pending():
                     self._wake.wait(self._idle_wait_s)
                     self._wake.clear()
@@ -45,41 +116,97 @@ class AsyncEngine:
                         loop.call_soon_threadsafe(queue.put_nowait, out)
         except BaseException as exc:  # surface loop crashes to every waiting client
             self._error = exc
-            with self._lock:
-                targets, self._queues = list(self._queues.values()), {}
-            for loop, queue in targets:
-                loop.call_soon_threadsafe(queue.put_nowait, exc)
+            self._end_waiters(exc)
+        finally:
+            _release_thread_streams()
 
-    async def stream(self, prompt: Any = None, prompt_tokens: Any = None, sampling: SamplingParams | None = None,
-                     request_id: str | None = None, images: Any = None, videos: Any = None, audio: Any = None,
-                     priority: int = 0) -> AsyncIterator[StepOutput]:
-        """`Engine.add_request`'s arguments; bad input raises InvalidRequest at the first `__anext__`."""
+    def _run_calls(self) -> None:
+        with self._lock:
+            calls, self._calls = self._calls, []
+        for fn, future in calls:
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+    def _end_waiters(self, exc: BaseException) -> None:
+        with self._lock:
+            targets, self._queues = list(self._queues.values()), {}
+            calls, self._calls = self._calls, []
+        for loop, queue in targets:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, exc)
+            except RuntimeError:  # that event loop is already closed: nobody is waiting there
+                pass
+        for _, future in calls:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineStopped(str(exc)))
+
+    def _check_running(self) -> None:
         if self._error is not None:
-            raise RuntimeError("the engine loop has stopped") from self._error
+            raise EngineStopped(f"the engine loop failed: {self._error!r}") from self._error
+        if self._stop.is_set():
+            raise EngineStopped("the engine is closed")
+
+    def _unregister(self, request_id: str) -> None:
+        with self._lock:
+            self._queues.pop(request_id, None)
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn()` on the loop thread between two ticks and return its result (its exception is raised)."""
+        self._check_running()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._calls.append((fn, future))
+        self._wake.set()
+        if not self.running:  # stopped meanwhile: the loop will not run it
+            self._end_waiters(EngineStopped("the engine is not running"))
+        return await asyncio.wrap_future(future)
+
+    async def submit(self, prompt: Any = None, prompt_tokens: Sequence[int] | None = None,
+                     sampling: SamplingParams | None = None, request_id: str | None = None,
+                     images: Sequence[Any] | None = None, videos: Sequence[Any] | None = None,
+                     audio: Sequence[Any] | None = None, priority: int = 0) -> RequestStream:
+        """Queue a request (arguments as `Engine.add_request`) and return the stream of its outputs. Raises
+        InvalidRequest (nothing queued) for bad input, EngineStopped when the loop is not running."""
+        self._check_running()
+        rid = request_id if request_id is not None else f"async-{next(self._ids)}"
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        # Register under the lock before the id can reach the loop thread.
         with self._lock:
-            rid = self.engine.add_request(prompt=prompt, prompt_tokens=prompt_tokens, sampling=sampling,
-                                          request_id=request_id, images=images, videos=videos, audio=audio,
-                                          priority=priority)
+            if rid in self._queues:  # live here: registering would steal its outputs
+                raise InvalidRequest("request_id", f"duplicate request id {rid!r}", rid)
             self._queues[rid] = (loop, queue)
-        self._wake.set()
-        finished = False
+        add = functools.partial(self.engine.add_request, prompt=prompt, prompt_tokens=prompt_tokens,
+                                sampling=sampling, request_id=rid, images=images, videos=videos, audio=audio,
+                                priority=priority)
+        accepted = self._prepare.submit(add)
         try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise RuntimeError("the engine loop failed") from item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            if not finished:  # cancelled or abandoned: stop computing for nobody
-                with self._lock:
-                    self._queues.pop(rid, None)
-                self.engine.abort(rid)
+            await asyncio.wrap_future(accepted)
+        except asyncio.CancelledError:
+            self._unregister(rid)
+            # add_request may still be running on the worker: abort the request if it gets accepted
+            accepted.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or self.engine.abort(rid))
+            raise
+        except BaseException:
+            self._unregister(rid)
+            raise
+        self._wake.set()
+        return RequestStream(self, rid, queue)
+
+    async def stream(self, prompt: Any = None, prompt_tokens: Sequence[int] | None = None,
+                     sampling: SamplingParams | None = None, request_id: str | None = None,
+                     images: Sequence[Any] | None = None, videos: Sequence[Any] | None = None,
+                     audio: Sequence[Any] | None = None, priority: int = 0) -> AsyncIterator[StepOutput]:
+        """`Engine.add_request`'s arguments; bad input raises InvalidRequest at the first `__anext__`."""
+        outputs = await self.submit(prompt, prompt_tokens, sampling, request_id, images, videos, audio, priority)
+        try:
+            async for out in outputs:
+                yield out
+        finally:  # cancelled or abandoned before the end: stop computing for nobody
+            outputs.close()
 
     async def generate(self, prompt: Any = None, prompt_tokens: Any = None, sampling: SamplingParams | None = None,
                        request_id: str | None = None, images: Any = None, videos: Any = None, audio: Any = None,
@@ -96,10 +223,29 @@ class AsyncEngine:
         return RequestOutput(last.request_id, tokens, self.engine.tokenizer.decode(tokens), last.finish_reason,
                              last.error, logprobs)
 
-    def close(self) -> None:
+    def close(self, drain_s: float = 0.0) -> None:
+        """Stop the loop after the tick in progress; streams still waiting end with EngineStopped.
+
+        `drain_s` > 0: first abort every request still listened to and let the loop run (up to that long) until
+        the engine holds nothing, so no request's caches outlive the loop (a server shutting down)."""
+        if drain_s > 0 and self.running:
+            with self._lock:
+                live = list(self._queues)
+            for rid in live:
+                try:
+                    self.engine.abort(rid)
+                except UnknownRequest:  # still being prepared: add_request has not accepted it yet
+                    pass
+            self._wake.set()
+            deadline = time.monotonic() + drain_s
+            while self.running and self.engine.has_pending() and time.monotonic() < deadline:
+                time.sleep(0.005)
         self._stop.set()
         self._wake.set()
         self._thread.join()
+        self._end_waiters(EngineStopped("the engine was closed"))
+        self._prepare.submit(_release_thread_streams)  # on the worker thread, before it exits
+        self._prepare.shutdown(wait=True)
 
     async def __aenter__(self) -> "AsyncEngine":
         return self

@@ -227,6 +227,61 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return n
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """EngineConfig fields as flags (defaults: EngineConfig's)."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--max-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-seqs", type=int, default=32)
+    g.add_argument("--prefill-chunk", type=int, default=512)
+    g.add_argument("--max-model-len", type=int, help="context limit (default: the model's max_position_embeddings)")
+    g.add_argument("--kv-memory-mb", type=int, help="hard budget on KV bytes of running requests (default: none)")
+    g.add_argument("--max-kv-size", type=int, help="bounded attention: keep the last N tokens per request")
+    g.add_argument("--prefix-cache-mb", type=int, default=0, help="prefix cache budget (0: off)")
+    g.add_argument("--vision-cache-mb", type=int, default=256, help="vision-encoder output cache (0: off)")
+    g.add_argument("--policy", default="fcfs", choices=["fcfs", "priority", "shortest-prompt-first", "prefix-aware"])
+    g.add_argument("--mix", default="decode-first", choices=["decode-first", "prefill-first"])
+    g.add_argument("--draft-tokens", type=int, default=0, help="speculative decoding: draft tokens per row (0: off)")
+    g.add_argument("--drafter", default="prompt-lookup", choices=["prompt-lookup", "mtp"])
+    g.add_argument("--seed", type=int, default=0, help="engine seed (requests without their own seed)")
+    g.add_argument("--trace", help="write the event log (JSON lines) to this file")
+
+
+def _engine_config(args: argparse.Namespace):
+    from .config import EngineConfig
+
+    return EngineConfig(
+        max_batched_tokens=args.max_batched_tokens, max_seqs=args.max_seqs, prefill_chunk=args.prefill_chunk,
+        max_model_len=args.max_model_len,
+        kv_memory_bytes=args.kv_memory_mb << 20 if args.kv_memory_mb is not None else None,
+        max_kv_size=args.max_kv_size, prefix_cache_bytes=args.prefix_cache_mb << 20,
+        vision_cache_bytes=args.vision_cache_mb << 20, policy=args.policy, mix=args.mix,
+        draft_tokens=args.draft_tokens, drafter=args.drafter, seed=args.seed, trace_path=args.trace,
+    )
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        from .server.serve import serve
+    except ImportError as exc:  # the `serve` extra is not installed
+        print(f"mlxsched serve needs the serve extra (pip install 'mlxsched[serve]'): {exc}", file=sys.stderr)
+        return 2
+    try:
+        config = _engine_config(args)
+    except ValueError as exc:
+        print(f"mlxsched serve: {exc}", file=sys.stderr)
+        return 2
+    serve(args.model, config, host=args.host, port=args.port, max_queue=args.max_queue,
+          model_name=args.served_model_name, graceful_shutdown_s=args.graceful_shutdown_s)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlxsched", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -254,6 +309,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel", action="store_true",
                    help="shard the model over the ranks of `mlx.launch` (rank 0 prints; README)")
     p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat completions with images "
+                                     "and audio, streaming) with Prometheus metrics at /metrics")
+    p.add_argument("--model", required=True, help="a local mlx-lm or mlx-vlm model directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", help="the model name clients send (default: the directory's name)")
+    p.add_argument("--max-queue", type=_positive, help="answer 429 beyond this many waiting requests (default: "
+                                                       "no bound)")
+    p.add_argument("--graceful-shutdown-s", type=float, default=5.0,
+                   help="on SIGINT/SIGTERM, how long open responses may finish before they are cancelled")
+    _add_engine_flags(p)
+    p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("replay", help="re-derive every plan of a trace (no model) and report the first divergence")
     p.add_argument("trace")

@@ -26,6 +26,7 @@ from .execution.executor import MLXExecutor
 from .execution.runners import TextRunner, VisionLanguageRunner
 from .families import UnsupportedFeature
 from .lifecycle import RequestState
+from .loop import TickLoop
 from .policy import policy_record
 from .request import (
     FinishReason,
@@ -170,6 +171,7 @@ class Engine:
                                                 on_event=self._executor_event)
         if self.shard is not None:
             self.executor = self.shard.wrap(self.executor)
+        self.loop = TickLoop(self.scheduler, self.executor)
         self.tick = 0
         self._lock = threading.Lock()
         self._inbox: list[_Arrival] = []
@@ -411,14 +413,10 @@ class Engine:
         tick = self.tick
         tick_start = time.perf_counter()
         outputs = self._drain_inbox(tick)
-        view = self.scheduler.view(tick)
-        plan = self.scheduler.plan(view)
-        if not plan.is_empty:
-            result = self.executor.execute(plan, self.scheduler.requests)
-            applied = self.scheduler.apply(plan, result)
-            outputs.extend(applied.outputs)
-            if applied.released:
-                self.executor.release(applied.released)
+        ran = self.loop.run_tick(tick)
+        plan, result = ran.plan, ran.result
+        if result is not None:
+            outputs.extend(ran.applied.outputs)
             self._account(plan, result)
             stores = [[s.request_id, s.num_tokens, s.nbytes, s.whole_only] for s in result.prefix_stores]
             encoded = {rid: {"rope_delta": e["rope_delta"], "vision_cache_hit": e["vision_cache_hit"]}
@@ -437,7 +435,7 @@ class Engine:
             })
         if self.config.check_invariants:
             self.scheduler.check_invariants(plan)
-            self._check_executor(plan, result if not plan.is_empty else None)
+            self._check_executor(plan, result)
         self._record_ends(outputs)
         self.tick += 1
         return outputs
@@ -463,8 +461,7 @@ class Engine:
             for rid in dict.fromkeys(aborts)  # an id aborted twice in one tick is aborted once
             if rid in self.scheduler.requests
         ]
-        if outputs:
-            self.executor.release([o.request_id for o in outputs])
+        self.loop.release(o.request_id for o in outputs)
         return outputs
 
     def _record_ends(self, outputs: list[StepOutput]) -> None:

@@ -1,14 +1,15 @@
 """The typed contract between deciding and doing: what one tick will compute.
 
 `TickPlan` is the only thing an executor receives from the scheduler. It names requests by id and says how
-many prompt tokens to feed for each; executors never see scheduler objects.
+many prompt tokens to feed for each; what an executor needs to know of a request it has not seen yet travels
+in the plan as a `NewRequest` (values, not the scheduler's `Request`): executors never see scheduler objects.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
 
 class Reason(str, Enum):
@@ -61,6 +62,49 @@ class PrefillChunk:
         return self.end - self.start
 
 
+class DraftGrant(NamedTuple):
+    """A decoding row may propose up to `tokens` draft tokens, verified in this tick's forward."""
+
+    request_id: str
+    tokens: int
+
+
+class PrefixHit(NamedTuple):
+    """A first chunk starts after `tokens` prompt tokens restored from prefix-cache entry `entry_id`."""
+
+    request_id: str
+    entry_id: int
+    tokens: int
+
+
+class PlannedFailure(NamedTuple):
+    """A request failed by the plan (it can never fit the KV budget), with the reason."""
+
+    request_id: str
+    reason: str
+
+
+# (The three records above are named tuples: they unpack as the plain tuples older code and traces use, and
+# are written to a trace as the same JSON lists.)
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """What an executor needs of a request whose first work is in this plan (its admission, or its readmission
+    after a preemption): vLLM's `NewRequestData`. The executor keeps its own copy from here on and appends the
+    tokens it produces itself; the plan names the request by id only afterwards."""
+
+    request_id: str
+    prompt_tokens: tuple[int, ...]
+    sampling: Any  # scheduler.request.SamplingParams (a value; logits processors travel by reference)
+    seed: int  # the effective sampling seed
+    output_tokens: tuple[int, ...] = ()  # produced before a preemption: re-fed as prompt (recompute_tokens)
+    recompute_tokens: int = 0
+    media: Any = field(default=None, compare=False)  # the model layer's prepared inputs (VLM), by reference
+    media_key: str | None = None
+    num_images: int = 0
+
+
 #: Optional groups of plan-record keys, named in `engine_start.plan_records` by the traces that carry them. A
 #: trace without a group (older mlxsched) did not record it, and replay does not compare it.
 PLAN_RECORD_GROUPS: dict[str, tuple[str, ...]] = {
@@ -76,14 +120,17 @@ class TickPlan:
     encode: tuple[str, ...] = ()  # requests whose media is encoded this tick (vision budget)
     prefill: tuple[PrefillChunk, ...] = ()
     decode: tuple[str, ...] = ()  # already decoding: one token each
-    draft: tuple[tuple[str, int], ...] = ()  # decoding rows that may propose up to k draft tokens to verify
-    prefix_hits: tuple[tuple[str, int, int], ...] = ()  # (request id, prefix entry id, cached tokens) at admission
+    draft: tuple[DraftGrant, ...] = ()  # decoding rows that may propose up to k draft tokens to verify
+    prefix_hits: tuple[PrefixHit, ...] = ()  # first chunks that start from a prefix-cache entry
     preempted: tuple[str, ...] = ()  # back to queued, caches dropped before this tick's work
-    failed: tuple[tuple[str, str], ...] = ()  # (request id, reason): can never fit the KV budget
+    failed: tuple[PlannedFailure, ...] = ()  # can never fit the KV budget
     kv_bytes_bound: int | None = None  # upper bound on KV bytes after this tick (with a KV budget)
     num_batched_tokens: int = 0
     num_seqs: int = 0  # requests holding a slot after this tick's admissions
     reasons: tuple[WaitReason, ...] = ()  # every live request that got less than it could use, and why
+    # requests whose first work since (re)admission is in this plan (Scheduler.plan fills it in): derived from
+    # the decisions above, so not part of a plan's identity, and not recorded (a trace has the arrivals)
+    new_requests: tuple[NewRequest, ...] = field(default=(), compare=False)
 
     @property
     def verify_width(self) -> int:

@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 from caches.kv import KVLayout
 
 from .config import EngineConfig
-from .plan import PrefillChunk, Reason, TickPlan, WaitReason
+from .plan import DraftGrant, PlannedFailure, PrefillChunk, PrefixHit, Reason, TickPlan, WaitReason
 from .policy import Policy
 from .request import Request
 
@@ -156,24 +156,6 @@ class _Reasons:
             self.note(request.request_id, reason, others)
 
 
-def _make_room(view: SchedulerView, kv: _KVTracker) -> tuple[list[str], list[tuple[str, str]]]:
-    """Preempt (newest prefilling first, then newest decoding) until the tick fits; a request that cannot
-    fit even alone fails instead of deadlocking the engine."""
-    preempted: list[str] = []
-    failed: list[tuple[str, str]] = []
-    victims = [r.request_id for r in view.decoding] + [r.request_id for r in view.prefilling]
-    while not kv.fits() and victims:
-        rid = victims.pop()
-        alone = len(kv.rows) + len(kv.prefilling) == 1
-        kv.rows.pop(rid, None)
-        kv.prefilling.pop(rid, None)
-        if alone:
-            failed.append((rid, f"needs more KV memory than kv_memory_bytes ({kv.budget} bytes) allows"))
-        else:
-            preempted.append(rid)
-    return preempted, failed
-
-
 def plan_tick(view: SchedulerView, config: EngineConfig, policy: Policy) -> TickPlan:
     """decode-first: every decoding row decodes every tick and prefill gets the rest of the budget.
     prefill-first: while any prompt has tokens left to prefill, a tick is prefill only (decoding rows pause,
@@ -185,160 +167,214 @@ def plan_tick(view: SchedulerView, config: EngineConfig, policy: Policy) -> Tick
     return _plan(view, config, policy, prefill_only=False)
 
 
-def _grant_drafts(view: SchedulerView, config: EngineConfig, gone: set[str], budget: int,
-                  forward_rows: int) -> list[tuple[str, int]]:
-    """Draft lengths for the rows that may draft, planned as what the verify forward computes: it runs every
-    row of the batched forward (`forward_rows`, drafting or not) at the width of the longest draft, so a width
-    of w costs forward_rows x w tokens of `max_batched_tokens`, however few rows draft. One width for all:
-    every drafting row gets up to the widest width the budget pays for (at most `draft_tokens`)."""
-    width = min(config.draft_tokens, budget // forward_rows) if forward_rows else 0
-    if width < 1:
-        return []
-    draft = []
-    for request in view.decoding:
-        # the verify forward emits up to k + 1 tokens: drafts never cross max_tokens or the context limit
-        k = min(width, request.output_limit - request.num_output_tokens - 1)
-        if request.request_id not in gone and k >= 1 and request.draft_eligible:
-            draft.append((request.request_id, k))
-    return draft
-
-
 def _plan(view: SchedulerView, config: EngineConfig, policy: Policy, prefill_only: bool) -> TickPlan:
-    kv = None
-    preempted: list[str] = []
-    failed: list[tuple[str, str]] = []
-    if config.kv_memory_bytes is not None and view.kv_layout is not None:
-        kv = _KVTracker(view.kv_layout, config.kv_memory_bytes, config.kv_headroom_tokens)
-        # (+ draft_tokens: a verification holds that many extra positions until it is rolled back)
-        kv.rows = {r.request_id: r.prompt_len + r.num_output_tokens + config.draft_tokens for r in view.decoding}
-        kv.prefilling = {r.request_id: (r.num_computed_tokens, 0) for r in view.prefilling}
-        preempted, failed = _make_room(view, kv)
-    gone = set(preempted) | {rid for rid, _ in failed}
+    """One tick's plan, phase by phase; each phase spends what the ones before it left."""
+    tick = _TickBuilder(view, config, policy, prefill_only)
+    tick.make_room()
+    tick.pick_media()
+    tick.continue_prefills()
+    tick.unstick()
+    tick.admit()
+    tick.grant_drafts()
+    return tick.build()
 
-    decode = () if prefill_only else tuple(r.request_id for r in view.decoding if r.request_id not in gone)
-    why = _Reasons(config, len(decode))
-    if preempted:  # they made room for the oldest request that keeps its memory
-        kept = [r.request_id for r in (*view.decoding, *view.prefilling) if r.request_id not in gone]
-        for rid in preempted:
-            why.preempted(rid, kept[0] if kept else None)
-    budget = config.max_batched_tokens - len(decode)
-    if config.max_prefill_tokens is not None:
-        budget = min(budget, config.max_prefill_tokens)
-    prefill_budget = budget
-    seqs = len(view.decoding) + len(view.prefilling) + len(view.encoding) - len(gone)
-    vision = _VisionBudget(config.vision_budget)
-    for request in policy.order_prefilling(view.encoding, view.tick):
-        why.note(request.request_id, Reason.WAITING_FOR_MEDIA if vision.take(request) else Reason.VISION_BUDGET)
 
-    prefill: list[PrefillChunk] = []
-    prefix_hits: list[tuple[str, int, int]] = []
+class _TickBuilder:
+    """The plan being built: the work granted so far and the budgets left (tokens, sequences, KV, images).
+    A prefill chunk is only ever given through `grant`, whichever phase gives it."""
 
-    def next_start(request: Request) -> tuple[int, tuple[int, int] | None]:
-        """Where a request's next chunk starts: after its computed tokens or, for its first chunk, after a
-        prefix-cache hit (which the plan then records so the executor restores it)."""
-        if request.num_computed_tokens:
-            return request.num_computed_tokens, None
-        match = view.prefix_match(request)
-        return (match[1], match) if match else (0, None)
+    def __init__(self, view: SchedulerView, config: EngineConfig, policy: Policy, prefill_only: bool):
+        self.view, self.config, self.policy, self.prefill_only = view, config, policy, prefill_only
+        self.kv: _KVTracker | None = None
+        self.preempted: list[str] = []
+        self.failed: list[PlannedFailure] = []
+        self.gone: set[str] = set()  # preempted or failed this tick
+        self.decode: tuple[str, ...] = ()
+        self.why: _Reasons
+        self.budget = 0  # prefill (then draft) tokens left this tick
+        self.prefill_budget = 0  # what prefill started with
+        self.seqs = 0  # sequences holding a slot
+        self.vision = _VisionBudget(config.vision_budget)
+        self.prefill: list[PrefillChunk] = []
+        self.prefix_hits: list[PrefixHit] = []
+        self.admitted: list[str] = []
+        self.draft: list[DraftGrant] = []
 
-    for request in policy.order_prefilling(view.prefilling, view.tick):
-        if request.request_id in gone:
-            continue
-        if budget <= 0:
-            why.note(request.request_id, why.exhausted)
-            continue
-        start, match = next_start(request)
-        chunk = _chunk(request, start, budget, config, hold_last=prefill_only)
-        if chunk is None:
-            continue  # nothing to feed in a prefill-only tick
-        if kv is not None and not kv.try_chunk(request, chunk, admission=False):
-            why.note(request.request_id, Reason.KV_BUDGET)
-            continue  # waits for memory while decoding frees it
-        if match is not None:
-            prefix_hits.append((request.request_id, *match))
-        prefill.append(chunk)
-        why.chunk_given(request, chunk, prefill_only)
-        budget -= chunk.num_tokens
+    # ---- phases, in order -------------------------------------------------------------------------
+    def make_room(self) -> None:
+        """Under kv_memory_bytes: preempt (newest prefilling first, then newest decoding) until the tick fits;
+        a request that cannot fit even alone fails instead of deadlocking the engine. Then the decode rows and
+        the token and sequence budgets are what the survivors leave."""
+        view, config = self.view, self.config
+        if config.kv_memory_bytes is not None and view.kv_layout is not None:
+            kv = self.kv = _KVTracker(view.kv_layout, config.kv_memory_bytes, config.kv_headroom_tokens)
+            # (+ draft_tokens: a verification holds that many extra positions until it is rolled back)
+            kv.rows = {r.request_id: r.prompt_len + r.num_output_tokens + config.draft_tokens for r in view.decoding}
+            kv.prefilling = {r.request_id: (r.num_computed_tokens, 0) for r in view.prefilling}
+            victims = [r.request_id for r in view.decoding] + [r.request_id for r in view.prefilling]
+            while not kv.fits() and victims:
+                rid = victims.pop()
+                alone = len(kv.rows) + len(kv.prefilling) == 1
+                kv.rows.pop(rid, None)
+                kv.prefilling.pop(rid, None)
+                if alone:
+                    self.failed.append(PlannedFailure(rid, _needs_more_kv(kv)))
+                else:
+                    self.preempted.append(rid)
+        gone = self.gone = set(self.preempted) | {rid for rid, _ in self.failed}
+        self.decode = () if self.prefill_only else tuple(r.request_id for r in view.decoding
+                                                         if r.request_id not in gone)
+        self.why = _Reasons(config, len(self.decode))
+        if self.preempted:  # they made room for the oldest request that keeps its memory
+            kept = [r.request_id for r in (*view.decoding, *view.prefilling) if r.request_id not in gone]
+            for rid in self.preempted:
+                self.why.preempted(rid, kept[0] if kept else None)
+        budget = config.max_batched_tokens - len(self.decode)
+        if config.max_prefill_tokens is not None:
+            budget = min(budget, config.max_prefill_tokens)
+        self.budget = self.prefill_budget = budget
+        self.seqs = len(view.decoding) + len(view.prefilling) + len(view.encoding) - len(gone)
 
-    if kv is not None and not prefill and all(r.request_id in gone for r in view.decoding):
-        # Nothing decodes and no partly prefilled prompt fits its next chunk: they hold memory waiting for each
-        # other. Preempt the newest until the oldest can move (or fail it if it cannot move even alone).
-        stuck = [r for r in policy.order_prefilling(view.prefilling, view.tick) if r.request_id not in gone]
+    def pick_media(self) -> None:
+        """Admitted media requests not encoded yet take the vision budget in policy order."""
+        for request in self.policy.order_prefilling(self.view.encoding, self.view.tick):
+            self._note_media(request)
+
+    def continue_prefills(self) -> None:
+        """Requests already prefilling get their next chunk, in policy order, while the budget lasts."""
+        why = self.why
+        for request in self.policy.order_prefilling(self.view.prefilling, self.view.tick):
+            if request.request_id in self.gone:
+                continue
+            if self.budget <= 0:
+                why.note(request.request_id, why.exhausted)
+                continue
+            offer = self._offer(request)
+            if offer is None:
+                continue  # nothing to feed in a prefill-only tick
+            if self.kv is not None and not self.kv.try_chunk(request, offer[0], admission=False):
+                why.note(request.request_id, Reason.KV_BUDGET)
+                continue  # waits for memory while decoding frees it
+            self.grant(request, *offer)
+
+    def unstick(self) -> None:
+        """Nothing decodes and no partly prefilled prompt fits its next chunk: they hold memory waiting for each
+        other. Preempt the newest until the oldest can move (or fail it if it cannot move even alone)."""
+        kv = self.kv
+        if kv is None or self.prefill or not all(r.request_id in self.gone for r in self.view.decoding):
+            return
+        stuck = [r for r in self.policy.order_prefilling(self.view.prefilling, self.view.tick)
+                 if r.request_id not in self.gone]
         while stuck:
             head = stuck[0]
-            start, match = next_start(head)
-            chunk = _chunk(head, start, budget, config, hold_last=prefill_only)
-            if chunk is None:  # only its last token is left: a decode tick feeds it, nothing is stuck
+            offer = self._offer(head)
+            if offer is None:  # only its last token is left: a decode tick feeds it, nothing is stuck
                 break
-            if kv.try_chunk(head, chunk, admission=False):
-                if match is not None:
-                    prefix_hits.append((head.request_id, *match))
-                prefill.append(chunk)
-                why.chunk_given(head, chunk, prefill_only)
-                budget -= chunk.num_tokens
+            if kv.try_chunk(head, offer[0], admission=False):
+                self.grant(head, *offer)
                 break
             victim = stuck.pop()
             kv.prefilling.pop(victim.request_id, None)
-            gone.add(victim.request_id)
-            seqs -= 1
+            self.gone.add(victim.request_id)
+            self.seqs -= 1
             if victim is head:
-                why.by_id.pop(head.request_id, None)
-                failed.append((head.request_id, f"needs more KV memory than kv_memory_bytes ({kv.budget} bytes) "
-                                                "allows"))
+                self.why.by_id.pop(head.request_id, None)
+                self.failed.append(PlannedFailure(head.request_id, _needs_more_kv(kv)))
             else:
-                why.preempted(victim.request_id, head.request_id)
-                preempted.append(victim.request_id)
+                self.why.preempted(victim.request_id, head.request_id)
+                self.preempted.append(victim.request_id)
 
-    admitted: list[str] = []
-    queue = policy.order_waiting(view.waiting, view.tick, view.cached_prefix)
-    for position, request in enumerate(queue):
-        behind = queue[position + 1:]
-        if seqs >= config.max_seqs:
-            why.held_back(queue[position:], Reason.MAX_SEQS)
-            break
-        if request.num_images:  # media first goes through vision encoding, under the vision budget
-            admitted.append(request.request_id)
-            why.note(request.request_id,
-                     Reason.WAITING_FOR_MEDIA if vision.take(request) else Reason.VISION_BUDGET)
-            seqs += 1
-            continue
-        if budget <= 0:
-            why.held_back(queue[position:], why.exhausted)
-            break
-        start, match = next_start(request)
-        chunk = _chunk(request, start, budget, config, hold_last=prefill_only)
-        if chunk is None:  # a one-token prompt (or a whole-prompt hit) waits for a decode tick
-            why.held_back(behind, Reason.POLICY_ORDER, (request.request_id,))
-            break
-        if kv is not None and not kv.try_chunk(request, chunk, admission=True):
-            why.note(request.request_id, Reason.KV_BUDGET)  # the head of the queue waits for memory;
-            why.held_back(behind, Reason.POLICY_ORDER, (request.request_id,))  # nobody jumps it
-            break
+    def admit(self) -> None:
+        """Waiting requests, in policy order, while a slot and the budgets last; the head of the queue that
+        cannot start holds back everyone behind it (nobody jumps it)."""
+        why, config = self.why, self.config
+        queue = self.policy.order_waiting(self.view.waiting, self.view.tick, self.view.cached_prefix)
+        for position, request in enumerate(queue):
+            behind = queue[position + 1:]
+            if self.seqs >= config.max_seqs:
+                why.held_back(queue[position:], Reason.MAX_SEQS)
+                break
+            if request.num_images:  # media first goes through vision encoding, under the vision budget
+                self.admitted.append(request.request_id)
+                self._note_media(request)
+                self.seqs += 1
+                continue
+            if self.budget <= 0:
+                why.held_back(queue[position:], why.exhausted)
+                break
+            offer = self._offer(request)
+            if offer is None:  # a one-token prompt (or a whole-prompt hit) waits for a decode tick
+                why.held_back(behind, Reason.POLICY_ORDER, (request.request_id,))
+                break
+            if self.kv is not None and not self.kv.try_chunk(request, offer[0], admission=True):
+                why.note(request.request_id, Reason.KV_BUDGET)  # the head of the queue waits for memory;
+                why.held_back(behind, Reason.POLICY_ORDER, (request.request_id,))  # nobody jumps it
+                break
+            self.admitted.append(request.request_id)
+            self.grant(request, *offer)
+            self.seqs += 1
+
+    def grant_drafts(self) -> None:
+        """Speculative decoding uses what prefill left. Draft lengths are planned as what the verify forward
+        computes: it runs every row of the batched forward (drafting or not) at the width of the longest
+        draft, so a width of w costs forward_rows x w tokens of `max_batched_tokens`, however few rows draft.
+        One width for all: every drafting row gets up to the widest width the budget pays for (at most
+        `draft_tokens`)."""
+        config = self.config
+        if not (config.draft_tokens and not self.prefill_only and self.decode):
+            return
+        forward_rows = len(self.decode) + sum(c.completes for c in self.prefill)
+        width = min(config.draft_tokens, self.budget // forward_rows) if forward_rows else 0
+        if width >= 1:
+            for request in self.view.decoding:
+                # the verify forward emits up to k + 1 tokens: drafts never cross max_tokens or the context limit
+                k = min(width, request.output_limit - request.num_output_tokens - 1)
+                if request.request_id not in self.gone and k >= 1 and request.draft_eligible:
+                    self.draft.append(DraftGrant(request.request_id, k))
+        self.budget -= forward_rows * max((k for _, k in self.draft), default=0)
+
+    def build(self) -> TickPlan:
+        return TickPlan(
+            tick=self.view.tick,
+            admitted=tuple(self.admitted),
+            encode=tuple(self.vision.chosen),
+            prefill=tuple(self.prefill),
+            decode=self.decode,
+            draft=tuple(self.draft),
+            prefix_hits=tuple(self.prefix_hits),
+            preempted=tuple(self.preempted),
+            failed=tuple(self.failed),
+            num_batched_tokens=len(self.decode) + self.prefill_budget - self.budget,
+            num_seqs=self.seqs,
+            kv_bytes_bound=self.kv.bytes() if self.kv is not None else None,
+            reasons=tuple(self.why.by_id.values()),
+        )
+
+    # ---- the one way work is given ------------------------------------------------------------------
+    def _offer(self, request: Request) -> tuple[PrefillChunk, tuple[int, int] | None] | None:
+        """The chunk `request` would get next, with the prefix-cache hit it starts from (first chunk only), or
+        None when there is nothing to feed. It starts after the computed tokens or, for a first chunk, after
+        the hit (which the plan then records so the executor restores it)."""
+        if request.num_computed_tokens:
+            start, match = request.num_computed_tokens, None
+        else:
+            match = self.view.prefix_match(request)
+            start = match[1] if match else 0
+        chunk = _chunk(request, start, self.budget, self.config, hold_last=self.prefill_only)
+        return None if chunk is None else (chunk, match)
+
+    def grant(self, request: Request, chunk: PrefillChunk, match: tuple[int, int] | None) -> None:
+        """Give `request` its chunk: the plan records the prefix hit it starts from, the budget pays for it."""
         if match is not None:
-            prefix_hits.append((request.request_id, *match))
-        admitted.append(request.request_id)
-        prefill.append(chunk)
-        why.chunk_given(request, chunk, prefill_only)
-        budget -= chunk.num_tokens
-        seqs += 1
+            self.prefix_hits.append(PrefixHit(request.request_id, *match))
+        self.prefill.append(chunk)
+        self.why.chunk_given(request, chunk, self.prefill_only)
+        self.budget -= chunk.num_tokens
 
-    draft: list[tuple[str, int]] = []
-    if config.draft_tokens and not prefill_only and decode:  # speculative decoding uses what prefill left
-        draft = _grant_drafts(view, config, gone, budget, len(decode) + sum(c.completes for c in prefill))
-        budget -= (len(decode) + sum(c.completes for c in prefill)) * max((k for _, k in draft), default=0)
+    def _note_media(self, request: Request) -> None:
+        self.why.note(request.request_id,
+                      Reason.WAITING_FOR_MEDIA if self.vision.take(request) else Reason.VISION_BUDGET)
 
-    return TickPlan(
-        tick=view.tick,
-        admitted=tuple(admitted),
-        encode=tuple(vision.chosen),
-        prefill=tuple(prefill),
-        decode=decode,
-        draft=tuple(draft),
-        prefix_hits=tuple(prefix_hits),
-        preempted=tuple(preempted),
-        failed=tuple(failed),
-        num_batched_tokens=len(decode) + prefill_budget - budget,
-        num_seqs=seqs,
-        kv_bytes_bound=kv.bytes() if kv is not None else None,
-        reasons=tuple(why.by_id.values()),
-    )
+
+def _needs_more_kv(kv: _KVTracker) -> str:
+    return f"needs more KV memory than kv_memory_bytes ({kv.budget} bytes) allows"

@@ -11,9 +11,12 @@ import math
 import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .lifecycle import RequestState
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .plan import NewRequest
 
 LogitsProcessor = Callable[[Any, Any], Any]  # (tokens so far: mx.array, logits (1, V)) -> logits
 
@@ -135,7 +138,6 @@ class Request:
     media: Any = None  # the model's preprocessed inputs (VLM: PreparedRequest); released once encoded
     media_key: str | None = None  # content key of the images: namespaces prefix-cache entries
     media_encoded: bool = False
-    rope_delta: int = 0  # VLM decode position offset (text: 0)
     seed: int = 0  # effective sampling seed (sampling.seed or derived from the engine seed and id)
     # the context limit: prompt + outputs never exceed it (Scheduler.add sets it; None: only max_tokens caps)
     max_model_len: int | None = None
@@ -147,13 +149,9 @@ class Request:
     error: str | None = None
     num_preemptions: int = 0
     recompute_tokens: int = 0  # output tokens re-fed as prompt after a preemption
-    num_drafted: int = 0  # speculative decoding: draft tokens proposed for this request
-    num_draft_accepted: int = 0
     # timestamps (measurements, never read by the planner)
     arrival_time: float = 0.0
     state_entered_time: float = 0.0
-    first_token_time: float | None = None
-    finish_time: float | None = None
     state: RequestState = RequestState.QUEUED
     # May this row propose draft tokens? Not when its next tokens depend on per-position Python or history the
     # verifier does not replay: logits processors, penalties, per-token logprobs. A decision fact, recorded in
@@ -165,6 +163,14 @@ class Request:
             s = self.sampling
             self.draft_eligible = not (s.logits_processors or s.logprobs or s.presence_penalty
                                        or s.repetition_penalty != 1)
+
+    @classmethod
+    def from_new_request(cls, new: "NewRequest") -> "Request":
+        """An executor's own copy of a request the plan brings (`TickPlan.new_requests`): the prompt, the
+        outputs re-fed after a preemption, sampling, seed and media; never attached to a lifecycle."""
+        return cls(new.request_id, list(new.prompt_tokens), new.sampling, seed=new.seed, media=new.media,
+                   num_images=new.num_images, media_key=new.media_key, recompute_tokens=new.recompute_tokens,
+                   output_tokens=list(new.output_tokens))
 
     @property
     def prompt_len(self) -> int:

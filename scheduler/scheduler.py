@@ -4,6 +4,7 @@ finish detection, events). It never touches a model; the engine hands `apply` wh
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,7 +16,7 @@ from caches.prefix import PrefixCache
 from .config import EngineConfig
 from .events import EventLog
 from .lifecycle import Lifecycle, RequestState, Trigger
-from .plan import TickPlan, TickResult, WaitReason
+from .plan import NewRequest, TickPlan, TickResult, WaitReason
 from .planner import SchedulerView, plan_tick
 from .policy import Policy, make_policy
 from .request import FinishReason, Request
@@ -155,10 +156,29 @@ class Scheduler:
 
     def plan(self, view: SchedulerView) -> TickPlan:
         plan = plan_tick(view, self.config, self.policy)
+        new = self._new_requests(plan)
+        if new:
+            plan = dataclasses.replace(plan, new_requests=new)
         if self.record_plans:
             self.last_plan_record = self._plan_record(plan)
             self.events.emit("plan", view.tick, **self.last_plan_record)
         return plan
+
+    def _new_requests(self, plan: TickPlan) -> tuple[NewRequest, ...]:
+        """The plan's requests that an executor has not seen since their (re)admission: media planned for
+        encoding, and first chunks of requests with nothing computed whose media (if any) is not encoded yet
+        (an encoded request came with its encoding tick)."""
+        ids = list(plan.encode)
+        for chunk in plan.prefill:
+            request = self.requests[chunk.request_id]
+            if request.num_computed_tokens == 0 and not request.media_encoded:
+                ids.append(chunk.request_id)
+        new = []
+        for rid in dict.fromkeys(ids):
+            r = self.requests[rid]
+            new.append(NewRequest(rid, tuple(r.prompt_tokens), r.sampling, r.seed, tuple(r.output_tokens),
+                                  r.recompute_tokens, r.media, r.media_key, r.num_images))
+        return tuple(new)
 
     def _plan_record(self, plan: TickPlan) -> dict[str, Any]:
         """The plan's decisions, plus (a) the reasons that changed since the last plan: `reasons` lists a
@@ -183,15 +203,32 @@ class Scheduler:
 
     # ---- applying ---------------------------------------------------------------------------------
     def apply(self, plan: TickPlan, result: TickResult) -> AppliedTick:
+        """The tick's outcome, phase by phase in a fixed order (replay relies on it): planned failures and
+        preemptions, admissions, the executor's errors, encoded media, prefix-cache lookups and stores,
+        prefill progress (a completed prompt's first token), drafting moves, then every decoding row's tokens.
+        Every token goes through `_emit`."""
         tick = self._tick = plan.tick
-        outputs: list[StepOutput] = []
-        released: list[str] = []
-        hits = {rid: (entry_id, length) for rid, entry_id, length in plan.prefix_hits}
+        applied = AppliedTick([], [])
+        self._apply_planned_ends(plan, tick, applied)
+        self._apply_admissions(plan, tick)
+        self._apply_errors(result, tick, applied)
+        self._apply_encoded(plan, result, tick)
+        if self.prefix_cache is not None:
+            self._apply_prefix_cache(plan, result)
+        self._apply_prefill(plan, result, tick, applied)
+        if plan.draft or self._drafting:
+            self._move_drafting(plan, tick)
+        self._apply_decode(plan, result, tick, applied)
+        return applied
+
+    def _apply_planned_ends(self, plan: TickPlan, tick: int, applied: AppliedTick) -> None:
         for rid, reason in plan.failed:
-            outputs.append(self.fail(rid, tick, reason))
-            released.append(rid)
+            applied.outputs.append(self.fail(rid, tick, reason))
+            applied.released.append(rid)
         for rid in plan.preempted:
             self._preempt(self.requests[rid], tick)
+
+    def _apply_admissions(self, plan: TickPlan, tick: int) -> None:
         for rid in plan.admitted:
             request = self.waiting.pop(rid)
             if request.has_media():
@@ -200,67 +237,57 @@ class Scheduler:
             else:
                 self.prefilling[rid] = request
                 self._move(request, Trigger.START_PREFILL, tick)
+
+    def _apply_errors(self, result: TickResult, tick: int, applied: AppliedTick) -> None:
         for rid, error in result.errors.items():
             if rid in self.requests:
-                outputs.append(self.fail(rid, tick, error))
-                released.append(rid)
+                applied.outputs.append(self.fail(rid, tick, error))
+                applied.released.append(rid)
+
+    def _apply_encoded(self, plan: TickPlan, result: TickResult, tick: int) -> None:
         for rid in plan.encode:
             request = self.requests.get(rid)
             if request is None:  # its encoding failed
                 continue
             request.media_encoded = True
-            request.rope_delta = result.encoded[rid]["rope_delta"]
             self.prefilling[rid] = self.encoding.pop(rid)
             self._move(request, Trigger.START_PREFILL, tick)
-        if self.prefix_cache is not None:
-            self._record_lookups(plan, hits)
-            for store in result.prefix_stores:
-                request = self.requests.get(store.request_id)
-                if request is None:  # it failed this tick: a failing request fails alone and stores nothing
-                    continue
-                self.prefix_cache.store(request.prefill_tokens(0, store.num_tokens), store.nbytes, store.payload,
-                                        namespace=request.media_key, whole_only=store.whole_only,
-                                        request_id=store.request_id)
+
+    def _apply_prefix_cache(self, plan: TickPlan, result: TickResult) -> None:
+        self._record_lookups(plan, {rid: (entry_id, length) for rid, entry_id, length in plan.prefix_hits})
+        for store in result.prefix_stores:
+            request = self.requests.get(store.request_id)
+            if request is None:  # it failed this tick: a failing request fails alone and stores nothing
+                continue
+            self.prefix_cache.store(request.prefill_tokens(0, store.num_tokens), store.nbytes, store.payload,
+                                    namespace=request.media_key, whole_only=store.whole_only,
+                                    request_id=store.request_id)
+
+    def _apply_prefill(self, plan: TickPlan, result: TickResult, tick: int, applied: AppliedTick) -> None:
+        """Computed tokens advance; a chunk that completes the prompt brings its first token and the move to
+        decoding."""
         for chunk in plan.prefill:
             request = self.requests.get(chunk.request_id)
             if request is None:  # failed above
                 continue
             request.num_computed_tokens = chunk.end
             if chunk.completes:
-                self._append(request, result)
-                del self.prefilling[request.request_id]
-                self.decoding[request.request_id] = request
-                self._move(request, Trigger.START_DECODE, tick)
-                outputs.append(self._after_token(request, result, tick, released))
-        if plan.draft or self._drafting:
-            self._move_drafting(plan, tick)
-        # The hot path: every decoding row, every tick. Rows that do not finish and want nothing extra take
-        # the short way; the rest go through _after_token.
-        live, sampled, model_stops = self.requests, result.sampled, self.model_stop_ids
-        vectors, drafted = result.logprob_vectors, result.accepted_drafts
+                applied.outputs.append(self._emit(request, [result.sampled[request.request_id]], result, tick,
+                                                  applied.released, completes_prefill=True))
+
+    def _apply_decode(self, plan: TickPlan, result: TickResult, tick: int, applied: AppliedTick) -> None:
+        """Every decoding row's tokens: a drafting row's accepted drafts, then the target's token."""
+        live, sampled, drafts, accepted = self.requests, result.sampled, result.drafts, result.accepted_drafts
         for rid in plan.decode:
             request = live.get(rid)
             if request is None:
                 continue
-            if rid in result.drafts:  # a drafting row: its accepted drafts, then the target's token
-                proposed, accepted = result.drafts[rid]
-                request.num_drafted += proposed
-                request.num_draft_accepted += accepted
-                out = self._emit_many(request, drafted.get(rid, []) + [sampled[rid]], tick, released)
-                out.num_drafted = proposed
-                out.logprob_vectors = vectors.get(rid, [])[: len(out.token_ids)]
-                outputs.append(out)
-                continue
-            token = sampled[rid]
-            sampling = request.sampling
-            if (sampling.logprobs or vectors or token in model_stops or token in sampling.stop_token_ids
-                    or len(request.output_tokens) + 1 >= request.output_limit):
-                self._append(request, result)
-                outputs.append(self._after_token(request, result, tick, released))
+            if rid in drafts:
+                out = self._emit(request, [*accepted.get(rid, ()), sampled[rid]], result, tick, applied.released)
+                out.num_drafted = drafts[rid][0]  # proposed (the accepted ones are in the tokens)
             else:
-                request.output_tokens.append(token)
-                outputs.append(StepOutput(rid, [token], request.state))
-        return AppliedTick(outputs, released)
+                out = self._emit(request, [sampled[rid]], result, tick, applied.released)
+            applied.outputs.append(out)
 
     def _record_lookups(self, plan: TickPlan, hits: dict[str, tuple[int, int]]) -> None:
         """Hits and misses of this tick's first chunks, before any store of the tick: a store may evict the
@@ -290,20 +317,6 @@ class Scheduler:
                 self._move(request, Trigger.END_DRAFT, tick)
         self._drafting = {rid: None for rid in drafting_now if rid in self.requests}
 
-    def _emit_many(self, request: Request, tokens: list[int], tick: int, released: list[str]) -> StepOutput:
-        """Accepted drafts plus the target's token: appended one by one, stopping at the first that ends the
-        request (tokens after a stop are dropped)."""
-        emitted = []
-        for token in tokens:
-            request.output_tokens.append(token)
-            emitted.append(token)
-            request.finish_reason = self._finish_reason(request, token)
-            if request.finish_reason is not None:
-                self._end(request, Trigger.FINISH, tick, request.finish_reason.value)
-                released.append(request.request_id)
-                return StepOutput(request.request_id, emitted, request.state, True, request.finish_reason)
-        return StepOutput(request.request_id, emitted, request.state)
-
     def _preempt(self, request: Request, tick: int) -> None:
         """Back to the queue (at its head) with no cache: prompt and outputs so far are recomputed later."""
         rid = request.request_id
@@ -317,31 +330,43 @@ class Scheduler:
         request.num_preemptions += 1
         self._move(request, Trigger.PREEMPT, tick, "kv memory budget")
 
-    def _append(self, request: Request, result: TickResult) -> None:
-        request.output_tokens.append(result.sampled[request.request_id])
-        if request.sampling.logprobs:
-            request.output_logprobs.append(result.logprobs[request.request_id])
-
-    def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
-        """After `token` was appended: a stop token ends with STOP (it is emitted); max_tokens, or the context
-        limit (prompt + outputs = max_model_len), with LENGTH."""
-        if token in self.model_stop_ids or token in request.sampling.stop_token_ids:
-            return FinishReason.STOP
-        if request.num_output_tokens >= request.output_limit:
-            return FinishReason.LENGTH
-        return None
-
-    def _after_token(self, request: Request, result: TickResult, tick: int, released: list[str]) -> StepOutput:
-        token = request.output_tokens[-1]
-        logprobs = [request.output_logprobs[-1]] if request.sampling.logprobs else []
-        request.finish_reason = self._finish_reason(request, token)
-        vectors = result.logprob_vectors.get(request.request_id, [])
-        if request.finish_reason is None:
-            return StepOutput(request.request_id, [token], request.state, logprobs=logprobs, logprob_vectors=vectors)
-        self._end(request, Trigger.FINISH, tick, request.finish_reason.value)
-        released.append(request.request_id)
-        return StepOutput(request.request_id, [token], request.state, True, request.finish_reason,
-                          logprobs=logprobs, logprob_vectors=vectors)
+    def _emit(self, request: Request, tokens: list[int], result: TickResult, tick: int,
+              released: list[str], completes_prefill: bool = False) -> StepOutput:
+        """The one token-append path. `tokens` (a drafting row's accepted drafts and the target's token, else
+        the one sampled token; a fresh list, it becomes the StepOutput's) are appended one by one up to the
+        first that ends the request (tokens after a stop are dropped): a stop token ends it with STOP (it is
+        emitted), reaching `output_limit` (max_tokens or the context limit) with LENGTH. A row that did not draft also gets its logprob (requests that want
+        logprobs never draft: `Request.draft_eligible`). A prompt's first token moves the request to decoding
+        before it can finish. Every decoding row passes here every tick: the common case returns early."""
+        rid, out, sampling = request.request_id, request.output_tokens, request.sampling
+        limit, model_stops = request.output_limit, self.model_stop_ids
+        for n, token in enumerate(tokens, 1):
+            out.append(token)
+            if token in model_stops or token in sampling.stop_token_ids:
+                request.finish_reason = FinishReason.STOP
+            elif len(out) >= limit:
+                request.finish_reason = FinishReason.LENGTH
+            else:
+                continue
+            tokens = tokens[:n]
+            break
+        if completes_prefill:
+            del self.prefilling[rid]
+            self.decoding[rid] = request
+            self._move(request, Trigger.START_DECODE, tick)
+        reason = request.finish_reason
+        if reason is None and not result.logprob_vectors and not sampling.logprobs:
+            return StepOutput(rid, tokens, request.state)
+        logprobs = []
+        if sampling.logprobs and rid not in result.drafts:
+            request.output_logprobs.append(result.logprobs[rid])
+            logprobs = [result.logprobs[rid]]
+        vectors = result.logprob_vectors.get(rid, [])[: len(tokens)]
+        if reason is None:
+            return StepOutput(rid, tokens, request.state, logprobs=logprobs, logprob_vectors=vectors)
+        self._end(request, Trigger.FINISH, tick, reason.value)
+        released.append(rid)
+        return StepOutput(rid, tokens, request.state, True, reason, logprobs=logprobs, logprob_vectors=vectors)
 
     # ---- transitions ------------------------------------------------------------------------------
     def _move(self, request: Request, trigger: Trigger, tick: int, reason: str | None = None) -> None:

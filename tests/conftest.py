@@ -59,5 +59,14 @@ def text_eos_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_vlm_dir(tmp_path_factory):
+    """family -> the directory of its tiny VLM (scheduler.fixtures.vlm_families), built once per session."""
+    from scheduler.fixtures.vlm_families import build_tiny_vlm
+
+    root = tmp_path_factory.mktemp("tiny-vlm-families")
+    return lambda family: build_tiny_vlm(family, root / family)  # a built directory is returned as is
+
+
+@pytest.fixture(scope="session")
 def vlm_eos_model_dir(tmp_path_factory) -> Path:
     return build_model("vlm-eos", tmp_path_factory.mktemp("tiny-vlm-eos"))

@@ -10,7 +10,8 @@ from mlx_lm import stream_generate
 
 from scheduler import Engine, SamplingParams
 from scheduler.events import EventLog, MemorySink
-from scheduler.plan import TickResult
+from scheduler.fixtures.executors import FixedTokenExecutor
+from scheduler.loop import TickLoop
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 
@@ -66,20 +67,12 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens)
 
 
-class FixedTokenExecutor:
-    """Planning-logic stand-in: every row samples token 100 (generation is tested on real models)."""
-
-    def execute(self, plan):
-        rows = [c.request_id for c in plan.prefill if c.completes] + list(plan.decode)
-        return TickResult(sampled={rid: 100 for rid in rows})
-
-
 def simulate_planning(config, requests, policy=None, max_ticks=10_000):
     """Model-free run of the real Scheduler. requests: (arrival_tick, prompt_len, max_tokens[, priority]).
 
     Returns (scheduler, plans, {request_id: (finish tick, reason)}); checks invariants every tick."""
     sched = Scheduler(config, EventLog(), policy=policy)
-    executor = FixedTokenExecutor()
+    loop = TickLoop(sched, FixedTokenExecutor())
     plans, finished_at, tick = [], {}, 0
     pending = sorted(enumerate(requests), key=lambda x: x[1][0])
     while pending or sched.has_live():
@@ -89,12 +82,12 @@ def simulate_planning(config, requests, policy=None, max_ticks=10_000):
             sched.add(Request(f"r{i}", [5] * spec[1], SamplingParams(max_tokens=spec[2]), priority=priority,
                               arrival_tick=tick), tick)
         decoding_before = set(sched.decoding)
-        plan = sched.plan(sched.view(tick))
+        plan = loop.plan(tick)
         if config.mix == "decode-first":
             assert set(plan.decode) == decoding_before, "every decoding request decodes every tick"
         else:
             assert set(plan.decode) in (decoding_before, set()), "prefill-first pauses all rows or none"
-        applied = sched.apply(plan, executor.execute(plan))
+        applied = loop.carry_out(plan).applied
         sched.check_invariants(plan)
         plans.append(plan)
         for out in applied.outputs:

@@ -10,7 +10,8 @@ from scheduler.lifecycle import mermaid
 
 def test_only_working_verbs_are_listed():
     verbs = set(build_parser()._subparsers._group_actions[0].choices)
-    assert verbs == {"make-model", "demo", "lifecycle", "replay", "simulate", "explain", "sweep", "timeline", "bench", "doctor"}
+    assert verbs == {"make-model", "demo", "lifecycle", "replay", "simulate", "explain", "sweep", "timeline", "bench", "doctor",
+                     "serve"}
 
 
 def test_make_model_builds_a_loadable_model(tmp_path, capsys):
@@ -67,3 +68,11 @@ def test_doctor_reports_the_blas(capsys):
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert "GFLOP/s" in out and "BLAS" in out.upper()
+
+
+def test_serve_refuses_a_bad_engine_config_before_loading(capsys):
+    # serving itself is tests/test_serve.py (a real server in a subprocess)
+    assert main(["serve", "--model", "no-such-dir", "--max-seqs", "64", "--max-batched-tokens", "32"]) == 2
+    assert "max_batched_tokens" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--model", "no-such-dir", "--max-queue", "0"])

@@ -11,6 +11,8 @@ from scheduler import Engine, EngineConfig, SamplingParams
 from scheduler.cli import main
 from scheduler.events import EventLog, MemorySink, read_jsonl
 from scheduler.plan import PLAN_RECORD_GROUPS, Reason, TickResult
+from scheduler.fixtures.executors import FixedTokenExecutor
+from scheduler.loop import TickLoop
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 from scheduler.tools.explain import explain
@@ -37,12 +39,10 @@ def _run(sched, ticks, arrivals=()):
                 sched.add(request, tick)
         if not sched.requests:
             break
-        plan = sched.plan(sched.view(tick))
-        plans.append(plan)
-        rows = [c.request_id for c in plan.prefill if c.completes] + list(plan.decode)
-        encoded = {rid: {"rope_delta": 0, "vision_cache_hit": False} for rid in plan.encode}
-        sched.apply(plan, TickResult(sampled={rid: TOKEN for rid in rows}, encoded=encoded))
-        sched.events.emit("outcome", tick, sampled={rid: TOKEN for rid in rows}, encoded=encoded,
+        ran = TickLoop(sched, FixedTokenExecutor(TOKEN)).run_tick(tick)
+        plans.append(ran.plan)
+        result = ran.result or TickResult()
+        sched.events.emit("outcome", tick, sampled=result.sampled, encoded=result.encoded,
                           measure={"t": tick + 1.0, "tick_start_t": float(tick), "tick_s": 1.0})
     return plans
 

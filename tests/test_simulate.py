@@ -180,12 +180,12 @@ def test_sim_executor_tokens_stops_and_errors():
     assert ex.ordinary_token == 7 and ex.stop_token == 0
     first = TickPlan(0, admitted=("a", "b", "c"), prefill=tuple(PrefillChunk(r, 0, 3, True) for r in "abc"),
                      num_batched_tokens=9, num_seqs=3)
-    r1 = ex.execute(first, {})
+    r1 = ex.execute(first)
     assert r1.sampled == {"a": 7, "b": 7, "c": 7} and not r1.errors
     assert ex.clock == pytest.approx(cost.plan_seconds(first))
-    r2 = ex.execute(TickPlan(1, decode=("a", "b", "c"), num_batched_tokens=3, num_seqs=3), {})
+    r2 = ex.execute(TickPlan(1, decode=("a", "b", "c"), num_batched_tokens=3, num_seqs=3))
     assert r2.sampled == {"a": 0, "b": 7} and "c" in r2.errors  # a stops at output_len; c fails
-    r3 = ex.execute(TickPlan(2, decode=("b",), num_batched_tokens=1, num_seqs=1), {})
+    r3 = ex.execute(TickPlan(2, decode=("b",), num_batched_tokens=1, num_seqs=1))
     assert r3.sampled == {"b": 7}  # output_len == max_tokens: no stop token, max_tokens ends it
 
 

@@ -3,11 +3,11 @@
 The `TickPlan` is the only contract with an executor and planning is deterministic, so tensor parallelism
 needs no cluster layer of its own. Rank 0 owns the scheduler, the public API, the trace and the caches'
 bookkeeping. Before each tick's work it broadcasts one `TickMessage` (the plan, plus what the other ranks
-cannot know: new requests' data, tokens rank 0 appended, released ids, prefix-cache entries added and evicted)
-over MLX's own distributed layer; every rank then runs the same forward on its shard, so the model's
-collectives line up. Followers mirror just enough of each request (prompt, sampling, seed, outputs) for the
-executor, and check that the tokens they sampled are the tokens rank 0 appended: a difference is a loud
-`ShardDivergence`, never a silent wrong answer.
+cannot know: new requests' data, the tokens rank 0 sampled last tick, released ids, prefix-cache entries added
+and evicted) over MLX's own distributed layer; every rank then runs the same forward on its shard, so the
+model's collectives line up. Followers hand their executor the plan with its new requests rebuilt from the
+message (prompt, sampling, seed, outputs), and check that the tokens they sampled are the tokens rank 0
+sampled: a difference is a loud `ShardDivergence`, never a silent wrong answer.
 
 A lost peer makes MLX's ring backend raise within about a second; both sides turn that into `ShardLost`.
 """
@@ -19,14 +19,14 @@ import enum
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable
 
 import mlx.core as mx
 import numpy as np
 
 from scheduler import plan as plan_module
-from scheduler.plan import TickPlan, TickResult
-from scheduler.request import Request, SamplingParams
+from scheduler.plan import NewRequest, TickPlan, TickResult
+from scheduler.request import SamplingParams
 
 
 class ShardLost(RuntimeError):
@@ -101,7 +101,7 @@ class TickMessage:
     kind: MessageKind
     plan: Any = None  # encode_plan(TickPlan)
     requests: dict[str, RequestData] = field(default_factory=dict)
-    appended: dict[str, list[int]] = field(default_factory=dict)  # tokens rank 0 appended since the last tick
+    appended: dict[str, list[int]] = field(default_factory=dict)  # tokens rank 0 sampled last tick, per request
     released: list[str] = field(default_factory=list)
     prefix_added: list[tuple[int, str]] = field(default_factory=list)  # (entry id, request id that stored it)
     prefix_evicted: list[int] = field(default_factory=list)
@@ -181,7 +181,7 @@ class ShardedExecutor:
         self.inner = inner
         self.channel = channel
         self.prefix_watch = prefix_watch
-        self._sent_outputs: dict[str, int] = {}  # request id -> output tokens the followers have
+        self._produced: dict[str, list[int]] = {}  # tokens rank 0 sampled last tick (accepted drafts first)
         self._released: list[str] = []
         self.closed = False
         self.encode_seconds = 0.0  # building and serialising messages (the broadcast is `channel.seconds`)
@@ -189,38 +189,33 @@ class ShardedExecutor:
     def __getattr__(self, name: str) -> Any:  # stats, cache_bytes, draft_stats, ... are the inner executor's
         return getattr(self.inner, name)
 
-    def message_for(self, plan: TickPlan, requests: Mapping[str, Request]) -> TickMessage:
-        message = TickMessage(MessageKind.TICK, plan=encode_plan(plan), released=self._released)
-        self._released = []
-        for rid in plan.admitted:
-            r = requests[rid]
-            message.requests[rid] = RequestData(list(r.prompt_tokens), r.sampling.to_record(), r.seed,
-                                                r.recompute_tokens, list(r.output_tokens))
-            self._sent_outputs[rid] = r.num_output_tokens
-        for rid in set(plan.decode) | {c.request_id for c in plan.prefill} | {d[0] for d in plan.draft}:
-            r = requests[rid]
-            sent = self._sent_outputs.get(rid, 0)
-            if r.num_output_tokens > sent:
-                message.appended[rid] = r.output_tokens[sent:]
-                self._sent_outputs[rid] = r.num_output_tokens
+    def message_for(self, plan: TickPlan) -> TickMessage:
+        # new requests travel as RequestData (sampling as its record: the wire carries no code)
+        message = TickMessage(MessageKind.TICK, plan=encode_plan(dataclasses.replace(plan, new_requests=())),
+                              released=self._released, appended=self._produced)
+        self._released, self._produced = [], {}
+        for new in plan.new_requests:
+            message.requests[new.request_id] = RequestData(list(new.prompt_tokens), new.sampling.to_record(),
+                                                           new.seed, new.recompute_tokens, list(new.output_tokens))
         if self.prefix_watch is not None:
             message.prefix_added, message.prefix_evicted = self.prefix_watch.take()
         return message
 
-    def execute(self, plan: TickPlan, requests: Mapping[str, Request]) -> TickResult:
+    def execute(self, plan: TickPlan) -> TickResult:
         t0 = time.perf_counter()
-        payload = self.message_for(plan, requests).to_bytes()
+        payload = self.message_for(plan).to_bytes()
         self.encode_seconds += time.perf_counter() - t0
         self.channel.broadcast(payload)
-        result = self.inner.execute(plan, requests)
+        result = self.inner.execute(plan)
         raise_if_peer_lost(result, self.channel.rank)
+        self._produced = {rid: [*result.accepted_drafts.get(rid, ()), token] for rid, token in result.sampled.items()}
         return result
 
     def release(self, request_ids: Iterable[str]) -> None:
         request_ids = list(request_ids)
         self.inner.release(request_ids)
         for rid in request_ids:
-            self._sent_outputs.pop(rid, None)
+            self._produced.pop(rid, None)
         self._released.extend(request_ids)  # the followers release them before the next tick's work
 
     def shutdown(self) -> None:
@@ -255,7 +250,6 @@ class Follower:
         self.executor = executor
         self.channel = channel
         self.payloads = payloads
-        self.requests: dict[str, Request] = {}
         self.stats = FollowerStats()
         self._produced: dict[str, list[int]] = {}  # tokens this rank emitted last tick, per request
         self._pending_stores: dict[str, Any] = {}
@@ -274,7 +268,6 @@ class Follower:
         if message.released:
             self.executor.release(message.released)
             for rid in message.released:
-                self.requests.pop(rid, None)
                 self._produced.pop(rid, None)
         if self.payloads is not None:
             for entry_id, rid in message.prefix_added:
@@ -284,13 +277,12 @@ class Follower:
         self._pending_stores = {}
         for rid, tokens in message.appended.items():
             self._check_agrees(rid, tokens)
-            self.requests[rid].output_tokens.extend(tokens)
-        for rid, data in message.requests.items():
-            self.requests[rid] = Request(rid, data.prompt_tokens, SamplingParams.from_record(data.sampling),
-                                         seed=data.seed, recompute_tokens=data.recompute_tokens,
-                                         output_tokens=list(data.output_tokens))
+        new = tuple(NewRequest(rid, tuple(data.prompt_tokens), SamplingParams.from_record(data.sampling), data.seed,
+                               tuple(data.output_tokens), data.recompute_tokens)
+                    for rid, data in message.requests.items())
+        for rid in message.requests:
             self._produced.pop(rid, None)
-        result = self.executor.execute(decode_plan(message.plan), self.requests)
+        result = self.executor.execute(dataclasses.replace(decode_plan(message.plan), new_requests=new))
         raise_if_peer_lost(result, self.channel.rank)
         self._pending_stores = {s.request_id: s.payload for s in result.prefix_stores}
         self._produced = {rid: result.accepted_drafts.get(rid, []) + [token] for rid, token in result.sampled.items()}
@@ -298,7 +290,7 @@ class Follower:
 
     def _check_agrees(self, rid: str, appended: list[int]) -> None:
         produced = self._produced.get(rid)
-        # rank 0 appends what this rank produced, cut at a stop token or max_tokens
-        if produced is not None and produced[: len(appended)] != appended:
-            raise ShardDivergence(f"request {rid}: rank {self.channel.rank} sampled {produced}, rank 0 appended "
+        # rank 0 sends what its shard produced last tick: the same forward on every shard samples the same tokens
+        if produced is not None and produced != appended:
+            raise ShardDivergence(f"request {rid}: rank {self.channel.rank} sampled {produced}, rank 0 sampled "
                                   f"{appended}: the shards disagree")

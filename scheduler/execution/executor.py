@@ -119,6 +119,9 @@ class MLXExecutor:
         self._context: mx.array | None = None  # (B, W) recent tokens for penalties, -1 padded
         self._released: set[str] = set()
         self._no_draft: set[str] = set()  # rows the draft model could not take: they decode plainly
+        # this executor's own copy of each request it works on (from the plan's new_requests), with the tokens
+        # it produced appended: what prefill, sampling and drafting read; never the scheduler's objects
+        self._requests: dict[str, Request] = {}
 
     # ---- bookkeeping the scheduler drives -------------------------------------------------------
     def release(self, request_ids: Iterable[str]) -> None:
@@ -131,6 +134,7 @@ class MLXExecutor:
             self.kv.drop_request(rid)
             self._encoded.pop(rid, None)
             self._no_draft.discard(rid)
+            self._requests.pop(rid, None)
             if rid in self._row_index:
                 self._released.add(rid)
         self._drop_released()
@@ -149,10 +153,10 @@ class MLXExecutor:
         return self.drafter.cache_bytes() if hasattr(self.drafter, "cache_bytes") else 0
 
     def live_request_ids(self) -> set[str]:
-        return self.kv.request_ids() | set(self._row_index) | set(self._encoded)
+        return self.kv.request_ids() | set(self._row_index) | set(self._encoded) | set(self._requests)
 
     # ---- one tick ---------------------------------------------------------------------------------
-    def execute(self, plan: TickPlan, requests: Mapping[str, Request]) -> TickResult:
+    def execute(self, plan: TickPlan) -> TickResult:
         result = TickResult()
         dropped = list(plan.preempted) + [rid for rid, _ in plan.failed]
         if dropped:
@@ -161,6 +165,15 @@ class MLXExecutor:
         self.kv.start_tick()
         if hasattr(self.drafter, "start_tick"):
             self.drafter.start_tick()
+        requests = self._requests
+        for new in plan.new_requests:
+            requests[new.request_id] = Request.from_new_request(new)
+        result = self._execute(plan, requests, result)
+        for rid, token in result.sampled.items():  # the copies follow what was produced (accepted drafts first)
+            requests[rid].output_tokens += [*result.accepted_drafts.get(rid, ()), token]
+        return result
+
+    def _execute(self, plan: TickPlan, requests: Mapping[str, Request], result: TickResult) -> TickResult:
         t0 = time.perf_counter()
         for rid in plan.encode:
             try:

@@ -23,6 +23,7 @@ from typing import Any, Iterable, Mapping
 from caches.kv import KVLayout, LayerLayout
 
 from scheduler.config import EngineConfig
+from scheduler.loop import TickLoop
 from scheduler.events import SCHEMA_VERSION, EventLog, MemorySink, _jsonable, decision_fields
 from scheduler.plan import DECODE_FAILED, PLAN_RECORD_GROUPS, PREFILL_FAILED, PrefixStore, TickPlan, TickResult
 from scheduler.policy import Policy, make_policy
@@ -147,7 +148,7 @@ class ReplayExecutor:
         self.rows: list[str] = []  # request ids in batch row order
         self.tick = 0
 
-    def execute(self, plan: TickPlan, requests: Mapping[str, Request]) -> TickResult:
+    def execute(self, plan: TickPlan) -> TickResult:
         self.tick = plan.tick
         outcome = self.trace.outcomes.get(plan.tick)
         if outcome is None:
@@ -249,6 +250,7 @@ def replay(trace: Trace, policy: str | Policy | None = None) -> ReplayReport:
                           max_model_len=trace.header.get("max_model_len"), record_plans=True)
     unrecorded = _unrecorded_keys(trace)
     executor = ReplayExecutor(trace, events)
+    loop = TickLoop(scheduler, executor)
     n_requests = 0
     for tick in range(trace.last_tick + 1):
         executor.tick = tick
@@ -262,18 +264,13 @@ def replay(trace: Trace, policy: str | Policy | None = None) -> ReplayReport:
             if rid in scheduler.requests:
                 scheduler.abort(rid, tick)
                 ended.append(rid)
-        if ended:
-            executor.release(ended)
-        view = scheduler.view(tick)
-        plan = scheduler.plan(view)
+        loop.release(ended)
+        plan = loop.plan(tick)
         replayed = _plan_record(scheduler.last_plan_record, tick, unrecorded)
         recorded = trace.plans.get(tick)
         if recorded != replayed:
             return ReplayReport(tick, n_requests, _divergence(tick, recorded, replayed, scheduler, trace.config))
-        if not plan.is_empty:
-            applied = scheduler.apply(plan, executor.execute(plan, scheduler.requests))
-            if applied.released:
-                executor.release(applied.released)
+        loop.carry_out(plan)
         replayed_decisions = [_comparable(e) for e in sink.events if e["event"] in COMPARED_KINDS]
         sink.events.clear()
         recorded_decisions = trace.decisions.get(tick, [])

@@ -1,0 +1,363 @@
+"""The OpenAI-compatible HTTP app (FastAPI) over an `AsyncEngine`.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream`: server-sent events in OpenAI's
+chunk format, ending with `data: [DONE]`), GET /v1/models, GET /health, GET /metrics.
+
+A request is checked whole before anything is queued: the body (JSON, then the pydantic models), the model
+name, the messages (images and audio decoded off the event loop), every choice's sampling parameters, the
+queue bound; then the engine's own `add_request` checks (prompt length, vocabulary, ...). A refusal is an
+OpenAI error body with a 4xx status naming the field, and nothing stays queued for it.
+
+A client that goes away aborts its engine requests (the engine frees them at its next tick): a streaming one
+cancels its response task, a non-streaming one is noticed by waiting for its `http.disconnect` next to the
+answer; either way the choice streams are closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..async_engine import AsyncEngine, EngineStopped, RequestStream
+from ..request import InvalidRequest
+from .generation import Body, ChoiceFailed, Delta, choice_deltas, refusal, sampling_params
+from .messages import convert_messages
+from .metrics import EngineMetrics, engine_snapshot
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, usage, validation_error
+
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+@dataclass
+class ServerState:
+    aengine: AsyncEngine
+    metrics: EngineMetrics
+    model_name: str
+    max_queue: int | None = None  # refuse (429) beyond this many waiting requests; None: no bound
+
+    @property
+    def engine(self) -> Any:
+        return self.aengine.engine
+
+
+class _CountResponses:
+    """ASGI middleware counting answers by route and status (a pure ASGI wrapper: it does not buffer or
+    re-task streaming responses, so a client's disconnect still reaches the stream)."""
+
+    def __init__(self, app: Any, metrics: EngineMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = scope["path"] if scope["path"] in ROUTES else "other"
+
+        async def counting_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.http_requests.labels(route, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+async def _parse(request: Request, model: type[Body]) -> Body:
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"body: malformed JSON: {exc}", "body") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"body: must be a JSON object, got {type(data).__name__}", "body")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def _sse(payload: Any) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+class _Call:
+    """One HTTP completion call: its choices' engine requests, submitted together, and their merged deltas."""
+
+    def __init__(self, state: ServerState, body: Body, kind: str):
+        self.state = state
+        self.body = body
+        self.id = f"{kind}-{uuid.uuid4().hex[:24]}"
+        self.created = int(time.time())
+        self.request_ids = [f"{self.id}-{i}" for i in range(body.n)]
+        self.streams: list[RequestStream] = []
+        self.completion_tokens = 0
+
+    async def submit(self, **engine_args: Any) -> None:
+        state, body = self.state, self.body
+        samplings = [sampling_params(body, i, state.engine.max_model_len) for i in range(body.n)]
+        if not state.aengine.running:  # before the queue bound: a dead loop's queue never drains
+            raise APIError(503, f"the engine loop is not running: {state.aengine.error!r}", None, "server_error")
+        if not state.metrics.reserve(self.request_ids, state.max_queue):
+            raise APIError(429, f"the queue is full ({state.max_queue} waiting requests): retry later", None,
+                           "rate_limit_error", "queue_full")
+        try:
+            for rid, sampling in zip(self.request_ids, samplings):
+                self.streams.append(await state.aengine.submit(request_id=rid, sampling=sampling,
+                                                               priority=body.priority, **engine_args))
+        except BaseException as exc:
+            for stream in self.streams:  # a later choice refused: the earlier ones are aborted
+                stream.close()
+            for rid in self.request_ids[len(self.streams):]:
+                state.metrics.forget(rid)
+            if isinstance(exc, InvalidRequest):
+                raise refusal(body, exc) from None
+            if isinstance(exc, EngineStopped):
+                raise APIError(503, f"the engine is not running: {exc}", None, "server_error") from None
+            raise
+
+    async def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
+        """(choice index, delta) as the choices produce them; every choice's stream is closed on the way out."""
+        tokenizer, stops, logprobs = self.state.engine.tokenizer, self.body.stop_strings(), self.body.wants_logprobs()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, stream: RequestStream) -> None:
+            try:
+                async for delta in choice_deltas(stream, tokenizer, stops, logprobs):
+                    queue.put_nowait((index, delta))
+                queue.put_nowait((index, None))
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:
+                queue.put_nowait((index, exc))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(self.streams)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                index, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                self.completion_tokens += len(item.token_ids)
+                if item.finish_reason is not None:
+                    self.state.metrics.choices.labels(item.finish_reason).inc()
+                yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            for stream in self.streams:
+                stream.close()
+
+    def usage(self) -> dict[str, int]:
+        records = [self.state.metrics.claim(rid) for rid in self.request_ids]
+        prompt = records[0].prompt_tokens if records and records[0] is not None else 0  # one prompt for n choices
+        return usage(prompt, self.completion_tokens)
+
+
+async def _until_done_or_disconnect(request: Request, task: asyncio.Task) -> bool:
+    """Wait for `task`; True once it is done, False (task cancelled) if the client disconnected first. The body
+    is already read, so the next ASGI message of this request can only be its `http.disconnect`."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.create_task(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    return not task.cancelled()
+
+
+def _failure(exc: BaseException) -> APIError:
+    if isinstance(exc, EngineStopped):
+        return APIError(503, f"the engine stopped: {exc}", None, "server_error")
+    return APIError(500, f"the request failed: {exc}", None, "server_error")
+
+
+def _token_text(tokenizer: Any, token: int) -> str:
+    return tokenizer.decode([token])
+
+
+def create_app(state: ServerState) -> Any:
+    app = FastAPI(title="mlxsched", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+    engine = state.engine
+    vision = engine.vlm is not None
+    audio_rate = getattr(engine.vlm, "sample_rate", None) if vision else None
+
+    @app.exception_handler(APIError)
+    async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(APIError(exc.status_code, str(exc.detail), None,
+                                     "not_found_error" if exc.status_code == 404 else "invalid_request_error").body(),
+                            status_code=exc.status_code)
+
+    def check_model(body: Body) -> None:
+        if body.model is not None and body.model != state.model_name:
+            raise APIError(404, f"model: the model {body.model!r} does not exist here (serving "
+                                f"{state.model_name!r})", "model", "invalid_request_error", "model_not_found")
+
+    def chunk(call: _Call, obj: str, choices: list[dict], with_usage: bool) -> dict[str, Any]:
+        out = {"id": call.id, "object": obj, "created": call.created, "model": state.model_name, "choices": choices}
+        if with_usage:
+            out["usage"] = None
+        return out
+
+    async def respond(request: Request, call: _Call, render_delta: Any, render_final: Any, obj: str,
+                      first: Any = None) -> Response:
+        body = call.body
+        if not body.stream:
+            pieces: dict[int, list[Delta]] = {i: [] for i in range(body.n)}
+
+            async def collect() -> None:
+                async for index, delta in call.deltas():
+                    pieces[index].append(delta)
+
+            collecting = asyncio.create_task(collect())
+            if not await _until_done_or_disconnect(request, collecting):
+                call.usage()  # gone: the cancelled collection closed the streams (aborting the requests)
+                return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+            try:
+                collecting.result()
+            except (ChoiceFailed, EngineStopped) as exc:
+                raise _failure(exc) from None
+            out = {"id": call.id, "object": obj, "created": call.created, "model": state.model_name,
+                   "choices": [render_final(i, pieces[i]) for i in range(body.n)], "usage": call.usage()}
+            return JSONResponse(out)
+
+        async def events() -> AsyncIterator[str]:
+            with_usage = body.include_usage
+            try:
+                if first is not None:
+                    yield _sse(chunk(call, obj, [first(i) for i in range(body.n)], with_usage))
+                async for index, delta in call.deltas():
+                    rendered = render_delta(index, delta)
+                    if rendered is not None:
+                        yield _sse(chunk(call, obj, [rendered], with_usage))
+                if with_usage:
+                    yield _sse({**chunk(call, obj, [], False), "usage": call.usage()})
+            except (ChoiceFailed, EngineStopped) as exc:
+                yield _sse(_failure(exc).body())
+            finally:
+                if not with_usage:
+                    call.usage()  # hands the requests' records back (nothing is kept for a finished call)
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    def logprob_entries(delta_list: list[Delta]) -> list[dict[str, Any]]:
+        entries = []
+        for delta in delta_list:
+            for token, logprob in delta.logprobs:
+                text = _token_text(engine.tokenizer, token)
+                entries.append({"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8")),
+                                "top_logprobs": []})
+        return entries
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await _parse(request, ChatCompletionRequest)
+        check_model(body)
+        prompt = await asyncio.to_thread(convert_messages, body.messages, vision, audio_rate)
+        call = _Call(state, body, "chatcmpl")
+        await call.submit(prompt=prompt.messages, images=prompt.images or None, audio=prompt.audio or None)
+        wants_logprobs = body.wants_logprobs()
+
+        def first(index: int) -> dict[str, Any]:
+            return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None}
+
+        def render_delta(index: int, delta: Delta) -> dict[str, Any] | None:
+            if not delta.text and delta.finish_reason is None and not delta.logprobs:
+                return None
+            return {"index": index, "delta": {"content": delta.text} if delta.text else {},
+                    "logprobs": {"content": logprob_entries([delta])} if wants_logprobs else None,
+                    "finish_reason": delta.finish_reason}
+
+        def render_final(index: int, deltas: list[Delta]) -> dict[str, Any]:
+            return {"index": index, "message": {"role": "assistant", "content": "".join(d.text for d in deltas)},
+                    "logprobs": {"content": logprob_entries(deltas)} if wants_logprobs else None,
+                    "finish_reason": deltas[-1].finish_reason if deltas else None}
+
+        return await respond(request, call, render_delta, render_final,
+                             "chat.completion.chunk" if body.stream else "chat.completion", first)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await _parse(request, CompletionRequest)
+        check_model(body)
+        call = _Call(state, body, "cmpl")
+        if isinstance(body.prompt, str):
+            await call.submit(prompt=body.prompt)
+        else:
+            await call.submit(prompt_tokens=body.prompt)
+        wants_logprobs = body.wants_logprobs()
+
+        def legacy_logprobs(deltas: list[Delta]) -> dict[str, Any] | None:
+            if not wants_logprobs:
+                return None
+            tokens, values = [], []
+            for delta in deltas:
+                for token, logprob in delta.logprobs:
+                    tokens.append(_token_text(engine.tokenizer, token))
+                    values.append(logprob)
+            offsets = list(itertools.accumulate((len(t) for t in tokens), initial=0))[:-1]
+            return {"tokens": tokens, "token_logprobs": values, "top_logprobs": None, "text_offset": offsets}
+
+        def render_delta(index: int, delta: Delta) -> dict[str, Any] | None:
+            if not delta.text and delta.finish_reason is None and not delta.logprobs:
+                return None
+            return {"index": index, "text": delta.text, "logprobs": legacy_logprobs([delta]),
+                    "finish_reason": delta.finish_reason}
+
+        def render_final(index: int, deltas: list[Delta]) -> dict[str, Any]:
+            return {"index": index, "text": "".join(d.text for d in deltas), "logprobs": legacy_logprobs(deltas),
+                    "finish_reason": deltas[-1].finish_reason if deltas else None}
+
+        return await respond(request, call, render_delta, render_final, "text_completion")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
+                                            "owned_by": "mlxsched", "max_model_len": engine.max_model_len}]}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if state.aengine.running:
+            return JSONResponse({"status": "ok"})
+        error = state.aengine.error
+        return JSONResponse(APIError(503, f"the engine loop is not running: {error!r}" if error is not None
+                                     else "the engine is closed", None, "server_error").body(), status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if state.aengine.running:  # cache sizes are read on the loop thread, between two ticks
+            try:
+                state.metrics.set_snapshot(await state.aengine.call(lambda: engine_snapshot(engine)))
+            except EngineStopped:
+                pass  # the loop stopped meanwhile: the event-fed metrics are still worth answering
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return _CountResponses(app, state.metrics)

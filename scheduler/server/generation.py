@@ -1,0 +1,113 @@
+"""One completion choice on the engine: its sampling parameters from the request body, and the text deltas of
+its output stream (detokenized incrementally, stop strings held back until they are ruled out), ending with
+OpenAI's finish reason.
+
+A stop *token* (the model's eos or one of the request's stop ids) is ended by the engine (`FinishReason.STOP`);
+it counts as a completion token but its text is not emitted. A stop *string* is found here, on the text: the
+choice ends with "stop" and its engine request is aborted (nothing keeps computing for it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from ..async_engine import RequestStream
+from ..request import FinishReason, InvalidRequest, SamplingParams
+from .detokenize import IncrementalDetokenizer
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest
+from .stops import StopMatcher
+
+
+@dataclass
+class Delta:
+    """What one engine output added to a choice."""
+
+    text: str
+    token_ids: list[int]  # every token the engine produced in this output (a stop token included)
+    logprobs: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob) of the emitted tokens
+    finish_reason: str | None = None  # "stop" / "length" on the last delta
+
+
+class ChoiceFailed(Exception):
+    """The engine ended this choice with an error of its own (its work raised), or stopped."""
+
+
+Body = ChatCompletionRequest | CompletionRequest
+
+
+def engine_field(body: Body, name: str) -> str:
+    """The request field an engine-side InvalidRequest field stands for."""
+    if name in ("prompt", "prompt_tokens", "images", "videos", "audio"):
+        return "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+    if name == "max_tokens":
+        return body.token_limit()[1]
+    if name == "stop_token_ids":
+        return "stop_token_ids" if body.stop_token_ids else "stop"
+    return name
+
+
+def refusal(body: Body, exc: InvalidRequest) -> APIError:
+    param = engine_field(body, exc.field)
+    message = str(exc)
+    if exc.field and message.startswith(f"{exc.field}: "):
+        message = message[len(exc.field) + 2:]
+    return APIError(400, f"{param}: {message}", param)
+
+
+def sampling_params(body: Body, index: int, default_max_tokens: int) -> SamplingParams:
+    """Choice `index`'s SamplingParams (a seeded request gives choice i the seed + i, so the n choices differ
+    and each is reproducible). Values the engine refuses raise APIError naming the body's field."""
+    limit, _ = body.token_limit()
+    seed = None if body.seed is None else body.seed + index
+    fields: dict[str, Any] = {
+        "max_tokens": default_max_tokens if limit is None else limit,
+        "temperature": 1.0 if body.temperature is None else body.temperature,  # OpenAI's default
+        "top_p": 1.0 if body.top_p is None else body.top_p,
+        "top_k": 0 if body.top_k in (None, -1) else body.top_k,
+        "min_p": 0.0 if body.min_p is None else body.min_p,
+        "presence_penalty": 0.0 if body.presence_penalty is None else body.presence_penalty,
+        "repetition_penalty": 1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        "stop_token_ids": tuple(body.stop_ids()),
+        "seed": seed,
+        "logprobs": body.wants_logprobs(),
+    }
+    try:
+        return SamplingParams(**fields)
+    except InvalidRequest as exc:
+        raise refusal(body, exc) from None
+
+
+async def choice_deltas(stream: RequestStream, tokenizer: Any, stop_strings: list[str],
+                        wants_logprobs: bool) -> AsyncIterator[Delta]:
+    """The deltas of one choice until it ends. Raises ChoiceFailed if the engine failed it. Closing the
+    iterator early (the client went away) closes the stream, which aborts the request."""
+    detok = IncrementalDetokenizer(tokenizer)
+    stops = StopMatcher(stop_strings)
+    try:
+        async for out in stream:
+            if out.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
+                raise ChoiceFailed(out.error or f"the request ended with {out.finish_reason.value}")
+            tokens = list(out.token_ids)
+            # the stop token ends the text: it is counted, not shown
+            shown = tokens[:-1] if out.finish_reason is FinishReason.STOP and tokens else tokens
+            logprobs = list(zip(shown, out.logprobs)) if wants_logprobs else []
+            text = detok.add(shown)
+            if out.finished:
+                text += detok.flush()
+            matched = stops.feed(text)
+            if matched.stopped:
+                stream.close()  # aborts the engine request
+                yield Delta(matched.text, tokens, logprobs, "stop")
+                return
+            if out.finished:
+                tail = stops.flush()  # held text, cut if it holds a stop string
+                reason = "length" if out.finish_reason is FinishReason.LENGTH and not tail.stopped else "stop"
+                yield Delta(matched.text + tail.text, tokens, logprobs, reason)
+                return
+            if matched.text or logprobs:
+                yield Delta(matched.text, tokens, logprobs)
+            elif tokens:  # held back (a partial character or a possible stop string): still counted
+                yield Delta("", tokens)
+    finally:
+        stream.close()

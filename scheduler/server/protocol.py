@@ -1,0 +1,247 @@
+"""The OpenAI request bodies the server accepts (pydantic), and the error shape it answers with.
+
+Unknown fields are refused (a misspelt `max_token` must not silently mean "no limit"); OpenAI fields this server
+does not implement are accepted only at their no-op value and refused otherwise, naming the field. Sampling
+ranges are checked by `SamplingParams` itself, so the server and the library refuse the same values.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, field_validator
+
+MAX_STOP_STRINGS = 16
+MAX_N = 16
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
+                 code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type_
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _param(loc: tuple) -> str:
+    """pydantic's error location as the request's field path: union members (`str`, `list[...]`) and a tagged
+    union's tag (it repeats the field under it) are pydantic's bookkeeping, not the body's structure."""
+    parts: list[str] = []
+    for p in loc:
+        name = str(p)
+        if isinstance(p, str) and (name in _TYPE_NAMES or "[" in name):
+            continue
+        if parts and parts[-1] == name and not isinstance(p, int):
+            continue
+        parts.append(name)
+    return ".".join(parts)
+
+
+def validation_error(exc: Any) -> APIError:
+    """A pydantic ValidationError as a 400 naming the offending field (dotted path). Of the errors of one field
+    (one per union member) the deepest is the one that says what is wrong."""
+    errors = exc.errors()
+    first_field = _param(errors[0].get("loc", ()))[:1]
+    chosen = max((e for e in errors if _param(e.get("loc", ()))[:1] == first_field),
+                 key=lambda e: len(e.get("loc", ())))
+    param = _param(chosen.get("loc", ())) or None
+    message = str(chosen.get("msg")).removeprefix("Value error, ")
+    return APIError(400, f"{param}: {message}" if param else message, param)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: StrictBool = False
+
+
+Number = Union[StrictInt, float]
+
+
+class _Sampling(_Strict):
+    """Fields shared by both endpoints."""
+
+    model: str | None = None
+    max_tokens: StrictInt | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_k: StrictInt | None = None  # -1 means no limit (vLLM's convention), as 0 does
+    min_p: Number | None = None
+    presence_penalty: Number | None = None
+    repetition_penalty: Number | None = None
+    frequency_penalty: Number | None = None  # only 0: not implemented
+    stop: Union[str, list[Union[str, StrictInt]], None] = None  # strings, or token ids
+    stop_token_ids: list[StrictInt] | None = None  # vLLM's field
+    seed: StrictInt | None = None
+    n: StrictInt = 1
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    priority: StrictInt = 0  # ours: larger is served earlier under --policy priority
+    user: str | None = None  # accepted and ignored (OpenAI's end-user id)
+
+    @field_validator("n")
+    @classmethod
+    def _n_range(cls, v: int) -> int:
+        if not 1 <= v <= MAX_N:
+            raise ValueError(f"must be in [1, {MAX_N}]")
+        return v
+
+    @field_validator("frequency_penalty")
+    @classmethod
+    def _no_frequency_penalty(cls, v: float | None) -> float | None:
+        if v not in (None, 0, 0.0):
+            raise ValueError("is not supported (use presence_penalty or repetition_penalty)")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, v: Any) -> Any:
+        items = [v] if isinstance(v, str) else (v or [])
+        if len(items) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences")
+        if any(isinstance(s, str) and not s for s in items):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    def stop_strings(self) -> list[str]:
+        items = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        return [s for s in items if isinstance(s, str)]
+
+    def stop_ids(self) -> list[int]:
+        items = [] if isinstance(self.stop, str) else (self.stop or [])
+        return [s for s in items if isinstance(s, int)] + list(self.stop_token_ids or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ImageURL(_Strict):
+    url: str
+    detail: str | None = None
+
+
+class InputAudio(_Strict):
+    data: str  # base64
+    format: str = "wav"
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class AudioPart(_Strict):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+ContentPart = Annotated[Union[TextPart, ImagePart, AudioPart], Field(discriminator="type")]
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "developer"]
+    content: Union[str, list[ContentPart]]
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _some_content(cls, v: Any) -> Any:
+        if isinstance(v, list) and not v:
+            raise ValueError("must not be an empty list")
+        return v
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _some_messages(cls, v: list) -> list:
+        if not v:
+            raise ValueError("must hold at least one message")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None:
+            if not 0 <= v <= 20:
+                raise ValueError("must be in [0, 20]")
+            if v and not info.data.get("logprobs"):
+                raise ValueError("needs logprobs: true")
+            if v:  # the engine hands out the chosen token's logprob; alternatives would need every row's vector
+                raise ValueError("only 0 is supported (the chosen token's logprob, no alternatives)")
+        return v
+
+    def token_limit(self) -> tuple[int | None, str]:
+        """(max tokens, the field that set it)."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+    def wants_logprobs(self) -> bool:
+        return self.logprobs
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[StrictInt]]  # one prompt: text or token ids
+    logprobs: StrictInt | None = None  # legacy: number of alternatives per token, 0..5
+    echo: StrictBool = False  # only false
+
+    @field_validator("prompt")
+    @classmethod
+    def _some_prompt(cls, v: Any) -> Any:
+        if not v:
+            raise ValueError("must not be empty")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs_range(cls, v: int | None) -> int | None:
+        if v is not None and not 0 <= v <= 5:
+            raise ValueError("must be in [0, 5]")
+        if v:
+            raise ValueError("only 0 is supported (the chosen token's logprob, no alternatives)")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo is not supported")
+        return v
+
+    def token_limit(self) -> tuple[int | None, str]:
+        return self.max_tokens, "max_tokens"
+
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

@@ -1,0 +1,42 @@
+"""Run the server: load the model into an Engine, feed its events to the metrics, serve the app with uvicorn.
+
+Shutdown (SIGINT / SIGTERM, handled by uvicorn): new connections stop, open responses get
+`graceful_shutdown_s` to finish, then their tasks are cancelled (which aborts their engine requests); after
+that the engine loop stops and the trace is flushed and closed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..async_engine import AsyncEngine
+from ..config import EngineConfig
+from ..engine import Engine
+from .app import ServerState, create_app
+from .metrics import EngineMetrics
+
+
+def serve(model_dir: str | Path, config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
+          max_queue: int | None = None, model_name: str | None = None, graceful_shutdown_s: float = 5.0,
+          log_level: str = "info") -> None:
+    import uvicorn
+
+    engine = Engine.from_pretrained(model_dir, config)
+    metrics = EngineMetrics()
+    engine.events.add_sink(metrics)
+    aengine = AsyncEngine(engine)
+    state = ServerState(aengine, metrics, model_name or Path(model_dir).name, max_queue)
+    server = uvicorn.Server(uvicorn.Config(create_app(state), host=host, port=port, log_level=log_level,
+                                           timeout_graceful_shutdown=graceful_shutdown_s, lifespan="off"))
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled once it has shut down: that is the end
+        pass
+    finally:
+        # requests still live (their responses were cancelled after the grace period) are aborted and freed
+        # by the loop before it stops: nothing of theirs outlives it
+        aengine.close(drain_s=graceful_shutdown_s)
+        engine.close()
+        import mlx.core as mx
+
+        mx.clear_streams()  # this thread loaded the model: its MLX streams go before the interpreter does

@@ -1,0 +1,68 @@
+"""Stop strings matched on detokenized text, safe for streaming.
+
+Text that could be the start of a stop string is held back until the next piece shows whether it is one, so a
+client never receives text that a later match would have to retract, and the result does not depend on how the
+text was split into pieces (tokens). The held text is shorter than the longest stop string.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass
+class StopResult:
+    text: str  # safe to emit now
+    stopped: bool  # a stop string matched: `text` ends right before it, nothing more is emitted
+
+
+class StopMatcher:
+    """The output ends right before the earliest stop string of the whole text, however the text is split into
+    pieces: a match is taken only once no stop string can still begin earlier (with "a" and "baa" as stops,
+    "ba" waits: "baa" may follow, and it starts first)."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = tuple(s for s in stops if s)
+        self._held = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> StopResult:
+        if self.stopped:
+            return StopResult("", True)
+        if not self.stops:
+            return StopResult(text, False)
+        pending = self._held + text
+        match = self._earliest_match(pending)
+        maybe = len(pending) - self._partial_suffix(pending)  # where a stop string may still be beginning
+        if match is not None and match <= maybe:
+            return self._stop(pending[:match])
+        self._held = pending[maybe:]
+        return StopResult(pending[:maybe], False)
+
+    def flush(self) -> StopResult:
+        """The end of generation: the held text is final output, up to a stop string it holds."""
+        held, self._held = self._held, ""
+        if self.stopped:
+            return StopResult("", True)
+        match = self._earliest_match(held)
+        return self._stop(held[:match]) if match is not None else StopResult(held, False)
+
+    def _stop(self, text: str) -> StopResult:
+        self.stopped = True
+        self._held = ""
+        return StopResult(text, True)
+
+    def _earliest_match(self, text: str) -> int | None:
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        return min(hits) if hits else None
+
+    def _partial_suffix(self, text: str) -> int:
+        """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+        longest = 0
+        for stop in self.stops:
+            for n in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:n]):
+                    longest = n
+                    break
+        return longest

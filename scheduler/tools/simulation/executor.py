@@ -1,0 +1,96 @@
+"""`SimExecutor`: carries out a plan in virtual time with the cost model instead of a model."""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from scheduler.plan import TickPlan, TickResult
+from scheduler.tools.simulation.cost_model import CostModel
+from scheduler.tools.workload import FIRST_ORDINARY_ID, SimArrival
+
+
+class SimExecutor:
+    """Executor stand-in: advances `clock` by the cost model, returns synthetic tokens.
+
+    A request produces `ordinary_token` until its `output_len`-th token, which is the stop token (unless
+    output_len == max_tokens: then `max_tokens` ends it). A request with `error_after = k` gets an error instead
+    of its (k+1)-th token. The token count survives a preemption (the request resumes where it stopped, as
+    the real executor's sampling step does). With `prefix_block_size`, a request whose prefill completes
+    offers prompt[:-1] to the prefix cache, as `MLXExecutor._offer_prefix` does (`kv_bytes_per_token` sizes
+    the entry; no payload). The `Executor` protocol (scheduler/loop.py), as `ReplayExecutor`: `execute(plan)`,
+    `release(ids)`.
+    """
+
+    def __init__(self, cost_model: CostModel, arrivals: Iterable[SimArrival],
+                 stop_token_ids: Sequence[int] = (0,), ordinary_token: int | None = None,
+                 prefix_block_size: int | None = None, kv_bytes_per_token: int = 0):
+        self.cost_model = cost_model
+        self.clock = 0.0
+        stops = set(stop_token_ids)
+        if not stops:
+            raise ValueError("SimExecutor needs at least one stop token id")
+        self.stop_token = min(stops)
+        token = FIRST_ORDINARY_ID if ordinary_token is None else ordinary_token
+        while token in stops:
+            token += 1
+        self.ordinary_token = token
+        self.prefix_block_size = prefix_block_size
+        self.kv_bytes_per_token = kv_bytes_per_token
+        # id -> index of the token that is the stop (or -1), index that errors (or -1)
+        self._stop_at: dict[str, int] = {}
+        self._error_at: dict[str, int] = {}
+        self._prompt_len: dict[str, int] = {}
+        self._media: dict[str, tuple[int, str | None]] = {}  # id -> (media items, media key)
+        self._vision_seen: set[str] = set()  # media keys encoded before: a vision-cache hit (unbounded cache)
+        for a in arrivals:
+            self._stop_at[a.request_id] = a.output_len - 1 if a.output_len < a.max_tokens else -1
+            self._error_at[a.request_id] = -1 if a.error_after is None else a.error_after
+            self._prompt_len[a.request_id] = a.prompt_len
+            if a.num_images:
+                self._media[a.request_id] = (a.num_images, a.media_key)
+        self._produced: dict[str, int] = {}
+
+    def execute(self, plan: TickPlan) -> TickResult:
+        encoded: dict[str, dict] = {}
+        images = 0
+        for rid in plan.encode:
+            count, key = self._media.get(rid, (1, None))
+            hit = key is not None and key in self._vision_seen
+            if key is not None:
+                self._vision_seen.add(key)
+            images += 0 if hit else count
+            encoded[rid] = {"rope_delta": 0, "vision_cache_hit": hit}
+        seconds = self.cost_model.plan_seconds(plan, images, self._media.__contains__)
+        self.clock += seconds
+        sampled: dict[str, int] = {}
+        errors: dict[str, str] = {}
+        produced, stop_at, error_at = self._produced, self._stop_at, self._error_at
+        ordinary, stop = self.ordinary_token, self.stop_token
+        rows = [c.request_id for c in plan.prefill if c.completes]
+        result = TickResult(sampled=sampled, errors=errors, prefill_time=seconds, decode_time=0.0, encoded=encoded)
+        if rows and self.prefix_block_size is not None:
+            self._offer_prefixes(plan, rows, result)
+        rows.extend(plan.decode)
+        for rid in rows:
+            n = produced.get(rid, 0)
+            if n == error_at[rid]:
+                errors[rid] = f"simulated error after {n} tokens"
+                continue
+            sampled[rid] = stop if n == stop_at[rid] else ordinary
+            produced[rid] = n + 1
+        # Errors come only with sampling here; the real executor can also fail a request mid-prefill.
+        return result
+
+    def _offer_prefixes(self, plan: TickPlan, completing: list[str], result: TickResult) -> None:
+        from scheduler.plan import PrefixStore  # the prefix-cache contract (absent from older plan modules)
+
+        restored = {rid: length for rid, _entry, length in getattr(plan, "prefix_hits", ())}
+        for rid in completing:
+            n = self._prompt_len[rid] - 1
+            if n < self.prefix_block_size or restored.get(rid, 0) == n:
+                continue
+            result.prefix_stores.append(PrefixStore(rid, n, n * self.kv_bytes_per_token, False, None))
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            self._produced.pop(rid, None)

@@ -1,0 +1,553 @@
+"""`mlxsched serve` end to end: the real server in a subprocess on a loopback port, driven with the official
+`openai` client (and raw HTTP where a client cannot send the bad input), outputs compared with the engine's own
+greedy output in this process, metrics parsed with prometheus-client's parser.
+
+One main server for the module (tiny Qwen2-VL), and a small one (one slot, `--max-queue 1`, a trace file that
+may not grow past a size limit) for backpressure and a failed engine loop. Both start at once; the tests
+run in file order and the last one stops the main server with SIGINT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import os
+import random
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
+
+import scheduler
+from scheduler import Engine, EngineConfig, SamplingParams
+from scheduler.events import MemorySink, read_jsonl
+from scheduler.request import FinishReason
+
+MAX_MODEL_LEN = 512
+MODEL_NAME = "tiny-vlm"
+SMALL_TRACE_LIMIT = 160 << 10  # bytes the small server's trace may reach before writes fail (EFBIG)
+REPO_ROOT = Path(scheduler.__file__).resolve().parent.parent
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen
+    base_url: str
+    trace: Path
+    log: Path
+
+    def get(self, path: str) -> tuple[int, bytes]:
+        return _http("GET", self.base_url + path)
+
+    def post(self, path: str, body: bytes | dict) -> tuple[int, dict]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        status, raw = _http("POST", self.base_url + path, data)
+        return status, json.loads(raw)
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        status, raw = self.get("/metrics")
+        assert status == 200
+        samples = {}
+        for family in text_string_to_metric_families(raw.decode()):
+            for s in family.samples:
+                samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        return samples
+
+    def client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _http(method: str, url: str, data: bytes | None = None) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _limit_file_size() -> None:  # runs in the child: its trace cannot grow past the limit (Python ignores SIGXFSZ)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (SMALL_TRACE_LIMIT, SMALL_TRACE_LIMIT))
+
+
+def _start(model_dir: Path, tmp: Path, name: str, *flags: str, preexec=None) -> Server:
+    port, trace, log = _free_port(), tmp / f"{name}.jsonl", tmp / f"{name}.log"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "scheduler.cli", "serve", "--model", str(model_dir), "--port", str(port),
+           "--served-model-name", MODEL_NAME, "--trace", str(trace), "--max-model-len", str(MAX_MODEL_LEN),
+           "--graceful-shutdown-s", "1", *flags]
+    with open(log, "wb") as out:
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp, preexec_fn=preexec)
+    return Server(process, f"http://127.0.0.1:{port}", trace, log)
+
+
+def _wait_healthy(server: Server, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            pytest.fail(f"the server exited with {server.process.returncode}:\n{server.log.read_text()[-3000:]}")
+        try:
+            if server.get("/health")[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    pytest.fail(f"the server did not come up:\n{server.log.read_text()[-3000:]}")
+
+
+def _stop(server: Server) -> None:
+    if server.process.poll() is None:
+        server.process.send_signal(signal.SIGINT)
+        try:
+            server.process.wait(20)
+        except subprocess.TimeoutExpired:
+            server.process.kill()
+            server.process.wait()
+
+
+@pytest.fixture(scope="module")
+def servers(vlm_model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve")
+    main = _start(vlm_model_dir, tmp, "main", "--max-seqs", "32", "--max-batched-tokens", "2048",
+                  "--prefix-cache-mb", "16")
+    small = _start(vlm_model_dir, tmp, "small", "--max-seqs", "1", "--max-batched-tokens", "256", "--max-queue", "1",
+                   preexec=_limit_file_size)
+    try:
+        deadline = time.monotonic() + 120
+        _wait_healthy(main, deadline)
+        _wait_healthy(small, deadline)
+        yield main, small
+    finally:
+        _stop(main)
+        _stop(small)
+
+
+@pytest.fixture(scope="module")
+def server(servers) -> Server:
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def reference(vlm_model_dir):
+    """The engine in this process, on the same model: what the server must answer for each request."""
+    sink = MemorySink()
+    engine = Engine.from_pretrained(vlm_model_dir, EngineConfig(max_model_len=MAX_MODEL_LEN), event_sinks=[sink])
+    return engine, sink
+
+
+def _greedy_reference(reference, prompts: list, images: list, max_tokens: list[int]):
+    """(text as the server shows it, completion tokens, finish reason, prompt tokens) per request."""
+    engine, sink = reference
+    first = len(sink.events)
+    outs = engine.generate(prompts, [SamplingParams(max_tokens=m) for m in max_tokens], images=images)
+    arrivals = {e["request_id"]: len(e["prompt_tokens"]) for e in sink.events[first:] if e["event"] == "arrival"}
+    results = []
+    for out in outs:
+        shown = out.token_ids[:-1] if out.finish_reason is FinishReason.STOP else out.token_ids  # eos not shown
+        results.append((engine.tokenizer.decode(shown), len(out.token_ids), out.finish_reason.value,
+                        arrivals[out.request_id]))
+    return results
+
+
+def _picture(seed: int, size: tuple[int, int]) -> tuple[Image.Image, str]:
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return Image.open(io.BytesIO(buf.getvalue())).convert("RGB"), \
+        "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _chat_workload(n: int, seed: int):
+    """n chat requests, every other one with a picture: (openai messages, engine messages, images, max_tokens)."""
+    rng = random.Random(seed)
+    words = ["the scheduler", "a cache", "the river", "an old clock", "the market", "a quiet street", "a garden"]
+    sizes = [(56, 56), (84, 112), (112, 84)]
+    work = []
+    for i in range(n):
+        text = "Tell me about " + " and ".join(rng.choice(words) for _ in range(rng.randint(1, 6)))
+        max_tokens = rng.randint(8, 24)
+        if i % 2 == 0:
+            picture, url = _picture(seed * 1000 + i, sizes[i // 2 % len(sizes)])
+            api = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                {"type": "text", "text": text}]}]
+            eng = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+            work.append((api, eng, [picture], max_tokens))
+        else:
+            work.append(([{"role": "user", "content": text}], [{"role": "user", "content": text}], None, max_tokens))
+    return work
+
+
+async def _stream_chat(client: openai.AsyncOpenAI, messages: list, **kwargs):
+    """(text, finish reason, usage, chunk id) of one streaming chat request."""
+    stream = await client.chat.completions.create(model=MODEL_NAME, messages=messages, stream=True,
+                                                  stream_options={"include_usage": True}, **kwargs)
+    text, finish, usage, cid = [], None, None, None
+    async for chunk in stream:
+        cid = chunk.id
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            if choice.delta.content:
+                text.append(choice.delta.content)
+            if choice.finish_reason is not None:
+                finish = choice.finish_reason
+    return "".join(text), finish, usage, cid
+
+
+def _value(samples: dict, name: str, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def _wait_for(predicate, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+# ---- tests (file order matters: the last one shuts the main server down) ------------------------------
+
+
+def test_models_and_health(server):
+    status, raw = server.get("/v1/models")
+    assert status == 200
+    assert [m["id"] for m in json.loads(raw)["data"]] == [MODEL_NAME]
+    assert server.get("/health")[0] == 200
+
+
+def test_32_concurrent_streaming_chats_equal_the_engine_greedy_output(server, reference):
+    work = _chat_workload(32, seed=1)
+    expected = _greedy_reference(reference, [w[1] for w in work], [w[2] for w in work], [w[3] for w in work])
+
+    async def run():
+        async with server.client() as client:
+            return await asyncio.gather(*[_stream_chat(client, api, max_tokens=m, temperature=0)
+                                          for api, _, _, m in work])
+
+    got = asyncio.run(run())
+    for i, ((text, finish, usage, _), (ref_text, ref_tokens, ref_finish, ref_prompt)) in enumerate(zip(got, expected)):
+        assert text == ref_text, f"request {i} ({'image' if i % 2 == 0 else 'text'})"
+        assert finish == ref_finish
+        assert (usage.completion_tokens, usage.prompt_tokens) == (ref_tokens, ref_prompt)
+        assert usage.total_tokens == ref_tokens + ref_prompt
+
+
+def test_stop_strings_stop_ids_n_seed_and_logprobs(server, reference):
+    text = "Tell me about the river and a garden"
+    messages = [{"role": "user", "content": text}]
+    (ref_text, ref_tokens, ref_finish, ref_prompt), = _greedy_reference(reference, [messages], [None], [24])
+    engine = reference[0]
+    ref_ids = engine.generate([messages], [SamplingParams(max_tokens=24)])[0].token_ids
+    stop = ref_text[len(ref_text) // 2: len(ref_text) // 2 + 3]
+    assert stop and stop in ref_text
+
+    async def run():
+        async with server.client() as client:
+            chat = client.chat.completions
+            plain = await chat.create(model=MODEL_NAME, messages=messages, max_tokens=24, temperature=0, n=2,
+                                      logprobs=True)
+            stopped = await chat.create(model=MODEL_NAME, messages=messages, max_tokens=24, temperature=0, stop=[stop])
+            streamed_stop = await _stream_chat(client, messages, max_tokens=24, temperature=0, stop=stop)
+            by_id = await chat.create(model=MODEL_NAME, messages=messages, max_tokens=24, temperature=0,
+                                      extra_body={"stop": [ref_ids[3]]})
+            seeded = [await chat.create(model=MODEL_NAME, messages=messages, max_tokens=12, temperature=0.9,
+                                        seed=7, n=n, extra_body={"top_k": 50, "min_p": 0.01}) for n in (1, 2)]
+            completion = await client.completions.create(model=MODEL_NAME, prompt=text, max_tokens=10, temperature=0)
+            return plain, stopped, streamed_stop, by_id, seeded, completion
+
+    plain, stopped, streamed_stop, by_id, seeded, completion = asyncio.run(run())
+    assert [c.message.content for c in plain.choices] == [ref_text, ref_text]
+    assert plain.usage.completion_tokens == 2 * ref_tokens and plain.usage.prompt_tokens == ref_prompt
+    logprobs = plain.choices[0].logprobs.content
+    shown_ids = ref_ids[:-1] if ref_finish == "stop" else ref_ids  # logprobs of the shown tokens
+    assert [entry.token for entry in logprobs] == [engine.tokenizer.decode([t]) for t in shown_ids]
+    assert all(entry.logprob <= 0 for entry in logprobs) and len(set(e.logprob for e in logprobs)) > 1
+
+    cut = ref_text[: ref_text.index(stop)]
+    assert (stopped.choices[0].message.content, stopped.choices[0].finish_reason) == (cut, "stop")
+    assert streamed_stop[:2] == (cut, "stop")
+    # a stop token id ends generation on it: counted, not shown
+    assert by_id.choices[0].finish_reason == "stop" and by_id.usage.completion_tokens == ref_ids.index(ref_ids[3]) + 1
+    assert by_id.choices[0].message.content == engine.tokenizer.decode(ref_ids[: ref_ids.index(ref_ids[3])])
+    # seeded sampling: choice i samples with seed + i, so choice 0 of n=2 is the n=1 answer
+    assert seeded[1].choices[0].message.content == seeded[0].choices[0].message.content
+    assert completion.choices[0].text == engine.tokenizer.decode(
+        engine.generate([text], [SamplingParams(max_tokens=10)])[0].token_ids)
+
+
+def _bad_inputs(tmp_path: Path) -> list[tuple[str, bytes | dict, int, str]]:
+    """(endpoint, body, status, the field the error must name)."""
+    ok = [{"role": "user", "content": "hi"}]
+    chat, cmpl = "/v1/chat/completions", "/v1/completions"
+    garbage = "data:image/png;base64," + base64.b64encode(b"not a png at all").decode()
+    long_text = " ".join(["the scheduler and the river"] * 200)  # far more than 512 tokens
+    return [
+        (chat, b'{"messages": [', 400, "body"),
+        (chat, b"[1, 2]", 400, "body"),
+        (chat, {"messages": ok, "max_token": 5}, 400, "max_token"),  # unknown field
+        (chat, {"messages": ok, "temperature": "hot"}, 400, "temperature"),
+        (chat, {"messages": ok, "max_tokens": 1.5}, 400, "max_tokens"),
+        (chat, {"messages": "hi"}, 400, "messages"),
+        (chat, {"messages": ok, "priority": "high"}, 400, "priority"),
+        (chat, {"messages": []}, 400, "messages"),
+        (chat, {"messages": [{"role": "user", "content": []}]}, 400, "messages.0.content"),
+        (chat, {"messages": [{"role": "user", "content": long_text}]}, 400, "messages"),
+        (cmpl, {"prompt": [7] * (MAX_MODEL_LEN + 10)}, 400, "prompt"),
+        (cmpl, {"prompt": ""}, 400, "prompt"),
+        (chat, {"messages": ok, "temperature": -1}, 400, "temperature"),
+        (chat, {"messages": ok, "top_p": 0}, 400, "top_p"),
+        (chat, {"messages": ok, "top_k": -2}, 400, "top_k"),
+        (chat, {"messages": ok, "min_p": 1}, 400, "min_p"),
+        (chat, {"messages": ok, "repetition_penalty": 0}, 400, "repetition_penalty"),
+        (chat, b'{"messages": [{"role": "user", "content": "hi"}], "presence_penalty": NaN}', 400, "presence_penalty"),
+        (chat, {"messages": ok, "max_tokens": 0}, 400, "max_tokens"),
+        (chat, {"messages": ok, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+        (chat, {"messages": ok, "n": 0}, 400, "n"),
+        (chat, {"messages": ok, "seed": -1}, 400, "seed"),
+        (chat, {"messages": ok, "stop": [99999]}, 400, "stop"),
+        (chat, {"messages": ok, "top_logprobs": 2, "logprobs": True}, 400, "top_logprobs"),
+        (chat, {"messages": ok, "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+        (cmpl, {"prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+        (chat, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": garbage}},
+                                                           {"type": "text", "text": "hi"}]}]}, 400,
+         "messages.0.content.0"),
+        (chat, {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": str(tmp_path / "missing.png")}}]}]}, 400, "messages.0.content.0"),
+        (chat, {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]}, 400, "messages.0.content.0"),
+        (chat, {"messages": [{"role": "user", "content": [
+            {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}]}]}, 400,
+         "messages.0.content.0"),  # this model takes no audio
+        (chat, {"messages": ok, "model": "gpt-4"}, 404, "model"),
+    ]
+
+
+def test_every_bad_input_is_refused_naming_the_field_and_nothing_is_queued(server, reference, tmp_path):
+    cases = _bad_inputs(tmp_path)
+    before = server.metrics()
+    messages = [{"role": "user", "content": "Tell me about a quiet street"}]
+    (ref_text, _, _, ref_prompt), = _greedy_reference(reference, [messages], [None], [20])
+
+    async def run():
+        async with server.client() as client:  # a good request runs while the bad ones are refused
+            good = asyncio.create_task(_stream_chat(client, messages, max_tokens=20, temperature=0))
+            answers = await asyncio.gather(*[asyncio.to_thread(server.post, path, body) for path, body, _, _ in cases])
+            return answers, await good
+
+    answers, (text, _, usage, _) = asyncio.run(run())
+    for (path, body, status, param), (got_status, got) in zip(cases, answers):
+        where = f"{path} {body if isinstance(body, bytes) else json.dumps(body)[:120]}"
+        assert got_status == status, where
+        assert set(got) == {"error"} and set(got["error"]) == {"message", "type", "param", "code"}, where
+        assert got["error"]["param"] == param, f"{where}: {got['error']}"
+        assert got["error"]["message"], where
+    assert text == ref_text and usage.prompt_tokens == ref_prompt
+
+    after = server.metrics()
+    # only the good request reached the engine
+    assert _value(after, "mlxsched_prompt_tokens_total") - _value(before, "mlxsched_prompt_tokens_total") == ref_prompt
+    ended = "mlxsched_requests_ended_total"
+    assert _value(after, ended, finish_reason="length") - _value(before, ended, finish_reason="length") == 1
+    assert _value(after, "mlxsched_queue_length") == 0
+    # the openai client sees the same refusals as typed errors
+    async def typed():
+        async with server.client() as client:
+            with pytest.raises(openai.BadRequestError) as bad:
+                await client.chat.completions.create(model=MODEL_NAME, messages=messages, temperature=-1)
+            with pytest.raises(openai.NotFoundError):
+                await client.chat.completions.create(model="gpt-4", messages=messages)
+            return bad.value
+
+    assert typed_error_param(asyncio.run(typed())) == "temperature"
+
+
+def typed_error_param(exc: openai.APIStatusError) -> str:
+    return exc.body["param"] if isinstance(exc.body, dict) and "param" in exc.body else exc.body["error"]["param"]
+
+
+def test_a_client_that_disconnects_mid_stream_aborts_its_request(server):
+    picture, url = _picture(99, (84, 84))
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": "Tell me a long story"}]}]
+    before = server.metrics()
+
+    async def run():
+        async with server.client() as client:
+            stream = await client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=400,
+                                                          temperature=0, stream=True)
+            received, cid = 0, None
+            async for chunk in stream:
+                cid = chunk.id
+                received += sum(1 for c in chunk.choices if c.delta.content)
+                if received >= 3:
+                    break
+            await stream.close()  # drops the connection mid-stream
+            return cid
+
+    cid = asyncio.run(run())
+    ended = "mlxsched_requests_ended_total"
+    _wait_for(lambda: _value(server.metrics(), ended, finish_reason="abort")
+              == _value(before, ended, finish_reason="abort") + 1)
+    after = server.metrics()
+    # its KV rows, per-request caches and encoded image are freed; nothing is live
+    assert _value(after, "mlxsched_executor_requests") == 0
+    assert _value(after, "mlxsched_kv_cache_bytes") == 0
+    assert _value(after, "mlxsched_kv_request_caches") == 0
+    assert all(_value(after, "mlxsched_requests", state=s) == 0 for s in
+               ("queued", "vision_encoding", "chunk_prefilling", "decoding", "drafting"))
+    assert _value(after, "mlxsched_generation_tokens_total") - _value(before, "mlxsched_generation_tokens_total") < 400
+    server.aborted_request = f"{cid}-0"  # the trace is checked after shutdown (it is flushed on close)
+
+
+def test_a_client_that_gives_up_on_a_non_streaming_request_aborts_it(server):
+    before = server.metrics()
+    limit = MAX_MODEL_LEN - 40
+
+    async def run():
+        async with server.client() as client:
+            with pytest.raises(openai.APITimeoutError):  # the client closes its connection after 0.3 s
+                await client.with_options(timeout=0.3).chat.completions.create(
+                    model=MODEL_NAME, max_tokens=limit, temperature=0,
+                    messages=[{"role": "user", "content": "Tell me everything"}])
+
+    asyncio.run(run())
+    ended = "mlxsched_requests_ended_total"
+    _wait_for(lambda: _value(server.metrics(), ended, finish_reason="abort")
+              == _value(before, ended, finish_reason="abort") + 1)
+    after = server.metrics()
+    assert _value(after, "mlxsched_executor_requests") == 0 and _value(after, "mlxsched_kv_cache_bytes") == 0
+    assert _value(after, "mlxsched_generation_tokens_total") - _value(before, "mlxsched_generation_tokens_total") < limit
+
+
+def test_metrics_match_the_counts(server):
+    before = server.metrics()
+    picture, url = _picture(5, (56, 84))
+    image_messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                   {"type": "text", "text": "What is this?"}]}]
+    text_messages = [{"role": "user", "content": "Where is the market?"}]
+
+    async def run():
+        async with server.client() as client:
+            answers = []
+            # the same image twice: a vision-cache hit (and a prefix-cache hit: same prompt, same image)
+            for messages in (image_messages, image_messages, text_messages):
+                answers.append(await client.chat.completions.create(model=MODEL_NAME, messages=messages,
+                                                                    max_tokens=9, temperature=0))
+            return answers
+
+    answers = asyncio.run(run())
+    after = server.metrics()
+
+    def delta(name, **labels):
+        return _value(after, name, **labels) - _value(before, name, **labels)
+
+    assert delta("mlxsched_generation_tokens_total") == sum(a.usage.completion_tokens for a in answers) == 27
+    assert delta("mlxsched_prompt_tokens_total") == sum(a.usage.prompt_tokens for a in answers)
+    assert delta("mlxsched_requests_ended_total", finish_reason="length") == 3
+    assert delta("mlxsched_choices_total", finish_reason="length") == 3
+    for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "time_per_output_token_seconds",
+                      "queue_time_seconds"):
+        assert delta(f"mlxsched_{histogram}_count") == 3, histogram
+    assert delta("mlxsched_tick_duration_seconds_count") >= 27  # one token per request per tick at most
+    assert delta("mlxsched_http_requests_total", endpoint="/v1/chat/completions", status="200") == 3
+    assert (delta("mlxsched_vision_cache_misses_total"), delta("mlxsched_vision_cache_hits_total")) == (1, 1)
+    hits, misses = _value(after, "mlxsched_vision_cache_hits_total"), _value(after, "mlxsched_vision_cache_misses_total")
+    assert _value(after, "mlxsched_vision_cache_hit_rate") == pytest.approx(hits / (hits + misses))
+    assert _value(after, "mlxsched_vision_cache_entries") >= 1 and _value(after, "mlxsched_vision_cache_bytes") > 0
+    assert delta("mlxsched_prefix_cache_hits_total") >= 1 and delta("mlxsched_prefix_cache_hit_tokens_total") >= 16
+    hits, misses = _value(after, "mlxsched_prefix_cache_hits_total"), _value(after, "mlxsched_prefix_cache_misses_total")
+    assert _value(after, "mlxsched_prefix_cache_hit_rate") == pytest.approx(hits / (hits + misses))
+    assert _value(after, "mlxsched_prefix_cache_entries") >= 1 and _value(after, "mlxsched_prefix_cache_bytes") > 0
+    # a hit skips computing: prefill tokens computed are the prompt tokens less the reused ones
+    assert delta("mlxsched_prefill_tokens_total") == (delta("mlxsched_prompt_tokens_total")
+                                                      - delta("mlxsched_prefix_cache_hit_tokens_total"))
+    for gauge in ("mlxsched_queue_length", "mlxsched_running_rows", "mlxsched_kv_cache_bytes"):
+        assert _value(after, gauge) == 0, gauge
+    assert _value(after, "mlxsched_kv_cache_budget_bytes") == 0  # no --kv-memory-mb
+
+
+def test_max_queue_answers_429_and_a_failed_engine_loop_answers_503(servers):
+    small = servers[1]
+
+    async def run():
+        async with small.client() as client:
+            # the one slot: a long stream (it decodes until the trace can no longer be written)
+            runner = await client.chat.completions.create(model=MODEL_NAME, max_tokens=MAX_MODEL_LEN, temperature=0,
+                                                          messages=[{"role": "user", "content": "go on"}], stream=True)
+            chunks = runner.__aiter__()
+            while not (await chunks.__anext__()).choices[0].delta.content:
+                pass
+            waiting = asyncio.create_task(client.chat.completions.create(
+                model=MODEL_NAME, max_tokens=4, temperature=0, messages=[{"role": "user", "content": "wait"}]))
+            await asyncio.to_thread(_wait_for, lambda: _value(small.metrics(), "mlxsched_queue_length") == 1)
+            with pytest.raises(openai.RateLimitError) as refused:
+                await client.chat.completions.create(model=MODEL_NAME, max_tokens=4, temperature=0,
+                                                     messages=[{"role": "user", "content": "one too many"}])
+            assert refused.value.status_code == 429
+            # the loop dies when the trace write fails: the stream ends with an error event, the waiting
+            # request with a 503
+            with pytest.raises(openai.APIError) as failed:
+                async for _ in chunks:
+                    pass
+            with pytest.raises(openai.InternalServerError) as unavailable:
+                await waiting
+            return failed.value, unavailable.value
+
+    failed, unavailable = asyncio.run(run())
+    assert "engine" in str(failed)
+    assert unavailable.status_code == 503
+    status, raw = small.get("/health")
+    assert status == 503 and json.loads(raw)["error"]["type"] == "server_error"
+    status, body = small.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    assert status == 503 and body["error"]["message"]
+    assert small.get("/metrics")[0] == 200  # the event-fed metrics still answer
+
+
+def test_sigint_shuts_down_cleanly(server):
+    async def open_stream():
+        client = server.client()
+        stream = await client.chat.completions.create(model=MODEL_NAME, max_tokens=400, temperature=0, stream=True,
+                                                      messages=[{"role": "user", "content": "a long answer"}])
+        await stream.__aiter__().__anext__()
+        return client, stream
+
+    async def run():
+        client, stream = await open_stream()  # a stream still open when the signal arrives
+        server.process.send_signal(signal.SIGINT)
+        started = time.monotonic()
+        rc = await asyncio.to_thread(server.process.wait, 20)
+        try:  # it finished within the grace period, or the server cut it: either way it is over
+            async for _ in stream:
+                pass
+        except (openai.APIError, OSError):
+            pass
+        await client.close()
+        return rc, time.monotonic() - started
+
+    rc, took = asyncio.run(run())
+    assert rc == 0, server.log.read_text()[-3000:]
+    assert took < 15
+    with pytest.raises(OSError):  # nothing listens any more
+        server.get("/health")
+    events = read_jsonl(server.trace)  # complete JSON lines: the trace was flushed and closed
+    aborted = [e for e in events if e["event"] == "transition" and e["to"] == "aborted"]
+    assert any(e["request_id"] == server.aborted_request for e in aborted)

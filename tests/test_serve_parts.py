@@ -1,0 +1,80 @@
+"""The server's text pieces on their own: stop strings held back and never retracted, the incremental
+detokenizer against whole-sequence decoding on the tiny models' real tokenizer."""
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler.fixtures.tiny_models import build_tokenizer
+from scheduler.server.detokenize import IncrementalDetokenizer
+from scheduler.server.stops import StopMatcher, StopResult
+
+
+def _feed(stops, pieces):
+    matcher = StopMatcher(stops)
+    out, stopped = [], False
+    for piece in pieces:
+        result = matcher.feed(piece)
+        out.append(result.text)
+        if result.stopped:
+            stopped = True
+            break
+    if not stopped:
+        tail = matcher.flush()
+        out.append(tail.text)
+        stopped = tail.stopped
+    return "".join(out), stopped
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet="abc ", max_size=40), stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=4),
+                                                                  min_size=1, max_size=3),
+       cuts=st.lists(st.integers(0, 40), max_size=8))
+def test_stop_strings_cut_at_the_earliest_match_whatever_the_pieces(text, stops, cuts):
+    bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
+    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
+    got, stopped = _feed(stops, pieces)
+    hits = [text.find(s) for s in stops if s in text]
+    if hits:
+        assert stopped and got == text[: min(hits)]
+    else:
+        assert not stopped and got == text
+
+
+def test_a_partial_stop_string_is_held_back_then_released():
+    matcher = StopMatcher(["STOP"])
+    assert matcher.feed("hello ST").text == "hello "  # "ST" could begin STOP
+    assert matcher.feed("ONE").text == "STONE"  # it did not
+    assert matcher.feed("xx S").text == "xx "
+    result = matcher.feed("TOP and more")
+    assert result.stopped and result.text == ""
+    assert matcher.flush().text == ""
+
+
+def test_a_later_stop_string_that_starts_earlier_wins():
+    matcher = StopMatcher(["a", "baa"])
+    assert matcher.feed("ba").text == ""  # "a" matched, but "baa" may be beginning at 0
+    assert matcher.feed("a!") == StopResult("", True)  # it was "baa"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+def test_incremental_detokenization_equals_decoding_the_whole_sequence(tokenizer):
+    rng = random.Random(0)
+    vocab = len(tokenizer)
+    texts = ["plain words and the river", "caf\u00e9 \u00fcber na\u00efve \u2014 \u20ac5 \U0001f600 done"]
+    sequences = [tokenizer.encode(t) for t in texts]
+    sequences += [[rng.randrange(7, vocab) for _ in range(rng.randint(1, 40))] for _ in range(200)]
+    for ids in sequences:
+        detok = IncrementalDetokenizer(tokenizer)
+        pieces = [detok.add([t]) for t in ids]
+        streamed = "".join(pieces) + detok.flush()
+        assert streamed == tokenizer.decode(ids), ids
+        if "\ufffd" not in tokenizer.decode(ids):  # valid UTF-8: a split character is held, never sent broken
+            assert not any("\ufffd" in p for p in pieces)
+    assert len(sequences[1]) > len(texts[1].split())  # the accented text really is split into byte tokens
