@@ -90,6 +90,7 @@ class Comparison:
     mismatches: list[Mismatch]
     blas: str = ""
     stat: str = "best"  # how repeats are summarised: "best" (best of N per figure) or "median"
+    peer_name: str = "mlx-lm"  # which peer: "mlx-lm" (BatchGenerator) or "vllm-mlx" (MLLMBatchGenerator)
 
     def figure(self, side: str, attr: str, stat: str | None = None) -> float:
         """A figure of one side over its repeats.
@@ -119,6 +120,7 @@ class Comparison:
         f = lambda side, attr: self.figure(side, attr, stat)  # noqa: E731
         return {
             "model": self.model,
+            "peer": self.peer_name,
             "workload": self.workload,
             "n": self.n,
             "prompt_tokens": self.prompt_tokens,
@@ -300,11 +302,20 @@ def compare_outputs(ours: list[list[int]], peer: list[list[int]]) -> list[Mismat
     return out
 
 
-def compare(
+PEERS = ("mlx-lm", "vllm-mlx")
+
+
+def compare(model: Any, tokenizer: Any, workload: Workload, **kwargs: Any) -> Comparison:
+    """Ours vs mlx-lm's BatchGenerator (see `compare_peers`)."""
+    return compare_peers(model, tokenizer, workload, peers=("mlx-lm",), **kwargs)[0]
+
+
+def compare_peers(
     model: Any,
     tokenizer: Any,
     workload: Workload,
     *,
+    peers: Sequence[str] = ("mlx-lm",),
     model_name: str = "",
     repeats: int = 2,
     warmup_tokens: int = 4,
@@ -315,41 +326,58 @@ def compare(
     blas: str = "",
     stat: str = "best",
     log: Callable[[str], None] | None = None,
-) -> Comparison:
-    """Warm both sides up once, then `repeats` alternating timed runs of each; outputs checked for equality."""
-    def ours() -> RunStats:
-        return run_ours(model, tokenizer, workload, config, ignore_eos)
+) -> list[Comparison]:
+    """Warm every side up once, then `repeats` timed runs of each side, the order rotating per repeat
+    (ours, A, B / A, B, ours / B, ours, A / ...); one Comparison per peer, all sharing our runs, outputs checked
+    for equality against ours.
 
-    def peer() -> RunStats:
-        return run_peer(model, workload, peer_completion_batch, peer_prefill_batch)
+    peers: "mlx-lm" (mlx-lm's BatchGenerator) and / or "vllm-mlx" (the reference's MLLMBatchGenerator).
+    """
+    unknown = [p for p in peers if p not in PEERS]
+    if unknown or not peers:
+        raise ValueError(f"peers must be a non-empty subset of {PEERS}, got {list(peers)}")
 
+    def ours(wl: Workload) -> RunStats:
+        return run_ours(model, tokenizer, wl, config, ignore_eos)
+
+    def mlx_lm(wl: Workload) -> RunStats:
+        return run_peer(model, wl, peer_completion_batch, peer_prefill_batch)
+
+    def vllm_mlx(wl: Workload) -> RunStats:
+        from .reference import run_reference
+
+        return run_reference(model, tokenizer, wl, peer_completion_batch)
+
+    sides = [("ours", ours)] + [(p, mlx_lm if p == "mlx-lm" else vllm_mlx) for p in peers]
     if warmup_tokens:
         warm = workload.with_new_tokens(warmup_tokens)
-        run_ours(model, tokenizer, warm, config, ignore_eos)
-        run_peer(model, warm, peer_completion_batch, peer_prefill_batch)
-    ours_runs: list[RunStats] = []
-    peer_runs: list[RunStats] = []
+        for _, fn in sides:
+            fn(warm)
+    runs: dict[str, list[RunStats]] = {name: [] for name, _ in sides}
     for rep in range(repeats):
-        order = ((ours, ours_runs), (peer, peer_runs))
-        for fn, sink in (order if rep % 2 == 0 else order[::-1]):
-            sink.append(fn())
+        shift = rep % len(sides)
+        for name, fn in sides[shift:] + sides[:shift]:
+            r = fn(workload)
+            runs[name].append(r)
             if log:
-                r = sink[-1]
-                log(f"  rep {rep} {r.side}: wall {r.wall_s:.3f}s e2e {r.e2e_tps:.1f} tok/s "
+                log(f"  rep {rep} {name}: wall {r.wall_s:.3f}s e2e {r.e2e_tps:.1f} tok/s "
                     f"decode {r.decode_tps:.1f} tok/s ({r.ms_per_decode_step:.2f} ms/step) "
-                    f"cpu {r.cpu_s:.2f}s load1 {r.load1:.2f}")
-    mismatches = compare_outputs(ours_runs[0].outputs, peer_runs[0].outputs)
-    return Comparison(
-        model=model_name, workload=workload.name, n=len(workload), prompt_tokens=workload.prompt_tokens,
-        new_tokens=workload.new_tokens, ours=ours_runs, peer=peer_runs, mismatches=mismatches, blas=blas,
-        stat=stat,
-    )
+                    f"all-first {r.t_all_first_s:.3f}s cpu {r.cpu_s:.2f}s load1 {r.load1:.2f}")
+    return [
+        Comparison(
+            model=model_name, workload=workload.name, n=len(workload), prompt_tokens=workload.prompt_tokens,
+            new_tokens=workload.new_tokens, ours=runs["ours"], peer=runs[p],
+            mismatches=compare_outputs(runs["ours"][0].outputs, runs[p][0].outputs), blas=blas, stat=stat,
+            peer_name=p,
+        )
+        for p in peers
+    ]
 
 
 # ---------------------------------------------------------------------------------------------- tables
 def markdown_table(comparisons: Sequence[Comparison], stat: str | None = None) -> str:
     """One row per comparison; "a / b" cells are ours / peer; ratios are ours / peer (> 1: ours faster)."""
-    head = ("| model | workload | n | new tok | wall s | e2e tok/s | e2e ratio | decode tok/s | decode ratio "
+    head = ("| model | peer | workload | n | new tok | wall s | e2e tok/s | e2e ratio | decode tok/s | decode ratio "
             "| ms/step | all-first s | identical | load1 |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for c in comparisons:
@@ -358,7 +386,7 @@ def markdown_table(comparisons: Sequence[Comparison], stat: str | None = None) -
         if r["ours_short"] or r["peer_short"]:
             ident += f"; short: ours {r['ours_short']} peer {r['peer_short']}"
         lines.append(
-            f"| {c.model} | {c.workload} | {c.n} | {c.new_tokens} "
+            f"| {c.model} | {c.peer_name} | {c.workload} | {c.n} | {c.new_tokens} "
             f"| {r['ours_wall_s']:.3f} / {r['peer_wall_s']:.3f} "
             f"| {r['ours_e2e_tps']:.0f} / {r['peer_e2e_tps']:.0f} | **{r['e2e_ratio']:.2f}** "
             f"| {r['ours_decode_tps']:.0f} / {r['peer_decode_tps']:.0f} | **{r['decode_ratio']:.2f}** "

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from . import blas as blas_mod
-from .compare import Comparison, compare, markdown_table
+from .compare import PEERS, Comparison, compare_peers, markdown_table
 from .workloads import mixed, uniform
 
 MODEL_CHOICES = ("text", "text-medium", "sliding")
@@ -51,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-batched-tokens", type=int, default=4096)
     ap.add_argument("--max-seqs", type=int, default=64)
     ap.add_argument("--prefill-chunk", type=int, default=512)
+    ap.add_argument("--peer", nargs="+", choices=PEERS, default=["mlx-lm"],
+                    help="peer(s) run next to ours in the same process, order rotating: mlx-lm (BatchGenerator, "
+                         "default) and / or vllm-mlx (the reference's MLLMBatchGenerator; needs "
+                         "`pip install --no-deps vllm-mlx==0.4.1`)")
     ap.add_argument("--peer-prefill-batch", type=int, default=8,
                     help="BatchGenerator prefill_batch_size (mlx-lm default 8)")
     ap.add_argument("--peer-completion-batch", type=int, default=None,
@@ -122,8 +126,8 @@ def run_here(args: argparse.Namespace, log) -> dict[str, Any]:
             model, tokenizer = load(str(build_model(kind, Path(tmp) / kind)))
             for wl in _workloads(args):
                 log(f"{kind}: {wl.describe()}")
-                comparisons.append(compare(
-                    model, tokenizer, wl, model_name=kind, repeats=args.repeats,
+                comparisons.extend(compare_peers(
+                    model, tokenizer, wl, peers=args.peer, model_name=kind, repeats=args.repeats,
                     warmup_tokens=args.warmup_tokens, config=config, ignore_eos=not args.stop_on_eos,
                     peer_prefill_batch=args.peer_prefill_batch, peer_completion_batch=args.peer_completion_batch,
                     blas=info["name"], stat=args.stat, log=log,
@@ -200,7 +204,8 @@ def print_report(report: dict[str, Any], cmd: str, label: str = "") -> None:
           f"elapsed {report['elapsed_s']:.0f} s")
     print(f"Command: `{cmd}`")
     print(f"Figures: {report.get('stat', 'best')} of {report['comparisons'][0]['repeats'] if report['comparisons'] else 0}"
-          f" alternating runs per side; cells are ours / peer (mlx-lm BatchGenerator); ratios ours / peer "
+          f" runs per side, order rotating; cells are ours / peer (mlx-lm: BatchGenerator; vllm-mlx: "
+          f"MLLMBatchGenerator); ratios ours / peer "
           f"(> 1: ours faster); load1 before the runs: {report.get('load_before', 0):.1f}\n")
     print(report["table"])
     print()
@@ -228,6 +233,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             Path(args.json).write_text(json.dumps({"command": cmd, "runs": reports}, indent=1))
         return 0
 
+    if "vllm-mlx" in args.peer:
+        from .reference import available
+
+        why = available()
+        if why:
+            print(why, file=sys.stderr)
+            return 2
     report = run_here(args, log)
     report.pop("_objects")
     report["command"] = cmd

@@ -9,8 +9,12 @@ cache for the prefix cache, measure its bytes, and what it can do: `LayerCapabil
 be trimmed to a shorter prefix? rolled back per row after draft verification? split back out of a batch? is
 its size fixed or growing?). Callers read the capabilities; they never test cache classes.
 
-Kinds mlx-lm cannot batch (`ChunkedKVCache`, `QuantizedKVCache`, `ConcatenateKVCache`, anything without
-`merge`) are refused by `check_batchable` with `UnsupportedCache` naming the class and why.
+Kinds mlx-lm cannot batch (`ChunkedKVCache`, `ConcatenateKVCache`, anything without `merge`) are refused by
+`check_batchable` with `UnsupportedCache` naming the class and why. Quantized KV (`QuantizedKVCache`, what
+mlx-lm's `kv_bits` converts a plain layer into) has no batch form in mlx-lm; its batch form here is mlx-vlm's
+`BatchQuantizedKVCache` (left-padded like `BatchKVCache`; `mx.quantize` groups values along head_dim, never
+along the sequence, so left padding cannot change a token's groups). `quantize_layers` is mlx-lm's
+`maybe_quantize_kv_cache` conversion on one request's cache.
 
 This module and `scheduler/adapters.py` are the only places that know mlx-lm's cache internals; this one
 imports nothing from `scheduler`.
@@ -106,16 +110,22 @@ class CacheCapabilities:
 # ---- the kinds ---------------------------------------------------------------------------------------------
 
 
-def _plain_kv_classes() -> tuple[type, ...]:
-    """mlx-lm's KVCache, and mlx-vlm's copy of it (same fields: keys, values, offset)."""
+def _plain_kv_classes() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """mlx-lm's KVCache and BatchKVCache, and mlx-vlm's copies of them (same fields: keys, values, offset;
+    the batch class also left_padding and _idx)."""
     classes: list[type] = [mlx_cache.KVCache]
+    batch_classes: list[type] = [mlx_cache.BatchKVCache]
     try:
         from mlx_vlm.models import cache as vlm_cache
 
         classes.append(vlm_cache.KVCache)
+        batch_classes.append(vlm_cache.BatchKVCache)
     except ImportError:  # mlx-vlm is optional for text-only use
         pass
-    return tuple(classes)
+    return tuple(classes), tuple(batch_classes)
+
+
+_PLAIN_KV, _PLAIN_BATCH_KV = _plain_kv_classes()
 
 
 class _GroupedMaskBatchKVCache(mlx_cache.BatchKVCache):
@@ -127,8 +137,8 @@ class _GroupedMaskBatchKVCache(mlx_cache.BatchKVCache):
 
 
 class PlainKV:
-    classes = _plain_kv_classes()
-    batch_classes = (mlx_cache.BatchKVCache,)
+    classes = _PLAIN_KV
+    batch_classes = _PLAIN_BATCH_KV
     caps = LayerCapabilities("KVCache", Growth.PER_TOKEN, trimmable=True, rollback=True, splittable=True)
 
     @staticmethod
@@ -205,12 +215,22 @@ class RotatingKV:
         return LayerLayout((layer.keys.nbytes + layer.values.nbytes) // layer.keys.shape[2], layer.max_size)
 
 
+def _arrays_classes() -> tuple[type, ...]:
+    """mlx-lm's ArraysCache, and mlx-vlm's own (hybrid VLMs such as Qwen3.5 build it; same merge / filter /
+    extend and ``cache`` list)."""
+    try:
+        from mlx_vlm.models import cache as vlm_cache
+    except ImportError:  # mlx-vlm is optional for text-only use
+        return (mlx_cache.ArraysCache,)
+    return (mlx_cache.ArraysCache, vlm_cache.ArraysCache)
+
+
 class Arrays:
     """Recurrent state (SSM, conv, linear attention): fixed bytes per request, no notion of a token count.
     A state cannot be cut back to a shorter prefix, nor rewound after draft verification."""
 
-    classes = (mlx_cache.ArraysCache,)
-    batch_classes = (mlx_cache.ArraysCache,)
+    classes = _arrays_classes()
+    batch_classes = classes
     caps = LayerCapabilities("ArraysCache", Growth.FIXED, trimmable=False, rollback=False, splittable=False)
 
     @staticmethod
@@ -234,11 +254,113 @@ class Arrays:
         return LayerLayout(0, None, fixed_bytes=layer.nbytes)
 
 
-_KINDS = (PlainKV, RotatingKV, Arrays)
+def _vlm_batch_quantized() -> tuple[type, ...]:
+    """mlx-vlm 0.7's BatchQuantizedKVCache (mlx-lm 0.32 has none), with what the engine needs on top: exact
+    bytes, and rows extracted as mlx-lm's own QuantizedKVCache. Empty without mlx-vlm (then kv_bits cannot
+    batch: merging raises UnsupportedCache)."""
+    try:
+        from mlx_vlm.models import cache as vlm_cache
+    except ImportError:  # mlx-vlm is optional for text-only use
+        return ()
+
+    class BatchQuantizedKV(vlm_cache.BatchQuantizedKVCache):
+        @property
+        def nbytes(self) -> int:
+            if self.keys is None:
+                return 0
+            return sum(x.nbytes for x in (*self.keys, *self.values))
+
+        def extract(self, idx: int) -> Any:
+            layer = mlx_cache.QuantizedKVCache(group_size=self.group_size, bits=self.bits)
+            if self.keys is None or self._idx == 0:
+                return layer
+            padding = int(self.left_padding[idx].item())
+            layer.keys = tuple(mx.contiguous(k[idx : idx + 1, :, padding : self._idx]) for k in self.keys)
+            layer.values = tuple(mx.contiguous(v[idx : idx + 1, :, padding : self._idx]) for v in self.values)
+            layer.offset = self._idx - padding
+            return layer
+
+    return (BatchQuantizedKV,)
+
+
+def _quantized_classes() -> tuple[type, ...]:
+    classes: list[type] = [mlx_cache.QuantizedKVCache]
+    try:
+        from mlx_vlm.models import cache as vlm_cache
+
+        classes.append(vlm_cache.QuantizedKVCache)
+    except ImportError:  # mlx-vlm is optional for text-only use
+        pass
+    return tuple(classes)
+
+
+class QuantizedKV:
+    """Plain KV stored as `mx.quantize` triples (packed uint32, scales, biases) for keys and for values.
+    Per-token storage like plain KV (trimmable, splittable); not rolled back per row (drafting is refused
+    with kv_bits)."""
+
+    classes = _quantized_classes()
+    batch_classes = _vlm_batch_quantized()
+    caps = LayerCapabilities("QuantizedKVCache", Growth.PER_TOKEN, trimmable=True, rollback=False, splittable=True)
+
+    @staticmethod
+    def merge(layers: Sequence[Any], mask: MaskLayout) -> Any:
+        """Left-padded like mlx-lm's BatchKVCache.merge: row i's tokens end at the longest row's length."""
+        if mask is not MaskLayout.HEADS or not QuantizedKV.batch_classes:
+            raise UnsupportedCache("QuantizedKVCache", f"no batch form (mask layout {mask.value}; it is mlx-vlm's "
+                                   "BatchQuantizedKVCache)")
+        kind = QuantizedKV.batch_classes[0]
+        first = layers[0]
+        lengths = [layer.offset for layer in layers]
+        longest = max(lengths)
+        batch = kind([longest - n for n in lengths], group_size=first.group_size, bits=first.bits)
+        if longest == 0:
+            return batch
+        ref = next(layer for layer in layers if layer.keys is not None)
+
+        def stack(parts_of):
+            out = []
+            for j, part in enumerate(parts_of(ref)):
+                shape = (len(layers), part.shape[1], longest, part.shape[3])
+                buf = mx.zeros(shape, dtype=part.dtype)
+                for i, (layer, n) in enumerate(zip(layers, lengths)):
+                    if n:
+                        buf[i : i + 1, :, longest - n :] = parts_of(layer)[j][..., :n, :]
+                out.append(buf)
+            return tuple(out)
+
+        batch.keys, batch.values = stack(lambda c: c.keys), stack(lambda c: c.values)
+        batch.offset = batch.offset + longest
+        batch._idx = longest
+        return batch
+
+    @staticmethod
+    def snapshot(layer: Any) -> tuple[tuple, list[mx.array]]:
+        n = layer.offset
+        keys = tuple(mx.contiguous(k[..., :n, :]) for k in layer.keys)
+        values = tuple(mx.contiguous(v[..., :n, :]) for v in layer.values)
+        return (keys, values, n, layer.group_size, layer.bits), [*keys, *values]
+
+    @staticmethod
+    def restore(kind: type, state: tuple, length: int) -> Any:
+        keys, values, n, group_size, bits = state
+        if length > n:
+            raise ValueError(f"cannot restore {length} tokens from an entry of {n}")
+        layer = mlx_cache.QuantizedKVCache(group_size=group_size, bits=bits)
+        layer.keys = tuple(k[..., :length, :] for k in keys)  # fresh slices: the entry is never written
+        layer.values = tuple(v[..., :length, :] for v in values)
+        layer.offset = length
+        return layer
+
+    @staticmethod
+    def layout(layer: Any) -> LayerLayout:
+        return LayerLayout(sum(x.nbytes for x in (*layer.keys, *layer.values)) // layer.keys[0].shape[2], None)
+
+
+_KINDS = (PlainKV, RotatingKV, Arrays, QuantizedKV)
 
 _REFUSED = {
     "ChunkedKVCache": "chunked attention caches have no batch form in mlx-lm (its BatchGenerator refuses them too)",
-    "QuantizedKVCache": "quantized KV caches have no batch form in mlx-lm (its BatchGenerator refuses them too)",
     "ConcatenateKVCache": "concatenating caches have no batch form in mlx-lm",
 }
 
@@ -409,6 +531,74 @@ def cache_arrays(cache: Cache) -> list[Any]:
     return [layer.state for layer in cache]
 
 
+# ---- quantized KV (EngineConfig.kv_bits) ---------------------------------------------------------------
+
+
+class QuantizationRefused(TypeError):
+    """A cache kind mlx-lm cannot quantize (its `to_quantized` raises) in a model's cache."""
+
+    def __init__(self, cache_class: str, reason: str):
+        super().__init__(f"{cache_class}: {reason}")
+        self.cache_class = cache_class
+        self.reason = reason
+
+
+def _quantizes(layer: Any) -> bool:
+    """mlx-lm's rule (`maybe_quantize_kv_cache`): a layer converts if it has `to_quantized`; plain KV does,
+    recurrent state (ArraysCache) and CacheList do not and stay as they are."""
+    return isinstance(layer, PlainKV.classes) and hasattr(layer, "to_quantized")
+
+
+def check_quantizable(cache: Cache) -> list[bool]:
+    """Which layers of a fresh single-request cache quantize. Raises QuantizationRefused for a layer whose
+    `to_quantized` mlx-lm 0.32 does not implement (RotatingKVCache: sliding windows and max_kv_size)."""
+    for layer in cache:
+        parts = layer.caches if isinstance(layer, mlx_cache.CacheList) else (layer,)
+        for part in parts:
+            if isinstance(part, RotatingKV.classes):
+                raise QuantizationRefused(type(part).__name__, "mlx-lm 0.32 cannot quantize a rotating (sliding "
+                                          "window) cache: its to_quantized raises NotImplementedError")
+    return [_quantizes(layer) for layer in cache]
+
+
+def quantize_layers(cache: Cache, group_size: int, bits: int) -> Cache:
+    """Convert a single-request cache's plain KV layers to quantized storage, in place (mlx-lm's
+    `maybe_quantize_kv_cache` once its check passes); other layers are left as they are. Returns the cache."""
+    for i, layer in enumerate(cache):
+        if _quantizes(layer):
+            cache[i] = layer.to_quantized(group_size=group_size, bits=bits)
+    return cache
+
+
+def is_quantized(cache: Cache) -> bool:
+    return any(isinstance(layer, QuantizedKV.classes + QuantizedKV.batch_classes) for layer in cache)
+
+
+def quantized_layout(cache: Cache, group_size: int, bits: int) -> list[int | None]:
+    """Bytes per token of each layer once quantized (None for a layer that stays as it is), measured on a
+    single-request cache holding one token (converted here, so `cache` is consumed)."""
+    flags = [_quantizes(layer) for layer in cache]
+    quantize_layers(cache, group_size, bits)
+    mx.eval(cache_arrays(cache))
+    return [QuantizedKV.layout(layer).bytes_per_token if flag else None for layer, flag in zip(cache, flags)]
+
+
+def cache_offset(cache: Cache) -> int:
+    """Tokens a single-request cache holds (its first layer with a token count; recurrent layers have none)."""
+    for layer in cache:
+        if isinstance(layer, mlx_cache.CacheList):
+            layer = layer.caches[0]
+        offset = getattr(layer, "offset", None)
+        if isinstance(offset, int):
+            return offset
+    raise ValueError("no layer of this cache counts tokens")
+
+
+def take_rows(batch: Cache, rows: Sequence[int]) -> list[Cache]:
+    """Single-request caches of some rows of a splittable batch cache (copies; the batch is unchanged)."""
+    return [[layer.extract(i) for layer in batch] for i in rows]
+
+
 # ---- per-row rollback (speculative decoding) --------------------------------------------------------------
 
 
@@ -452,7 +642,7 @@ def rollback_rows(batch_cache_layers: Sequence[Any], drop: Sequence[int] | mx.ar
     """
     layers = list(batch_cache_layers)
     for layer in layers:
-        if not isinstance(layer, mlx_cache.BatchKVCache):
+        if not isinstance(layer, _PLAIN_BATCH_KV):
             kind = _kind_of(layer) if not isinstance(layer, mlx_cache.CacheList) else None
             why = "cannot be rolled back" if kind is not None and not kind.caps.rollback else "is not a batch cache"
             raise TypeError(f"rollback_rows: {type(layer).__name__} {why}")

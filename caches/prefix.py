@@ -169,8 +169,11 @@ class PrefixCache:
         self.version += 1
 
     def clear(self) -> None:
+        """Drop every entry (a decision: recorded as `prefix_clear`, with how many entries and bytes went)."""
+        entries, nbytes = len(self._entries), self.bytes
         for entry in list(self._entries.values()):
             self._remove(entry)
+        self._on_event("prefix_clear", entries=entries, nbytes=nbytes)
 
     # ---- summaries ------------------------------------------------------------------------------------
     def __len__(self) -> int:

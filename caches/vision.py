@@ -5,7 +5,7 @@ features, shape ``(num_image_tokens, hidden)``), not the request's full input em
 only on the pixels, the image grid and the model; the embeddings and M-RoPE positions also depend on the prompt
 text, so caching features lets the same image be reused under any prompt while still skipping the expensive
 part (the vision tower) entirely. Re-merging features into the text embeddings and recomputing positions is
-cheap and done per request by the adapter (``scheduler/models/vlm.py``).
+cheap and done per request by the adapter (``scheduler/models/adapter.py``).
 
 Keys are built by the adapter from the preprocessed pixel values (the exact encoder input: after decode, EXIF
 rotation, resize and normalisation), the image grid and a model/processor fingerprint; never from file names. Two

@@ -6,6 +6,8 @@ import math
 import os
 from dataclasses import dataclass, field
 
+KV_BITS = (4, 8)  # quantized KV cache bits (kv_bits)
+KV_GROUP_SIZES = (32, 64, 128)  # what mx.quantize supports
 CHECK_INVARIANTS_ENV = "MLXSCHED_CHECK_INVARIANTS"  # "1": check_invariants defaults to on (the test suite sets it)
 
 
@@ -27,20 +29,35 @@ class EngineConfig:
         tokens count against max_batched_tokens, after prefill.
     drafter: "prompt-lookup" (n-gram match in the request's own history, no model), "draft-model" (a smaller
         model with the same vocabulary) or "mtp" (a multi-token-prediction head on the target's hidden states).
+    adaptive_drafting: each row's draft length follows its recent acceptance and a row whose drafts keep
+        being rejected pauses until its context changes (prompt lookup, draft model; see
+        `scheduler/execution/drafters.py`). False: every drafting row proposes up to draft_tokens each tick.
     vision_budget: media items whose encoding runs in one tick (so much media cannot stall decoding): an image
         is one item, a video one per temporal patch of its selected frames (Qwen2-VL: 2 frames), an audio clip
         one. A request with more items than the whole budget is encoded alone in a tick.
     video_fps: frames sampled per second of video, by timestamp (scheduler/models/media.py).
     video_max_frames: at most this many frames per video, spread evenly over the clip when fps would give more.
     vision_cache_bytes: byte budget of the vision-encoder output cache (VLMs; 0 turns it off).
+    max_images_per_request: at most this many images in one request (more is refused with InvalidRequest).
     max_kv_size: keep only the last `max_kv_size` tokens of each request's context (rotating caches, no
         attention sinks), for models without their own cache layout; positions stay true (RoPE uses the real
         offset). None keeps everything.
     kv_memory_bytes: hard budget on the bytes of the KV caches of running requests (prefix-cache entries have
         their own budget). The planner admits only what fits and preempts when decoding outgrows it.
     kv_headroom_tokens: tokens of growth per row an admission must leave room for (prevents thrash).
+    kv_bits: quantized KV cache (mlx-lm's `kv_bits`): 4 or 8 bits per value, or None (off). A request's
+        plain KV layers switch to quantized storage once its context passes `quantized_kv_start`, at exactly
+        the point mlx-lm's generate_step would switch that request alone (caches/kv.py QuantizeRule), so
+        batched greedy output equals mlx-lm's with the same three settings; the KV budget counts the
+        quantized bytes. Recurrent layers stay as they are (as in mlx-lm); sliding-window layers and
+        max_kv_size are refused (mlx-lm 0.32 cannot quantize a rotating cache), and so is drafting.
+    kv_group_size: values per quantization group along head_dim (32, 64 or 128; must divide head_dim).
+    quantized_kv_start: context length (tokens in the cache) from which a request's KV is quantized.
     prefix_cache_bytes: byte budget of the prefix cache (LRU); 0 turns it off.
     prefix_block_size: tokens per hashed block of the prefix index (the shortest reusable prefix).
+    processor_history: the tokens a logits processor and the repetition / presence penalties see: "prompt+output"
+        (mlx-lm's semantics: every token so far) or "output" (vllm-mlx's: generated tokens only, an empty array
+        for the first token; the compat surface's setting).
     logprob_vectors: give every output token's full log-softmax vector in StepOutput.logprob_vectors
         (what vllm-mlx's MLLMBatchResponse.logprobs carries); off by default: it keeps a (V,) array per row.
     mix: "decode-first" (every running row decodes every tick; prefill gets what is left: steady streams,
@@ -59,18 +76,24 @@ class EngineConfig:
     max_prefill_tokens: int | None = None  # cap on prefill tokens per tick (None: what decode leaves)
     max_model_len: int | None = None
     penalty_context: int = 20
+    processor_history: str = "prompt+output"  # or "output" (vllm-mlx)
     seed: int = 0
     policy: str = "fcfs"
     mix: str = "decode-first"  # or "prefill-first"
     draft_tokens: int = 0  # speculative decoding: draft tokens per row per tick (0 = off)
     drafter: str = "prompt-lookup"  # or "draft-model" (Engine(draft_model=...)) or "mtp" (Engine(mtp_head=...))
+    adaptive_drafting: bool = True
     vision_budget: int = 4  # media items encoded per tick
     video_fps: float = 2.0
     video_max_frames: int = 32
     vision_cache_bytes: int = 256 << 20
+    max_images_per_request: int = 16
     max_kv_size: int | None = None  # bounded context: rotating caches of this many tokens
     kv_memory_bytes: int | None = None  # hard budget for KV caches; None = unbounded
     kv_headroom_tokens: int = 32
+    kv_bits: int | None = None  # quantized KV cache: 4 or 8 bits, None = off
+    kv_group_size: int = 64
+    quantized_kv_start: int = 0
     prefix_cache_bytes: int = 0  # 0 disables the prefix cache
     prefix_block_size: int = 16
     logprob_vectors: bool = False
@@ -78,7 +101,8 @@ class EngineConfig:
     check_invariants: bool = field(default_factory=lambda: os.environ.get(CHECK_INVARIANTS_ENV) == "1")
 
     def __post_init__(self) -> None:
-        for name in ("max_batched_tokens", "max_seqs", "prefill_chunk", "penalty_context", "vision_budget"):
+        for name in ("max_batched_tokens", "max_seqs", "prefill_chunk", "penalty_context", "vision_budget",
+                     "max_images_per_request"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
@@ -99,12 +123,28 @@ class EngineConfig:
             raise ValueError(f"draft_tokens: must be an integer in [0, 64], got {self.draft_tokens!r}")
         if self.mix not in ("decode-first", "prefill-first"):
             raise ValueError(f"mix: must be 'decode-first' or 'prefill-first', got {self.mix!r}")
+        if self.processor_history not in ("prompt+output", "output"):
+            raise ValueError(f"processor_history: must be 'prompt+output' or 'output', got {self.processor_history!r}")
         if self.drafter not in ("prompt-lookup", "draft-model", "mtp"):
             raise ValueError(f"drafter: must be 'prompt-lookup', 'draft-model' or 'mtp', got {self.drafter!r}")
         if self.max_kv_size is not None and (not isinstance(self.max_kv_size, int) or self.max_kv_size < 2):
             raise ValueError(f"max_kv_size: must be an integer >= 2 or None, got {self.max_kv_size!r}")
         if self.kv_memory_bytes is not None and (not isinstance(self.kv_memory_bytes, int) or self.kv_memory_bytes < 1):
             raise ValueError(f"kv_memory_bytes: must be a positive integer or None, got {self.kv_memory_bytes!r}")
+        if self.kv_bits is not None:
+            if self.kv_bits not in KV_BITS or isinstance(self.kv_bits, bool):
+                raise ValueError(f"kv_bits: must be one of {KV_BITS} or None, got {self.kv_bits!r}")
+            if self.max_kv_size is not None:
+                raise ValueError("kv_bits with max_kv_size: mlx-lm 0.32 cannot quantize the rotating caches "
+                                 "max_kv_size builds (RotatingKVCache.to_quantized raises NotImplementedError)")
+            if self.draft_tokens:
+                raise ValueError("kv_bits with draft_tokens: a quantized batch cache cannot be rolled back per "
+                                 "row after draft verification")
+        if self.kv_group_size not in KV_GROUP_SIZES or isinstance(self.kv_group_size, bool):
+            raise ValueError(f"kv_group_size: must be one of {KV_GROUP_SIZES}, got {self.kv_group_size!r}")
+        if (not isinstance(self.quantized_kv_start, int) or isinstance(self.quantized_kv_start, bool)
+                or self.quantized_kv_start < 0):
+            raise ValueError(f"quantized_kv_start: must be an integer >= 0, got {self.quantized_kv_start!r}")
         if not isinstance(self.kv_headroom_tokens, int) or self.kv_headroom_tokens < 0:
             raise ValueError(f"kv_headroom_tokens: must be an integer >= 0, got {self.kv_headroom_tokens!r}")
         if not isinstance(self.vision_cache_bytes, int) or self.vision_cache_bytes < 0:

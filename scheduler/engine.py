@@ -18,6 +18,8 @@ from typing import Any, AsyncIterator, Iterator, Sequence
 
 import mlx.core as mx
 
+from caches.layers import MaskLayout, QuantizationRefused
+
 from .execution import library
 from .config import EngineConfig
 from .plan import PLAN_RECORD_GROUPS
@@ -148,12 +150,14 @@ class Engine:
         self.vlm, self.vision_cache = family.vlm, family.vision_cache
         self.tokenizer, self.vocab_size = family.tokenizer, family.vocab_size
         self.max_model_len = self.config.max_model_len or family.max_positions or 1 << 30
-        if self.config.max_kv_size is not None and not library.supports_max_kv_size(model):
+        if self.config.max_kv_size is not None and not library.supports_max_kv_size(
+                model.language_model if self.vlm is not None else model):
             raise ValueError("max_kv_size: this model builds its own caches (e.g. sliding windows); "
                              "mlx-lm ignores max_kv_size for it and so would the results")
         # The KV layout is measured for text models even without a budget: the trace records it, so a what-if
         # simulation can try a budget on any trace.
-        self.kv_layout = None if self.vlm is not None else library.kv_layout(model, self.config.max_kv_size)
+        self.kv_layout = self.vlm.kv_layout() if self.vlm is not None else library.kv_layout(model, self.config.max_kv_size)
+        self.quantize = self._quantize_rule(model)  # kv_bits: and the layout counts quantized bytes
         if self.kv_layout is not None and draft_model is not None and self.config.drafter == "draft-model":
             # the draft model keeps a row per decoding request too: the budget counts its layers as well
             self.kv_layout = self.kv_layout.combined(library.kv_layout(draft_model))
@@ -165,10 +169,11 @@ class Engine:
         self.shard = _Shard.create(shard_group, self) if shard_group is not None and shard_group.size() > 1 else None
         prefix_payloads = self.shard.prefix_payloads if self.shard is not None else self.scheduler.prefix_cache
         self.executor = executor or MLXExecutor(family.runner, penalty_context=self.config.penalty_context,
+                                                processor_history=self.config.processor_history,
                                                 prefix_cache=prefix_payloads,
                                                 logprob_vectors=self.config.logprob_vectors,
                                                 drafter=self._make_drafter(draft_model, mtp_head),
-                                                on_event=self._executor_event)
+                                                on_event=self._executor_event, quantize=self.quantize)
         if self.shard is not None:
             self.executor = self.shard.wrap(self.executor)
         self.loop = TickLoop(self.scheduler, self.executor)
@@ -176,6 +181,7 @@ class Engine:
         self._lock = threading.Lock()
         self._inbox: list[_Arrival] = []
         self._abort_inbox: list[str] = []
+        self._clear_prefix_requested = False  # clear_prefix_cache(): applied at the start of the next tick
         self._known_live: set[str] = set()  # ids accepted and not ended (guarded by _lock)
         self._ended: OrderedDict[str, RequestState] = OrderedDict()
         self._ids = itertools.count()
@@ -186,10 +192,32 @@ class Engine:
             model=library.model_identity(model.language_model if self.vlm else model),
             vocab_size=self.vocab_size, max_model_len=self.max_model_len,
             stop_token_ids=sorted(self.scheduler.model_stop_ids),
-            kv_layout=[[layer.bytes_per_token, layer.window] for layer in self.kv_layout.layers]
-            if self.kv_layout is not None else None,
+            kv_layout=None if self.kv_layout is None else (
+                self.kv_layout.record() if self.quantize is not None
+                else [[layer.bytes_per_token, layer.window] for layer in self.kv_layout.layers]),
             plan_records=list(PLAN_RECORD_GROUPS),  # the optional plan-record keys this engine writes
         )
+
+    def _quantize_rule(self, model: Any) -> Any:
+        """The QuantizeRule for EngineConfig.kv_bits (None when off), after checking at configuration that this
+        model's caches can be quantized and batched that way; self.kv_layout then counts quantized bytes."""
+        cfg = self.config
+        if cfg.kv_bits is None:
+            return None
+        if self.vlm is not None:
+            raise UnsupportedFeature(library.model_type_of(model.language_model), "kv_bits",
+                                     "quantized KV caches are not built for vision-language models yet (mlx-vlm's "
+                                     "own generate keeps its last layer unquantized and has its own schedule)")
+        family = self._runner.family
+        if family.mask is not MaskLayout.HEADS:
+            raise UnsupportedFeature(family.model_type, "kv_bits", f"its attention needs the {family.mask.value} "
+                                     "mask layout, which the quantized batch cache does not build")
+        rule = library.quantize_rule(cfg.kv_bits, cfg.kv_group_size, cfg.quantized_kv_start)
+        try:
+            self.kv_layout = library.quantized_kv_layout(model, self.kv_layout, rule)
+        except QuantizationRefused as exc:
+            raise UnsupportedFeature(family.model_type, "kv_bits", str(exc)) from None
+        return rule
 
     def _make_drafter(self, draft_model: Any, mtp_head: Any) -> Any:
         cfg = self.config
@@ -197,9 +225,12 @@ class Engine:
             if draft_model is not None:
                 raise ValueError("draft_model given but draft_tokens is 0: set EngineConfig(draft_tokens=k)")
             return None
-        if self.vlm is not None or cfg.max_kv_size is not None:
-            raise ValueError("draft_tokens: speculative decoding needs plain KV caches on a text model (no "
-                             "sliding windows, no max_kv_size)")
+        if cfg.max_kv_size is not None:
+            raise ValueError("draft_tokens: speculative decoding needs plain KV caches (no sliding windows, no "
+                             "max_kv_size)")
+        if self.vlm is not None and cfg.drafter == "mtp":
+            raise UnsupportedFeature(self.vlm.spec.model_type, "drafter='mtp'",
+                                     "an MTP head reads a text model's hidden states; no mlx-vlm family here has one")
         runner = self._runner
         if not runner.capabilities.rollback:  # verification must be undone exactly for rejected drafts
             kinds = [c.kind for c in runner.capabilities.layers if not c.rollback]
@@ -210,18 +241,23 @@ class Engine:
 
         if cfg.drafter == "mtp":
             if mtp_head is None:
-                raise ValueError("drafter='mtp' needs Engine(..., mtp_head=...) (from_pretrained loads the head "
-                                 "stored next to the model, if any)")
-            from .execution.mtp import MTPDrafter
+                raise ValueError("drafter='mtp' needs Engine(..., mtp_head=...): an MTPHead (from_pretrained loads "
+                                 "the head stored next to the model, if any), or the model itself when it carries "
+                                 "its own MTP module (.mtp and .mtp_forward)")
+            from .execution.mtp import MTPDrafter, NativeMTPDrafter
 
+            if library.has_native_mtp(mtp_head):
+                if mtp_head is not self.model:
+                    raise ValueError("a native MTP module drafts for its own model: pass mtp_head=<the engine's model>")
+                return NativeMTPDrafter(self.model)
             return MTPDrafter(mtp_head, self.model)
         if cfg.drafter == "draft-model":
             if draft_model is None:
                 raise ValueError("drafter='draft-model' needs Engine(..., draft_model=<mlx-lm model>)")
             if library.vocab_size(draft_model) != self.vocab_size:
                 raise ValueError("the draft model must share the target's vocabulary")
-            return DraftModelDrafter(draft_model)
-        return PromptLookupDrafter()
+            return DraftModelDrafter(draft_model, adaptive=cfg.adaptive_drafting)
+        return PromptLookupDrafter(adaptive=cfg.adaptive_drafting)
 
     def draft_stats(self) -> dict[str, Any]:
         """Speculative decoding: drafted, accepted, rejected, acceptance rate, verify forwards and tokens per
@@ -348,11 +384,10 @@ class Engine:
     def _prepare_media(self, prompt: Any, prompt_tokens: Any, images: Any, videos: Any = None,
                        audio: Any = None) -> tuple[Any, str | None]:
         """Preprocess on the caller's thread (CPU work). Returns (prepared inputs, media error)."""
-        from .models.vlm import MediaError, PreparedRequest
+        from .models.media import MediaError, MediaLimit, RemoteMedia
 
         if prompt_tokens is not None:
-            return PreparedRequest(input_ids=list(prompt_tokens), pixel_values=None, image_grid_thw=None, extras={},
-                                   media_key=None, num_media_tokens=0), None
+            return self.vlm.text_request(prompt_tokens), None
         if isinstance(prompt, str) and not prompt:
             raise InvalidRequest("prompt", "is empty")
         kwargs: dict[str, Any] = {}
@@ -362,6 +397,8 @@ class Engine:
             kwargs["audio"] = list(audio)
         try:
             return self.vlm.prepare(prompt, list(images or ()), **kwargs), None
+        except (RemoteMedia, MediaLimit) as exc:  # known without reading anything: refused now
+            raise InvalidRequest(f"{exc.kind}s", str(exc)) from None
         except MediaError as exc:
             return None, f"unreadable {getattr(exc, 'kind', 'image')}: {exc}"
         except (ValueError, TypeError) as exc:
@@ -389,6 +426,18 @@ class Engine:
             if request_id in self._ended:
                 return False
         raise UnknownRequest(request_id)
+
+    def clear_prefix_cache(self) -> bool:
+        """Empty the prefix cache at the start of the next tick, like an abort (so the trace records it at a
+        tick and replay applies it there); requests arriving before that tick see an empty cache too. Returns
+        False when this engine has no prefix cache."""
+        if self.scheduler.prefix_cache is None:
+            return False
+        if self.shard is not None:
+            raise RuntimeError("clear_prefix_cache: not built for a sharded engine (the followers hold payloads)")
+        with self._lock:
+            self._clear_prefix_requested = True
+        return True
 
     # ---- the loop -------------------------------------------------------------------------------
     def has_pending(self) -> bool:
@@ -444,6 +493,7 @@ class Engine:
         with self._lock:
             arrivals, self._inbox = self._inbox, []
             aborts, self._abort_inbox = self._abort_inbox, []
+            clear_prefix, self._clear_prefix_requested = self._clear_prefix_requested, False
         failed = []
         for a in arrivals:
             request = Request(
@@ -462,6 +512,8 @@ class Engine:
             if rid in self.scheduler.requests
         ]
         self.loop.release(o.request_id for o in outputs)
+        if clear_prefix:
+            self.scheduler.clear_prefix_cache(tick)
         return outputs
 
     def _record_ends(self, outputs: list[StepOutput]) -> None:
@@ -713,16 +765,15 @@ def _model_family(model: Any, tokenizer: Any, config: EngineConfig, on_vision_ev
     if not library.is_vision_language_model(model):
         return _ModelFamily(TextRunner(model, config.max_kv_size), tokenizer, library.vocab_size(model),
                             library.max_positions(model), library.eos_token_ids(tokenizer))
-    if config.kv_memory_bytes is not None or config.max_kv_size is not None:
-        raise ValueError("kv_memory_bytes and max_kv_size are not supported for vision-language models yet")
     from caches.vision import VisionCache
 
-    from .models.vlm import adapter_for
+    from .models.adapter import adapter_for
 
     vision_cache = VisionCache(config.vision_cache_bytes, on_event=on_vision_event) if config.vision_cache_bytes else None
     # for an mlx-vlm model, `tokenizer` is its processor
     vlm = adapter_for(model, tokenizer, vision_cache, video_fps=config.video_fps,
-                      video_max_frames=config.video_max_frames)
+                      video_max_frames=config.video_max_frames, max_kv_size=config.max_kv_size,
+                      max_images_per_request=config.max_images_per_request)
     return _ModelFamily(VisionLanguageRunner(vlm), vlm.tokenizer, vlm.vocab_size, vlm.max_positions,
                         vlm.eos_token_ids, vlm, vision_cache)
 

@@ -104,6 +104,13 @@ class _KVTracker:
             full_prefilling = {k: v for k, v in prefilling.items() if k != request.request_id}
             if self.bytes(full_rows, full_prefilling, grow=self.headroom, joining={}) > self.budget:
                 return False
+            if self.layout.quantized_rows_from is not None:
+                # kv_bits: a prompt is held in float storage until its conversion point, so its prefill
+                # peak (all but its last token, float) can exceed what it costs as a quantized row
+                full_rows.pop(request.request_id)
+                full_prefilling[request.request_id] = (request.prefill_len - 1, chunk.num_tokens)
+                if self.bytes(full_rows, full_prefilling, grow=self.headroom, joining={}) > self.budget:
+                    return False
         self.rows, self.prefilling, self.joining = rows, prefilling, joining
         return True
 

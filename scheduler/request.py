@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .plan import NewRequest
 
 LogitsProcessor = Callable[[Any, Any], Any]  # (tokens so far: mx.array, logits (1, V)) -> logits
+Sampler = Callable[[Any], Any]  # (logprobs (1, V): mx.array) -> token (1,), as mlx-lm's make_sampler returns
 
 
 class FinishReason(str, enum.Enum):
@@ -76,6 +77,12 @@ class SamplingParams:
     seed: int | None = None
     logprobs: bool = False
     logits_processors: tuple[LogitsProcessor, ...] = ()
+    # A custom sampling function (mlx-lm's `make_sampler(...)` shape) that picks this request's tokens instead of
+    # the temperature / top_p / top_k / min_p fields; it is Python, so the row is sampled on its own and never
+    # drafts. None: the fields decide (vectorised across the batch).
+    sampler: Sampler | None = None
+    # False keeps this request out of speculative decoding even when the engine drafts (vllm-mlx's mllm_draft)
+    allow_drafts: bool = True
 
     def __post_init__(self) -> None:
         # InvalidRequest is a ValueError whose message starts with the field name.
@@ -104,6 +111,9 @@ class SamplingParams:
         _check(isinstance(procs, (tuple, list)) and all(callable(p) for p in procs), "logits_processors",
                "must be a sequence of callables (tokens, logits) -> logits")
         object.__setattr__(self, "logits_processors", tuple(procs))
+        _check(self.sampler is None or callable(self.sampler), "sampler",
+               "must be None or a callable logprobs (1, V) -> token (1,)")
+        _check(isinstance(self.allow_drafts, bool), "allow_drafts", f"must be a bool, got {self.allow_drafts!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -114,6 +124,7 @@ class SamplingParams:
         record = {f: getattr(self, f) for f in _RECORDED_SAMPLING_FIELDS}
         record["stop_token_ids"] = list(self.stop_token_ids)
         record["num_logits_processors"] = len(self.logits_processors)
+        record["custom_sampler"] = self.sampler is not None
         return record
 
     @classmethod
@@ -154,15 +165,17 @@ class Request:
     state_entered_time: float = 0.0
     state: RequestState = RequestState.QUEUED
     # May this row propose draft tokens? Not when its next tokens depend on per-position Python or history the
-    # verifier does not replay: logits processors, penalties, per-token logprobs. A decision fact, recorded in
-    # the trace (processors are code and cannot be), so replay rebuilds it; None: derived from `sampling`.
+    # verifier does not replay (logits processors, a custom sampler, penalties, per-token logprobs), nor when it
+    # opted out (allow_drafts). A decision fact, recorded in the trace (processors are code and cannot be), so
+    # replay rebuilds it; None: derived from `sampling`.
     draft_eligible: bool | None = None
 
     def __post_init__(self) -> None:
         if self.draft_eligible is None:
             s = self.sampling
-            self.draft_eligible = not (s.logits_processors or s.logprobs or s.presence_penalty
-                                       or s.repetition_penalty != 1)
+            self.draft_eligible = s.allow_drafts and not (
+                s.logits_processors or s.sampler is not None or s.logprobs or s.presence_penalty
+                or s.repetition_penalty != 1)
 
     @classmethod
     def from_new_request(cls, new: "NewRequest") -> "Request":

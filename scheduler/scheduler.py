@@ -93,6 +93,12 @@ class Scheduler:
     def _cache_event(self, kind: str, **fields) -> None:
         self.events.emit(kind, self._tick, **fields)
 
+    def clear_prefix_cache(self, tick: int) -> None:
+        """Empty the prefix cache at the start of `tick` (before its plan): later lookups miss until new stores."""
+        if self.prefix_cache is not None:
+            self._tick = tick
+            self.prefix_cache.clear()
+
     # ---- requests in and out ----------------------------------------------------------------------
     def add(self, request: Request, tick: int, error: str | None = None) -> StepOutput | None:
         """Queue an arrival. With `error` (its input turned out unusable, e.g. unreadable media) it is accepted

@@ -70,3 +70,12 @@ def tiny_vlm_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def vlm_eos_model_dir(tmp_path_factory) -> Path:
     return build_model("vlm-eos", tmp_path_factory.mktemp("tiny-vlm-eos"))
+
+
+@pytest.fixture(scope="session")
+def native_mtp_model(tmp_path_factory):
+    """(model, TokenizerWrapper): the tiny qwen3 carrying its own MTP module the way vllm-mlx's MTP models do
+    (scheduler/fixtures/native_mtp.py), with the text-mtp build's fitted head."""
+    from scheduler.fixtures.native_mtp import load_native_mtp
+
+    return load_native_mtp(build_model("text-mtp", tmp_path_factory.mktemp("tiny-text-mtp")))

@@ -1,5 +1,5 @@
 """Audio inputs on a tiny Gemma 4 built offline (`build_model("audio")`): it loads and generates through
-mlx_vlm with an audio clip; the Gemma4AudioAdapter, solo and batched with text requests (sliding-window caches
+mlx_vlm with an audio clip; the VLMAdapter, solo and batched with text requests (sliding-window caches
 wrapping), gives exactly the tokens of mlx_vlm.stream_generate run alone; a repeated clip hits the encoder
 cache; bad audio fails with MediaError naming the clip."""
 
@@ -17,7 +17,7 @@ from caches.vision import VisionCache  # noqa: E402
 from scheduler.execution import library  # noqa: E402
 from scheduler.models.media import load_audio  # noqa: E402
 from scheduler.fixtures.tiny_models import ALL_KINDS, MODEL_KINDS, build_model  # noqa: E402
-from scheduler.models.vlm import Gemma4AudioAdapter, MediaError, adapter_for  # noqa: E402
+from scheduler.models.adapter import MediaError, VLMAdapter, adapter_for  # noqa: E402
 
 MAX_TOKENS = 12
 CHUNK = 7
@@ -38,7 +38,7 @@ def gemma(audio_model_dir):
 
 @pytest.fixture(scope="module")
 def adapter(gemma):
-    return Gemma4AudioAdapter(*gemma)
+    return VLMAdapter(*gemma)
 
 
 def tone(seconds, seed, rate=RATE):
@@ -190,7 +190,7 @@ def mixed(gemma, adapter, clips):
 def test_prepare_shapes(adapter, mixed):
     prepared, _ = mixed
     first = prepared[0]
-    assert first.num_audio == 1 and first.num_media_tokens == 25 == first.input_ids.count(adapter.audio_token_id)
+    assert first.num_audio == 1 and first.num_media_tokens == 25 == first.input_ids.count(adapter.model.config.audio_token_id)
     assert first.num_media_items == 1 and first.media_key is not None
     assert prepared[1].num_media_tokens == 38  # ceil(1500 ms / 40 ms)
     assert len(prepared[1].input_ids) + MAX_TOKENS > 64  # the sliding layer's window wraps
@@ -219,10 +219,10 @@ def test_merge_equals_mlx_vlm_get_input_embeddings(gemma, adapter, mixed):
     model, _ = gemma
     for p in (mixed[0][0], mixed[0][5]):
         ours = adapter.encode(p)
-        theirs = model.get_input_embeddings(ours.input_ids, input_features=p.audio_features,
-                                            input_features_mask=p.audio_features_mask)
+        theirs = model.get_input_embeddings(ours.input_ids, input_features=p.media_inputs["input_features"],
+                                            input_features_mask=p.media_inputs["input_features_mask"])
         assert mx.array_equal(ours.embeddings, theirs.inputs_embeds)
-        assert mx.array_equal(ours.per_layer_inputs, theirs.per_layer_inputs)
+        assert mx.array_equal(ours.sequence_inputs["per_layer_inputs"], theirs.per_layer_inputs)
 
 
 def test_audio_inputs_as_path_bytes_and_array_agree(adapter, clips):
@@ -241,10 +241,10 @@ def test_audio_inputs_as_path_bytes_and_array_agree(adapter, clips):
 def test_repeated_clip_hits_the_cache(gemma, clips, mixed):
     _, references = mixed
     cache = VisionCache(16 << 20)
-    adapter = Gemma4AudioAdapter(*gemma, vision_cache=cache)
+    adapter = VLMAdapter(*gemma, vision_cache=cache)
     calls = []
-    inner = adapter.audio_encoder
-    adapter.audio_encoder = lambda f, m: calls.append(1) or inner(f, m)
+    inner = adapter.media_encoder
+    adapter.media_encoder = lambda ids, media, mask: calls.append(1) or inner(ids, media, mask)
     messages = audio_messages("What is in this clip?")
     first = adapter.prepare(messages, audio=[clips["a"]])
     again = adapter.prepare(messages, audio=[clips["a"].read_bytes()])
@@ -258,7 +258,7 @@ def test_repeated_clip_hits_the_cache(gemma, clips, mixed):
 
 
 def test_adapter_for_picks_gemma4(gemma):
-    assert isinstance(adapter_for(*gemma), Gemma4AudioAdapter)
+    assert isinstance(adapter_for(*gemma), VLMAdapter)
     assert adapter_for(*gemma).eos_token_ids == frozenset({1, 4})
 
 
@@ -353,3 +353,40 @@ def test_engine_repeated_clip_hits_the_cache_and_bad_audio_fails_alone(gemma, mi
     stats = engine.vision_cache_stats()
     assert (stats["hits"], stats["misses"]) == (1, 1)
     assert second.finish["missing"] is FinishReason.ERROR and "unreadable audio: audio 0:" in second.errors["missing"]
+
+
+def test_drafting_and_max_kv_size_are_refused_for_gemma4(gemma):
+    """Gemma 4 builds its own sliding-window caches: they cannot be rolled back after draft verification, and
+    max_kv_size would be ignored by them; both are refused at construction with the reason."""
+    from scheduler import Engine, EngineConfig
+    from scheduler.families import UnsupportedFeature
+
+    model, processor = gemma
+    with pytest.raises(UnsupportedFeature, match="cannot be rolled back"):
+        Engine(model, processor, EngineConfig(draft_tokens=2))
+    with pytest.raises(ValueError, match="max_kv_size"):
+        Engine(model, processor, EngineConfig(max_kv_size=64))
+
+
+def test_engine_kv_budget_preempts_audio_requests_and_stays_exact(gemma, mixed, clips):
+    """A KV budget of about three full rows (sliding-window layers counted at their window): audio requests are
+    preempted and recomputed (their clips re-encoded or taken from the cache), and every output equals solo."""
+    from scheduler.events import MemorySink
+
+    from .helpers import drive
+
+    model, processor = gemma
+    prepared, references = mixed
+    audio = [[clips["a"]], [clips["b"]], [clips["b8k"]], [(tone(0.8, 3), RATE)], [clips["stereo"]],
+             [clips["a"], (tone(0.5, 4), RATE)], None, None]
+    longest = max(len(p.input_ids) for p in prepared) + MAX_TOKENS
+    budget = Engine(model, processor).kv_layout.footprint([longest] * 3, [])
+    log = MemorySink()
+    engine = Engine(model, processor, EngineConfig(kv_memory_bytes=budget, kv_headroom_tokens=2,
+                                                   check_invariants=True), event_sinks=[log])
+    run = drive(engine, [(0, {"prompt": p.prompt, "audio": a, "sampling": SamplingParams(max_tokens=MAX_TOKENS)})
+                         for p, a in zip(prepared, audio)])
+    assert list(run.tokens.values()) == references
+    audio_ids = {rid for rid, a in zip(run.tokens, audio) if a}
+    preempted = {e["request_id"] for e in log.of_kind("transition") if e["to"] == "queued" and e["from"] != "queued"}
+    assert preempted & audio_ids, f"no audio request was preempted ({sorted(preempted)})"

@@ -165,8 +165,6 @@ def test_bad_requests_get_error_responses(text_model):
                        MLLMBatchRequest(uid=-1, request_id="img", prompt="hi", images=["x.png"])])
     tokens, finish = _run(gen)
     assert finish == {uids[0]: "length", uids[1]: "error", uids[2]: "error"}
-    with pytest.raises(ValueError, match="sampler"):
-        MLLMBatchGenerator(model, tokenizer, sampler=lambda x: x)
 
 
 def test_vlm_requests_with_and_without_images_match_solo(vlm_model_dir):
@@ -192,3 +190,107 @@ def test_vlm_requests_with_and_without_images_match_solo(vlm_model_dir):
     assert vstats["hits"] == len([e for e in sink.events if e["event"] == "vision_hit"]) == 1
     assert vstats["misses"] == 1
     assert gen.stats().num_images_processed == 2
+
+
+def test_image_prompt_without_placeholders_gets_them_and_says_so(vlm_model_dir):
+    import mlx_vlm
+    from mlx_vlm.prompt_utils import apply_chat_template
+
+    model, processor = mlx_vlm.load(str(vlm_model_dir))
+    gen = MLLMBatchGenerator(model, processor)
+    image = Image.fromarray(np.random.default_rng(1).integers(0, 256, (112, 140, 3), dtype=np.uint8))
+    text_only = apply_chat_template(processor, model.config, "What's in this image?", num_images=0)
+    uids = gen.insert([
+        MLLMBatchRequest(uid=-1, request_id="raw", prompt="What's in this image?", images=[image], max_tokens=5,
+                         temperature=0.0),
+        # templated, but with no placeholder: where the image goes cannot be known, so it is refused alone
+        MLLMBatchRequest(uid=-1, request_id="templated", prompt=text_only, images=[image], max_tokens=5,
+                         temperature=0.0),
+    ])
+    first, tokens, finish = {}, {}, {}
+    while gen.has_pending():
+        for r in gen.next():
+            first.setdefault(r.uid, r)
+            _collect([r], tokens, finish)
+    assert finish == {uids[0]: "length", uids[1]: "error"}
+    assert first[uids[0]].placeholders_inserted == 1
+    last = None
+    prompt = apply_chat_template(processor, model.config, "What's in this image?", num_images=1)
+    for last in mlx_vlm.stream_generate(model, processor, prompt, image=[image], max_tokens=5, temperature=0.0):
+        pass
+    assert tokens[uids[0]] == list(last.token_ids)
+
+
+def test_video_requests_pass_through_to_the_engine(vlm_model_dir):
+    import mlx_vlm
+
+    from scheduler import Engine, EngineConfig, SamplingParams
+
+    model, processor = mlx_vlm.load(str(vlm_model_dir))
+    frames = [np.random.default_rng(i).integers(0, 256, (56, 56, 3), dtype=np.uint8) for i in range(4)]
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what now?"}]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    gen = MLLMBatchGenerator(model, processor)
+    (uid,) = gen.insert([MLLMBatchRequest(uid=-1, request_id="v", prompt=prompt, videos=[frames], max_tokens=6,
+                                          temperature=0.0)])
+    tokens, finish = _run(gen)
+    (mine,) = Engine(model, processor, EngineConfig()).generate([prompt], SamplingParams(max_tokens=6),
+                                                                 videos=[[frames]])
+    assert finish[uid] == "length" and tokens[uid] == mine.token_ids
+
+
+def test_install_mtp_with_a_draft_model_and_a_native_module(text_model, native_mtp_model):
+    from scheduler.compat import MLLMBatch, PrefillAbortedError, install_mtp_mllm
+
+    model, tokenizer = text_model
+    prompts = [p for p in PROMPTS if len(p) > 20][:3]
+    expected = [solo_tokens(model, tokenizer, p, 12) for p in prompts]
+
+    # an external draft model (newer reference releases): the target itself here, so every draft is accepted
+    gen = MLLMBatchGenerator(model, tokenizer)
+    assert gen.prefix_cache is None and gen.language_model is model and not gen.is_vlm
+    install_mtp_mllm(gen, None, num_draft_tokens=1, draft_model=model, draft_block_size=4)
+    # with a draft model, only requests that ask for it draft (mllm_draft, default False as in the reference)
+    uids = gen.insert([MLLMBatchRequest(uid=-1, request_id=f"d{i}", prompt="", input_ids=p, max_tokens=12,
+                                        temperature=0.0, mllm_draft=True) for i, p in enumerate(prompts)]
+                      + [MLLMBatchRequest(uid=-1, request_id="optout", prompt="", input_ids=prompts[0],
+                                          max_tokens=12, temperature=0.0)])
+    tokens, seen_batch = {}, None
+    while gen.has_pending():
+        for r in gen.next():
+            tokens.setdefault(r.uid, []).append(r.token)
+            if r.request_id == "optout":
+                assert not r.from_draft and not r.mtp_attempted  # did not ask: never drafted
+        seen_batch = seen_batch or gen.active_batch
+    assert [tokens[u] for u in uids] == expected + [expected[0]]
+    stats = gen.get_mtp_stats()
+    assert stats["effective_draft_tokens"] == 3 and stats["attempted"] > 0  # a block of 4: 3 drafts + its own
+    assert stats["bypass_counts"]["logits_processors"] > 0  # steps where the request without mllm_draft decoded
+    assert stats["accepted"] == stats["attempted"]  # drafting with the target itself: all accepted
+    assert isinstance(seen_batch, MLLMBatch) and len(seen_batch) >= 1
+    assert PrefillAbortedError("x").request_id == "x"
+
+    # a native MTP module, installed directly; a request with a logits processor decodes without drafting
+    native, tok = native_mtp_model
+    gen = MLLMBatchGenerator(native, tok)
+    install_mtp_mllm(gen, gen.language_model, num_draft_tokens=4)
+    uids = gen.insert([MLLMBatchRequest(uid=-1, request_id="n", prompt="", input_ids=prompts[1], max_tokens=12,
+                                        temperature=0.0),
+                       MLLMBatchRequest(uid=-1, request_id="p", prompt="", input_ids=prompts[2], max_tokens=12,
+                                        temperature=0.0, logits_processors=[lambda t, x: x])])
+    tokens, _ = _run(gen)
+    assert [tokens[u] for u in uids] == [solo_tokens(native, tok, p, 12) for p in prompts[1:]]
+    stats = gen.get_mtp_stats()
+    assert stats["effective_draft_tokens"] == 1 and stats["requested_draft_tokens"] == 4
+    assert stats["accepted"] > 0 and stats["bypass_counts"]["logits_processors"] > 0
+    class AssistantDrafter:  # the shape of an mlx-vlm MTP assistant drafter (newer reference releases)
+        def reset(self, model):
+            pass
+
+        def set_shared_kv(self, *args, **kwargs):
+            pass
+
+    with pytest.raises(TypeError, match="assistant drafter"):
+        install_mtp_mllm(MLLMBatchGenerator(model, tokenizer), model, draft_model=AssistantDrafter())
+    with pytest.raises(TypeError, match="needs a drafter"):
+        install_mtp_mllm(MLLMBatchGenerator(model, tokenizer), model)  # a plain model has no MTP module

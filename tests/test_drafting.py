@@ -209,9 +209,9 @@ class _PositionCountingRunner:
                 Counting.positions += inputs.shape[0]
                 return super().decode(batch_cache, inputs, rope_deltas)
 
-            def verify(self, batch_cache, inputs):
+            def verify(self, batch_cache, inputs, rope_deltas=None):
                 Counting.positions += inputs.shape[0] * inputs.shape[1]
-                return super().verify(batch_cache, inputs)
+                return super().verify(batch_cache, inputs, rope_deltas)
 
         return Counting(model)
 

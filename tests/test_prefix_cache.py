@@ -7,6 +7,7 @@ import pytest
 
 from caches.prefix import PrefixCache
 from scheduler import Engine, EngineConfig, SamplingParams
+from scheduler.events import read_jsonl
 from scheduler.tools.replay import load_trace, replay
 
 from .helpers import drive, greedy, mixed_prompts, solo_tokens
@@ -162,3 +163,36 @@ def test_replay_reproduces_prefix_decisions(text_model, tmp_path):
     assert engine.prefix_cache_stats()["evictions"] > 0  # small budget: evictions happen and must replay too
     report = replay(load_trace(path))
     assert report.identical, report.format()
+
+
+def test_clear_prefix_cache_is_a_recorded_decision_that_replays(text_model, tmp_path):
+    model, tokenizer = text_model
+    prompt = mixed_prompts(1, 60, 60, seed=9)[0]
+    path = tmp_path / "clear.jsonl"
+    engine = Engine(model, tokenizer, EngineConfig(prefix_cache_bytes=1 << 22, trace_path=str(path)))
+    expected = solo_tokens(model, tokenizer, prompt, 5)
+    outputs, clear_ticks = [], []
+    for wave in range(3):
+        if wave == 2:
+            assert engine.clear_prefix_cache()
+            clear_ticks.append(engine.tick)  # applied at the start of the next tick
+        rid = engine.add_request(prompt_tokens=prompt, sampling=greedy(5))
+        tokens = []
+        while engine.has_pending():
+            tokens += [t for o in engine.step() if o.request_id == rid for t in o.token_ids]
+        outputs.append(tokens)
+    engine.close()
+    assert outputs == [expected] * 3
+    stats = engine.prefix_cache_stats()
+    assert stats["hits"] == 1 and stats["misses"] == 2  # the third request found the cache empty
+    events = [e for e in read_jsonl(path) if e["event"] == "prefix_clear"]
+    assert [e["tick"] for e in events] == clear_ticks and events[0]["entries"] >= 1
+    report = replay(load_trace(path))
+    assert report.identical, report.format()
+    # replay applies the clear: without it, the third request's lookup would hit and the replay would diverge
+    edited = tmp_path / "edited.jsonl"
+    edited.write_text("".join(line for line in path.read_text().splitlines(keepends=True)
+                              if '"prefix_clear"' not in line))
+    assert not replay(load_trace(edited)).identical
+    no_cache = Engine(model, tokenizer, EngineConfig())
+    assert no_cache.clear_prefix_cache() is False

@@ -53,3 +53,20 @@ def test_valid_prompt_is_copied():
     src = [1, 2, 3]
     out = validate_prompt_tokens(src, vocab_size=512, max_len=10)
     assert out == src and out is not src
+
+
+def test_custom_sampler_opt_out_and_processor_history_are_validated():
+    from scheduler.config import EngineConfig
+    from scheduler.request import InvalidRequest, Request, SamplingParams
+
+    with pytest.raises(InvalidRequest, match="sampler"):
+        SamplingParams(sampler="argmax")
+    with pytest.raises(InvalidRequest, match="allow_drafts"):
+        SamplingParams(allow_drafts=1)
+    with pytest.raises(ValueError, match="processor_history"):
+        EngineConfig(processor_history="all")
+    # a custom sampler or an opt-out keeps the request out of drafting; the trace records that it had a sampler
+    assert not Request("a", [1], SamplingParams(sampler=lambda lp: lp)).draft_eligible
+    assert not Request("b", [1], SamplingParams(allow_drafts=False)).draft_eligible
+    assert Request("c", [1], SamplingParams()).draft_eligible
+    assert SamplingParams(sampler=lambda lp: lp).to_record()["custom_sampler"] is True

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from scheduler import Engine, EngineConfig, FinishReason, RequestState, SamplingParams
+from scheduler.events import MemorySink
 
 from .helpers import solo_tokens
 
@@ -144,20 +145,28 @@ def test_random_interleavings_keep_every_guarantee(machine_class):
     assert SEEN["prefix_evictions"] > 0 and SEEN["processor_failures"] > 0, SEEN
 
 
-@pytest.fixture(scope="module")
-def vlm_machine_class(vlm_model_dir):
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen3_vl"])
+def vlm_machine_class(request, vlm_model_dir, tmp_path_factory):
+    """The VLM machine on a generic-adapter family: Qwen2-VL (tiny_models) or Qwen3-VL (deepstack inputs per
+    prefill chunk; scheduler/fixtures/vlm_families.py), under a KV budget that preempts image requests or none,
+    with prompt-lookup drafting or not."""
     import mlx_vlm
     import numpy as np
     from mlx_vlm.prompt_utils import apply_chat_template
     from PIL import Image
 
-    model, processor = mlx_vlm.load(str(vlm_model_dir))
+    from scheduler.fixtures.vlm_families import build_tiny_vlm
+
+    model_dir = vlm_model_dir if request.param == "qwen2_vl" else build_tiny_vlm(
+        request.param, tmp_path_factory.mktemp(f"stateful-{request.param}"))
+    model, processor = mlx_vlm.load(str(model_dir))
+    bytes_per_token = Engine(model, processor).kv_layout.bytes_per_token
     images = [Image.fromarray(np.random.default_rng(i).integers(0, 256, (h, w, 3), dtype=np.uint8))
               for i, (w, h) in enumerate([(56, 56), (84, 112), (112, 140)])]
     texts = ["Look.", "What is this thing here?", "Describe it in many words, please, carefully."]
 
     def solo(prompt, imgs, n):
-        key = (prompt, tuple(id(i) for i in imgs), n)
+        key = (request.param, prompt, tuple(id(i) for i in imgs), n)
         if key not in _SOLO:
             last = None
             for last in mlx_vlm.stream_generate(model, processor, prompt, image=list(imgs) or None,
@@ -167,11 +176,18 @@ def vlm_machine_class(vlm_model_dir):
         return _SOLO[key]
 
     class VLMMachine(RuleBasedStateMachine):
-        @initialize(chunk=st.sampled_from([7, 32]), vision_budget=st.sampled_from([1, 4]), prefix=st.booleans())
-        def start(self, chunk, vision_budget, prefix):
-            self.engine = Engine(model, processor, EngineConfig(
-                max_batched_tokens=chunk + 6, max_seqs=5, prefill_chunk=chunk, vision_budget=vision_budget,
-                prefix_cache_bytes=(8 << 20) if prefix else 0, check_invariants=True))
+        preemptions = 0  # over all examples: the budget really preempted
+
+        @initialize(chunk=st.sampled_from([7, 32]), vision_budget=st.sampled_from([1, 4]), prefix=st.booleans(),
+                    tight=st.booleans(), draft=st.sampled_from([0, 2]))
+        def start(self, chunk, vision_budget, prefix, tight, draft):
+            # tight: room for about three rows of the longest prompt (the batch cache grows in 256-token steps)
+            self.log = MemorySink()
+            self.engine = Engine(model, processor, event_sinks=[self.log], config=EngineConfig(
+                max_batched_tokens=chunk + 6 + 5 * draft, max_seqs=5, prefill_chunk=chunk,
+                vision_budget=vision_budget, prefix_cache_bytes=(8 << 20) if prefix else 0,
+                kv_memory_bytes=bytes_per_token * 1000 if tight else None, kv_headroom_tokens=2,
+                draft_tokens=draft, check_invariants=True))
             self.specs, self.tokens, self.ended, self.aborted = {}, {}, {}, set()
 
         @rule(text=st.sampled_from(range(3)), image=st.sampled_from([None, 0, 1, 2]), n=st.integers(1, 8))
@@ -210,6 +226,9 @@ def vlm_machine_class(vlm_model_dir):
                 else:
                     assert self.tokens[rid] == solo(prompt, imgs, n), rid
             assert self.engine.executor.cache_bytes() == 0 and not self.engine.executor.live_request_ids()
+            VLMMachine.preemptions += sum(1 for e in self.log.of_kind("transition")
+                                          if e["to"] == "queued" and e["from"] != "queued" and self.specs[
+                                              e["request_id"]][1])  # image requests preempted
 
     return VLMMachine
 
@@ -217,6 +236,7 @@ def vlm_machine_class(vlm_model_dir):
 @pytest.mark.slow
 def test_random_interleavings_with_images(vlm_machine_class):
     vlm_machine_class.TestCase.settings = settings(
-        max_examples=12, stateful_step_count=20, deadline=None,
+        max_examples=12, stateful_step_count=20, deadline=None, derandomize=True,  # the same examples every run
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
     vlm_machine_class.TestCase().runTest()
+    assert vlm_machine_class.preemptions > 0, "no example preempted an image request"

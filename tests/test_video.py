@@ -18,7 +18,7 @@ from PIL import Image  # noqa: E402
 from caches.vision import VisionCache  # noqa: E402
 from scheduler.execution import library  # noqa: E402
 from scheduler.models.media import load_video, sample_frame_indices, validate_video_sampling  # noqa: E402
-from scheduler.models.vlm import MediaError, Qwen2VLAdapter  # noqa: E402
+from scheduler.models.adapter import MediaError, VLMAdapter  # noqa: E402
 
 import cv2  # noqa: E402  (a declared dependency: a broken install fails here, it does not skip)
 
@@ -160,7 +160,7 @@ def vlm(vlm_model_dir):
 
 @pytest.fixture(scope="module")
 def adapter(vlm):
-    return Qwen2VLAdapter(*vlm)
+    return VLMAdapter(*vlm)
 
 
 def video_messages(text, n=1):
@@ -268,11 +268,11 @@ def test_video_prepare_shapes(adapter, mixed, video_path):
     assert video.num_videos == 1 and video.num_images == 0 and video.pixel_values is None
     assert video.video_frame_indices == ((0, 15, 30, 45, 60, 75),)
     # 6 frames of 64x48 -> resized to 56x56 -> grid (t=3, 4, 4) -> 3 * 16 / 4 = 12 video tokens
-    assert video.video_grid_thw.tolist() == [[3, 4, 4]]
-    assert video.num_media_tokens == 12 == video.input_ids.count(adapter.video_token_id)
-    assert video.pixel_values_videos.shape == (3 * 4 * 4, 3 * 2 * 14 * 14)
+    assert video.media_inputs["video_grid_thw"].tolist() == [[3, 4, 4]]
+    assert video.num_media_tokens == 12 == video.input_ids.count(adapter.model.config.video_token_id)
+    assert video.media_inputs["pixel_values_videos"].shape == (3 * 4 * 4, 3 * 2 * 14 * 14)
     assert video.num_media_items == 3  # one vision-budget unit per temporal patch
-    assert prepared[1].video_grid_thw.tolist()[0][0] == 3  # 5 frames padded to 6
+    assert prepared[1].media_inputs["video_grid_thw"].tolist()[0][0] == 3  # 5 frames padded to 6
     assert prepared[2].num_videos == 2 and prepared[2].video_frame_indices[0] == (0, 30, 60)
     assert prepared[2].num_media_items == 2 + 2
     assert prepared[3].num_media_items == 1 and prepared[4].num_media_items == 0
@@ -328,19 +328,19 @@ def test_templated_string_and_messages_agree(vlm, adapter, video_path):
 class Counting:
     def __init__(self, adapter):
         self.calls = 0
-        inner = adapter.vision_encoder
+        inner = adapter.media_encoder
 
-        def counted(pixels, grid):
+        def counted(ids, media, mask):
             self.calls += 1
-            return inner(pixels, grid)
+            return inner(ids, media, mask)
 
-        adapter.vision_encoder = counted
+        adapter.media_encoder = counted
 
 
 def test_repeated_video_hits_the_vision_cache(vlm, video_path, mixed):
     _, references = mixed
     cache = VisionCache(64 << 20)
-    adapter = Qwen2VLAdapter(*vlm, vision_cache=cache)
+    adapter = VLMAdapter(*vlm, vision_cache=cache)
     counter = Counting(adapter)
     messages = video_messages("What happens in the video?")
     first = adapter.prepare(messages, videos=[video_path], fps=2.0)
@@ -372,13 +372,13 @@ def test_other_frame_selection_is_another_key(adapter, video_path):
     assert keys[(1.5, 32)] != keys[(2.0, 5)]
     assert len({keys[k] for k in [(2.0, 32), (1.0, 32), (1.5, 32), (2.0, 5)]}) == 4
     image = noise_image(56, 56, seed=0)
-    as_image = Qwen2VLAdapter(adapter.model, adapter.processor).prepare(image_messages("x"), images=[image])
+    as_image = VLMAdapter(adapter.model, adapter.processor).prepare(image_messages("x"), images=[image])
     as_video = adapter.prepare(messages, videos=[[image, image]])
     assert as_image.media_key != as_video.media_key  # an image and a still video are different keys
 
 
 def test_adapter_default_sampling_and_engine_style_options(vlm, video_path):
-    from scheduler.models.vlm import adapter_for
+    from scheduler.models.adapter import adapter_for
 
     adapter = adapter_for(*vlm, video_fps=1.0, video_max_frames=2)
     p = adapter.prepare(video_messages("x"), videos=[video_path])

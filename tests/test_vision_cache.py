@@ -165,20 +165,20 @@ def messages(text):
 
 
 class CountingAdapter:
-    """A Qwen2VLAdapter whose vision encoder (its own seam, `adapter.vision_encoder`) is wrapped to count calls."""
+    """A VLMAdapter whose vision encoder (its own seam, `adapter.media_encoder`) is wrapped to count calls."""
 
     def __init__(self, vlm, cache):
-        from scheduler.models.vlm import Qwen2VLAdapter
+        from scheduler.models.adapter import VLMAdapter
 
-        self.adapter = Qwen2VLAdapter(*vlm, vision_cache=cache)
+        self.adapter = VLMAdapter(*vlm, vision_cache=cache)
         self.calls = 0
-        inner = self.adapter.vision_encoder
+        inner = self.adapter.media_encoder
 
-        def counted(pixel_values, grid):
+        def counted(ids, media, mask):
             self.calls += 1
-            return inner(pixel_values, grid)
+            return inner(ids, media, mask)
 
-        self.adapter.vision_encoder = counted
+        self.adapter.media_encoder = counted
 
     def generate(self, prompt, images):
         """Prepare, encode, chunked prefill and a greedy loop: (tokens, encoded)."""
@@ -266,9 +266,10 @@ def test_different_images_never_share_an_entry(vlm):
 
 def test_jpeg_bytes_and_decoded_image_share_a_key(vlm):
     """The key is the decoded, preprocessed content: bytes, a path or the PIL image of the same pixels agree."""
-    from scheduler.models.vlm import Qwen2VLAdapter, load_image
+    from scheduler.models.adapter import VLMAdapter
+    from scheduler.models.media import load_image
 
-    adapter = Qwen2VLAdapter(*vlm)
+    adapter = VLMAdapter(*vlm)
     buf = io.BytesIO()
     noise_image(112, 140, seed=9).save(buf, format="JPEG")
     decoded = load_image(buf.getvalue(), 0)
@@ -306,13 +307,13 @@ def test_the_key_includes_the_model(vlm, vlm_model_dir):
     """Same pixels through a model with different vision weights must not share an entry."""
     import mlx_vlm
 
-    from scheduler.models.vlm import Qwen2VLAdapter
+    from scheduler.models.adapter import VLMAdapter
 
     other_model, other_processor = mlx_vlm.load(str(vlm_model_dir))
     block = other_model.vision_tower.blocks[1].mlp.fc1
     block.weight = block.weight + 1e-3
     image = noise_image(56, 56, seed=5)
-    ours = Qwen2VLAdapter(*vlm).prepare(messages("x"), [image]).media_key
-    again = Qwen2VLAdapter(*vlm).prepare(messages("x"), [image]).media_key
-    theirs = Qwen2VLAdapter(other_model, other_processor).prepare(messages("x"), [image]).media_key
+    ours = VLMAdapter(*vlm).prepare(messages("x"), [image]).media_key
+    again = VLMAdapter(*vlm).prepare(messages("x"), [image]).media_key
+    theirs = VLMAdapter(other_model, other_processor).prepare(messages("x"), [image]).media_key
     assert ours == again != theirs

@@ -1,4 +1,4 @@
-"""scheduler/models/vlm.py: the Qwen2-VL adapter gives, solo and batched, exactly the tokens of mlx-vlm run alone; bad
+"""scheduler/models/adapter.py: the generic adapter on Qwen2-VL gives, solo and batched, exactly the tokens of mlx-vlm run alone; bad
 images fail with MediaError naming the image; and the mlx-vlm internals the adapter relies on are pinned here so
 an upgrade that moves them fails loudly in this file."""
 
@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from scheduler.execution import library  # noqa: E402
-from scheduler.models.vlm import EncodedRequest, MediaError, PreparedRequest, Qwen2VLAdapter, adapter_for  # noqa: E402
+from scheduler.models.adapter import EncodedRequest, MediaError, PreparedRequest, VLMAdapter, adapter_for  # noqa: E402
 
 MAX_TOKENS = 12
 CHUNK = 7
@@ -39,7 +39,7 @@ def vlm(vlm_model_dir):
 
 @pytest.fixture(scope="module")
 def adapter(vlm):
-    return Qwen2VLAdapter(*vlm)
+    return VLMAdapter(*vlm)
 
 
 def noise_image(width: int, height: int, seed: int) -> Image.Image:
@@ -134,9 +134,9 @@ def test_prepared_request_shapes(adapter):
     prepared = adapter.prepare(*REQUESTS[0])
     assert isinstance(prepared, PreparedRequest)
     assert prepared.num_media_tokens == 20  # 112x140 -> grid (1, 10, 8) -> 20 merged tokens
-    assert prepared.input_ids.count(adapter.image_token_id) == 20
+    assert prepared.input_ids.count(adapter.model.config.image_token_id) == 20
     assert prepared.image_grid_thw.tolist() == [[1, 10, 8]]
-    assert prepared.media_key is not None and "attention_mask" in prepared.extras
+    assert prepared.media_key is not None and prepared.mask is not None
     text = adapter.prepare(*REQUESTS[4])
     assert text.pixel_values is None and text.media_key is None and text.num_media_tokens == 0
     encoded = adapter.encode(prepared)
@@ -326,7 +326,7 @@ def test_model_facts(vlm, adapter):
 
 
 def test_adapter_for_refuses_other_families(vlm, text_model):
-    assert isinstance(adapter_for(*vlm), Qwen2VLAdapter)
+    assert isinstance(adapter_for(*vlm), VLMAdapter)
     with pytest.raises(TypeError):
         adapter_for(*text_model)
 
@@ -335,38 +335,37 @@ def test_adapter_for_refuses_other_families(vlm, text_model):
 
 
 def test_pin_prepare_inputs_keys_and_expansion(vlm, adapter):
-    from scheduler.models.vlm import _vlm_prepare_inputs
+    from scheduler.models import seam
 
     model, processor = vlm
     prompt = adapter.prepare(*REQUESTS[0]).prompt
-    inputs = _vlm_prepare_inputs(model, processor, prompt, [noise_image(112, 140, seed=0)])
+    inputs = seam.prepare_inputs(model, processor, prompt, [noise_image(112, 140, seed=0)])
     assert {"input_ids", "pixel_values", "image_grid_thw", "attention_mask"} <= set(inputs)
     assert inputs["input_ids"].shape[0] == 1
     assert inputs["input_ids"][0].tolist().count(model.config.image_token_id) == 20
     assert inputs["pixel_values"].shape == (80, 3 * 2 * 14 * 14)
 
 
-def test_pin_cached_image_features_replace_the_vision_tower(vlm, adapter):
-    """get_input_embeddings must honour `cached_image_features` (we run the tower ourselves and cache it)."""
-    from scheduler.models.vlm import _vlm_input_embeddings, _vlm_vision_features
+def test_pin_input_embeddings_and_the_cached_rows_path(vlm):
+    """seam.input_embeddings is mlx-vlm's own get_input_embeddings (the encoder + merge of a solo run); a
+    vision-cache hit rebuilds the same embeddings from the text path and the cached media rows."""
+    from caches.vision import VisionCache
+    from scheduler.models import seam
 
-    model, _ = vlm
+    model, processor = vlm
+    adapter = VLMAdapter(model, processor, vision_cache=VisionCache(1 << 20))
     prepared = adapter.prepare(*REQUESTS[0])
     ids = mx.array(prepared.input_ids)[None]
-    mask = prepared.extras["attention_mask"]
-    features = _vlm_vision_features(model, prepared.pixel_values, prepared.image_grid_thw)
-    assert features.shape == (20, 128)
-    plain = model.get_input_embeddings(ids, prepared.pixel_values, image_grid_thw=prepared.image_grid_thw, mask=mask)
-    ours, positions, deltas = _vlm_input_embeddings(model, ids, prepared.pixel_values, prepared.image_grid_thw,
-                                                    mask, features)
-    assert mx.array_equal(plain.inputs_embeds, ours)
-    assert mx.array_equal(plain.position_ids, positions) and mx.array_equal(plain.rope_deltas, deltas)
-    zeros, _, _ = _vlm_input_embeddings(model, ids, prepared.pixel_values, prepared.image_grid_thw, mask,
-                                        mx.zeros_like(features))
-    is_image = np.array(prepared.input_ids) == model.config.image_token_id
-    zeros, ours = np.array(zeros[0]), np.array(ours[0])
-    assert (zeros[is_image] == 0).all(), "cached_image_features was ignored"
-    assert np.array_equal(zeros[~is_image], ours[~is_image])
+    plain = model.get_input_embeddings(ids, prepared.pixel_values, image_grid_thw=prepared.image_grid_thw,
+                                       mask=prepared.mask)
+    ours = seam.input_embeddings(model, ids, prepared.media_inputs, prepared.mask)
+    assert mx.array_equal(plain.inputs_embeds, ours.inputs_embeds)
+    miss = adapter.encode(prepared)
+    hit = adapter.encode(adapter.prepare(*REQUESTS[0]))
+    assert miss.vision_cache_hit is False and hit.vision_cache_hit is True
+    assert mx.array_equal(miss.embeddings, plain.inputs_embeds) and mx.array_equal(hit.embeddings, miss.embeddings)
+    assert mx.array_equal(hit.position_ids, plain.position_ids)
+    assert miss.rope_delta == int(plain.rope_deltas.reshape(-1)[0].item())
 
 
 def test_pin_language_model_state_is_neither_read_nor_written(vlm, adapter):

@@ -4,19 +4,25 @@ A surface, like the engine: it imports the engine and nothing imports it (MIGRAT
 """
 
 from .generator import (
+    MLLMBatch,
     MLLMBatchGenerator,
     MLLMBatchRequest,
     MLLMBatchResponse,
     MLLMBatchStats,
+    PrefillAbortedError,
+    PrefixCacheHandle,
     install_chunked_prefill_mllm,
     install_mtp_mllm,
 )
 
 __all__ = [
+    "MLLMBatch",
     "MLLMBatchGenerator",
     "MLLMBatchRequest",
     "MLLMBatchResponse",
     "MLLMBatchStats",
+    "PrefillAbortedError",
+    "PrefixCacheHandle",
     "install_chunked_prefill_mllm",
     "install_mtp_mllm",
 ]

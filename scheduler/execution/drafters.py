@@ -13,6 +13,14 @@ the target's KV rollback is ``kernels.speculative.rollback_rows``.
   with what the cache holds, per row, then one per-row rollback), so correctness never depends on
   :meth:`accept` being called: a tick without drafting, a partial acceptance or a preemption all resync.
 
+**Adaptive draft length** (:class:`AdaptivePace`, on by default in both drafters): each row's k follows its
+recent acceptance (a fully accepted draft lets the next one grow by one, a wholly rejected one halves it),
+and a row whose drafts are rejected ``patience`` times in a row pauses: it drafts nothing
+until its history has grown by a back-off (doubling per further miss) or, for prompt lookup, until a match
+of the longest n-gram appears at a new distance (a different earlier occurrence: the context changed). A
+paused row costs nothing: a tick where no row drafts is a plain one-token decode step. That is what keeps
+drafting within a few percent of plain decoding where drafts are not accepted.
+
 Protocol::
 
     drafts = drafter.propose([DraftRequest(rid, tokens, ...), ...], k)   # one Draft per row, same order
@@ -35,6 +43,7 @@ from kernels.speculative import draft_uniforms, processed_logprobs, rollback_row
 from scheduler.execution import library
 
 __all__ = [
+    "AdaptivePace",
     "Draft",
     "DraftRequest",
     "Drafter",
@@ -124,6 +133,95 @@ class _Stats:
         }
 
 
+@dataclass
+class _Pace:
+    """One row's drafting pace (see :class:`AdaptivePace`)."""
+
+    k: int = 1 << 30  # cap on the next draft's length (none until a draft was partly rejected)
+    misses: int = 0  # consecutive verified drafts with nothing accepted
+    paused_until: int = 0  # history length from which a paused row drafts again (0: not paused)
+    paused_distance: int = 0  # prompt lookup: the match distance its last rejected draft came from
+    drafted: int = 0  # length of the draft awaiting its accept() (0: none)
+    distance: int = 0  # the match distance of that draft
+
+
+class AdaptivePace:
+    """Per-row draft length that follows acceptance, and pauses for rows whose drafts are rejected.
+
+    * k: no cap at first (the caller's k). After a verification with ``a`` of ``d`` drafted tokens accepted:
+      ``a == d`` sets the cap to ``d + 1`` (up to the caller's k), ``a == 0`` halves it (at least 1), a partial
+      acceptance keeps it. Measured on the trained tiny model (bench/README.md): capping at ``a + 1`` after a
+      partial acceptance lost more tokens per verify forward than the shorter verify saved.
+    * pause: ``patience`` consecutive drafts with nothing accepted pause the row for ``backoff`` tokens of
+      history growth, doubling with each further miss up to ``max_backoff``. A prompt-lookup match of length
+      ``resume_ngram`` (or more) at a distance other than the one that failed ends the pause early: a new
+      earlier occurrence is new context. An accepted token resets the misses.
+
+    Pure bookkeeping (no MLX): tested on its own in tests/test_drafters.py.
+    """
+
+    def __init__(self, patience: int = 2, backoff: int = 4, max_backoff: int = 64, resume_ngram: int | None = None):
+        if patience < 1 or backoff < 1 or max_backoff < backoff:
+            raise ValueError(f"need patience >= 1, 1 <= backoff <= max_backoff, got {patience}, {backoff}, "
+                             f"{max_backoff}")
+        self.patience, self.backoff, self.max_backoff = patience, backoff, max_backoff
+        self.resume_ngram = resume_ngram
+        self._rows: dict[str, _Pace] = {}
+        self.paused_proposals = 0  # proposals withheld because the row was paused
+        self.pauses = 0
+        self.early_resumes = 0
+
+    def limit(self, request_id: str, k: int, history_len: int, ngram: int = 0, distance: int = 0) -> int:
+        """The draft length this row may propose now (0: paused). ``ngram`` / ``distance``: the prompt-lookup
+        match this draft would come from (its length, and how far back its source is), 0 if unknown."""
+        pace = self._rows.get(request_id)
+        if pace is None:
+            pace = self._rows[request_id] = _Pace()
+        if pace.paused_until:
+            new_context = (self.resume_ngram is not None and ngram >= self.resume_ngram
+                           and distance != pace.paused_distance)
+            if history_len < pace.paused_until and not new_context:
+                self.paused_proposals += 1
+                return 0
+            self.early_resumes += history_len < pace.paused_until
+            pace.paused_until = 0
+        return min(k, pace.k)
+
+    def drafted(self, request_id: str, n: int, distance: int = 0) -> None:
+        """Record the length (and match distance) of the draft just proposed."""
+        pace = self._rows.get(request_id)
+        if pace is not None:
+            pace.drafted, pace.distance = n, distance
+
+    def update(self, request_id: str, accepted: int, k: int, history_len: int) -> None:
+        """A verification of the row's last draft: ``accepted`` of its tokens were accepted."""
+        pace = self._rows.get(request_id)
+        if pace is None or not pace.drafted:
+            return
+        drafted, pace.drafted = pace.drafted, 0
+        if accepted >= drafted:
+            pace.k = min(k, drafted + 1)
+        elif not accepted:
+            pace.k = max(1, drafted // 2)
+        if accepted:
+            pace.misses = 0
+            return
+        pace.misses += 1
+        if pace.misses >= self.patience:
+            self.pauses += 1
+            wait = min(self.max_backoff, self.backoff << (pace.misses - self.patience))
+            pace.paused_until = history_len + wait
+            pace.paused_distance = pace.distance
+
+    def release(self, request_id: str) -> None:
+        self._rows.pop(request_id, None)
+
+    def stats(self) -> dict[str, int]:
+        return {"pauses": self.pauses, "paused_proposals": self.paused_proposals,
+                "early_resumes": self.early_resumes,
+                "paused_rows": sum(1 for p in self._rows.values() if p.paused_until)}
+
+
 def _row_k(row: DraftRequest, k: int) -> int:
     if k < 0:
         raise ValueError(f"k must be >= 0, got {k}")
@@ -172,10 +270,16 @@ class NgramIndex:
         n-gram (n from ngram_max down to ngram_min), and the n that matched (0: no match). A match close to
         the end continues periodically (the proposal itself extends the history), so ``a b a b`` proposes
         ``a b a ...``."""
+        out, n, _ = self.match(k)
+        return out, n
+
+    def match(self, k: int) -> tuple[list[int], int, int]:
+        """:meth:`lookup` plus the match's distance: how many positions back its source occurrence ends
+        (``len - 1 - e``; the same copy continued keeps its distance, a new occurrence has another)."""
         toks = self.tokens
         L = len(toks)
         if k <= 0:
-            return [], 0
+            return [], 0, 0
         for n in range(self.ngram_max, self.ngram_min - 1, -1):
             if L < n + 1:
                 continue
@@ -186,8 +290,8 @@ class NgramIndex:
             for i in range(k):
                 j = e + 1 + i
                 out.append(toks[j] if j < L else out[j - L])
-            return out, n
-        return [], 0
+            return out, n, L - 1 - e
+        return [], 0, 0
 
 
 class PromptLookupDrafter:
@@ -198,10 +302,13 @@ class PromptLookupDrafter:
     last indexed position differs, or it got shorter) the index is rebuilt.
     """
 
-    def __init__(self, ngram_max: int = 3, ngram_min: int = 1):
+    def __init__(self, ngram_max: int = 3, ngram_min: int = 1, adaptive: bool = True):
         if not 1 <= ngram_min <= ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}")
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
+        # adaptive=False: always propose up to k (the fixed-k behaviour, for comparisons)
+        self.pace = AdaptivePace(resume_ngram=ngram_max) if adaptive else None
+        self._k: dict[str, int] = {}  # the k each row was last asked for
         self._index: dict[str, NgramIndex] = {}
         self._stats = _Stats()
         self.matches_by_n: dict[int, int] = {n: 0 for n in range(ngram_min, ngram_max + 1)}
@@ -229,26 +336,37 @@ class PromptLookupDrafter:
         for row in rows:
             kb = _row_k(row, k)
             index = self._sync(row)
-            tokens, n = index.lookup(kb)
+            tokens, n, distance = index.match(kb)
             if n:
                 self.matches_by_n[n] += 1
+            if self.pace is not None and tokens:
+                self._k[row.request_id] = kb
+                tokens = tokens[: self.pace.limit(row.request_id, kb, len(index.tokens), n, distance)]
+                self.pace.drafted(row.request_id, len(tokens), distance)
             drafts.append(Draft(row.request_id, tokens, None))
         self._stats.record(drafts)
         return drafts
 
     def accept(self, request_id: str, num_accepted: int, emitted: Sequence[int] = ()) -> None:
-        """Bookkeeping only: the index catches up from the history at the next propose."""
+        """Stats and the row's pace; the index catches up from the history at the next propose."""
         self._stats.accept(request_id, num_accepted)
+        if self.pace is not None:
+            index = self._index.get(request_id)
+            history = (len(index.tokens) if index is not None else 0) + len(emitted)
+            self.pace.update(request_id, num_accepted, self._k.get(request_id, 0), history)
 
     def release(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
             self._index.pop(rid, None)
             self._stats.last.pop(rid, None)
+            self._k.pop(rid, None)
+            if self.pace is not None:
+                self.pace.release(rid)
 
     def stats(self) -> dict[str, Any]:
         out = self._stats.as_dict()
         out.update(kind="prompt_lookup", live_requests=len(self._index), matches_by_n=dict(self.matches_by_n),
-                   rebuilds=self.rebuilds)
+                   rebuilds=self.rebuilds, adaptive=self.pace.stats() if self.pace is not None else None)
         return out
 
 
@@ -285,13 +403,16 @@ class DraftModelDrafter:
     Only plain ``KVCache`` draft models (rotating / sliding-window caches cannot be rolled back).
     """
 
-    def __init__(self, draft_model: Any, *, sample: bool = False, prefill_step_size: int = 512):
+    def __init__(self, draft_model: Any, *, sample: bool = False, prefill_step_size: int = 512,
+                 adaptive: bool = True):
         kinds = {type(layer).__name__ for layer in library.make_request_cache(draft_model)}
         if kinds != {"KVCache"}:
             raise TypeError(f"DraftModelDrafter needs a draft model with plain KVCache layers (its cache must be "
                             f"rolled back per row), got {sorted(kinds)}")
         self.model = draft_model
         self.sample = sample
+        self.pace = AdaptivePace() if adaptive else None  # adaptive=False: always draft up to k
+        self._k: dict[str, int] = {}
         self.prefill_step_size = prefill_step_size
         self._rows: list[str] = []
         self._seq: dict[str, list[int]] = {}
@@ -308,6 +429,9 @@ class DraftModelDrafter:
         gone = {rid for rid in request_ids if rid in self._seq}
         for rid in request_ids:
             self._stats.last.pop(rid, None)
+            self._k.pop(rid, None)
+            if self.pace is not None:
+                self.pace.release(rid)
         if not gone:
             return
         keep = [i for i, rid in enumerate(self._rows) if rid not in gone]
@@ -317,9 +441,12 @@ class DraftModelDrafter:
             del self._seq[rid], self._committed[rid]
 
     def accept(self, request_id: str, num_accepted: int, emitted: Sequence[int] = ()) -> None:
-        """Report a verification (stats). The cache is resynced from the history at the next propose, so
-        this is not needed for correctness."""
+        """Report a verification (stats and the row's pace). The cache is resynced from the history at the
+        next propose, so this is not needed for correctness."""
         self._stats.accept(request_id, num_accepted)
+        if self.pace is not None:
+            history = self._committed.get(request_id, 0) + len(emitted)
+            self.pace.update(request_id, num_accepted, self._k.get(request_id, 0), history)
 
     def cached_tokens(self, request_id: str) -> list[int]:
         """The tokens whose KV the drafter holds for this request (for tests and debugging)."""
@@ -331,7 +458,8 @@ class DraftModelDrafter:
     def stats(self) -> dict[str, Any]:
         out = self._stats.as_dict()
         out.update(kind="draft_model", live_requests=len(self._rows), forwards=self.forwards,
-                   rolled_back_positions=self.rolled_back, cache_bytes=self.cache_bytes())
+                   rolled_back_positions=self.rolled_back, cache_bytes=self.cache_bytes(),
+                   adaptive=self.pace.stats() if self.pace is not None else None)
         return out
 
     # ---- proposing -------------------------------------------------------------------------------
@@ -381,6 +509,11 @@ class DraftModelDrafter:
     def propose(self, rows: Sequence[DraftRequest], k: int) -> list[Draft]:
         _unique(rows)
         ks = {r.request_id: _row_k(r, k) for r in rows}
+        if self.pace is not None:
+            for r in rows:
+                if ks[r.request_id]:
+                    self._k[r.request_id] = ks[r.request_id]
+                    ks[r.request_id] = self.pace.limit(r.request_id, ks[r.request_id], len(r.tokens))
         active = [r for r in rows if ks[r.request_id] > 0]
         K = max(ks.values(), default=0)
         if not active:
@@ -474,5 +607,7 @@ class DraftModelDrafter:
             b = row_of[r.request_id]
             lps = q_all[b, :kb] if q_all is not None else None
             drafts.append(Draft(r.request_id, drafted_list[b][:kb], lps))
+            if self.pace is not None:
+                self.pace.drafted(r.request_id, kb)
         self._stats.record(drafts)
         return drafts

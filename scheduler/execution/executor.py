@@ -17,7 +17,7 @@ from typing import Any, Iterable, Mapping
 
 import mlx.core as mx
 
-from caches.kv import KVCacheManager
+from caches.kv import KVCacheManager, QuantizeRule
 from kernels.sampling import RowSampling, SamplingArrays, sample_tokens
 from caches.layers import rollback_rows
 from kernels.speculative import (
@@ -95,7 +95,8 @@ class _Row:
 
 class MLXExecutor:
     def __init__(self, runner: Runner | Any, penalty_context: int = 20, prefix_cache: Any = None,
-                 logprob_vectors: bool = False, drafter: Any = None, on_event: Any = None):
+                 logprob_vectors: bool = False, drafter: Any = None, on_event: Any = None,
+                 processor_history: str = "prompt+output", quantize: QuantizeRule | None = None):
         # KV decisions carried out (kv_merge, kv_filter, kv_rollback) are events: (kind, **fields)
         self._on_event = on_event or (lambda kind, **fields: None)
         self.drafter = drafter  # proposes draft tokens for the rows a plan lets draft
@@ -103,13 +104,18 @@ class MLXExecutor:
         self.prefill_stats = PrefillStats()
         # hidden-state drafters (MTP heads) need each row's last hidden state from the previous forward
         self._keeps_hidden = bool(getattr(drafter, "needs_hidden", False))
+        self._native_hidden = bool(getattr(drafter, "native_hidden", False))  # the model's own return_hidden
         self._last_hidden: mx.array | None = None  # (B, H)
         self._has_hidden: list[bool] = []
         self.logprob_vectors = logprob_vectors  # hand every row's full log-softmax vector back (compat API)
         self.runner: Runner = runner if hasattr(runner, "decode") and hasattr(runner, "make_cache") else TextRunner(runner)
         self.prefix_cache = prefix_cache  # read here (payloads to restore); the scheduler decides what is in it
         self.penalty_context = penalty_context
-        self.kv = KVCacheManager(self.runner.make_cache, getattr(self.runner, "merge", None))
+        # what processors and penalties see: every token so far (mlx-lm) or the generated ones only (vllm-mlx)
+        self.output_only_history = processor_history == "output"
+        # kv_bits: when each request's cache switches to quantized storage (None: never)
+        self.quantize = quantize
+        self.kv = KVCacheManager(self.runner.make_cache, getattr(self.runner, "merge", None), quantize)
         self._encoded: dict[str, Any] = {}  # request id -> model inputs prepared for prefill (VLM embeddings)
         self._rows: list[_Row] = []
         self._row_index: dict[str, int] = {}
@@ -187,6 +193,7 @@ class MLXExecutor:
         restored = {}
         for rid, entry_id, length in plan.prefix_hits:  # before any store of this tick can evict them
             self.kv.restore(rid, self.prefix_cache.payload(entry_id), length)
+            self._quantize_if_due(requests[rid], length)
             restored[rid] = length
         joining: list[str] = []
         grouped = self._prefill_fresh_groups(plan.prefill, requests, restored, result)
@@ -248,6 +255,8 @@ class MLXExecutor:
         for c in chunks:
             n = (c.end - 1 if c.completes else c.end) - c.start
             if c.start == 0 and n > 0 and c.request_id not in restored and not self.kv.has_request(c.request_id):
+                if self.quantize is not None and self.quantize.point(requests[c.request_id].prompt_len) < n:
+                    continue  # it converts inside this chunk: its forward is split, one request at a time
                 groups.setdefault(n, []).append(c.request_id)
         done: set[str] = set()
         for n, rids in groups.items():
@@ -264,6 +273,7 @@ class MLXExecutor:
             for rid, cache in zip(rids, caches):
                 self.kv.adopt(rid, cache)
                 self._encoded[rid] = None
+                self._quantize_if_due(requests[rid], n)
                 done.add(rid)
         return done
 
@@ -272,8 +282,26 @@ class MLXExecutor:
         cache = self.kv.request_cache(rid)
         if rid not in self._encoded:  # text requests: token ids (VLM: embeddings of the text, delta 0)
             self._encoded[rid] = self.runner.encode(request)
-        if end > start:
-            self.runner.prefill(cache, request, self._encoded[rid], start, end)
+        if end <= start:
+            return
+        point = self.quantize.point(request.prompt_len) if self.quantize is not None else None
+        if point is not None and start < point < end and not self.kv.is_quantized(rid):
+            # mlx-lm converts at `point`: the tokens before it are computed from float keys and values, the
+            # tokens after it from quantized ones, so the forward is split there
+            self.runner.prefill(cache, request, self._encoded[rid], start, point)
+            self._quantize_if_due(request, point)
+            cache, start = self.kv.request_cache(rid), point
+        self.runner.prefill(cache, request, self._encoded[rid], start, end)
+        self._quantize_if_due(request, end)
+
+    def _quantize_if_due(self, request: Request, tokens: int) -> None:
+        """Convert a prefilling request's cache once it holds `tokens` >= its conversion point. Not at the end
+        of its prefill: there the cache is offered to the prefix cache first (a float snapshot, reusable by
+        prompts whose own conversion comes later) and converted when it joins the batch."""
+        if self.quantize is None or tokens >= request.prefill_len - 1:
+            return
+        if tokens >= self.quantize.point(request.prompt_len) and self.kv.quantize_request(request.request_id):
+            self._on_event("kv_quantize", request_ids=[request.request_id], tokens=tokens)
 
     def _offer_prefix(self, request: Request, restored_now: int, result: TickResult) -> None:
         """At prefill end the request's own cache holds prefill_tokens[:-1]: offer it to the prefix cache (the cache
@@ -283,12 +311,23 @@ class MLXExecutor:
         n = request.prefill_len - 1
         if n < self.prefix_cache.block_size or restored_now == n:
             return  # too short to index, or restored whole from an entry this tick: nothing new
+        if self.quantize is not None and self.kv.is_quantized(request.request_id):
+            # converted inside its prefill (past mlx-lm's first 2048-token step, or a recompute): a prompt
+            # sharing a shorter prefix would need those tokens in float storage, which is gone
+            return
         payload, nbytes, whole_only = self.kv.snapshot(request.request_id)
         result.prefix_stores.append(PrefixStore(request.request_id, n, nbytes, whole_only, payload))
 
     def _join(self, request_ids: list[str], requests: Mapping[str, Request], result: TickResult) -> None:
         encoded = [self._encoded.pop(rid, None) for rid in request_ids]  # prompt embeddings are not needed now
-        self.kv.join(request_ids)
+        points = None
+        if self.quantize is not None:
+            points = [self.quantize.point(requests[rid].prompt_len) for rid in request_ids]
+            converted = [rid for rid, point in zip(request_ids, points)  # left for the end of prefill
+                         if requests[rid].prefill_len - 1 >= point and self.kv.quantize_request(rid)]
+            if converted:
+                self._on_event("kv_quantize", request_ids=converted)
+        self.kv.join(request_ids, points)
         self._on_event("kv_merge", request_ids=list(request_ids))
         self._warm_drafter(request_ids, requests, result)
         last = mx.array([_last_prefill_token(requests[rid]) for rid in request_ids], dtype=mx.uint32)
@@ -360,13 +399,15 @@ class MLXExecutor:
     def _extend_context(self, request_ids: list[str], requests: Mapping[str, Request]) -> mx.array:
         """Penalty context for new rows: the tail of their prompt, like mlx-lm's processors see it.
 
-        The last prompt token is excluded here because it is appended as the row's first decode input.
+        The last prompt token is excluded here because it is appended as the row's first decode input. With an
+        output-only history the tail starts after the prompt (a resumed request keeps its re-fed outputs).
         """
         w = self.penalty_context
         rows = []
         for rid in request_ids:
             r = requests[rid]
-            tail = r.prefill_tokens(max(0, r.prefill_len - w), r.prefill_len - 1) if w > 1 else []
+            first = max(r.prompt_len if self.output_only_history else 0, r.prefill_len - w)
+            tail = r.prefill_tokens(first, r.prefill_len - 1) if w > 1 and first < r.prefill_len - 1 else []
             rows.append([-1] * (w - len(tail)) + tail)
         new = mx.array(rows, dtype=mx.int32)
         if self._context is None:
@@ -390,7 +431,7 @@ class MLXExecutor:
         all_hidden = None
         result.computed_tokens += len(self._rows) * (1 + width)  # every row runs at the widest draft
         if width == 0 and not self._keeps_hidden:
-            logits = self.runner.decode(self.kv.batch, inputs, self._rope_deltas)
+            logits = self._decode_groups(inputs)
             all_logits = None
         else:
             padded = [drafts[row.request.request_id].tokens if drafts and row.request.request_id in drafts else []
@@ -398,18 +439,23 @@ class MLXExecutor:
             draft_tokens, draft_lens = pad_drafts(padded, width)
             verify_inputs = mx.concatenate([inputs[:, None].astype(mx.int32), draft_tokens], axis=1)
             if self._keeps_hidden:  # (B, width + 1, V) logits and (B, width + 1, H) hidden states
-                all_logits, all_hidden = self.runner.forward_with_hidden(self.kv.batch, verify_inputs)
+                all_logits, all_hidden = self.runner.forward_with_hidden(self.kv.batch, verify_inputs,
+                                                                         native=self._native_hidden)
             else:
-                all_logits = self.runner.verify(self.kv.batch, verify_inputs)
+                all_logits = self.runner.verify(self.kv.batch, verify_inputs, self._rope_deltas)
             logits = all_logits[:, 0, :]
         logits = self._apply_processors(logits, result)
         params = self._sampling_arrays()
         context = None
         if params.any_penalty:
-            self._context = mx.concatenate([self._context[:, 1:], inputs.astype(mx.int32)[:, None]], axis=1)
+            fed = inputs.astype(mx.int32)
+            if self.output_only_history:  # a fresh row's first input is its last prompt token: not history here
+                fed = mx.where(mx.array([row.step > 0 for row in self._rows]), fed, -1)
+            self._context = mx.concatenate([self._context[:, 1:], fed[:, None]], axis=1)
             context = self._context
         steps = mx.array([row.step for row in self._rows], dtype=mx.uint32)
         tokens, logprobs = sample_tokens(logits, params, steps, context)
+        tokens = self._apply_samplers(tokens, logprobs, result)
         want_logprobs = [i for i, row in enumerate(self._rows) if row.request.sampling.logprobs]
         picked = None
         if want_logprobs:
@@ -444,6 +490,30 @@ class MLXExecutor:
                 n = len(emitted.get(i, ()))
                 result.logprob_vectors[row.request.request_id] = (
                     [verified[i, j] for j in range(n)] if n else [logprobs[i]])
+
+    def _decode_groups(self, inputs: mx.array) -> mx.array:
+        """The one-token forward of every row. Under kv_bits, rows whose context has not reached their
+        conversion point are in a float batch of their own: one forward per group, logits back in row order,
+        then rows that reached their point move to the quantized batch."""
+        groups = self.kv.groups()
+        if len(groups) == 1 and groups[0][0] == [row.request.request_id for row in self._rows]:
+            logits = self.runner.decode(groups[0][1], inputs, self._rope_deltas)
+        else:
+            parts, order = [], []
+            for rids, cache in groups:
+                idx = [self._row_index[rid] for rid in rids]
+                sel = mx.array(idx)
+                parts.append(self.runner.decode(cache, inputs[sel], self._rope_deltas[sel]))
+                order += idx
+            inverse = [0] * len(order)
+            for position, i in enumerate(order):
+                inverse[i] = position
+            logits = mx.concatenate(parts)[mx.array(inverse)]
+        if self.quantize is not None:
+            moved = self.kv.after_decode()
+            if moved:
+                self._on_event("kv_quantize", request_ids=moved)
+        return logits
 
     # ---- drafting -------------------------------------------------------------------------------
     def _propose(self, draft_k: dict[str, int], result: TickResult) -> dict[str, Any]:
@@ -505,8 +575,9 @@ class MLXExecutor:
     def _apply_processors(self, logits: mx.array, result: TickResult) -> mx.array:
         """User logits processors run per row (they are arbitrary Python); rows without them are untouched.
 
-        Like mlx-lm, a processor sees every token so far (prompt + output). One that raises fails its own
-        request (reported in `result.errors`); its row samples from the unprocessed logits and is dropped.
+        Like mlx-lm, a processor sees every token so far (prompt + output); with an output-only history (vllm-mlx)
+        the generated tokens only. One that raises fails its own request (reported in `result.errors`); its row
+        samples from the unprocessed logits and is dropped.
         """
         rows = [i for i, row in enumerate(self._rows) if row.request.sampling.logits_processors]
         if not rows:
@@ -514,7 +585,8 @@ class MLXExecutor:
         parts = list(logits)
         for i in rows:
             request = self._rows[i].request
-            context = mx.array(request.prompt_tokens + request.output_tokens, dtype=mx.uint32)
+            history = request.output_tokens if self.output_only_history else request.prompt_tokens + request.output_tokens
+            context = mx.array(history, dtype=mx.uint32)
             row_logits = logits[i : i + 1]
             try:
                 for processor in request.sampling.logits_processors:
@@ -523,6 +595,24 @@ class MLXExecutor:
             except Exception as exc:  # user code: contain it to its own request
                 result.errors[request.request_id] = f"logits processor failed: {type(exc).__name__}: {exc}"
         return mx.stack(parts)
+
+
+    def _apply_samplers(self, tokens: mx.array, logprobs: mx.array, result: TickResult) -> mx.array:
+        """Rows with a custom sampler (`SamplingParams.sampler`) take its token, drawn from their log-softmax
+        vector like mlx-lm's samplers are; one that raises fails its own request, like a logits processor."""
+        rows = [i for i, row in enumerate(self._rows) if row.request.sampling.sampler is not None]
+        if not rows:
+            return tokens
+        index = mx.arange(tokens.shape[0])
+        for i in rows:
+            request = self._rows[i].request
+            try:
+                token = mx.reshape(request.sampling.sampler(logprobs[i : i + 1]), ()).astype(tokens.dtype)
+            except Exception as exc:  # user code: contain it to its own request
+                result.errors[request.request_id] = f"sampler failed: {type(exc).__name__}: {exc}"
+                continue
+            tokens = mx.where(index == i, token, tokens)
+        return tokens
 
 
 def _last_prefill_token(request: Request) -> int:

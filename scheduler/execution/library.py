@@ -14,7 +14,7 @@ import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
 from caches import layers
-from caches.kv import KVLayout
+from caches.kv import KVLayout, QuantizeRule
 
 # The cache-layer protocol is `caches.layers`; these names are its operations, for the modules that drive
 # model caches through this seam.
@@ -78,6 +78,38 @@ def kv_layout(model: Any, max_kv_size: int | None = None) -> KVLayout:
     return layers.probe_layout(cache)
 
 
+def mlx_lm_prefill_step() -> int:
+    """mlx-lm generate_step's default `prefill_step_size`: where its quantized-KV check runs during a prompt."""
+    import inspect
+
+    from mlx_lm.generate import generate_step
+
+    return int(inspect.signature(generate_step).parameters["prefill_step_size"].default)
+
+
+def quantize_rule(bits: int, group_size: int, start: int) -> QuantizeRule:
+    return QuantizeRule(bits, group_size, start, mlx_lm_prefill_step())
+
+
+def quantized_kv_layout(model: Any, layout: KVLayout, rule: QuantizeRule) -> KVLayout:
+    """`layout` with the bytes per token of each layer once quantized, measured on a one-token probe that is
+    converted the way mlx-lm converts (and then run once more, so a family whose attention cannot read a
+    quantized cache fails here, at configuration, as QuantizationRefused)."""
+    cache = make_request_cache(model)
+    layers.check_quantizable(cache)
+    model(mx.array([[0]]), cache=cache)
+    mx.eval(cache_arrays(cache))
+    try:
+        quantized = layers.quantized_layout(cache, rule.group_size, rule.bits)
+        mx.eval(model(mx.array([[1]]), cache=cache))
+    except (ValueError, TypeError, NotImplementedError) as exc:  # e.g. head_dim not a multiple of the group
+        raise layers.QuantizationRefused("QuantizedKVCache", f"{type(exc).__name__}: {exc}") from None
+    if not any(q is not None for q in quantized):
+        raise layers.QuantizationRefused(", ".join(sorted({type(c).__name__ for c in cache})),
+                                         "no layer of this model's cache can be quantized")
+    return layout.quantized(rule, quantized)
+
+
 class HiddenStateSeamError(ValueError):
     """The model's logits are not `logits_from_hidden(model)(model.model(x))`: a hidden-state drafter (MTP)
     cannot run on it exactly, so it is refused at configuration."""
@@ -127,6 +159,27 @@ def forward_with_hidden(model: Any, inputs: mx.array, cache: Cache) -> tuple[mx.
     return logits_from_hidden(model)(hidden), hidden
 
 
+def has_native_mtp(model: Any) -> bool:
+    """A model carrying its own multi-token-prediction module the way vllm-mlx's MTP models do: `.mtp` (not
+    None), `.mtp_forward(hidden, next_tokens, mtp_cache=None) -> logits`, and `return_hidden=True` on its call."""
+    return getattr(model, "mtp", None) is not None and callable(getattr(model, "mtp_forward", None))
+
+
+def forward_with_native_hidden(model: Any, inputs: mx.array, cache: Cache) -> tuple[mx.array, mx.array]:
+    """(logits, hidden states) from the model's own `return_hidden=True` call: the hidden states its own
+    `mtp_forward` expects (whatever norm they are taken at), with the logits of its own call."""
+    out = model(inputs, cache=cache, return_hidden=True)
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise HiddenStateSeamError(f"{type(model).__module__}: return_hidden=True did not give (logits, hidden)")
+    return out
+
+
+def native_mtp_logits(model: Any, hidden: mx.array, tokens: mx.array) -> mx.array:
+    """(n, H) hidden states and (n,) tokens they produced -> (n, V) logits of the token after, from the model's
+    native MTP module (no MTP cache: each draft attends to itself only, as vllm-mlx calls it)."""
+    return model.mtp_forward(hidden[:, None, :], tokens[:, None], mtp_cache=None)[:, -1, :]
+
+
 def token_embedding(model: Any):
     return model.model.embed_tokens
 
@@ -155,8 +208,10 @@ def max_positions(model: Any) -> int | None:
 
 
 def is_vision_language_model(model: Any) -> bool:
-    """mlx-vlm models carry a vision tower next to their language model."""
-    return hasattr(model, "vision_tower") and hasattr(model, "language_model")
+    """mlx-vlm models: a language model next to their encoders (named per family: vision_tower, vision_model,
+    audio_tower), built by mlx-vlm's model modules."""
+    return hasattr(model, "language_model") and (
+        type(model).__module__.startswith("mlx_vlm.") or hasattr(model, "vision_tower"))
 
 
 def is_vision_language_dir(model_dir: Any) -> bool:

@@ -9,6 +9,9 @@ weights: `mtp.safetensors` + `mtp_config.json` next to the model's own files.
 
 `MTPDrafter` implements the drafter protocol of scheduler/execution/drafters.py; it needs each row's last hidden state,
 which the executor keeps when the drafter asks for it (`needs_hidden`).
+
+`NativeMTPDrafter` drafts with a model's own MTP module instead (vllm-mlx's convention: `.mtp`, `.mtp_forward`,
+`return_hidden=True`); that module returns logits only, so it drafts one token per step.
 """
 
 from __future__ import annotations
@@ -47,6 +50,10 @@ class MTPHead(nn.Module):
 
     def config(self) -> dict[str, int]:
         return {"hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size}
+
+
+def has_native_mtp(model: Any) -> bool:
+    return library.has_native_mtp(model)
 
 
 def save_mtp_head(head: MTPHead, model_dir: str | Path) -> None:
@@ -111,3 +118,39 @@ class MTPDrafter:
 
     def stats(self) -> dict[str, Any]:
         return {"kind": "mtp", "drafted": self.drafted, "accepted": self.accepted}
+
+
+class NativeMTPDrafter:
+    """One greedy draft per row from the model's native MTP module, on the hidden states of its own
+    `return_hidden=True` call (`native_hidden`: the executor takes them from that call, not the seam)."""
+
+    needs_hidden = True
+    native_hidden = True
+
+    def __init__(self, target_model: Any):
+        if not library.has_native_mtp(target_model):
+            raise TypeError(f"{type(target_model).__module__}: no native MTP module (.mtp and .mtp_forward)")
+        self.model = target_model
+        self.drafted = self.accepted = 0
+
+    def propose(self, rows: Sequence[DraftRequest], k: int) -> list[Draft]:
+        ready = [r for r in rows if r.hidden is not None and (r.max_tokens is None or r.max_tokens > 0)]
+        drafts = {r.request_id: Draft(r.request_id, []) for r in rows}
+        if ready and k > 0:
+            hidden = mx.stack([r.hidden for r in ready])
+            tokens = mx.array([r.tokens[-1] for r in ready], dtype=mx.int32)
+            proposed = mx.argmax(library.native_mtp_logits(self.model, hidden, tokens), axis=-1)
+            for r, token in zip(ready, proposed.tolist()):
+                drafts[r.request_id] = Draft(r.request_id, [token])
+        out = [drafts[r.request_id] for r in rows]
+        self.drafted += sum(len(d.tokens) for d in out)
+        return out
+
+    def accept(self, request_id: str, num_accepted: int, emitted: Sequence[int] = ()) -> None:
+        self.accepted += num_accepted
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        pass  # no per-request state: the hidden states live in the executor's rows
+
+    def stats(self) -> dict[str, Any]:
+        return {"kind": "native-mtp", "drafted": self.drafted, "accepted": self.accepted}

@@ -1,9 +1,9 @@
 """Model runners: how the executor calls a model family. The executor owns scheduling-side state (which
 request is in which row, sampling); a runner owns how a chunk is prefilled and how a batch is decoded.
 
-`TextRunner` runs an mlx-lm model. `VisionLanguageRunner` runs an mlx-vlm model through its family adapter
-(`scheduler/models/vlm.py`): every request, text-only included, is prefilled from input embeddings with explicit
-positions, and every decode row gets its own M-RoPE position (tokens in its cache + its rope delta), so no
+`TextRunner` runs an mlx-lm model. `VisionLanguageRunner` runs an mlx-vlm model through the generic adapter
+(`scheduler/models/adapter.py`): every request, text-only included, is prefilled from input embeddings with its
+family's positions, and every decode row gets its own position (tokens in its cache + its rope delta), so no
 position state is ever kept on the model instance.
 """
 
@@ -28,6 +28,9 @@ class Runner(Protocol):
     def prefill(self, cache: library.Cache, request: Request, encoded: Any, start: int, end: int) -> None: ...
 
     def decode(self, batch_cache: library.Cache, inputs: mx.array, rope_deltas: mx.array | None) -> mx.array: ...
+
+    def verify(self, batch_cache: library.Cache, inputs: mx.array, rope_deltas: mx.array | None = None) -> mx.array:
+        """(B, n) inputs -> (B, n, V) logits (draft verification); rope_deltas: each row's position offset."""
 
 
 class TextRunner:
@@ -66,12 +69,15 @@ class TextRunner:
     def decode(self, batch_cache, inputs, rope_deltas):
         return self.model(inputs[:, None], cache=batch_cache)[:, -1, :]
 
-    def verify(self, batch_cache, inputs):
+    def verify(self, batch_cache, inputs, rope_deltas=None):
         """(B, n) inputs -> (B, n, V) logits: one forward over each row's last token and its drafts."""
         return self.model(inputs, cache=batch_cache)
 
-    def forward_with_hidden(self, batch_cache, inputs):
-        """(B, n) inputs -> ((B, n, V) logits, (B, n, H) final hidden states), for hidden-state drafters."""
+    def forward_with_hidden(self, batch_cache, inputs, native: bool = False):
+        """(B, n) inputs -> ((B, n, V) logits, (B, n, H) hidden states), for hidden-state drafters: the final
+        normed hidden states of the seam, or (`native`) those of the model's own `return_hidden=True` call."""
+        if native:
+            return library.forward_with_native_hidden(self.model, inputs, batch_cache)
         return library.forward_with_hidden(self.model, inputs, batch_cache)
 
 
@@ -80,19 +86,23 @@ class VisionLanguageRunner:
 
     def __init__(self, adapter: Any):
         self.adapter = adapter
+        self.capabilities = adapter.capabilities
+        self.family = adapter.spec  # model_type, for typed refusals
 
     def make_cache(self) -> library.Cache:
         return self.adapter.make_cache()
 
     def encode(self, request: Request) -> Any:
-        """Vision tower (or a vision-cache hit) + embedding merge + prompt positions. The request's pixel
-        arrays are released once encoded: they are large and no longer needed."""
-        encoded = self.adapter.encode(request.media)
-        request.media.release_media()
-        return encoded
+        """Encoders (or a vision-cache hit) + embedding merge + positions of the prefill sequence: the prompt,
+        and after a preemption the outputs so far. The request's media tensors are kept until it ends: a
+        preempted request whose features left the vision cache is encoded again from them."""
+        return self.adapter.encode(request.media, request.output_tokens[: request.recompute_tokens])
 
     def prefill(self, cache, request, encoded, start, end):
         self.adapter.prefill(cache, encoded, start, end)
 
     def decode(self, batch_cache, inputs, rope_deltas):
         return self.adapter.decode(batch_cache, inputs, rope_deltas)
+
+    def verify(self, batch_cache, inputs, rope_deltas=None):
+        return self.adapter.verify(batch_cache, inputs, rope_deltas)

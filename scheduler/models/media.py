@@ -53,6 +53,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+import base64
+import io
+
 import numpy as np
 
 VideoInput = Any  # str | os.PathLike | bytes | bytearray | memoryview | Sequence[PIL.Image | np.ndarray]
@@ -68,6 +71,18 @@ class MediaError(ValueError):
         self.kind = kind
         where = f"{kind} {index}" if index is not None else f"{kind}s"
         super().__init__(f"{where}: {reason}")
+
+
+class RemoteMedia(MediaError):
+    """A medium given as an ``http(s)`` URL: never fetched (no network); pass its bytes, a path or a data: URL."""
+
+
+class MediaLimit(ValueError):
+    """More media of one kind in a request than the engine allows (``max_images_per_request``)."""
+
+    def __init__(self, kind: str, count: int, limit: int):
+        self.kind, self.count, self.limit = kind, count, limit
+        super().__init__(f"{count} {kind}s in one request; at most {limit} (max_{kind}s_per_request)")
 
 
 def describe_source(source: Any) -> str:
@@ -289,8 +304,8 @@ def load_video(source: VideoInput, index: int, fps: float, max_frames: int) -> V
             except OSError:
                 pass
     if isinstance(source, str) and source.startswith(("http://", "https://")):
-        raise MediaError(index, "remote URLs are not fetched; pass the video bytes, a file path or its frames",
-                         "video")
+        raise RemoteMedia(index, "remote URLs are not fetched; pass the video bytes, a file path or its frames",
+                          "video")
     if isinstance(source, str) and source.startswith("file://"):
         source = source[len("file://"):]
     if isinstance(source, (str, os.PathLike)):
@@ -351,7 +366,7 @@ def load_audio(source: AudioInput, index: int, sample_rate: int) -> np.ndarray:
     if isinstance(source, np.ndarray):
         raise MediaError(index, "a bare array has no sample rate: pass (samples, sample_rate)", "audio")
     if isinstance(source, str) and source.startswith(("http://", "https://")):
-        raise MediaError(index, "remote URLs are not fetched; pass the audio bytes or a file path", "audio")
+        raise RemoteMedia(index, "remote URLs are not fetched; pass the audio bytes or a file path", "audio")
     from mlx_vlm.utils import load_audio as vlm_load_audio
 
     if isinstance(source, (bytes, bytearray, memoryview)):
@@ -381,5 +396,75 @@ def load_audio(source: AudioInput, index: int, sample_rate: int) -> np.ndarray:
     return _check_waveform(wave, index, what)
 
 
-__all__ = ["AudioInput", "MediaError", "VideoFrames", "describe_source", "load_audio", "load_video",
-           "sample_frame_indices", "spread_indices", "validate_video_sampling"]
+
+
+# ================================================================================================
+# images
+# ================================================================================================
+
+ImageInput = Any  # PIL.Image.Image | str | os.PathLike | bytes | bytearray | memoryview | a data:image URL
+
+
+def load_image(source: ImageInput, index: int) -> Any:
+    """Decode one image fully (a truncated file fails here, not later) into RGB, with EXIF orientation applied
+    the way ``mlx_vlm.utils.load_image`` does. Raises ``MediaError`` naming ``index``."""
+    from PIL import Image, ImageOps
+
+    if isinstance(source, Image.Image):
+        image = source
+    else:
+        data = _read_source(source, index)
+        if not data:
+            raise MediaError(index, f"empty image data ({describe_source(source)})")
+        try:
+            image = Image.open(io.BytesIO(data))
+        except Exception as exc:
+            raise MediaError(index, f"not a readable image ({describe_source(source)}): {type(exc).__name__}: {exc}") from exc
+    try:
+        image.load()  # force a full decode: truncated / corrupt data raises here
+        width, height = image.size
+        if width <= 0 or height <= 0:
+            raise MediaError(index, f"zero-size image ({width}x{height})")
+        image = ImageOps.exif_transpose(image)
+        image = image.convert("RGB")
+    except MediaError:
+        raise
+    except Exception as exc:
+        raise MediaError(index, f"cannot decode image ({describe_source(source)}): {type(exc).__name__}: {exc}") from exc
+    if image.width <= 0 or image.height <= 0:
+        raise MediaError(index, f"zero-size image ({image.width}x{image.height})")
+    return image
+
+
+def _read_source(source: Any, index: int) -> bytes:
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return bytes(source)
+    if isinstance(source, str) and source.startswith("data:"):
+        head, sep, payload = source.partition(",")
+        if not sep or not head.startswith("data:image/") or ";base64" not in head:
+            raise MediaError(index, "unsupported data URI (want data:image/...;base64,...)")
+        try:
+            return base64.b64decode(payload, validate=True)
+        except Exception as exc:
+            raise MediaError(index, f"bad base64 in data URI: {exc}") from exc
+    if isinstance(source, str) and source.startswith(("http://", "https://")):
+        raise RemoteMedia(index, "remote URLs are not fetched; pass the image bytes, a file path, a data: URL or "
+                                 "a PIL image")
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        try:
+            if not path.exists():
+                raise MediaError(index, f"file not found: {describe_source(source)}")
+            if not path.is_file():
+                raise MediaError(index, f"not a regular file: {describe_source(source)}")
+            return path.read_bytes()
+        except MediaError:
+            raise
+        except OSError as exc:
+            raise MediaError(index, f"cannot read {describe_source(source)}: {exc}") from exc
+    raise MediaError(index, f"unsupported image type {type(source).__name__} "
+                            "(want PIL.Image, a file path, bytes or a data:image URI)")
+
+
+__all__ = ["AudioInput", "ImageInput", "MediaError", "MediaLimit", "RemoteMedia", "VideoFrames", "describe_source", "load_audio", "load_image",
+           "load_video", "sample_frame_indices", "spread_indices", "validate_video_sampling"]

@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from ..models.media import MediaError, load_audio
-from ..models.vlm import load_image
+from ..models.media import MediaError, load_audio, load_image
 from .protocol import APIError, AudioPart, ChatMessage, ImagePart, TextPart
 
 

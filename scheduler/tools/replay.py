@@ -20,7 +20,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterable, Mapping
 
-from caches.kv import KVLayout, LayerLayout
+from caches.kv import KVLayout
 
 from scheduler.config import EngineConfig
 from scheduler.loop import TickLoop
@@ -41,6 +41,7 @@ class Trace:
     config: EngineConfig
     arrivals: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     aborts: dict[int, list[str]] = field(default_factory=dict)
+    prefix_clears: set[int] = field(default_factory=set)  # ticks that started with Engine.clear_prefix_cache()
     plans: dict[int, dict[str, Any]] = field(default_factory=dict)
     outcomes: dict[int, dict[str, Any]] = field(default_factory=dict)
     decisions: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # COMPARED_KINDS, per tick
@@ -102,6 +103,8 @@ def load_trace(source: str | os.PathLike | Iterable[dict[str, Any]]) -> Trace:
             trace.arrivals.setdefault(tick, []).append(event)
         elif kind == "transition" and event.get("trigger") == "abort":
             trace.aborts.setdefault(tick, []).append(event["request_id"])
+        elif kind == "prefix_clear":
+            trace.prefix_clears.add(tick)
         elif kind == "plan":
             if tick in trace.plans:
                 raise TraceError(f"trace has two plans for tick {tick}")
@@ -115,7 +118,7 @@ def load_trace(source: str | os.PathLike | Iterable[dict[str, Any]]) -> Trace:
 
 # Decision events compared tick by tick besides the plan: transitions, prefix-cache and KV-batch decisions.
 COMPARED_KINDS = frozenset({"transition", "prefix_hit", "prefix_miss", "prefix_store", "prefix_evict",
-                            "kv_merge", "kv_filter", "kv_rollback"})
+                            "prefix_clear", "kv_merge", "kv_filter", "kv_rollback"})
 
 
 def _comparable(event: Mapping[str, Any]) -> dict[str, Any]:
@@ -241,7 +244,7 @@ def replay(trace: Trace, policy: str | Policy | None = None) -> ReplayReport:
     with its recorded parameters. A trace recorded with a custom policy needs that object passed here
     (`PolicyUnavailable` otherwise)."""
     layout = trace.header.get("kv_layout")
-    kv_layout = KVLayout(tuple(LayerLayout(b, w) for b, w in layout)) if layout else None
+    kv_layout = KVLayout.from_record(layout) if layout else None
     if policy is None:
         policy = make_policy(trace.policy_record)  # PolicyUnavailable: a custom policy that was not passed
     sink = MemorySink()
@@ -265,6 +268,8 @@ def replay(trace: Trace, policy: str | Policy | None = None) -> ReplayReport:
                 scheduler.abort(rid, tick)
                 ended.append(rid)
         loop.release(ended)
+        if tick in trace.prefix_clears:
+            scheduler.clear_prefix_cache(tick)
         plan = loop.plan(tick)
         replayed = _plan_record(scheduler.last_plan_record, tick, unrecorded)
         recorded = trace.plans.get(tick)

@@ -43,9 +43,9 @@ class Recorded:
         layers = self.trace.header.get("kv_layout")
         if not layers:
             return None
-        from caches.kv import KVLayout, LayerLayout
+        from caches.kv import KVLayout
 
-        return KVLayout(tuple(LayerLayout(int(b), None if w is None else int(w)) for b, w in layers))
+        return KVLayout.from_record(layers)
 
 
 def load_recorded(source: "Recorded | Trace | str | os.PathLike | Iterable[dict]") -> Recorded:

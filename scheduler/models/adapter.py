@@ -1,0 +1,441 @@
+"""The one vision-language adapter: every mlx-vlm family in ``families.FAMILIES`` through mlx-vlm's common model
+interface, with the family differences declared as data (``FamilySpec``) and two position strategies.
+
+It splits what ``mlx_vlm.generate`` does in one call into the pieces continuous batching needs:
+
+``prepare``  CPU only: media -> PIL images / selected video frames / waveforms (``media.py``), the prompt
+             (``prompt.py``), the processor call ``mlx_vlm.generate`` makes (expanded placeholders and the media
+             tensors, whatever their names: ``pixel_values``, grids, ``pixel_attention_mask``, audio features,
+             ...), the content key of the media for the vision cache and the prefix cache.
+``encode``   ``Model.get_input_embeddings`` on the whole prefill sequence (the encoders and the merge, exactly
+             as ``mlx_vlm.generate`` calls it), or on a vision-cache hit the text embeddings with the cached
+             media rows put back at the media positions; the prompt's positions (``positions.py``) and the
+             extra language-model inputs the family declares.
+``prefill``  the language model on ``embeddings[start:end]`` with that chunk's positions and extra inputs, into
+             the request's own single-request cache (the one ``mlx_vlm.generate`` builds).
+``decode`` / ``verify``  one batched step (or a draft verification of ``n`` tokens per row) over a left-padded
+             batch cache, with each row's positions computed from its cache length and its own rope delta.
+
+Per-row position state is never on the model: every call passes explicit positions (M-RoPE) or none (1-D RoPE,
+where the language model derives them from each cache row's offset), and never ``rope_deltas`` /
+``pixel_values``, the kwargs on which mlx-vlm's Qwen-VL language models read or write their per-instance state.
+
+The first token. As in the text executor, the last prefill token is fed as the row's first decode input: a text
+token's merged embedding is its token embedding, so this equals ``mlx_vlm.generate``'s first step; ``prepare``
+refuses a prompt that ends in a media placeholder.
+
+Recompute after preemption. ``encode`` takes the output tokens a preempted request had produced and embeds
+``prompt + outputs`` in one ``get_input_embeddings`` call: M-RoPE positions of text after the last image continue
+by one per token, so the rope delta (and every position) is the one the request had before; the media rows come
+from the vision cache or the encoders run again on the request's kept media tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from caches import layers
+from caches.vision import VisionCache, content_key
+
+from scheduler.models import prompt as prompts
+from scheduler.models import seam
+from scheduler.models.families import FamilySpec, UnsupportedFamily, family_for
+from scheduler.models.media import (AudioInput, ImageInput, MediaError, MediaLimit, VideoFrames, VideoInput,
+                                    load_audio, load_image, load_video, validate_video_sampling)
+from scheduler.models.positions import STRATEGIES
+
+DEFAULT_VIDEO_FPS = 2.0  # Qwen2-VL's own default sampling rate
+DEFAULT_VIDEO_MAX_FRAMES = 32
+
+_NOT_MEDIA = ("input_ids", "attention_mask")
+
+
+@dataclass
+class PreparedRequest:
+    """CPU-side preprocessing result; no model forward yet."""
+
+    input_ids: list[int]  # the expanded prompt ids (placeholders repeated): what the LM's cache will hold
+    media_inputs: dict[str, Any] = field(default_factory=dict)  # the processor's media tensors, by name
+    mask: Any | None = None  # the processor's (1, L) attention mask
+    media_key: str | None = None  # content key of the ordered media; None for text-only
+    num_media_tokens: int = 0
+    prompt: str = ""  # the templated prompt text given to the processor
+    num_images: int = 0
+    num_videos: int = 0
+    num_audio: int = 0
+    video_frame_indices: tuple[tuple[int, ...], ...] = ()  # per video: the source frames selected
+
+    @property
+    def has_media(self) -> bool:
+        return bool(self.num_images or self.num_videos or self.num_audio)
+
+    @property
+    def num_media_items(self) -> int:
+        """Encoder-budget units: one per image, one per temporal patch of each video (``grid_t``; one per video
+        when the family has no video grid), one per audio clip."""
+        items = self.num_images + self.num_audio
+        grid = self.media_inputs.get("video_grid_thw")
+        if self.num_videos and grid is not None:
+            items += int(mx.sum(grid[:, 0]).item())
+        else:
+            items += self.num_videos
+        return items
+
+    # the processor's names, for callers that look at one tensor
+    @property
+    def pixel_values(self) -> Any:
+        return self.media_inputs.get("pixel_values")
+
+    @property
+    def image_grid_thw(self) -> Any:
+        return self.media_inputs.get("image_grid_thw")
+
+
+@dataclass
+class EncodedRequest:
+    """After the encoders: everything prefill needs, for the whole prefill sequence."""
+
+    embeddings: mx.array  # (1, L, H) merged text + media input embeddings
+    position_ids: mx.array | None  # (3, 1, L) int32 M-RoPE positions; None for 1-D RoPE families
+    rope_delta: int  # decode position of a row = tokens in its cache + rope_delta (0 for 1-D RoPE)
+    input_ids: mx.array  # (1, L) int32
+    vision_cache_hit: bool | None = None  # None: no media
+    vision_time_s: float = 0.0  # encoder wall time (0 on a hit)
+    sequence_inputs: dict[str, mx.array] = field(default_factory=dict)  # (1, L, ...) sliced with each chunk
+    media_mask: mx.array | None = None  # (1, L) bool: the media positions (families that declare the input)
+    media_rows: dict[str, Any] = field(default_factory=dict)  # per media token rows (families that declare them)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.embeddings.shape[1])
+
+
+class VLMAdapter:
+    """The generic adapter. ``vision_cache``: optional ``VisionCache`` of media rows by ``media_key``.
+    ``media_encoder``: the callable ``(input_ids, media_inputs, mask) -> InputEmbeddingsFeatures`` that runs the
+    encoders and the merge (``Model.get_input_embeddings``); replace it on the instance to instrument it (tests
+    count its calls). ``max_kv_size``: rotating caches of that many tokens (``seam.make_cache``).
+    ``max_images_per_request``: more images in one request raise ``MediaLimit``."""
+
+    def __init__(self, model: Any, processor: Any, vision_cache: VisionCache | None = None,
+                 video_fps: float = DEFAULT_VIDEO_FPS, video_max_frames: int = DEFAULT_VIDEO_MAX_FRAMES,
+                 max_kv_size: int | None = None, max_images_per_request: int | None = None):
+        self.spec: FamilySpec = family_for(getattr(getattr(model, "config", None), "model_type", None))
+        if self.spec.refused:
+            raise UnsupportedFamily(f"model_type {self.spec.model_type!r} cannot be batched: {self.spec.refused}")
+        self.model, self.processor = model, processor
+        self.language_model = model.language_model
+        self.vision_cache = vision_cache
+        self.max_kv_size = max_kv_size
+        self.max_images_per_request = max_images_per_request
+        self.positions = STRATEGIES[self.spec.positions]
+        self.media_encoder: Callable[[mx.array, dict, Any], Any] = self._encode_media
+        self.media_token_ids = seam.media_token_ids(model, processor)
+        self.image_token = _placeholder(processor, self.spec.placeholder)
+        self.video_token = _placeholder(processor, "video_token")
+        self.audio_token = _placeholder(processor, "audio_token")
+        self.video_fps, self.video_max_frames = validate_video_sampling(video_fps, video_max_frames)
+        # the audio rate of families that take audio (None: no audio; the server reads it to accept audio parts)
+        self.sample_rate = (int(getattr(getattr(processor, "feature_extractor", None), "sampling_rate", 16000))
+                            if "audio" in self.spec.media else None)
+        if "audio" in self.spec.media and getattr(model, "audio_tower", None) is None:
+            raise UnsupportedFamily(f"this {self.spec.model_type} checkpoint has no audio tower")
+        try:
+            self.capabilities = layers.check_batchable(self.make_cache())
+        except layers.UnsupportedCache as exc:
+            raise UnsupportedFamily(f"model_type {self.spec.model_type!r}: its language model's cache cannot be "
+                                    f"batched ({exc})") from exc
+        self._fingerprint: str | None = None
+
+    # ---- family facts the engine needs ----------------------------------------------------------------
+    @property
+    def _lm_args(self) -> Any:
+        return getattr(self.language_model, "args", None) or getattr(self.language_model, "config", None) \
+            or self.model.config.text_config
+
+    @property
+    def tokenizer(self) -> Any:
+        return getattr(self.processor, "tokenizer", self.processor)
+
+    @property
+    def vocab_size(self) -> int:
+        value = getattr(self._lm_args, "vocab_size", None)
+        if value:
+            return int(value)
+        return int(seam.text_embedding_module(self.language_model).weight.shape[0])
+
+    @property
+    def max_positions(self) -> int | None:
+        value = getattr(self._lm_args, "max_position_embeddings", None)
+        return int(value) if value else None
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """What ends generation in ``mlx_vlm.stream_generate``: the config's ``eos_token_id`` (int or list),
+        plus the tokenizer's own eos."""
+        ids: set[int] = set()
+        for source in (getattr(self.model.config, "eos_token_id", None), getattr(self.tokenizer, "eos_token_id", None)):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source is not None:
+                ids.update(int(i) for i in source)
+        return frozenset(ids)
+
+    @property
+    def fingerprint(self) -> str:
+        """Model + processor identity that goes into every media key (computed once)."""
+        if self._fingerprint is None:
+            self._fingerprint = seam.model_fingerprint(self.model, self.processor)
+        return self._fingerprint
+
+    def media_key(self, media_inputs: dict[str, Any]) -> str:
+        """Content key of a request's ordered media: the preprocessed tensors (the exact encoder inputs), by
+        name, and the model / processor fingerprint. Independent of file names and of the prompt text."""
+        parts: list[Any] = [self.spec.model_type, self.fingerprint]
+        for name in sorted(media_inputs):
+            value = media_inputs[name]
+            if isinstance(value, (list, tuple)):
+                value = [mx.array(v) for v in value]
+            elif not isinstance(value, mx.array):
+                value = mx.array(np.asarray(value))
+            parts += [name, *(value if isinstance(value, list) else [value])]
+        return content_key(parts)
+
+    # ---- CPU side -------------------------------------------------------------------------------------
+    def prepare(self, prompt: str | list[dict], images: Sequence[ImageInput] | None = (),
+                videos: Sequence[VideoInput] | None = (), audio: Sequence[AudioInput] | None = (),
+                fps: float | None = None, max_frames: int | None = None) -> PreparedRequest:
+        """CPU-side preprocessing of one request. ``prompt``: templated text, or chat messages (rendered as
+        ``mlx_vlm.generate`` renders them; see ``prompt.render``), whose media may also come as OpenAI-style
+        content parts (``image_url`` / ``video_url`` / ``input_audio``; ``prompt.from_openai_messages``). An
+        unusable medium raises ``MediaError`` naming it (``RemoteMedia`` for an http(s) URL); too many images
+        ``MediaLimit``; a bad prompt, mismatched placeholders or media the family does not take ``ValueError``."""
+        images = list(images) if images is not None else []
+        videos = list(videos) if videos is not None else []
+        clips_in = list(audio) if audio is not None else []
+        if isinstance(prompt, (list, tuple)) and prompts.has_media_parts(list(prompt)):
+            if images or videos or clips_in:
+                raise ValueError("give media either as content parts of the messages or as images= / videos= / "
+                                 "audio=, not both")
+            prompt, parts = prompts.from_openai_messages(list(prompt))
+            images, videos, clips_in = parts.images, parts.videos, parts.audio
+        if self.max_images_per_request is not None and len(images) > self.max_images_per_request:
+            raise MediaLimit("image", len(images), self.max_images_per_request)
+        for kind, items in (("image", images), ("video", videos), ("audio", clips_in)):
+            if items and kind not in self.spec.media:
+                raise ValueError(f"{kind}s are not supported for {self.spec.model_type} (it takes "
+                                 f"{', '.join(sorted(self.spec.media))})")
+        if images and videos and not self.spec.mixed_image_video:
+            raise ValueError(f"a request with both images and videos is not supported: mlx-vlm's "
+                             f"{self.spec.model_type} merges one kind of media per request")
+        fps, max_frames = validate_video_sampling(self.video_fps if fps is None else fps,
+                                                  self.video_max_frames if max_frames is None else max_frames)
+        pil = [load_image(src, i) for i, src in enumerate(images)]
+        clips: list[VideoFrames] = [load_video(src, i, fps, max_frames) for i, src in enumerate(videos)]
+        waves = [load_audio(src, i, self.sample_rate) for i, src in enumerate(clips_in)]
+        if isinstance(prompt, str):
+            text = prompt  # already templated
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt):
+            text = prompts.render(self.processor, self.model.config, list(prompt), len(pil), len(clips), len(waves))
+        else:
+            raise TypeError(f"prompt must be a templated str or a list of chat messages, got {type(prompt).__name__}")
+        if not text:
+            raise ValueError("empty prompt")
+        for token, n, kind in ((self.image_token, len(pil), "image"), (self.video_token, len(clips), "video"),
+                               (self.audio_token, len(waves), "audio")):
+            if token and text.count(token) != n:
+                raise ValueError(f"prompt has {text.count(token)} {kind} placeholder(s) ({token}) for {n} {kind}(s)")
+        frame_lists = [clip.frames for clip in clips]
+        try:
+            inputs = seam.prepare_inputs(self.model, self.processor, text, pil, frame_lists or None, waves or None)
+        except Exception as exc:
+            self._blame(pil, frame_lists, exc)
+            raise
+        ids = self._prompt_ids(inputs)
+        has_media = bool(pil or clips or waves)
+        media_inputs = {k: v for k, v in inputs.items() if k not in _NOT_MEDIA and v is not None} if has_media else {}
+        num_media = sum(1 for t in ids if t in self.media_token_ids)
+        if has_media and not num_media:
+            raise ValueError("the processor put no media tokens in the prompt")
+        return PreparedRequest(
+            input_ids=ids, media_inputs=media_inputs, mask=inputs.get("attention_mask"),
+            media_key=self.media_key(media_inputs) if has_media else None, num_media_tokens=num_media, prompt=text,
+            num_images=len(pil), num_videos=len(clips), num_audio=len(waves),
+            video_frame_indices=tuple(clip.indices for clip in clips),
+        )
+
+    def text_request(self, token_ids: Sequence[int]) -> PreparedRequest:
+        """A request given as token ids (no media)."""
+        return PreparedRequest(input_ids=list(token_ids))
+
+    def _prompt_ids(self, inputs: dict) -> list[int]:
+        input_ids = inputs["input_ids"]
+        if input_ids.ndim != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"processor returned input_ids of shape {tuple(input_ids.shape)}, want (1, L)")
+        ids = [int(t) for t in input_ids[0].tolist()]
+        if not ids:
+            raise ValueError("prompt tokenizes to nothing")
+        if ids[-1] in self.media_token_ids:
+            raise ValueError("the prompt must not end with a media token: the first decode step feeds the last "
+                             "prompt token as text (use the chat template, which ends with the generation prompt)")
+        return ids
+
+    def _blame(self, pil: list, frame_lists: list[list], exc: Exception) -> None:
+        """The processor failed on the whole request: find the first medium it refuses alone and name it."""
+        image_processor = getattr(self.processor, "image_processor", None)
+        for i, image in enumerate(pil if image_processor is not None else ()):
+            try:
+                image_processor(images=[image])
+            except Exception as one:
+                raise MediaError(i, f"rejected by the image processor ({image.width}x{image.height}): "
+                                    f"{type(one).__name__}: {one}") from exc
+        video_processor = getattr(self.processor, "video_processor", None) or image_processor
+        for i, frames in enumerate(frame_lists if video_processor is not None else ()):
+            try:
+                video_processor(videos=[frames])
+            except Exception as one:
+                h, w = frames[0].shape[:2]
+                raise MediaError(i, f"rejected by the video processor ({len(frames)} frames of {w}x{h}): "
+                                    f"{type(one).__name__}: {one}", "video") from exc
+
+    # ---- device side ----------------------------------------------------------------------------------
+    def _encode_media(self, input_ids: mx.array, media_inputs: dict, mask: Any) -> Any:
+        return seam.input_embeddings(self.model, input_ids, media_inputs, mask)
+
+    def encode(self, prepared: PreparedRequest, extra_tokens: Sequence[int] = ()) -> EncodedRequest:
+        """Embeddings, positions and extra inputs of ``prepared.input_ids + extra_tokens`` (``extra_tokens``: the
+        outputs of a preempted request, recomputed). Media rows come from the vision cache or the encoders.
+        Everything returned is evaluated."""
+        ids = mx.array(list(prepared.input_ids) + list(extra_tokens), dtype=mx.int32)[None]
+        mask = mx.ones(ids.shape, dtype=mx.int32)
+        if prepared.mask is not None:
+            mask[:, : len(prepared.input_ids)] = prepared.mask.astype(mx.int32)
+        spec, hit, encode_time = self.spec, None, 0.0
+        media_positions = np.flatnonzero(np.isin(np.array(ids[0]), list(self.media_token_ids)))
+        if prepared.has_media:
+            if not prepared.media_inputs:
+                raise ValueError("media tensors were released before encode")
+            key = prepared.media_key
+            cached = self.vision_cache.get(key) if self.vision_cache is not None and key is not None else None
+            hit = cached is not None
+            if cached is None:
+                t0 = time.perf_counter()
+                out = self.media_encoder(ids, prepared.media_inputs, mask)
+                embeds = out.inputs_embeds
+                rows = embeds[0, mx.array(media_positions)]
+                row_inputs = [_as_array(getattr(out, name, None)) for name in spec.media_row_inputs]
+                mx.eval(embeds, rows, *[r for r in row_inputs if r is not None])
+                encode_time = time.perf_counter() - t0
+                if self.vision_cache is not None and key is not None:
+                    value = rows if not spec.media_row_inputs else (rows, *row_inputs)
+                    self.vision_cache.put(key, value, encode_time)
+            else:
+                rows, *row_inputs = (cached,) if not spec.media_row_inputs else cached
+                out = seam.input_embeddings(self.model, ids, {}, mask)  # the text path: no encoder
+                embeds = mx.array(out.inputs_embeds)
+                embeds[0, mx.array(media_positions)] = rows.astype(embeds.dtype)
+            if rows.shape[0] != len(media_positions):
+                raise ValueError(f"the encoders gave {rows.shape[0]} rows for {len(media_positions)} media tokens")
+        else:
+            out = seam.input_embeddings(self.model, ids, {}, mask)
+            embeds, row_inputs = out.inputs_embeds, [None] * len(spec.media_row_inputs)
+        grids = {k: v for k, v in prepared.media_inputs.items() if k.endswith("_grid_thw")}
+        positions, delta = self.positions.prompt(self.model, ids, grids, mask)
+        sequence_inputs = {name: getattr(out, name) for name in spec.sequence_inputs
+                           if getattr(out, name, None) is not None}
+        media_mask = None
+        media_rows: dict[str, Any] = {}
+        if spec.media_mask_input and len(media_positions):
+            media_mask = mx.zeros(ids.shape, dtype=mx.bool_)
+            media_mask[0, mx.array(media_positions)] = True
+            media_rows = {name: r for name, r in zip(spec.media_row_inputs, row_inputs) if r is not None}
+        mx.eval([a for a in (embeds, positions, media_mask, *sequence_inputs.values(), *media_rows.values())
+                 if a is not None])
+        return EncodedRequest(embeddings=embeds, position_ids=positions, rope_delta=delta, input_ids=ids,
+                              vision_cache_hit=hit, vision_time_s=encode_time, sequence_inputs=sequence_inputs,
+                              media_mask=media_mask, media_rows=media_rows)
+
+    def make_cache(self) -> list:
+        return seam.make_cache(self.language_model, self.max_kv_size)
+
+    def prefill(self, cache: list, encoded: EncodedRequest, start: int, end: int) -> None:
+        """Run the language model on positions [start, end) into ``cache`` (which must hold exactly ``start``
+        tokens). Logits are not computed (only the cache is evaluated)."""
+        length = encoded.num_tokens
+        if not 0 <= start <= end <= length:
+            raise ValueError(f"bad prefill range [{start}, {end}) for a {length}-token prompt")
+        if end == start:
+            return
+        held = int(seam.row_offsets(cache)[0].item())
+        if held != start:
+            raise ValueError(f"prefill from {start} but the cache holds {held} tokens")
+        kwargs = self.positions.prefill_kwargs(encoded.position_ids, start, end)
+        kwargs.update({name: value[:, start:end] for name, value in encoded.sequence_inputs.items()})
+        if encoded.media_mask is not None:
+            chunk_mask = encoded.media_mask[:, start:end]
+            before = int(encoded.media_mask[:, :start].sum().item())
+            inside = int(chunk_mask.sum().item())
+            if inside:  # media rows of this chunk only (the language model adds them at the chunk's media positions)
+                kwargs[self.spec.media_mask_input] = chunk_mask
+                for name, rows in encoded.media_rows.items():
+                    kwargs[name] = rows[:, before: before + inside]
+        seam.lm_forward(self.language_model, encoded.input_ids[:, start:end], cache,
+                        inputs_embeds=encoded.embeddings[:, start:end], **kwargs)
+        mx.eval([c.state for c in cache])
+
+    def decode_positions(self, cache: list, rope_deltas: mx.array, width: int = 1) -> mx.array | None:
+        """(3, B, width) positions of every row's next ``width`` tokens (M-RoPE), or None (1-D RoPE)."""
+        return self.positions.decode_kwargs(cache, rope_deltas, width).get("position_ids")
+
+    def decode(self, batch_cache: list, tokens: mx.array, rope_deltas: mx.array | None) -> mx.array:
+        """One batched step: ``tokens`` (B,) are each row's input, ``rope_deltas`` (B,) each row's delta.
+        Returns logits (B, V)."""
+        return self.verify(batch_cache, mx.array(tokens).reshape(-1, 1), rope_deltas)[:, -1, :]
+
+    def verify(self, batch_cache: list, inputs: mx.array, rope_deltas: mx.array | None) -> mx.array:
+        """(B, n) inputs -> (B, n, V) logits: each row's next n tokens at its own positions."""
+        kwargs = self.positions.decode_kwargs(batch_cache, _deltas(rope_deltas, inputs.shape[0]), inputs.shape[1])
+        return seam.lm_forward(self.language_model, inputs, batch_cache, **kwargs)
+
+    def kv_layout(self) -> Any:
+        """Bytes per token of each layer (and windows), measured on a one-token probe of the model's cache."""
+        cache = self.make_cache()
+        probe = mx.array([[0]], dtype=mx.int32)
+        self.verify(cache, probe, mx.zeros((1,), dtype=mx.int32))
+        mx.eval(layers.cache_arrays(cache))
+        return layers.probe_layout(cache)
+
+
+def _deltas(rope_deltas: Any, rows: int) -> mx.array:
+    if rope_deltas is None:
+        return mx.zeros((rows,), dtype=mx.int32)
+    return mx.array(rope_deltas).reshape(-1).astype(mx.int32)
+
+
+def _as_array(value: Any) -> Any:
+    """Per-layer rows (Qwen3-VL's deepstack embeddings come as a list or a stacked array) as one array."""
+    if value is None or isinstance(value, mx.array):
+        return value
+    return mx.stack(list(value))
+
+
+def _placeholder(processor: Any, name: str) -> str | None:
+    for holder in (processor, getattr(processor, "tokenizer", None)):
+        value = getattr(holder, name, None) if holder is not None else None
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
+def adapter_for(model: Any, processor: Any, vision_cache: VisionCache | None = None, **options: Any) -> VLMAdapter:
+    """The adapter for ``model``; ``UnsupportedFamily`` (a TypeError) for a family it does not batch."""
+    return VLMAdapter(model, processor, vision_cache=vision_cache, **options)
+
+
+__all__ = ["DEFAULT_VIDEO_FPS", "DEFAULT_VIDEO_MAX_FRAMES", "EncodedRequest", "MediaError", "PreparedRequest",
+           "UnsupportedFamily", "VLMAdapter", "adapter_for"]

@@ -1,0 +1,84 @@
+"""The vision-language families we batch, as data: one ``FamilySpec`` per mlx-vlm ``model_type``.
+
+Every family runs through the one generic adapter (``scheduler/models/adapter.py``) over mlx-vlm's common
+model interface (``Model.get_input_embeddings`` and the language model's ``inputs_embeds`` path). What differs
+between families is declared here, and nothing else:
+
+``positions``      how the language model places tokens: ``ROPE`` (plain 1-D RoPE from each cache row's offset:
+                   gemma3, idefics3, smolvlm, mistral3, gemma4) or ``MROPE`` (Qwen2/2.5/3-VL, Qwen3.5: 3-D
+                   positions from the image / video grids, a per-request rope delta; see ``positions.py``).
+``media``          the media kinds the family's processor and embedding merge take.
+``placeholder``    the processor attribute naming the text a prompt holds once per image (``image_token`` for
+                   most; gemma3's prompt holds its ``boi_token``, which the processor expands).
+``media_mask_input`` / ``media_row_inputs``  extra language-model inputs that ``get_input_embeddings`` returns
+                   and the language model reads per prefill chunk: a (1, L) mask of the media positions
+                   (Qwen3-VL's ``visual_pos_masks``) and per-media-token rows (its ``deepstack_visual_embeds``).
+``sequence_inputs`` extra (1, L, ...) inputs sliced with the chunk (Gemma 4's ``per_layer_inputs``).
+``mixed_image_video`` whether one request may carry both images and videos (mlx-vlm's Qwen2/2.5-VL merge one kind).
+
+A family absent from this table is refused at load with ``UnsupportedFamily`` (a ``TypeError``) naming the
+supported ones: mlx-vlm may load it, but nothing here has shown that it batches exactly. A family declared with
+``refused`` is one mlx-vlm runs that cannot batch through this interface; it is refused at load with the reason.
+Every family here without ``refused`` is exact in tests/test_vlm_families.py (gemma4: tests/test_audio.py).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Positions(enum.Enum):
+    ROPE = "rope"  # 1-D positions = tokens already in the row's cache
+    MROPE = "mrope"  # (3, B, L) positions; decode position = tokens in the row's cache + the request's delta
+
+
+class UnsupportedFamily(TypeError):
+    """This mlx-vlm ``model_type`` is not one the generic adapter batches (see ``FAMILIES``)."""
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    model_type: str
+    positions: Positions = Positions.ROPE
+    media: frozenset[str] = frozenset({"image"})
+    placeholder: str = "image_token"
+    media_mask_input: str | None = None
+    media_row_inputs: tuple[str, ...] = ()
+    sequence_inputs: tuple[str, ...] = ()
+    mixed_image_video: bool = False
+    refused: str | None = None  # why mlx-vlm's model cannot be batched here (refused at load)
+    notes: str = field(default="", compare=False)
+
+
+_QWEN_MEDIA = frozenset({"image", "video"})
+
+FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
+    FamilySpec("qwen2_vl", Positions.MROPE, _QWEN_MEDIA),
+    FamilySpec("qwen2_5_vl", Positions.MROPE, _QWEN_MEDIA),
+    FamilySpec("qwen3_vl", Positions.MROPE, _QWEN_MEDIA, media_mask_input="visual_pos_masks",
+               media_row_inputs=("deepstack_visual_embeds",)),
+    FamilySpec("qwen3_5", Positions.MROPE, _QWEN_MEDIA,
+               notes="hybrid: gated-delta (recurrent) layers next to full attention; no drafting (no rollback)"),
+    FamilySpec("gemma3", placeholder="boi_token"),
+    FamilySpec("idefics3"),
+    FamilySpec("smolvlm", notes="idefics3's model with SmolVLMProcessor (video frames become images there)"),
+    FamilySpec("mistral3"),
+    FamilySpec("gemma4", media=frozenset({"audio"}), sequence_inputs=("per_layer_inputs",),
+               notes="audio only: images need gemma4's image position ids, not yet declared"),
+    FamilySpec("llava_next", refused="mlx-vlm's merge inserts one feature block per image view instead of filling "
+               "the expanded <image> tokens, so the embedded prompt is longer than its token ids and its length is "
+               "known only after the vision tower; the scheduler plans prefill, caches and positions on token "
+               "counts"),
+    FamilySpec("mllama", refused="its language model cross-attends to each request's vision states (cross-"
+               "attention layers fed `cross_attention_states`), which neither the inputs_embeds path nor a batch "
+               "cache carries per row"),
+)}
+
+
+def family_for(model_type: str | None) -> FamilySpec:
+    spec = FAMILIES.get(model_type or "")
+    if spec is None:
+        raise UnsupportedFamily(f"no VLM family spec for model_type {model_type!r}; supported: "
+                                f"{', '.join(sorted(k for k, v in FAMILIES.items() if not v.refused))}")
+    return spec

@@ -1,0 +1,188 @@
+"""The one place the model layer reaches into mlx-vlm. Each function wraps one internal; tests pin each one
+(tests/test_vlm_adapter.py, tests/test_vlm_families.py).
+
+``prepare_inputs``        the processor call ``mlx_vlm.stream_generate`` makes (same arguments, so the expanded ids
+                          and pixel values equal a solo run's).
+``chat_template``         mlx-vlm's ``apply_chat_template`` (the family's placeholders + generation prompt), with
+                          the template called without kwargs it does not read (no per-request warning);
+                          ``own_chat_template``: the model's own template (messages with videos).
+``input_embeddings``      ``Model.get_input_embeddings``: the encoder(s) and the merge, as ``mlx_vlm.generate``
+                          calls it; also with no media (the text path).
+``rope_index``            the language model's ``get_rope_index`` (M-RoPE families): pure, it touches none of the
+                          per-instance ``_position_ids`` / ``_rope_deltas`` state.
+``lm_forward``            one language-model call with ``inputs_embeds`` or token ids and explicit kwargs.
+``make_cache``            the cache ``mlx_vlm.stream_generate`` builds (``make_prompt_cache``), or rotating caches
+                          of ``max_kv_size`` tokens.
+``row_offsets``           tokens each row of a single or batch cache holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import mlx.core as mx
+
+from caches.vision import content_key
+
+
+def prepare_inputs(model: Any, processor: Any, prompt: str, images: list | None, videos: list | None = None,
+                   audio: list | None = None) -> dict:
+    """``videos``: frame lists (already sampled; passed on unchanged). ``audio``: float32 mono waveforms at the
+    feature extractor's rate (passed on as is)."""
+    from mlx_vlm.utils import prepare_inputs as vlm_prepare_inputs, should_add_special_tokens
+
+    return vlm_prepare_inputs(
+        processor,
+        images=images or None,
+        videos=videos or None,
+        audio=audio or None,
+        prompts=prompt,
+        image_token_index=getattr(model.config, "image_token_index", None),
+        add_special_tokens=should_add_special_tokens(model.config.model_type, processor),
+    )
+
+
+def chat_template(processor: Any, config: Any, messages: list[dict], num_images: int = 0,
+                  num_audios: int = 0) -> str:
+    """Chat messages -> prompt text exactly as mlx-vlm's ``apply_chat_template`` renders them (its per-family
+    messages with placeholders, then the chat template with the generation prompt), but calling the template
+    the way transformers wants: mlx-vlm passes ``enable_thinking=False`` to every template, and a processor
+    whose template does not use it prints a "processor_kwargs" warning per request; we pass it only to a
+    template that reads it (what it renders is the same either way)."""
+    from mlx_vlm.prompt_utils import apply_chat_template
+
+    rendered = apply_chat_template(processor, config, messages, return_messages=True, num_images=num_images,
+                                   num_audios=num_audios)
+    template_processor = processor
+    if getattr(processor, "chat_template", None) is None and getattr(
+            getattr(processor, "tokenizer", None), "chat_template", None) is not None:
+        template_processor = processor.tokenizer
+    if getattr(template_processor, "chat_template", None) is None:  # no template: mlx-vlm's own rendering
+        return apply_chat_template(processor, config, messages, num_images=num_images, num_audios=num_audios)
+    kwargs = {"enable_thinking": False} if _template_mentions(template_processor, "enable_thinking") else {}
+    return template_processor.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True, **kwargs)
+
+
+def own_chat_template(processor: Any, messages: list[dict]) -> str:
+    """The model's own chat template on messages holding media parts (each placeholder where its part is)."""
+    return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def _template_mentions(template_processor: Any, name: str) -> bool:
+    templates = [getattr(template_processor, "chat_template", None),
+                 getattr(getattr(template_processor, "tokenizer", None), "chat_template", None)]
+    for template in templates:
+        values = template.values() if isinstance(template, dict) else [template]
+        if any(isinstance(v, str) and name in v for v in values):
+            return True
+    return False
+
+
+def input_embeddings(model: Any, input_ids: mx.array, media_inputs: dict[str, Any], mask: mx.array | None) -> Any:
+    """``InputEmbeddingsFeatures`` of the prompt. ``media_inputs`` are the processor's media outputs (pixel
+    values, grids, audio features, ...), given by name; ``pixel_values`` goes positionally as mlx-vlm does."""
+    kwargs = dict(media_inputs)
+    pixel_values = kwargs.pop("pixel_values", None)
+    return model.get_input_embeddings(input_ids, pixel_values, mask=mask, **kwargs)
+
+
+def rope_index(model: Any, input_ids: mx.array, image_grid_thw: Any, video_grid_thw: Any,
+               mask: mx.array | None) -> tuple[mx.array, mx.array]:
+    return model.language_model.get_rope_index(input_ids, image_grid_thw, video_grid_thw, mask)
+
+
+def lm_forward(language_model: Any, inputs: mx.array, cache: list, inputs_embeds: mx.array | None = None,
+               **kwargs: Any) -> mx.array:
+    """Logits of one language-model call. Given explicit ``position_ids`` (M-RoPE) and no ``pixel_values`` /
+    ``rope_deltas``, the Qwen-VL language models neither read nor write their per-instance rope state."""
+    out = language_model(inputs, inputs_embeds=inputs_embeds, cache=cache, **kwargs)
+    return getattr(out, "logits", out)
+
+
+def make_cache(language_model: Any, max_kv_size: int | None = None) -> list:
+    """The cache ``mlx_vlm.stream_generate`` builds for one request. With ``max_kv_size`` every layer is a
+    ``RotatingKVCache(max_kv_size, keep=0)``: mlx-vlm's own single path keeps 4 sink tokens, but its batch cache
+    has none, so batching with sinks would change results (the same rule as the text engine)."""
+    from mlx_vlm.models import cache as vlm_cache
+
+    if max_kv_size is None:
+        return vlm_cache.make_prompt_cache(language_model)
+    if hasattr(language_model, "make_cache"):
+        raise ValueError("max_kv_size: this model builds its own caches (e.g. sliding windows); mlx-vlm ignores "
+                         "max_kv_size for it and so would the results")
+    return [vlm_cache.RotatingKVCache(max_size=max_kv_size, keep=0) for _ in language_model.layers]
+
+
+def row_offsets(cache: list) -> mx.array:
+    """(B,) tokens each row's cache holds. Single-request caches have an int ``offset``; mlx-vlm's
+    ``BatchKVCache.offset`` is an array of real (non-padding) tokens per row."""
+    layer = next(c for c in cache if hasattr(c, "offset"))  # hybrids: the first attention layer (recurrent
+    offset = layer.offset                                   # state has no length)
+    if isinstance(offset, mx.array):
+        return offset.reshape(-1).astype(mx.int32)
+    return mx.array([int(offset)], dtype=mx.int32)
+
+
+def text_embedding_module(language_model: Any) -> Any:
+    inner = getattr(language_model, "model", None)
+    return getattr(inner, "embed_tokens", None) or language_model.embed_tokens
+
+
+def encoder_modules(model: Any) -> list[str]:
+    """Names of the submodules that turn media into features (towers and projectors): what, besides the
+    pixels, decides a vision-cache entry."""
+    return sorted(name for name, _ in model.children().items() if name != "language_model")
+
+
+def model_fingerprint(model: Any, processor: Any) -> str:
+    """Model class and config, the encoder modules' weights (names, shapes and dtypes of all, a strided sample
+    of each: any other checkpoint differs in it, at a cost of milliseconds) and the processor components'
+    settings."""
+    from mlx.utils import tree_flatten
+
+    def as_dict(obj: Any) -> Any:
+        if dataclasses.is_dataclass(obj):
+            return dataclasses.asdict(obj)
+        return getattr(obj, "__dict__", repr(obj))
+
+    parts: list[Any] = [f"{type(model).__module__}.{type(model).__name__}",
+                        json.dumps(as_dict(model.config), sort_keys=True, default=str)]
+    for name in encoder_modules(model):
+        module = getattr(model, name)
+        if not hasattr(module, "parameters"):
+            continue
+        params = tree_flatten(module.parameters())
+        parts.append(name)
+        parts.append(repr([(n, tuple(p.shape), str(p.dtype)) for n, p in params]))
+        samples = [p.reshape(-1)[:: max(1, p.size // 1024)] for _, p in params]
+        mx.eval(samples)
+        parts += samples
+    for component in ("image_processor", "video_processor", "feature_extractor"):
+        value = getattr(processor, component, None)
+        if value is not None:
+            parts += processor_settings(value)
+    return content_key(parts)
+
+
+def processor_settings(component: Any) -> list:
+    settings = {k: v for k, v in vars(component).items()
+                if isinstance(v, (int, float, str, bool, list, tuple, dict, type(None)))}
+    return [type(component).__name__, json.dumps(settings, sort_keys=True, default=str)]
+
+
+def media_token_ids(model: Any, processor: Any) -> frozenset[int]:
+    """Every placeholder id the family's config names (image, video, audio tokens)."""
+    ids: set[int] = set()
+    for holder in (model.config, getattr(model.config, "text_config", None)):
+        for name in ("image_token_id", "image_token_index", "video_token_id", "video_token_index",
+                     "audio_token_id", "audio_token_index"):
+            value = getattr(holder, name, None)
+            if isinstance(value, int) and value >= 0:
+                ids.add(value)
+    value = getattr(processor, "image_token_id", None)
+    if isinstance(value, int):
+        ids.add(value)
+    return frozenset(ids)
+

@@ -1,0 +1,162 @@
+"""Adaptive drafting: each row's draft length follows its acceptance and rejected rows pause until their
+context changes (scheduler/execution/drafters.py `AdaptivePace`); and, on the *trained* tiny model
+(scheduler/fixtures/trained.py), speculative decoding with prompt lookup keeps greedy output identical to
+plain decoding and to mlx-lm run alone, while its drafts are actually accepted on repetitive input."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from scheduler import Engine, EngineConfig, SamplingParams
+from scheduler.execution.drafters import AdaptivePace, DraftRequest, PromptLookupDrafter
+from tests.helpers import solo_tokens
+
+
+# ---------------------------------------------------------------------------------------------- the pace
+def test_pace_halves_k_after_a_rejected_draft_and_grows_back():
+    pace = AdaptivePace(patience=2, backoff=4, max_backoff=16)
+    assert pace.limit("r", 4, 10) == 4  # no evidence yet: the caller's k
+    pace.drafted("r", 4)
+    pace.update("r", 0, 4, 11)  # nothing accepted: half
+    assert pace.limit("r", 4, 11) == 2
+    pace.drafted("r", 2)
+    pace.update("r", 2, 4, 14)  # all accepted: one more than drafted
+    assert pace.limit("r", 4, 14) == 3
+    pace.drafted("r", 3)
+    pace.update("r", 1, 4, 16)  # partly accepted: kept
+    assert pace.limit("r", 4, 16) == 3
+    for h in (20, 24):
+        pace.drafted("r", pace.limit("r", 4, h))
+        pace.update("r", 4, 4, h + 4)
+    assert pace.limit("r", 4, 30) == 4  # never above the caller's k
+    assert pace.limit("r", 2, 30) == 2
+
+
+def test_pace_pauses_a_rejected_row_with_a_doubling_backoff():
+    pace = AdaptivePace(patience=2, backoff=4, max_backoff=16)
+    assert pace.limit("r", 4, 9) == 4
+    pace.drafted("r", 4)
+    pace.update("r", 0, 4, 10)  # one miss: not paused, but k halves
+    assert pace.limit("r", 4, 11) == 2
+    pace.drafted("r", 2)
+    pace.update("r", 0, 4, 12)  # second miss in a row: paused for 4 tokens of history
+    assert [pace.limit("r", 4, h) for h in (12, 13, 15)] == [0, 0, 0]
+    assert pace.limit("r", 4, 16) == 1
+    pace.drafted("r", 1)
+    pace.update("r", 0, 4, 17)  # third miss: 8 tokens
+    assert pace.limit("r", 4, 24) == 0 and pace.limit("r", 4, 25) == 1
+    pace.drafted("r", 1)
+    pace.update("r", 1, 4, 26)  # an accepted token clears the misses
+    pace.drafted("r", pace.limit("r", 4, 26))
+    pace.update("r", 0, 4, 27)
+    assert pace.limit("r", 4, 27) == 1  # one miss again: not paused
+    assert pace.stats()["pauses"] == 2
+
+
+def test_pace_resumes_early_on_a_long_match_at_a_new_distance():
+    pace = AdaptivePace(patience=1, backoff=32, max_backoff=32, resume_ngram=3)
+    pace.limit("r", 4, 10, ngram=3, distance=7)
+    pace.drafted("r", 4, distance=7)
+    pace.update("r", 0, 4, 11)  # paused until history 43, on the copy 7 tokens back
+    assert pace.limit("r", 4, 12, ngram=3, distance=7) == 0  # the same copy continued: still paused
+    assert pace.limit("r", 4, 12, ngram=2, distance=9) == 0  # a short match: not new context enough
+    assert pace.limit("r", 4, 12, ngram=3, distance=9) == 2  # another occurrence: drafts again (k halved)
+    assert pace.stats()["early_resumes"] == 1
+
+
+def test_pace_rejects_bad_settings():
+    with pytest.raises(ValueError):
+        AdaptivePace(patience=0)
+    with pytest.raises(ValueError):
+        AdaptivePace(backoff=8, max_backoff=4)
+
+
+def test_prompt_lookup_stops_proposing_drafts_that_are_rejected():
+    """A history whose lookup keeps proposing the same wrong continuation: the adaptive drafter pauses
+    after two rejections, the fixed one proposes every time."""
+    phrase = list(range(100, 110))
+    adaptive, fixed = PromptLookupDrafter(), PromptLookupDrafter(adaptive=False)
+    history = phrase * 2 + [7]  # the target went elsewhere after every repeat
+    lengths = {"adaptive": [], "fixed": []}
+    for step in range(6):
+        history = history + phrase[:3]  # a match (100 101 102) whose continuation gets rejected each time
+        for name, d in (("adaptive", adaptive), ("fixed", fixed)):
+            [draft] = d.propose([DraftRequest("r", history)], 4)
+            lengths[name].append(len(draft.tokens))
+            if draft.tokens:
+                d.accept("r", 0, [7])
+        history = history + [7]
+    assert lengths["fixed"] == [4] * 6
+    assert lengths["adaptive"][:2] == [4, 2]  # full k, then half after a miss
+    assert lengths["adaptive"][2] == 0  # paused after the second miss
+    assert sum(lengths["adaptive"]) < sum(lengths["fixed"]) / 2
+    assert adaptive.stats()["adaptive"]["pauses"] >= 1
+
+
+# ---------------------------------------------------------------------------------------------- trained model
+@pytest.fixture(scope="module")
+def trained_model(tmp_path_factory):
+    from mlx_lm import load
+
+    from scheduler.fixtures import trained
+
+    root = tmp_path_factory.mktemp("trained")
+    path = trained.build_trained(root / "model", steps=trained.TEST_STEPS, batch=trained.TEST_BATCH,
+                                 cache_dir=root / "cache")
+    model, tokenizer = load(str(path))
+    return model, tokenizer, (path / "training.json").read_text(), root
+
+
+def test_a_second_build_is_the_cached_copy(trained_model):
+    from scheduler.fixtures import trained
+
+    root = trained_model[3]
+    again = trained.build_trained(root / "again", steps=trained.TEST_STEPS, batch=trained.TEST_BATCH,
+                                  cache_dir=root / "cache")
+    assert (again / "model.safetensors").read_bytes() == (root / "model" / "model.safetensors").read_bytes()
+    assert [p.name for p in (root / "cache").iterdir()] == [f"trained-{trained.cache_key(trained.TEST_STEPS, 0, trained.TEST_BATCH)}"]
+
+
+def _repetitive(tokenizer, n):
+    from scheduler.fixtures import trained
+
+    rng = random.Random("test-adaptive-drafting")
+    out = []
+    for i in range(n):
+        if i % 2 == 0:
+            text = "\n".join(trained._record(rng, 20 + j) for j in range(4)) + "\nRecord 24:"
+        else:
+            text = trained._revised(rng).split("\nRevised: ")[0] + "\nRevised:"
+        out.append(tokenizer.encode(text, add_special_tokens=False))
+    return out
+
+
+def test_the_trained_model_learned_its_corpus(trained_model):
+    import json
+
+    record = json.loads(trained_model[2])
+    assert record["steps"] > 0 and record["loss_last"] < 0.5 * record["loss_first"]
+
+
+def test_drafting_on_the_trained_model_is_exact_and_accepted(trained_model):
+    model, tokenizer = trained_model[:2]
+    rng = random.Random(1)
+    prompts = _repetitive(tokenizer, 3) + [[rng.randrange(7, 512) for _ in range(40)]]
+    new = 24
+    solo = [solo_tokens(model, tokenizer, p, new) for p in prompts]
+    outputs, stats = {}, {}
+    for name, cfg in (("plain", dict()), ("adaptive", dict(draft_tokens=4)),
+                      ("fixed", dict(draft_tokens=4, adaptive_drafting=False))):
+        engine = Engine(model, tokenizer, EngineConfig(max_batched_tokens=1024, **cfg))
+        outs = engine.generate(prompts, SamplingParams(max_tokens=new))
+        outputs[name] = [o.token_ids for o in outs]
+        stats[name] = engine.draft_stats()
+        engine.close()
+    assert outputs["plain"] == solo
+    assert outputs["adaptive"] == solo
+    assert outputs["fixed"] == solo
+    # the drafts are accepted: more than one token per row per verify forward on this workload
+    assert stats["adaptive"]["accepted"] > 0
+    assert stats["adaptive"]["tokens_per_row_forward"] > 1.5
