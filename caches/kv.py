@@ -21,7 +21,7 @@ token counts and this layout, and bounds what the arrays can hold after a tick:
 * a merge (requests whose prefill completed joining the batch; `layers.join_rows`, one layer at a time)
   briefly holds, next to what the tick ends with, the joining requests' own caches and, at the layer being
   merged, its old form, the merged rows and the padded copies mlx-lm's `extend` concatenates (no bigger
-  than the new layer): `join_bytes` (counted in float storage: an upper bound of quantized layers too);
+  than the new layer): `join_bytes` (each row in the storage it has then);
 * a draft model (speculative decoding) keeps its own batch cache with a row per decoding request: its layers
   are appended to the target's (`combined`), so every term above counts both models.
 
@@ -167,9 +167,17 @@ class KVLayout:
         extra = sum(self.request_bytes(n, c) for n, c in joining)
         if old_rows:
             joined = [n for n, _ in joining]
-            extra += max(_layer_batch_bytes(layer, old_rows) + _layer_batch_bytes(layer, joined)
-                         + _layer_batch_bytes(layer, list(old_rows) + joined) for layer in self.layers)
+            extra += max(self._layer_bytes(layer, old_rows) + self._layer_bytes(layer, joined)
+                         + self._layer_bytes(layer, list(old_rows) + joined) for layer in self.layers)
         return extra
+
+    def _layer_bytes(self, layer: LayerLayout, row_tokens: Sequence[int]) -> int:
+        """One layer of a batch of these rows, in the storage each row has (float and quantized groups)."""
+        if self.quantized_rows_from is None:
+            return _layer_batch_bytes(layer, row_tokens, layer.bytes_per_token)
+        cut = self.quantized_rows_from
+        return (_layer_batch_bytes(layer, [n for n in row_tokens if n < cut], layer.bytes_per_token)
+                + _layer_batch_bytes(layer, [n for n in row_tokens if n >= cut], self._per_token(layer, True)))
 
     def combined(self, other: "KVLayout") -> "KVLayout":
         """The layers of both (a target and its draft model: every row holds KV in each)."""
@@ -180,13 +188,14 @@ class KVLayout:
         return self.batch_bytes(row_tokens) + sum(self.request_bytes(n, c) for n, c in prefill_tokens)
 
 
-def _layer_batch_bytes(layer: LayerLayout, row_tokens: Sequence[int]) -> int:
-    """Upper bound of one layer of a batch cache whose rows hold `row_tokens` tokens each (float storage)."""
+def _layer_batch_bytes(layer: LayerLayout, row_tokens: Sequence[int], per_token: int) -> int:
+    """Upper bound of one layer of a batch cache whose rows hold `row_tokens` tokens each."""
     if not row_tokens:
         return 0
     rows, longest = len(row_tokens), max(row_tokens)
-    length = longest + STEP if layer.window is None else min(longest + STEP, layer.window + STEP)
-    return layer.bytes_per_token * rows * length + layer.fixed_bytes * rows
+    if layer.window is not None:
+        return layer.bytes_per_token * rows * min(longest + STEP, layer.window + STEP) + layer.fixed_bytes * rows
+    return per_token * rows * (longest + STEP) + layer.fixed_bytes * rows
 
 
 class KVCacheManager:
