@@ -17,7 +17,13 @@ token counts and this layout, and bounds what the arrays can hold after a tick:
 * with a quantized KV cache (`EngineConfig.kv_bits`), a full-attention layer that quantizes costs
   `quantized_bytes_per_token` once a cache has switched (`QuantizeRule`): a prefilling cache of n tokens has
   switched if n >= `KVLayout.quantized_prefill_from`, a batch row of n tokens if n >= `quantized_rows_from`
-  (rows below it decode in their own float group: two groups, each padded to its own longest row).
+  (rows below it decode in their own float group: two groups, each padded to its own longest row);
+* a merge (requests whose prefill completed joining the batch; `layers.join_rows`, one layer at a time)
+  briefly holds, next to what the tick ends with, the joining requests' own caches and, at the layer being
+  merged, its old form, the merged rows and the padded copies mlx-lm's `extend` concatenates (no bigger
+  than the new layer): `join_bytes` (each row in the storage it has then);
+* a draft model (speculative decoding) keeps its own batch cache with a row per decoding request: its layers
+  are appended to the target's (`combined`), so every term above counts both models.
 
 The bound is deliberately an upper bound: `real bytes <= bound <= budget` is what the invariant checker
 verifies every tick.
@@ -154,9 +160,46 @@ class KVLayout:
             total += layer.fixed_bytes * rows
         return total
 
+    def join_bytes(self, old_rows: Sequence[int], joining: Sequence[tuple[int, int]]) -> int:
+        """Held on top of the footprint after a tick while its merge runs (`layers.join_rows`, layer by
+        layer): the `joining` requests' own caches ((tokens, last chunk) each) and, when there is a batch of
+        `old_rows` to extend, at the layer being merged its old form, the joiners merged and the padded copies
+        `extend` concatenates (at most the new layer): the largest layer's sum. With no batch yet the merged
+        rows are the new batch itself."""
+        if not joining:
+            return 0
+        extra = sum(self.request_bytes(n, c) for n, c in joining)
+        if old_rows:
+            joined = [n for n, _ in joining]
+            extra += max(self._layer_bytes(layer, old_rows) + self._layer_bytes(layer, joined)
+                         + self._layer_bytes(layer, list(old_rows) + joined) for layer in self.layers)
+        return extra
+
+    def _layer_bytes(self, layer: LayerLayout, row_tokens: Sequence[int]) -> int:
+        """One layer of a batch of these rows, in the storage each row has (float and quantized groups)."""
+        if self.quantized_rows_from is None:
+            return _layer_batch_bytes(layer, row_tokens, layer.bytes_per_token)
+        cut = self.quantized_rows_from
+        return (_layer_batch_bytes(layer, [n for n in row_tokens if n < cut], layer.bytes_per_token)
+                + _layer_batch_bytes(layer, [n for n in row_tokens if n >= cut], self._per_token(layer, True)))
+
+    def combined(self, other: "KVLayout") -> "KVLayout":
+        """The layers of both (a target and its draft model: every row holds KV in each)."""
+        return replace(self, layers=self.layers + other.layers)
+
     def footprint(self, row_tokens: Sequence[int], prefill_tokens: Sequence[tuple[int, int]]) -> int:
         """Batch rows plus single-request caches given as (tokens, last chunk)."""
         return self.batch_bytes(row_tokens) + sum(self.request_bytes(n, c) for n, c in prefill_tokens)
+
+
+def _layer_batch_bytes(layer: LayerLayout, row_tokens: Sequence[int], per_token: int) -> int:
+    """Upper bound of one layer of a batch cache whose rows hold `row_tokens` tokens each."""
+    if not row_tokens:
+        return 0
+    rows, longest = len(row_tokens), max(row_tokens)
+    if layer.window is not None:
+        return layer.bytes_per_token * rows * min(longest + STEP, layer.window + STEP) + layer.fixed_bytes * rows
+    return per_token * rows * (longest + STEP) + layer.fixed_bytes * rows
 
 
 class KVCacheManager:
@@ -193,7 +236,8 @@ class KVCacheManager:
         self._pending_rows: list[str] = []
         self._pending_tokens: dict[str, int] = {}  # tokens each pending row holds
         self._points: dict[str, int] = {}  # each row's conversion point (QuantizeRule.point)
-        self.peak_bytes = 0
+        self.peak_bytes = 0  # the most held at once, merges' transients included
+        self.tick_peak_bytes = 0  # the same since start_tick()
         self.merges = 0
         self.filters = 0
         self.conversions = 0  # request caches converted to quantized storage
@@ -241,6 +285,7 @@ class KVCacheManager:
         QuantizeRule, `points` are the rows' conversion points, and caches still in float storage join the
         pending (float) group."""
         caches = [self._requests.pop(rid) for rid in request_ids]
+        self._joining = caches  # held until merged: counted in what the merges' peaks are noted against
         self._order += list(request_ids)
         if self.quantize is None:
             self._extend(list(request_ids), caches)
@@ -251,17 +296,29 @@ class KVCacheManager:
                 self._extend([request_ids[i] for i in quantized], [caches[i] for i in quantized])
             if floats:
                 rids = [request_ids[i] for i in floats]
-                self.pending = self._layers.extend_batch(self.pending, self._merge([caches[i] for i in floats]))
-                self._pending_rows += rids
                 for i, rid in zip(floats, rids):
                     self._pending_tokens[rid] = self._layers.cache_offset(caches[i])
+                self.pending = self._join_into(self.pending, [caches[i] for i in floats])
+                self._pending_rows += rids
             self._points.update(zip(request_ids, points))
+        self._joining = []
         self.merges += 1
         self._note_peak()
 
     def _extend(self, request_ids: list[str], caches: list) -> None:
-        self.batch = self._layers.extend_batch(self.batch, self._merge(caches))
+        self.batch = self._join_into(self.batch, caches)
         self._batch_rows += request_ids
+
+    def _join_into(self, batch: list, caches: list) -> list:
+        """`layers.join_rows` (layer by layer, evaluated): one layer is held twice at most. Its peak is noted
+        next to everything else held (`KVLayout.join_bytes` bounds it)."""
+        a = self._layers
+        start = a.cache_nbytes(batch) + sum(a.cache_nbytes(c) for c in caches)
+        held = self.nbytes() + sum(a.cache_nbytes(c) for c in getattr(self, "_joining", ()) if c is not None
+                                   and all(layer is not None for layer in c))
+        new, peak = a.join_rows(batch, caches, self._merge)
+        self._note(held + peak - start)
+        return new
 
     def groups(self) -> list[tuple[list[str], list]]:
         """The batch caches a decode runs, each with its rows' request ids in cache row order (one group
@@ -330,8 +387,16 @@ class KVCacheManager:
         return (a.cache_nbytes(self.batch) + a.cache_nbytes(self.pending)
                 + sum(a.cache_nbytes(c) for c in self._requests.values()))
 
+    def start_tick(self) -> None:
+        self.tick_peak_bytes = self.nbytes()
+
     def _note_peak(self) -> None:
-        self.peak_bytes = max(self.peak_bytes, self.nbytes())
+        self._note(self.nbytes())
+
+    def _note(self, held: int) -> None:
+        held = max(held, self.nbytes())
+        self.peak_bytes = max(self.peak_bytes, held)
+        self.tick_peak_bytes = max(self.tick_peak_bytes, held)
 
     def stats(self) -> dict:
         stats = {"bytes": self.nbytes(), "peak_bytes": self.peak_bytes, "request_caches": len(self._requests),

@@ -418,6 +418,38 @@ def extend_batch(batch: Cache, other: Cache) -> Cache:
     return batch
 
 
+def join_rows(batch: Cache, caches: list[Cache], merge: Any = None) -> tuple[Cache, int]:
+    """Append the rows of the single-request `caches` to `batch`: merge and extend one layer at a time, each
+    evaluated before the next, and drop the requests' layer as its merged form lands (this consumes `caches`:
+    their entries become None). So only one layer is ever held in two forms at once, instead of the whole
+    old batch, the requests' caches, the merged rows and mlx-lm's padded copies all together.
+
+    `merge`: a family's merge (its mask layout), called with single-layer caches. Returns the new batch and the
+    most bytes these arrays held at once: everything before, plus at the layer being merged its merged rows
+    and, when a batch is extended, the padded copies `extend` concatenates (at most the new layer) and the new
+    layer (`KVLayout.join_bytes` bounds this)."""
+    merge = merge or merge_caches
+    extending = bool(batch)
+    new = list(batch)
+    held = cache_nbytes(batch) + sum(cache_nbytes(c) for c in caches)
+    peak = held
+    for i in range(len(caches[0])):
+        merged = merge([[c[i]] for c in caches])
+        merged_bytes, old_bytes = cache_nbytes(merged), new[i].nbytes if extending else 0
+        if extending:
+            new[i] = extend_batch([new[i]], merged)[0]
+        else:
+            new.append(merged[0])
+        mx.eval(cache_arrays([new[i]]))
+        new_bytes = new[i].nbytes
+        peak = max(peak, held + merged_bytes + (2 * new_bytes if extending else 0))
+        requests_bytes = sum(c[i].nbytes for c in caches)
+        for c in caches:
+            c[i] = None  # freed now, not when the whole merge is done
+        held += new_bytes - old_bytes - requests_bytes
+    return new, peak
+
+
 def filter_batch(batch: Cache, keep: list[int]) -> Cache:
     """Keep only rows `keep` (in that order). An empty keep list drops the batch."""
     if not keep:

@@ -31,6 +31,7 @@ from .lifecycle import RequestState
 from .loop import TickLoop
 from .policy import policy_record
 from .request import (
+    FinishReason,
     InvalidRequest,
     Request,
     SamplingParams,
@@ -157,6 +158,9 @@ class Engine:
         # simulation can try a budget on any trace.
         self.kv_layout = self.vlm.kv_layout() if self.vlm is not None else library.kv_layout(model, self.config.max_kv_size)
         self.quantize = self._quantize_rule(model)  # kv_bits: and the layout counts quantized bytes
+        if self.kv_layout is not None and draft_model is not None and self.config.drafter == "draft-model":
+            # the draft model keeps a row per decoding request too: the budget counts its layers as well
+            self.kv_layout = self.kv_layout.combined(library.kv_layout(draft_model))
         budget_layout = self.kv_layout if self.config.kv_memory_bytes is not None else None
         self.scheduler = Scheduler(self.config, self.events, family.stop_ids, policy, budget_layout,
                                    max_model_len=self.max_model_len)
@@ -355,8 +359,11 @@ class Engine:
             raw_tokens = self._tokenize(prompt) if prompt_tokens is None else prompt_tokens
         tokens = validate_prompt_tokens(raw_tokens, self.vocab_size, self.max_model_len)
         if self.kv_layout is not None and self.config.kv_memory_bytes is not None:
-            # what the planner requires to admit it alone (the prompt plus the admission headroom)
-            need = self.kv_layout.footprint([len(tokens) + max(1, self.config.kv_headroom_tokens)], [])
+            # what the planner requires to admit it alone: the prompt plus the admission headroom, and its own
+            # cache next to the batch it becomes while it joins
+            n = len(tokens)
+            need = (self.kv_layout.footprint([n + max(1, self.config.kv_headroom_tokens)], [])
+                    + self.kv_layout.join_bytes([], [(n, min(n, self.config.prefill_chunk))]))
             if need > self.config.kv_memory_bytes:
                 raise InvalidRequest("prompt", f"needs {need} bytes of KV cache, more than kv_memory_bytes "
                                                f"({self.config.kv_memory_bytes})", request_id)
@@ -543,12 +550,16 @@ class Engine:
             raise InvariantViolation(f"tick {plan.tick} computed {result.computed_tokens} token positions, "
                                      f"planned {plan.num_batched_tokens}")
         if self.config.kv_memory_bytes is not None:
+            # real <= bound <= budget, at the tick's peak (a merge holds old and new batch at once) and after it
             held = self.executor.cache_bytes()
-            if plan.kv_bytes_bound is not None and held > plan.kv_bytes_bound:
-                raise InvariantViolation(f"tick {plan.tick}: KV caches hold {held} bytes, over the planned bound "
-                                         f"{plan.kv_bytes_bound}")
-            if held > self.config.kv_memory_bytes:
-                raise InvariantViolation(f"KV caches hold {held} bytes, over the budget")
+            tick_peak = getattr(self.executor, "tick_peak_bytes", None)
+            peak = tick_peak() if result is not None and tick_peak is not None else held
+            for what, real in (("at their peak", peak), ("after the tick", held)):
+                if plan.kv_bytes_bound is not None and real > plan.kv_bytes_bound:
+                    raise InvariantViolation(f"tick {plan.tick}: KV caches hold {real} bytes {what}, over the "
+                                             f"planned bound {plan.kv_bytes_bound}")
+                if real > self.config.kv_memory_bytes:
+                    raise InvariantViolation(f"KV caches hold {real} bytes {what}, over the budget")
         live_in_executor = self.executor.live_request_ids()
         if not live_in_executor <= set(self.scheduler.requests):
             raise InvariantViolation(
@@ -556,11 +567,12 @@ class Engine:
 
     def prefill_progress(self, request_id: str) -> tuple[int, int] | None:
         """(prompt tokens computed, prompt tokens) of a live request, prefix-cache hits included; None once
-        it has ended or before it reached the engine's loop."""
+        it has ended or before it reached the engine's loop. After a preemption the request recomputes its
+        prompt and then its outputs so far: only the prompt part is counted here, so it never passes 100%."""
         request = self.scheduler.requests.get(request_id)
         if request is None:
             return None
-        return request.num_computed_tokens, request.prompt_len
+        return min(request.num_computed_tokens, request.prompt_len), request.prompt_len
 
     def _images_of(self, request_id: str) -> int:
         request = self.scheduler.requests.get(request_id)
@@ -639,14 +651,29 @@ class Engine:
                 logprobs[out.request_id].extend(out.logprobs)
                 if out.finished:
                     toks = tokens[out.request_id]
+                    # the text leaves out the stop token that ended it (as mlx-lm's generate does); token_ids keep it
+                    shown = toks[:-1] if out.finish_reason is FinishReason.STOP else toks
                     results[out.request_id] = RequestOutput(
                         request_id=out.request_id, token_ids=toks,
-                        text=self.tokenizer.decode(toks) if toks else "",
+                        text=self._text(shown),
                         finish_reason=out.finish_reason, error=out.error, logprobs=logprobs[out.request_id],
                     )
                     if progress is not None:
                         progress(out)
         return [results[i] for i in ids]
+
+    def _text(self, tokens: list[int]) -> str:
+        """The text of `tokens` as mlx-lm's generate builds it: through the tokenizer's streaming detokenizer
+        where it has one (its first-token spacing differs from a plain decode), else a plain decode."""
+        if not tokens:
+            return ""
+        detokenizer = getattr(self.tokenizer, "detokenizer", None)
+        if detokenizer is None:
+            return self.tokenizer.decode(tokens)
+        for token in tokens:
+            detokenizer.add_token(token)
+        detokenizer.finalize()
+        return detokenizer.text
 
     def stream(self, prompt: Any = None, prompt_tokens: Sequence[int] | None = None, images: Sequence[Any] | None = None,
                sampling: SamplingParams | None = None, request_id: str | None = None,

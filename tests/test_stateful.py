@@ -1,8 +1,11 @@
-"""Stateful property test on the real tiny model (and on a hybrid one): random interleavings of add (varied lengths, shared
-prefixes, greedy and seeded sampling), abort in any state, and ticks, under KV-budget pressure, with the
-prefix cache, speculative decoding (prompt lookup) and either tick mix. Invariants are checked every tick (EngineConfig.check_invariants); at the end every request
-ended exactly once, every unaborted greedy request equals its solo mlx-lm output, and every cache byte held
-for requests is returned."""
+"""Stateful property test on the real tiny model (and on a hybrid one): random interleavings of add (varied
+lengths, shared prefixes, greedy and seeded sampling, logits processors: one that changes nothing and one that
+raises after a few tokens), abort in any state, and ticks, under KV-budget pressure, with the prefix cache (a
+large budget, or one of about two entries so entries are evicted every few ticks), speculative decoding (prompt
+lookup) and either tick mix. Invariants are checked every tick (EngineConfig.check_invariants: the plan's
+budgets, and real KV bytes <= the plan's bound <= kv_memory_bytes at the tick's peak and after it); at the end
+every request ended exactly once, a request fails only if its own processor raised, every unaborted greedy
+request equals its solo mlx-lm output, and every cache byte held for requests is returned."""
 
 import random
 
@@ -20,6 +23,21 @@ from .helpers import solo_tokens
 
 SHARED = [random.Random(1).randrange(7, 512) for _ in range(40)]
 _SOLO: dict[tuple, list[int]] = {}
+SMALL_PREFIX_BUDGET = 150_000  # about two stored prompts of the tiny model: every few stores evict
+SEEN = {"prefix_evictions": 0, "processor_failures": 0}  # over all examples: the mix was really exercised
+
+
+def _keep(tokens, logits):
+    return logits
+
+
+def _raise_after(prompt_len: int, n: int):
+    def processor(tokens, logits):
+        if len(tokens) >= prompt_len + n:
+            raise RuntimeError("processor failed on purpose")
+        return logits
+
+    return processor
 
 
 def _solo(model, tokenizer, prompt, n):
@@ -34,25 +52,31 @@ def _engine_machine(model, tokenizer, kv_budgets, drafts):
     checkpoints_only = not layers.capabilities(library.make_request_cache(model)).trimmable
 
     class EngineMachine(RuleBasedStateMachine):
-        @initialize(kv_budget=st.sampled_from(kv_budgets), prefix=st.booleans(),
+        @initialize(kv_budget=st.sampled_from(kv_budgets),
+                    prefix=st.sampled_from([0, SMALL_PREFIX_BUDGET, 8 << 20]),
                     chunk=st.sampled_from([5, 16, 64]), draft=st.sampled_from(drafts),
                     mix=st.sampled_from(["decode-first", "prefill-first"]))
         def start(self, kv_budget, prefix, chunk, draft, mix):
             self.engine = Engine(model, tokenizer, EngineConfig(
                 max_batched_tokens=chunk + 8 + 6 * draft, max_seqs=6, prefill_chunk=chunk, kv_memory_bytes=kv_budget,
-                kv_headroom_tokens=4, prefix_cache_bytes=(8 << 20) if prefix else 0, draft_tokens=draft, mix=mix,
+                kv_headroom_tokens=4, prefix_cache_bytes=prefix, draft_tokens=draft, mix=mix,
                 check_invariants=True))
             self.specs, self.tokens, self.ended, self.aborted = {}, {}, {}, set()
+            self.raising, self.errors = {}, {}
 
         @rule(length=st.integers(1, 90), shared=st.booleans(), n=st.integers(1, 12),
-              sampled=st.booleans(), seed=st.integers(0, 100))
-        def add(self, length, shared, n, sampled, seed):
+              sampled=st.booleans(), seed=st.integers(0, 100),
+              processor=st.sampled_from([None, None, "keep", "raise"]))
+        def add(self, length, shared, n, sampled, seed, processor):
             rng = random.Random(seed)
             body = [rng.randrange(7, 512) for _ in range(length)]
             prompt = (SHARED + body) if shared else body
-            sampling = SamplingParams(max_tokens=n, temperature=0.8 if sampled else 0.0, seed=seed)
+            processors = {None: (), "keep": (_keep,), "raise": (_raise_after(len(prompt), 2),)}[processor]
+            sampling = SamplingParams(max_tokens=n, temperature=0.8 if sampled else 0.0, seed=seed,
+                                      logits_processors=processors)
             rid = self.engine.add_request(prompt_tokens=prompt, sampling=sampling)
             self.specs[rid] = (prompt, n, sampled)
+            self.raising[rid] = processor == "raise" and n > 2  # it reaches its third token: the raise
             self.tokens[rid] = []
 
         @precondition(lambda self: bool(self.specs))
@@ -76,6 +100,7 @@ def _engine_machine(model, tokenizer, kv_budgets, drafts):
                 self.tokens[out.request_id].extend(out.token_ids)
                 if out.finished:
                     self.ended[out.request_id] = out.finish_reason
+                    self.errors[out.request_id] = out.error
 
         @invariant()
         def states_are_consistent(self):
@@ -101,7 +126,12 @@ def _engine_machine(model, tokenizer, kv_budgets, drafts):
                 if reason is FinishReason.ABORT:
                     assert rid in self.aborted
                     continue
-                assert reason in (FinishReason.STOP, FinishReason.LENGTH), (rid, reason)
+                if self.raising[rid]:  # its own processor raised: it failed, alone, with that error
+                    assert reason is FinishReason.ERROR and "processor failed on purpose" in self.errors[rid]
+                    assert len(self.tokens[rid]) == 2
+                    SEEN["processor_failures"] += 1
+                    continue
+                assert reason in (FinishReason.STOP, FinishReason.LENGTH), (rid, reason, self.errors[rid])
                 if not sampled:
                     assert self.tokens[rid] == _solo(model, tokenizer, prompt, n), rid
             assert self.engine.executor.cache_bytes() == 0
@@ -109,6 +139,7 @@ def _engine_machine(model, tokenizer, kv_budgets, drafts):
             cache = self.engine.scheduler.prefix_cache
             if cache is not None:
                 assert cache.bytes == sum(e.nbytes for e in cache._entries.values()) <= cache.max_bytes
+                SEEN["prefix_evictions"] += cache.stats()["evictions"]
 
     return EngineMachine
 
@@ -145,6 +176,7 @@ def test_random_interleavings_keep_every_guarantee(machine_class):
                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
     machine_class.TestCase.settings = settings_
     machine_class.TestCase().runTest()
+    assert SEEN["prefix_evictions"] > 0 and SEEN["processor_failures"] > 0, SEEN
 
 
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen3_vl"])

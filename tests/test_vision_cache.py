@@ -114,7 +114,7 @@ def test_get_or_encode_times_and_stores_once():
     b, hit_b = cache.get_or_encode("k", encode)
     assert (hit_a, hit_b) == (False, True) and len(calls) == 1
     assert mx.array_equal(a, b)
-    assert cache.stats()["encoder_time_saved_s"] >= 0
+    assert cache.stats()["encoder_time_saved_s"] > 0  # the hit saved the miss's encoding time
 
 
 def test_a_failing_callback_does_not_break_the_cache():

@@ -289,6 +289,9 @@ class MLLMBatchGenerator:
         """Queue requests; returns their uids. Bad input never raises here: that request gets an "error"
         response from the next `next()`, like the reference's preprocessing failures."""
         uids = []
+        # the engine first: a configuration error (e.g. drafting this model cannot do) is the caller's, raised
+        # here for the whole call, never turned into one request's error response
+        self.engine
         for req in requests:
             req.uid = self._uid_counter
             self._uid_counter += 1
@@ -385,11 +388,12 @@ class MLLMBatchGenerator:
 
     # ---- the loop -----------------------------------------------------------------------------------------
     def next(self) -> List[MLLMBatchResponse]:
+        engine = self.engine  # before taking the queued responses: if this raises, none of them is lost
         self.process_pending_removals()
         responses, self._pending_error_responses = self._pending_error_responses, []
-        if not self.engine.has_pending():
+        if not engine.has_pending():
             return responses
-        outputs = self.engine.step()
+        outputs = engine.step()
         if self._mtp_requested is not None:
             self._count_mtp_bypasses(outputs)
         for out in outputs:
@@ -550,6 +554,9 @@ def install_mtp_mllm(batch_gen: MLLMBatchGenerator, language_model: Any = None, 
       native head predicts only the token after next;
     - `language_model` an `scheduler.execution.mtp.MTPHead` (or an object carrying one as `.mtp_head`): up to
       `num_draft_tokens` chained drafts per step.
+
+    A configuration the engine refuses (drafting on a model whose caches cannot be rolled back, a model whose
+    logits the MTP seam cannot reproduce, ...) raises here, and the generator stays as it was.
     """
     from scheduler.execution.mtp import MTPHead, has_native_mtp
 
@@ -573,7 +580,15 @@ def install_mtp_mllm(batch_gen: MLLMBatchGenerator, language_model: Any = None, 
         raise TypeError("install_mtp_mllm needs a drafter: a language model with its native MTP module (.mtp and "
                         ".mtp_forward), an MTP head (scheduler.execution.mtp.MTPHead, or an object with .mtp_head), "
                         "or draft_model=<mlx-lm model>")
+    before = batch_gen._config
     batch_gen._configure(draft_tokens=k, drafter=drafter,
                          max_batched_tokens=batch_gen._config.max_batched_tokens + k * batch_gen.completion_batch_size)
+    try:  # what the engine would refuse (a model whose caches cannot roll back, a VLM, ...) is refused here,
+        # by building one as configured (no trace, no sinks) and dropping it: the real one is built at first use
+        Engine(batch_gen.model, batch_gen.processor, dataclasses.replace(batch_gen._config, trace_path=None),
+               mtp_head=head, draft_model=draft_model)
+    except Exception:
+        batch_gen._config = before  # the generator stays usable without drafting
+        raise
     batch_gen._mtp_head, batch_gen._draft_model = head, draft_model
     batch_gen._mtp_requested, batch_gen._mtp_effective = num_draft_tokens, k

@@ -128,6 +128,7 @@ class MLXExecutor:
         self._params: SamplingArrays | None = None
         self._context: mx.array | None = None  # (B, W) recent tokens for penalties, -1 padded
         self._released: set[str] = set()
+        self._no_draft: set[str] = set()  # rows the draft model could not take: they decode plainly
         # this executor's own copy of each request it works on (from the plan's new_requests), with the tokens
         # it produced appended: what prefill, sampling and drafting read; never the scheduler's objects
         self._requests: dict[str, Request] = {}
@@ -142,13 +143,24 @@ class MLXExecutor:
         for rid in request_ids:
             self.kv.drop_request(rid)
             self._encoded.pop(rid, None)
+            self._no_draft.discard(rid)
             self._requests.pop(rid, None)
             if rid in self._row_index:
                 self._released.add(rid)
         self._drop_released()
 
     def cache_bytes(self) -> int:
-        return self.kv.nbytes()
+        """KV held now: the target's caches and a draft model's (both count against kv_memory_bytes)."""
+        return self.kv.nbytes() + self._draft_cache_bytes()
+
+    def tick_peak_bytes(self) -> int:
+        """The most KV held at once during the last tick (merges' transients included), target and draft
+        model together (their merges run one after the other, so the sum is an upper bound)."""
+        draft = getattr(self.drafter, "tick_peak_bytes", 0)
+        return max(self.kv.tick_peak_bytes, self.kv.nbytes()) + max(draft, self._draft_cache_bytes())
+
+    def _draft_cache_bytes(self) -> int:
+        return self.drafter.cache_bytes() if hasattr(self.drafter, "cache_bytes") else 0
 
     def live_request_ids(self) -> set[str]:
         return self.kv.request_ids() | set(self._row_index) | set(self._encoded) | set(self._requests)
@@ -159,6 +171,10 @@ class MLXExecutor:
         dropped = list(plan.preempted) + [rid for rid, _ in plan.failed]
         if dropped:
             self.release(dropped)
+        # the tick's peak is counted from here: the plan's bound is for the caches left after its preemptions
+        self.kv.start_tick()
+        if hasattr(self.drafter, "start_tick"):
+            self.drafter.start_tick()
         requests = self._requests
         for new in plan.new_requests:
             requests[new.request_id] = Request.from_new_request(new)
@@ -202,7 +218,7 @@ class MLXExecutor:
         t1 = time.perf_counter()
         try:
             if joining:
-                self._join(joining, requests)
+                self._join(joining, requests, result)
             if self._rows and (plan.decode or joining):  # a prefill-only tick pauses the rows
                 self._decode(result, dict(plan.draft))
         except Exception as exc:  # e.g. out of memory in the batched forward: that work item fails, not the engine
@@ -326,7 +342,7 @@ class MLXExecutor:
         payload, nbytes, whole_only = self.kv.snapshot(request.request_id)
         result.prefix_stores.append(PrefixStore(request.request_id, n, nbytes, whole_only, payload))
 
-    def _join(self, request_ids: list[str], requests: Mapping[str, Request]) -> None:
+    def _join(self, request_ids: list[str], requests: Mapping[str, Request], result: TickResult) -> None:
         encoded = [self._encoded.pop(rid, None) for rid in request_ids]  # prompt embeddings are not needed now
         points = None
         if self.quantize is not None:
@@ -337,6 +353,7 @@ class MLXExecutor:
                 self._on_event("kv_quantize", request_ids=converted)
         self.kv.join(request_ids, points)
         self._on_event("kv_merge", request_ids=list(request_ids))
+        self._warm_drafter(request_ids, requests, result)
         last = mx.array([_last_prefill_token(requests[rid]) for rid in request_ids], dtype=mx.uint32)
         deltas = mx.array([getattr(e, "rope_delta", 0) for e in encoded], dtype=mx.int32)
         self._next_inputs = last if self._next_inputs is None else mx.concatenate([self._next_inputs, last])
@@ -352,6 +369,24 @@ class MLXExecutor:
         self._params = None
         if self._context is not None or self._needs_context():
             self._context = self._extend_context(request_ids, requests)
+
+    def _warm_drafter(self, request_ids: list[str], requests: Mapping[str, Request], result: TickResult) -> None:
+        """A draft model's cache takes a row when the target's batch does (in the same tick, so the plan's KV
+        bound, which counts the draft model's layers in every merge, covers it), for the rows that may draft. If
+        that fails, those rows never draft (a row joining later, in a tick without a merge, would be unbounded)."""
+        if not hasattr(self.drafter, "warm"):
+            return
+        rows = [DraftRequest(rid, requests[rid].prefill_tokens(0, requests[rid].prefill_len))
+                for rid in request_ids if requests[rid].draft_eligible]
+        if not rows:
+            return
+        try:
+            self.drafter.warm(rows)
+        except Exception as exc:  # a failing drafter costs its speed-up, never a request
+            self.draft_stats.failures += 1
+            self.draft_stats.last_failure = result.drafter_error = f"{type(exc).__name__}: {exc}"
+            self.drafter.release([r.request_id for r in rows])
+            self._no_draft.update(r.request_id for r in rows)
 
     def _drop_released(self) -> None:
         if not self._released:
@@ -511,8 +546,11 @@ class MLXExecutor:
                          max_tokens=draft_k[row.request.request_id],
                          sampling=_row_sampling(row.request), step=row.step,
                          hidden=self._last_hidden[i] if self._keeps_hidden and self._has_hidden[i] else None)
-            for i, row in enumerate(self._rows) if row.request.request_id in draft_k
+            for i, row in enumerate(self._rows)
+            if row.request.request_id in draft_k and row.request.request_id not in self._no_draft
         ]
+        if not rows:
+            return {}
         try:
             drafts = self.drafter.propose(rows, max(draft_k.values()))
         except Exception as exc:  # a failing drafter costs its speed-up, never a request: plain decoding

@@ -23,6 +23,7 @@ from caches.layers import (  # noqa: F401  (re-exported)
     cache_arrays,
     cache_nbytes,
     extend_batch,
+    join_rows,
     filter_batch,
     merge_caches,
     restore_cache,

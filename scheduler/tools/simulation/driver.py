@@ -129,7 +129,10 @@ class _Simulation:
             a = pending[self.next_arrival]
             self.next_arrival += 1
             budget = self.budget
-            if layout is not None and budget is not None and layout.footprint([a.prompt_len + 1], []) > budget:
+            n, cfg = a.prompt_len, self.config
+            if layout is not None and budget is not None and (  # the engine's add_request rule
+                    layout.footprint([n + max(1, cfg.kv_headroom_tokens)], [])
+                    + layout.join_bytes([], [(n, min(n, cfg.prefill_chunk))]) > budget):
                 records[a.request_id].outcome, records[a.request_id].end = "error", now  # the engine refuses it
                 continue
             sampling = self.sampling_cache.get(a.max_tokens)
