@@ -7,9 +7,8 @@ the same plans. Invariants it guarantees (tests assert them on every plan):
     forward computes: every row of the forward at the widest draft (`TickPlan.decode_tokens`);
     admitted + running <= max_seqs;
   * no chunk is longer than prefill_chunk;
-  * with kv_memory_bytes, the bound on KV bytes at the tick's peak (caches/kv.py: after the tick, plus what a
-    merge holds while it runs; a draft model's layers included) stays within it: the planner preempts (newest
-    first) when decoding rows outgrow it and admits only what fits with headroom.
+  * with kv_memory_bytes, the bound on KV bytes after the tick (caches/kv.py) stays within it: the planner
+    preempts (newest first) when decoding rows outgrow it and admits only what fits with headroom.
 """
 
 from __future__ import annotations
@@ -54,11 +53,10 @@ def _chunk(request: Request, start: int, budget: int, config: EngineConfig, hold
 
 
 class _KVTracker:
-    """What the KV caches hold at the tick's peak, in tokens, bounded in bytes by the layout.
+    """What the KV caches will hold after this tick, in tokens, bounded in bytes by the layout.
 
     Decoding rows hold prompt + outputs after this tick's decode; prefilling requests hold their computed
-    tokens; a request whose prefill completes joins the rows, and while it joins, its own cache, the batch
-    before the merge and the merge's copies are held next to that (`KVLayout.join_bytes`).
+    tokens; a request whose prefill completes joins the rows.
     """
 
     def __init__(self, layout: KVLayout, budget: int, headroom_tokens: int):
@@ -69,40 +67,34 @@ class _KVTracker:
         # this tick, but their whole prompts are reserved in every admission check, so what is let in behind
         # them cannot take the memory they are about to prefill into.
         self.pending: dict[str, int] = {}
-        self.joining: dict[str, tuple[int, int]] = {}  # joiners' own caches at the merge: (tokens, last chunk)
 
-    def bytes(self, rows: dict[str, int] | None = None, prefilling: dict | None = None, grow: int = 0,
-              joining: dict | None = None) -> int:
+    def bytes(self, rows: dict[str, int] | None = None, prefilling: dict | None = None, grow: int = 0) -> int:
         rows = self.rows if rows is None else rows
         prefilling = self.prefilling if prefilling is None else prefilling
-        joining = self.joining if joining is None else joining
-        old_rows = [n + grow for rid, n in rows.items() if rid not in joining]
-        return (self.layout.footprint([n + grow for n in rows.values()], list(prefilling.values()))
-                + self.layout.join_bytes(old_rows, list(joining.values())))
+        return self.layout.footprint([n + grow for n in rows.values()], list(prefilling.values()))
 
     def fits(self) -> bool:
         return self.bytes() <= self.budget
 
-    def with_chunk(self, request: Request, chunk: PrefillChunk) -> tuple[dict, dict, dict]:
-        rows, prefilling, joining = dict(self.rows), dict(self.prefilling), dict(self.joining)
+    def with_chunk(self, request: Request, chunk: PrefillChunk) -> tuple[dict, dict]:
+        rows, prefilling = dict(self.rows), dict(self.prefilling)
         if chunk.completes:
             prefilling.pop(request.request_id, None)
             rows[request.request_id] = request.prefill_len
-            joining[request.request_id] = (request.prefill_len, chunk.num_tokens)
         else:
             prefilling[request.request_id] = (chunk.end, chunk.num_tokens)
-        return rows, prefilling, joining
+        return rows, prefilling
 
     def try_chunk(self, request: Request, chunk: PrefillChunk, admission: bool) -> bool:
-        """Take the chunk if the tick's peak stays within the budget (a completing chunk: its merge
-        included; if that does not fit, the request waits, holding its cache, until the rows free memory)."""
-        rows, prefilling, joining = self.with_chunk(request, chunk)
-        if self.bytes(rows, prefilling, joining=joining) > self.budget:
+        rows, prefilling = self.with_chunk(request, chunk)
+        if admission:
+            fits = (self.admits(request, rows, prefilling)
+                    and self.quantized_prefill_fits(request, chunk, rows, prefilling))
+        else:
+            fits = self.bytes(rows, prefilling) <= self.budget
+        if not fits:
             return False
-        if admission and not (self.admits(request, rows, prefilling)
-                              and self.quantized_prefill_fits(request, chunk, rows, prefilling)):
-            return False
-        self.rows, self.prefilling, self.joining = rows, prefilling, joining
+        self.rows, self.prefilling = rows, prefilling
         return True
 
     def try_admit_media(self, request: Request) -> bool:
@@ -116,10 +108,10 @@ class _KVTracker:
     def admits(self, request: Request, rows: dict[str, int], prefilling: dict) -> bool:
         """Admit only if the whole prompt fits next to every row grown by the headroom (and the prompts
         reserved for admitted media): a request that is let in must not be preempted again a few ticks later
-        (no preempt/readmit thrash). Steady state: a merge's transient is checked in the tick it happens."""
+        (no preempt/readmit thrash)."""
         full_rows = {**rows, **self.pending, request.request_id: request.prefill_len}
         full_prefilling = {k: v for k, v in prefilling.items() if k != request.request_id}
-        return self.bytes(full_rows, full_prefilling, grow=self.headroom, joining={}) <= self.budget
+        return self.bytes(full_rows, full_prefilling, grow=self.headroom) <= self.budget
 
     def quantized_prefill_fits(self, request: Request, chunk: PrefillChunk, rows: dict[str, int],
                                prefilling: dict) -> bool:
@@ -130,7 +122,8 @@ class _KVTracker:
         full_rows = {k: v for k, v in {**rows, **self.pending}.items() if k != request.request_id}
         full_prefilling = {k: v for k, v in prefilling.items() if k != request.request_id}
         full_prefilling[request.request_id] = (request.prefill_len - 1, chunk.num_tokens)
-        return self.bytes(full_rows, full_prefilling, grow=self.headroom, joining={}) <= self.budget
+        return (self.bytes(full_rows, full_prefilling, grow=self.headroom) <= self.budget
+                and self.bytes(rows, prefilling) <= self.budget)
 
 
 class _VisionBudget:

@@ -369,7 +369,7 @@ def test_drafting_and_max_kv_size_are_refused_for_gemma4(gemma):
 
 
 def test_engine_kv_budget_preempts_audio_requests_and_stays_exact(gemma, mixed, clips):
-    """A KV budget of about three full rows (sliding-window layers counted at their window): audio requests are
+    """A KV budget of three rows (sliding-window layers counted at their window): audio requests are
     preempted and recomputed (their clips re-encoded or taken from the cache), and every output equals solo."""
     from scheduler.events import MemorySink
 
@@ -379,10 +379,12 @@ def test_engine_kv_budget_preempts_audio_requests_and_stays_exact(gemma, mixed, 
     prepared, references = mixed
     audio = [[clips["a"]], [clips["b"]], [clips["b8k"]], [(tone(0.8, 3), RATE)], [clips["stereo"]],
              [clips["a"], (tone(0.5, 4), RATE)], None, None]
-    longest = max(len(p.input_ids) for p in prepared) + MAX_TOKENS
-    budget = Engine(model, processor).kv_layout.footprint([longest] * 3, [])
+    # the first three requests' rows (at the longest of their prompts) with two tokens to spare, no admission
+    # headroom: admitted together, they outgrow it a few decode steps later and the newest is preempted
+    longest = max(len(p.input_ids) for p in prepared[:3]) + 2
+    budget = Engine(model, processor).kv_layout.batch_bytes([longest] * 3)
     log = MemorySink()
-    engine = Engine(model, processor, EngineConfig(kv_memory_bytes=budget, kv_headroom_tokens=2,
+    engine = Engine(model, processor, EngineConfig(kv_memory_bytes=budget, kv_headroom_tokens=0,
                                                    check_invariants=True), event_sinks=[log])
     run = drive(engine, [(0, {"prompt": p.prompt, "audio": a, "sampling": SamplingParams(max_tokens=MAX_TOKENS)})
                          for p, a in zip(prepared, audio)])

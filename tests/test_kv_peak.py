@@ -1,6 +1,9 @@
-"""The KV hard budget counts what is really held at its peak (issue 24 item 10): a merge briefly holds the
-joining requests' own caches next to the batch (measured here with MLX's allocator, on caches the tiny model
-really filled), and a draft model keeps a cache of its own. Real <= the planner's bound <= the budget."""
+"""What the KV caches really hold (issue 24 item 10). A draft model keeps a cache of its own: its layers are
+in the layout the planner bounds, so real <= bound <= budget after every tick with drafting on. A merge briefly
+holds the joining requests' own caches next to the batch: measured here with MLX's allocator (on caches the
+tiny model really filled), it stays within the end-state bound plus `KVLayout.join_bytes`, the margin the
+README tells users to leave; the budget itself bounds what is held after each tick (counting the merge
+transient in it left the 2-layer test models room for about one row in three)."""
 
 import gc
 
@@ -52,7 +55,7 @@ def test_a_merge_is_measured_within_the_bound_the_planner_keeps(text_model, old,
         assert measured_peak > end_state_bound
 
 
-def test_the_budget_counts_the_draft_models_cache_at_its_peak(text_model, tmp_path):
+def test_the_budget_counts_the_draft_models_cache(text_model, tmp_path):
     model, tokenizer = text_model
     budget = 2_600_000
     log = MemorySink()
@@ -81,27 +84,11 @@ def test_the_budget_counts_the_draft_models_cache_at_its_peak(text_model, tmp_pa
         real_peak = (max(engine.executor.kv.tick_peak_bytes, engine.executor.kv.nbytes())
                      + max(drafter.tick_peak_bytes, drafter.cache_bytes()))
         assert real_after <= real_peak == engine.executor.tick_peak_bytes()
-        assert real_peak <= plan["kv_bytes_bound"] <= budget, plan["tick"]
+        assert real_after <= plan["kv_bytes_bound"] <= budget, plan["tick"]
         draft_held.append(drafter.cache_bytes())
     engine.close()
     assert max(draft_held) > 0  # the draft model did hold a cache, and it was counted
     assert engine.executor.cache_bytes() == 0
     assert list(tokens.values()) == [solo_tokens(model, tokenizer, p, 12) for p in prompts]
-    assert len(load_trace(trace).header["kv_layout"]) == 4
+    assert len(load_trace(trace).header["kv_layout"]["layers"]) == 4
     assert replay(load_trace(trace)).identical
-
-
-def test_a_prompt_that_cannot_join_even_alone_is_refused(text_model):
-    """Joining the batch alone briefly holds the request's own cache next to its row: a prompt whose row fits
-    but not both is refused at add_request, never admitted to fail later."""
-    from caches.kv import STEP
-    from scheduler import InvalidRequest
-
-    model, tokenizer = text_model
-    per_token = library.kv_layout(model).bytes_per_token
-    engine = Engine(model, tokenizer, EngineConfig(kv_memory_bytes=per_token * 2 * (30 + STEP),
-                                                   kv_headroom_tokens=1))
-    with pytest.raises(InvalidRequest, match="kv_memory_bytes"):
-        engine.add_request(prompt_tokens=[9] * 100)  # its row alone (100 + 1 + STEP) would fit
-    run = drive(engine, [(0, {"prompt_tokens": [9] * 10, "sampling": SamplingParams(max_tokens=4)})])
-    assert len(next(iter(run.tokens.values()))) == 4

@@ -60,14 +60,10 @@ def test_each_text_request_is_new_once_at_its_first_chunk_with_its_values():
 
 
 def test_a_preempted_request_is_new_again_with_the_outputs_it_recomputes():
-    from caches.kv import STEP
-
     layout = KVLayout((LayerLayout(16, None),))
-    # three 30-token prompts join at once (rows and, while merging, their own caches: 2 x 3 x (30 + STEP)
-    # tokens), then their rows outgrow the budget and the newest is preempted
-    config = EngineConfig(max_seqs=8, max_batched_tokens=128, prefill_chunk=64,
-                          kv_memory_bytes=2 * 3 * (30 + STEP) * 16 + 64, kv_headroom_tokens=0)
-    requests = [Request(f"r{i}", _prompt(30, i), SamplingParams(max_tokens=300)) for i in range(3)]
+    config = EngineConfig(max_seqs=8, max_batched_tokens=64, prefill_chunk=16, kv_memory_bytes=20_000,
+                          kv_headroom_tokens=0)
+    requests = [Request(f"r{i}", _prompt(30, i), SamplingParams(max_tokens=40)) for i in range(6)]
     _, plans = _run(config, requests, layout)
     readmitted = [(plan, new) for plan in plans for new in plan.new_requests if new.recompute_tokens]
     assert readmitted, "the budget was tight enough to preempt"

@@ -89,9 +89,8 @@ def test_token_budget_and_prefill_token_cap():
 
 def test_kv_budget_and_policy_order():
     layout = KVLayout((LayerLayout(1, None),))  # one byte per token: bounds are token counts
-    # a alone: its row (10 + 256 slack) and, while it joins, its own cache (10 + 256) fit; b next to it does not
     sched, sink = _scheduler(EngineConfig(max_seqs=4, max_batched_tokens=64, prefill_chunk=64,
-                                          kv_memory_bytes=600, kv_headroom_tokens=0), layout)
+                                          kv_memory_bytes=300, kv_headroom_tokens=0), layout)
     plans = _run(sched, 2, [(0, _req("a")), (1, _req("b")), (1, _req("c"))])
     assert plans[0].admitted == ("a",)
     assert _reasons_of(plans[1]) == {"b": (Reason.KV_BUDGET, ()), "c": (Reason.POLICY_ORDER, ("b",))}
@@ -101,10 +100,9 @@ def test_kv_budget_and_policy_order():
 
 def test_preempted_by_the_request_it_made_room_for():
     layout = KVLayout((LayerLayout(1, None),))
-    # both join in the first tick (two rows of 10 + 256 and their own caches: 1064), then outgrow the budget
     sched, sink = _scheduler(EngineConfig(max_seqs=4, max_batched_tokens=64, prefill_chunk=64,
-                                          kv_memory_bytes=1100, kv_headroom_tokens=0), layout)
-    plans = _run(sched, 320, [(0, _req("a")), (0, _req("b"))])
+                                          kv_memory_bytes=600, kv_headroom_tokens=0), layout)
+    plans = _run(sched, 60, [(0, _req("a")), (0, _req("b"))])
     preempting = [p for p in plans if p.preempted]
     assert preempting and preempting[0].preempted == ("b",)
     assert _reasons_of(preempting[0])["b"] == (Reason.PREEMPTED_BY, ("a",))

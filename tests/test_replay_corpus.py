@@ -83,7 +83,7 @@ def _check_draft_model(events):
 def _preemption(text, vlm):
     arrivals = [(i // 3, {"prompt_tokens": p, "sampling": SamplingParams(max_tokens=24)})
                 for i, p in enumerate(mixed_prompts(10, 8, 120, seed=21))]
-    config = EngineConfig(max_batched_tokens=96, max_seqs=8, prefill_chunk=32, kv_memory_bytes=1_700_000,
+    config = EngineConfig(max_batched_tokens=96, max_seqs=8, prefill_chunk=32, kv_memory_bytes=1_100_000,
                           kv_headroom_tokens=0)
     return text, config, {}, arrivals
 

@@ -215,12 +215,12 @@ def vlm_machine_class(request, vlm_model_dir, tmp_path_factory):
         @initialize(chunk=st.sampled_from([7, 32]), vision_budget=st.sampled_from([1, 4]), prefix=st.booleans(),
                     tight=st.booleans(), draft=st.sampled_from([0, 2]))
         def start(self, chunk, vision_budget, prefix, tight, draft):
-            # tight: room for about three rows of the longest prompt (the batch cache grows in 256-token steps)
+            # tight: room for about two rows (the batch cache grows in 256-token steps), no admission headroom
             self.log = MemorySink()
             self.engine = Engine(model, processor, event_sinks=[self.log], config=EngineConfig(
                 max_batched_tokens=chunk + 6 + 5 * draft, max_seqs=5, prefill_chunk=chunk,
                 vision_budget=vision_budget, prefix_cache_bytes=(8 << 20) if prefix else 0,
-                kv_memory_bytes=bytes_per_token * 1000 if tight else None, kv_headroom_tokens=2,
+                kv_memory_bytes=bytes_per_token * 550 if tight else None, kv_headroom_tokens=0,
                 draft_tokens=draft, check_invariants=True))
             self.specs, self.tokens, self.ended, self.aborted = {}, {}, {}, set()
 

@@ -256,6 +256,7 @@ def replay(trace: Trace, policy: str | Policy | None = None) -> ReplayReport:
     executor = ReplayExecutor(trace, events)
     loop = TickLoop(scheduler, executor)
     n_requests = 0
+    records_reuse = _records_reuse(trace)
     for tick in range(trace.last_tick + 1):
         executor.tick = tick
         ended = []
@@ -278,12 +279,27 @@ def replay(trace: Trace, policy: str | Policy | None = None) -> ReplayReport:
             return ReplayReport(tick, n_requests, _divergence(tick, recorded, replayed, scheduler, trace.config))
         loop.carry_out(plan)
         replayed_decisions = [_comparable(e) for e in sink.events if e["event"] in COMPARED_KINDS]
+        if not records_reuse:
+            replayed_decisions = [_without_reuse(e) for e in replayed_decisions]
         sink.events.clear()
         recorded_decisions = trace.decisions.get(tick, [])
         if replayed_decisions != recorded_decisions:
             return ReplayReport(tick, n_requests, _event_divergence(tick, recorded_decisions, replayed_decisions,
                                                                     scheduler, trace.config))
     return ReplayReport(trace.last_tick + 1, n_requests, None)
+
+
+def _records_reuse(trace: Trace) -> bool:
+    """Whether the trace's engine wrote `prefix_hit.reuse` (whole / trimmed / checkpoint); traces from before
+    it have prefix hits without it, and replay then leaves it out of what it compares."""
+    hits = [e for events in trace.decisions.values() for e in events if e.get("event") == "prefix_hit"]
+    return not hits or any("reuse" in e for e in hits)
+
+
+def _without_reuse(event: dict[str, Any]) -> dict[str, Any]:
+    if event.get("event") != "prefix_hit":
+        return event
+    return {k: v for k, v in event.items() if k != "reuse"}
 
 
 def _by_kind(events: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:

@@ -131,8 +131,7 @@ class _Simulation:
             budget = self.budget
             n, cfg = a.prompt_len, self.config
             if layout is not None and budget is not None and (  # the engine's add_request rule
-                    layout.footprint([n + max(1, cfg.kv_headroom_tokens)], [])
-                    + layout.join_bytes([], [(n, min(n, cfg.prefill_chunk))]) > budget):
+                    layout.footprint([n + max(1, cfg.kv_headroom_tokens)], []) > budget):
                 records[a.request_id].outcome, records[a.request_id].end = "error", now  # the engine refuses it
                 continue
             sampling = self.sampling_cache.get(a.max_tokens)

@@ -17,8 +17,7 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-# tight enough to force preemption: 2 x 3 x (40 + 256) tokens of the tiny text model (1024 bytes each) + 4096
-KV_BUDGET = int(os.environ.get("KV_BUDGET", 2 * 3 * (40 + 256) * 1024 + 4096))
+KV_BUDGET = int(os.environ.get("KV_BUDGET", 1_100_000))  # tight enough for the 8 requests to force preemption
 
 
 def _prompts(n: int, lo: int, hi: int, seed: int, vocab: int = 512) -> list[list[int]]:
@@ -99,14 +98,13 @@ def record(work: Path) -> None:
                   for i, p in enumerate(_prompts(3, 5, 30, seed=6))])
     _gzip(path, "drafting_self")
 
-    # preemption under a KV budget (re-recorded when the bound began to count a merge's peak: three 40-token
-    # prompts join at once, then their rows outgrow the budget and the newest is preempted while decoding)
+    # preemption under a KV budget
     path = work / "preemption.jsonl"
-    engine = Engine(model, tokenizer, EngineConfig(max_batched_tokens=256, max_seqs=4, prefill_chunk=64,
-                                                   kv_memory_bytes=KV_BUDGET, kv_headroom_tokens=0,
+    engine = Engine(model, tokenizer, EngineConfig(max_batched_tokens=64, max_seqs=8, prefill_chunk=16,
+                                                   kv_memory_bytes=KV_BUDGET, kv_headroom_tokens=4,
                                                    trace_path=str(path)))
-    _run(engine, [(0, {"prompt_tokens": p, "sampling": greedy(300), "request_id": f"k{i}"})
-                  for i, p in enumerate(_prompts(3, 40, 40, seed=3))])
+    _run(engine, [(i // 3, {"prompt_tokens": p, "sampling": greedy(40), "request_id": f"k{i}"})
+                  for i, p in enumerate(_prompts(8, 8, 100, seed=3))])
     _gzip(path, "preemption")
 
     # prefix hits: a shared prefix, second wave after the first stored it
