@@ -18,15 +18,16 @@ token counts and this layout, and bounds what the arrays can hold after a tick:
   `quantized_bytes_per_token` once a cache has switched (`QuantizeRule`): a prefilling cache of n tokens has
   switched if n >= `KVLayout.quantized_prefill_from`, a batch row of n tokens if n >= `quantized_rows_from`
   (rows below it decode in their own float group: two groups, each padded to its own longest row);
-* a merge (requests whose prefill completed joining the batch; `layers.join_rows`, one layer at a time)
-  briefly holds, next to what the tick ends with, the joining requests' own caches and, at the layer being
+* not in the bound (the budget bounds what is held after each tick): a merge (requests whose prefill
+  completed joining the batch; `layers.join_rows`, one layer at a time) briefly holds, next to what the tick
+  ends with, the joining requests' own caches and, at the layer being
   merged, its old form, the merged rows and the padded copies mlx-lm's `extend` concatenates (no bigger
   than the new layer): `join_bytes` (each row in the storage it has then);
 * a draft model (speculative decoding) keeps its own batch cache with a row per decoding request: its layers
   are appended to the target's (`combined`), so every term above counts both models.
 
-The bound is deliberately an upper bound: `real bytes <= bound <= budget` is what the invariant checker
-verifies every tick.
+The bound is deliberately an upper bound: `real bytes <= bound <= budget` after the tick is what the invariant
+checker verifies every tick; `join_bytes` is the margin a merge needs on top.
 """
 
 from __future__ import annotations
