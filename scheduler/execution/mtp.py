@@ -76,18 +76,42 @@ def load_mtp_head(model_dir: str | Path) -> MTPHead | None:
     return head
 
 
-class MTPDrafter:
-    """Drafts with an MTP head on the target's hidden states (greedy drafts: q is one-hot, `logprobs=None`)."""
+class _HiddenStateDrafter:
+    """What the MTP drafters share: no per-request state (the hidden states live in the executor's rows),
+    and counts of drafted and accepted tokens."""
 
     needs_hidden = True
+    kind = ""
+
+    def __init__(self) -> None:
+        self.drafted = self.accepted = 0
+
+    def _counted(self, drafts: list[Draft]) -> list[Draft]:
+        self.drafted += sum(len(d.tokens) for d in drafts)
+        return drafts
+
+    def accept(self, request_id: str, num_accepted: int, emitted: Sequence[int] = ()) -> None:
+        self.accepted += num_accepted
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        pass
+
+    def stats(self) -> dict[str, Any]:
+        return {"kind": self.kind, "drafted": self.drafted, "accepted": self.accepted}
+
+
+class MTPDrafter(_HiddenStateDrafter):
+    """Drafts with an MTP head on the target's hidden states (greedy drafts: q is one-hot, `logprobs=None`)."""
+
+    kind = "mtp"
 
     def __init__(self, head: MTPHead, target_model: Any):
+        super().__init__()
         # every target forward then goes through the hidden-state seam: refuse a model whose own logits differ
         library.check_hidden_seam(target_model)
         self.head = head
         self.embed = library.token_embedding(target_model)
         self.logits = library.logits_from_hidden(target_model)
-        self.drafted = self.accepted = 0
 
     def propose(self, rows: Sequence[DraftRequest], k: int) -> list[Draft]:
         ready = [r for r in rows if r.hidden is not None and (r.max_tokens is None or r.max_tokens > 0)]
@@ -106,32 +130,21 @@ class MTPDrafter:
             for j, r in enumerate(ready):
                 limit = min(k, r.max_tokens if r.max_tokens is not None else k)
                 drafts[r.request_id] = Draft(r.request_id, [col[j] for col in columns[:limit]])
-        out = [drafts[r.request_id] for r in rows]
-        self.drafted += sum(len(d.tokens) for d in out)
-        return out
-
-    def accept(self, request_id: str, num_accepted: int, emitted: Sequence[int] = ()) -> None:
-        self.accepted += num_accepted
-
-    def release(self, request_ids: Iterable[str]) -> None:
-        pass  # no per-request state: the hidden states live in the executor's rows
-
-    def stats(self) -> dict[str, Any]:
-        return {"kind": "mtp", "drafted": self.drafted, "accepted": self.accepted}
+        return self._counted([drafts[r.request_id] for r in rows])
 
 
-class NativeMTPDrafter:
+class NativeMTPDrafter(_HiddenStateDrafter):
     """One greedy draft per row from the model's native MTP module, on the hidden states of its own
     `return_hidden=True` call (`native_hidden`: the executor takes them from that call, not the seam)."""
 
-    needs_hidden = True
+    kind = "native-mtp"
     native_hidden = True
 
     def __init__(self, target_model: Any):
+        super().__init__()
         if not library.has_native_mtp(target_model):
             raise TypeError(f"{type(target_model).__module__}: no native MTP module (.mtp and .mtp_forward)")
         self.model = target_model
-        self.drafted = self.accepted = 0
 
     def propose(self, rows: Sequence[DraftRequest], k: int) -> list[Draft]:
         ready = [r for r in rows if r.hidden is not None and (r.max_tokens is None or r.max_tokens > 0)]
@@ -142,15 +155,4 @@ class NativeMTPDrafter:
             proposed = mx.argmax(library.native_mtp_logits(self.model, hidden, tokens), axis=-1)
             for r, token in zip(ready, proposed.tolist()):
                 drafts[r.request_id] = Draft(r.request_id, [token])
-        out = [drafts[r.request_id] for r in rows]
-        self.drafted += sum(len(d.tokens) for d in out)
-        return out
-
-    def accept(self, request_id: str, num_accepted: int, emitted: Sequence[int] = ()) -> None:
-        self.accepted += num_accepted
-
-    def release(self, request_ids: Iterable[str]) -> None:
-        pass  # no per-request state: the hidden states live in the executor's rows
-
-    def stats(self) -> dict[str, Any]:
-        return {"kind": "native-mtp", "drafted": self.drafted, "accepted": self.accepted}
+        return self._counted([drafts[r.request_id] for r in rows])
