@@ -238,7 +238,6 @@ class KVCacheManager:
         self._pending_tokens: dict[str, int] = {}  # tokens each pending row holds
         self._points: dict[str, int] = {}  # each row's conversion point (QuantizeRule.point)
         self.peak_bytes = 0  # the most held at once, merges' transients included
-        self.tick_peak_bytes = 0  # the same since start_tick()
         self.merges = 0
         self.filters = 0
         self.conversions = 0  # request caches converted to quantized storage
@@ -388,16 +387,12 @@ class KVCacheManager:
         return (a.cache_nbytes(self.batch) + a.cache_nbytes(self.pending)
                 + sum(a.cache_nbytes(c) for c in self._requests.values()))
 
-    def start_tick(self) -> None:
-        self.tick_peak_bytes = self.nbytes()
-
     def _note_peak(self) -> None:
         self._note(self.nbytes())
 
     def _note(self, held: int) -> None:
         held = max(held, self.nbytes())
         self.peak_bytes = max(self.peak_bytes, held)
-        self.tick_peak_bytes = max(self.tick_peak_bytes, held)
 
     def stats(self) -> dict:
         stats = {"bytes": self.nbytes(), "peak_bytes": self.peak_bytes, "request_caches": len(self._requests),

@@ -421,7 +421,6 @@ class DraftModelDrafter:
         self._stats = _Stats()
         self.forwards = 0
         self.rolled_back = 0  # cache positions dropped by resyncs
-        self.tick_peak_bytes = 0  # the most the draft cache held at once since start_tick(), merges included
 
     # ---- bookkeeping -----------------------------------------------------------------------------
     def release(self, request_ids: Iterable[str]) -> None:
@@ -471,15 +470,11 @@ class DraftModelDrafter:
             mx.eval(library.cache_arrays(cache))
         return cache
 
-    def start_tick(self) -> None:
-        self.tick_peak_bytes = self.cache_bytes()
-
     def _join(self, rows: Sequence[DraftRequest]) -> None:
         """Prefill the new rows alone, then merge them into the batch layer by layer (`join_rows`, as the
-        target's KV manager does), noting the most the draft cache held at once."""
+        target's KV manager does)."""
         caches = [self._prefill(r.tokens[:-1]) for r in rows]
-        self._cache, peak = library.join_rows(self._cache, caches)
-        self.tick_peak_bytes = max(self.tick_peak_bytes, peak)
+        self._cache, _ = library.join_rows(self._cache, caches)
         for r in rows:
             self._rows.append(r.request_id)
             self._seq[r.request_id] = [int(t) for t in r.tokens[:-1]]

@@ -153,12 +153,6 @@ class MLXExecutor:
         """KV held now: the target's caches and a draft model's (both count against kv_memory_bytes)."""
         return self.kv.nbytes() + self._draft_cache_bytes()
 
-    def tick_peak_bytes(self) -> int:
-        """The most KV held at once during the last tick (merges' transients included), target and draft
-        model together (their merges run one after the other, so the sum is an upper bound)."""
-        draft = getattr(self.drafter, "tick_peak_bytes", 0)
-        return max(self.kv.tick_peak_bytes, self.kv.nbytes()) + max(draft, self._draft_cache_bytes())
-
     def _draft_cache_bytes(self) -> int:
         return self.drafter.cache_bytes() if hasattr(self.drafter, "cache_bytes") else 0
 
@@ -171,10 +165,6 @@ class MLXExecutor:
         dropped = list(plan.preempted) + [rid for rid, _ in plan.failed]
         if dropped:
             self.release(dropped)
-        # the tick's peak is counted from here: the plan's bound is for the caches left after its preemptions
-        self.kv.start_tick()
-        if hasattr(self.drafter, "start_tick"):
-            self.drafter.start_tick()
         requests = self._requests
         for new in plan.new_requests:
             requests[new.request_id] = Request.from_new_request(new)

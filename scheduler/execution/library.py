@@ -103,7 +103,7 @@ def quantized_kv_layout(model: Any, layout: KVLayout, rule: QuantizeRule) -> KVL
         quantized = layers.quantized_layout(cache, rule.group_size, rule.bits)
         mx.eval(model(mx.array([[1]]), cache=cache))
     except (ValueError, TypeError, NotImplementedError) as exc:  # e.g. head_dim not a multiple of the group
-        raise layers.QuantizationRefused("QuantizedKVCache", f"{type(exc).__name__}: {exc}") from None
+        raise layers.QuantizationRefused("QuantizedKVCache", f"{type(exc).__name__}: {exc}") from exc
     if not any(q is not None for q in quantized):
         raise layers.QuantizationRefused(", ".join(sorted({type(c).__name__ for c in cache})),
                                          "no layer of this model's cache can be quantized")
