@@ -67,6 +67,10 @@ def _audio_of(part: dict, mi: int, pi: int) -> bytes:
         raise ContentPartError(mi, pi, f"input_audio data is not base64: {exc}") from None
 
 
+# content part types that carry a URL -> the placeholder they become
+_URL_PARTS = {"image_url": "image", "image": "image", "video_url": "video", "video": "video"}
+
+
 def from_openai_messages(messages: list[dict]) -> tuple[list[dict], MediaInputs]:
     """OpenAI chat messages -> (messages with ``{"type": "image" | "video" | "audio"}`` placeholders where the
     media parts were, the media in order). Image / video URLs are passed on as given (a ``data:`` URL, a path,
@@ -86,18 +90,13 @@ def from_openai_messages(messages: list[dict]) -> tuple[list[dict], MediaInputs]
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text":
                 parts.append({"type": "text", "text": part.get("text", "")})
-            elif kind in ("image_url", "image"):
-                source = _url_of(part.get("image_url", part.get("image")))
+            elif kind in _URL_PARTS:
+                placeholder = _URL_PARTS[kind]
+                source = _url_of(part.get(f"{placeholder}_url", part.get(placeholder)))
                 if source is None:
-                    raise ContentPartError(mi, pi, "image part without a url")
-                media.images.append(source)
-                parts.append({"type": "image"})
-            elif kind in ("video_url", "video"):
-                source = _url_of(part.get("video_url", part.get("video")))
-                if source is None:
-                    raise ContentPartError(mi, pi, "video part without a url")
-                media.videos.append(source)
-                parts.append({"type": "video"})
+                    raise ContentPartError(mi, pi, f"{placeholder} part without a url")
+                (media.images if placeholder == "image" else media.videos).append(source)
+                parts.append({"type": placeholder})
             elif kind == "input_audio":
                 media.audio.append(_audio_of(part, mi, pi))
                 parts.append({"type": "audio"})
