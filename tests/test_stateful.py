@@ -126,7 +126,9 @@ def _engine_machine(model, tokenizer, kv_budgets, drafts):
                 if reason is FinishReason.ABORT:
                     assert rid in self.aborted
                     continue
-                if self.raising[rid]:  # its own processor raised: it failed, alone, with that error
+                # a row that sampled a stop token within its first two tokens ended before its processor's raise
+                stopped_first = reason is FinishReason.STOP and len(self.tokens[rid]) <= 2
+                if self.raising[rid] and not stopped_first:  # its processor raised: it failed, alone, with that error
                     assert reason is FinishReason.ERROR and "processor failed on purpose" in self.errors[rid]
                     assert len(self.tokens[rid]) == 2
                     SEEN["processor_failures"] += 1
