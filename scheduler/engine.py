@@ -29,6 +29,7 @@ from .execution.runners import TextRunner, VisionLanguageRunner
 from .families import UnsupportedFeature
 from .lifecycle import RequestState
 from .loop import TickLoop
+from .models.prompt import MediaInputs, PromptResolver, ResolvedPrompt
 from .policy import policy_record
 from .request import (
     FinishReason,
@@ -36,8 +37,6 @@ from .request import (
     Request,
     SamplingParams,
     UnknownRequest,
-    as_token_ids,
-    validate_prompt_tokens,
 )
 from .scheduler import InvariantViolation, Scheduler, StepOutput
 
@@ -117,12 +116,10 @@ class EngineStats(Throughput):
 @dataclass
 class _Arrival:
     request_id: str
-    prompt_tokens: list[int]
+    prompt: ResolvedPrompt
     sampling: SamplingParams
     priority: int
     arrival_time: float
-    media: Any = None
-    error: str | None = None  # unreadable media: the request is accepted and fails with this error
 
 
 class Engine:
@@ -150,6 +147,8 @@ class Engine:
         self.vlm, self.vision_cache = family.vlm, family.vision_cache
         self.tokenizer, self.vocab_size = family.tokenizer, family.vocab_size
         self.max_model_len = self.config.max_model_len or family.max_positions or 1 << 30
+        self.prompts = PromptResolver(self.tokenizer, self.vlm, self.vocab_size, self.max_model_len,
+                                      self.config.video_fps, self.config.video_max_frames)
         if self.config.max_kv_size is not None and not library.supports_max_kv_size(
                 model.language_model if self.vlm is not None else model):
             raise ValueError("max_kv_size: this model builds its own caches (e.g. sliding windows); "
@@ -328,16 +327,6 @@ class Engine:
         messages). Media that cannot be read does not raise: the request is accepted and fails at the next tick
         with the error in its output, like any failure of its own work.
         """
-        for name, items in (("images", images), ("videos", videos), ("audio", audio)):
-            if items and self.vlm is None:
-                raise InvalidRequest(name, "this engine was loaded with a text-only model")
-            if items and prompt is None:
-                raise InvalidRequest(name, f"give a prompt (text or chat messages) with {name}: the processor "
-                                           "expands the placeholders")
-        if (prompt is None) == (prompt_tokens is None):
-            raise InvalidRequest("prompt", "give exactly one of prompt and prompt_tokens", request_id)
-        if prompt_tokens is not None:  # lists, tuples, 1-D integer numpy / mx arrays
-            prompt_tokens = as_token_ids(prompt_tokens)
         if sampling is None:
             sampling = SamplingParams()
         elif not isinstance(sampling, SamplingParams):
@@ -349,15 +338,8 @@ class Engine:
             raise InvalidRequest("priority", f"must be an integer, got {priority!r}")
         if self.shard is not None:
             self.shard.check_request(sampling)
-        media, media_error = None, None
-        if self.vlm is not None:
-            media, media_error = self._prepare_media(prompt, prompt_tokens, images, videos, audio)
-            # unreadable media: the request is still accepted (it fails at its first tick, with the error in its
-            # output), so it needs some prompt; it is never computed
-            raw_tokens = media.input_ids if media is not None else [0]
-        else:
-            raw_tokens = self._tokenize(prompt) if prompt_tokens is None else prompt_tokens
-        tokens = validate_prompt_tokens(raw_tokens, self.vocab_size, self.max_model_len)
+        resolved = self.prompts.resolve(prompt, prompt_tokens, MediaInputs.of(images, videos, audio), request_id)
+        tokens = resolved.token_ids
         if self.kv_layout is not None and self.config.kv_memory_bytes is not None:
             # what the planner requires to admit it alone: the prompt plus the admission headroom
             n = len(tokens)
@@ -375,41 +357,8 @@ class Engine:
             elif request_id in self._known_live or request_id in self._ended:
                 raise InvalidRequest("request_id", f"duplicate request id {request_id!r}", request_id)
             self._known_live.add(request_id)
-            self._inbox.append(_Arrival(request_id, tokens, sampling, priority, time.perf_counter(), media,
-                                        media_error))
+            self._inbox.append(_Arrival(request_id, resolved, sampling, priority, time.perf_counter()))
         return request_id
-
-    def _prepare_media(self, prompt: Any, prompt_tokens: Any, images: Any, videos: Any = None,
-                       audio: Any = None) -> tuple[Any, str | None]:
-        """Preprocess on the caller's thread (CPU work). Returns (prepared inputs, media error)."""
-        from .models.media import MediaError, MediaLimit, RemoteMedia
-
-        if prompt_tokens is not None:
-            return self.vlm.text_request(prompt_tokens), None
-        if isinstance(prompt, str) and not prompt:
-            raise InvalidRequest("prompt", "is empty")
-        kwargs: dict[str, Any] = {}
-        if videos:
-            kwargs.update(videos=list(videos), fps=self.config.video_fps, max_frames=self.config.video_max_frames)
-        if audio:
-            kwargs["audio"] = list(audio)
-        try:
-            return self.vlm.prepare(prompt, list(images or ()), **kwargs), None
-        except (RemoteMedia, MediaLimit) as exc:  # known without reading anything: refused now
-            raise InvalidRequest(f"{exc.kind}s", str(exc)) from None
-        except MediaError as exc:
-            return None, f"unreadable {getattr(exc, 'kind', 'image')}: {exc}"
-        except (ValueError, TypeError) as exc:
-            raise InvalidRequest("prompt", str(exc)) from None
-
-    def _tokenize(self, prompt: str | list[dict]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequest("prompt", "is empty")
-            return list(self.tokenizer.encode(prompt))
-        if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
-            return list(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True))
-        raise InvalidRequest("prompt", f"must be a string or a list of chat messages, got {type(prompt).__name__}")
 
     def abort(self, request_id: str) -> bool:
         """Abort a live request (any non-terminal state) at the start of the next tick.
@@ -495,13 +444,12 @@ class Engine:
         failed = []
         for a in arrivals:
             request = Request(
-                request_id=a.request_id, prompt_tokens=a.prompt_tokens, sampling=a.sampling,
+                request_id=a.request_id, prompt_tokens=a.prompt.token_ids, sampling=a.sampling,
                 priority=a.priority, arrival_tick=tick, arrival_time=a.arrival_time,
                 seed=a.sampling.seed if a.sampling.seed is not None else _derived_seed(self.config.seed, a.request_id),
-                media=a.media, num_images=a.media.num_media_items if a.media is not None else 0,
-                media_key=a.media.media_key if a.media is not None else None,
+                media=a.prompt.media, num_images=a.prompt.num_media_items, media_key=a.prompt.media_key,
             )
-            out = self.scheduler.add(request, tick, error=a.error)
+            out = self.scheduler.add(request, tick, error=a.prompt.error)
             if out is not None:
                 failed.append(out)
         outputs = failed + [

@@ -1,5 +1,10 @@
-"""Prompts of multimodal requests: chat templating, placeholder checks, and OpenAI-style content parts.
+"""Prompt resolution: one path from what a caller gives (a string, token ids, chat messages, OpenAI content parts,
+media) to what the engine queues, a ``ResolvedPrompt`` (validated token ids, the vision-language model's prepared
+media, or the error of unreadable media), for text and vision-language models alike.
 
+``PromptResolver.resolve``  the one entry point (``Engine.add_request`` calls it; compat and the server reach it
+                    through ``add_request``). Text models: the tokenizer (``encode``, or ``apply_chat_template``
+                    for chat messages). Vision-language models: the model adapter's ``prepare``.
 ``render``          chat messages -> prompt text: mlx-vlm's ``apply_chat_template`` (the family's placeholders
                     and the generation prompt, as ``mlx_vlm.generate`` renders them) or, for messages with videos,
                     the model's own chat template (each ``{"type": "video"}`` part where it is).
@@ -17,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler.models import seam
+from scheduler.request import InvalidRequest, as_token_ids, validate_prompt_tokens
 
 
 @dataclass
@@ -26,6 +32,105 @@ class MediaInputs:
     images: list[Any] = field(default_factory=list)
     videos: list[Any] = field(default_factory=list)
     audio: list[Any] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, images: Any = None, videos: Any = None, audio: Any = None) -> "MediaInputs":
+        return cls(list(images or ()), list(videos or ()), list(audio or ()))
+
+    def by_kind(self) -> tuple[tuple[str, list[Any]], ...]:
+        """(argument name, items) per kind, in the order requests are checked."""
+        return ("images", self.images), ("videos", self.videos), ("audio", self.audio)
+
+    def __bool__(self) -> bool:
+        return bool(self.images or self.videos or self.audio)
+
+
+@dataclass(frozen=True)
+class ResolvedPrompt:
+    """A request's prompt as the engine queues it: the one value that crosses from prompt resolution into the
+    engine (and, through ``Request.media``, to the executor)."""
+
+    token_ids: list[int]  # validated ids; for a vision-language model the processor's (placeholders expanded)
+    media: Any = None  # the model adapter's PreparedRequest (vision-language models); None for text models
+    error: str | None = None  # unreadable media: the request is accepted and fails at its first tick with this
+
+    @property
+    def num_media_items(self) -> int:
+        return self.media.num_media_items if self.media is not None else 0
+
+    @property
+    def media_key(self) -> str | None:
+        return self.media.media_key if self.media is not None else None
+
+
+class PromptResolver:
+    """Resolves requests for one loaded model. ``vlm``: the model adapter of a vision-language model (None for
+    a text model, whose ``tokenizer`` then does the work). Bad input raises ``InvalidRequest`` naming the
+    argument; media that cannot be read is not raised: it is the result's ``error``."""
+
+    def __init__(self, tokenizer: Any, vlm: Any, vocab_size: int, max_model_len: int,
+                 video_fps: float | None = None, video_max_frames: int | None = None):
+        self.tokenizer, self.vlm = tokenizer, vlm
+        self.vocab_size, self.max_model_len = vocab_size, max_model_len
+        self.video_fps, self.video_max_frames = video_fps, video_max_frames
+
+    def _check(self, prompt: Any, prompt_tokens: Any, media: MediaInputs, request_id: str | None = None) -> Any:
+        """The checks that need no tokenizer or processor; ``prompt_tokens`` as a list of ints (or None)."""
+        for name, items in media.by_kind():
+            if items and self.vlm is None:
+                raise InvalidRequest(name, "this engine was loaded with a text-only model")
+            if items and prompt is None:
+                raise InvalidRequest(name, f"give a prompt (text or chat messages) with {name}: the processor "
+                                           "expands the placeholders")
+        if (prompt is None) == (prompt_tokens is None):
+            raise InvalidRequest("prompt", "give exactly one of prompt and prompt_tokens", request_id)
+        return as_token_ids(prompt_tokens) if prompt_tokens is not None else None  # lists, tuples, 1-D arrays
+
+    def resolve(self, prompt: Any, prompt_tokens: Any, media: MediaInputs,
+                request_id: str | None = None) -> ResolvedPrompt:
+        """``prompt`` (a string, chat messages, or for a vision-language model messages with content parts) or
+        ``prompt_tokens``, exactly one, and the media -> the request's ``ResolvedPrompt``."""
+        prompt_tokens = self._check(prompt, prompt_tokens, media, request_id)
+        prepared, error = None, None
+        if self.vlm is None:
+            ids = prompt_tokens if prompt_tokens is not None else self._tokenize(prompt)
+        else:
+            prepared, error = self._prepare(prompt, prompt_tokens, media)
+            # unreadable media: the request is still accepted (it fails at its first tick, with the error in its
+            # output), so it needs some prompt; it is never computed
+            ids = prepared.input_ids if prepared is not None else [0]
+        return ResolvedPrompt(validate_prompt_tokens(ids, self.vocab_size, self.max_model_len), prepared, error)
+
+    def _tokenize(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("prompt", "is empty")
+            return list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
+            return list(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True))
+        raise InvalidRequest("prompt", f"must be a string or a list of chat messages, got {type(prompt).__name__}")
+
+    def _prepare(self, prompt: Any, prompt_tokens: list[int] | None, media: MediaInputs) -> tuple[Any, str | None]:
+        """The vision-language model's CPU preprocessing, on the caller's thread. (prepared inputs, media error)."""
+        from scheduler.models.media import MediaError, MediaLimit, RemoteMedia
+
+        if prompt_tokens is not None:
+            return self.vlm.text_request(prompt_tokens), None
+        if isinstance(prompt, str) and not prompt:
+            raise InvalidRequest("prompt", "is empty")
+        kwargs: dict[str, Any] = {}
+        if media.videos:
+            kwargs.update(videos=media.videos, fps=self.video_fps, max_frames=self.video_max_frames)
+        if media.audio:
+            kwargs["audio"] = media.audio
+        try:
+            return self.vlm.prepare(prompt, media.images, **kwargs), None
+        except (RemoteMedia, MediaLimit) as exc:  # known without reading anything: refused now
+            raise InvalidRequest(f"{exc.kind}s", str(exc)) from None
+        except MediaError as exc:
+            return None, f"unreadable {getattr(exc, 'kind', 'image')}: {exc}"
+        except (ValueError, TypeError) as exc:
+            raise InvalidRequest("prompt", str(exc)) from None
 
 
 class ContentPartError(ValueError):
