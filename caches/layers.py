@@ -16,7 +16,7 @@ mlx-lm's `kv_bits` converts a plain layer into) has no batch form in mlx-lm; its
 along the sequence, so left padding cannot change a token's groups). `quantize_layers` is mlx-lm's
 `maybe_quantize_kv_cache` conversion on one request's cache.
 
-This module and `scheduler/adapters.py` are the only places that know mlx-lm's cache internals; this one
+This module and the library seam (`scheduler/execution/library.py`) are the only places that know mlx-lm's cache internals; this one
 imports nothing from `scheduler`.
 """
 

@@ -295,7 +295,7 @@ def test_mtp_is_refused_for_a_model_whose_logits_are_not_the_hidden_state_seam(t
 
     model, tokenizer = text_model
 
-    class SoftCapped(type(model)):  # a family whose __call__ caps the logits in a way the adapter does not know
+    class SoftCapped(type(model)):  # a family whose __call__ caps the logits in a way the library seam does not know
         def __call__(self, inputs, cache=None, input_embeddings=None):
             return 2.0 * mx.tanh(super().__call__(inputs, cache, input_embeddings) / 2.0)
 

@@ -335,11 +335,11 @@ def test_adapter_for_refuses_other_families(vlm, text_model):
 
 
 def test_pin_prepare_inputs_keys_and_expansion(vlm, adapter):
-    from scheduler.models import seam
+    from scheduler.models import library
 
     model, processor = vlm
     prompt = adapter.prepare(*REQUESTS[0]).prompt
-    inputs = seam.prepare_inputs(model, processor, prompt, [noise_image(112, 140, seed=0)])
+    inputs = library.prepare_inputs(model, processor, prompt, [noise_image(112, 140, seed=0)])
     assert {"input_ids", "pixel_values", "image_grid_thw", "attention_mask"} <= set(inputs)
     assert inputs["input_ids"].shape[0] == 1
     assert inputs["input_ids"][0].tolist().count(model.config.image_token_id) == 20
@@ -347,10 +347,10 @@ def test_pin_prepare_inputs_keys_and_expansion(vlm, adapter):
 
 
 def test_pin_input_embeddings_and_the_cached_rows_path(vlm):
-    """seam.input_embeddings is mlx-vlm's own get_input_embeddings (the encoder + merge of a solo run); a
+    """library.input_embeddings is mlx-vlm's own get_input_embeddings (the encoder + merge of a solo run); a
     vision-cache hit rebuilds the same embeddings from the text path and the cached media rows."""
     from caches.vision import VisionCache
-    from scheduler.models import seam
+    from scheduler.models import library
 
     model, processor = vlm
     adapter = VLMAdapter(model, processor, vision_cache=VisionCache(1 << 20))
@@ -358,7 +358,7 @@ def test_pin_input_embeddings_and_the_cached_rows_path(vlm):
     ids = mx.array(prepared.input_ids)[None]
     plain = model.get_input_embeddings(ids, prepared.pixel_values, image_grid_thw=prepared.image_grid_thw,
                                        mask=prepared.mask)
-    ours = seam.input_embeddings(model, ids, prepared.media_inputs, prepared.mask)
+    ours = library.input_embeddings(model, ids, prepared.media_inputs, prepared.mask)
     assert mx.array_equal(plain.inputs_embeds, ours.inputs_embeds)
     miss = adapter.encode(prepared)
     hit = adapter.encode(adapter.prepare(*REQUESTS[0]))

@@ -1,9 +1,10 @@
-"""The one place that reaches into mlx-lm internals.
+"""The library seam of the execution layer: the one place that reaches into mlx-lm internals (its mlx-vlm
+counterpart is `scheduler/models/library.py`).
 
 mlx-lm's batch-cache classes and model attributes move between minor releases (a refactor of the batch
 classes broke wrappers before). Everything version-sensitive is here and in the cache-layer protocol
 (`caches/layers.py`, which this module imports and which imports nothing from `scheduler`), and
-tests/test_adapters.py pins the exact behaviour we rely on so an upgrade fails loudly in one spot.
+tests/test_library_seam.py pins the exact behaviour we rely on so an upgrade fails loudly in one spot.
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ def check_hidden_seam(model: Any) -> None:
     if not same:
         raise HiddenStateSeamError(
             f"{type(model).__module__}: its logits are not output_head(model.model(x)) (a logit scale, soft cap "
-            "or other transform this adapter does not know), so a hidden-state drafter would sample from the "
+            "or other transform this seam does not know), so a hidden-state drafter would sample from the "
             "wrong distribution; use drafter='prompt-lookup' or 'draft-model'")
 
 

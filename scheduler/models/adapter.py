@@ -43,7 +43,7 @@ from caches import layers
 from caches.vision import VisionCache, content_key
 
 from scheduler.models import prompt as prompts
-from scheduler.models import seam
+from scheduler.models import library
 from scheduler.models.families import FamilySpec, UnsupportedFamily, family_for
 from scheduler.models.media import (AudioInput, ImageInput, MediaError, MediaLimit, VideoFrames, VideoInput,
                                     load_audio, load_image, load_video, validate_video_sampling)
@@ -119,7 +119,7 @@ class VLMAdapter:
     """The generic adapter. ``vision_cache``: optional ``VisionCache`` of media rows by ``media_key``.
     ``media_encoder``: the callable ``(input_ids, media_inputs, mask) -> InputEmbeddingsFeatures`` that runs the
     encoders and the merge (``Model.get_input_embeddings``); replace it on the instance to instrument it (tests
-    count its calls). ``max_kv_size``: rotating caches of that many tokens (``seam.make_cache``).
+    count its calls). ``max_kv_size``: rotating caches of that many tokens (``library.make_cache``).
     ``max_images_per_request``: more images in one request raise ``MediaLimit``."""
 
     def __init__(self, model: Any, processor: Any, vision_cache: VisionCache | None = None,
@@ -135,7 +135,7 @@ class VLMAdapter:
         self.max_images_per_request = max_images_per_request
         self.positions = STRATEGIES[self.spec.positions]
         self.media_encoder: Callable[[mx.array, dict, Any], Any] = self._encode_media
-        self.media_token_ids = seam.media_token_ids(model, processor)
+        self.media_token_ids = library.media_token_ids(model, processor)
         self.image_token = _placeholder(processor, self.spec.placeholder)
         self.video_token = _placeholder(processor, "video_token")
         self.audio_token = _placeholder(processor, "audio_token")
@@ -167,7 +167,7 @@ class VLMAdapter:
         value = getattr(self._lm_args, "vocab_size", None)
         if value:
             return int(value)
-        return int(seam.text_embedding_module(self.language_model).weight.shape[0])
+        return int(library.text_embedding_module(self.language_model).weight.shape[0])
 
     @property
     def max_positions(self) -> int | None:
@@ -190,7 +190,7 @@ class VLMAdapter:
     def fingerprint(self) -> str:
         """Model + processor identity that goes into every media key (computed once)."""
         if self._fingerprint is None:
-            self._fingerprint = seam.model_fingerprint(self.model, self.processor)
+            self._fingerprint = library.model_fingerprint(self.model, self.processor)
         return self._fingerprint
 
     def media_key(self, media_inputs: dict[str, Any]) -> str:
@@ -252,7 +252,7 @@ class VLMAdapter:
                 raise ValueError(f"prompt has {text.count(token)} {kind} placeholder(s) ({token}) for {n} {kind}(s)")
         frame_lists = [clip.frames for clip in clips]
         try:
-            inputs = seam.prepare_inputs(self.model, self.processor, text, pil, frame_lists or None, waves or None)
+            inputs = library.prepare_inputs(self.model, self.processor, text, pil, frame_lists or None, waves or None)
         except Exception as exc:
             self._blame(pil, frame_lists, exc)
             raise
@@ -305,7 +305,7 @@ class VLMAdapter:
 
     # ---- device side ----------------------------------------------------------------------------------
     def _encode_media(self, input_ids: mx.array, media_inputs: dict, mask: Any) -> Any:
-        return seam.input_embeddings(self.model, input_ids, media_inputs, mask)
+        return library.input_embeddings(self.model, input_ids, media_inputs, mask)
 
     def encode(self, prepared: PreparedRequest, extra_tokens: Sequence[int] = ()) -> EncodedRequest:
         """Embeddings, positions and extra inputs of ``prepared.input_ids + extra_tokens`` (``extra_tokens``: the
@@ -336,13 +336,13 @@ class VLMAdapter:
                     self.vision_cache.put(key, value, encode_time)
             else:
                 rows, *row_inputs = (cached,) if not spec.media_row_inputs else cached
-                out = seam.input_embeddings(self.model, ids, {}, mask)  # the text path: no encoder
+                out = library.input_embeddings(self.model, ids, {}, mask)  # the text path: no encoder
                 embeds = mx.array(out.inputs_embeds)
                 embeds[0, mx.array(media_positions)] = rows.astype(embeds.dtype)
             if rows.shape[0] != len(media_positions):
                 raise ValueError(f"the encoders gave {rows.shape[0]} rows for {len(media_positions)} media tokens")
         else:
-            out = seam.input_embeddings(self.model, ids, {}, mask)
+            out = library.input_embeddings(self.model, ids, {}, mask)
             embeds, row_inputs = out.inputs_embeds, [None] * len(spec.media_row_inputs)
         grids = {k: v for k, v in prepared.media_inputs.items() if k.endswith("_grid_thw")}
         positions, delta = self.positions.prompt(self.model, ids, grids, mask)
@@ -361,7 +361,7 @@ class VLMAdapter:
                               media_mask=media_mask, media_rows=media_rows)
 
     def make_cache(self) -> list:
-        return seam.make_cache(self.language_model, self.max_kv_size)
+        return library.make_cache(self.language_model, self.max_kv_size)
 
     def prefill(self, cache: list, encoded: EncodedRequest, start: int, end: int) -> None:
         """Run the language model on positions [start, end) into ``cache`` (which must hold exactly ``start``
@@ -371,7 +371,7 @@ class VLMAdapter:
             raise ValueError(f"bad prefill range [{start}, {end}) for a {length}-token prompt")
         if end == start:
             return
-        held = int(seam.row_offsets(cache)[0].item())
+        held = int(library.row_offsets(cache)[0].item())
         if held != start:
             raise ValueError(f"prefill from {start} but the cache holds {held} tokens")
         kwargs = self.positions.prefill_kwargs(encoded.position_ids, start, end)
@@ -384,7 +384,7 @@ class VLMAdapter:
                 kwargs[self.spec.media_mask_input] = chunk_mask
                 for name, rows in encoded.media_rows.items():
                     kwargs[name] = rows[:, before: before + inside]
-        seam.lm_forward(self.language_model, encoded.input_ids[:, start:end], cache,
+        library.lm_forward(self.language_model, encoded.input_ids[:, start:end], cache,
                         inputs_embeds=encoded.embeddings[:, start:end], **kwargs)
         mx.eval([c.state for c in cache])
 
@@ -400,7 +400,7 @@ class VLMAdapter:
     def verify(self, batch_cache: list, inputs: mx.array, rope_deltas: mx.array | None) -> mx.array:
         """(B, n) inputs -> (B, n, V) logits: each row's next n tokens at its own positions."""
         kwargs = self.positions.decode_kwargs(batch_cache, _deltas(rope_deltas, inputs.shape[0]), inputs.shape[1])
-        return seam.lm_forward(self.language_model, inputs, batch_cache, **kwargs)
+        return library.lm_forward(self.language_model, inputs, batch_cache, **kwargs)
 
     def kv_layout(self) -> Any:
         """Bytes per token of each layer (and windows), measured on a one-token probe of the model's cache."""

@@ -19,7 +19,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from scheduler.models import seam
+from scheduler.models import library
 from scheduler.models.families import Positions
 
 
@@ -36,7 +36,7 @@ class RopePositions:
 
 class MRopePositions:
     def prompt(self, model: Any, ids: mx.array, media_inputs: dict, mask: mx.array | None) -> tuple[mx.array, int]:
-        positions, deltas = seam.rope_index(model, ids, media_inputs.get("image_grid_thw"),
+        positions, deltas = library.rope_index(model, ids, media_inputs.get("image_grid_thw"),
                                             media_inputs.get("video_grid_thw"), mask)
         length = ids.shape[1]
         if positions.ndim == 2:  # text only: the same position on every axis
@@ -52,7 +52,7 @@ class MRopePositions:
     def decode_kwargs(self, cache: list, rope_deltas: mx.array, width: int = 1) -> dict:
         """(3, B, width) positions of the next ``width`` tokens of every row (computed before the forward
         moves the offsets)."""
-        offsets = seam.row_offsets(cache)
+        offsets = library.row_offsets(cache)
         deltas = mx.array(rope_deltas).reshape(-1).astype(mx.int32)
         if deltas.shape[0] != offsets.shape[0]:
             raise ValueError(f"{deltas.shape[0]} rope deltas for a batch of {offsets.shape[0]} rows")

@@ -21,7 +21,7 @@ import binascii
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler.models import seam
+from scheduler.models import library
 from scheduler.request import InvalidRequest, as_token_ids, validate_prompt_tokens
 
 
@@ -220,6 +220,6 @@ def render(processor: Any, config: Any, messages: list[dict], num_images: int, n
         if render_own is None or not (getattr(processor, "chat_template", None)
                                       or getattr(getattr(processor, "tokenizer", None), "chat_template", None)):
             raise ValueError("this model has no chat template for video messages; pass a templated prompt string")
-        return seam.own_chat_template(processor, messages)
-    return seam.chat_template(processor, config, messages, num_images=num_images,
+        return library.own_chat_template(processor, messages)
+    return library.chat_template(processor, config, messages, num_images=num_images,
                               num_audios=num_audio)
