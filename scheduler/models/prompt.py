@@ -32,6 +32,9 @@ class MediaInputs:
     images: list[Any] = field(default_factory=list)
     videos: list[Any] = field(default_factory=list)
     audio: list[Any] = field(default_factory=list)
+    # where each medium came from, in prompt order: (kind, message index, content part index); filled by
+    # ``from_openai_messages`` (the server names the part of a medium it cannot read)
+    origins: list[tuple[str, int, int]] = field(default_factory=list)
 
     @classmethod
     def of(cls, images: Any = None, videos: Any = None, audio: Any = None) -> "MediaInputs":
@@ -137,7 +140,7 @@ class ContentPartError(ValueError):
     """An OpenAI content part this layer cannot turn into a media input (``index``: the part's position)."""
 
     def __init__(self, message_index: int, part_index: int, reason: str):
-        self.message_index, self.part_index = message_index, part_index
+        self.message_index, self.part_index, self.reason = message_index, part_index, reason
         super().__init__(f"message {message_index}, content part {part_index}: {reason}")
 
 
@@ -178,7 +181,8 @@ _URL_PARTS = {"image_url": "image", "image": "image", "video_url": "video", "vid
 
 def from_openai_messages(messages: list[dict]) -> tuple[list[dict], MediaInputs]:
     """OpenAI chat messages -> (messages with ``{"type": "image" | "video" | "audio"}`` placeholders where the
-    media parts were, the media in order). Image / video URLs are passed on as given (a ``data:`` URL, a path,
+    media parts were, the media in order). The one parser of content parts: the engine's prompt resolution and
+    the server (``scheduler/server/messages.py``) both use it. Image / video URLs are passed on as given (a ``data:`` URL, a path,
     or an ``http(s)`` URL, which the media loader refuses with a clear error); audio parts are decoded from
     base64 to bytes. Unknown part types raise ``ContentPartError``."""
     media = MediaInputs()
@@ -201,9 +205,11 @@ def from_openai_messages(messages: list[dict]) -> tuple[list[dict], MediaInputs]
                 if source is None:
                     raise ContentPartError(mi, pi, f"{placeholder} part without a url")
                 (media.images if placeholder == "image" else media.videos).append(source)
+                media.origins.append((placeholder, mi, pi))
                 parts.append({"type": placeholder})
             elif kind == "input_audio":
                 media.audio.append(_audio_of(part, mi, pi))
+                media.origins.append(("audio", mi, pi))
                 parts.append({"type": "audio"})
             else:
                 raise ContentPartError(mi, pi, f"unsupported content part type {kind!r}")

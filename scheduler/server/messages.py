@@ -8,14 +8,13 @@ marker where it stood, the form mlx-vlm's chat template expands; a text-only mod
 
 from __future__ import annotations
 
-import base64
-import binascii
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote, urlparse
 
 from ..models.media import MediaError, load_audio, load_image
-from .protocol import APIError, AudioPart, ChatMessage, ImagePart, TextPart
+from ..models.prompt import ContentPartError, from_openai_messages
+from .protocol import APIError, ChatMessage
 
 
 @dataclass
@@ -36,46 +35,39 @@ def _image_source(url: str) -> str:
     return url  # a local path
 
 
-def _audio_clip(part: AudioPart, index: int, sample_rate: int) -> Any:
-    try:
-        data = base64.b64decode(part.input_audio.data, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise MediaError(index, f"input_audio.data is not base64: {exc}", "audio") from exc
-    return load_audio(data, index, sample_rate), sample_rate
-
-
 def convert_messages(messages: list[ChatMessage], vision: bool, audio_rate: int | None) -> EnginePrompt:
     """`vision`: the model takes images; `audio_rate`: its audio sample rate (None: it takes no audio).
-    Raises APIError(400) naming the part at fault."""
-    out = EnginePrompt(messages=[])
-    for m, message in enumerate(messages):
-        role = "system" if message.role == "developer" else message.role
-        if isinstance(message.content, str):
-            out.messages.append({"role": role, "content": message.content})
-            continue
-        parts: list[dict[str, Any]] = []
-        for p, part in enumerate(message.content):
-            where = f"messages.{m}.content.{p}"
-            if isinstance(part, TextPart):
-                parts.append({"type": "text", "text": part.text})
-            elif isinstance(part, ImagePart):
-                if not vision:
-                    raise APIError(400, f"{where}: this model takes no images", where)
-                try:
-                    out.images.append(load_image(_image_source(part.image_url.url), len(out.images)))
-                except MediaError as exc:
-                    raise APIError(400, f"{where}: unreadable image: {exc.reason}", where) from None
-                parts.append({"type": "image"})
-            elif isinstance(part, AudioPart):
-                if audio_rate is None:
-                    raise APIError(400, f"{where}: this model takes no audio", where)
-                try:
-                    out.audio.append(_audio_clip(part, len(out.audio), audio_rate))
-                except MediaError as exc:
-                    raise APIError(400, f"{where}: unreadable audio: {exc.reason}", where) from None
-                parts.append({"type": "audio"})
-        if vision or audio_rate is not None:
-            out.messages.append({"role": role, "content": parts})
-        else:  # a text model's template takes a string
-            out.messages.append({"role": role, "content": "\n".join(p["text"] for p in parts)})
+    Raises APIError(400) naming the part at fault. The content parts are parsed by the engine's own parser
+    (`models.prompt.from_openai_messages`); only the decoding happens here, ahead of the engine."""
+    as_dicts = [{"role": "system" if m.role == "developer" else m.role,
+                 "content": m.content if isinstance(m.content, str) else [p.model_dump() for p in m.content]}
+                for m in messages]
+    try:
+        parsed, media = from_openai_messages(as_dicts)
+    except ContentPartError as exc:
+        where = f"messages.{exc.message_index}.content.{exc.part_index}"
+        raise APIError(400, f"{where}: {exc.reason}", where) from None
+    out = EnginePrompt(messages=parsed)
+    sources = {"image": iter(media.images), "audio": iter(media.audio)}
+    for kind, m, p in media.origins:
+        where = f"messages.{m}.content.{p}"
+        source = next(sources[kind])
+        if kind == "image":
+            if not vision:
+                raise APIError(400, f"{where}: this model takes no images", where)
+            try:
+                out.images.append(load_image(_image_source(source), len(out.images)))
+            except MediaError as exc:
+                raise APIError(400, f"{where}: unreadable image: {exc.reason}", where) from None
+        else:
+            if audio_rate is None:
+                raise APIError(400, f"{where}: this model takes no audio", where)
+            try:
+                out.audio.append((load_audio(source, len(out.audio), audio_rate), audio_rate))
+            except MediaError as exc:
+                raise APIError(400, f"{where}: unreadable audio: {exc.reason}", where) from None
+    if not vision and audio_rate is None:  # a text model's template takes a string
+        out.messages = [{**message, "content": "\n".join(p["text"] for p in message["content"])}
+                        if isinstance(message["content"], list) else message for message in out.messages]
     return out
+
