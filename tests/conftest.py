@@ -11,7 +11,12 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from scheduler.fixtures.tiny_models import build_model  # noqa: E402
+
+def build_model(kind: str, out: Path) -> Path:
+    # imported on first use: the core tests (tests/core) run where MLX is not importable
+    from scheduler.fixtures.tiny_models import build_model as build
+
+    return build(kind, out)
 
 
 @pytest.fixture(scope="session")

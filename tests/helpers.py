@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from mlx_lm import stream_generate
-
-from scheduler import Engine, SamplingParams
 from scheduler.events import EventLog, MemorySink
 from scheduler.fixtures.executors import FixedTokenExecutor
 from scheduler.loop import TickLoop
-from scheduler.request import Request
+from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import Scheduler
+
+if TYPE_CHECKING:  # the core's names only at import: tests/core imports this module where MLX is not importable
+    from scheduler import Engine
 
 
 def mixed_prompts(n: int, lo: int, hi: int, seed: int = 0, vocab: int = 512) -> list[list[int]]:
@@ -25,6 +26,8 @@ def mixed_prompts(n: int, lo: int, hi: int, seed: int = 0, vocab: int = 512) -> 
 
 def solo_tokens(model, tokenizer, prompt: list[int], max_tokens: int, **kwargs) -> list[int]:
     """What mlx-lm produces for this request alone (greedy unless a sampler is given)."""
+    from mlx_lm import stream_generate  # here, not at the top: the core tests import this module without MLX
+
     return [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs)]
 
 
@@ -36,7 +39,7 @@ class Run:
     ticks: int = 0
 
 
-def drive(engine: Engine, arrivals: list[tuple[int, dict]], max_ticks: int = 100_000) -> Run:
+def drive(engine: "Engine", arrivals: list[tuple[int, dict]], max_ticks: int = 100_000) -> Run:
     """Step `engine`, adding each `(tick, add_request kwargs)` at its tick; check the output contract."""
     run = Run()
     pending = sorted(arrivals, key=lambda a: a[0])
@@ -58,7 +61,9 @@ def drive(engine: Engine, arrivals: list[tuple[int, dict]], max_ticks: int = 100
     return run
 
 
-def engine_with_log(model, tokenizer, config) -> tuple[Engine, MemorySink]:
+def engine_with_log(model, tokenizer, config) -> tuple["Engine", MemorySink]:
+    from scheduler import Engine
+
     sink = MemorySink()
     return Engine(model, tokenizer, config, event_sinks=[sink]), sink
 

@@ -61,12 +61,11 @@ def test_an_empty_plan_executes_nothing_and_aborts_are_released():
 
 
 def _executors():
-    from scheduler.execution.distributed import ShardedExecutor
-    from scheduler.execution.executor import MLXExecutor
+    """The executors that need no MLX (the MLX ones: test_executor_protocol.py)."""
     from scheduler.tools.replay import ReplayExecutor
     from scheduler.tools.simulate import SimExecutor
 
-    return [MLXExecutor, ShardedExecutor, ReplayExecutor, SimExecutor, FixedTokenExecutor]
+    return [ReplayExecutor, SimExecutor, FixedTokenExecutor]
 
 
 @pytest.mark.parametrize("executor", _executors(), ids=lambda c: c.__name__)

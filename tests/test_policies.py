@@ -78,17 +78,3 @@ def test_prefill_first_trades_decode_stalls_for_time_to_first_token():
     assert pf_first < df_first, "prefill-first gives the long prompt its first token sooner"
     assert df_paused == 0 and pf_paused > 0, "prefill-first pauses the decoding streams meanwhile"
     assert pf_r0 > df_r0, "so the running streams finish later"
-
-
-def test_prefill_first_keeps_outputs_exact(text_model):
-    from scheduler import Engine, SamplingParams
-
-    from .helpers import drive, mixed_prompts, solo_tokens
-
-    model, tokenizer = text_model
-    prompts = mixed_prompts(6, 1, 120, seed=2)
-    engine = Engine(model, tokenizer, EngineConfig(mix="prefill-first", max_batched_tokens=48, prefill_chunk=16,
-                                                   check_invariants=True))
-    run = drive(engine, [(i * 2, {"prompt_tokens": p, "sampling": SamplingParams(max_tokens=10)})
-                         for i, p in enumerate(prompts)])
-    assert list(run.tokens.values()) == [solo_tokens(model, tokenizer, p, 10) for p in prompts]
