@@ -51,7 +51,7 @@ Each used random number is fresh: within a tick a row reads the accept stream at
 
 Cache helper: :func:`rollback_rows` drops a different number of trailing positions per row from mlx-lm's
 left-padded ``BatchKVCache`` and keeps every row right-aligned (it reaches into mlx-lm cache internals: it
-belongs next to ``scheduler/execution/library.py`` and is pinned by ``tests/test_speculative_kernels.py``).
+belongs next to ``scheduler/execution/library.py`` and is pinned by ``tests/kernels/test_speculative_kernels.py``).
 """
 
 from __future__ import annotations

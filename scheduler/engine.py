@@ -497,7 +497,7 @@ class Engine:
                                      f"planned {plan.num_batched_tokens}")
         if self.config.kv_memory_bytes is not None:
             # real <= bound <= budget after the tick. A merge holds more while it runs (at most
-            # KVLayout.join_bytes on top, measured in tests/test_kv_peak.py); the budget does not include it.
+            # KVLayout.join_bytes on top, measured in tests/caches/test_kv_peak.py); the budget does not include it.
             held = self.executor.cache_bytes()
             if plan.kv_bytes_bound is not None and held > plan.kv_bytes_bound:
                 raise InvariantViolation(f"tick {plan.tick}: KV caches hold {held} bytes after the tick, over the "

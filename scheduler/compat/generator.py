@@ -11,7 +11,7 @@ configuration calls made right after construction (the reference's usage) take e
 monkeypatching; calling them later raises, because a running engine's budgets are part of its trace.
 
 The reference's own consumers (`vllm_mlx.mllm_scheduler.MLLMScheduler`, and `BatchedEngine` over it) run on this
-class unchanged when `vllm_mlx.mllm_batch_generator` resolves to this module (tests/test_dropin.py): they read
+class unchanged when `vllm_mlx.mllm_batch_generator` resolves to this module (tests/surfaces/test_dropin.py): they read
 `language_model`, `prefix_cache` (`clear()`, `set_ssd_tier()`), `get_mtp_stats()` and pass `sampler=`.
 """
 

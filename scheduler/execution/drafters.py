@@ -157,7 +157,7 @@ class AdaptivePace:
       ``resume_ngram`` (or more) at a distance other than the one that failed ends the pause early: a new
       earlier occurrence is new context. An accepted token resets the misses.
 
-    Pure bookkeeping (no MLX): tested on its own in tests/test_drafters.py.
+    Pure bookkeeping (no MLX): tested on its own in tests/execution/test_drafters.py.
     """
 
     def __init__(self, patience: int = 2, backoff: int = 4, max_backoff: int = 64, resume_ngram: int | None = None):

@@ -4,7 +4,7 @@ counterpart is `scheduler/models/library.py`).
 mlx-lm's batch-cache classes and model attributes move between minor releases (a refactor of the batch
 classes broke wrappers before). Everything version-sensitive is here and in the cache-layer protocol
 (`caches/layers.py`, which this module imports and which imports nothing from `scheduler`), and
-tests/test_library_seam.py pins the exact behaviour we rely on so an upgrade fails loudly in one spot.
+tests/execution/test_library_seam.py pins the exact behaviour we rely on so an upgrade fails loudly in one spot.
 """
 
 from __future__ import annotations

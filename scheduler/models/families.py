@@ -19,7 +19,7 @@ between families is declared here, and nothing else:
 A family absent from this table is refused at load with ``UnsupportedFamily`` (a ``TypeError``) naming the
 supported ones: mlx-vlm may load it, but nothing here has shown that it batches exactly. A family declared with
 ``refused`` is one mlx-vlm runs that cannot batch through this interface; it is refused at load with the reason.
-Every family here without ``refused`` is exact in tests/test_vlm_families.py (gemma4: tests/test_audio.py).
+Every family here without ``refused`` is exact in tests/models/test_vlm_families.py (gemma4: tests/models/test_audio.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The library seam of the model layer: the one place it reaches into mlx-vlm (its mlx-lm counterpart is
 ``scheduler/execution/library.py``). Each function wraps one internal; tests pin each one
-(tests/test_vlm_adapter.py, tests/test_vlm_families.py).
+(tests/models/test_vlm_adapter.py, tests/models/test_vlm_families.py).
 
 ``prepare_inputs``        the processor call ``mlx_vlm.stream_generate`` makes (same arguments, so the expanded ids
                           and pixel values equal a solo run's).

@@ -2,7 +2,7 @@
 
 Run once, with the code whose decisions the corpus pins: `python tests/data/traces/record_corpus.py` (from the
 repository root, with it on PYTHONPATH). The traces
-are then replayed by tests/test_replay_corpus_committed.py, so a refactor that changes a decision (or stops
+are then replayed by tests/core/test_replay_corpus_committed.py, so a refactor that changes a decision (or stops
 reading an old trace) fails there. Re-record only on a deliberate change of decisions or of the trace schema.
 """
 

@@ -1,0 +1,220 @@
+"""One rank of a sharded-engine test (started by tests/execution/test_tensor_parallel.py, never collected by pytest).
+
+    mlx.launch -n 2 --backend ring python tests/execution/distributed_worker.py MODEL_DIR OUT_DIR SCENARIO
+
+Every rank loads the model sharded and builds the engine; rank 0 drives it and writes `OUT_DIR/result.json`.
+Scenarios:
+- `equality`: several engine configurations (all at once; staggered with small budgets and chunks; a KV budget
+  that preempts; the prefix cache with shared prefixes; prompt-lookup drafting; an abort), each compared with
+  mlx-lm's own sharded generation of every request alone under the same launch (all ranks generate together),
+  then, after the followers are released, with the unsharded model on rank 0 alone.
+- `checkpoints`: a model whose caches cannot be trimmed (a tiny gpt_oss: sliding-window layers) with the prefix
+  cache: its prefill stores exact checkpoints, so one request can store two entries in one tick (a checkpoint
+  and its prefill end); the followers must keep each under its own entry id. Compared with mlx-lm alone.
+- `a-rank-dies`: both ranks write their pids and run; the test kills one and times how long the survivor takes
+  to record the error its engine raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from scheduler import AsyncEngine, Engine, EngineConfig, InvalidRequest, SamplingParams  # noqa: E402
+from scheduler.events import read_jsonl  # noqa: E402
+from tests.helpers import mixed_prompts, solo_tokens  # noqa: E402
+
+MAX_TOKENS = 12
+
+
+def _prompts() -> list[list[int]]:
+    prompts = mixed_prompts(6, 3, 70, seed=5)
+    shared = prompts[1][:40]
+    prompts += [shared + [11, 12, 13], shared + [21, 22]]  # prefix-cache hits on the first stored prompt
+    prompts.append([9, 10, 11, 12] * 6)  # repetitive: prompt lookup finds drafts
+    return prompts
+
+
+@dataclass
+class Schedule:
+    config: EngineConfig
+    prompts: list[list[int]]
+    max_tokens: int = MAX_TOKENS
+    per_tick: int = 1  # arrivals per tick (0: all at once)
+    abort: str | None = None  # a request aborted at tick 3
+
+
+def _schedules(trace_dir: Path) -> dict[str, Schedule]:
+    def trace(name: str) -> str:
+        return str(trace_dir / f"{name}.jsonl")
+
+    prompts = _prompts()
+    return {
+        "all-at-once": Schedule(EngineConfig(trace_path=trace("all-at-once")), prompts, per_tick=0, abort="r0"),
+        "staggered-small-budget": Schedule(EngineConfig(max_batched_tokens=48, prefill_chunk=16, max_seqs=3,
+                                                        trace_path=trace("staggered")), prompts),
+        # about four of these rows fit per rank: decoding rows outgrow the budget and are preempted
+        "kv-budget-preempts": Schedule(EngineConfig(max_batched_tokens=128, prefill_chunk=32, kv_memory_bytes=850_000,
+                                                    kv_headroom_tokens=8, trace_path=trace("kv-budget")),
+                                       mixed_prompts(16, 8, 120, seed=21), max_tokens=24, per_tick=4),
+        "prefix-cache": Schedule(EngineConfig(prefix_cache_bytes=4 << 20, prefix_block_size=16,
+                                              trace_path=trace("prefix")), prompts),
+        "prompt-lookup-drafting": Schedule(EngineConfig(draft_tokens=2, trace_path=trace("drafting")), prompts),
+    }
+
+
+def _run(engine: Engine, schedule: Schedule) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    pending = list(enumerate(schedule.prompts))
+    while pending or engine.has_pending():
+        while pending and (schedule.per_tick == 0 or pending[0][0] // schedule.per_tick <= engine.tick):
+            i, p = pending.pop(0)
+            rid = engine.add_request(prompt_tokens=p, sampling=SamplingParams(max_tokens=schedule.max_tokens),
+                                     request_id=f"r{i}")
+            tokens[rid] = []
+        for out in engine.step():
+            tokens[out.request_id].extend(out.token_ids)
+        if schedule.abort is not None and engine.tick == 3:
+            engine.abort(schedule.abort)
+    if schedule.abort is not None:
+        tokens.pop(schedule.abort)
+    return tokens
+
+
+async def _async_run(engine: Engine, prompts: list[list[int]]) -> dict[str, list[int]]:
+    aengine = AsyncEngine(engine)
+    try:
+        outs = await asyncio.gather(*(aengine.generate(prompt_tokens=p, sampling=SamplingParams(max_tokens=MAX_TOKENS))
+                                      for p in prompts))
+    finally:
+        aengine.close()
+    return {f"r{i}": out.token_ids for i, out in enumerate(outs)}
+
+
+def equality(model_dir: str, out: Path, group) -> None:
+    results: dict = {"configs": {}}
+    schedules = _schedules(out)
+    engine = None
+    for name, schedule in schedules.items():
+        engine = Engine.from_pretrained(model_dir, schedule.config, tensor_group=group)
+        if group.rank() != 0:
+            engine.follow()
+            continue
+        t0 = time.perf_counter()
+        got = _run(engine, schedule)
+        channel = engine.executor.channel
+        results["configs"][name] = {
+            "tokens": got, "seconds": time.perf_counter() - t0,
+            "channel": {"messages": channel.messages, "bytes": channel.bytes_sent, "seconds": channel.seconds},
+            "draft_accepted": engine.draft_stats()["accepted"],
+            "prefix_hits": engine.scheduler.prefix_cache.stats()["hits"] if engine.scheduler.prefix_cache else 0,
+            "kv_bytes_left": engine.executor.cache_bytes(),
+        }
+        engine.close()
+        results["configs"][name]["preemptions"] = sum(
+            e["event"] == "transition" and e["trigger"] == "preempt" for e in read_jsonl(schedule.config.trace_path))
+    # the asyncio front over a sharded engine, and what a sharded engine refuses
+    engine = Engine.from_pretrained(model_dir, EngineConfig(), tensor_group=group)
+    if group.rank() == 0:
+        results["async"] = asyncio.run(_async_run(engine, _prompts()))
+        try:
+            engine.add_request(prompt_tokens=[7, 8], sampling=SamplingParams(logits_processors=[lambda t, x: x]))
+            results["refused_field"] = None
+        except InvalidRequest as exc:
+            results["refused_field"] = exc.field
+        engine.close()
+    else:
+        engine.follow()
+    # mlx-lm's own sharded generation, each request alone: every rank runs it (its collectives line up)
+    solo = {name: {f"r{i}": solo_tokens(engine.model, engine.tokenizer, p, s.max_tokens) for i, p in enumerate(s.prompts)}
+            for name, s in schedules.items()}
+    if group.rank() != 0:
+        return
+    import mlx_lm
+
+    model, tokenizer = mlx_lm.load(model_dir)  # unsharded, on rank 0 alone (no collectives)
+    results["sharded_solo"] = solo
+    results["unsharded_solo"] = {
+        name: {f"r{i}": solo_tokens(model, tokenizer, p, s.max_tokens) for i, p in enumerate(s.prompts)}
+        for name, s in schedules.items()}
+    (out / "result.json").write_text(json.dumps(results))
+
+
+def checkpoints(model_dir: str, out: Path, group) -> None:
+    shared = mixed_prompts(1, 40, 40, seed=5)[0]
+    # chunks of 9: r0's completing chunk [45, 53) passes block boundary 48 (a checkpoint) and ends at 52 (its
+    # prefill end), in one tick; r1 shares 50 tokens with it (the checkpoint at 48 is what it can reuse), r2 35
+    # (the checkpoint at 32). Each arrives after the previous one finished.
+    first = shared + list(range(9, 22))
+    prompts = [first, first[:50] + [7, 7], shared[:35] + [12, 13]]
+    trace = out / "checkpoints.jsonl"
+    config = EngineConfig(max_batched_tokens=64, max_seqs=4, prefill_chunk=9, prefix_cache_bytes=4 << 20,
+                          prefix_block_size=16, trace_path=str(trace))
+    engine = Engine.from_pretrained(model_dir, config, tensor_group=group)
+    if group.rank() == 0:
+        tokens: dict[str, list[int]] = {}
+        for i, p in enumerate(prompts):
+            tokens[engine.add_request(prompt_tokens=p, sampling=SamplingParams(max_tokens=6), request_id=f"r{i}")] = []
+            while engine.has_pending():
+                for o in engine.step():
+                    tokens[o.request_id].extend(o.token_ids)
+        results = {"tokens": tokens, "kv_bytes_left": engine.executor.cache_bytes()}
+        engine.close()
+    else:
+        engine.follow()
+    solo = {f"r{i}": solo_tokens(engine.model, engine.tokenizer, p, 6) for i, p in enumerate(prompts)}
+    if group.rank() != 0:
+        return
+    import mlx_lm
+
+    model, tokenizer = mlx_lm.load(model_dir)
+    events = read_jsonl(trace)
+    results.update(sharded_solo=solo,
+                   unsharded_solo={f"r{i}": solo_tokens(model, tokenizer, p, 6) for i, p in enumerate(prompts)},
+                   stores=[[e["tick"], e["request_id"], e["tokens"]] for e in events if e["event"] == "prefix_store"],
+                   hits=[[e["request_id"], e["length"], e["reuse"]] for e in events if e["event"] == "prefix_hit"])
+    (out / "result.json").write_text(json.dumps(results))
+
+
+def _keep_busy(engine: Engine) -> None:
+    if not engine.has_pending():
+        engine.add_request(prompt_tokens=[7, 8, 9], sampling=SamplingParams(max_tokens=50))
+    engine.step()
+
+
+def a_rank_dies(model_dir: str, out: Path, group) -> None:
+    """Both ranks write their pid (OUT/rank{N}.pid) and run until their engine raises; the test kills one and
+    times how long the survivor takes to write what it raised (OUT/rank{N}.json)."""
+    engine = Engine.from_pretrained(model_dir, EngineConfig(), tensor_group=group)
+    rank = group.rank()
+    (out / f"rank{rank}.pid").write_text(str(os.getpid()))
+    try:
+        if rank != 0:
+            engine.follow()
+        while rank == 0:
+            if not engine.has_pending():
+                engine.add_request(prompt_tokens=[7, 8, 9], sampling=SamplingParams(max_tokens=50))
+            engine.step()
+        result = {"error_type": None}
+    except Exception as exc:  # what the engine raised is the result
+        result = {"error_type": type(exc).__name__, "error": str(exc)}
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def main() -> None:
+    model_dir, out, scenario = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+    group = mx.distributed.init()
+    {"equality": equality, "checkpoints": checkpoints, "a-rank-dies": a_rank_dies}[scenario](model_dir, out, group)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""The main correctness test: batched greedy output equals mlx-lm run on each request alone, token for token,
+under every schedule (all at once, staggered, chunked prefill interleaved with decode, fewer slots than
+requests), on a plain-KV model and on a sliding-window (rotating cache) model."""
+
+import pytest
+
+from scheduler import EngineConfig, FinishReason
+
+from ..helpers import drive, engine_with_log, greedy, mixed_prompts, solo_tokens
+
+MAX_TOKENS = 20
+PROMPTS = mixed_prompts(16, 1, 300, seed=1)
+
+CONFIGS = {
+    "all-at-once": EngineConfig(max_batched_tokens=4096, max_seqs=32, prefill_chunk=512),
+    "tiny-chunks": EngineConfig(max_batched_tokens=24, max_seqs=16, prefill_chunk=7),
+    "few-slots": EngineConfig(max_batched_tokens=256, max_seqs=3, prefill_chunk=64),
+}
+
+
+@pytest.fixture(scope="module")
+def text_reference(text_model):
+    model, tokenizer = text_model
+    return [solo_tokens(model, tokenizer, p, MAX_TOKENS) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def text_eos_reference(text_eos_model):
+    model, tokenizer = text_eos_model
+    return [solo_tokens(model, tokenizer, p, MAX_TOKENS) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def sliding_reference(sliding_model):
+    model, tokenizer = sliding_model
+    return [solo_tokens(model, tokenizer, p, MAX_TOKENS) for p in PROMPTS]
+
+
+def _check(model_and_tokenizer, reference, config, staggered):
+    model, tokenizer = model_and_tokenizer
+    config = EngineConfig(**{**config.__dict__, "check_invariants": True})
+    engine, log = engine_with_log(model, tokenizer, config)
+    arrivals = [(i if staggered else 0, {"prompt_tokens": p, "sampling": greedy(MAX_TOKENS)})
+                for i, p in enumerate(PROMPTS)]
+    run = drive(engine, arrivals)
+    outputs = list(run.tokens.values())  # ids were issued in prompt order
+    mismatches = [i for i, (got, want) in enumerate(zip(outputs, reference)) if got != want]
+    assert not mismatches, f"requests {mismatches} differ from their solo mlx-lm output"
+    for rid, tokens in run.tokens.items():  # (run.finish is in finishing order, not id order)
+        reason = run.finish[rid]
+        if reason is FinishReason.LENGTH:
+            assert len(tokens) == MAX_TOKENS
+            assert not set(tokens) & set(tokenizer.eos_token_ids)
+        else:
+            assert reason is FinishReason.STOP and len(tokens) <= MAX_TOKENS
+            assert tokens[-1] in tokenizer.eos_token_ids and not set(tokens[:-1]) & set(tokenizer.eos_token_ids)
+    for plan in log.of_kind("plan"):  # budgets hold on every plan
+        assert plan["num_batched_tokens"] <= config.max_batched_tokens
+        assert plan["num_seqs"] <= config.max_seqs
+        assert all(end - start <= config.prefill_chunk for _, start, end, _ in plan["prefill"])
+    return log, run
+
+
+@pytest.mark.parametrize("staggered", [False, True], ids=["at-once", "staggered"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_text_model_matches_solo_mlx_lm(text_model, text_reference, name, staggered):
+    log, _ = _check(text_model, text_reference, CONFIGS[name], staggered)
+    if name == "tiny-chunks":
+        # chunked prefill really interleaved with decode: some tick had both
+        assert any(p["prefill"] and p["decode"] for p in log.of_kind("plan"))
+
+
+@pytest.mark.parametrize("staggered", [False, True], ids=["at-once", "staggered"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_eos_model_stops_where_solo_mlx_lm_stops(text_eos_model, text_eos_reference, name, staggered):
+    """The same schedules on a model that emits eos: both finish branches run, each compared with mlx-lm."""
+    _, run = _check(text_eos_model, text_eos_reference, CONFIGS[name], staggered)
+    reasons = list(run.finish.values())
+    assert FinishReason.STOP in reasons and FinishReason.LENGTH in reasons
+    assert sum(r is FinishReason.STOP for r in reasons) == sum(len(t) < MAX_TOKENS for t in text_eos_reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("staggered", [False, True], ids=["at-once", "staggered"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_sliding_window_model_matches_solo_mlx_lm(sliding_model, sliding_reference, name, staggered):
+    _check(sliding_model, sliding_reference, CONFIGS[name], staggered)
+
+
+def test_reference_prompts_cover_the_length_range():
+    lengths = sorted(len(p) for p in PROMPTS)
+    assert lengths[0] == 1 and lengths[-1] == 300 and len(PROMPTS) == 16
+
+
+def _equal_length_prompts():
+    return [p[:40] for p in mixed_prompts(8, 40, 60, seed=4)] + [p[:25] for p in mixed_prompts(3, 25, 30, seed=5)]
+
+
+def test_fresh_prompts_of_equal_length_share_one_prefill_forward_and_stay_exact(text_model):
+    model, tokenizer = text_model
+    prompts = _equal_length_prompts()
+    engine, log = engine_with_log(model, tokenizer, EngineConfig())
+    outputs = engine.generate(prompts, greedy(MAX_TOKENS))
+    # the fast path ran (counted after the batched forward returned, not before it was tried)
+    assert engine.prefill_stats() == {"batched_groups": 2, "batched_rows": len(prompts), "fallbacks": 0}
+    assert not any("prefill_fallbacks" in e for e in log.of_kind("outcome"))
+    assert [o.token_ids for o in outputs] == [solo_tokens(model, tokenizer, p, MAX_TOKENS) for p in prompts]
+
+
+def test_a_failing_batched_prefill_falls_back_as_an_event_and_a_counter(text_model):
+    from scheduler import Engine
+    from scheduler.events import MemorySink
+    from scheduler.execution.executor import MLXExecutor
+    from scheduler.execution.runners import TextRunner
+
+    model, tokenizer = text_model
+
+    class BrokenBatchedPrefill(TextRunner):
+        def prefill_many(self, requests, n):
+            raise RuntimeError("batched prefill is broken")
+
+    prompts = _equal_length_prompts()
+    log = MemorySink()
+    engine = Engine(model, tokenizer, EngineConfig(), executor=MLXExecutor(BrokenBatchedPrefill(model)),
+                    event_sinks=[log])
+    outputs = engine.generate(prompts, greedy(MAX_TOKENS))
+    assert [o.token_ids for o in outputs] == [solo_tokens(model, tokenizer, p, MAX_TOKENS) for p in prompts]
+    assert engine.prefill_stats() == {"batched_groups": 0, "batched_rows": 0, "fallbacks": 2}
+    fallbacks = [f for e in log.of_kind("outcome") for f in e.get("prefill_fallbacks", [])]
+    assert sorted((len(ids), n) for ids, n, _ in fallbacks) == [(3, 25 - 1), (8, 40 - 1)]
+    assert all("batched prefill is broken" in error for _, _, error in fallbacks)

@@ -1,0 +1,394 @@
+"""Audio inputs on a tiny Gemma 4 built offline (`build_model("audio")`): it loads and generates through
+mlx_vlm with an audio clip; the VLMAdapter, solo and batched with text requests (sliding-window caches
+wrapping), gives exactly the tokens of mlx_vlm.stream_generate run alone; a repeated clip hits the encoder
+cache; bad audio fails with MediaError naming the clip."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import wave  # noqa: E402
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from caches.vision import VisionCache  # noqa: E402
+from scheduler.execution import library  # noqa: E402
+from scheduler.models.media import load_audio  # noqa: E402
+from scheduler.fixtures.tiny_models import ALL_KINDS, MODEL_KINDS, build_model  # noqa: E402
+from scheduler.models.adapter import MediaError, VLMAdapter, adapter_for  # noqa: E402
+
+MAX_TOKENS = 12
+CHUNK = 7
+RATE = 16000
+
+
+@pytest.fixture(scope="module")
+def audio_model_dir(tmp_path_factory):
+    return build_model("audio", tmp_path_factory.mktemp("tiny-audio"))
+
+
+@pytest.fixture(scope="module")
+def gemma(audio_model_dir):
+    import mlx_vlm
+
+    return mlx_vlm.load(str(audio_model_dir))
+
+
+@pytest.fixture(scope="module")
+def adapter(gemma):
+    return VLMAdapter(*gemma)
+
+
+def tone(seconds, seed, rate=RATE):
+    """A deterministic clip: a seeded chord plus a little noise, float32 in [-1, 1]."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * rate)) / rate
+    freqs = rng.uniform(150, 3000, size=3)
+    clip = sum(np.sin(2 * np.pi * f * t) for f in freqs) / 4 + 0.05 * rng.standard_normal(t.shape)
+    return clip.astype(np.float32)
+
+
+def write_wav(path, samples, rate=RATE, channels=1):
+    pcm = (np.clip(samples, -1, 1) * 32767).astype(np.int16)
+    if channels == 2:
+        pcm = np.stack([pcm, pcm], axis=1)
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(pcm.tobytes())
+    return path
+
+
+def audio_messages(text, n=1):
+    return [{"role": "user", "content": [{"type": "audio"}] * n + [{"type": "text", "text": text}]}]
+
+
+def text_messages(text):
+    return [{"role": "user", "content": text}]
+
+
+def solo(gemma, prompt, audio=()):
+    """Ground truth: mlx_vlm.stream_generate alone (audio as it takes it: file paths, or arrays at 16 kHz)."""
+    import mlx_vlm
+
+    model, processor = gemma
+    last = None
+    for last in mlx_vlm.stream_generate(model, processor, prompt, audio=list(audio) or None,
+                                        max_tokens=MAX_TOKENS, temperature=0.0):
+        pass
+    return list(last.token_ids)
+
+
+def prefill(adapter, prepared, chunk=CHUNK):
+    encoded = adapter.encode(prepared)
+    cache = adapter.make_cache()
+    last = len(prepared.input_ids) - 1
+    for start in range(0, last, chunk):
+        adapter.prefill(cache, encoded, start, min(start + chunk, last))
+    return encoded, cache
+
+
+def run_batch(adapter, prepared_list, join_at=None):
+    n = len(prepared_list)
+    join_at = join_at or [0] * n
+    eos = adapter.eos_token_ids
+    staged = [(p, *prefill(adapter, p)) for p in prepared_list]
+    outputs = [[] for _ in range(n)]
+    batch, rows, inputs, step = [], [], None, 0
+    while step <= max(join_at) or rows:
+        joining = [i for i in range(n) if join_at[i] == step]
+        if joining:
+            batch = library.extend_batch(batch, library.merge_caches([staged[i][2] for i in joining]))
+            new = mx.array([staged[i][0].input_ids[-1] for i in joining], dtype=mx.uint32)
+            inputs = new if inputs is None else mx.concatenate([inputs, new])
+            rows += joining
+        if rows:
+            deltas = mx.zeros((len(rows),), dtype=mx.int32)
+            inputs = mx.argmax(adapter.decode(batch, inputs, deltas), axis=-1).astype(mx.uint32)
+            keep = []
+            for row, (i, token) in enumerate(zip(rows, inputs.tolist())):
+                outputs[i].append(token)
+                if token not in eos and len(outputs[i]) < MAX_TOKENS:
+                    keep.append(row)
+            if len(keep) < len(rows):
+                batch = library.filter_batch(batch, keep)
+                rows = [rows[r] for r in keep]
+                inputs = inputs[mx.array(keep)] if keep else None
+        step += 1
+    return outputs
+
+
+# ----------------------------------------------------------------------------------------- the tiny model
+
+
+def test_audio_kind_is_built_but_not_in_the_pinned_kinds():
+    assert "audio" in ALL_KINDS and "audio" not in MODEL_KINDS
+
+
+def test_audio_build_is_deterministic(tmp_path, audio_model_dir):
+    again = build_model("audio", tmp_path / "again")
+    for name in ("model.safetensors", "tokenizer.json", "config.json", "processor_config.json"):
+        assert (again / name).read_bytes() == (audio_model_dir / name).read_bytes(), name
+
+
+def test_mlx_vlm_generate_with_audio(gemma, tmp_path):
+    import mlx_vlm
+    from mlx_vlm.prompt_utils import apply_chat_template
+
+    model, processor = gemma
+    assert type(model).__module__.endswith("gemma4.gemma4") and model.audio_tower is not None
+    assert processor.feature_extractor.sampling_rate == RATE
+    prompt = apply_chat_template(processor, model.config, "What is in this clip?", num_audios=1)
+    outs = []
+    for seed in (0, 1):
+        path = write_wav(tmp_path / f"clip{seed}.wav", tone(1.0, seed))
+        result = mlx_vlm.generate(model, processor, prompt, audio=[str(path)], max_tokens=MAX_TOKENS,
+                                  temperature=0.0)
+        assert result.prompt_tokens == len(processor.tokenizer(prompt)["input_ids"]) - 1 + 2 + 25  # 1 s = 25 tokens
+        assert result.generation_tokens == MAX_TOKENS
+        outs.append(result.text)
+    assert outs[0] != outs[1]  # the audio changes the answer
+
+
+# --------------------------------------------------------------------------------------------- adapter
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wav")
+    return {
+        "a": write_wav(root / "a.wav", tone(1.0, 0)),
+        "b": write_wav(root / "b.wav", tone(1.5, 1)),
+        "b8k": write_wav(root / "b8k.wav", tone(1.5, 1, rate=8000), rate=8000),
+        "stereo": write_wav(root / "st.wav", tone(0.6, 2), channels=2),
+    }
+
+
+@pytest.fixture(scope="module")
+def mixed(gemma, adapter, clips):
+    """Audio requests (a file, a 1.5 s file whose prompt + output wraps the 64-token sliding window, an 8 kHz
+    file resampled, (array, rate), a stereo file, two clips in one request) and two text requests."""
+    long_text = "Listen to this and tell me what the old man reads in the morning before lunch, slowly."
+    specs = [
+        (audio_messages("What is in this clip?"), [clips["a"]], [str(clips["a"])]),
+        (audio_messages(long_text), [clips["b"]], [str(clips["b"])]),
+        (audio_messages("Describe it"), [clips["b8k"]], [str(clips["b8k"])]),
+        (audio_messages("And this one?"), [(tone(0.8, 3), RATE)], [tone(0.8, 3)]),
+        (audio_messages("Stereo?"), [clips["stereo"]], [str(clips["stereo"])]),
+        (audio_messages("Compare them", n=2), [clips["a"], (tone(0.5, 4), RATE)], [str(clips["a"]), tone(0.5, 4)]),
+        (text_messages("What does the cat see today?"), [], []),
+        (text_messages(long_text + " " + long_text), [], []),
+    ]
+    prepared = [adapter.prepare(messages, audio=ours) for messages, ours, _ in specs]
+    references = [solo(gemma, p.prompt, theirs) for p, (_, _, theirs) in zip(prepared, specs)]
+    return prepared, references
+
+
+def test_prepare_shapes(adapter, mixed):
+    prepared, _ = mixed
+    first = prepared[0]
+    assert first.num_audio == 1 and first.num_media_tokens == 25 == first.input_ids.count(adapter.model.config.audio_token_id)
+    assert first.num_media_items == 1 and first.media_key is not None
+    assert prepared[1].num_media_tokens == 38  # ceil(1500 ms / 40 ms)
+    assert len(prepared[1].input_ids) + MAX_TOKENS > 64  # the sliding layer's window wraps
+    assert prepared[5].num_audio == 2 and prepared[5].num_media_items == 2
+    assert prepared[6].num_audio == 0 and prepared[6].media_key is None and prepared[6].num_media_items == 0
+    assert {adapter.encode(p).rope_delta for p in prepared} == {0}
+
+
+def test_solo_equals_mlx_vlm(adapter, mixed):
+    prepared, references = mixed
+    for i, (p, want) in enumerate(zip(prepared, references)):
+        assert run_batch(adapter, [p])[0] == want, f"request {i}"
+
+
+def test_batched_equals_each_alone(adapter, mixed):
+    prepared, references = mixed
+    assert len({tuple(r) for r in references}) == len(references)
+    for join_at in ([0] * len(prepared), [0, 3, 1, 0, 5, 2, 0, 4]):
+        outputs = run_batch(adapter, prepared, join_at=join_at)
+        for i, (got, want) in enumerate(zip(outputs, references)):
+            assert got == want, f"request {i} (joins at {join_at[i]}): batched {got} != solo {want}"
+
+
+def test_merge_equals_mlx_vlm_get_input_embeddings(gemma, adapter, mixed):
+    """Pinned: our split (tower alone, then masked_scatter) gives mlx-vlm's own merged embeddings."""
+    model, _ = gemma
+    for p in (mixed[0][0], mixed[0][5]):
+        ours = adapter.encode(p)
+        theirs = model.get_input_embeddings(ours.input_ids, input_features=p.media_inputs["input_features"],
+                                            input_features_mask=p.media_inputs["input_features_mask"])
+        assert mx.array_equal(ours.embeddings, theirs.inputs_embeds)
+        assert mx.array_equal(ours.sequence_inputs["per_layer_inputs"], theirs.per_layer_inputs)
+
+
+def test_audio_inputs_as_path_bytes_and_array_agree(adapter, clips):
+    path = clips["a"]
+    samples = load_audio(path, 0, RATE)
+    keys = {adapter.prepare(audio_messages("x"), audio=[src]).media_key
+            for src in (path, str(path), path.read_bytes(), (samples, RATE))}
+    assert len(keys) == 1
+    # 8 kHz: the file (resampled by mlx-vlm's loader) and the array (resampled by the same function) agree
+    b8k = clips["b8k"]
+    with wave.open(str(b8k)) as w:
+        raw = np.frombuffer(w.readframes(w.getnframes()), np.int16).astype(np.float32) / 32768
+    assert np.array_equal(load_audio((raw, 8000), 0, RATE), load_audio(b8k, 0, RATE))
+
+
+def test_repeated_clip_hits_the_cache(gemma, clips, mixed):
+    _, references = mixed
+    cache = VisionCache(16 << 20)
+    adapter = VLMAdapter(*gemma, vision_cache=cache)
+    calls = []
+    inner = adapter.media_encoder
+    adapter.media_encoder = lambda ids, media, mask: calls.append(1) or inner(ids, media, mask)
+    messages = audio_messages("What is in this clip?")
+    first = adapter.prepare(messages, audio=[clips["a"]])
+    again = adapter.prepare(messages, audio=[clips["a"].read_bytes()])
+    assert first.media_key == again.media_key
+    assert run_batch(adapter, [first])[0] == references[0] and len(calls) == 1
+    encoded = adapter.encode(again)
+    assert encoded.vision_cache_hit is True and encoded.vision_time_s == 0.0
+    assert run_batch(adapter, [again])[0] == references[0] and len(calls) == 1
+    other = adapter.prepare(messages, audio=[clips["b"]])
+    assert other.media_key != first.media_key and adapter.encode(other).vision_cache_hit is False
+
+
+def test_adapter_for_picks_gemma4(gemma):
+    assert isinstance(adapter_for(*gemma), VLMAdapter)
+    assert adapter_for(*gemma).eos_token_ids == frozenset({1, 4})
+
+
+# -------------------------------------------------------------------------------------------- bad audio
+
+
+def _file(tmp_path, name, data):
+    path = tmp_path / name
+    path.write_bytes(data)
+    return path
+
+
+BAD = {
+    "missing-file": lambda tp: tp / "nope.wav",
+    "directory": lambda tp: tp,
+    "empty-file": lambda tp: _file(tp, "empty.wav", b""),
+    "junk-file": lambda tp: _file(tp, "junk.wav", b"not audio " * 50),
+    "junk-bytes": lambda tp: b"\x00\x01junk" * 50,
+    "empty-bytes": lambda tp: b"",
+    "bare-array": lambda tp: tone(0.5, 0),
+    "int-samples": lambda tp: ((tone(0.5, 0) * 32767).astype(np.int16), RATE),
+    "nan-samples": lambda tp: (np.full(8000, np.nan, np.float32), RATE),
+    "no-samples": lambda tp: (np.zeros(0, np.float32), RATE),
+    "bad-rate": lambda tp: (tone(0.5, 0), 0),
+    "three-tuple": lambda tp: (tone(0.5, 0), RATE, 1),
+    "url": lambda tp: "https://example.com/a.wav",
+    "none": lambda tp: None,
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD))
+def test_bad_audio_raises_media_error_naming_it(adapter, clips, tmp_path, kind):
+    with pytest.raises(MediaError) as info:
+        adapter.prepare(audio_messages("hm", n=2), audio=[clips["a"], BAD[kind](tmp_path)])
+    assert info.value.index == 1 and info.value.kind == "audio"
+    assert str(info.value).startswith("audio 1:")
+
+
+def test_mismatches_are_value_errors(adapter, clips):
+    with pytest.raises(ValueError, match="audio placeholder"):
+        adapter.prepare("<start_of_turn>user\nno audio<end_of_turn>\n<start_of_turn>model\n", audio=[clips["a"]])
+    with pytest.raises(ValueError, match="not supported"):
+        adapter.prepare(audio_messages("x"), audio=[clips["a"]], images=["x.png"])
+
+
+def test_prompt_may_end_with_the_audio(gemma, adapter, clips):
+    """The processor wraps the audio tokens in <boa> ... <eoa>: the last prompt token is <eoa>, a text token,
+    so feeding it as the first decode input is exact."""
+    prompt = "<bos><start_of_turn>user\nlisten <|audio|>"
+    prepared = adapter.prepare(prompt, audio=[clips["a"]])
+    assert prepared.input_ids[-1] == gemma[0].config.eoa_token_id
+    assert run_batch(adapter, [prepared])[0] == solo(gemma, prompt, [str(clips["a"])])
+
+
+# ------------------------------------------------------------------------------------ through the engine
+
+
+from scheduler import Engine, EngineConfig, FinishReason, SamplingParams  # noqa: E402
+
+
+@pytest.mark.parametrize("budgets", [dict(), dict(max_batched_tokens=24, prefill_chunk=7, max_seqs=4, vision_budget=1)],
+                         ids=["default", "small-budgets"])
+def test_engine_audio_and_text_match_solo(gemma, mixed, clips, budgets):
+    from ..helpers import drive
+
+    model, processor = gemma
+    prepared, references = mixed
+    audio = [[clips["a"]], [clips["b"]], [clips["b8k"]], [(tone(0.8, 3), RATE)], [clips["stereo"]],
+             [clips["a"], (tone(0.5, 4), RATE)], None, None]
+    engine = Engine(model, processor, EngineConfig(**budgets, check_invariants=True))
+    run = drive(engine, [(t, {"prompt": p.prompt, "audio": a, "sampling": SamplingParams(max_tokens=MAX_TOKENS)})
+                         for t, (p, a) in enumerate(zip(prepared, audio))])
+    assert list(run.tokens.values()) == references
+    assert engine.stats().num_images_processed == 7  # media items: one per clip
+    assert engine.executor.cache_bytes() == 0 and not engine.executor.live_request_ids()
+
+
+def test_engine_repeated_clip_hits_the_cache_and_bad_audio_fails_alone(gemma, mixed, clips, tmp_path):
+    from ..helpers import drive
+
+    model, processor = gemma
+    prepared, references = mixed
+    engine = Engine(model, processor, EngineConfig(check_invariants=True))
+    sampling = SamplingParams(max_tokens=MAX_TOKENS)
+    prompt = prepared[0].prompt
+    first = drive(engine, [(0, {"prompt": prompt, "audio": [clips["a"]], "sampling": sampling})])
+    second = drive(engine, [(0, {"prompt": prompt, "audio": [clips["a"].read_bytes()], "sampling": sampling,
+                                 "request_id": "again"}),
+                            (0, {"prompt": prompt, "audio": [tmp_path / "nope.wav"], "sampling": sampling,
+                                 "request_id": "missing"})])
+    assert list(first.tokens.values()) == [references[0]] and second.tokens["again"] == references[0]
+    stats = engine.vision_cache_stats()
+    assert (stats["hits"], stats["misses"]) == (1, 1)
+    assert second.finish["missing"] is FinishReason.ERROR and "unreadable audio: audio 0:" in second.errors["missing"]
+
+
+def test_drafting_and_max_kv_size_are_refused_for_gemma4(gemma):
+    """Gemma 4 builds its own sliding-window caches: they cannot be rolled back after draft verification, and
+    max_kv_size would be ignored by them; both are refused at construction with the reason."""
+    from scheduler import Engine, EngineConfig
+    from scheduler.families import UnsupportedFeature
+
+    model, processor = gemma
+    with pytest.raises(UnsupportedFeature, match="cannot be rolled back"):
+        Engine(model, processor, EngineConfig(draft_tokens=2))
+    with pytest.raises(ValueError, match="max_kv_size"):
+        Engine(model, processor, EngineConfig(max_kv_size=64))
+
+
+def test_engine_kv_budget_preempts_audio_requests_and_stays_exact(gemma, mixed, clips):
+    """A KV budget of three rows (sliding-window layers counted at their window): audio requests are
+    preempted and recomputed (their clips re-encoded or taken from the cache), and every output equals solo."""
+    from scheduler.events import MemorySink
+
+    from ..helpers import drive
+
+    model, processor = gemma
+    prepared, references = mixed
+    audio = [[clips["a"]], [clips["b"]], [clips["b8k"]], [(tone(0.8, 3), RATE)], [clips["stereo"]],
+             [clips["a"], (tone(0.5, 4), RATE)], None, None]
+    # the first three requests' rows (at the longest of their prompts) with two tokens to spare, no admission
+    # headroom: admitted together, they outgrow it a few decode steps later and the newest is preempted
+    longest = max(len(p.input_ids) for p in prepared[:3]) + 2
+    budget = Engine(model, processor).kv_layout.batch_bytes([longest] * 3)
+    log = MemorySink()
+    engine = Engine(model, processor, EngineConfig(kv_memory_bytes=budget, kv_headroom_tokens=0,
+                                                   check_invariants=True), event_sinks=[log])
+    run = drive(engine, [(0, {"prompt": p.prompt, "audio": a, "sampling": SamplingParams(max_tokens=MAX_TOKENS)})
+                         for p, a in zip(prepared, audio)])
+    assert list(run.tokens.values()) == references
+    audio_ids = {rid for rid, a in zip(run.tokens, audio) if a}
+    preempted = {e["request_id"] for e in log.of_kind("transition") if e["to"] == "queued" and e["from"] != "queued"}
+    assert preempted & audio_ids, f"no audio request was preempted ({sorted(preempted)})"

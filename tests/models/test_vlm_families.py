@@ -1,0 +1,263 @@
+"""Every vision-language family the generic adapter batches (scheduler/models/families.py), built tiny and seeded
+offline, loaded by mlx_vlm.load: the engine's greedy output for a mixed workload (images of several sizes, two
+images in one request, a repeated image, text-only requests) equals, request by request, mlx_vlm.stream_generate
+run on that request alone, in three schedules:
+
+``staggered``  arrivals one tick apart, small token / chunk / vision budgets, vision cache and prefix cache on
+               (a later request with the same image and prompt prefix restores an earlier one's cache);
+``kv-budget``  a KV memory budget that preempts running requests, image requests among them (recomputed from
+               the vision cache; ``kv-budget-reencode``: with no vision cache, their media encoded again);
+``drafting``   prompt-lookup drafting on every row, image rows included (verified in the batched forward, rolled
+               back per row).
+
+The family table is the data a new family needs: its builder and the media its processor takes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from scheduler import Engine, EngineConfig, SamplingParams
+from scheduler.families import UnsupportedFeature
+from scheduler.fixtures.tiny_models import build_model
+from scheduler.fixtures.vlm_families import build_tiny_vlm
+
+from ..helpers import drive, engine_with_log
+
+MAX_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class FamilyCase:
+    build: Callable  # (out_dir) -> model dir
+    media: tuple[str, ...] = ("image",)
+    drafting: bool = True  # False: its caches cannot roll back (sliding windows, recurrent state): refused
+    # the kv-budget workload preempts an image row. False: this tiny model's rows end (eos) within the few
+    # decode steps the budget leaves them, so the budget only holds requests back (asserted instead)
+    preempts: bool = True
+
+
+FAMILY_CASES = {
+    "qwen2_vl": FamilyCase(lambda d: build_model("vlm", d), ("image", "video")),
+    "qwen2_5_vl": FamilyCase(lambda d: build_tiny_vlm("qwen2_5_vl", d), ("image", "video"), preempts=False),
+    "qwen3_vl": FamilyCase(lambda d: build_tiny_vlm("qwen3_vl", d), ("image", "video")),
+    **{name: FamilyCase(lambda d, name=name: build_tiny_vlm(name, d), preempts=False)
+       for name in ("idefics3", "smolvlm", "mistral3")},
+    "gemma3": FamilyCase(lambda d: build_tiny_vlm("gemma3", d), drafting=False),
+    "qwen3_5": FamilyCase(lambda d: build_tiny_vlm("qwen3_5", d), ("image", "video"), drafting=False),
+}
+
+SCHEDULES = {
+    "staggered": dict(stagger=1, config=dict(max_batched_tokens=40, prefill_chunk=9, max_seqs=6, vision_budget=1)),
+    # a budget of the first three requests' rows (at the longest of their prompts) with two tokens to spare and
+    # no admission headroom: they are admitted together, outgrow it a few decode steps later, and the newest
+    # (an image request) is preempted
+    "kv-budget": dict(stagger=0, config=dict(max_seqs=8, kv_headroom_tokens=0), budget_rows=3),
+    # the same without a vision cache: a preempted image request is encoded again from its kept media tensors
+    "kv-budget-reencode": dict(stagger=0, config=dict(max_seqs=8, kv_headroom_tokens=0, vision_cache_bytes=0),
+                               budget_rows=3),
+    "drafting": dict(stagger=1, config=dict(draft_tokens=3, max_batched_tokens=96)),
+}
+
+LONG = "The old man reads many books in the morning, and the teacher brings a warm coat to the farmer. "
+
+
+def noise_image(width, height, seed):
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def workload() -> list[tuple[list[dict], list]]:
+    """(chat messages, images): images of four sizes, one request with two, the first image again under a prompt
+    that shares a long prefix with the first request and under the first request's prompt again (prefix-cache
+    and vision-cache hits), and text-only rows with repeated phrases (something for prompt lookup to find)."""
+    def user(text, n):
+        content = [{"type": "image"}] * n + [{"type": "text", "text": text}] if n else text
+        return [{"role": "user", "content": content}]
+
+    first = noise_image(112, 140, seed=1)
+    return [
+        (user(LONG + "What is in the picture?", 1), [first]),
+        (user("Hi. The cat sat on the mat. The cat sat on the mat.", 0), []),
+        (user("Describe it.", 1), [noise_image(56, 56, seed=2)]),
+        (user("Compare the two pictures, please.", 2), [noise_image(84, 112, seed=3), noise_image(56, 84, seed=4)]),
+        (user("Why does the river see the green door? " * 2, 0), []),
+        (user("A wide one.", 1), [noise_image(140, 84, seed=5)]),
+        (user(LONG + LONG, 0), []),
+        (user(LONG + "What colour is it?", 1), [first.copy()]),
+        (user(LONG + "What is in the picture?", 1), [first.copy()]),
+    ]
+
+
+@pytest.fixture(scope="module", params=list(FAMILY_CASES))
+def family(request, tmp_path_factory):
+    """(name, (model, processor), requests, solo references) of one family."""
+    import mlx_vlm
+    from mlx_vlm.prompt_utils import apply_chat_template
+
+    name = request.param
+    model_dir = FAMILY_CASES[name].build(tmp_path_factory.mktemp(f"tiny-{name}"))
+    from scheduler.models.families import FAMILIES
+
+    assert set(FAMILY_CASES[name].media) == set(FAMILIES[name].media), "the family table and its test disagree"
+    model, processor = mlx_vlm.load(str(model_dir))
+    requests = workload()
+    references = []
+    for messages, images in requests:
+        prompt = apply_chat_template(processor, model.config, messages, num_images=len(images))
+        last = None
+        for last in mlx_vlm.stream_generate(model, processor, prompt, image=images or None,
+                                            max_tokens=MAX_TOKENS, temperature=0.0):
+            pass
+        references.append(list(last.token_ids))
+        PROMPT_TOKENS.setdefault(name, []).append(last.prompt_tokens)
+    return name, (model, processor), requests, references
+
+
+PROMPT_TOKENS: dict[str, list[int]] = {}  # family -> each request's prompt length (as mlx-vlm counted it)
+
+
+def _config(engine_probe: Engine | None, schedule: dict, prompt_tokens: list[int] = ()) -> EngineConfig:
+    cfg = dict(schedule["config"], prefix_cache_bytes=8 << 20, prefix_block_size=8, check_invariants=True)
+    if "budget_rows" in schedule:
+        rows = schedule["budget_rows"]  # the first `rows` requests (the last of them an image request)
+        cfg["kv_memory_bytes"] = engine_probe.kv_layout.batch_bytes([max(prompt_tokens[:rows]) + 2] * rows)
+    return EngineConfig(**cfg)
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_family_batches_exactly(family, schedule):
+    name, (model, processor), requests, references = family
+    spec = SCHEDULES[schedule]
+    if schedule == "drafting" and not FAMILY_CASES[name].drafting:
+        with pytest.raises(UnsupportedFeature, match="cannot be rolled back"):
+            Engine(model, processor, _config(None, spec))
+        return
+    probe = Engine(model, processor) if "budget_rows" in spec else None
+    engine, log = engine_with_log(model, processor, _config(probe, spec, PROMPT_TOKENS[name]))
+    # the last two repeat the first one's image and prompt (prefix): they arrive once that one has prefilled
+    arrivals = [((i + 12 * (i >= len(requests) - 2)) * spec["stagger"], {"prompt": messages, "images": images,
+                                       "sampling": SamplingParams(max_tokens=MAX_TOKENS)})
+                for i, (messages, images) in enumerate(requests)]
+    run = drive(engine, arrivals)
+    assert not run.errors, run.errors
+    outputs = list(run.tokens.values())
+    mismatches = [i for i, (got, want) in enumerate(zip(outputs, references)) if got != want]
+    assert not mismatches, f"{name}/{schedule}: requests {mismatches} differ from solo mlx_vlm"
+    assert engine.executor.cache_bytes() == 0 and not engine.executor.live_request_ids()
+    stats = engine.stats()
+    image_ids = {rid for rid, (_, images) in zip(run.tokens, requests) if images}
+    encodes = [e["request_id"] for e in log.of_kind("transition") if e["to"] == "vision_encoding"]
+    if stats.vision_cache is not None:
+        assert stats.vision_cache["hits"] >= 1, "the repeated image was encoded again"
+    if schedule == "staggered":
+        # the whole repeated prompt always; a shared prefix only where every cache layer can be cut back to it
+        # (sliding windows and recurrent state reuse whole entries only)
+        wanted = 2 if engine._runner.capabilities.trimmable else 1
+        assert stats.prefix_cache["hits"] >= wanted, "the shared image + prompt (prefix) was not reused"
+    if schedule.startswith("kv-budget") and not FAMILY_CASES[name].preempts:
+        waited = {r[0] for p in log.of_kind("plan") for r in p.get("reasons") or () if r[1] == "kv_budget"}
+        assert waited & image_ids, "the budget held no image request back"
+    elif schedule.startswith("kv-budget"):
+        preempted = {e["request_id"] for e in log.of_kind("transition") if e["to"] == "queued" and e["from"] != "queued"}
+        assert preempted & image_ids, f"no image request was preempted (preempted: {sorted(preempted)})"
+        # encoded again after preemption: from the vision cache, or (no cache) by the encoders
+        assert len(encodes) > len(image_ids), "a preempted image request was not encoded again"
+    if schedule == "drafting":
+        drafting = engine.draft_stats()
+        assert drafting["drafted"] > 0 and drafting["verify_forwards"] > 0
+        drafted_rows = {e["request_id"] for e in log.of_kind("transition") if e["to"] == "drafting"}
+        assert drafted_rows & image_ids, "no image row drafted"
+
+
+def test_family_is_quiet_per_request(family, capfd, caplog, recwarn):
+    """Nothing prints, logs or warns per request (mlx-vlm's template call made transformers warn about
+    "processor_kwargs" once per image request)."""
+    import logging
+
+    name, (model, processor), requests, references = family
+    engine = Engine(model, processor, EngineConfig(check_invariants=True))
+    capfd.readouterr()
+    caplog.clear()
+    recwarn.clear()
+    with caplog.at_level(logging.WARNING):
+        run = drive(engine, [(0, {"prompt": m, "images": im, "sampling": SamplingParams(max_tokens=MAX_TOKENS)})
+                             for m, im in requests[2:4]])
+    assert list(run.tokens.values()) == references[2:4]
+    out, err = capfd.readouterr()
+    assert (out, err) == ("", ""), f"{name} printed per request: {(out + err)[:300]}"
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [r.getMessage() for r in caplog.records]
+    assert not [str(w.message) for w in recwarn]
+
+
+def _frames(seed: int, count: int, width: int, height: int) -> list:
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)) for _ in range(count)]
+
+
+def test_family_video_batches_exactly(family):
+    """Families whose processor takes video: two clips (frame lists of different lengths and sizes) batched with
+    an image and a text request, staggered, small budgets; each equals mlx_vlm.stream_generate alone with the
+    same frames. The others refuse videos at add_request with a typed error."""
+    import mlx_vlm
+    from mlx_vlm.prompt_utils import apply_chat_template
+
+    from scheduler.request import InvalidRequest
+
+    name, (model, processor), requests, references = family
+    engine = Engine(model, processor, EngineConfig(max_batched_tokens=40, prefill_chunk=9, vision_budget=2,
+                                                   check_invariants=True))
+    clips = [_frames(7, 4, 56, 56), _frames(8, 5, 84, 56)]
+    video_messages = [[{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": text}]}]
+                      for text in ("What happens?", "Describe the clip, please.")]
+    if "video" not in FAMILY_CASES[name].media:
+        with pytest.raises(InvalidRequest, match="videos are not supported"):
+            engine.add_request(prompt=video_messages[0], videos=[clips[0]])
+        return
+    want = []
+    for messages, frames in zip(video_messages, clips):
+        prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        last = None
+        for last in mlx_vlm.stream_generate(model, processor, prompt, video=[frames], max_tokens=MAX_TOKENS,
+                                            temperature=0.0):
+            pass
+        want.append(list(last.token_ids))
+    arrivals = [(0, {"prompt": video_messages[0], "videos": [clips[0]]}),
+                (1, {"prompt": requests[2][0], "images": requests[2][1]}),
+                (2, {"prompt": video_messages[1], "videos": [clips[1]]}),
+                (3, {"prompt": requests[1][0]})]
+    run = drive(engine, [(t, dict(kw, sampling=SamplingParams(max_tokens=MAX_TOKENS))) for t, kw in arrivals])
+    assert not run.errors, run.errors
+    got = list(run.tokens.values())
+    assert got == [want[0], references[2], want[1], references[1]]
+
+
+def test_model_instance_position_state_is_neither_read_nor_written(family):
+    """mlx-vlm's M-RoPE language models keep `_position_ids` / `_rope_deltas` on the instance (one per model, not
+    per row). With junk there, a batch of image and text rows still equals solo mlx_vlm, and the junk is left
+    as it was: every call passes explicit positions. 1-D RoPE families have no such state to keep."""
+    import mlx.core as mx
+
+    from scheduler.models.families import FAMILIES, Positions
+
+    name, (model, processor), requests, references = family
+    lm = model.language_model
+    if FAMILIES[name].positions is not Positions.MROPE:
+        assert getattr(lm, "_rope_deltas", None) is None
+        return
+    saved = (lm._position_ids, lm._rope_deltas)
+    junk = (mx.full((3, 1, 900), 1234, dtype=mx.int32), mx.array([[777]]))
+    lm._position_ids, lm._rope_deltas = junk
+    try:
+        engine = Engine(model, processor, EngineConfig(max_batched_tokens=40, prefill_chunk=9, draft_tokens=2
+                                                       if FAMILY_CASES[name].drafting else 0, check_invariants=True))
+        run = drive(engine, [(i, {"prompt": m, "images": im, "sampling": SamplingParams(max_tokens=MAX_TOKENS)})
+                             for i, (m, im) in enumerate(requests[:4])])
+        assert lm._position_ids is junk[0] and lm._rope_deltas is junk[1]
+    finally:
+        lm._position_ids, lm._rope_deltas = saved
+    assert list(run.tokens.values()) == references[:4]

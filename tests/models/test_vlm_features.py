@@ -1,0 +1,133 @@
+"""Engine features on vision-language requests (the generic adapter), each against mlx-vlm run alone:
+per-token logprobs, bounded context (max_kv_size: rotating caches), drafting with a draft model on image rows,
+and seeded sampling that does not depend on what else is in the batch. The KV budget with preemption, prompt
+lookup drafting and the media-keyed prefix cache are in tests/models/test_vlm_families.py."""
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from scheduler import Engine, EngineConfig, SamplingParams
+
+from ..helpers import drive
+
+MAX_TOKENS = 12
+
+
+def noise_image(width, height, seed):
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def user(text, n):
+    content = [{"type": "image"}] * n + [{"type": "text", "text": text}] if n else text
+    return [{"role": "user", "content": content}]
+
+
+REQUESTS = [
+    (user("What is in the picture? Tell me all about it, please.", 1), [noise_image(112, 140, seed=1)]),
+    (user("Hi. The cat sat on the mat.", 0), []),
+    (user("Describe both.", 2), [noise_image(56, 56, seed=2), noise_image(84, 112, seed=3)]),
+    (user("The old man reads many books in the morning, and the teacher brings a warm coat.", 0), []),
+]
+
+
+@pytest.fixture(scope="module")
+def vlm(vlm_model_dir):
+    import mlx_vlm
+
+    return mlx_vlm.load(str(vlm_model_dir))
+
+
+def solo(vlm, messages, images, **kwargs):
+    """(token ids, per-token logprob of the chosen token) of mlx_vlm.stream_generate alone."""
+    import mlx_vlm
+    from mlx_vlm.prompt_utils import apply_chat_template
+
+    model, processor = vlm
+    prompt = apply_chat_template(processor, model.config, messages, num_images=len(images))
+    results = list(mlx_vlm.stream_generate(model, processor, prompt, image=images or None, max_tokens=MAX_TOKENS,
+                                           temperature=0.0, **kwargs))
+    tokens = list(results[-1].token_ids)  # the last result sums the run up (its token repeats the one before)
+    logprobs = [float(np.array(r.logprobs).reshape(-1)[r.token]) for r in results[: len(tokens)]]
+    assert [r.token for r in results[: len(tokens)]] == tokens
+    return tokens, logprobs
+
+
+def run(engine, sampling, stagger=1):
+    out = drive(engine, [(i * stagger, {"prompt": m, "images": im, "sampling": sampling})
+                         for i, (m, im) in enumerate(REQUESTS)])
+    assert not out.errors, out.errors
+    return out
+
+
+def test_logprobs_of_image_and_text_rows_equal_solo(vlm):
+    model, processor = vlm
+    engine = Engine(model, processor, EngineConfig(max_batched_tokens=48, prefill_chunk=11, check_invariants=True))
+    ids = []
+    for i, (m, im) in enumerate(REQUESTS):
+        ids.append(engine.add_request(prompt=m, images=im, sampling=SamplingParams(max_tokens=MAX_TOKENS,
+                                                                                    logprobs=True)))
+    logprobs = {rid: [] for rid in ids}
+    tokens = {rid: [] for rid in ids}
+    while engine.has_pending():
+        for out in engine.step():
+            tokens[out.request_id] += out.token_ids
+            logprobs[out.request_id] += out.logprobs
+    for rid, (m, im) in zip(ids, REQUESTS):
+        want_tokens, want_lp = solo(vlm, m, im)
+        assert tokens[rid] == want_tokens
+        np.testing.assert_allclose(logprobs[rid], want_lp, rtol=1e-4, atol=1e-4)
+
+
+def test_max_kv_size_matches_solo_rotating_generation(vlm):
+    """Rotating caches of 40 tokens (no sinks, as the text engine): the image prompts are longer than the
+    window, so the window wraps during prefill and decode; the reference is mlx_vlm alone with the same
+    caches."""
+    from mlx_vlm.models.cache import RotatingKVCache
+
+    model, processor = vlm
+    window = 40
+    engine = Engine(model, processor, EngineConfig(max_kv_size=window, max_batched_tokens=48, prefill_chunk=13,
+                                                   check_invariants=True))
+    got = list(run(engine, SamplingParams(max_tokens=MAX_TOKENS)).tokens.values())
+    layers = model.language_model.layers
+    want = [solo(vlm, m, im, prompt_cache=[RotatingKVCache(max_size=window, keep=0) for _ in layers])[0]
+            for m, im in REQUESTS]
+    assert got == want
+    assert got != [solo(vlm, m, im)[0] for m, im in REQUESTS]  # the window really changed the output
+
+
+def test_draft_model_drafting_on_image_rows_is_exact(vlm, text_model):
+    """The tiny text model shares the VLM's tokenizer: it drafts for image rows too (it reads the image pads
+    as plain tokens; verification by the VLM keeps the output exact)."""
+    model, processor = vlm
+    draft, _ = text_model
+    engine = Engine(model, processor, EngineConfig(draft_tokens=3, drafter="draft-model", check_invariants=True),
+                    draft_model=draft)
+    got = list(run(engine, SamplingParams(max_tokens=MAX_TOKENS)).tokens.values())
+    assert got == [solo(vlm, m, im)[0] for m, im in REQUESTS]
+    stats = engine.draft_stats()
+    assert stats["drafted"] > 0 and stats["verify_forwards"] > 0
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(vlm):
+    model, processor = vlm
+    sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.95, seed=11)
+    alone = []
+    for m, im in REQUESTS:
+        engine = Engine(model, processor, EngineConfig(check_invariants=True))
+        alone += list(drive(engine, [(0, {"prompt": m, "images": im, "sampling": sampling})]).tokens.values())
+    engine = Engine(model, processor, EngineConfig(max_batched_tokens=40, prefill_chunk=9, check_invariants=True))
+    together = list(run(engine, sampling).tokens.values())
+    assert together == alone
+    greedy = [solo(vlm, m, im)[0] for m, im in REQUESTS]
+    assert together != greedy  # it really sampled
+
+
+def test_mtp_drafting_is_refused_for_vlms(vlm):
+    from scheduler.families import UnsupportedFeature
+
+    model, processor = vlm
+    with pytest.raises(UnsupportedFeature, match="MTP head"):
+        Engine(model, processor, EngineConfig(draft_tokens=2, drafter="mtp"))

@@ -1,0 +1,78 @@
+"""The mlxsched command: every listed verb works."""
+
+import json
+
+import pytest
+
+from scheduler.cli import build_parser, main
+from scheduler.lifecycle import mermaid
+
+
+def test_only_working_verbs_are_listed():
+    verbs = set(build_parser()._subparsers._group_actions[0].choices)
+    assert verbs == {"make-model", "demo", "lifecycle", "replay", "simulate", "explain", "sweep", "timeline", "bench", "doctor",
+                     "serve"}
+
+
+def test_make_model_builds_a_loadable_model(tmp_path, capsys):
+    from mlx_lm import load
+
+    assert main(["make-model", "text", str(tmp_path / "m")]) == 0
+    model, tokenizer = load(str(tmp_path / "m"))
+    assert tokenizer.encode("hello world")
+
+
+def test_lifecycle_prints_the_generated_diagram(capsys):
+    assert main(["lifecycle"]) == 0
+    assert mermaid() in capsys.readouterr().out
+
+
+def test_demo_runs_and_writes_a_trace(text_model_dir, tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    assert main(["demo", "--model", str(text_model_dir), "--requests", "6", "--max-tokens", "5",
+                 "--trace", str(trace)]) == 0
+    out = capsys.readouterr().out
+    assert '"generation_tokens"' in out
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert sum(e["event"] == "arrival" for e in events) == 6
+    ends = [e for e in events if e["event"] == "transition" and e["to"] in ("finished", "aborted")]
+    assert len(ends) == 6
+
+
+def test_unknown_kind_is_refused():
+    with pytest.raises(SystemExit):
+        main(["make-model", "huge", "x"])
+
+
+def test_demo_default_is_a_mixed_image_and_text_workload_on_the_tiny_vlm(capsys):
+    assert main(["demo", "--requests", "4", "--max-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "image+text" in out and '"num_images_processed": 2' in out
+
+
+def test_simulate_and_timeline_commands(text_model_dir, tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    assert main(["demo", "--model", str(text_model_dir), "--requests", "8", "--max-tokens", "6",
+                 "--trace", str(trace)]) == 0
+    capsys.readouterr()
+    assert main(["simulate", str(trace), "--policy", "shortest-prompt-first", "--set", "max_seqs=2"]) == 0
+    table = capsys.readouterr().out
+    assert "ttft" in table.lower() and "throughput" in table.lower()
+    assert main(["timeline", str(trace), "-o", str(tmp_path / "t.png")]) == 0
+    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["timeline", str(trace), "-o", str(tmp_path / "t.json")]) == 0
+    assert main(["simulate", str(tmp_path / "missing.jsonl")]) == 2
+
+
+def test_doctor_reports_the_blas(capsys):
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "GFLOP/s" in out and "BLAS" in out.upper()
+
+
+def test_serve_refuses_a_bad_engine_config_before_loading(capsys):
+    # serving itself is tests/surfaces/test_serve.py (a real server in a subprocess)
+    assert main(["serve", "--model", "no-such-dir", "--max-seqs", "64", "--max-batched-tokens", "32"]) == 2
+    assert "max_batched_tokens" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--model", "no-such-dir", "--max-queue", "0"])

@@ -1,0 +1,315 @@
+"""Engine behaviour on the tiny real model: bad input, aborts in every state, sampling paths against
+mlx-lm, threads, streaming and asyncio."""
+
+import asyncio
+import threading
+
+import mlx.core as mx
+import pytest
+from mlx_lm.sample_utils import make_logits_processors
+
+from scheduler import (
+    AsyncEngine,
+    Engine,
+    EngineConfig,
+    FinishReason,
+    InvalidRequest,
+    RequestState,
+    SamplingParams,
+    UnknownRequest,
+)
+
+from ..helpers import drive, greedy, mixed_prompts, solo_tokens
+
+PROMPTS = mixed_prompts(6, 3, 120, seed=7)
+
+
+@pytest.fixture
+def engine(text_model):
+    model, tokenizer = text_model
+    return Engine(model, tokenizer, EngineConfig(max_batched_tokens=64, max_seqs=8, prefill_chunk=16,
+                                                 max_model_len=400, check_invariants=True))
+
+
+@pytest.fixture(scope="module")
+def reference(text_model):
+    model, tokenizer = text_model
+    return [solo_tokens(model, tokenizer, p, 12) for p in PROMPTS]
+
+
+BAD_INPUTS = [
+    ({"prompt": ""}, "prompt"),
+    ({"prompt_tokens": []}, "prompt"),
+    ({"prompt_tokens": [5, 512]}, "prompt_tokens"),
+    ({"prompt_tokens": [-1, 5]}, "prompt_tokens"),
+    ({"prompt_tokens": [7] * 401}, "prompt"),
+    ({"prompt": "hi", "prompt_tokens": [5]}, "prompt"),
+    ({}, "prompt"),
+    ({"prompt": 42}, "prompt"),
+    ({"prompt_tokens": [5], "sampling": {"temperature": 1}}, "sampling"),
+    ({"prompt_tokens": [5], "sampling": SamplingParams(stop_token_ids=(600,))}, "stop_token_ids"),
+    ({"prompt_tokens": [5], "images": ["x.png"]}, "images"),
+    ({"prompt_tokens": [5], "request_id": ""}, "request_id"),
+    ({"prompt_tokens": [5], "priority": "high"}, "priority"),
+]
+
+
+@pytest.mark.parametrize("kwargs,field", BAD_INPUTS)
+def test_bad_input_is_refused_for_that_request_only(engine, reference, kwargs, field):
+    good = engine.add_request(prompt_tokens=PROMPTS[0], sampling=greedy(12))
+    tokens = []
+    for out in engine.step():  # the good request is running when the bad one arrives
+        tokens.extend(out.token_ids)
+    with pytest.raises(InvalidRequest) as info:
+        engine.add_request(**kwargs)
+    assert info.value.field == field
+    while engine.has_pending():
+        for out in engine.step():
+            assert out.request_id == good, "nothing of the refused request exists"
+            tokens.extend(out.token_ids)
+    assert tokens == reference[0]
+    assert engine.state_of(good) is RequestState.FINISHED
+
+
+def test_a_duplicate_live_id_is_refused_and_the_original_continues(engine, reference):
+    engine.add_request(prompt_tokens=PROMPTS[0], sampling=greedy(12), request_id="a")
+    with pytest.raises(InvalidRequest, match="duplicate"):
+        engine.add_request(prompt_tokens=PROMPTS[1], request_id="a")
+    tokens = []
+    while engine.has_pending():
+        for out in engine.step():
+            tokens.extend(out.token_ids)
+    assert tokens == reference[0]
+
+
+def test_duplicate_id_of_an_ended_request_is_refused(engine):
+    engine.add_request(prompt_tokens=[9, 10], sampling=greedy(2), request_id="done")
+    while engine.has_pending():
+        engine.step()
+    with pytest.raises(InvalidRequest, match="duplicate"):
+        engine.add_request(prompt_tokens=[9, 10], request_id="done")
+
+
+def test_abort_unknown_raises_and_abort_finished_is_a_noop(engine):
+    with pytest.raises(UnknownRequest):
+        engine.abort("never-seen")
+    rid = engine.add_request(prompt_tokens=[9, 10, 11], sampling=greedy(3))
+    while engine.has_pending():
+        engine.step()
+    assert engine.abort(rid) is False
+    assert engine.state_of(rid) is RequestState.FINISHED
+
+
+@pytest.mark.parametrize("target_state", [RequestState.QUEUED, RequestState.CHUNK_PREFILLING, RequestState.DECODING])
+def test_abort_in_every_live_state_frees_everything(engine, reference, target_state):
+    others = [engine.add_request(prompt_tokens=p, sampling=greedy(12)) for p in PROMPTS[:3]]
+    victim = engine.add_request(prompt_tokens=[11] * 200, sampling=greedy(50))
+    tokens = {rid: [] for rid in others}
+    victim_outputs = []
+
+    def step():
+        for out in engine.step():
+            if out.request_id == victim:
+                victim_outputs.append(out)
+            else:
+                tokens[out.request_id].extend(out.token_ids)
+
+    while engine.state_of(victim) is not target_state:
+        step()
+    assert engine.abort(victim) is True
+    step()
+    assert engine.state_of(victim) is RequestState.ABORTED
+    assert victim not in engine.executor.live_request_ids()
+    while engine.has_pending():
+        step()
+    assert victim_outputs[-1].finished and victim_outputs[-1].finish_reason is FinishReason.ABORT
+    assert sum(o.finished for o in victim_outputs) == 1
+    assert [tokens[rid] for rid in others] == reference[:3]
+    assert engine.executor.cache_bytes() == 0
+    assert engine.abort(victim) is False
+
+
+def test_aborted_neighbours_do_not_change_survivors(text_model, reference):
+    model, tokenizer = text_model
+    engine = Engine(model, tokenizer, EngineConfig(max_batched_tokens=64, max_seqs=8, prefill_chunk=16,
+                                                   check_invariants=True))
+    ids = [engine.add_request(prompt_tokens=p, sampling=greedy(12)) for p in PROMPTS]
+    tokens = {rid: [] for rid in ids}
+    tick = 0
+    while engine.has_pending():
+        if tick == 6:
+            engine.abort(ids[1])
+            engine.abort(ids[4])
+        for out in engine.step():
+            tokens[out.request_id].extend(out.token_ids)
+        tick += 1
+    for i, rid in enumerate(ids):
+        if i in (1, 4):
+            assert engine.state_of(rid) is RequestState.ABORTED
+        else:
+            assert tokens[rid] == reference[i]
+    assert engine.executor.cache_bytes() == 0
+
+
+def test_stop_token_ids_end_the_request_with_stop(engine, reference):
+    want = reference[2]
+    stop = want[4]
+    cut = want.index(stop) + 1
+    run = drive(engine, [(0, {"prompt_tokens": PROMPTS[2], "sampling": SamplingParams(max_tokens=12, stop_token_ids=(stop,))})])
+    (tokens,) = run.tokens.values()
+    assert tokens == want[:cut]
+    assert list(run.finish.values()) == [FinishReason.STOP]
+
+
+def test_each_request_produces_exactly_max_tokens(engine):
+    run = drive(engine, [(0, {"prompt_tokens": p, "sampling": greedy(n)}) for p, n in zip(PROMPTS, [1, 2, 3, 5, 8, 13])])
+    for (rid, tokens), n, reason in zip(run.tokens.items(), [1, 2, 3, 5, 8, 13], run.finish.values()):
+        assert len(tokens) == n or reason is FinishReason.STOP
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch(text_model):
+    model, tokenizer = text_model
+    sampled = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=1234)
+
+    def tokens_of(engine, rid_prompt, others):
+        arrivals = [(0, {"prompt_tokens": p, "sampling": s}) for p, s in others]
+        arrivals.insert(len(others) // 2, (0, {"prompt_tokens": rid_prompt, "sampling": sampled, "request_id": "x"}))
+        run = drive(engine, arrivals)
+        return run.tokens["x"]
+
+    alone = tokens_of(Engine(model, tokenizer), PROMPTS[3], [])
+    crowd = [(p, SamplingParams(max_tokens=10, temperature=t, seed=i)) for i, (p, t) in
+             enumerate(zip(PROMPTS, [0.0, 1.3, 0.5, 0.0, 2.0, 0.7]))]
+    batched = tokens_of(Engine(model, tokenizer, EngineConfig(max_batched_tokens=40, prefill_chunk=9)), PROMPTS[3], crowd)
+    assert alone == batched
+    assert len(set(alone)) > 1
+    other_seed = drive(Engine(model, tokenizer), [(0, {"prompt_tokens": PROMPTS[3], "sampling": SamplingParams(
+        max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=99)})])
+    assert list(other_seed.tokens.values())[0] != alone
+
+
+def test_penalties_match_mlx_lm_processors(text_model):
+    model, tokenizer = text_model
+    for kwargs in ({"repetition_penalty": 1.3}, {"presence_penalty": 0.8}):
+        procs = make_logits_processors(**kwargs)
+        want = [solo_tokens(model, tokenizer, p, 14, logits_processors=procs) for p in PROMPTS[:4]]
+        engine = Engine(model, tokenizer, EngineConfig(max_batched_tokens=48, prefill_chunk=11))
+        run = drive(engine, [(0, {"prompt_tokens": p, "sampling": SamplingParams(max_tokens=14, **kwargs)})
+                             for p in PROMPTS[:4]])
+        assert list(run.tokens.values()) == want, kwargs
+
+
+def test_logits_processors_match_mlx_lm_and_a_raising_one_fails_alone(text_model, reference):
+    model, tokenizer = text_model
+    banned = reference[0][1]
+
+    def ban(tokens, logits):
+        return mx.where(mx.arange(logits.shape[-1]) == banned, -mx.inf, logits)
+
+    def explode(tokens, logits):
+        if tokens.size > len(PROMPTS[2]) + 2:
+            raise RuntimeError("processor bug")
+        return logits
+
+    want = solo_tokens(model, tokenizer, PROMPTS[0], 12, logits_processors=[ban])
+    engine = Engine(model, tokenizer, EngineConfig(check_invariants=True))
+    run = drive(engine, [
+        (0, {"prompt_tokens": PROMPTS[0], "sampling": SamplingParams(max_tokens=12, logits_processors=(ban,))}),
+        (0, {"prompt_tokens": PROMPTS[1], "sampling": greedy(12)}),
+        (0, {"prompt_tokens": PROMPTS[2], "sampling": SamplingParams(max_tokens=12, logits_processors=(explode,))}),
+    ])
+    a, b, c = run.tokens
+    assert run.tokens[a] == want and banned not in want
+    assert run.tokens[b] == reference[1]
+    assert run.finish[c] is FinishReason.ERROR and "processor bug" in run.errors[c]
+    assert len(run.tokens[c]) == 3
+    assert engine.state_of(c) is RequestState.ABORTED
+
+
+def test_logprobs_match_mlx_lm(text_model):
+    model, tokenizer = text_model
+    from mlx_lm import stream_generate
+
+    want = [(r.token, r.logprobs[r.token].item()) for r in stream_generate(model, tokenizer, PROMPTS[1], max_tokens=8)]
+    engine = Engine(model, tokenizer)
+    (out,) = engine.generate([PROMPTS[1], PROMPTS[2]], SamplingParams(max_tokens=8, logprobs=True))[:1]
+    assert out.token_ids == [t for t, _ in want]
+    assert out.logprobs == pytest.approx([lp for _, lp in want], abs=1e-5)
+
+
+def test_threads_adding_and_aborting_while_the_engine_steps(text_model, reference):
+    model, tokenizer = text_model
+    engine = Engine(model, tokenizer, EngineConfig(max_batched_tokens=64, max_seqs=8, prefill_chunk=16,
+                                                   check_invariants=True))
+    kept, doomed, errors = {}, [], []
+
+    def client(n):
+        try:
+            for i, p in enumerate(PROMPTS):
+                rid = engine.add_request(prompt_tokens=p, sampling=greedy(12), request_id=f"t{n}-{i}")
+                if i % 3 == 2:
+                    engine.abort(rid)
+                    doomed.append(rid)
+                else:
+                    kept[rid] = i
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    tokens, ended = {}, {}
+    while any(t.is_alive() for t in threads) or engine.has_pending():
+        for out in engine.step():
+            assert out.request_id not in ended
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+            if out.finished:
+                ended[out.request_id] = out.finish_reason
+    for t in threads:
+        t.join()
+    assert not errors
+    for rid, i in kept.items():
+        assert tokens[rid] == reference[i], rid
+    for rid in doomed:
+        assert engine.state_of(rid) is RequestState.ABORTED and ended[rid] is FinishReason.ABORT
+    assert engine.executor.cache_bytes() == 0
+
+
+def test_stream_yields_the_solo_tokens(engine, reference):
+    tokens = []
+    outs = list(engine.stream(prompt_tokens=PROMPTS[4], sampling=greedy(12)))
+    for out in outs:
+        tokens.extend(out.token_ids)
+    assert tokens == reference[4]
+    assert outs[-1].finished and sum(o.finished for o in outs) == 1
+
+
+def test_asyncio_clients_and_a_cancelled_stream(text_model, reference):
+    model, tokenizer = text_model
+
+    async def main():
+        async with AsyncEngine(Engine(model, tokenizer, EngineConfig(check_invariants=True))) as aengine:
+            async def cancelled():
+                async for _ in aengine.stream(prompt_tokens=[11] * 50, sampling=greedy(200), request_id="c"):
+                    raise asyncio.CancelledError
+            results = await asyncio.gather(*(aengine.generate(prompt_tokens=p, sampling=greedy(12)) for p in PROMPTS),
+                                           cancelled(), return_exceptions=True)
+            for _ in range(200):
+                if aengine.engine.state_of("c") is RequestState.ABORTED:
+                    break
+                await asyncio.sleep(0.01)
+            return results, aengine.engine.state_of("c")
+
+    results, cancelled_state = asyncio.run(main())
+    assert [r.token_ids for r in results[:-1]] == reference
+    assert isinstance(results[-1], asyncio.CancelledError)
+    assert cancelled_state is RequestState.ABORTED
+
+
+def test_stats_count_tokens_once(engine):
+    outs = engine.generate(PROMPTS[:3], greedy(5))
+    stats = engine.stats()
+    assert stats.generation_tokens == sum(len(o.token_ids) for o in outs)
+    assert stats.prompt_tokens == sum(len(p) for p in PROMPTS[:3])
+    assert stats.requests_finished == 3 and stats.generation_tps > 0
+    assert set(stats.time_in_state) >= {"queued", "chunk_prefilling", "decoding"}
