@@ -109,3 +109,24 @@ def test_the_module_map_lists_every_module():
                for p in (root / pkg).rglob("*.py") if p.name != "__init__.py"}
     assert on_disk - listed == set(), f"modules missing from the map: {sorted(on_disk - listed)}"
     assert listed - on_disk == set(), f"the map lists modules that do not exist: {sorted(listed - on_disk)}"
+
+
+NO_MLX_TESTS = "tests/core"  # the core's tests: they run where MLX is not importable
+
+
+def test_the_core_tests_run_without_mlx():
+    """`pytest tests/core` passes in an interpreter where every MLX-side package is unimportable (None in
+    `sys.modules` makes `import mlx...` raise): a core test that needs MLX belongs in another layer's folder."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    code = (
+        "import sys\n"
+        f"for name in {FORBIDDEN_PREFIXES!r}:\n"
+        "    sys.modules[name] = None\n"
+        "import pytest\n"
+        f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', {NO_MLX_TESTS!r}]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert " passed" in out.stdout and "error" not in out.stdout.splitlines()[-1]
