@@ -55,6 +55,7 @@ FAMILY_CASES = {
     "idefics3": FamilyCase(_tiny("idefics3", seed=4)),
     "smolvlm": FamilyCase(_tiny("smolvlm", seed=4)),
     "mistral3": FamilyCase(_tiny("mistral3", seed=5)),
+    "llava": FamilyCase(_tiny("llava")),
     "gemma3": FamilyCase(_tiny("gemma3"), drafting=False),
     "qwen3_5": FamilyCase(_tiny("qwen3_5"), ("image", "video"), drafting=False),
 }
@@ -167,7 +168,8 @@ def test_family_batches_exactly(family, schedule):
         wanted = 2 if engine._runner.capabilities.trimmable else 1
         assert stats.prefix_cache["hits"] >= wanted, "the shared image + prompt (prefix) was not reused"
     if schedule.startswith("kv-budget"):
-        preempted = {e["request_id"] for e in log.of_kind("transition") if e["to"] == "queued" and e["from"] != "queued"}
+        preempted = {e["request_id"] for e in log.of_kind("transition")
+                     if e["to"] == "queued" and e["from"] != "queued"}
         assert preempted & image_ids, f"no image request was preempted (preempted: {sorted(preempted)})"
         # a preempted image request is encoded again: from the vision cache (a hit), or with no cache by the
         # encoders (a miss); every encoding is in an outcome event
