@@ -55,6 +55,7 @@ FAMILY_CASES = {
     "idefics3": FamilyCase(_tiny("idefics3", seed=4)),
     "smolvlm": FamilyCase(_tiny("smolvlm", seed=4)),
     "mistral3": FamilyCase(_tiny("mistral3", seed=5)),
+    "pixtral": FamilyCase(_tiny("pixtral")),
     "llava": FamilyCase(_tiny("llava")),
     "gemma3": FamilyCase(_tiny("gemma3"), drafting=False),
     "qwen3_5": FamilyCase(_tiny("qwen3_5"), ("image", "video"), drafting=False),

@@ -121,15 +121,15 @@ def test_max_images_per_request(vlm):
         solo(vlm, user("two", 2), images[:2])]
 
 
-def _tiny_pixtral():
-    from mlx_vlm.models import pixtral
+def _tiny_paligemma():
+    from mlx_vlm.models import paligemma
 
-    text = pixtral.TextConfig(hidden_size=64, head_dim=16, num_hidden_layers=1, intermediate_size=128,
-                              num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
-    vision = pixtral.VisionConfig(num_hidden_layers=1, hidden_size=32, head_dim=16, intermediate_size=64,
-                                  num_attention_heads=2, image_size=56)
-    return pixtral.Model(pixtral.ModelConfig(text_config=text, vision_config=vision, image_token_index=5,
-                                             vocab_size=512))
+    text = paligemma.TextConfig(hidden_size=64, num_hidden_layers=1, intermediate_size=128, num_attention_heads=2,
+                                num_key_value_heads=1, head_dim=32, vocab_size=512)
+    vision = paligemma.VisionConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                                    num_attention_heads=2, image_size=28, patch_size=14)
+    return paligemma.Model(paligemma.ModelConfig(text_config=text, vision_config=vision, vocab_size=512,
+                                                 hidden_size=64, image_token_index=5))
 
 
 def _tiny_mllama():
@@ -144,13 +144,13 @@ def _tiny_mllama():
 
 
 def test_families_that_do_not_batch_are_refused_at_load(tiny_vlm_dir):
-    """Real mlx-vlm models: an unlisted family (a standalone pixtral: no exactness test here) and declared refusals (mllama:
+    """Real mlx-vlm models: an unlisted family (paligemma: no exactness test here) and declared refusals (mllama:
     cross-attention to per-request vision states; llava_next, loaded by mlx_vlm.load: an embedded prompt longer
     than its tokens) raise UnsupportedFamily (a TypeError) with the reason."""
     import mlx_vlm
 
-    with pytest.raises(UnsupportedFamily, match="no VLM family spec for model_type 'pixtral'"):
-        Engine(_tiny_pixtral(), None)
+    with pytest.raises(UnsupportedFamily, match="no VLM family spec for model_type 'paligemma'"):
+        Engine(_tiny_paligemma(), None)
     with pytest.raises(UnsupportedFamily, match="'mllama' cannot be batched: its language model cross-attends"):
         Engine(_tiny_mllama(), None)
     with pytest.raises(UnsupportedFamily, match="'llava_next' cannot be batched: .* longer than its token ids"):
