@@ -15,6 +15,7 @@ The family table is the data a new family needs: its builder and the media its p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -275,3 +276,37 @@ def test_model_instance_position_state_is_neither_read_nor_written(family):
     finally:
         lm._position_ids, lm._rope_deltas = saved
     assert list(run.tokens.values()) == references[:4]
+
+
+TESTED_ELSEWHERE = {"gemma4": "tests/test_audio.py"}
+
+
+def _readme_vlm_table() -> dict[str, list[str]]:
+    """model type -> the other cells of its row in README's vision-language family table."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    start = readme.index("<!-- vlm-families-table:begin")
+    body = readme[readme.index("\n", start) + 1: readme.index("<!-- vlm-families-table:end -->")]
+    rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in body.strip().splitlines()[2:]]
+    return {cells[0]: cells[1:] for cells in rows}
+
+
+def test_readme_family_table_agrees_with_the_family_specs():
+    """README's table is written by hand: one row per FAMILIES entry and no other, refused rows say so, and the
+    others show the declared positions and media, the drafting this file finds, and "exact" because a test here
+    (or the one named in TESTED_ELSEWHERE) runs them."""
+    from scheduler.models.families import FAMILIES, Positions
+
+    table = _readme_vlm_table()
+    assert sorted(table) == sorted(FAMILIES)
+    batched = {name for name, spec in FAMILIES.items() if not spec.refused}
+    assert batched == set(FAMILY_CASES) | set(TESTED_ELSEWHERE), "a batched family with no exactness test"
+    for name, spec in FAMILIES.items():
+        positions, media, _caches, drafting, status = table[name]
+        if spec.refused:
+            assert status.startswith("refused at load"), (name, status)
+            continue
+        assert status.startswith("exact"), (name, status)
+        assert positions.split(" (")[0] == {Positions.ROPE: "RoPE", Positions.MROPE: "M-RoPE"}[spec.positions], name
+        assert set(media.split(" (")[0].split(", ")) == set(spec.media), (name, media)
+        if name in FAMILY_CASES:
+            assert drafting.startswith("yes") == FAMILY_CASES[name].drafting, (name, drafting)
