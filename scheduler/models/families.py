@@ -68,7 +68,8 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
     FamilySpec("pixtral", notes="mistral3's tower and language model without its patch merger"),
     FamilySpec("llava", notes="CLIP tower, every image resized and cropped to one size"),
     FamilySpec("gemma4", media=frozenset({"audio"}), sequence_inputs=("per_layer_inputs",),
-               notes="audio only: images need gemma4's image position ids, not yet declared"),
+               notes="audio only: images not attempted (checkpoints with use_bidirectional_attention "
+               "'vision' attend bidirectionally inside each image's tokens; the batched prefill is causal)"),
     FamilySpec("llava_next", refused="mlx-vlm's merge inserts one feature block per image view instead of filling "
                "the expanded <image> tokens, so the embedded prompt is longer than its token ids and its length is "
                "known only after the vision tower; the scheduler plans prefill, caches and positions on token "
