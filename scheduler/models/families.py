@@ -5,8 +5,9 @@ model interface (``Model.get_input_embeddings`` and the language model's ``input
 between families is declared here, and nothing else:
 
 ``positions``      how the language model places tokens: ``ROPE`` (plain 1-D RoPE from each cache row's offset:
-                   gemma3, idefics3, smolvlm, mistral3, gemma4) or ``MROPE`` (Qwen2/2.5/3-VL, Qwen3.5: 3-D
-                   positions from the image / video grids, a per-request rope delta; see ``positions.py``).
+                   gemma3, idefics3, smolvlm, mistral3, pixtral, llava, gemma4) or ``MROPE`` (Qwen2/2.5/3-VL,
+                   Qwen3.5: 3-D positions from the image / video grids, a per-request rope delta; see
+                   ``positions.py``).
 ``media``          the media kinds the family's processor and embedding merge take.
 ``placeholder``    the processor attribute naming the text a prompt holds once per image (``image_token`` for
                    most; gemma3's prompt holds its ``boi_token``, which the processor expands).
@@ -64,8 +65,11 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
     FamilySpec("idefics3"),
     FamilySpec("smolvlm", notes="idefics3's model with SmolVLMProcessor (video frames become images there)"),
     FamilySpec("mistral3"),
+    FamilySpec("pixtral", notes="mistral3's tower and language model without its patch merger"),
+    FamilySpec("llava", notes="CLIP tower, every image resized and cropped to one size"),
     FamilySpec("gemma4", media=frozenset({"audio"}), sequence_inputs=("per_layer_inputs",),
-               notes="audio only: images need gemma4's image position ids, not yet declared"),
+               notes="audio only: images not attempted (checkpoints with use_bidirectional_attention "
+               "'vision' attend bidirectionally inside each image's tokens; the batched prefill is causal)"),
     FamilySpec("llava_next", refused="mlx-vlm's merge inserts one feature block per image view instead of filling "
                "the expanded <image> tokens, so the embedded prompt is longer than its token ids and its length is "
                "known only after the vision tower; the scheduler plans prefill, caches and positions on token "

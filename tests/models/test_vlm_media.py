@@ -121,16 +121,15 @@ def test_max_images_per_request(vlm):
         solo(vlm, user("two", 2), images[:2])]
 
 
-def _tiny_llava():
-    from mlx_vlm.models import llava
+def _tiny_paligemma():
+    from mlx_vlm.models import paligemma
 
-    text = llava.TextConfig.from_dict(dict(model_type="llama", hidden_size=64, num_hidden_layers=1,
-                                           intermediate_size=128, num_attention_heads=2, num_key_value_heads=2,
-                                           vocab_size=512, rms_norm_eps=1e-6, rope_theta=10000.0))
-    vision = llava.VisionConfig.from_dict(dict(model_type="clip_vision_model", num_hidden_layers=1, hidden_size=32,
-                                               intermediate_size=64, num_attention_heads=2, image_size=28,
-                                               patch_size=14))
-    return llava.Model(llava.ModelConfig(text_config=text, vision_config=vision, model_type="llava"))
+    text = paligemma.TextConfig(hidden_size=64, num_hidden_layers=1, intermediate_size=128, num_attention_heads=2,
+                                num_key_value_heads=1, head_dim=32, vocab_size=512)
+    vision = paligemma.VisionConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                                    num_attention_heads=2, image_size=28, patch_size=14)
+    return paligemma.Model(paligemma.ModelConfig(text_config=text, vision_config=vision, vocab_size=512,
+                                                 hidden_size=64, image_token_index=5))
 
 
 def _tiny_mllama():
@@ -145,13 +144,13 @@ def _tiny_mllama():
 
 
 def test_families_that_do_not_batch_are_refused_at_load(tiny_vlm_dir):
-    """Real mlx-vlm models: an unlisted family (llava: no exactness test here) and declared refusals (mllama:
+    """Real mlx-vlm models: an unlisted family (paligemma: no exactness test here) and declared refusals (mllama:
     cross-attention to per-request vision states; llava_next, loaded by mlx_vlm.load: an embedded prompt longer
     than its tokens) raise UnsupportedFamily (a TypeError) with the reason."""
     import mlx_vlm
 
-    with pytest.raises(UnsupportedFamily, match="no VLM family spec for model_type 'llava'"):
-        Engine(_tiny_llava(), None)
+    with pytest.raises(UnsupportedFamily, match="no VLM family spec for model_type 'paligemma'"):
+        Engine(_tiny_paligemma(), None)
     with pytest.raises(UnsupportedFamily, match="'mllama' cannot be batched: its language model cross-attends"):
         Engine(_tiny_mllama(), None)
     with pytest.raises(UnsupportedFamily, match="'llava_next' cannot be batched: .* longer than its token ids"):
