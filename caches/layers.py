@@ -678,5 +678,79 @@ def rollback_rows(batch_cache_layers: Sequence[Any], drop: Sequence[int] | mx.ar
     return new_len.tolist()
 
 
+
+# ---- undoing a verify forward where rows cannot roll back ------------------------------------------------------
+# Recurrent state and rotating windows cannot drop their last positions in place (`rollback_rows`): a verify
+# forward over [input, d_1..d_w] is undone by putting the layer back as it was before that forward (these
+# snapshots) and feeding the accepted positions again (`MLXExecutor`).
+
+
+@dataclass(frozen=True)
+class _HeldLayer:
+    layer: Any
+    fields: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class BatchSnapshot:
+    """A batch cache's layers as they were before a verify forward: the fields of every layer that cannot roll
+    back in place, their arrays held as views (a forward's in-place update of a held buffer then writes a new
+    one, so the view keeps what was there), and None for plain KV layers, which are trimmed back instead
+    (`rollback_rows`, no copy)."""
+
+    layers: tuple[_HeldLayer | None, ...]
+
+
+def _hold(value: Any) -> Any:
+    if isinstance(value, mx.array):
+        return value[...]  # a new array over the same buffer: no copy now, and immune to in-place updates
+    if isinstance(value, (list, tuple)):
+        return type(value)(_hold(v) for v in value)
+    if hasattr(value, "update_and_fetch"):  # a layer inside a CacheList
+        return _hold_layer(value)
+    return value
+
+
+def _hold_layer(layer: Any) -> _HeldLayer:
+    return _HeldLayer(layer, {name: _hold(v) for name, v in vars(layer).items()})
+
+
+def _put_back(value: Any) -> Any:
+    if isinstance(value, _HeldLayer):
+        vars(value.layer).clear()
+        vars(value.layer).update({name: _put_back(v) for name, v in value.fields.items()})
+        return value.layer
+    if isinstance(value, (list, tuple)):
+        return type(value)(_put_back(v) for v in value)
+    return value
+
+
+def snapshot_batch(batch_cache_layers: Sequence[Any]) -> BatchSnapshot:
+    """Before a verify forward of several positions. A batch rotating window that has wrapped is first put in
+    temporal order (the same window, laid out from its oldest position): the batch mask mlx-lm (and mlx-vlm)
+    build for a multi-position forward reads the write index as the window's length, which it is only in that
+    order; from a wrapped layout the padding mask is off by the ring index (a batch of one has no padding,
+    so only batches show it)."""
+    for layer in batch_cache_layers:
+        if isinstance(layer, RotatingKV.batch_classes) and layer.rotated:
+            layer._temporal_order()
+    return BatchSnapshot(tuple(None if isinstance(layer, _PLAIN_BATCH_KV) else _hold_layer(layer)
+                               for layer in batch_cache_layers))
+
+
+def restore_batch(batch_cache_layers: Sequence[Any], snapshot: BatchSnapshot, positions: int) -> None:
+    """Every layer back to its `snapshot`, taken before a forward that fed `positions` tokens to every row:
+    held layers get their fields back, plain KV layers drop those positions (every row the same number)."""
+    layers = list(batch_cache_layers)
+    if len(layers) != len(snapshot.layers):
+        raise ValueError(f"the snapshot has {len(snapshot.layers)} layers, the batch {len(layers)}")
+    plain = [layer for layer, held in zip(layers, snapshot.layers) if held is None]
+    if plain:
+        rows = len(np.asarray(plain[0].offset.tolist()).reshape(-1))
+        rollback_rows(plain, [positions] * rows)
+    for held in snapshot.layers:
+        if held is not None:
+            _put_back(held)
+
 # The capabilities of each cache class by name (the family table declares kinds by name).
 KIND_CAPABILITIES: dict[str, LayerCapabilities] = {kind.caps.kind: kind.caps for kind in _KINDS}

@@ -60,7 +60,7 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
     FamilySpec("qwen3_vl", Positions.MROPE, _QWEN_MEDIA, media_mask_input="visual_pos_masks",
                media_row_inputs=("deepstack_visual_embeds",)),
     FamilySpec("qwen3_5", Positions.MROPE, _QWEN_MEDIA,
-               notes="hybrid: gated-delta (recurrent) layers next to full attention; no drafting (no rollback)"),
+               notes="hybrid: gated-delta (recurrent) layers next to full attention"),
     FamilySpec("gemma3", placeholder="boi_token"),
     FamilySpec("idefics3"),
     FamilySpec("smolvlm", notes="idefics3's model with SmolVLMProcessor (video frames become images there)"),

@@ -36,7 +36,7 @@ MAX_TOKENS = 16
 class FamilyCase:
     build: Callable  # (out_dir) -> model dir
     media: tuple[str, ...] = ("image",)
-    drafting: bool = True  # False: its caches cannot roll back (sliding windows, recurrent state): refused
+    drafting: bool = True  # False: drafting refused for the family (none today)
 
 
 def _tiny(name: str, seed: int = 0) -> Callable:
@@ -58,8 +58,8 @@ FAMILY_CASES = {
     "mistral3": FamilyCase(_tiny("mistral3", seed=5)),
     "pixtral": FamilyCase(_tiny("pixtral")),
     "llava": FamilyCase(_tiny("llava")),
-    "gemma3": FamilyCase(_tiny("gemma3"), drafting=False),
-    "qwen3_5": FamilyCase(_tiny("qwen3_5"), ("image", "video"), drafting=False),
+    "gemma3": FamilyCase(_tiny("gemma3")),
+    "qwen3_5": FamilyCase(_tiny("qwen3_5"), ("image", "video")),
 }
 
 SCHEDULES = {
