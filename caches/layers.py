@@ -681,7 +681,7 @@ def rollback_rows(batch_cache_layers: Sequence[Any], drop: Sequence[int] | mx.ar
 
 # ---- undoing a verify forward where rows cannot roll back ------------------------------------------------------
 # Recurrent state and rotating windows cannot drop their last positions in place (`rollback_rows`): a verify
-# forward over [input, d_1..d_w] is undone by putting the layer back as it was before that forward (these
+# forward over [input, d_1..d_w] is undone by putting the batch back as it was before that forward (these
 # snapshots) and feeding the accepted positions again (`MLXExecutor`).
 
 
@@ -693,12 +693,13 @@ class _HeldLayer:
 
 @dataclass(frozen=True)
 class BatchSnapshot:
-    """A batch cache's layers as they were before a verify forward: the fields of every layer that cannot roll
-    back in place, their arrays held as views (a forward's in-place update of a held buffer then writes a new
-    one, so the view keeps what was there), and None for plain KV layers, which are trimmed back instead
-    (`rollback_rows`, no copy)."""
+    """A batch cache as it was before a verify forward: every layer object and its fields, arrays held as views
+    (a forward's in-place update of a held buffer then writes a new one, so the view keeps what was there).
+    Every layer, plain KV included, and the objects themselves: a model may replace a layer object of the list
+    during a forward (mlx-vlm's Qwen3.5 runs a multi-position forward over padded rows row by row and merges
+    new batch caches into the list)."""
 
-    layers: tuple[_HeldLayer | None, ...]
+    layers: tuple[_HeldLayer, ...]
 
 
 def _hold(value: Any) -> Any:
@@ -734,23 +735,15 @@ def snapshot_batch(batch_cache_layers: Sequence[Any]) -> BatchSnapshot:
     for layer in batch_cache_layers:
         if isinstance(layer, RotatingKV.batch_classes) and layer.rotated:
             layer._temporal_order()
-    return BatchSnapshot(tuple(None if isinstance(layer, _PLAIN_BATCH_KV) else _hold_layer(layer)
-                               for layer in batch_cache_layers))
+    return BatchSnapshot(tuple(_hold_layer(layer) for layer in batch_cache_layers))
 
 
-def restore_batch(batch_cache_layers: Sequence[Any], snapshot: BatchSnapshot, positions: int) -> None:
-    """Every layer back to its `snapshot`, taken before a forward that fed `positions` tokens to every row:
-    held layers get their fields back, plain KV layers drop those positions (every row the same number)."""
-    layers = list(batch_cache_layers)
-    if len(layers) != len(snapshot.layers):
-        raise ValueError(f"the snapshot has {len(snapshot.layers)} layers, the batch {len(layers)}")
-    plain = [layer for layer, held in zip(layers, snapshot.layers) if held is None]
-    if plain:
-        rows = len(np.asarray(plain[0].offset.tolist()).reshape(-1))
-        rollback_rows(plain, [positions] * rows)
-    for held in snapshot.layers:
-        if held is not None:
-            _put_back(held)
+def restore_batch(batch_cache_layers: list[Any], snapshot: BatchSnapshot) -> None:
+    """The batch (a list, changed in place) back to `snapshot`: its layer objects, with their fields."""
+    if len(batch_cache_layers) != len(snapshot.layers):
+        raise ValueError(f"the snapshot has {len(snapshot.layers)} layers, the batch {len(batch_cache_layers)}")
+    for i, held in enumerate(snapshot.layers):
+        batch_cache_layers[i] = _put_back(held)
 
 # The capabilities of each cache class by name (the family table declares kinds by name).
 KIND_CAPABILITIES: dict[str, LayerCapabilities] = {kind.caps.kind: kind.caps for kind in _KINDS}

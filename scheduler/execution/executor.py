@@ -615,7 +615,7 @@ class MLXExecutor:
             rollback_rows(self.kv.batch, drop)
         elif accepted[0] < width:
             snapshot, verify_inputs = refeed
-            restore_batch(self.kv.batch, snapshot, width + 1)
+            restore_batch(self.kv.batch, snapshot)
             self.runner.verify(self.kv.batch, verify_inputs[:, : accepted[0] + 1], self._rope_deltas)
             result.computed_tokens += len(self._rows) * (accepted[0] + 1)
         self._on_event("kv_rollback", rows=[[row.request.request_id, n] for row, n in zip(self._rows, drop)])
