@@ -1,5 +1,6 @@
-"""Audio inputs on a tiny Gemma 4 built offline (`build_model("audio")`): it loads and generates through
-mlx_vlm with an audio clip; the VLMAdapter, solo and batched with text requests (sliding-window caches
+"""Audio inputs on the tiny audio families built offline, each test once per family: Gemma 4
+(`build_model("audio")`, a Conformer audio tower) and Gemma 4 unified (`build_model("audio-unified")`, the same
+language model with an encoder-free audio path). Each loads and generates through mlx_vlm with an audio clip; the VLMAdapter, solo and batched with text requests (sliding-window caches
 wrapping), gives exactly the tokens of mlx_vlm.stream_generate run alone; a repeated clip hits the encoder
 cache; bad audio fails with MediaError naming the clip."""
 
@@ -24,9 +25,18 @@ CHUNK = 7
 RATE = 16000
 
 
+# build kind -> mlx-vlm model_type
+AUDIO_KINDS = {"audio": "gemma4", "audio-unified": "gemma4_unified"}
+
+
+@pytest.fixture(scope="module", params=list(AUDIO_KINDS))
+def audio_kind(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def audio_model_dir(tmp_path_factory):
-    return build_model("audio", tmp_path_factory.mktemp("tiny-audio"))
+def audio_model_dir(audio_kind, tmp_path_factory):
+    return build_model(audio_kind, tmp_path_factory.mktemp(f"tiny-{audio_kind}"))
 
 
 @pytest.fixture(scope="module")
@@ -124,22 +134,27 @@ def run_batch(adapter, prepared_list, join_at=None):
 # ----------------------------------------------------------------------------------------- the tiny model
 
 
-def test_audio_kind_is_built_but_not_in_the_pinned_kinds():
-    assert "audio" in ALL_KINDS and "audio" not in MODEL_KINDS
+def test_audio_kinds_are_built_but_not_in_the_pinned_kinds():
+    for kind in AUDIO_KINDS:
+        assert kind in ALL_KINDS and kind not in MODEL_KINDS
 
 
-def test_audio_build_is_deterministic(tmp_path, audio_model_dir):
-    again = build_model("audio", tmp_path / "again")
+def test_audio_build_is_deterministic(tmp_path, audio_kind, audio_model_dir):
+    again = build_model(audio_kind, tmp_path / "again")
     for name in ("model.safetensors", "tokenizer.json", "config.json", "processor_config.json"):
         assert (again / name).read_bytes() == (audio_model_dir / name).read_bytes(), name
 
 
-def test_mlx_vlm_generate_with_audio(gemma, tmp_path):
+def test_mlx_vlm_generate_with_audio(gemma, audio_kind, tmp_path):
     import mlx_vlm
     from mlx_vlm.prompt_utils import apply_chat_template
 
+    from scheduler.models.families import family_for
+
     model, processor = gemma
-    assert type(model).__module__.endswith("gemma4.gemma4") and model.audio_tower is not None
+    family = AUDIO_KINDS[audio_kind]
+    assert type(model).__module__.endswith(f"{family}.{family}") and model.config.model_type == family
+    assert getattr(model, family_for(family).audio_encoder) is not None
     assert processor.feature_extractor.sampling_rate == RATE
     prompt = apply_chat_template(processor, model.config, "What is in this clip?", num_audios=1)
     outs = []
@@ -257,7 +272,7 @@ def test_repeated_clip_hits_the_cache(gemma, clips, mixed):
     assert other.media_key != first.media_key and adapter.encode(other).vision_cache_hit is False
 
 
-def test_adapter_for_picks_gemma4(gemma):
+def test_adapter_for_picks_the_audio_family(gemma):
     assert isinstance(adapter_for(*gemma), VLMAdapter)
     assert adapter_for(*gemma).eos_token_ids == frozenset({1, 4})
 
@@ -355,8 +370,8 @@ def test_engine_repeated_clip_hits_the_cache_and_bad_audio_fails_alone(gemma, mi
     assert second.finish["missing"] is FinishReason.ERROR and "unreadable audio: audio 0:" in second.errors["missing"]
 
 
-def test_drafting_and_max_kv_size_are_refused_for_gemma4(gemma):
-    """Gemma 4 builds its own sliding-window caches: they cannot be rolled back after draft verification, and
+def test_drafting_and_max_kv_size_are_refused(gemma):
+    """Gemma 4 (and Gemma 4 unified, its language model) builds its own sliding-window caches: they cannot be rolled back after draft verification, and
     max_kv_size would be ignored by them; both are refused at construction with the reason."""
     from scheduler import Engine, EngineConfig
     from scheduler.families import UnsupportedFeature
