@@ -81,6 +81,10 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
                "projected into the embedding space); images not attempted, as for gemma4 (its vision patches are "
                "embedded the same way, and use_bidirectional_attention 'vision' attends bidirectionally inside "
                "each image's tokens)"),
+    FamilySpec("gemma3n", media=frozenset({"audio"}), refused="mlx-vlm's get_input_embeddings embeds a prompt's text "
+               "tokens without the sqrt(hidden_size) scale its language model applies to the token ids it is fed, so "
+               "a token the scheduler feeds as an id (the last prompt token as the first decode input, a preempted "
+               "request's recomputed outputs) is not embedded as mlx_vlm.generate embeds it, and the outputs differ"),
     FamilySpec("llava_next", refused="mlx-vlm's merge inserts one feature block per image view instead of filling "
                "the expanded <image> tokens, so the embedded prompt is longer than its token ids and its length is "
                "known only after the vision tower; the scheduler plans prefill, caches and positions on token "

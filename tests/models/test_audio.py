@@ -19,6 +19,7 @@ from scheduler.execution import library  # noqa: E402
 from scheduler.models.media import load_audio  # noqa: E402
 from scheduler.fixtures.tiny_models import ALL_KINDS, MODEL_KINDS, build_model  # noqa: E402
 from scheduler.models.adapter import MediaError, VLMAdapter, adapter_for  # noqa: E402
+from scheduler.models.families import UnsupportedFamily  # noqa: E402
 
 MAX_TOKENS = 12
 CHUNK = 7
@@ -407,3 +408,50 @@ def test_engine_kv_budget_preempts_audio_requests_and_stays_exact(gemma, mixed, 
     audio_ids = {rid for rid, a in zip(run.tokens, audio) if a}
     preempted = {e["request_id"] for e in log.of_kind("transition") if e["to"] == "queued" and e["from"] != "queued"}
     assert preempted & audio_ids, f"no audio request was preempted ({sorted(preempted)})"
+
+
+# ------------------------------------------------------------------------------ gemma3n: refused at load
+
+
+def _tiny_gemma3n():
+    """A tiny Gemma 3n (text and audio tower tiny; mlx-vlm's MobileNetV5 vision tower has a fixed 294M-parameter
+    shape and stays lazy: nothing here evaluates it). Token ids: 0..511 text, 512..519 vision, 520..527 audio."""
+    from mlx_vlm.models import gemma3n
+
+    text = gemma3n.TextConfig(model_type="gemma3n_text", hidden_size=64, num_hidden_layers=2,
+                              intermediate_size=[128, 128], num_attention_heads=2, head_dim=32, num_key_value_heads=1,
+                              vocab_size=528, vocab_size_per_layer_input=512, laurel_rank=8,
+                              hidden_size_per_layer_input=16, sliding_window=16, altup_num_inputs=2,
+                              layer_types=["sliding_attention", "full_attention"],
+                              activation_sparsity_pattern=[0.0, 0.0])
+    audio = gemma3n.AudioConfig(input_feat_size=128, hidden_size=32, conf_num_attention_heads=2,
+                                conf_num_hidden_layers=1, sscp_conv_channel_size=(8, 4), vocab_size=8, vocab_offset=520)
+    vision = gemma3n.VisionConfig(vocab_size=8, vocab_offset=512)
+    mx.random.seed(0)
+    return gemma3n.Model(gemma3n.ModelConfig(text_config=text, vision_config=vision, audio_config=audio,
+                                             model_type="gemma3n", hidden_size=64, vocab_size=528,
+                                             audio_token_id=521, image_token_id=513, audio_soft_tokens_per_image=16))
+
+
+def test_gemma3n_is_refused_at_load_with_the_reason():
+    """mlx-vlm 0.7.10's Gemma 3n embeds prompt text through get_input_embeddings without the sqrt(hidden) scale its
+    language model applies to token ids (gemma3n.py:122 vs language.py:479). mlx_vlm.generate feeds the last prompt
+    token as that embedding; the scheduler feeds it as an id (the first decode step), so the next-token logits
+    differ: refused at load. If mlx-vlm makes the two agree, the second half fails and the refusal can go."""
+    from scheduler import Engine
+
+    model = _tiny_gemma3n()
+    with pytest.raises(UnsupportedFamily, match="'gemma3n' cannot be batched: .* sqrt\\(hidden_size\\) scale"):
+        Engine(model, None)
+    ids = mx.array([[2, 40, 41, 42, 43]])
+    prompt = model.get_input_embeddings(ids)
+    lm = model.language_model
+    assert mx.array_equal(prompt.inputs_embeds, lm.model.embed_tokens(ids))  # unscaled
+    by_embedding, by_id = model.make_cache(), model.make_cache()
+    for cache in (by_embedding, by_id):
+        lm(ids[:, :-1], inputs_embeds=prompt.inputs_embeds[:, :-1], cache=cache,
+           per_layer_inputs=prompt.per_layer_inputs[:, :-1])
+    as_generate = lm(ids[:, -1:], inputs_embeds=prompt.inputs_embeds[:, -1:], cache=by_embedding,
+                     per_layer_inputs=prompt.per_layer_inputs[:, -1:]).logits
+    as_decode = lm(ids[:, -1:], cache=by_id).logits
+    assert not mx.allclose(as_generate, as_decode, atol=1e-3)
