@@ -5,8 +5,8 @@ model interface (``Model.get_input_embeddings`` and the language model's ``input
 between families is declared here, and nothing else:
 
 ``positions``      how the language model places tokens: ``ROPE`` (plain 1-D RoPE from each cache row's offset:
-                   gemma3, idefics3, smolvlm, mistral3, pixtral, llava, gemma4, gemma4_unified) or ``MROPE`` (Qwen2/2.5/3-VL,
-                   Qwen3.5: 3-D positions from the image / video grids, a per-request rope delta; see
+                   gemma3, idefics3, smolvlm, mistral3, pixtral, llava, gemma4, gemma4_unified) or ``MROPE``
+                   (Qwen2/2.5/3-VL, Qwen3.5: 3-D positions from the image / video grids, a per-request rope delta; see
                    ``positions.py``).
 ``media``          the media kinds the family's processor and embedding merge take.
 ``placeholder``    the processor attribute naming the text a prompt holds once per image (``image_token`` for

@@ -1,8 +1,9 @@
 """Audio inputs on the tiny audio families built offline, each test once per family: Gemma 4
 (`build_model("audio")`, a Conformer audio tower) and Gemma 4 unified (`build_model("audio-unified")`, the same
-language model with an encoder-free audio path). Each loads and generates through mlx_vlm with an audio clip; the VLMAdapter, solo and batched with text requests (sliding-window caches
-wrapping), gives exactly the tokens of mlx_vlm.stream_generate run alone; a repeated clip hits the encoder
-cache; bad audio fails with MediaError naming the clip."""
+language model with an encoder-free audio path). Each loads and generates through mlx_vlm with an audio clip;
+the VLMAdapter, solo and batched with text requests (sliding-window caches wrapping), gives exactly the
+tokens of mlx_vlm.stream_generate run alone; a repeated clip hits the encoder cache; bad audio fails with
+MediaError naming the clip. Gemma 3n is refused at load (the last test says why)."""
 
 import os
 
