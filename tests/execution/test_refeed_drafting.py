@@ -108,3 +108,17 @@ def test_a_draft_model_that_cannot_roll_back_is_refused(family, text_model):
     with pytest.raises(UnsupportedFeature, match="draft model") as info:
         Engine(target, target_tokenizer, EngineConfig(draft_tokens=2, drafter="draft-model"), draft_model=model)
     assert info.value.model_type == model_type
+
+
+def test_a_draft_model_drafts_for_a_target_that_cannot_roll_back(family, text_model):
+    """The draft model's own cache rolls back per row; the target's verify is undone by a re-feed."""
+    model_type, model, tokenizer, prompts, references = family
+    draft, _ = text_model
+    from scheduler import Engine
+
+    engine = Engine(model, tokenizer, EngineConfig(draft_tokens=4, drafter="draft-model", max_batched_tokens=64,
+                                                   check_invariants=True), draft_model=draft)
+    run = drive(engine, [(i, {"prompt_tokens": p, "sampling": greedy(MAX_TOKENS), "request_id": rid})
+                         for i, (rid, p) in enumerate(prompts.items())])
+    assert not run.errors and run.tokens == references, model_type
+    assert engine.draft_stats()["verify_forwards"] > 0

@@ -279,7 +279,7 @@ def test_model_instance_position_state_is_neither_read_nor_written(family):
     assert list(run.tokens.values()) == references[:4]
 
 
-TESTED_ELSEWHERE = {"gemma4": "tests/models/test_audio.py"}
+TESTED_ELSEWHERE = {"gemma4": "tests/models/test_audio.py", "gemma4_unified": "tests/models/test_audio.py"}
 
 
 def _readme_vlm_table() -> dict[str, list[str]]:
