@@ -192,16 +192,18 @@ def test_sim_executor_tokens_stops_and_errors():
 def test_cost_model_features_follow_the_executor():
     # a completing chunk's last prompt token runs in the decode forward: 8 + 4 - 1 prefill tokens, 2 + 1 rows
     row = tick_features([["a", 0, 8, False], ["b", 4, 8, True]], ["c", "d"], 14)
-    assert row == [1.0, 11.0, 3.0, 2.0, 1.0, 1.0, 0.0, 0.0]
+    assert row == [1.0, 11.0, 3.0, 2.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
     assert len(row) == len(FEATURES)
-    cost = CostModel(*[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0])
+    cost = CostModel(*[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0])
     plan = TickPlan(0, prefill=(PrefillChunk("a", 0, 8, False), PrefillChunk("b", 4, 8, True)), decode=("c", "d"),
                     num_batched_tokens=14, num_seqs=4)
     assert cost.plan_seconds(plan) == pytest.approx(float(np.dot(row, cost.coefficients)))
     # media: 2 images encoded (vision-cache misses); b carries media, so its 3 prefill tokens cost the media term
-    media_row = tick_features([["a", 0, 8, False], ["b", 4, 8, True]], ["c", "d"], 14, 2, lambda rid: rid == "b")
-    assert media_row == [1.0, 11.0, 3.0, 2.0, 1.0, 1.0, 2.0, 3.0]
-    assert cost.plan_seconds(plan, 2, lambda rid: rid == "b") == pytest.approx(
+    # and 30 media tokens in those images; the 3 decode rows attend over 100 tokens of context in all
+    media_row = tick_features([["a", 0, 8, False], ["b", 4, 8, True]], ["c", "d"], 14, 2, lambda rid: rid == "b",
+                              30, 100)
+    assert media_row == [1.0, 11.0, 3.0, 2.0, 1.0, 1.0, 2.0, 3.0, 30.0, 100.0]
+    assert cost.plan_seconds(plan, 2, lambda rid: rid == "b", 30, 100) == pytest.approx(
         float(np.dot(media_row, cost.coefficients)))
 
 
