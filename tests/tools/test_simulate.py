@@ -480,6 +480,7 @@ def _phased_trace(true: CostModel, n_ticks: int, seed: int = 0, media_ids: tuple
                                "measure": {"t": t}})
                 encode.append(rid)
                 chunks.append([rid, 0, len(prompt), True])
+            t += 5e-3 * len(encode)  # the loop took each media arrival in (its preprocessing) before this tick
         live = [rid for rid in prompt_len if produced.get(rid, 0) < 30 and rid not in encode]
         decode = live[:8]
         rows = decode + [c[0] for c in chunks]
@@ -518,6 +519,7 @@ def test_the_phases_fit_apart_so_rare_encoding_ticks_keep_their_cost():
     for name in ("per_image_encoded", "per_vision_token", "per_context_token", "per_decode_forward"):
         assert getattr(fitted, name) * fitted.slowdown == pytest.approx(getattr(true, name), rel=0.25), name
     assert fitted.r2 > 0.95 and fitted.dropped >= 10  # the 3x ticks were left out of the terms
+    assert fitted.per_media_arrival == pytest.approx(5e-3, rel=0.01) and fitted.overhead == pytest.approx(50e-6)
     whole = fit_cost_model([{k: v for k, v in e.items()} if e["event"] != "outcome" else
                             {**e, "measure": {k: e["measure"][k] for k in ("t", "tick_start_t", "tick_s")}}
                             for e in events])
@@ -537,3 +539,18 @@ def test_the_sim_executor_charges_vision_tokens_and_context():
     assert ex.clock == pytest.approx(3e-3 + 15e-6)  # 3 media tokens encoded; rows of 5 + 10 tokens of context
     ex.execute(TickPlan(1, decode=("m", "t"), num_batched_tokens=2, num_seqs=2))
     assert ex.clock == pytest.approx(3e-3 + 15e-6 + 17e-6)  # each row has produced one token since
+
+
+def test_an_arrival_taken_in_while_serving_delays_the_next_tick():
+    """The loop's time to take a media arrival in (fitted on the gaps) is charged when it arrives while other
+    requests are served; an arrival to an idle engine delays nothing (the loop was waiting anyway)."""
+    arrivals = [SimArrival("a", 0.0, [7] * 4, max_tokens=3, output_len=3, num_images=1, media_key="x"),
+                SimArrival("b", 0.0015, [7] * 4, max_tokens=3, output_len=3, num_images=1, media_key="y")]
+    runs = {}
+    for cost in (0.0, 20e-3):
+        result = simulate(arrivals, EngineConfig(max_seqs=4), CostModel(base=1e-3, per_media_arrival=cost))
+        runs[cost] = ({r.request_id: r for r in result.requests}, result.clock)
+    (free, free_clock), (charged, charged_clock) = runs[0.0], runs[20e-3]
+    assert charged["a"].first_token == free["a"].first_token  # a's arrival found the engine idle
+    assert charged_clock == pytest.approx(free_clock + 20e-3)  # b came in while a was served: once, 20 ms
+    assert charged["b"].first_token == pytest.approx(free["b"].first_token + 20e-3)

@@ -61,6 +61,11 @@ class CostModel:
     per_context_token: float = 0.0
     slowdown: float = 1.0
     overhead: float = 0.0
+    # time the loop spends taking in an arrival between two ticks (tokenizing; for a media request, the
+    # processor's image preprocessing), which delays the next tick: fitted on the gaps before the ticks that
+    # drained arrivals. Zero where the arrivals come in on another thread (a server) and the gaps show none.
+    per_arrival: float = 0.0
+    per_media_arrival: float = 0.0
     r2: float | None = None
     mean_rel_error: float | None = None
     typical_rel_error: float | None = None
@@ -89,6 +94,10 @@ class CostModel:
                 + self.per_media_prefill_token * media_prefill_tokens + self.per_vision_token * vision_tokens
                 + self.per_context_token * context_tokens) * self.slowdown + self.overhead
 
+    def arrival_seconds(self, has_media: bool) -> float:
+        """Loop time taken by one arrival that comes in while requests are being served."""
+        return self.per_media_arrival if has_media else self.per_arrival
+
     def plan_seconds(self, plan: TickPlan, images_encoded: int = 0,
                      media: "Callable[[str], bool]" = lambda _rid: False, vision_tokens: int = 0,
                      context_tokens: int = 0) -> float:
@@ -110,6 +119,9 @@ class CostModel:
                  f"{self.per_context_token * 1e9:.3g} ns/context token of a decode row",
                  f"{self.overhead * 1e6:.3g} us between ticks"]
         text = "cost model: (" + " + ".join(parts[:-1]) + f") x {self.slowdown:.3g} + {parts[-1]}"
+        if self.per_arrival or self.per_media_arrival:
+            text += (f"; {self.per_arrival * 1e3:.3g} ms per text arrival, {self.per_media_arrival * 1e3:.3g} ms "
+                     "per media arrival between ticks")
         if self.r2 is not None:
             timed = f", phases timed apart: {'/'.join(self.phases)}" if self.phases else ""
             text += (f"; fit over {self.n_ticks} ticks{timed} ({self.dropped} outliers left out of the terms): "
@@ -266,19 +278,35 @@ def fit_cost_model(trace: "Trace | str | os.PathLike | Iterable[dict]",
     r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else (1.0 if ss_res == 0 else 0.0)
     rel = np.abs(pred - y) / np.maximum(y, 1e-12)
     typical = float(np.median(np.abs(typical_terms - y) / np.maximum(y, 1e-12)))
-    gaps = []
+    overhead, per_arrival, per_media_arrival = _fit_gaps(rec, images, outlier_mads)
+    decode_rows = x[keep, FEATURES.index("per_decode_row")]
+    decode_rows = decode_rows[decode_rows > 0]
+    seen = (tuple(int(v) for v in np.percentile(decode_rows, [10, 90], method="nearest"))
+            if decode_rows.size else None)
+    return CostModel(*[float(c) for c in scaled], slowdown=slowdown, overhead=overhead, per_arrival=per_arrival,
+                     per_media_arrival=per_media_arrival, r2=r2,
+                     mean_rel_error=float(rel.mean()), typical_rel_error=typical, n_ticks=len(y),
+                     dropped=int((~keep).sum()), decode_rows_seen=seen, media_token_ids=media_ids,
+                     phases=tuple(key for key, _ in timed))
+
+
+def _fit_gaps(rec: Any, images: Mapping[str, int], outlier_mads: float | None) -> tuple[float, float, float]:
+    """The time between one busy tick's end and the next one's start: a constant (engine/client time) plus
+    what the arrivals drained at the next tick cost the loop to take in (text, media); robust like the phases."""
+    rows, ys = [], []
     ticks = sorted(rec.trace.outcomes)
     for a, b in zip(ticks, ticks[1:]):
         if b == a + 1:
             ma, mb = rec.trace.outcomes[a]["measure"], rec.trace.outcomes[b]["measure"]
             if "tick_start_t" in mb and "t" in ma:
-                gaps.append(max(0.0, mb["tick_start_t"] - ma["t"]))
-    overhead = float(np.median(gaps)) if gaps else 0.0
-    decode_rows = x[keep, FEATURES.index("per_decode_row")]
-    decode_rows = decode_rows[decode_rows > 0]
-    seen = (tuple(int(v) for v in np.percentile(decode_rows, [10, 90], method="nearest"))
-            if decode_rows.size else None)
-    return CostModel(*[float(c) for c in scaled], slowdown=slowdown, overhead=overhead, r2=r2,
-                     mean_rel_error=float(rel.mean()), typical_rel_error=typical, n_ticks=len(y),
-                     dropped=int((~keep).sum()), decode_rows_seen=seen, media_token_ids=media_ids,
-                     phases=tuple(key for key, _ in timed))
+                arrived = [e["request_id"] for e in rec.trace.arrivals.get(b, ())]
+                media = sum(1 for rid in arrived if images.get(rid, 0) > 0)
+                rows.append([1.0, float(len(arrived) - media), float(media)])
+                ys.append(max(0.0, mb["tick_start_t"] - ma["t"]))
+    if not rows:
+        return 0.0, 0.0, 0.0
+    x, y = np.asarray(rows), np.asarray(ys)
+    cols = [0] + [i for i in (1, 2) if x[:, i].any()]  # a column no gap has would be fitted on nothing
+    coef = np.zeros(3)
+    coef[cols], _kept = _fit_phase(x[:, cols], y, outlier_mads)
+    return float(coef[0]), float(coef[1]), float(coef[2])
