@@ -40,11 +40,14 @@ PHASES = (("vision_s", ("per_image_encoded", "per_vision_token")),
 class CostModel:
     """Seconds per tick = (base + per_prefill_token * prefill tokens + per_decode_row * decode rows
     + per_prefill_chunk * chunks + per_decode_forward * [any decode row] + per_prefill_done * completed
-    prefills) * slowdown + overhead.
+    prefills + per_image_encoded * images encoded + per_vision_token * their media tokens
+    + per_media_prefill_token * prefill tokens of media requests + per_context_token * decode rows' context)
+    * slowdown + overhead (see FEATURES).
 
     `slowdown` scales the terms so that they also account for the time the fit's outlier ticks took (pauses,
     contention; see `fit_cost_model`). `overhead` is the engine/client time between two busy ticks (outside
-    `tick_s`), added to every simulated tick. `r2`, `mean_rel_error` (the model as used, slowdown included),
+    `tick_s`), added to every simulated tick; `per_arrival` / `per_media_arrival` the loop's time to take an
+    arrival in, added when one comes in while requests are served. `r2`, `mean_rel_error` (the model as used, slowdown included),
     `typical_rel_error` (median over ticks of the terms alone: how well the shape fits), `n_ticks` and
     `dropped` describe the fit (None when not fitted).
     """
