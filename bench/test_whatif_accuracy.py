@@ -2,18 +2,26 @@
 simulator, really run that other config on the same timed arrivals, and compare (TTFT mean and p95,
 throughput), for an image+text workload on the tiny VLM and for a text workload.
 
-A measurement over wall-clock timings, so it lives in bench/, not in the test suite: on this 2-core machine
-its errors ranged from a few percent to over 50% with the load and the BLAS (the issue's 15% target is not met
-reliably). Run it with `python -m pytest -s bench/test_whatif_accuracy.py`; it prints each table.
+A measurement over wall-clock timings, so it lives in bench/, not in the test suite: on this 2-core machine,
+shared with other jobs (load average 3.5-16 while it was measured), the 15% target was not met robustly
+(bench/README.md, "Issue 16: what-if accuracy", has every measured error). Run it with
+`python -m pytest -s bench/test_whatif_accuracy.py` (WHATIF_PAIRS=3 pairs per workload; WHATIF_TRACE_DIR=DIR
+keeps the traces); it prints every pair's table and the median errors.
 
-Both real runs happen in this test, one after the other, under the same machine load; greedy sampling makes
-every request produce the same tokens under both configs, so only the schedule differs.
+The two real runs of a pair run side by side, one process each, after a warm-up, each keeping the machine
+as busy until both are done: whatever else loads the machine loads both alike (run one after the other, they
+met loads that changed a run's throughput 2-3x from one run to the next). Greedy sampling makes every request
+produce the same tokens under both configs, so only the schedule differs.
 """
 
 import dataclasses
+import multiprocessing
+import os
 import random
 import time
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from scheduler import Engine, EngineConfig, SamplingParams
@@ -23,19 +31,21 @@ from scheduler.tools.simulate import (arrivals_from_trace, fit_cost_model, load_
 
 METRICS = ("ttft_mean_s", "ttft_p95_s", "throughput_tok_s")
 TOLERANCE = 0.15  # the target; met by the simulation of the recorded config
-# What-if against a second real run: the 15% target is NOT met robustly on a loaded 2-core machine. Measured
-# over repeated runs here (recorded 12 slots/priority, predicted 4 slots/FCFS): text TTFT mean -6%..-8%, p95
-# -6%..-19%, throughput +5%..+11%; image+text TTFT mean +18%..-38%, p95 +14%..-30%, throughput -9%..+20%.
-# This bound catches a broken simulator, not the target; the printed tables give the errors of each run.
+# What-if against a second real run: the 15% target is NOT met robustly here (bench/README.md gives every
+# pair's errors: at load 3.5-7.7 the image+text what-if was within 15% on all three metrics in 3 of 6 pairs,
+# the text one in 2 of 6; at load 12-16 in 1-2 pairs of 12 per workload and BLAS). This bound on the
+# median over the pairs catches a broken simulator, not the target, and itself failed in 8 of 16 workload
+# runs at load 12-16.
 WHAT_IF_TOLERANCE = 0.40
 
 
-def _timed_run(model_dir, config, requests, offsets):
-    """Really run `requests` ((kwargs for add_request), ...) arriving at `offsets` seconds."""
+def _timed_run(model_dir, config, requests, offsets, until=None):
+    """Really run `requests` ((kwargs for add_request), ...) arriving at `offsets` seconds (stopping early once
+    `until()` is true)."""
     engine = Engine.from_pretrained(model_dir, config)
     start = time.perf_counter()
     next_i = 0
-    while next_i < len(requests) or engine.has_pending():
+    while (next_i < len(requests) or engine.has_pending()) and not (until is not None and until()):
         now = time.perf_counter() - start
         while next_i < len(requests) and offsets[next_i] <= now:
             engine.add_request(**requests[next_i], request_id=f"q{next_i}")
@@ -47,10 +57,38 @@ def _timed_run(model_dir, config, requests, offsets):
     engine.close()
 
 
+def _side_by_side_worker(model_dir, config, requests, offsets, ready, done):
+    """One of the two real runs, in its own process: warm up, wait for the other, run timed, then keep the
+    machine as busy as before (the same workload again, untimed) until the other has finished too."""
+    untimed = dataclasses.replace(config, trace_path=None)
+    _timed_run(model_dir, untimed, requests[:8], [0.0] * 8)  # first-use costs stay out of the timed run
+    ready.wait()
+    _timed_run(model_dir, config, requests, offsets)
+    with done.get_lock():
+        done.value += 1
+    while done.value < 2:
+        _timed_run(model_dir, untimed, requests, offsets, until=lambda: done.value >= 2)
+
+
+def _run_side_by_side(model_dir, runs, requests, offsets):
+    """Both real runs at once, one process each: whatever else loads the machine loads both alike (run one
+    after the other, they met different loads here: 2 cores shared with other jobs, each run's throughput
+    varied up to 2-3x between consecutive runs). Each keeps the other company until both are done."""
+    ctx = multiprocessing.get_context("spawn")
+    ready, done = ctx.Barrier(len(runs)), ctx.Value("i", 0)
+    procs = [ctx.Process(target=_side_by_side_worker, args=(model_dir, config, requests, offsets, ready, done))
+             for config in runs]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
 def _errors(model_dir, requests, offsets, config_a, config_b, tmp_path):
     trace_a, trace_b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    _timed_run(model_dir, dataclasses.replace(config_a, trace_path=str(trace_a)), requests, offsets)
-    _timed_run(model_dir, dataclasses.replace(config_b, trace_path=str(trace_b)), requests, offsets)
+    _run_side_by_side(model_dir, [dataclasses.replace(config_a, trace_path=str(trace_a)),
+                                  dataclasses.replace(config_b, trace_path=str(trace_b))], requests, offsets)
     rec = load_recorded(trace_a)
     cost = fit_cost_model(rec)
     per_token = rec.prefix_bytes_per_token
@@ -59,10 +97,26 @@ def _errors(model_dir, requests, offsets, config_a, config_b, tmp_path):
                          kv_bytes_per_token=int(per_token) if per_token else None).summary()
     real = recorded_metrics(trace_b)
     table = {m: (real[m], predicted[m], (predicted[m] - real[m]) / real[m]) for m in METRICS}
-    print("\n| metric | real | predicted | error |\n| --- | ---: | ---: | ---: |")
+    print(f"\n{cost.describe()}\n| metric | real | predicted | error |\n| --- | ---: | ---: | ---: |")
     for m, (r, p, e) in table.items():
         print(f"| {m} | {r:.4g} | {p:.4g} | {e:+.1%} |")
     return table
+
+
+def _paired_errors(model_dir, requests, offsets, tmp_path, pairs=None):
+    """`pairs` recorded/what-if pairs of real runs (WHATIF_PAIRS, default 3); returns each metric's median
+    error over the pairs (printed with every pair's table)."""
+    pairs = int(os.environ.get("WHATIF_PAIRS", "3")) if pairs is None else pairs
+    keep = os.environ.get("WHATIF_TRACE_DIR")  # where to keep the traces (default: the test's tmp_path)
+    tables = []
+    for i in range(pairs):
+        where = Path(keep) / f"{Path(model_dir).name}-{time.strftime('%H%M%S')}-{i}" if keep else tmp_path / f"pair{i}"
+        where.mkdir(parents=True)
+        print(f"\npair {i} (load {open('/proc/loadavg').read().split()[0]}, traces in {where})", end="")
+        tables.append(_errors(model_dir, requests, offsets, RECORDED, WHAT_IF, where))
+    medians = {m: float(np.median([t[m][2] for t in tables])) for m in METRICS}
+    print("\nmedian errors over the pairs:", {m: f"{e:+.1%}" for m, e in medians.items()})
+    return medians
 
 
 def _offsets(n, rate, seed):
@@ -113,8 +167,8 @@ def test_simulating_the_recorded_policy_holds_on_the_demo_image_text_workload(vl
 @pytest.mark.slow
 def test_whatif_holds_for_an_image_text_workload(vlm_model_dir, tmp_path):
     requests = _image_text_requests(40)
-    table = _errors(vlm_model_dir, requests, _offsets(len(requests), 40.0, 1), RECORDED, WHAT_IF, tmp_path)
-    assert all(abs(err) <= WHAT_IF_TOLERANCE for _, _, err in table.values()), table
+    errors = _paired_errors(vlm_model_dir, requests, _offsets(len(requests), 40.0, 1), tmp_path)
+    assert all(abs(err) <= WHAT_IF_TOLERANCE for err in errors.values()), errors
 
 
 @pytest.mark.slow
@@ -122,5 +176,5 @@ def test_whatif_holds_for_a_text_workload(text_model_dir, tmp_path):
     rng = random.Random(7)
     requests = [dict(prompt_tokens=[rng.randrange(7, 200) for _ in range(rng.choice([8, 40, 120, 300]))],
                      priority=i % 3, sampling=SamplingParams(max_tokens=32)) for i in range(48)]
-    table = _errors(text_model_dir, requests, _offsets(len(requests), 60.0, 2), RECORDED, WHAT_IF, tmp_path)
-    assert all(abs(err) <= WHAT_IF_TOLERANCE for _, _, err in table.values()), table
+    errors = _paired_errors(text_model_dir, requests, _offsets(len(requests), 60.0, 2), tmp_path)
+    assert all(abs(err) <= WHAT_IF_TOLERANCE for err in errors.values()), errors

@@ -195,6 +195,9 @@ class Engine:
             # prefix-cache entries are exact checkpoints (a what-if simulation stores them the same way)
             prefix_checkpoints=bool(getattr(family.runner, "prefix_checkpoints", False)),
             plan_records=list(PLAN_RECORD_GROUPS),  # the optional plan-record keys this engine writes
+            # the prompt tokens that stand for media (a what-if's cost model counts them: the vision encoder's
+            # cost grows with them)
+            media_token_ids=sorted(self.vlm.media_token_ids) if self.vlm is not None else [],
         )
 
     def _quantize_rule(self, model: Any) -> Any:
@@ -436,7 +439,7 @@ class Engine:
                                 if result.prefill_fallbacks else {}),
                              **({"drafter_error": result.drafter_error} if result.drafter_error else {}), measure={
                 "t": time.perf_counter(), "tick_start_t": tick_start, "tick_s": time.perf_counter() - tick_start,
-                "prefill_s": result.prefill_time, "decode_s": result.decode_time,
+                "vision_s": result.vision_time, "prefill_s": result.prefill_time, "decode_s": result.decode_time,
             })
         if self.config.check_invariants:
             self.scheduler.check_invariants(plan)

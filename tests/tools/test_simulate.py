@@ -14,6 +14,7 @@ from scheduler.events import read_jsonl
 from scheduler import Engine, EngineConfig, SamplingParams
 from scheduler.tools.simulate import (
     FEATURES,
+    PHASES,
     CostModel,
     SimExecutor,
     apply_overrides,
@@ -192,16 +193,18 @@ def test_sim_executor_tokens_stops_and_errors():
 def test_cost_model_features_follow_the_executor():
     # a completing chunk's last prompt token runs in the decode forward: 8 + 4 - 1 prefill tokens, 2 + 1 rows
     row = tick_features([["a", 0, 8, False], ["b", 4, 8, True]], ["c", "d"], 14)
-    assert row == [1.0, 11.0, 3.0, 2.0, 1.0, 1.0, 0.0, 0.0]
+    assert row == [1.0, 11.0, 3.0, 2.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
     assert len(row) == len(FEATURES)
-    cost = CostModel(*[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0])
+    cost = CostModel(*[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0])
     plan = TickPlan(0, prefill=(PrefillChunk("a", 0, 8, False), PrefillChunk("b", 4, 8, True)), decode=("c", "d"),
                     num_batched_tokens=14, num_seqs=4)
     assert cost.plan_seconds(plan) == pytest.approx(float(np.dot(row, cost.coefficients)))
     # media: 2 images encoded (vision-cache misses); b carries media, so its 3 prefill tokens cost the media term
-    media_row = tick_features([["a", 0, 8, False], ["b", 4, 8, True]], ["c", "d"], 14, 2, lambda rid: rid == "b")
-    assert media_row == [1.0, 11.0, 3.0, 2.0, 1.0, 1.0, 2.0, 3.0]
-    assert cost.plan_seconds(plan, 2, lambda rid: rid == "b") == pytest.approx(
+    # and 30 media tokens in those images; the 3 decode rows attend over 100 tokens of context in all
+    media_row = tick_features([["a", 0, 8, False], ["b", 4, 8, True]], ["c", "d"], 14, 2, lambda rid: rid == "b",
+                              30, 100)
+    assert media_row == [1.0, 11.0, 3.0, 2.0, 1.0, 1.0, 2.0, 3.0, 30.0, 100.0]
+    assert cost.plan_seconds(plan, 2, lambda rid: rid == "b", 30, 100) == pytest.approx(
         float(np.dot(media_row, cost.coefficients)))
 
 
@@ -455,3 +458,99 @@ def test_kv_budget_preempts_in_the_simulation():
     assert tight["finished"] == free["finished"] == 200
     assert tight["output_tokens"] == free["output_tokens"] == sum(a.output_len for a in arrivals)
     assert tight["throughput_tok_s"] < free["throughput_tok_s"]
+
+
+def _phased_trace(true: CostModel, n_ticks: int, seed: int = 0, media_ids: tuple[int, ...] = (5,)) -> list[dict]:
+    """A trace that times each tick's phases (vision_s, prefill_s, decode_s, as the engine records them), with
+    encoding on one tick in 25: images of 4..40 media tokens. Decode rows attend over a growing context;
+    every phase's time follows `true` (+2% noise) and one tick in 30 takes 3x as long (load)."""
+    rng = np.random.default_rng(seed)
+    events = [{"schema": 1, "seq": 0, "tick": 0, "event": "engine_start", "config": {"max_seqs": 8},
+               "media_token_ids": list(media_ids), "measure": {"t": 100.0}}]
+    t, produced, prompt_len = 100.0, {}, {}
+    for tick in range(n_ticks):
+        chunks, encode = [], []
+        if tick % 25 == 3:  # a few images arrive and are encoded and prefilled at once
+            for j in range(int(rng.integers(1, 4))):
+                rid, vt = f"m{tick}-{j}", int(rng.integers(4, 41))
+                prompt = [1] * 6 + [media_ids[0]] * vt + [1] * 6
+                prompt_len[rid] = len(prompt)
+                events.append({"schema": 1, "seq": len(events), "tick": tick, "event": "arrival", "request_id": rid,
+                               "prompt_tokens": prompt, "sampling": {"max_tokens": 8}, "num_images": 1,
+                               "measure": {"t": t}})
+                encode.append(rid)
+                chunks.append([rid, 0, len(prompt), True])
+            t += 5e-3 * len(encode)  # the loop took each media arrival in (its preprocessing) before this tick
+        live = [rid for rid in prompt_len if produced.get(rid, 0) < 30 and rid not in encode]
+        decode = live[:8]
+        rows = decode + [c[0] for c in chunks]
+        context = sum(prompt_len[r] + produced.get(r, 0) for r in rows)
+        vision_tokens = sum(prompt_len[r] - 12 for r in encode)
+        x = tick_features(chunks, decode, sum(c[2] for c in chunks) + len(decode), len(encode),
+                          lambda rid: rid.startswith("m"), vision_tokens, context)
+        spike = 3.0 if tick % 30 == 17 else 1.0
+        phase = {key: float(sum(x[FEATURES.index(f)] * getattr(true, f) for f in names)) * rng.normal(1, 0.02) * spike
+                 for key, names in PHASES}
+        seconds = sum(phase.values()) + true.base * rng.normal(1, 0.02)
+        events.append({"schema": 1, "seq": len(events), "tick": tick, "event": "plan", "admitted": [],
+                       "encode": encode, "prefill": chunks, "decode": decode,
+                       "num_batched_tokens": sum(c[2] for c in chunks) + len(decode), "num_seqs": 8})
+        events.append({"schema": 1, "seq": len(events), "tick": tick, "event": "outcome",
+                       "sampled": {r: 7 for r in rows}, "errors": {},
+                       "encoded": {r: {"rope_delta": 0, "vision_cache_hit": False} for r in encode},
+                       "measure": {"t": t + seconds, "tick_start_t": t, "tick_s": seconds, **phase}})
+        for r in rows:
+            produced[r] = produced.get(r, 0) + 1
+        t += seconds + 50e-6
+    return events
+
+
+def test_the_phases_fit_apart_so_rare_encoding_ticks_keep_their_cost():
+    """Encoding ticks are 1 in 25: one fit over whole ticks leaves them out as outliers (their time lands on
+    every tick through the slowdown); fitted on each phase's own time, the vision terms (per image and per
+    media token), the prefill terms and the context term come back."""
+    true = CostModel(base=0.5e-3, per_prefill_token=30e-6, per_decode_row=200e-6, per_prefill_chunk=400e-6,
+                     per_decode_forward=2e-3, per_prefill_done=300e-6, per_image_encoded=8e-3,
+                     per_media_prefill_token=10e-6, per_vision_token=500e-6, per_context_token=2e-6)
+    events = _phased_trace(true, 500)
+    fitted = fit_cost_model(events)
+    assert fitted.phases == ("vision_s", "prefill_s", "decode_s")
+    assert fitted.media_token_ids == frozenset({5})
+    for name in ("per_image_encoded", "per_vision_token", "per_context_token", "per_decode_forward"):
+        assert getattr(fitted, name) * fitted.slowdown == pytest.approx(getattr(true, name), rel=0.25), name
+    assert fitted.r2 > 0.95 and fitted.dropped >= 10  # the 3x ticks were left out of the terms
+    assert fitted.per_media_arrival == pytest.approx(5e-3, rel=0.01) and fitted.overhead == pytest.approx(50e-6)
+    whole = fit_cost_model([{k: v for k, v in e.items()} if e["event"] != "outcome" else
+                            {**e, "measure": {k: e["measure"][k] for k in ("t", "tick_start_t", "tick_s")}}
+                            for e in events])
+    assert whole.phases == () and whole.r2 < fitted.r2  # the whole-tick fit: the encoding ticks fit worse
+    encoding = [i for i, e in enumerate(e for e in events if e["event"] == "plan") if e["encode"]]
+    assert encoding and len(encoding) < 25
+
+
+def test_the_sim_executor_charges_vision_tokens_and_context():
+    cost = CostModel(per_vision_token=1e-3, per_context_token=1e-6, media_token_ids=frozenset({5}))
+    arrivals = [SimArrival("m", 0.0, [1, 5, 5, 5, 1], max_tokens=4, output_len=4, num_images=1, media_key="k"),
+                SimArrival("t", 0.0, [1] * 10, max_tokens=4, output_len=4)]
+    ex = SimExecutor(cost, arrivals)
+    ex.execute(TickPlan(0, admitted=("m", "t"), encode=("m",), prefill=(PrefillChunk("m", 0, 5, True),
+                                                                        PrefillChunk("t", 0, 10, True)),
+                        num_batched_tokens=15, num_seqs=2))
+    assert ex.clock == pytest.approx(3e-3 + 15e-6)  # 3 media tokens encoded; rows of 5 + 10 tokens of context
+    ex.execute(TickPlan(1, decode=("m", "t"), num_batched_tokens=2, num_seqs=2))
+    assert ex.clock == pytest.approx(3e-3 + 15e-6 + 17e-6)  # each row has produced one token since
+
+
+def test_an_arrival_taken_in_while_serving_delays_the_next_tick():
+    """The loop's time to take a media arrival in (fitted on the gaps) is charged when it arrives while other
+    requests are served; an arrival to an idle engine delays nothing (the loop was waiting anyway)."""
+    arrivals = [SimArrival("a", 0.0, [7] * 4, max_tokens=3, output_len=3, num_images=1, media_key="x"),
+                SimArrival("b", 0.0015, [7] * 4, max_tokens=3, output_len=3, num_images=1, media_key="y")]
+    runs = {}
+    for cost in (0.0, 20e-3):
+        result = simulate(arrivals, EngineConfig(max_seqs=4), CostModel(base=1e-3, per_media_arrival=cost))
+        runs[cost] = ({r.request_id: r for r in result.requests}, result.clock)
+    (free, free_clock), (charged, charged_clock) = runs[0.0], runs[20e-3]
+    assert charged["a"].first_token == free["a"].first_token  # a's arrival found the engine idle
+    assert charged_clock == pytest.approx(free_clock + 20e-3)  # b came in while a was served: once, 20 ms
+    assert charged["b"].first_token == pytest.approx(free["b"].first_token + 20e-3)

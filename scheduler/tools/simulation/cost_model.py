@@ -18,21 +18,36 @@ from scheduler.tools.simulation.recorded import load_recorded
 #: batched decode forward, so "prefill tokens" excludes it and "decode rows" includes it; a completing chunk
 #: also merges that request's cache into the batch cache (`per_prefill_done`).
 #: Vision-language work: `per_image_encoded` is each media item encoded this tick that missed the vision
-#: cache (its encoder forward), `per_media_prefill_token` the extra cost of a prefill token of a media
-#: request (embedding inputs, M-RoPE positions) over a text one.
+#: cache (its encoder forward), `per_vision_token` each media token of those items (the encoder's cost grows
+#: with the image's size: its patches), `per_media_prefill_token` the extra cost of a prefill token of a
+#: media request (embedding inputs, M-RoPE positions) over a text one. `per_context_token`: each token of
+#: context a decode row attends over (its prompt and the tokens it produced), summed over the rows.
 FEATURES = ("base", "per_prefill_token", "per_decode_row", "per_prefill_chunk", "per_decode_forward",
-            "per_prefill_done", "per_image_encoded", "per_media_prefill_token")
+            "per_prefill_done", "per_image_encoded", "per_media_prefill_token", "per_vision_token",
+            "per_context_token")
+
+#: The phases of a tick the engine times (`outcome.measure`), each with the features that cost time in it: a
+#: trace that has a phase's time fits those features on it alone (a phase that is rare, such as encoding,
+#: is not drowned by the many decode-only ticks); the rest of the tick (`tick_s` less the timed phases:
+#: planning, bookkeeping, and any phase the trace does not time) is fitted on `base` and the features of the
+#: untimed phases.
+PHASES = (("vision_s", ("per_image_encoded", "per_vision_token")),
+          ("prefill_s", ("per_prefill_token", "per_prefill_chunk", "per_media_prefill_token")),
+          ("decode_s", ("per_decode_row", "per_decode_forward", "per_prefill_done", "per_context_token")))
 
 
 @dataclass
 class CostModel:
     """Seconds per tick = (base + per_prefill_token * prefill tokens + per_decode_row * decode rows
     + per_prefill_chunk * chunks + per_decode_forward * [any decode row] + per_prefill_done * completed
-    prefills) * slowdown + overhead.
+    prefills + per_image_encoded * images encoded + per_vision_token * their media tokens
+    + per_media_prefill_token * prefill tokens of media requests + per_context_token * decode rows' context)
+    * slowdown + overhead (see FEATURES).
 
     `slowdown` scales the terms so that they also account for the time the fit's outlier ticks took (pauses,
     contention; see `fit_cost_model`). `overhead` is the engine/client time between two busy ticks (outside
-    `tick_s`), added to every simulated tick. `r2`, `mean_rel_error` (the model as used, slowdown included),
+    `tick_s`), added to every simulated tick; `per_arrival` / `per_media_arrival` the loop's time to take an
+    arrival in, added when one comes in while requests are served. `r2`, `mean_rel_error` (the model as used, slowdown included),
     `typical_rel_error` (median over ticks of the terms alone: how well the shape fits), `n_ticks` and
     `dropped` describe the fit (None when not fitted).
     """
@@ -45,8 +60,15 @@ class CostModel:
     per_prefill_done: float = 0.0
     per_image_encoded: float = 0.0
     per_media_prefill_token: float = 0.0
+    per_vision_token: float = 0.0
+    per_context_token: float = 0.0
     slowdown: float = 1.0
     overhead: float = 0.0
+    # time the loop spends taking in an arrival between two ticks (tokenizing; for a media request, the
+    # processor's image preprocessing), which delays the next tick: fitted on the gaps before the ticks that
+    # drained arrivals. Zero where the arrivals come in on another thread (a server) and the gaps show none.
+    per_arrival: float = 0.0
+    per_media_arrival: float = 0.0
     r2: float | None = None
     mean_rel_error: float | None = None
     typical_rel_error: float | None = None
@@ -56,26 +78,38 @@ class CostModel:
     # over; a recording that decoded at one batch size cannot split a decode forward's cost into per-tick
     # and per-row parts, and a what-if at another batch size then extrapolates an arbitrary split
     decode_rows_seen: tuple[int, int] | None = None
+    # the prompt token ids that stand for media (the trace's `engine_start.media_token_ids`): what
+    # `per_vision_token` counts in a prompt
+    media_token_ids: frozenset[int] = frozenset()
+    phases: tuple[str, ...] = ()  # the timed phases the fit used (PHASES' measure keys)
 
     @property
     def coefficients(self) -> tuple[float, ...]:
         return tuple(getattr(self, name) for name in FEATURES)
 
     def tick_seconds(self, prefill_tokens: int, decode_rows: int, num_chunks: int, completed: int = 0,
-                     images_encoded: int = 0, media_prefill_tokens: int = 0) -> float:
+                     images_encoded: int = 0, media_prefill_tokens: int = 0, vision_tokens: int = 0,
+                     context_tokens: int = 0) -> float:
         """Predicted wall time of one tick (including `overhead`)."""
         return (self.base + self.per_prefill_token * prefill_tokens + self.per_decode_row * decode_rows
                 + self.per_prefill_chunk * num_chunks + (self.per_decode_forward if decode_rows else 0.0)
                 + self.per_prefill_done * completed + self.per_image_encoded * images_encoded
-                + self.per_media_prefill_token * media_prefill_tokens) * self.slowdown + self.overhead
+                + self.per_media_prefill_token * media_prefill_tokens + self.per_vision_token * vision_tokens
+                + self.per_context_token * context_tokens) * self.slowdown + self.overhead
+
+    def arrival_seconds(self, has_media: bool) -> float:
+        """Loop time taken by one arrival that comes in while requests are being served."""
+        return self.per_media_arrival if has_media else self.per_arrival
 
     def plan_seconds(self, plan: TickPlan, images_encoded: int = 0,
-                     media: "Callable[[str], bool]" = lambda _rid: False) -> float:
-        """A plan's predicted time; `images_encoded`: media items it encodes that miss the vision cache;
-        `media(request_id)`: whether a request carries media (its prefill tokens cost the media term too)."""
+                     media: "Callable[[str], bool]" = lambda _rid: False, vision_tokens: int = 0,
+                     context_tokens: int = 0) -> float:
+        """A plan's predicted time; `images_encoded`: media items it encodes that miss the vision cache,
+        `vision_tokens` their media tokens; `media(request_id)`: whether a request carries media (its prefill
+        tokens cost the media term too); `context_tokens`: the context its decode rows attend over."""
         row = tick_features([[c.request_id, c.start, c.end, c.completes] for c in plan.prefill], plan.decode,
-                            plan.num_batched_tokens, images_encoded, media)
-        return self.tick_seconds(*row[1:4], row[5], row[6], row[7])
+                            plan.num_batched_tokens, images_encoded, media, vision_tokens, context_tokens)
+        return self.tick_seconds(*row[1:4], *row[5:])
 
     def describe(self) -> str:
         parts = [f"{self.base * 1e3:.3g} ms/tick", f"{self.per_prefill_token * 1e6:.3g} us/prefill token",
@@ -84,10 +118,16 @@ class CostModel:
                  f"{self.per_prefill_done * 1e6:.3g} us/completed prefill",
                  f"{self.per_image_encoded * 1e3:.3g} ms/image encoded",
                  f"{self.per_media_prefill_token * 1e6:.3g} us/media prefill token",
+                 f"{self.per_vision_token * 1e6:.3g} us/vision token encoded",
+                 f"{self.per_context_token * 1e9:.3g} ns/context token of a decode row",
                  f"{self.overhead * 1e6:.3g} us between ticks"]
         text = "cost model: (" + " + ".join(parts[:-1]) + f") x {self.slowdown:.3g} + {parts[-1]}"
+        if self.per_arrival or self.per_media_arrival:
+            text += (f"; {self.per_arrival * 1e3:.3g} ms per text arrival, {self.per_media_arrival * 1e3:.3g} ms "
+                     "per media arrival between ticks")
         if self.r2 is not None:
-            text += (f"; fit over {self.n_ticks} ticks ({self.dropped} outliers left out of the terms): "
+            timed = f", phases timed apart: {'/'.join(self.phases)}" if self.phases else ""
+            text += (f"; fit over {self.n_ticks} ticks{timed} ({self.dropped} outliers left out of the terms): "
                      f"R^2 = {self.r2:.3f}, mean relative error {self.mean_rel_error:.1%}, "
                      f"typical tick (median, terms alone) {self.typical_rel_error:.1%}")
         if self.decode_rows_seen is not None:
@@ -100,21 +140,46 @@ class CostModel:
 
 
 def tick_features(prefill: Sequence[Sequence[Any]], decode: Sequence[str], num_batched_tokens: int,
-                  images_encoded: int = 0, media: "Callable[[str], bool]" = lambda _rid: False) -> list[float]:
+                  images_encoded: int = 0, media: "Callable[[str], bool]" = lambda _rid: False,
+                  vision_tokens: int = 0, context_tokens: int = 0) -> list[float]:
     """Feature row for one recorded plan (`prefill` as `[[id, start, end, completes], ...]`), in FEATURES order.
-    `images_encoded`: media items encoded this tick that missed the vision cache; `media(id)`: whether a
-    request carries media."""
+    `images_encoded`: media items encoded this tick that missed the vision cache, `vision_tokens` their media
+    tokens; `media(id)`: whether a request carries media; `context_tokens`: the context of its decode rows."""
     completing = sum(1 for c in prefill if c[3])
     decode_rows = len(decode) + completing
     media_tokens = sum(c[2] - c[1] - (1 if c[3] else 0) for c in prefill if media(c[0]))
     return [1.0, float(num_batched_tokens - decode_rows), float(decode_rows), float(len(prefill)),
-            1.0 if decode_rows else 0.0, float(completing), float(images_encoded), float(media_tokens)]
+            1.0 if decode_rows else 0.0, float(completing), float(images_encoded), float(media_tokens),
+            float(vision_tokens), float(context_tokens)]
 
 
-def _images_encoded(outcome: Mapping[str, Any], images: Mapping[str, int]) -> int:
-    """Media items a recorded tick encoded that missed the vision cache (`outcome.encoded`)."""
-    return sum(images.get(rid, 1) for rid, info in outcome.get("encoded", {}).items()
-               if not info.get("vision_cache_hit"))
+def _encoded_misses(outcome: Mapping[str, Any], images: Mapping[str, int],
+                    vision_tokens: Mapping[str, int]) -> tuple[int, int]:
+    """Media items a recorded tick encoded that missed the vision cache (`outcome.encoded`), and their media
+    tokens."""
+    missed = [rid for rid, info in outcome.get("encoded", {}).items() if not info.get("vision_cache_hit")]
+    return sum(images.get(rid, 1) for rid in missed), sum(vision_tokens.get(rid, 0) for rid in missed)
+
+
+def _fit_phase(x: np.ndarray, y: np.ndarray, outlier_mads: float | None) -> tuple[np.ndarray, np.ndarray]:
+    """NNLS of y on x, refitted without the ticks that took much longer than the fit says (more than
+    `outlier_mads` median absolute deviations above it: warm-up, GC pauses, another process taking the CPU).
+    One-sided, because such noise only ever adds time. Returns the coefficients and the kept ticks."""
+    coef = nnls(x, y)
+    keep = np.ones(len(y), bool)
+    if outlier_mads is None or len(y) < 2 * x.shape[1] + 2:  # too few ticks to tell an outlier
+        return coef, keep
+    for _ in range(5):  # refit without the outliers of the current fit until the kept set settles
+        resid = y - x @ coef
+        mad = float(np.median(np.abs(resid - np.median(resid))))
+        if mad <= 0:
+            break
+        new_keep = resid - np.median(resid) <= outlier_mads * 1.4826 * mad
+        if new_keep.sum() < x.shape[1] + 1 or np.array_equal(new_keep, keep):
+            break
+        keep = new_keep
+        coef = nnls(x[keep], y[keep])
+    return coef, keep
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -145,64 +210,106 @@ def fit_cost_model(trace: "Trace | str | os.PathLike | Iterable[dict]",
                    outlier_mads: float | None = 3.0) -> CostModel:
     """Least-squares (non-negative) fit of the per-tick cost over a trace's busy ticks.
 
-    x comes from each tick's `plan` (`tick_features`), y is that tick's `outcome.measure.tick_s`. The
-    coefficients are fitted robustly: refits leave out ticks whose residual exceeds `outlier_mads` median
-    absolute deviations (warm-up, GC pauses, another process taking the CPU; None keeps every tick). The
-    terms are then scaled by `slowdown` = recorded busy time / predicted busy time, so the predicted total
-    time of the recorded plans matches the recording (a slowdown from contention is proportional: it carries
-    over to a config with more, cheaper ticks better than a constant per tick would). `overhead` is the
-    median gap between one busy tick's end and the next busy tick's start. R^2 and the mean relative error
-    are those of the model as used over all busy ticks; `typical_rel_error` is the median relative error of
-    the terms alone.
+    x comes from each tick's `plan` (`tick_features`), y is that tick's `outcome.measure.tick_s`. Where the
+    trace times a tick's phases (`PHASES`: vision encoding, prefill, decode), each phase's features are fitted
+    on that phase's time over the ticks that do such work, and `base` (with the features of any phase not
+    timed) on the rest of the tick: encoding and prefill ticks are few next to decode ticks, and one fit over
+    the whole tick would take them for outliers. Each fit is robust: refits leave out ticks that took more
+    than `outlier_mads` median absolute deviations longer than the fit says (warm-up, GC pauses, another
+    process taking the CPU; None keeps every tick). Each phase's terms are then scaled so that its predicted
+    time over the recorded plans matches the recording, and `slowdown` = recorded busy time / predicted busy
+    time applies to all of them (a slowdown from contention is proportional: it carries over to a config with
+    more, cheaper ticks better than a constant per tick would). `overhead` is the median gap between one busy
+    tick's end and the next busy tick's start. R^2 and the mean relative error are those of the model as used
+    over all busy ticks; `typical_rel_error` is the median relative error of the terms before the scaling.
     """
     rec = load_recorded(trace)
     images = {e["request_id"]: int(e.get("num_images", 0)) for e in rec.arrival_events}
+    media_ids = frozenset(int(t) for t in rec.trace.header.get("media_token_ids", ()))
+    prompt_len = {e["request_id"]: len(e["prompt_tokens"]) for e in rec.arrival_events}
+    vision_tokens = {e["request_id"]: sum(1 for t in e["prompt_tokens"] if t in media_ids)
+                     for e in rec.arrival_events if images.get(e["request_id"])}
     media = lambda rid: images.get(rid, 0) > 0  # noqa: E731
-    rows, ys = [], []
+    produced: dict[str, int] = {}
+    rows, ys, measures = [], [], []
     for tick in sorted(rec.trace.outcomes):
         plan = rec.trace.plans.get(tick)
         outcome = rec.trace.outcomes[tick]
         m = outcome.get("measure", {})
-        if plan is None or "tick_s" not in m:
-            continue
-        rows.append(tick_features(plan["prefill"], plan["decode"], plan["num_batched_tokens"],
-                                  _images_encoded(outcome, images), media))
-        ys.append(float(m["tick_s"]))
+        if plan is not None and "tick_s" in m:
+            rows_now = list(plan["decode"]) + [c[0] for c in plan["prefill"] if c[3]]
+            context = sum(prompt_len.get(rid, 0) + produced.get(rid, 0) for rid in rows_now)
+            encoded, encoded_tokens = _encoded_misses(outcome, images, vision_tokens)
+            rows.append(tick_features(plan["prefill"], plan["decode"], plan["num_batched_tokens"], encoded, media,
+                                      encoded_tokens, context))
+            ys.append(float(m["tick_s"]))
+            measures.append(m)
+        for rid in outcome.get("sampled", {}):
+            produced[rid] = produced.get(rid, 0) + 1 + len(outcome.get("accepted_drafts", {}).get(rid, ()))
     if len(rows) < 2:
         raise TraceError("fit_cost_model: the trace has fewer than 2 timed ticks (outcome.measure.tick_s)")
     x, y = np.asarray(rows), np.asarray(ys)
-    coef = nnls(x, y)
+    timed = [(key, [FEATURES.index(f) for f in names]) for key, names in PHASES
+             if all(key in m for m in measures)]
+    in_phases = {i for _key, cols in timed for i in cols}
+    rest_cols = [i for i in range(len(FEATURES)) if i not in in_phases]
+    rest_y = y - sum((np.asarray([float(m[key]) for m in measures]) for key, _ in timed), np.zeros(len(y)))
+    coef, scaled = np.zeros(len(FEATURES)), np.zeros(len(FEATURES))
     keep = np.ones(len(y), bool)
-    if outlier_mads is not None:
-        for _ in range(5):  # refit without the outliers of the current fit until the kept set settles
-            resid = y - x @ coef
-            mad = float(np.median(np.abs(resid - np.median(resid))))
-            if mad <= 0:
-                break
-            new_keep = np.abs(resid) <= outlier_mads * 1.4826 * mad
-            if new_keep.sum() < len(FEATURES) or np.array_equal(new_keep, keep):
-                break
-            keep = new_keep
-            coef = nnls(x[keep], y[keep])
-    terms = x @ coef
-    slowdown = float(y.sum() / terms.sum()) if terms.sum() > 0 else 1.0
-    pred = terms * slowdown
+    typical_terms = np.zeros(len(y))
+    for key, cols in [(None, rest_cols)] + timed:
+        phase_y = rest_y if key is None else np.asarray([float(m[key]) for m in measures])
+        active = np.ones(len(y), bool) if key is None else np.any(x[:, cols] != 0, axis=1)
+        if active.sum() == 0:
+            continue
+        c, kept = _fit_phase(x[active][:, cols], phase_y[active], outlier_mads)
+        coef[cols] = c
+        idx = np.flatnonzero(active)
+        keep[idx[~kept]] = False
+        terms = x[:, cols] @ c
+        typical_terms += terms
+        # the phase's terms account for all its recorded time (the outliers' too); the time of a phase on a
+        # tick that does none of its work (a few microseconds of bookkeeping) is left to the rest
+        total, predicted = float(phase_y[active].sum()), float(terms[active].sum())
+        scaled[cols] = c * (total / predicted if predicted > 0 else 1.0)
+    fitted = float((x @ coef).sum())
+    slowdown = float(y.sum() / fitted) if fitted > 0 else 1.0
+    scaled /= slowdown  # the coefficients stay the fitted terms where one phase is timed (tick_s alone)
+    pred = (x @ scaled) * slowdown
     ss_res = float(np.sum((y - pred) ** 2))
     ss_tot = float(np.sum((y - y.mean()) ** 2))
     r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else (1.0 if ss_res == 0 else 0.0)
     rel = np.abs(pred - y) / np.maximum(y, 1e-12)
-    typical = float(np.median(np.abs(terms - y) / np.maximum(y, 1e-12)))
-    gaps = []
+    typical = float(np.median(np.abs(typical_terms - y) / np.maximum(y, 1e-12)))
+    overhead, per_arrival, per_media_arrival = _fit_gaps(rec, images, outlier_mads)
+    decode_rows = x[keep, FEATURES.index("per_decode_row")]
+    decode_rows = decode_rows[decode_rows > 0]
+    seen = (tuple(int(v) for v in np.percentile(decode_rows, [10, 90], method="nearest"))
+            if decode_rows.size else None)
+    return CostModel(*[float(c) for c in scaled], slowdown=slowdown, overhead=overhead, per_arrival=per_arrival,
+                     per_media_arrival=per_media_arrival, r2=r2,
+                     mean_rel_error=float(rel.mean()), typical_rel_error=typical, n_ticks=len(y),
+                     dropped=int((~keep).sum()), decode_rows_seen=seen, media_token_ids=media_ids,
+                     phases=tuple(key for key, _ in timed))
+
+
+def _fit_gaps(rec: Any, images: Mapping[str, int], outlier_mads: float | None) -> tuple[float, float, float]:
+    """The time between one busy tick's end and the next one's start: a constant (engine/client time) plus
+    what the arrivals drained at the next tick cost the loop to take in (text, media); robust like the phases."""
+    rows, ys = [], []
     ticks = sorted(rec.trace.outcomes)
     for a, b in zip(ticks, ticks[1:]):
         if b == a + 1:
             ma, mb = rec.trace.outcomes[a]["measure"], rec.trace.outcomes[b]["measure"]
             if "tick_start_t" in mb and "t" in ma:
-                gaps.append(max(0.0, mb["tick_start_t"] - ma["t"]))
-    overhead = float(np.median(gaps)) if gaps else 0.0
-    rows = x[keep, FEATURES.index("per_decode_row")]
-    rows = rows[rows > 0]
-    seen = tuple(int(v) for v in np.percentile(rows, [10, 90], method="nearest")) if rows.size else None
-    return CostModel(*[float(c) for c in coef], slowdown=slowdown, overhead=overhead, r2=r2,
-                     mean_rel_error=float(rel.mean()), typical_rel_error=typical, n_ticks=len(y),
-                     dropped=int((~keep).sum()), decode_rows_seen=seen)
+                arrived = [e["request_id"] for e in rec.trace.arrivals.get(b, ())]
+                media = sum(1 for rid in arrived if images.get(rid, 0) > 0)
+                rows.append([1.0, float(len(arrived) - media), float(media)])
+                ys.append(max(0.0, mb["tick_start_t"] - ma["t"]))
+    if not rows:
+        return 0.0, 0.0, 0.0
+    x, y = np.asarray(rows), np.asarray(ys)
+    cols = [0] + [i for i in (1, 2) if x[:, i].any()]  # a column no gap has would be fitted on nothing
+    coef = np.zeros(3)
+    coef[cols], _kept = _fit_phase(x[:, cols], y, outlier_mads)
+    return float(coef[0]), float(coef[1]), float(coef[2])

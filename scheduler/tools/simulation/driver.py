@@ -94,7 +94,7 @@ class _Simulation:
     def __init__(self, arrivals: Sequence[SimArrival], config: EngineConfig, cost_model: CostModel,
                  policy: str | Policy | None, stop_token_id: int, kv_layout: Any, kv_bytes_per_token: int | None,
                  prefix_checkpoints: bool = False):
-        self.config, self.kv_layout = config, kv_layout
+        self.config, self.kv_layout, self.cost_model = config, kv_layout, cost_model
         extra = {"kv_layout": kv_layout} if kv_layout is not None else {}
         self.scheduler = Scheduler(config, EventLog(), stop_token_ids=[stop_token_id], policy=policy, **extra)
         if kv_bytes_per_token is None:
@@ -125,6 +125,7 @@ class _Simulation:
 
     def add_arrivals(self, now: float) -> None:
         pending, records, tick, layout = self.pending, self.records, self.ticks, self.kv_layout
+        busy = bool(self.live)  # taking an arrival in delays the next tick only while requests are served
         while self.next_arrival < len(pending) and pending[self.next_arrival].arrival_time <= now:
             a = pending[self.next_arrival]
             self.next_arrival += 1
@@ -140,6 +141,8 @@ class _Simulation:
             self.scheduler.add(Request(request_id=a.request_id, prompt_tokens=a.prompt_tokens, sampling=sampling,
                                        priority=a.priority, arrival_tick=tick, arrival_time=a.arrival_time,
                                        num_images=a.num_images, media_key=a.media_key), tick)
+            if busy:
+                self.executor.clock += self.cost_model.arrival_seconds(a.num_images > 0)
 
     def abort_due(self, now: float) -> None:
         aborts = self.aborts

@@ -46,6 +46,7 @@ class SimExecutor:
         self._error_at: dict[str, int] = {}
         self._prompt_len: dict[str, int] = {}
         self._media: dict[str, tuple[int, str | None]] = {}  # id -> (media items, media key)
+        self._vision_tokens: dict[str, int] = {}  # id -> its prompt's media tokens (what the encoder's cost grows with)
         self._vision_seen: set[str] = set()  # media keys encoded before: a vision-cache hit (unbounded cache)
         for a in arrivals:
             self._stop_at[a.request_id] = a.output_len - 1 if a.output_len < a.max_tokens else -1
@@ -53,21 +54,28 @@ class SimExecutor:
             self._prompt_len[a.request_id] = a.prompt_len
             if a.num_images:
                 self._media[a.request_id] = (a.num_images, a.media_key)
+                self._vision_tokens[a.request_id] = sum(1 for t in a.prompt_tokens
+                                                        if t in cost_model.media_token_ids)
         self._produced: dict[str, int] = {}
 
     def execute(self, plan: TickPlan) -> TickResult:
         for new in plan.new_requests:
             self._prefill_len[new.request_id] = len(new.prompt_tokens) + new.recompute_tokens
         encoded: dict[str, dict] = {}
-        images = 0
+        images = vision_tokens = 0
         for rid in plan.encode:
             count, key = self._media.get(rid, (1, None))
             hit = key is not None and key in self._vision_seen
             if key is not None:
                 self._vision_seen.add(key)
-            images += 0 if hit else count
+            if not hit:
+                images += count
+                vision_tokens += self._vision_tokens.get(rid, 0)
             encoded[rid] = {"rope_delta": 0, "vision_cache_hit": hit}
-        seconds = self.cost_model.plan_seconds(plan, images, self._media.__contains__)
+        # a decode row attends over its prompt and what it produced (as the fit counts it from a trace)
+        context = sum(self._prompt_len[rid] + self._produced.get(rid, 0)
+                      for rid in [*plan.decode, *(c.request_id for c in plan.prefill if c.completes)])
+        seconds = self.cost_model.plan_seconds(plan, images, self._media.__contains__, vision_tokens, context)
         self.clock += seconds
         sampled: dict[str, int] = {}
         errors: dict[str, str] = {}
