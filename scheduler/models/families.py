@@ -16,6 +16,13 @@ between families is declared here, and nothing else:
                    (Qwen3-VL's ``visual_pos_masks``) and per-media-token rows (its ``deepstack_visual_embeds``).
 ``sequence_inputs`` extra (1, L, ...) inputs sliced with the chunk (Gemma 4's ``per_layer_inputs``).
 ``mixed_image_video`` whether one request may carry both images and videos (mlx-vlm's Qwen2/2.5-VL merge one kind).
+``vision_batch`` / ``media_axis``  how the media of several requests go through the encoders in one call
+                   (``VisionBatch``) and the axis of the media tensors that counts images (their other axes
+                   must agree to be concatenated; ``*_grid_thw`` always count on axis 0). ``ONE``: every request
+                   of the tick in one call (the Qwen towers take flattened patches of any number of images with
+                   their ``grid_thw`` and attend within each image); ``EQUAL_SHAPE``: one call per group of
+                   requests whose pixel tensors agree on every other axis (stacked along ``media_axis``);
+                   ``PER_REQUEST``: one call per request (gemma3: see its note; gemma4: audio, not attempted).
 
 A family absent from this table is refused at load with ``UnsupportedFamily`` (a ``TypeError``) naming the
 supported ones: mlx-vlm may load it, but nothing here has shown that it batches exactly. A family declared with
@@ -34,6 +41,12 @@ class Positions(enum.Enum):
     MROPE = "mrope"  # (3, B, L) positions; decode position = tokens in the row's cache + the request's delta
 
 
+class VisionBatch(enum.Enum):
+    ONE = "one"  # all the tick's media in one encoder call
+    EQUAL_SHAPE = "equal_shape"  # one call per group of equal-shape media tensors
+    PER_REQUEST = "per_request"  # one call per request
+
+
 class UnsupportedFamily(TypeError):
     """This mlx-vlm ``model_type`` is not one the generic adapter batches (see ``FAMILIES``)."""
 
@@ -48,26 +61,34 @@ class FamilySpec:
     media_row_inputs: tuple[str, ...] = ()
     sequence_inputs: tuple[str, ...] = ()
     mixed_image_video: bool = False
+    vision_batch: VisionBatch = VisionBatch.EQUAL_SHAPE
+    media_axis: int = 0
     refused: str | None = None  # why mlx-vlm's model cannot be batched here (refused at load)
     notes: str = field(default="", compare=False)
 
 
 _QWEN_MEDIA = frozenset({"image", "video"})
+_ONE = VisionBatch.ONE
+
+# measured (tests/models/test_vision_batch.py): see the gemma3 row of ARCHITECTURE.md's vision batching rule
+GEMMA3_PER_REQUEST = "vision encoded per request: PLACEHOLDER"
 
 FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
-    FamilySpec("qwen2_vl", Positions.MROPE, _QWEN_MEDIA),
-    FamilySpec("qwen2_5_vl", Positions.MROPE, _QWEN_MEDIA),
+    FamilySpec("qwen2_vl", Positions.MROPE, _QWEN_MEDIA, vision_batch=_ONE),
+    FamilySpec("qwen2_5_vl", Positions.MROPE, _QWEN_MEDIA, vision_batch=_ONE),
     FamilySpec("qwen3_vl", Positions.MROPE, _QWEN_MEDIA, media_mask_input="visual_pos_masks",
-               media_row_inputs=("deepstack_visual_embeds",)),
-    FamilySpec("qwen3_5", Positions.MROPE, _QWEN_MEDIA,
+               media_row_inputs=("deepstack_visual_embeds",), vision_batch=_ONE),
+    FamilySpec("qwen3_5", Positions.MROPE, _QWEN_MEDIA, vision_batch=_ONE,
                notes="hybrid: gated-delta (recurrent) layers next to full attention; no drafting (no rollback)"),
-    FamilySpec("gemma3", placeholder="boi_token"),
-    FamilySpec("idefics3"),
-    FamilySpec("smolvlm", notes="idefics3's model with SmolVLMProcessor (video frames become images there)"),
+    FamilySpec("gemma3", placeholder="boi_token", vision_batch=VisionBatch.PER_REQUEST,
+               notes=GEMMA3_PER_REQUEST),
+    FamilySpec("idefics3", media_axis=1),  # pixel_values (1, views, C, H, W)
+    FamilySpec("smolvlm", media_axis=1, notes="idefics3's model with SmolVLMProcessor (video frames become images there)"),
     FamilySpec("mistral3"),
     FamilySpec("pixtral", notes="mistral3's tower and language model without its patch merger"),
     FamilySpec("llava", notes="CLIP tower, every image resized and cropped to one size"),
     FamilySpec("gemma4", media=frozenset({"audio"}), sequence_inputs=("per_layer_inputs",),
+               vision_batch=VisionBatch.PER_REQUEST,
                notes="audio only: images not attempted (checkpoints with use_bidirectional_attention "
                "'vision' attend bidirectionally inside each image's tokens; the batched prefill is causal)"),
     FamilySpec("llava_next", refused="mlx-vlm's merge inserts one feature block per image view instead of filling "
