@@ -1,7 +1,7 @@
 """MLXExecutor: runs a TickPlan on a real model (mlx-lm, or mlx-vlm through a runner).
 
 Per tick: (1) drop rows the scheduler released or preempted, (2) encode the media of requests planned for
-vision work, (3) feed each prefill chunk into that request's own single-request cache (exactly the cache
+vision work, together (vision-cache hits skipped, the misses in as few encoder calls as the family allows), (3) feed each prefill chunk into that request's own single-request cache (exactly the cache
 `mlx_lm.generate` would build), (4) merge the caches of requests whose
 prefill completes into the running batch cache, (5) one batched forward over every decoding row (a
 completing request's row is fed its last prompt token, so its first token is sampled in the same tick), then

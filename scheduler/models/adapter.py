@@ -10,7 +10,8 @@ It splits what ``mlx_vlm.generate`` does in one call into the pieces continuous 
 ``encode``   ``Model.get_input_embeddings`` on the whole prefill sequence (the encoders and the merge, exactly
              as ``mlx_vlm.generate`` calls it), or on a vision-cache hit the text embeddings with the cached
              media rows put back at the media positions; the prompt's positions (``positions.py``) and the
-             extra language-model inputs the family declares.
+             extra language-model inputs the family declares. ``encode_many``: the same for a tick's requests,
+             the cache misses through the encoders in as few calls as ``FamilySpec.vision_batch`` allows.
 ``prefill``  the language model on ``embeddings[start:end]`` with that chunk's positions and extra inputs, into
              the request's own single-request cache (the one ``mlx_vlm.generate`` builds).
 ``decode`` / ``verify``  one batched step (or a draft verification of ``n`` tokens per row) over a left-padded
