@@ -7,7 +7,8 @@ requests go through the encoders in one call where the family allows it.
   tick equals ``mlx_vlm.stream_generate`` run on each alone, and the tick's media went through one call
   (``ONE``) or one call per group of equal-shape tensors (``EQUAL_SHAPE``), counted from the ``vision_encode``
   events;
-* vision-cache hits are not encoded again: only the misses are in the tick's call;
+* vision-cache hits are not encoded again: only the misses are in the tick's call (media repeated within the
+  tick are encoded once);
 * a bad medium in a batched call fails only its own request (the call is redone one request at a time).
 """
 
@@ -175,15 +176,16 @@ def test_vision_cache_hits_are_not_encoded_again(name, tmp_path):
     sampling = SamplingParams(max_tokens=4)
     drive(engine, [(0, {"prompt": m, "images": im, "sampling": sampling}) for m, im in first])
     before = len(log.of_kind("vision_encode"))
-    again = [(user("Once more, what is it?", 1), first[0][1]), (user("And this?", 1), first[1][1]),
-             image_requests()[2]]
+    new = image_requests()[2]
+    again = [(user("Once more, what is it?", 1), first[0][1]), (user("And this?", 1), first[1][1]), new,
+             (user("The same new one, again?", 1), new[1])]  # the last repeats a miss of its own tick
     run = drive(engine, [(0, {"prompt": m, "images": im, "sampling": sampling}) for m, im in again])
     assert not run.errors
     calls = log.of_kind("vision_encode")[before:]
     assert [(c["request_ids"], c["images"]) for c in calls] == [([list(run.tokens)[2]], 1)]
     hits = {r: info["vision_cache_hit"] for o in log.of_kind("outcome") for r, info in o["encoded"].items()
             if r in run.tokens}
-    assert hits == dict(zip(run.tokens, [True, True, False]))
+    assert hits == dict(zip(run.tokens, [True, True, False, True]))
 
 
 def _executor(model, processor, events):
