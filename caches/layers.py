@@ -678,5 +678,72 @@ def rollback_rows(batch_cache_layers: Sequence[Any], drop: Sequence[int] | mx.ar
     return new_len.tolist()
 
 
+
+# ---- undoing a verify forward where rows cannot roll back ------------------------------------------------------
+# Recurrent state and rotating windows cannot drop their last positions in place (`rollback_rows`): a verify
+# forward over [input, d_1..d_w] is undone by putting the batch back as it was before that forward (these
+# snapshots) and feeding the accepted positions again (`MLXExecutor`).
+
+
+@dataclass(frozen=True)
+class _HeldLayer:
+    layer: Any
+    fields: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class BatchSnapshot:
+    """A batch cache as it was before a verify forward: every layer object and its fields, arrays held as views
+    (a forward's in-place update of a held buffer then writes a new one, so the view keeps what was there).
+    Every layer, plain KV included, and the objects themselves: a model may replace a layer object of the list
+    during a forward (mlx-vlm's Qwen3.5 runs a multi-position forward over padded rows row by row and merges
+    new batch caches into the list)."""
+
+    layers: tuple[_HeldLayer, ...]
+
+
+def _hold(value: Any) -> Any:
+    if isinstance(value, mx.array):
+        return value[...]  # a new array over the same buffer: no copy now, and immune to in-place updates
+    if isinstance(value, (list, tuple)):
+        return type(value)(_hold(v) for v in value)
+    if hasattr(value, "update_and_fetch"):  # a layer inside a CacheList
+        return _hold_layer(value)
+    return value
+
+
+def _hold_layer(layer: Any) -> _HeldLayer:
+    return _HeldLayer(layer, {name: _hold(v) for name, v in vars(layer).items()})
+
+
+def _put_back(value: Any) -> Any:
+    if isinstance(value, _HeldLayer):
+        vars(value.layer).clear()
+        vars(value.layer).update({name: _put_back(v) for name, v in value.fields.items()})
+        return value.layer
+    if isinstance(value, (list, tuple)):
+        return type(value)(_put_back(v) for v in value)
+    return value
+
+
+def snapshot_batch(batch_cache_layers: Sequence[Any]) -> BatchSnapshot:
+    """Before a verify forward of several positions. A batch rotating window that has wrapped is first put in
+    temporal order (the same window, laid out from its oldest position): the batch mask mlx-lm (and mlx-vlm)
+    build for a multi-position forward reads the write index as the window's length, which it is only in that
+    order; from a wrapped layout the padding mask is off by the ring index (a batch of one has no padding,
+    so only batches show it)."""
+    for layer in batch_cache_layers:
+        if isinstance(layer, RotatingKV.batch_classes) and layer.rotated:
+            layer._temporal_order()
+    return BatchSnapshot(tuple(_hold_layer(layer) for layer in batch_cache_layers))
+
+
+def restore_batch(batch_cache_layers: list[Any], snapshot: BatchSnapshot) -> None:
+    """The batch (a list, changed in place) back to `snapshot`: its layer objects, with their fields."""
+    if len(batch_cache_layers) != len(snapshot.layers):
+        raise ValueError(f"the snapshot has {len(snapshot.layers)} layers, the batch {len(batch_cache_layers)}")
+    for i, held in enumerate(snapshot.layers):
+        batch_cache_layers[i] = _put_back(held)
+
 # The capabilities of each cache class by name (the family table declares kinds by name).
 KIND_CAPABILITIES: dict[str, LayerCapabilities] = {kind.caps.kind: kind.caps for kind in _KINDS}

@@ -287,7 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("make-model", help="build a tiny seeded model (Hugging Face layout) offline")
-    p.add_argument("kind", choices=["text", "sliding", "text-medium", "vlm", "audio", "text-mtp", "trained"],
+    p.add_argument("kind", choices=["text", "sliding", "text-medium", "vlm", "audio", "audio-unified",
+                                          "text-mtp", "trained"],
                    help="trained: the text shape trained on a generated corpus (about 20 s of CPU with OpenBLAS the "
                         "first time, then cached under ~/.cache/mlxsched or $MLXSCHED_CACHE)")
     p.add_argument("dir")

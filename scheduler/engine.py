@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Iterator, Sequence
 
 import mlx.core as mx
 
-from caches.layers import MaskLayout, QuantizationRefused
+from caches.layers import MaskLayout, QuantizationRefused, capabilities as cache_capabilities
 
 from .execution import library
 from .config import EngineConfig
@@ -224,18 +224,22 @@ class Engine:
             if draft_model is not None:
                 raise ValueError("draft_model given but draft_tokens is 0: set EngineConfig(draft_tokens=k)")
             return None
-        if cfg.max_kv_size is not None:
-            raise ValueError("draft_tokens: speculative decoding needs plain KV caches (no sliding windows, no "
-                             "max_kv_size)")
         if self.vlm is not None and cfg.drafter == "mtp":
             raise UnsupportedFeature(self.vlm.spec.model_type, "drafter='mtp'",
                                      "an MTP head reads a text model's hidden states; no mlx-vlm family here has one")
         runner = self._runner
-        if not runner.capabilities.rollback:  # verification must be undone exactly for rejected drafts
+        if not runner.capabilities.rollback and cfg.drafter == "mtp":
+            raise UnsupportedFeature(runner.family.model_type, "drafter='mtp'",
+                                     "MTP drafting reads the hidden state of the verify forward, which caches that "
+                                     "cannot be rolled back in place undo and feed again: not built for them")
+        if not runner.capabilities.rollback and cfg.draft_tokens < 2:
+            # rejected drafts are undone by restoring the cache and feeding the accepted ones again, so a row
+            # verifies draft_tokens // 2 drafts (MLXExecutor._refeed_grants): none at 1
             kinds = [c.kind for c in runner.capabilities.layers if not c.rollback]
             raise UnsupportedFeature(runner.family.model_type, "draft_tokens",
-                                     f"its {sorted(set(kinds))} layers cannot be rolled back after verification "
-                                     "(sliding windows overwrite, recurrent state cannot be rewound)")
+                                     f"its {sorted(set(kinds))} layers cannot be rolled back in place, so a "
+                                     "verify is undone by feeding the accepted tokens again and drafts "
+                                     "draft_tokens // 2 tokens: set draft_tokens >= 2")
         from .execution.drafters import DraftModelDrafter, PromptLookupDrafter
 
         if cfg.drafter == "mtp":
@@ -253,6 +257,11 @@ class Engine:
         if cfg.drafter == "draft-model":
             if draft_model is None:
                 raise ValueError("drafter='draft-model' needs Engine(..., draft_model=<mlx-lm model>)")
+            draft_caps = cache_capabilities(library.make_request_cache(draft_model))
+            if not draft_caps.rollback:  # the drafter rolls its own batch cache back per row
+                raise UnsupportedFeature(library.model_family(draft_model).model_type, "draft_model",
+                                         f"a draft model's caches must roll back per row; its {list(draft_caps.kinds)}"
+                                         " do not")
             if library.vocab_size(draft_model) != self.vocab_size:
                 raise ValueError("the draft model must share the target's vocabulary")
             return DraftModelDrafter(draft_model, adaptive=cfg.adaptive_drafting)

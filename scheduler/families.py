@@ -103,7 +103,7 @@ def support_row(family: Family) -> dict[str, str]:
         "model type": family.model_type,
         "caches": ", ".join(family.cache_kinds),
         "prefix cache": "any shared prefix" if caps.trimmable else "exact checkpoints at the block boundaries a prefill passed",
-        "drafting": "yes" if caps.rollback else "refused (state cannot be rolled back)",
+        "drafting": "yes" if caps.rollback else "yes (re-fed: k // 2 drafts per verify, no MTP)",
         "max_kv_size": "no (builds its own caches)" if builds_own_caches(family.model_type) else "yes",
         "KV budget": "yes (fixed state counted)" if caps.has_fixed_state else "yes",
         "status": "exact in the conformance suite" + (f" ({family.note})" if family.note else ""),

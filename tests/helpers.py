@@ -105,3 +105,37 @@ def simulate_planning(config, requests, policy=None, max_ticks=10_000, kv_layout
         tick += 1
         assert tick < max_ticks, "did not drain"
     return sched, plans, finished_at
+
+
+class OracleDrafter:
+    """A drafter for tests (the `Drafter` protocol): proposes each row's true continuation, `references[rid]`
+    (its solo output), from the row's output count (`DraftRequest.step`), with position `call % (k + 1)` of
+    each proposal spoiled, `call` counting proposals (ticks): the rows of one tick are spoiled at the same
+    place, so across ticks drafts are kept whole, in part and not at all."""
+
+    def __init__(self, references: dict[str, list[int]], vocab_size: int):
+        self.references, self.vocab_size = references, vocab_size
+        self.calls = 0
+
+    def propose(self, rows, k):
+        from scheduler.execution.drafters import Draft  # here: the core tests import this module without MLX
+
+        self.calls += 1
+        drafts = []
+        for row in rows:
+            n = min(k, row.max_tokens or k)
+            tokens = list(self.references[row.request_id][row.step: row.step + n])
+            spoil = self.calls % (n + 1)
+            if spoil < len(tokens):
+                tokens[spoil] = (tokens[spoil] + 1) % self.vocab_size
+            drafts.append(Draft(row.request_id, tokens))
+        return drafts
+
+    def accept(self, request_id, num_accepted, emitted=()):
+        pass
+
+    def release(self, request_ids):
+        pass
+
+    def stats(self):
+        return {}

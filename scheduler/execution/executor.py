@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from caches.kv import KVCacheManager, QuantizeRule
 from kernels.sampling import RowSampling, SamplingArrays, sample_tokens
-from caches.layers import rollback_rows
+from caches.layers import restore_batch, rollback_rows, snapshot_batch
 from caches.prefix import checkpoint_position
 from kernels.speculative import (
     greedy_accept,
@@ -450,8 +450,15 @@ class MLXExecutor:
     def _decode(self, result: TickResult, draft_k: dict[str, int]) -> None:
         """One batched forward over every row. Rows the plan lets draft propose up to k tokens each and the
         forward verifies `[input, d_1..d_k]` for all rows at once (rows without drafts are padded and rolled
-        back); otherwise it is a plain one-token step."""
+        back); otherwise it is a plain one-token step. Where the batch cannot roll back (`_refeed_drafts`),
+        rejected positions are undone by restoring the cache and feeding the accepted ones again."""
+        snapshot = None
+        if draft_k and not self.runner.capabilities.rollback:
+            draft_k = self._refeed_grants(draft_k)
         drafts = self._propose(draft_k, result) if draft_k else None
+        if drafts and not self.runner.capabilities.rollback:
+            drafts = self._refeed_drafts(drafts)
+            snapshot = snapshot_batch(self.kv.batch) if drafts else None
         width = max((len(d.tokens) for d in drafts.values()), default=0) if drafts else 0
         inputs = self._next_inputs
         all_hidden = None
@@ -489,7 +496,8 @@ class MLXExecutor:
             picked = mx.take_along_axis(logprobs[idx], tokens[idx][:, None].astype(mx.int32), axis=1)[:, 0]
         emitted: dict[int, list[int]] = {}
         if width:
-            emitted = self._verify(all_logits, draft_tokens, draft_lens, drafts, width, result)
+            emitted = self._verify(all_logits, draft_tokens, draft_lens, drafts, width, result,
+                                   None if snapshot is None else (snapshot, verify_inputs))
         if all_hidden is not None:  # each row's hidden state at the last position it kept
             kept = mx.array([len(emitted[i]) - 1 if i in emitted else 0 for i in range(len(self._rows))])
             self._last_hidden = all_hidden[mx.arange(len(self._rows)), kept]
@@ -561,10 +569,31 @@ class MLXExecutor:
             return {}
         return {d.request_id: d for d in drafts}
 
-    def _verify(self, all_logits, draft_tokens, draft_lens, drafts, width, result) -> dict[int, list[int]]:
+    def _refeed_grants(self, draft_k: dict[str, int]) -> dict[str, int]:
+        """Drafting on a batch that cannot roll back (recurrent state, rotating windows): a verify of w drafts
+        may be followed by a re-feed of up to w positions (`_verify`), 2w + 1 positions per row in all, so w is
+        k // 2 to stay inside what the plan granted (1 + k). Every row verifies to the same accepted length,
+        so a tick drafts only when every row may."""
+        grants = {rid: k // 2 for rid, k in draft_k.items() if k // 2 > 0}
+        return grants if len(grants) == len(self._rows) else {}
+
+    def _refeed_drafts(self, drafts: dict[str, Any]) -> dict[str, Any]:
+        """The rows' drafts if every row has one, else none (a row without a draft accepts 0, so every row
+        would: a verify for nothing)."""
+        have = {rid: d for rid, d in drafts.items() if len(d.tokens)}
+        return have if len(have) == len(self._rows) else {}
+
+    def _verify(self, all_logits, draft_tokens, draft_lens, drafts, width, result,
+                refeed: tuple[Any, mx.array] | None = None) -> dict[int, list[int]]:
         """Accept per row (greedy: longest matching prefix; sampled: exact min(1, p/q) rule with residual
         resampling), roll every row's cache back to what it accepted, and return each drafting row's emitted
-        tokens by row index."""
+        tokens by row index.
+
+        With `refeed` (the batch's snapshot from before the verify forward, and that forward's inputs), the
+        cache cannot drop positions per row: every row keeps the shortest accepted length a (a row that
+        accepted more emits its (a+1)-th draft as its token: the target's own choice there, greedy or accepted
+        by the sampling rule), and unless a is every draft, the cache is restored and `[input, d_1..d_a]`
+        fed again, one forward of a + 1 positions for all rows."""
         index = [i for i, row in enumerate(self._rows) if row.request.request_id in drafts]
         idx = mx.array(index)
         rows = [self._rows[i] for i in index]
@@ -582,6 +611,8 @@ class MLXExecutor:
         mx.eval(res.accepted, res.emitted)
         accepted = res.accepted.tolist()
         emitted_rows = res.emitted.tolist()
+        if refeed is not None:
+            accepted = [min(accepted)] * len(accepted)
         drop = [width] * len(self._rows)
         out: dict[int, list[int]] = {}
         for j, i in enumerate(index):
@@ -592,7 +623,13 @@ class MLXExecutor:
             proposed = len(drafts[rid].tokens)
             result.drafts[rid] = (proposed, a)
             self.drafter.accept(rid, a, out[i])
-        rollback_rows(self.kv.batch, drop)
+        if refeed is None:
+            rollback_rows(self.kv.batch, drop)
+        elif accepted[0] < width:
+            snapshot, verify_inputs = refeed
+            restore_batch(self.kv.batch, snapshot)
+            self.runner.verify(self.kv.batch, verify_inputs[:, : accepted[0] + 1], self._rope_deltas)
+            result.computed_tokens += len(self._rows) * (accepted[0] + 1)
         self._on_event("kv_rollback", rows=[[row.request.request_id, n] for row, n in zip(self._rows, drop)])
         self.draft_stats.record(sum(len(d.tokens) for d in drafts.values()), sum(accepted), len(self._rows),
                                 sum(len(o) for o in out.values()) + len(self._rows) - len(out))

@@ -157,8 +157,9 @@ class VLMAdapter:
         # the audio rate of families that take audio (None: no audio; the server reads it to accept audio parts)
         self.sample_rate = (int(getattr(getattr(processor, "feature_extractor", None), "sampling_rate", 16000))
                             if "audio" in self.spec.media else None)
-        if "audio" in self.spec.media and getattr(model, "audio_tower", None) is None:
-            raise UnsupportedFamily(f"this {self.spec.model_type} checkpoint has no audio tower")
+        if "audio" in self.spec.media and getattr(model, self.spec.audio_encoder, None) is None:
+            raise UnsupportedFamily(f"this {self.spec.model_type} checkpoint has no audio encoder "
+                                    f"({self.spec.audio_encoder})")
         try:
             self.capabilities = layers.check_batchable(self.make_cache())
         except layers.UnsupportedCache as exc:

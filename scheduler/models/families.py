@@ -5,8 +5,8 @@ model interface (``Model.get_input_embeddings`` and the language model's ``input
 between families is declared here, and nothing else:
 
 ``positions``      how the language model places tokens: ``ROPE`` (plain 1-D RoPE from each cache row's offset:
-                   gemma3, idefics3, smolvlm, mistral3, pixtral, llava, gemma4) or ``MROPE`` (Qwen2/2.5/3-VL,
-                   Qwen3.5: 3-D positions from the image / video grids, a per-request rope delta; see
+                   gemma3, idefics3, smolvlm, mistral3, pixtral, llava, gemma4, gemma4_unified) or ``MROPE``
+                   (Qwen2/2.5/3-VL, Qwen3.5: 3-D positions from the image / video grids, a per-request rope delta; see
                    ``positions.py``).
 ``media``          the media kinds the family's processor and embedding merge take.
 ``placeholder``    the processor attribute naming the text a prompt holds once per image (``image_token`` for
@@ -16,18 +16,23 @@ between families is declared here, and nothing else:
                    (Qwen3-VL's ``visual_pos_masks``) and per-media-token rows (its ``deepstack_visual_embeds``).
 ``sequence_inputs`` extra (1, L, ...) inputs sliced with the chunk (Gemma 4's ``per_layer_inputs``).
 ``mixed_image_video`` whether one request may carry both images and videos (mlx-vlm's Qwen2/2.5-VL merge one kind).
+``audio_encoder``  the model attribute that turns audio features into embeddings (a checkpoint without it is
+                   refused for an audio family): Gemma 4's Conformer ``audio_tower``; Gemma 4 unified has no
+                   encoder, its ``embed_audio`` projects raw 40 ms frames.
 ``vision_batch`` / ``media_axis``  how the media of several requests go through the encoders in one call
                    (``VisionBatch``) and the axis of the media tensors that counts images (their other axes
                    must agree to be concatenated; ``*_grid_thw`` always count on axis 0). ``ONE``: every request
                    of the tick in one call (the Qwen towers take flattened patches of any number of images with
                    their ``grid_thw`` and attend within each image); ``EQUAL_SHAPE``: one call per group of
                    requests whose pixel tensors agree on every other axis (stacked along ``media_axis``);
-                   ``PER_REQUEST``: one call per request (gemma3: see its note; gemma4: audio, not attempted).
+                   ``PER_REQUEST``: one call per request (gemma3: see its note; gemma4, gemma4_unified: audio,
+                   not attempted).
 
 A family absent from this table is refused at load with ``UnsupportedFamily`` (a ``TypeError``) naming the
 supported ones: mlx-vlm may load it, but nothing here has shown that it batches exactly. A family declared with
 ``refused`` is one mlx-vlm runs that cannot batch through this interface; it is refused at load with the reason.
-Every family here without ``refused`` is exact in tests/models/test_vlm_families.py (gemma4: tests/models/test_audio.py).
+Every family here without ``refused`` is exact in tests/models/test_vlm_families.py (gemma4 and gemma4_unified:
+tests/models/test_audio.py).
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ class FamilySpec:
     mixed_image_video: bool = False
     vision_batch: VisionBatch = VisionBatch.EQUAL_SHAPE
     media_axis: int = 0
+    audio_encoder: str = "audio_tower"
     refused: str | None = None  # why mlx-vlm's model cannot be batched here (refused at load)
     notes: str = field(default="", compare=False)
 
@@ -85,7 +91,7 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
     FamilySpec("qwen3_vl", Positions.MROPE, _QWEN_MEDIA, media_mask_input="visual_pos_masks",
                media_row_inputs=("deepstack_visual_embeds",), vision_batch=_ONE),
     FamilySpec("qwen3_5", Positions.MROPE, _QWEN_MEDIA, vision_batch=_ONE,
-               notes="hybrid: gated-delta (recurrent) layers next to full attention; no drafting (no rollback)"),
+               notes="hybrid: gated-delta (recurrent) layers next to full attention"),
     FamilySpec("gemma3", placeholder="boi_token", vision_batch=VisionBatch.PER_REQUEST,
                notes=GEMMA3_PER_REQUEST),
     FamilySpec("idefics3", media_axis=1),  # pixel_values (1, views, C, H, W)
@@ -97,6 +103,16 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
                vision_batch=VisionBatch.PER_REQUEST,
                notes="audio only: images not attempted (checkpoints with use_bidirectional_attention "
                "'vision' attend bidirectionally inside each image's tokens; the batched prefill is causal)"),
+    FamilySpec("gemma4_unified", media=frozenset({"audio"}), sequence_inputs=("per_layer_inputs",),
+               audio_encoder="embed_audio", vision_batch=VisionBatch.PER_REQUEST,
+               notes="audio only: Gemma 4's language model with an encoder-free audio path (each 40 ms of samples "
+               "projected into the embedding space); images not attempted, as for gemma4 (its vision patches are "
+               "embedded the same way, and use_bidirectional_attention 'vision' attends bidirectionally inside "
+               "each image's tokens)"),
+    FamilySpec("gemma3n", media=frozenset({"audio"}), refused="mlx-vlm's get_input_embeddings embeds a prompt's text "
+               "tokens without the sqrt(hidden_size) scale its language model applies to the token ids it is fed, so "
+               "a token the scheduler feeds as an id (the last prompt token as the first decode input, a preempted "
+               "request's recomputed outputs) is not embedded as mlx_vlm.generate embeds it, and the outputs differ"),
     FamilySpec("llava_next", refused="mlx-vlm's merge inserts one feature block per image view instead of filling "
                "the expanded <image> tokens, so the embedded prompt is longer than its token ids and its length is "
                "known only after the vision tower; the scheduler plans prefill, caches and positions on token "

@@ -18,8 +18,10 @@ Scenarios:
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -212,6 +214,7 @@ def a_rank_dies(model_dir: str, out: Path, group) -> None:
 
 def main() -> None:
     model_dir, out, scenario = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that sees a hang asks for the stacks
     group = mx.distributed.init()
     {"equality": equality, "checkpoints": checkpoints, "a-rank-dies": a_rank_dies}[scenario](model_dir, out, group)
 

@@ -152,9 +152,11 @@ def test_a_drafting_trace_replays(text_model, tmp_path):
 
 
 def test_drafting_is_refused_where_it_cannot_be_exact(sliding_model, text_model):
-    model, tokenizer = sliding_model
-    with pytest.raises(ValueError, match="draft_tokens"):
-        Engine(model, tokenizer, EngineConfig(draft_tokens=2))
+    model, tokenizer = sliding_model  # sliding windows: re-fed drafting needs k >= 2, and no MTP head
+    with pytest.raises(ValueError, match="draft_tokens >= 2"):
+        Engine(model, tokenizer, EngineConfig(draft_tokens=1))
+    with pytest.raises(ValueError, match="MTP drafting"):
+        Engine(model, tokenizer, EngineConfig(draft_tokens=2, drafter="mtp"), mtp_head=object())
     model, tokenizer = text_model
     with pytest.raises(ValueError, match="draft_model"):
         Engine(model, tokenizer, EngineConfig(draft_tokens=2, drafter="draft-model"))

@@ -61,9 +61,9 @@ def test_a_compat_configuration_the_engine_refuses_raises_at_install(sliding_mod
     from scheduler.execution.mtp import load_mtp_head
     from scheduler.fixtures.tiny_models import build_model
 
-    model, tokenizer = sliding_model  # its sliding-window caches cannot be rolled back: no drafting
+    model, tokenizer = sliding_model  # its sliding-window caches cannot be rolled back in place: no MTP drafting
     gen = MLLMBatchGenerator(model, tokenizer)
-    with pytest.raises(UnsupportedFeature, match="draft_tokens"):
+    with pytest.raises(UnsupportedFeature, match="MTP drafting"):
         install_mtp_mllm(gen, load_mtp_head(build_model("text-mtp", tmp_path)), num_draft_tokens=2)
     # the generator is as it was: requests run, without drafting
     uids = gen.insert([MLLMBatchRequest(uid=-1, request_id="a", prompt="", input_ids=[9, 10, 11], max_tokens=4,
