@@ -1,7 +1,7 @@
 """MLXExecutor: runs a TickPlan on a real model (mlx-lm, or mlx-vlm through a runner).
 
 Per tick: (1) drop rows the scheduler released or preempted, (2) encode the media of requests planned for
-vision work, (3) feed each prefill chunk into that request's own single-request cache (exactly the cache
+vision work, together (vision-cache hits skipped, the misses in as few encoder calls as the family allows), (3) feed each prefill chunk into that request's own single-request cache (exactly the cache
 `mlx_lm.generate` would build), (4) merge the caches of requests whose
 prefill completes into the running batch cache, (5) one batched forward over every decoding row (a
 completing request's row is fed its last prompt token, so its first token is sampled in the same tick), then
@@ -175,14 +175,8 @@ class MLXExecutor:
 
     def _execute(self, plan: TickPlan, requests: Mapping[str, Request], result: TickResult) -> TickResult:
         t0 = time.perf_counter()
-        for rid in plan.encode:
-            try:
-                encoded = self._encoded[rid] = self.runner.encode(requests[rid])
-            except Exception as exc:  # unreadable media or a failing vision tower: that request only
-                result.errors[rid] = f"vision encoding failed: {type(exc).__name__}: {exc}"
-                continue
-            result.encoded[rid] = {"rope_delta": encoded.rope_delta, "vision_cache_hit": encoded.vision_cache_hit,
-                                   "vision_time_s": encoded.vision_time_s}
+        if plan.encode:
+            self._encode(list(plan.encode), requests, result)
         t_vision = time.perf_counter()
         restored = {}
         for rid, entry_id, length in plan.prefix_hits:  # before any store of this tick can evict them
@@ -218,6 +212,24 @@ class MLXExecutor:
         result.prefill_time = t1 - t_vision
         result.decode_time = t2 - t1
         return result
+
+    def _encode(self, request_ids: list[str], requests: Mapping[str, Request], result: TickResult) -> None:
+        """The tick's vision work: vision-cache hits are not encoded again, the misses go through the encoders in
+        as few calls as the family allows, each call a `vision_encode` event (an execution detail with its
+        time: replay does not compare it). A request whose media fail (unreadable, a failing tower) fails alone:
+        a failing call over several requests is redone one request at a time."""
+        def on_call(call: Any) -> None:
+            self._on_event("vision_encode", request_ids=[request_ids[i] for i in call.items], images=call.images,
+                           **({"error": call.error} if call.error else {}), measure={"seconds": call.seconds})
+
+        outcomes = self.runner.encode_many([requests[rid] for rid in request_ids], on_call)
+        for rid, encoded in zip(request_ids, outcomes):
+            if isinstance(encoded, Exception):
+                result.errors[rid] = f"vision encoding failed: {type(encoded).__name__}: {encoded}"
+                continue
+            self._encoded[rid] = encoded
+            result.encoded[rid] = {"rope_delta": encoded.rope_delta, "vision_cache_hit": encoded.vision_cache_hit,
+                                   "vision_time_s": encoded.vision_time_s}
 
     def _fail_batch(self, joining: list[str], result: TickResult, error: str) -> None:
         """The batched decode is one work item: every row in it (and every request joining it) fails, the

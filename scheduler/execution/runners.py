@@ -25,6 +25,10 @@ class Runner(Protocol):
 
     def encode(self, request: Request) -> Any: ...
 
+    def encode_many(self, requests: list[Request], on_call: Any = None) -> list[Any]:
+        """``encode`` of each request (its result or the exception that failed it), batched where the model
+        allows; ``on_call(VisionCall)`` per encoder call."""
+
     def prefill(self, cache: library.Cache, request: Request, encoded: Any, start: int, end: int) -> None: ...
 
     def decode(self, batch_cache: library.Cache, inputs: mx.array, rope_deltas: mx.array | None) -> mx.array: ...
@@ -57,6 +61,9 @@ class TextRunner:
 
     def encode(self, request: Request) -> None:
         return None  # token ids are the model's input
+
+    def encode_many(self, requests: list[Request], on_call: Any = None) -> list[None]:
+        return [None for _ in requests]  # no encoders
 
     def prefill(self, cache, request, encoded, start, end):
         self.model(mx.array(request.prefill_tokens(start, end))[None], cache=cache)
@@ -100,6 +107,11 @@ class VisionLanguageRunner:
         and after a preemption the outputs so far. The request's media tensors are kept until it ends: a
         preempted request whose features left the vision cache is encoded again from them."""
         return self.adapter.encode(request.media, request.output_tokens[: request.recompute_tokens])
+
+    def encode_many(self, requests: list[Request], on_call: Any = None) -> list[Any]:
+        """The tick's encode work in as few encoder calls as the family allows (``FamilySpec.vision_batch``)."""
+        return self.adapter.encode_many([(r.media, r.output_tokens[: r.recompute_tokens]) for r in requests],
+                                        on_call)
 
     def prefill(self, cache, request, encoded, start, end):
         self.adapter.prefill(cache, encoded, start, end)

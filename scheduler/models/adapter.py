@@ -10,7 +10,8 @@ It splits what ``mlx_vlm.generate`` does in one call into the pieces continuous 
 ``encode``   ``Model.get_input_embeddings`` on the whole prefill sequence (the encoders and the merge, exactly
              as ``mlx_vlm.generate`` calls it), or on a vision-cache hit the text embeddings with the cached
              media rows put back at the media positions; the prompt's positions (``positions.py``) and the
-             extra language-model inputs the family declares.
+             extra language-model inputs the family declares. ``encode_many``: the same for a tick's requests,
+             the cache misses through the encoders in as few calls as ``FamilySpec.vision_batch`` allows.
 ``prefill``  the language model on ``embeddings[start:end]`` with that chunk's positions and extra inputs, into
              the request's own single-request cache (the one ``mlx_vlm.generate`` builds).
 ``decode`` / ``verify``  one batched step (or a draft verification of ``n`` tokens per row) over a left-padded
@@ -32,6 +33,7 @@ from the vision cache or the encoders run again on the request's kept media tens
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -44,7 +46,7 @@ from caches.vision import VisionCache, content_key
 
 from scheduler.models import prompt as prompts
 from scheduler.models import library
-from scheduler.models.families import FamilySpec, UnsupportedFamily, family_for
+from scheduler.models.families import FamilySpec, UnsupportedFamily, VisionBatch, family_for
 from scheduler.models.media import (AudioInput, ImageInput, MediaError, MediaLimit, VideoFrames, VideoInput,
                                     load_audio, load_image, load_video, validate_video_sampling)
 from scheduler.models.positions import STRATEGIES
@@ -94,6 +96,18 @@ class PreparedRequest:
     @property
     def image_grid_thw(self) -> Any:
         return self.media_inputs.get("image_grid_thw")
+
+
+@dataclass(frozen=True)
+class VisionCall:
+    """One encoder call of ``encode_many``: the items (indices into its ``items``) and media items
+    (``num_media_items``) it took, its wall time, and the error if it raised (a call over several requests is
+    then redone one request at a time)."""
+
+    items: tuple[int, ...]
+    images: int
+    seconds: float
+    error: str | None = None
 
 
 @dataclass
@@ -311,44 +325,187 @@ class VLMAdapter:
     def encode(self, prepared: PreparedRequest, extra_tokens: Sequence[int] = ()) -> EncodedRequest:
         """Embeddings, positions and extra inputs of ``prepared.input_ids + extra_tokens`` (``extra_tokens``: the
         outputs of a preempted request, recomputed). Media rows come from the vision cache or the encoders.
-        Everything returned is evaluated."""
-        ids = mx.array(list(prepared.input_ids) + list(extra_tokens), dtype=mx.int32)[None]
+        Everything returned is evaluated. Raises what the encoders raise."""
+        outcome = self.encode_many([(prepared, extra_tokens)])[0]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def encode_many(self, items: Sequence[tuple[PreparedRequest, Sequence[int]]],
+                    on_call: Callable[[VisionCall], None] | None = None) -> list[EncodedRequest | Exception]:
+        """``encode`` of several requests, the media of those not in the vision cache through the encoders in as
+        few calls as the family allows (``FamilySpec.vision_batch``). A request whose media another request of
+        ``items`` has too is encoded once (the later one is then a vision-cache hit, as it was one by one).
+        ``on_call`` hears of every encoder call. A call over several requests that raises is redone one request
+        at a time, so an error is that request's own (its ``VisionCall.error`` says why it was redone). Returns,
+        per item, its ``EncodedRequest`` or the exception that failed it."""
+        outcomes: list[EncodedRequest | Exception | None] = [None] * len(items)
+        found: dict[int, _Media] = {}  # index -> media rows from the cache or the encoders
+        leaders: dict[str, int] = {}  # media key -> the first item with it (encoded once)
+        followers: list[int] = []
+        for i, (prepared, _) in enumerate(items):
+            if not prepared.has_media:
+                continue
+            if not prepared.media_inputs:
+                outcomes[i] = ValueError("media tensors were released before encode")
+            elif prepared.media_key in leaders:
+                followers.append(i)
+            else:
+                cached = self._cached(prepared.media_key)
+                if cached is not None:
+                    found[i] = cached
+                else:
+                    leaders[prepared.media_key] = i
+        for group in self._vision_groups([i for i in leaders.values()], items):
+            found.update(self._encode_group(group, items, outcomes, on_call))
+        for i in followers:  # the leader's entry (a counted hit), or its rows when there is no cache to hold them
+            leader = leaders[items[i][0].media_key]
+            cached = self._cached(items[i][0].media_key)
+            if cached is not None:
+                found[i] = cached
+            elif leader in found:
+                found[i] = dataclasses.replace(found[leader], embeds=None, sequence_inputs={}, seconds=0.0)
+            else:
+                outcomes[i] = outcomes[leader]
+        for i, (prepared, extra) in enumerate(items):
+            if outcomes[i] is None:
+                try:
+                    outcomes[i] = self._assemble(prepared, extra, found.get(i))
+                except Exception as exc:  # a request whose rows do not fit its prompt fails alone
+                    outcomes[i] = exc
+        return outcomes  # type: ignore[return-value]
+
+    def _cached(self, key: str | None) -> _Media | None:
+        if self.vision_cache is None or key is None:
+            return None
+        cached = self.vision_cache.get(key)
+        if cached is None:
+            return None
+        rows, *row_inputs = (cached,) if not self.spec.media_row_inputs else cached
+        return _Media(rows, list(row_inputs), hit=True)
+
+    def _vision_groups(self, indices: list[int], items: Sequence[tuple[PreparedRequest, Sequence[int]]]
+                       ) -> list[list[int]]:
+        """The encoder calls for the requests at ``indices``: requests with the same media tensors by name go
+        together (a Qwen tick's images apart from its videos); ``EQUAL_SHAPE`` families also need every other
+        axis of each tensor to agree; ``PER_REQUEST`` families encode alone."""
+        if self.spec.vision_batch is VisionBatch.PER_REQUEST:
+            return [[i] for i in indices]
+        groups: dict[tuple, list[int]] = {}
+        for i in indices:
+            media = items[i][0].media_inputs
+            if self.spec.vision_batch is VisionBatch.ONE:
+                key: tuple = tuple(sorted(media))
+            else:
+                key = tuple(sorted((name, _shape_but(value, self._axis(name)), str(getattr(value, "dtype", "")))
+                                   for name, value in media.items()))
+            groups.setdefault(key, []).append(i)
+        return list(groups.values())
+
+    def _axis(self, name: str) -> int:
+        return 0 if name.endswith("_grid_thw") else self.spec.media_axis
+
+    def _encode_group(self, group: list[int], items: Sequence[tuple[PreparedRequest, Sequence[int]]],
+                      outcomes: list, on_call: Callable[[VisionCall], None] | None) -> dict[int, _Media]:
+        """One encoder call over ``group`` (their prompts side by side in one sequence: the merge fills media
+        positions in order, so each request's slice of the merged embeddings is its own), the rows stored in the
+        vision cache. A failing call of several requests is redone one by one."""
+        prepared = [items[i][0] for i in group]
+        images = sum(p.num_media_items for p in prepared)
+        t0 = time.perf_counter()
+        try:
+            media = self._run_encoders([items[i] for i in group])
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            if on_call is not None:
+                on_call(VisionCall(tuple(group), images, time.perf_counter() - t0, error=error))
+            if len(group) == 1:
+                outcomes[group[0]] = exc
+                return {}
+            found: dict[int, _Media] = {}
+            for i in group:
+                found.update(self._encode_group([i], items, outcomes, on_call))
+            return found
+        seconds = time.perf_counter() - t0
+        if on_call is not None:
+            on_call(VisionCall(tuple(group), images, seconds))
+        found = {}
+        for i, p, m in zip(group, prepared, media):
+            m.seconds = seconds * p.num_media_items / max(images, 1)  # the call's time by share of media items
+            if self.vision_cache is not None and p.media_key is not None:
+                value = m.rows if not self.spec.media_row_inputs else (m.rows, *m.row_inputs)
+                self.vision_cache.put(p.media_key, value, m.seconds)
+            found[i] = m
+        return found
+
+    def _run_encoders(self, group: Sequence[tuple[PreparedRequest, Sequence[int]]]) -> list[_Media]:
+        ids_list = [self._ids(p, extra) for p, extra in group]
+        masks = [self._mask(p, ids) for (p, _), ids in zip(group, ids_list)]
+        if len(group) == 1:
+            ids, mask, media_inputs = ids_list[0], masks[0], group[0][0].media_inputs
+        else:
+            ids, mask = mx.concatenate(ids_list, axis=1), mx.concatenate(masks, axis=1)
+            media_inputs = {name: mx.concatenate([mx.array(p.media_inputs[name]) for p, _ in group],
+                                                 axis=self._axis(name))
+                            for name in group[0][0].media_inputs}
+        out = self.media_encoder(ids, media_inputs, mask)
+        embeds = out.inputs_embeds
+        row_inputs = [_as_array(getattr(out, name, None)) for name in self.spec.media_row_inputs]
+        sequence_inputs = {name: getattr(out, name) for name in self.spec.sequence_inputs
+                           if getattr(out, name, None) is not None}
+        media: list[_Media] = []
+        start = media_start = 0
+        for one in ids_list:
+            length = one.shape[1]
+            positions = self._media_positions(one)
+            own = embeds[:, start: start + length]
+            rows = own[0, mx.array(positions)]
+            own_rows = [None if r is None else r[:, media_start: media_start + len(positions)] for r in row_inputs]
+            media.append(_Media(rows, own_rows, hit=False, embeds=own,
+                                sequence_inputs={k: v[:, start: start + length] for k, v in sequence_inputs.items()}))
+            start, media_start = start + length, media_start + len(positions)
+        if start != embeds.shape[1]:
+            raise ValueError(f"the encoders gave {embeds.shape[1]} embeddings for {start} tokens")
+        mx.eval([m.embeds for m in media], [m.rows for m in media],
+                [r for m in media for r in m.row_inputs if r is not None])
+        return media
+
+    def _ids(self, prepared: PreparedRequest, extra_tokens: Sequence[int]) -> mx.array:
+        return mx.array(list(prepared.input_ids) + list(extra_tokens), dtype=mx.int32)[None]
+
+    def _mask(self, prepared: PreparedRequest, ids: mx.array) -> mx.array:
         mask = mx.ones(ids.shape, dtype=mx.int32)
         if prepared.mask is not None:
             mask[:, : len(prepared.input_ids)] = prepared.mask.astype(mx.int32)
-        spec, hit, encode_time = self.spec, None, 0.0
-        media_positions = np.flatnonzero(np.isin(np.array(ids[0]), list(self.media_token_ids)))
-        if prepared.has_media:
-            if not prepared.media_inputs:
-                raise ValueError("media tensors were released before encode")
-            key = prepared.media_key
-            cached = self.vision_cache.get(key) if self.vision_cache is not None and key is not None else None
-            hit = cached is not None
-            if cached is None:
-                t0 = time.perf_counter()
-                out = self.media_encoder(ids, prepared.media_inputs, mask)
-                embeds = out.inputs_embeds
-                rows = embeds[0, mx.array(media_positions)]
-                row_inputs = [_as_array(getattr(out, name, None)) for name in spec.media_row_inputs]
-                mx.eval(embeds, rows, *[r for r in row_inputs if r is not None])
-                encode_time = time.perf_counter() - t0
-                if self.vision_cache is not None and key is not None:
-                    value = rows if not spec.media_row_inputs else (rows, *row_inputs)
-                    self.vision_cache.put(key, value, encode_time)
-            else:
-                rows, *row_inputs = (cached,) if not spec.media_row_inputs else cached
-                out = library.input_embeddings(self.model, ids, {}, mask)  # the text path: no encoder
-                embeds = mx.array(out.inputs_embeds)
-                embeds[0, mx.array(media_positions)] = rows.astype(embeds.dtype)
-            if rows.shape[0] != len(media_positions):
-                raise ValueError(f"the encoders gave {rows.shape[0]} rows for {len(media_positions)} media tokens")
+        return mask
+
+    def _media_positions(self, ids: mx.array) -> np.ndarray:
+        return np.flatnonzero(np.isin(np.array(ids[0]), list(self.media_token_ids)))
+
+    def _assemble(self, prepared: PreparedRequest, extra_tokens: Sequence[int], media: _Media | None
+                  ) -> EncodedRequest:
+        """The request's inputs from its media rows: the encoders' own merged embeddings when this request's
+        call made them, else the text embeddings with the rows put back at the media positions."""
+        ids = self._ids(prepared, extra_tokens)
+        mask = self._mask(prepared, ids)
+        spec = self.spec
+        media_positions = self._media_positions(ids)
+        row_inputs: list = [None] * len(spec.media_row_inputs)
+        if media is not None and media.embeds is not None:
+            embeds, sequence_inputs, row_inputs = media.embeds, media.sequence_inputs, media.row_inputs
         else:
-            out = library.input_embeddings(self.model, ids, {}, mask)
-            embeds, row_inputs = out.inputs_embeds, [None] * len(spec.media_row_inputs)
+            out = library.input_embeddings(self.model, ids, {}, mask)  # the text path: no encoder
+            sequence_inputs = {name: getattr(out, name) for name in spec.sequence_inputs
+                               if getattr(out, name, None) is not None}
+            embeds = out.inputs_embeds
+            if media is not None:
+                embeds = mx.array(embeds)
+                embeds[0, mx.array(media_positions)] = media.rows.astype(embeds.dtype)
+                row_inputs = media.row_inputs
+        if media is not None and media.rows.shape[0] != len(media_positions):
+            raise ValueError(f"the encoders gave {media.rows.shape[0]} rows for {len(media_positions)} media tokens")
         grids = {k: v for k, v in prepared.media_inputs.items() if k.endswith("_grid_thw")}
         positions, delta = self.positions.prompt(self.model, ids, grids, mask)
-        sequence_inputs = {name: getattr(out, name) for name in spec.sequence_inputs
-                           if getattr(out, name, None) is not None}
         media_mask = None
         media_rows: dict[str, Any] = {}
         if spec.media_mask_input and len(media_positions):
@@ -358,8 +515,9 @@ class VLMAdapter:
         mx.eval([a for a in (embeds, positions, media_mask, *sequence_inputs.values(), *media_rows.values())
                  if a is not None])
         return EncodedRequest(embeddings=embeds, position_ids=positions, rope_delta=delta, input_ids=ids,
-                              vision_cache_hit=hit, vision_time_s=encode_time, sequence_inputs=sequence_inputs,
-                              media_mask=media_mask, media_rows=media_rows)
+                              vision_cache_hit=None if media is None else media.hit,
+                              vision_time_s=0.0 if media is None else media.seconds,
+                              sequence_inputs=sequence_inputs, media_mask=media_mask, media_rows=media_rows)
 
     def make_cache(self) -> list:
         return library.make_cache(self.language_model, self.max_kv_size)
@@ -412,6 +570,24 @@ class VLMAdapter:
         return layers.probe_layout(cache)
 
 
+@dataclass
+class _Media:
+    """One request's media rows (``(num_media_tokens, H)``) and per-media-token extra inputs, from the vision
+    cache (``hit``) or its encoder call (which also made its merged ``embeds`` and sequence inputs)."""
+
+    rows: mx.array
+    row_inputs: list
+    hit: bool
+    embeds: mx.array | None = None
+    sequence_inputs: dict[str, mx.array] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def _shape_but(value: Any, axis: int) -> tuple:
+    shape = tuple(getattr(value, "shape", ()))
+    return shape[:axis] + shape[axis + 1:] if axis < len(shape) else shape
+
+
 def _deltas(rope_deltas: Any, rows: int) -> mx.array:
     if rope_deltas is None:
         return mx.zeros((rows,), dtype=mx.int32)
@@ -439,4 +615,4 @@ def adapter_for(model: Any, processor: Any, vision_cache: VisionCache | None = N
 
 
 __all__ = ["DEFAULT_VIDEO_FPS", "DEFAULT_VIDEO_MAX_FRAMES", "EncodedRequest", "MediaError", "PreparedRequest",
-           "UnsupportedFamily", "VLMAdapter", "adapter_for"]
+           "UnsupportedFamily", "VLMAdapter", "VisionCall", "adapter_for"]

@@ -19,6 +19,14 @@ between families is declared here, and nothing else:
 ``audio_encoder``  the model attribute that turns audio features into embeddings (a checkpoint without it is
                    refused for an audio family): Gemma 4's Conformer ``audio_tower``; Gemma 4 unified has no
                    encoder, its ``embed_audio`` projects raw 40 ms frames.
+``vision_batch`` / ``media_axis``  how the media of several requests go through the encoders in one call
+                   (``VisionBatch``) and the axis of the media tensors that counts images (their other axes
+                   must agree to be concatenated; ``*_grid_thw`` always count on axis 0). ``ONE``: every request
+                   of the tick in one call (the Qwen towers take flattened patches of any number of images with
+                   their ``grid_thw`` and attend within each image); ``EQUAL_SHAPE``: one call per group of
+                   requests whose pixel tensors agree on every other axis (stacked along ``media_axis``);
+                   ``PER_REQUEST``: one call per request (gemma3: see its note; gemma4, gemma4_unified: audio,
+                   not attempted).
 
 A family absent from this table is refused at load with ``UnsupportedFamily`` (a ``TypeError``) naming the
 supported ones: mlx-vlm may load it, but nothing here has shown that it batches exactly. A family declared with
@@ -38,6 +46,12 @@ class Positions(enum.Enum):
     MROPE = "mrope"  # (3, B, L) positions; decode position = tokens in the row's cache + the request's delta
 
 
+class VisionBatch(enum.Enum):
+    ONE = "one"  # all the tick's media in one encoder call
+    EQUAL_SHAPE = "equal_shape"  # one call per group of equal-shape media tensors
+    PER_REQUEST = "per_request"  # one call per request
+
+
 class UnsupportedFamily(TypeError):
     """This mlx-vlm ``model_type`` is not one the generic adapter batches (see ``FAMILIES``)."""
 
@@ -52,31 +66,45 @@ class FamilySpec:
     media_row_inputs: tuple[str, ...] = ()
     sequence_inputs: tuple[str, ...] = ()
     mixed_image_video: bool = False
+    vision_batch: VisionBatch = VisionBatch.EQUAL_SHAPE
+    media_axis: int = 0
     audio_encoder: str = "audio_tower"
     refused: str | None = None  # why mlx-vlm's model cannot be batched here (refused at load)
     notes: str = field(default="", compare=False)
 
 
 _QWEN_MEDIA = frozenset({"image", "video"})
+_ONE = VisionBatch.ONE
+
+# Why gemma3 encodes per request (measured; ARCHITECTURE.md, "Vision batching"): under OpenBLAS its SigLIP patch
+# conv on 4 stacked images rounds an image's patch embeddings 5-6e-7 away from the same conv on that image alone
+# (0 with the wheel's BLAS), and the tiny seeded gemma3 is sensitive enough that, with its tower batched, 4 of
+# the 9 requests of tests/models/test_vlm_families.py's workload (6 of 9 in `python -m bench.vision_batch
+# --gemma3`) gave other greedy tokens than solo mlx_vlm. The other families' towers also round a few 1e-7
+# differently in a batch under OpenBLAS, and their greedy tokens stay equal (tests/models/test_vision_batch.py).
+GEMMA3_PER_REQUEST = ("vision tower per request: its patch conv rounds differently on stacked images under "
+                      "OpenBLAS (5-6e-7), which flipped greedy tokens of the tiny gemma3")
 
 FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
-    FamilySpec("qwen2_vl", Positions.MROPE, _QWEN_MEDIA),
-    FamilySpec("qwen2_5_vl", Positions.MROPE, _QWEN_MEDIA),
+    FamilySpec("qwen2_vl", Positions.MROPE, _QWEN_MEDIA, vision_batch=_ONE),
+    FamilySpec("qwen2_5_vl", Positions.MROPE, _QWEN_MEDIA, vision_batch=_ONE),
     FamilySpec("qwen3_vl", Positions.MROPE, _QWEN_MEDIA, media_mask_input="visual_pos_masks",
-               media_row_inputs=("deepstack_visual_embeds",)),
-    FamilySpec("qwen3_5", Positions.MROPE, _QWEN_MEDIA,
+               media_row_inputs=("deepstack_visual_embeds",), vision_batch=_ONE),
+    FamilySpec("qwen3_5", Positions.MROPE, _QWEN_MEDIA, vision_batch=_ONE,
                notes="hybrid: gated-delta (recurrent) layers next to full attention"),
-    FamilySpec("gemma3", placeholder="boi_token"),
-    FamilySpec("idefics3"),
-    FamilySpec("smolvlm", notes="idefics3's model with SmolVLMProcessor (video frames become images there)"),
+    FamilySpec("gemma3", placeholder="boi_token", vision_batch=VisionBatch.PER_REQUEST,
+               notes=GEMMA3_PER_REQUEST),
+    FamilySpec("idefics3", media_axis=1),  # pixel_values (1, views, C, H, W)
+    FamilySpec("smolvlm", media_axis=1, notes="idefics3's model with SmolVLMProcessor (video frames become images there)"),
     FamilySpec("mistral3"),
     FamilySpec("pixtral", notes="mistral3's tower and language model without its patch merger"),
     FamilySpec("llava", notes="CLIP tower, every image resized and cropped to one size"),
     FamilySpec("gemma4", media=frozenset({"audio"}), sequence_inputs=("per_layer_inputs",),
+               vision_batch=VisionBatch.PER_REQUEST,
                notes="audio only: images not attempted (checkpoints with use_bidirectional_attention "
                "'vision' attend bidirectionally inside each image's tokens; the batched prefill is causal)"),
     FamilySpec("gemma4_unified", media=frozenset({"audio"}), sequence_inputs=("per_layer_inputs",),
-               audio_encoder="embed_audio",
+               audio_encoder="embed_audio", vision_batch=VisionBatch.PER_REQUEST,
                notes="audio only: Gemma 4's language model with an encoder-free audio path (each 40 ms of samples "
                "projected into the embedding space); images not attempted, as for gemma4 (its vision patches are "
                "embedded the same way, and use_bidirectional_attention 'vision' attends bidirectionally inside "

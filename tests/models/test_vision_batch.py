@@ -1,0 +1,231 @@
+"""Vision encoding in batches (``FamilySpec.vision_batch``, ``VLMAdapter.encode_many``): the media of several
+requests go through the encoders in one call where the family allows it.
+
+* the features of a batched call equal, image by image, those of the request encoded alone (exactly with the
+  wheel's BLAS; within 1e-5 under OpenBLAS, whose GEMM and conv round a few 1e-7 differently on more rows);
+* the engine's greedy output with several image (and, for the Qwen families, video) requests admitted in one
+  tick equals ``mlx_vlm.stream_generate`` run on each alone, and the tick's media went through one call
+  (``ONE``) or one call per group of equal-shape tensors (``EQUAL_SHAPE``), counted from the ``vision_encode``
+  events;
+* vision-cache hits are not encoded again: only the misses are in the tick's call (media repeated within the
+  tick are encoded once);
+* a bad medium in a batched call fails only its own request (the call is redone one request at a time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from PIL import Image
+
+from scheduler import EngineConfig, SamplingParams
+from scheduler.fixtures.tiny_models import build_model
+from scheduler.fixtures.vlm_families import build_tiny_vlm
+from scheduler.models.families import FAMILIES, VisionBatch
+from scheduler.plan import NewRequest, TickPlan
+
+from ..helpers import drive, engine_with_log
+
+MAX_TOKENS = 12
+#: every family that batches its encoders, with the build seed tests/models/test_vlm_families.py uses
+BATCHING = {"qwen2_vl": None, "qwen2_5_vl": 1, "qwen3_vl": 0, "qwen3_5": 0, "idefics3": 4, "smolvlm": 4,
+            "mistral3": 5, "pixtral": 0, "llava": 0}
+
+
+def test_the_batching_families_are_the_table_s():
+    assert set(BATCHING) == {n for n, s in FAMILIES.items() if not s.refused
+                             and s.vision_batch is not VisionBatch.PER_REQUEST}
+    assert {n for n, s in FAMILIES.items() if s.vision_batch is VisionBatch.ONE} == {
+        "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"}
+
+
+def noise_image(width, height, seed):
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def frames(seed, count, width, height):
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)) for _ in range(count)]
+
+
+def user(text, n, kind="image"):
+    return [{"role": "user", "content": [{"type": kind}] * n + [{"type": "text", "text": text}]}]
+
+
+def image_requests():
+    """(messages, images): three of one size, one wider, one with two images, all different pixels."""
+    return [
+        (user("Describe it.", 1), [noise_image(56, 56, 1)]),
+        (user("What is in the picture?", 1), [noise_image(56, 56, 2)]),
+        (user("Which colour is most common here?", 1), [noise_image(56, 56, 3)]),
+        (user("A wide one.", 1), [noise_image(84, 56, 4)]),
+        (user("Compare the two pictures, please.", 2), [noise_image(56, 56, 5), noise_image(56, 56, 6)]),
+    ]
+
+
+def video_requests():
+    return [(user("What happens?", 1, "video"), frames(7, 4, 56, 56)),
+            (user("Describe the clip, please.", 1, "video"), frames(8, 4, 56, 56))]
+
+
+@pytest.fixture(scope="module", params=list(BATCHING))
+def family(request, tmp_path_factory):
+    import mlx_vlm
+
+    name = request.param
+    out = tmp_path_factory.mktemp(f"vb-{name}")
+    model_dir = build_model("vlm", out) if name == "qwen2_vl" else build_tiny_vlm(name, out, seed=BATCHING[name])
+    model, processor = mlx_vlm.load(str(model_dir))
+    return name, model, processor
+
+
+def _adapter(model, processor, **options):
+    from scheduler.models.adapter import VLMAdapter
+
+    return VLMAdapter(model, processor, **options)
+
+
+def test_batched_features_equal_one_by_one(family):
+    name, model, processor = family
+    adapter = _adapter(model, processor)
+    prepared = [adapter.prepare(m, images=im) for m, im in image_requests()]
+    calls = []
+    many = adapter.encode_many([(p, ()) for p in prepared], on_call=calls.append)
+    alone = [adapter.encode(p) for p in prepared]
+    spec = adapter.spec
+    if spec.vision_batch is VisionBatch.ONE:
+        assert len(calls) == 1 and calls[0].items == tuple(range(len(prepared)))
+    else:  # one call per group of equal tensor shapes (the two-image request is one of a group only if alike)
+        shapes = {tuple((k, tuple(v.shape[:spec.media_axis] + v.shape[spec.media_axis + 1:]))
+                        for k, v in sorted(p.media_inputs.items())) for p in prepared}
+        assert len(calls) == len(shapes) < len(prepared), [c.items for c in calls]
+    assert sorted(i for c in calls for i in c.items) == list(range(len(prepared)))
+    assert sum(c.images for c in calls) == sum(p.num_media_items for p in prepared)
+    for i, (got, want) in enumerate(zip(many, alone)):
+        assert not isinstance(got, Exception), got
+        assert got.embeddings.shape == want.embeddings.shape
+        assert mx.allclose(got.embeddings, want.embeddings, rtol=1e-5, atol=1e-5).item(), (
+            name, i, mx.max(mx.abs(got.embeddings - want.embeddings)).item())
+        for key in want.media_rows:
+            assert mx.allclose(got.media_rows[key], want.media_rows[key], rtol=1e-5, atol=1e-5).item()
+        assert got.rope_delta == want.rope_delta and got.vision_cache_hit is False
+        if want.position_ids is not None:
+            assert mx.array_equal(got.position_ids, want.position_ids).item()
+
+
+def _solo(model, processor, messages, images=(), videos=()):
+    import mlx_vlm
+    from mlx_vlm.prompt_utils import apply_chat_template
+
+    if videos:
+        prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    else:
+        prompt = apply_chat_template(processor, model.config, messages, num_images=len(images))
+    last = None
+    for last in mlx_vlm.stream_generate(model, processor, prompt, image=list(images) or None,
+                                        video=[list(videos)] if videos else None, max_tokens=MAX_TOKENS,
+                                        temperature=0.0):
+        pass
+    return list(last.token_ids)
+
+
+def test_engine_batches_one_tick_of_media_exactly(family):
+    """Every request arrives at tick 0 and the vision budget takes all their media in that tick: greedy output
+    equals solo mlx_vlm per request, and the tick's encoder calls are the family's groups."""
+    name, model, processor = family
+    spec = FAMILIES[name]
+    arrivals = [{"prompt": m, "images": im} for m, im in image_requests()]
+    refs = [_solo(model, processor, m, images=im) for m, im in image_requests()]
+    if "video" in spec.media:
+        arrivals += [{"prompt": m, "videos": [v]} for m, v in video_requests()]
+        refs += [_solo(model, processor, m, videos=v) for m, v in video_requests()]
+    arrivals.append({"prompt": [{"role": "user", "content": "Hi. The cat sat on the mat."}]})
+    refs.append(None)  # a text request in the same ticks (not compared: it only has to run beside them)
+    engine, log = engine_with_log(model, processor, EngineConfig(vision_budget=64, max_seqs=16,
+                                                                 check_invariants=True))
+    run = drive(engine, [(0, dict(kw, sampling=SamplingParams(max_tokens=MAX_TOKENS))) for kw in arrivals])
+    assert not run.errors, run.errors
+    outputs = list(run.tokens.values())
+    mismatches = [i for i, (got, want) in enumerate(zip(outputs, refs)) if want is not None and got != want]
+    assert not mismatches, f"{name}: requests {mismatches} differ from solo mlx_vlm"
+    calls = log.of_kind("vision_encode")
+    media_ids = [rid for rid, kw in zip(run.tokens, arrivals) if "images" in kw or "videos" in kw]
+    assert sorted(r for c in calls for r in c["request_ids"]) == sorted(media_ids)  # each encoded once
+    assert len({c["tick"] for c in calls}) == 1, "the media were not all encoded in one tick"
+    assert all("seconds" in c["measure"] and "error" not in c for c in calls)
+    if spec.vision_batch is VisionBatch.ONE:
+        assert len(calls) == 1 + ("video" in spec.media), [c["request_ids"] for c in calls]  # images; videos
+    else:
+        assert max(len(c["request_ids"]) for c in calls) >= 3, [c["request_ids"] for c in calls]
+
+
+@pytest.mark.parametrize("name", ["qwen2_vl", "idefics3"])
+def test_vision_cache_hits_are_not_encoded_again(name, tmp_path):
+    """A tick whose requests repeat earlier images: the hits are not in its encoder call, only the miss is."""
+    import mlx_vlm
+
+    model_dir = build_model("vlm", tmp_path) if name == "qwen2_vl" else build_tiny_vlm(name, tmp_path,
+                                                                                        seed=BATCHING[name])
+    model, processor = mlx_vlm.load(str(model_dir))
+    first = image_requests()[:2]
+    engine, log = engine_with_log(model, processor, EngineConfig(vision_budget=64, check_invariants=True))
+    sampling = SamplingParams(max_tokens=4)
+    drive(engine, [(0, {"prompt": m, "images": im, "sampling": sampling}) for m, im in first])
+    before = len(log.of_kind("vision_encode"))
+    new = image_requests()[2]
+    again = [(user("Once more, what is it?", 1), first[0][1]), (user("And this?", 1), first[1][1]), new,
+             (user("The same new one, again?", 1), new[1])]  # the last repeats a miss of its own tick
+    run = drive(engine, [(0, {"prompt": m, "images": im, "sampling": sampling}) for m, im in again])
+    assert not run.errors
+    calls = log.of_kind("vision_encode")[before:]
+    assert [(c["request_ids"], c["images"]) for c in calls] == [([list(run.tokens)[2]], 1)]
+    hits = {r: info["vision_cache_hit"] for o in log.of_kind("outcome") for r, info in o["encoded"].items()
+            if r in run.tokens}
+    assert hits == dict(zip(run.tokens, [True, True, False, True]))
+
+
+def _executor(model, processor, events):
+    from scheduler.execution.executor import MLXExecutor
+    from scheduler.execution.runners import VisionLanguageRunner
+
+    adapter = _adapter(model, processor)
+    executor = MLXExecutor(VisionLanguageRunner(adapter), on_event=lambda kind, **f: events.append((kind, f)))
+    return adapter, executor
+
+
+def _encode_plan(prepared: dict) -> TickPlan:
+    new = tuple(NewRequest(rid, tuple(p.input_ids), SamplingParams(), 0, media=p, media_key=p.media_key,
+                           num_images=p.num_images) for rid, p in prepared.items())
+    return TickPlan(tick=0, admitted=tuple(prepared), encode=tuple(prepared), new_requests=new)
+
+
+@pytest.mark.parametrize("name", ["qwen2_vl", "pixtral"])
+def test_a_bad_medium_fails_only_its_own_request(name, tmp_path):
+    """One request's media tensor is corrupt (qwen2_vl: patches of the wrong width; pixtral: an image size of
+    0x0, so its tensors still stack with the others and the tower raises): the batched call raises, is redone
+    one request at a time, and only that request fails."""
+    import mlx_vlm
+
+    model_dir = build_model("vlm", tmp_path) if name == "qwen2_vl" else build_tiny_vlm(name, tmp_path)
+    model, processor = mlx_vlm.load(str(model_dir))
+    events: list = []
+    adapter, executor = _executor(model, processor, events)
+    prepared = {f"r{i}": adapter.prepare(m, images=im) for i, (m, im) in enumerate(image_requests()[:3])}
+    bad = prepared["r1"]
+    if name == "qwen2_vl":
+        pixels = bad.media_inputs["pixel_values"]
+        broken = {"pixel_values": pixels[:, : pixels.shape[1] - 3]}
+    else:
+        broken = {"image_sizes": mx.zeros_like(mx.array(bad.media_inputs["image_sizes"]))}
+    prepared["r1"] = dataclasses.replace(bad, media_inputs={**bad.media_inputs, **broken}, media_key="broken")
+    result = executor.execute(_encode_plan(prepared))
+    assert set(result.errors) == {"r1"} and result.errors["r1"].startswith("vision encoding failed")
+    assert set(result.encoded) == {"r0", "r2"}
+    calls = [f for kind, f in events if kind == "vision_encode"]
+    assert calls[0]["request_ids"] == ["r0", "r1", "r2"] and "error" in calls[0]  # the batched call raised
+    assert [(c["request_ids"], "error" in c) for c in calls[1:]] == [(["r0"], False), (["r1"], True),
+                                                                     (["r2"], False)]
