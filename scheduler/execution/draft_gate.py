@@ -134,7 +134,7 @@ class DraftGate:
         for w in range(2, widest + 2):
             tokens = batch + sum(expected_accepted(p, min(drafts[rid], w - 1)) for rid, p in ps.items())
             rate = tokens / self.cost.tick(batch, w)
-            if rate > best.rate:  # ties keep the narrower width
+            if rate > best.rate * (1 + 1e-9):  # ties (to rounding) keep the narrower width
                 best = GateDecision(w, rate, plain)
         return best
 

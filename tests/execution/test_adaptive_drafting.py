@@ -148,6 +148,7 @@ def test_drafting_on_the_trained_model_is_exact_and_accepted(trained_model):
     solo = [solo_tokens(model, tokenizer, p, new) for p in prompts]
     outputs, stats = {}, {}
     for name, cfg in (("plain", dict()), ("adaptive", dict(draft_tokens=4)),
+                      ("ungated", dict(draft_tokens=4, draft_gate=False)),
                       ("fixed", dict(draft_tokens=4, adaptive_drafting=False))):
         engine = Engine(model, tokenizer, EngineConfig(max_batched_tokens=1024, **cfg))
         outs = engine.generate(prompts, SamplingParams(max_tokens=new))
@@ -157,6 +158,30 @@ def test_drafting_on_the_trained_model_is_exact_and_accepted(trained_model):
     assert outputs["plain"] == solo
     assert outputs["adaptive"] == solo
     assert outputs["fixed"] == solo
+    assert outputs["ungated"] == solo
+    assert stats["adaptive"]["gate"]["judged_ticks"] > 0 and stats["ungated"]["gate"] is None
     # the drafts are accepted: more than one token per row per verify forward on this workload
     assert stats["adaptive"]["accepted"] > 0
     assert stats["adaptive"]["tokens_per_row_forward"] > 1.5
+
+
+def test_the_gate_keeps_greedy_output_and_declines_drafts_that_do_not_pay(trained_model):
+    """Batch 8 on the trained model, prompts of which only a few repeat: with the gate the output is still
+    mlx-lm's token for token, some ticks are declined (a plain step) or narrowed, so fewer ticks run a verify
+    forward than without the gate."""
+    model, tokenizer = trained_model[:2]
+    rng = random.Random(2)
+    prompts = _repetitive(tokenizer, 2) + [[rng.randrange(7, 512) for _ in range(30)] for _ in range(6)]
+    new = 24
+    solo = [solo_tokens(model, tokenizer, p, new) for p in prompts]
+    runs = {}
+    for name, gate in (("gated", True), ("ungated", False)):
+        engine = Engine(model, tokenizer, EngineConfig(max_batched_tokens=1024, draft_tokens=4, draft_gate=gate))
+        outs = engine.generate(prompts, SamplingParams(max_tokens=new))
+        runs[name] = ([o.token_ids for o in outs], engine.draft_stats())
+        engine.close()
+    assert runs["gated"][0] == solo and runs["ungated"][0] == solo
+    gate = runs["gated"][1]["gate"]
+    assert gate["judged_ticks"] > 0
+    assert gate["declined_ticks"] + gate["narrowed_ticks"] > 0
+    assert runs["gated"][1]["verify_forwards"] < runs["ungated"][1]["verify_forwards"]
