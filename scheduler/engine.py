@@ -257,7 +257,8 @@ class Engine:
             if library.vocab_size(draft_model) != self.vocab_size:
                 raise ValueError("the draft model must share the target's vocabulary")
             return DraftModelDrafter(draft_model, adaptive=cfg.adaptive_drafting)
-        return PromptLookupDrafter(adaptive=cfg.adaptive_drafting)
+        # lookup proposals cost nothing, so under the draft gate (which picks the width) rows propose all of k
+        return PromptLookupDrafter(adaptive=cfg.adaptive_drafting, cap_k=not cfg.draft_gate)
 
     def _make_draft_gate(self) -> Any:
         """Adaptive drafting judges each tick's width for the whole batch (`execution/draft_gate.py`); fixed-k

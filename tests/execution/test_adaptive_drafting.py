@@ -66,6 +66,19 @@ def test_pace_resumes_early_on_a_long_match_at_a_new_distance():
     assert pace.stats()["early_resumes"] == 1
 
 
+def test_pace_without_the_k_cap_keeps_only_its_pauses():
+    """cap_k=False (prompt lookup under the draft gate): a rejected draft does not shorten the next one, but
+    rejections in a row still pause the row."""
+    pace = AdaptivePace(patience=2, backoff=4, max_backoff=16, cap_k=False)
+    assert pace.limit("r", 4, 10) == 4
+    pace.drafted("r", 4)
+    pace.update("r", 0, 4, 11)
+    assert pace.limit("r", 4, 11) == 4  # the capped pace would halve it (test above)
+    pace.drafted("r", 4)
+    pace.update("r", 0, 4, 12)
+    assert pace.limit("r", 4, 12) == 0 and pace.limit("r", 4, 16) == 4  # paused for 4 tokens, then all of k
+
+
 def test_pace_rejects_bad_settings():
     with pytest.raises(ValueError):
         AdaptivePace(patience=0)
