@@ -160,8 +160,8 @@ def main(argv=None) -> int:
     ticks = {b: engine_ticks(model, tokenizer, b, sorted(set(args.width) | {1}), args.new_tokens, args.repeats)
              for b in args.batch}
     load1 = max(load1, os.getloadavg()[0])
-    print(f"Command: `python -m bench.verify_tick {' '.join(argv or sys.argv[1:])}`; 10th percentile of {args.iters} per op, of every tick per width; "
-          f"context {args.context} tokens per row; load1 {load1:.1f}")
+    print(f"Command: `python -m bench.verify_tick {' '.join(argv or sys.argv[1:])}`; 10th percentile of "
+          f"{args.iters} per op, of every tick per width; context {args.context} tokens per row; load1 {load1:.1f}")
     print()
     widths = sorted(set(args.width) | {1})
     print("| batch | " + " | ".join(f"forward w={w} ms (x w=1)" for w in widths)
@@ -174,7 +174,8 @@ def main(argv=None) -> int:
         print(f"| {r['batch']} | " + " | ".join(cells)
               + f" | {r['accept_ms'].get(max(widths), 0):.3f} | {r['rollback_equal_ms']:.3f} | {mixed} |")
     print()
-    print("Whole engine ticks (fixed-k prompt lookup, k = w - 1; w=1 is plain decoding), ms per tick, 10th percentile (x w=1):")
+    print("Whole engine ticks (fixed-k prompt lookup, k = w - 1; w=1 is plain decoding), ms per tick, "
+          "10th percentile (x w=1):")
     print()
     print("| batch | " + " | ".join(f"w={w}" for w in widths) + " |")
     print("|---|" + "---|" * len(widths))
