@@ -51,7 +51,9 @@ class VerifyCost:
 
     verify: float = 0.10
     width: float = 0.075
-    rows: float = 0.0  # measured ~0 on the tiny model (four rows at w cost what one does); > 0 for a compute-bound one
+    # the extra cost of width measured about the same for one row and four on the tiny model (overhead-bound);
+    # > 0 for a model whose forward is compute-bound
+    rows: float = 0.0
     shift: float = 0.45
 
     def __post_init__(self) -> None:
