@@ -8,9 +8,12 @@ built once, then cached). Workloads, token prompts for the trained tokenizer:
   "Revised:");
 * non-repetitive: random token ids in [7, 512) (no n-gram structure for lookup to find).
 
-Sides, order rotating per repeat: plain decoding (draft_tokens=0), adaptive prompt lookup (the default) and
-fixed-k prompt lookup (`adaptive_drafting=False`), k = `--k`. Greedy outputs of every side are compared with
-plain decoding token by token; figures are the best of `--repeats` per side.
+Sides, order rotating per repeat: plain decoding (draft_tokens=0), adaptive prompt lookup (the default: per-row
+pacing and the tick-level draft gate), adaptive without the gate (`draft_gate=False`) and fixed-k prompt
+lookup (`adaptive_drafting=False`), k = `--k`. Greedy outputs of every side are compared with
+plain decoding token by token; figures are the best of `--repeats` per side. Ticks (engine steps) do not
+depend on the machine's load: plain ticks / drafting ticks is the speed-up if a verify tick cost what a plain
+one does.
 
     python -m bench.drafting [--batch 1 4] [--new-tokens 64] [--k 4] [--repeats 3] [--steps N]
 """
@@ -50,22 +53,31 @@ def random_prompts(n: int, length: int = 64, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(7, 512) for _ in range(length)] for _ in range(n)]
 
 
-def run_side(model, tokenizer, prompts, new_tokens: int, k: int, adaptive: bool) -> tuple[RunStats, dict]:
+def run_side(model, tokenizer, prompts, new_tokens: int, k: int, adaptive: bool,
+             gate: bool = True) -> tuple[RunStats, dict]:
     from scheduler import Engine, EngineConfig, SamplingParams
 
-    config = EngineConfig(max_batched_tokens=2048, draft_tokens=k, adaptive_drafting=adaptive)
+    config = EngineConfig(max_batched_tokens=2048, draft_tokens=k, adaptive_drafting=adaptive, draft_gate=gate)
     engine = Engine(model, _NoEosTokenizer(tokenizer), config)
     sampling = SamplingParams(max_tokens=new_tokens)
     clock = _Clock(len(prompts), new_tokens)
     index = {engine.add_request(prompt_tokens=p, sampling=sampling): i for i, p in enumerate(prompts)}
+    ticks = 0
     while engine.has_pending():
         for out in engine.step():
             clock.record(index[out.request_id], out.token_ids)
         clock.end_step()
-    stats = clock.stats("plain" if not k else ("adaptive" if adaptive else "fixed"))
-    draft = engine.draft_stats()
+        ticks += 1
+    stats = clock.stats("plain" if not k else ("fixed" if not adaptive else "adaptive" if gate else "ungated"))
+    draft = {**engine.draft_stats(), "ticks": ticks}
     engine.close()
     return stats, draft
+
+
+def _gate_cell(gate: dict | None) -> str:
+    if not gate:
+        return "off"
+    return f"{gate['declined_ticks']} / {gate['narrowed_ticks']} / {gate['judged_ticks']}"
 
 
 def main(argv=None) -> int:
@@ -93,22 +105,24 @@ def main(argv=None) -> int:
     for kind in ("repetitive", "non-repetitive"):
         for n in args.batch:
             prompts = repetitive_prompts(tokenizer, n) if kind == "repetitive" else random_prompts(n)
-            sides = [("plain", 0, True), ("adaptive", args.k, True), ("fixed", args.k, False)]
-            for _, k, adaptive in sides:  # warm-up
-                run_side(model, tokenizer, prompts, 4, k, adaptive)
+            sides = [("plain", 0, True, True), ("adaptive", args.k, True, True),
+                     ("adaptive, no gate", args.k, True, False), ("fixed", args.k, False, False)]
+            for _, k, adaptive, gate in sides:  # warm-up
+                run_side(model, tokenizer, prompts, 4, k, adaptive, gate)
             runs: dict[str, list[RunStats]] = {s[0]: [] for s in sides}
             drafts: dict[str, dict] = {}
             for rep in range(args.repeats):
                 shift = rep % len(sides)
-                for name, k, adaptive in sides[shift:] + sides[:shift]:
-                    r, ds = run_side(model, tokenizer, prompts, args.new_tokens, k, adaptive)
+                for name, k, adaptive, gate in sides[shift:] + sides[:shift]:
+                    r, ds = run_side(model, tokenizer, prompts, args.new_tokens, k, adaptive, gate)
                     runs[name].append(r)
                     drafts[name] = ds
                     print(f"  {kind} n={n} rep {rep} {name}: wall {r.wall_s:.3f}s cpu {r.cpu_s:.2f}s "
                           f"acceptance {ds.get('acceptance_rate', 0):.2f} load1 {r.load1:.2f}", file=sys.stderr)
             plain = runs["plain"]
+            ticks_plain = drafts["plain"]["ticks"]
             best_plain = min(x.wall_s for x in plain)
-            for name in ("adaptive", "fixed"):
+            for name in ("adaptive", "adaptive, no gate", "fixed"):
                 best = min(x.wall_s for x in runs[name])
                 rows.append({
                     "kind": kind, "n": n, "side": name,
@@ -117,6 +131,8 @@ def main(argv=None) -> int:
                     "acceptance": drafts[name].get("acceptance_rate") or 0.0,
                     "tokens_per_forward": drafts[name].get("tokens_per_row_forward") or 1.0,
                     "identical": all(a.outputs == plain[0].outputs for a in runs[name]),
+                    "gate": drafts[name].get("gate"),
+                    "ticks": (ticks_plain, drafts[name]["ticks"]),
                     "load1": max(x.load1 for v in runs.values() for x in v),
                 })
     print(f"Command: `python -m bench.drafting {shlex.join(argv)}`; best of {args.repeats} per side, order "
@@ -125,12 +141,15 @@ def main(argv=None) -> int:
         print(f"Model: trained tiny model, {record.strip()}".replace("\n", " "))
     print()
     print("| input | batch | drafting | wall s plain / drafting | speed-up (wall) | speed-up (CPU time) "
-          "| acceptance | tokens per row per verify forward | greedy output identical | load1 |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| ticks plain / drafting | acceptance | tokens per row per verify forward "
+          "| gate: declined / narrowed / judged ticks | greedy output identical | load1 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['kind']} | {r['n']} | prompt lookup, {r['side']} k | {r['wall_plain']:.3f} / {r['wall']:.3f} "
-              f"| **{r['speedup']:.2f}x** | {r['cpu_speedup']:.2f}x | {r['acceptance']:.2f} "
-              f"| {r['tokens_per_forward']:.2f} | {'yes' if r['identical'] else 'NO'} | {r['load1']:.1f} |")
+              f"| **{r['speedup']:.2f}x** | {r['cpu_speedup']:.2f}x | {r['ticks'][0]} / {r['ticks'][1]} "
+              f"| {r['acceptance']:.2f} "
+              f"| {r['tokens_per_forward']:.2f} | {_gate_cell(r['gate'])} | {'yes' if r['identical'] else 'NO'} "
+              f"| {r['load1']:.1f} |")
     return 0 if all(r["identical"] for r in rows) else 1
 
 

@@ -32,6 +32,10 @@ class EngineConfig:
     adaptive_drafting: each row's draft length follows its recent acceptance and a row whose drafts keep
         being rejected pauses until its context changes (prompt lookup, draft model; see
         `scheduler/execution/drafters.py`). False: every drafting row proposes up to draft_tokens each tick.
+    draft_gate: with adaptive drafting, each tick's verify width is chosen for the whole batch: the drafts are
+        cut to the width whose expected tokens (from each row's recent acceptance) per unit of tick time (a
+        fixed cost model, `scheduler/execution/draft_gate.py`) is highest, or declined when a plain step
+        pays more. False: every proposed draft is verified at full length.
     vision_budget: media items whose encoding runs in one tick (so much media cannot stall decoding): an image
         is one item, a video one per temporal patch of its selected frames (Qwen2-VL: 2 frames), an audio clip
         one. A request with more items than the whole budget is encoded alone in a tick.
@@ -83,6 +87,7 @@ class EngineConfig:
     draft_tokens: int = 0  # speculative decoding: draft tokens per row per tick (0 = off)
     drafter: str = "prompt-lookup"  # or "draft-model" (Engine(draft_model=...)) or "mtp" (Engine(mtp_head=...))
     adaptive_drafting: bool = True
+    draft_gate: bool = True
     vision_budget: int = 4  # media items encoded per tick
     video_fps: float = 2.0
     video_max_frames: int = 32

@@ -172,6 +172,7 @@ class Engine:
                                                 prefix_cache=prefix_payloads,
                                                 logprob_vectors=self.config.logprob_vectors,
                                                 drafter=self._make_drafter(draft_model, mtp_head),
+                                                draft_gate=self._make_draft_gate(),
                                                 on_event=self._executor_event, quantize=self.quantize)
         if self.shard is not None:
             self.executor = self.shard.wrap(self.executor)
@@ -268,12 +269,24 @@ class Engine:
             if library.vocab_size(draft_model) != self.vocab_size:
                 raise ValueError("the draft model must share the target's vocabulary")
             return DraftModelDrafter(draft_model, adaptive=cfg.adaptive_drafting)
-        return PromptLookupDrafter(adaptive=cfg.adaptive_drafting)
+        # lookup proposals cost nothing, so under the draft gate (which picks the width) rows propose all of k
+        return PromptLookupDrafter(adaptive=cfg.adaptive_drafting, cap_k=not cfg.draft_gate)
+
+    def _make_draft_gate(self) -> Any:
+        """Adaptive drafting judges each tick's width for the whole batch (`execution/draft_gate.py`); fixed-k
+        drafting (`adaptive_drafting=False`) or `draft_gate=False` verifies every draft at full length."""
+        if not (self.config.draft_tokens and self.config.adaptive_drafting and self.config.draft_gate):
+            return None
+        from .execution.draft_gate import DraftGate
+
+        return DraftGate()
 
     def draft_stats(self) -> dict[str, Any]:
         """Speculative decoding: drafted, accepted, rejected, acceptance rate, verify forwards and tokens per
-        row per verify forward (zeros when drafting is off)."""
-        return self.executor.draft_stats.as_dict()
+        row per verify forward (zeros when drafting is off), and the draft gate's counts (`gate`: ticks judged,
+        declined, narrowed; None without a gate)."""
+        gate = getattr(self.executor, "draft_gate", None)
+        return {**self.executor.draft_stats.as_dict(), "gate": gate.stats() if gate is not None else None}
 
     def prefill_stats(self) -> dict[str, int]:
         """Batched first-chunk prefill: groups and rows that took the one-forward path, and fallbacks (groups

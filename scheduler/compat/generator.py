@@ -581,7 +581,9 @@ def install_mtp_mllm(batch_gen: MLLMBatchGenerator, language_model: Any = None, 
                         ".mtp_forward), an MTP head (scheduler.execution.mtp.MTPHead, or an object with .mtp_head), "
                         "or draft_model=<mlx-lm model>")
     before = batch_gen._config
-    batch_gen._configure(draft_tokens=k, drafter=drafter,
+    # draft_gate=False: the reference verifies a draft every step for each request that asked, and so does its
+    # drop-in (the engine's tick-level gate would decline drafts that do not pay for the batch)
+    batch_gen._configure(draft_tokens=k, drafter=drafter, draft_gate=False,
                          max_batched_tokens=batch_gen._config.max_batched_tokens + k * batch_gen.completion_batch_size)
     try:  # what the engine would refuse (a model whose caches cannot roll back, a VLM, ...) is refused here,
         # by building one as configured (no trace, no sinks) and dropping it: the real one is built at first use

@@ -157,15 +157,22 @@ class AdaptivePace:
       ``resume_ngram`` (or more) at a distance other than the one that failed ends the pause early: a new
       earlier occurrence is new context. An accepted token resets the misses.
 
+    ``cap_k=False`` keeps the pauses only: every row that is not paused may propose the caller's k. For a
+    drafter whose proposals cost nothing (prompt lookup) under the tick-level draft gate
+    (`scheduler/execution/draft_gate.py`), which cuts every draft to the width it chose for the batch: a
+    per-row cap would only shorten drafts inside positions the tick computes anyway.
+
     Pure bookkeeping (no MLX): tested on its own in tests/execution/test_drafters.py.
     """
 
-    def __init__(self, patience: int = 2, backoff: int = 4, max_backoff: int = 64, resume_ngram: int | None = None):
+    def __init__(self, patience: int = 2, backoff: int = 4, max_backoff: int = 64, resume_ngram: int | None = None,
+                 cap_k: bool = True):
         if patience < 1 or backoff < 1 or max_backoff < backoff:
             raise ValueError(f"need patience >= 1, 1 <= backoff <= max_backoff, got {patience}, {backoff}, "
                              f"{max_backoff}")
         self.patience, self.backoff, self.max_backoff = patience, backoff, max_backoff
         self.resume_ngram = resume_ngram
+        self.cap_k = cap_k
         self._rows: dict[str, _Pace] = {}
         self.paused_proposals = 0  # proposals withheld because the row was paused
         self.pauses = 0
@@ -185,7 +192,7 @@ class AdaptivePace:
                 return 0
             self.early_resumes += history_len < pace.paused_until
             pace.paused_until = 0
-        return min(k, pace.k)
+        return min(k, pace.k) if self.cap_k else k
 
     def drafted(self, request_id: str, n: int, distance: int = 0) -> None:
         """Record the length (and match distance) of the draft just proposed."""
@@ -302,12 +309,13 @@ class PromptLookupDrafter:
     last indexed position differs, or it got shorter) the index is rebuilt.
     """
 
-    def __init__(self, ngram_max: int = 3, ngram_min: int = 1, adaptive: bool = True):
+    def __init__(self, ngram_max: int = 3, ngram_min: int = 1, adaptive: bool = True, cap_k: bool = True):
         if not 1 <= ngram_min <= ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}")
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
-        # adaptive=False: always propose up to k (the fixed-k behaviour, for comparisons)
-        self.pace = AdaptivePace(resume_ngram=ngram_max) if adaptive else None
+        # adaptive=False: always propose up to k (the fixed-k behaviour, for comparisons); cap_k=False: pauses
+        # only (under the draft gate, which chooses the width)
+        self.pace = AdaptivePace(resume_ngram=ngram_max, cap_k=cap_k) if adaptive else None
         self._k: dict[str, int] = {}  # the k each row was last asked for
         self._index: dict[str, NgramIndex] = {}
         self._stats = _Stats()

@@ -31,7 +31,8 @@ from kernels.speculative import (
 
 from scheduler.plan import DECODE_FAILED, PREFILL_FAILED, PrefillFallback, PrefixStore, TickPlan, TickResult
 from scheduler.request import Request
-from scheduler.execution.drafters import DraftRequest
+from scheduler.execution.draft_gate import DraftGate
+from scheduler.execution.drafters import Draft, DraftRequest
 from scheduler.execution.runners import Runner, TextRunner
 
 
@@ -97,10 +98,13 @@ class _Row:
 class MLXExecutor:
     def __init__(self, runner: Runner | Any, penalty_context: int = 20, prefix_cache: Any = None,
                  logprob_vectors: bool = False, drafter: Any = None, on_event: Any = None,
-                 processor_history: str = "prompt+output", quantize: QuantizeRule | None = None):
+                 processor_history: str = "prompt+output", quantize: QuantizeRule | None = None,
+                 draft_gate: DraftGate | None = None):
         # KV decisions carried out (kv_merge, kv_filter, kv_rollback) are events: (kind, **fields)
         self._on_event = on_event or (lambda kind, **fields: None)
         self.drafter = drafter  # proposes draft tokens for the rows a plan lets draft
+        # cuts each tick's drafts to the verify width that pays for the whole batch (None: verify them all)
+        self.draft_gate = draft_gate
         self.draft_stats = DraftStats()
         self.prefill_stats = PrefillStats()
         # hidden-state drafters (MTP heads) need each row's last hidden state from the previous forward
@@ -140,6 +144,9 @@ class MLXExecutor:
         request_ids = list(request_ids)
         if self.drafter is not None:
             self.drafter.release(request_ids)
+        if self.draft_gate is not None:
+            for rid in request_ids:
+                self.draft_gate.release(rid)
         for rid in request_ids:
             self.kv.drop_request(rid)
             self._encoded.pop(rid, None)
@@ -456,6 +463,8 @@ class MLXExecutor:
         if draft_k and not self.runner.capabilities.rollback:
             draft_k = self._refeed_grants(draft_k)
         drafts = self._propose(draft_k, result) if draft_k else None
+        if drafts and self.draft_gate is not None:
+            drafts = self._gate(drafts)
         if drafts and not self.runner.capabilities.rollback:
             drafts = self._refeed_drafts(drafts)
             snapshot = snapshot_batch(self.kv.batch) if drafts else None
@@ -495,8 +504,9 @@ class MLXExecutor:
             idx = mx.array(want_logprobs)
             picked = mx.take_along_axis(logprobs[idx], tokens[idx][:, None].astype(mx.int32), axis=1)[:, 0]
         emitted: dict[int, list[int]] = {}
-        if width:
+        if width:  # (the sampled tokens are evaluated with the verdict: one sync for both)
             emitted = self._verify(all_logits, draft_tokens, draft_lens, drafts, width, result,
+                                   tokens if picked is None else (tokens, picked),
                                    None if snapshot is None else (snapshot, verify_inputs))
         if all_hidden is not None:  # each row's hidden state at the last position it kept
             kept = mx.array([len(emitted[i]) - 1 if i in emitted else 0 for i in range(len(self._rows))])
@@ -583,7 +593,18 @@ class MLXExecutor:
         have = {rid: d for rid, d in drafts.items() if len(d.tokens)}
         return have if len(have) == len(self._rows) else {}
 
-    def _verify(self, all_logits, draft_tokens, draft_lens, drafts, width, result,
+    def _gate(self, drafts: dict[str, Draft]) -> dict[str, Draft]:
+        """Cut every draft to the width the gate chose for this tick (`draft_gate.py`). Rows keep their entry
+        (a row cut to nothing verifies nothing, as when its drafter proposed nothing); a declined tick has no
+        drafts, so it is a plain step."""
+        cut = self.draft_gate.apply(len(self._rows), {rid: len(d.tokens) for rid, d in drafts.items()})
+        if not cut:
+            return {}
+        return {rid: d if len(d.tokens) == cut.get(rid, 0) else
+                Draft(rid, d.tokens[: cut.get(rid, 0)], None if d.logprobs is None else d.logprobs[: cut.get(rid, 0)])
+                for rid, d in drafts.items()}
+
+    def _verify(self, all_logits, draft_tokens, draft_lens, drafts, width, result, sampled=(),
                 refeed: tuple[Any, mx.array] | None = None) -> dict[int, list[int]]:
         """Accept per row (greedy: longest matching prefix; sampled: exact min(1, p/q) rule with residual
         resampling), roll every row's cache back to what it accepted, and return each drafting row's emitted
@@ -608,7 +629,7 @@ class MLXExecutor:
                                             target.shape[-1])
             res = stochastic_accept(processed_logprobs(target_lp, params), draft_lp, draft_tokens[idx],
                                     draft_lens[idx], params.seed, mx.array([r.step for r in rows], dtype=mx.uint32))
-        mx.eval(res.accepted, res.emitted)
+        mx.eval(res.accepted, res.emitted, sampled)
         accepted = res.accepted.tolist()
         emitted_rows = res.emitted.tolist()
         if refeed is not None:
@@ -623,6 +644,8 @@ class MLXExecutor:
             proposed = len(drafts[rid].tokens)
             result.drafts[rid] = (proposed, a)
             self.drafter.accept(rid, a, out[i])
+            if self.draft_gate is not None:
+                self.draft_gate.observe(rid, proposed, a)
         if refeed is None:
             rollback_rows(self.kv.batch, drop)
         elif accepted[0] < width:

@@ -66,6 +66,19 @@ def test_pace_resumes_early_on_a_long_match_at_a_new_distance():
     assert pace.stats()["early_resumes"] == 1
 
 
+def test_pace_without_the_k_cap_keeps_only_its_pauses():
+    """cap_k=False (prompt lookup under the draft gate): a rejected draft does not shorten the next one, but
+    rejections in a row still pause the row."""
+    pace = AdaptivePace(patience=2, backoff=4, max_backoff=16, cap_k=False)
+    assert pace.limit("r", 4, 10) == 4
+    pace.drafted("r", 4)
+    pace.update("r", 0, 4, 11)
+    assert pace.limit("r", 4, 11) == 4  # the capped pace would halve it (test above)
+    pace.drafted("r", 4)
+    pace.update("r", 0, 4, 12)
+    assert pace.limit("r", 4, 12) == 0 and pace.limit("r", 4, 16) == 4  # paused for 4 tokens, then all of k
+
+
 def test_pace_rejects_bad_settings():
     with pytest.raises(ValueError):
         AdaptivePace(patience=0)
@@ -148,6 +161,7 @@ def test_drafting_on_the_trained_model_is_exact_and_accepted(trained_model):
     solo = [solo_tokens(model, tokenizer, p, new) for p in prompts]
     outputs, stats = {}, {}
     for name, cfg in (("plain", dict()), ("adaptive", dict(draft_tokens=4)),
+                      ("ungated", dict(draft_tokens=4, draft_gate=False)),
                       ("fixed", dict(draft_tokens=4, adaptive_drafting=False))):
         engine = Engine(model, tokenizer, EngineConfig(max_batched_tokens=1024, **cfg))
         outs = engine.generate(prompts, SamplingParams(max_tokens=new))
@@ -157,6 +171,30 @@ def test_drafting_on_the_trained_model_is_exact_and_accepted(trained_model):
     assert outputs["plain"] == solo
     assert outputs["adaptive"] == solo
     assert outputs["fixed"] == solo
+    assert outputs["ungated"] == solo
+    assert stats["adaptive"]["gate"]["judged_ticks"] > 0 and stats["ungated"]["gate"] is None
     # the drafts are accepted: more than one token per row per verify forward on this workload
     assert stats["adaptive"]["accepted"] > 0
     assert stats["adaptive"]["tokens_per_row_forward"] > 1.5
+
+
+def test_the_gate_keeps_greedy_output_and_declines_drafts_that_do_not_pay(trained_model):
+    """Batch 8 on the trained model, prompts of which only a few repeat: with the gate the output is still
+    mlx-lm's token for token, some ticks are declined (a plain step) or narrowed, so fewer ticks run a verify
+    forward than without the gate."""
+    model, tokenizer = trained_model[:2]
+    rng = random.Random(2)
+    prompts = _repetitive(tokenizer, 2) + [[rng.randrange(7, 512) for _ in range(30)] for _ in range(6)]
+    new = 24
+    solo = [solo_tokens(model, tokenizer, p, new) for p in prompts]
+    runs = {}
+    for name, gate in (("gated", True), ("ungated", False)):
+        engine = Engine(model, tokenizer, EngineConfig(max_batched_tokens=1024, draft_tokens=4, draft_gate=gate))
+        outs = engine.generate(prompts, SamplingParams(max_tokens=new))
+        runs[name] = ([o.token_ids for o in outs], engine.draft_stats())
+        engine.close()
+    assert runs["gated"][0] == solo and runs["ungated"][0] == solo
+    gate = runs["gated"][1]["gate"]
+    assert gate["judged_ticks"] > 0
+    assert gate["declined_ticks"] + gate["narrowed_ticks"] > 0
+    assert runs["gated"][1]["verify_forwards"] < runs["ungated"][1]["verify_forwards"]

@@ -56,7 +56,10 @@ def _drafting_with_processors(text, vlm):
                  SamplingParams(max_tokens=12, repetition_penalty=1.2), SamplingParams(max_tokens=12, logprobs=True)]
     arrivals = [(i // 3, {"prompt_tokens": prompts[i], "sampling": s, "request_id": f"d{i}"})
                 for i, s in enumerate(samplings)]
-    return text, EngineConfig(max_batched_tokens=64, max_seqs=6, prefill_chunk=32, draft_tokens=3), {}, arrivals
+    # draft_gate=False: every proposal is verified, so the trace holds verifications of rows beside ineligible
+    # ones (on this untrained model the gate would decline most of them; "draft-gate" records it on)
+    return text, EngineConfig(max_batched_tokens=64, max_seqs=6, prefill_chunk=32, draft_tokens=3,
+                              draft_gate=False), {}, arrivals
 
 
 def _check_drafting_with_processors(events):
@@ -65,6 +68,24 @@ def _check_drafting_with_processors(events):
     assert _kinds(events, "transition", request_id="d3", trigger="fail")
     assert _kinds(events, "transition", trigger="start_draft")
     assert sum(d[0] for e in _kinds(events, "outcome") for d in e["drafts"].values()) > 0  # lookups proposed
+    assert _kinds(events, "kv_rollback")
+
+
+def _draft_gate(text, vlm):
+    """The tick-level draft gate on: two rows whose prompts end with the start of the model's own greedy
+    continuation (lookups are accepted) and two of random ids, k=4. What the gate let through is in each
+    outcome's `drafts`, which replay reads; its decisions are not replayed (they are the executor's)."""
+    starts = mixed_prompts(4, 8, 20, seed=11)
+    prompts = [p + solo_tokens(*text, p, 24) if i < 2 else p for i, p in enumerate(starts)]
+    arrivals = [(0, {"prompt_tokens": prompts[i], "sampling": SamplingParams(max_tokens=16), "request_id": f"g{i}"})
+                for i in range(4)]
+    return text, EngineConfig(max_batched_tokens=128, max_seqs=4, prefill_chunk=64, draft_tokens=4), {}, arrivals
+
+
+def _check_draft_gate(events):
+    grants = {e["tick"] for e in _kinds(events, "plan") if e["draft"]}
+    verified = {e["tick"] for e in _kinds(events, "outcome") if any(d[0] for d in e["drafts"].values())}
+    assert verified and verified < grants  # some granted ticks verified drafts, some were decoded plainly
     assert _kinds(events, "kv_rollback")
 
 
@@ -168,6 +189,7 @@ def _check_priority(events):
 FEATURES = {
     "logprobs": (_logprobs, _check_logprobs),
     "drafting-with-processors": (_drafting_with_processors, _check_drafting_with_processors),
+    "draft-gate": (_draft_gate, _check_draft_gate),
     "draft-model": (_draft_model, _check_draft_model),
     "preemption": (_preemption, _check_preemption),
     "prefix-hits-and-evictions": (_prefix, _check_prefix),
