@@ -217,7 +217,7 @@ DECODE_FAILED = "decode failed"
 # forms a group only while its pad positions are at most this fraction of the group's real tokens, so a tick's
 # prefill computes at most (1 + PREFILL_PAD_RATIO) x its planned prefill tokens (bench/prefill_mix.py measured
 # the choice; ARCHITECTURE.md, "Batched prefill"). The engine checks the bound every tick.
-PREFILL_PAD_RATIO = 0.25
+PREFILL_PAD_RATIO = 0.0625
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ from kernels.speculative import (
     stochastic_accept,
 )
 
-from scheduler.plan import DECODE_FAILED, PREFILL_FAILED, PREFILL_PAD_RATIO, PrefillFallback, PrefixStore, TickPlan, TickResult
+from scheduler.plan import (DECODE_FAILED, PREFILL_FAILED, PREFILL_PAD_RATIO, PrefillFallback, PrefixStore, TickPlan,
+                            TickResult)
 from scheduler.request import Request
 from scheduler.execution.drafters import DraftRequest
 from scheduler.execution.runners import Runner, TextRunner
