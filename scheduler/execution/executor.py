@@ -2,7 +2,8 @@
 
 Per tick: (1) drop rows the scheduler released or preempted, (2) encode the media of requests planned for
 vision work, (3) feed each prefill chunk into that request's own single-request cache (exactly the cache
-`mlx_lm.generate` would build), (4) merge the caches of requests whose
+`mlx_lm.generate` would build; chunks that can share a forward are fed together and split back into those
+caches, `_prefill_groups`), (4) merge the caches of requests whose
 prefill completes into the running batch cache, (5) one batched forward over every decoding row (a
 completing request's row is fed its last prompt token, so its first token is sampled in the same tick), then
 vectorised sampling. Per-row state (sampling arrays, penalty context, step counters) is rebuilt only when
