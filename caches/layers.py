@@ -463,9 +463,37 @@ def splittable(cache: Cache) -> bool:
     return capabilities(cache).splittable
 
 
-def split_batch(batch: Cache, rows: int) -> list[Cache]:
-    """One single-request cache per row of a splittable batch cache (mlx-lm's `extract`, which copies)."""
-    return [[layer.extract(i) for layer in batch] for i in range(rows)]
+def split_batch(batch: Cache, rows: int, trailing: Sequence[int] | None = None) -> list[Cache]:
+    """One single-request cache per row of a splittable batch cache (mlx-lm's `extract`, which copies).
+
+    `trailing[i]`: positions at the end of row i that are right padding (a batched prefill of chunks of
+    different lengths): they are cut off, so the request's cache holds exactly its own tokens and bytes."""
+    trailing = trailing or [0] * rows
+    return [[_extract_row(layer, i, t) for layer in batch] for i, t in zip(range(rows), trailing)]
+
+
+def _extract_row(layer: Any, i: int, trailing: int) -> Any:
+    if isinstance(layer, mlx_cache.CacheList):
+        return mlx_cache.CacheList(*(_extract_row(c, i, trailing) for c in layer.caches))
+    row = layer.extract(i)
+    if trailing:
+        if not _kind_of(layer).caps.splittable:
+            raise TypeError(f"split_batch: {type(layer).__name__} rows cannot be split")
+        _cut_tail(row, trailing)
+    return row
+
+
+def _cut_tail(row: Any, n: int) -> None:
+    """Drop the last `n` positions of a single-request plain or quantized KV layer, copying what is kept (a
+    view would keep the whole buffer alive)."""
+    keep = row.offset - n
+    if isinstance(row.keys, tuple):  # quantized: (packed, scales, biases)
+        row.keys = tuple(mx.contiguous(k[..., :keep, :]) for k in row.keys)
+        row.values = tuple(mx.contiguous(v[..., :keep, :]) for v in row.values)
+    else:
+        row.keys = mx.contiguous(row.keys[..., :keep, :])
+        row.values = mx.contiguous(row.values[..., :keep, :])
+    row.offset = keep
 
 
 def snapshot_cache(cache: Cache) -> tuple[list[tuple[type, Any]], int, bool]:

@@ -22,7 +22,7 @@ from caches.layers import MaskLayout, QuantizationRefused, capabilities as cache
 
 from .execution import library
 from .config import EngineConfig
-from .plan import PLAN_RECORD_GROUPS
+from .plan import PLAN_RECORD_GROUPS, PREFILL_PAD_RATIO
 from .events import EventLog, JsonlSink, MemorySink
 from .execution.executor import MLXExecutor
 from .execution.runners import TextRunner, VisionLanguageRunner
@@ -447,6 +447,7 @@ class Engine:
                              encoded=encoded, accepted_drafts=result.accepted_drafts,
                              drafts={rid: list(d) for rid, d in result.drafts.items()},
                              computed_tokens=result.computed_tokens,
+                             **({"padded_tokens": result.padded_tokens} if result.padded_tokens else {}),
                              **({"prefill_fallbacks": [[list(f.request_ids), f.num_tokens, f.error]
                                                        for f in result.prefill_fallbacks]}
                                 if result.prefill_fallbacks else {}),
@@ -520,6 +521,10 @@ class Engine:
         if result is not None and result.computed_tokens > plan.num_batched_tokens:
             raise InvariantViolation(f"tick {plan.tick} computed {result.computed_tokens} token positions, "
                                      f"planned {plan.num_batched_tokens}")
+        if result is not None and result.padded_tokens > PREFILL_PAD_RATIO * result.prefill_tokens:
+            # batched prefill's pad positions are computed on top of the plan, within a documented bound
+            raise InvariantViolation(f"tick {plan.tick} padded {result.padded_tokens} positions for "
+                                     f"{result.prefill_tokens} prefill tokens (bound {PREFILL_PAD_RATIO})")
         if self.config.kv_memory_bytes is not None:
             # real <= bound <= budget after the tick. A merge holds more while it runs (at most
             # KVLayout.join_bytes on top, measured in tests/caches/test_kv_peak.py); the budget does not include it.

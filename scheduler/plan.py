@@ -212,12 +212,20 @@ PREFILL_FAILED = "prefill failed"
 DECODE_FAILED = "decode failed"
 
 
+# Batched prefill pads a group of chunks to its longest one (right padding: causal attention keeps every real
+# position from seeing a pad). The padded positions are computed but are not planned tokens: the executor
+# forms a group only while its pad positions are at most this fraction of the group's real tokens, so a tick's
+# prefill computes at most (1 + PREFILL_PAD_RATIO) x its planned prefill tokens (bench/prefill_mix.py measured
+# the choice; ARCHITECTURE.md, "Batched prefill"). The engine checks the bound every tick.
+PREFILL_PAD_RATIO = 0.0625
+
+
 @dataclass(frozen=True)
 class PrefillFallback:
-    """A batched first-chunk prefill that raised: its requests were prefilled one by one instead."""
+    """A batched prefill group that raised: its requests were prefilled one by one instead."""
 
     request_ids: tuple[str, ...]
-    num_tokens: int
+    num_tokens: int  # the group's width: its longest chunk
     error: str
 
 
@@ -236,6 +244,8 @@ class TickResult:
     encoded: dict[str, dict] = field(default_factory=dict)  # request id -> {rope_delta, vision_cache_hit, ...}
     prefill_fallbacks: list[PrefillFallback] = field(default_factory=list)
     computed_tokens: int = 0  # token positions the model actually ran this tick (prefill + decode/verify forward)
+    padded_tokens: int = 0  # pad positions batched prefill computed on top (<= PREFILL_PAD_RATIO x prefill tokens)
+    prefill_tokens: int = 0  # the real prefill positions of computed_tokens (what the pad bound is taken of)
     vision_time: float = 0.0
     prefill_time: float = 0.0
     decode_time: float = 0.0

@@ -1,8 +1,10 @@
 """MLXExecutor: runs a TickPlan on a real model (mlx-lm, or mlx-vlm through a runner).
 
 Per tick: (1) drop rows the scheduler released or preempted, (2) encode the media of requests planned for
-vision work, together (vision-cache hits skipped, the misses in as few encoder calls as the family allows), (3) feed each prefill chunk into that request's own single-request cache (exactly the cache
-`mlx_lm.generate` would build), (4) merge the caches of requests whose
+vision work, together (vision-cache hits skipped, the misses in as few encoder calls as the family allows), (3)
+feed each prefill chunk into that request's own single-request cache (exactly the cache `mlx_lm.generate` would
+build; chunks that can share a forward are fed together and split back into those caches, `_prefill_groups`),
+(4) merge the caches of requests whose
 prefill completes into the running batch cache, (5) one batched forward over every decoding row (a
 completing request's row is fed its last prompt token, so its first token is sampled in the same tick), then
 vectorised sampling. Per-row state (sampling arrays, penalty context, step counters) is rebuilt only when
@@ -29,7 +31,8 @@ from kernels.speculative import (
     stochastic_accept,
 )
 
-from scheduler.plan import DECODE_FAILED, PREFILL_FAILED, PrefillFallback, PrefixStore, TickPlan, TickResult
+from scheduler.plan import (DECODE_FAILED, PREFILL_FAILED, PREFILL_PAD_RATIO, PrefillFallback, PrefixStore, TickPlan,
+                            TickResult)
 from scheduler.request import Request
 from scheduler.execution.draft_gate import DraftGate
 from scheduler.execution.drafters import Draft, DraftRequest
@@ -71,15 +74,41 @@ class DraftStats:
 
 @dataclass
 class PrefillStats:
-    """Batched first-chunk prefill (fresh prompts of equal length in one forward), all ticks together."""
+    """Batched prefill (several requests' chunks in one forward), all ticks together."""
 
     batched_groups: int = 0
     batched_rows: int = 0
+    cached_rows: int = 0  # of those, rows whose cache already held tokens (a later chunk, a prefix hit)
+    padded_tokens: int = 0  # right-pad positions those forwards computed on top of the planned tokens
     fallbacks: int = 0  # groups whose batched forward raised and were prefilled one by one
+
+    def record(self, rows: int, cached: int, padded: int) -> None:
+        self.batched_groups += 1
+        self.batched_rows += rows
+        self.cached_rows += cached
+        self.padded_tokens += padded
 
     def as_dict(self) -> dict[str, int]:
         return {"batched_groups": self.batched_groups, "batched_rows": self.batched_rows,
-                "fallbacks": self.fallbacks}
+                "cached_rows": self.cached_rows, "padded_tokens": self.padded_tokens, "fallbacks": self.fallbacks}
+
+
+def _pad_groups(chunks: list[tuple[str, int, int]], pad_ratio: float) -> list[tuple[list, int, int]]:
+    """(request id, start, n) chunks -> groups of two or more: (chunks, width, pad positions). Longest first;
+    a group takes the next chunk while its pads stay within `pad_ratio` x its real tokens (a shorter chunk
+    only adds more pads for fewer tokens, so the first that does not fit closes the group)."""
+    ordered = sorted(chunks, key=lambda c: -c[2])
+    groups, i = [], 0
+    while i < len(ordered):
+        width = ordered[i][2]
+        j, real, pads = i + 1, width, 0
+        while j < len(ordered) and pads + width - ordered[j][2] <= pad_ratio * (real + ordered[j][2]):
+            real, pads = real + ordered[j][2], pads + width - ordered[j][2]
+            j += 1
+        if j - i > 1:
+            groups.append((ordered[i:j], width, pads))
+        i = j
+    return groups
 
 
 def _row_sampling(request: Request) -> RowSampling:
@@ -99,7 +128,7 @@ class MLXExecutor:
     def __init__(self, runner: Runner | Any, penalty_context: int = 20, prefix_cache: Any = None,
                  logprob_vectors: bool = False, drafter: Any = None, on_event: Any = None,
                  processor_history: str = "prompt+output", quantize: QuantizeRule | None = None,
-                 draft_gate: DraftGate | None = None):
+                 draft_gate: DraftGate | None = None, pad_ratio: float = PREFILL_PAD_RATIO):
         # KV decisions carried out (kv_merge, kv_filter, kv_rollback) are events: (kind, **fields)
         self._on_event = on_event or (lambda kind, **fields: None)
         self.drafter = drafter  # proposes draft tokens for the rows a plan lets draft
@@ -107,6 +136,11 @@ class MLXExecutor:
         self.draft_gate = draft_gate
         self.draft_stats = DraftStats()
         self.prefill_stats = PrefillStats()
+        # batched prefill pads a group by at most this fraction of its real tokens (0: equal lengths only).
+        # The engine checks PREFILL_PAD_RATIO; a larger ratio is for probes (bench/prefill_mix.py) only.
+        if pad_ratio < 0:
+            raise ValueError(f"pad_ratio must be >= 0, got {pad_ratio}")
+        self.pad_ratio = pad_ratio
         # hidden-state drafters (MTP heads) need each row's last hidden state from the previous forward
         self._keeps_hidden = bool(getattr(drafter, "needs_hidden", False))
         self._native_hidden = bool(getattr(drafter, "native_hidden", False))  # the model's own return_hidden
@@ -191,10 +225,11 @@ class MLXExecutor:
             self._quantize_if_due(requests[rid], length)
             restored[rid] = length
         joining: list[str] = []
-        grouped = self._prefill_fresh_groups(plan.prefill, requests, restored, result)
+        grouped = self._prefill_groups(plan.prefill, requests, result)
         for chunk in plan.prefill:
             request = requests[chunk.request_id]
             fed = (chunk.end - 1 if chunk.completes else chunk.end) - chunk.start
+            result.prefill_tokens += fed
             if chunk.request_id not in grouped:
                 try:
                     self._prefill_chunk(request, chunk.start, chunk.start + fed, result)
@@ -255,40 +290,56 @@ class MLXExecutor:
         self._has_hidden = []
         self._released.clear()
 
-    def _prefill_fresh_groups(self, chunks, requests: Mapping[str, Request], restored: dict,
-                              result: TickResult) -> set[str]:
-        """First chunks of the same length (no cache yet, no prefix hit) run as one batched forward: the same
-        computation row by row, but bigger matrices for the BLAS than one forward per request. Each row then
-        becomes that request's own cache again. Returns the request ids prefilled here; anything that cannot
-        be grouped (or a group that fails) goes the one-request way; a failed group is a `PrefillFallback` in the
-        tick's result (the outcome event) and counted in `prefill_stats`, never silent."""
+    def _prefill_groups(self, chunks, requests: Mapping[str, Request], result: TickResult) -> set[str]:
+        """Prefill chunks that can share a forward do: first and later chunks, fresh prompts and prefix-cache
+        hits, of any lengths. The same computation row by row (each row's cache is merged left-padded and split
+        back; a shorter chunk is right-padded to the group's width, which no real position attends to), but
+        bigger matrices for the BLAS than one forward per request.
+
+        Grouping is this executor's decision, never the planner's: chunks sorted longest first, a group grows
+        while its pad positions stay within `pad_ratio` of its real tokens (`PREFILL_PAD_RATIO`, the bound the
+        engine checks); pads are counted in the tick's result and in `prefill_stats`. Returns the request ids
+        prefilled here; the rest go the one-request way: a cache kind that cannot be split back out of a batch
+        (rotating windows, recurrent state: declared by the cache-layer capabilities), quantized caches, a
+        chunk inside which kv_bits converts, vision-language rows (their runner has no batched prefill), and
+        any group whose forward raised (a `PrefillFallback` in the tick's result, counted, never silent)."""
         if not getattr(self.runner, "batched_prefill", False):
             return set()
-        groups: dict[int, list[str]] = {}
+        eligible = []
         for c in chunks:
+            request = requests[c.request_id]
             n = (c.end - 1 if c.completes else c.end) - c.start
-            if c.start == 0 and n > 0 and c.request_id not in restored and not self.kv.has_request(c.request_id):
-                if self.quantize is not None and self.quantize.point(requests[c.request_id].prompt_len) < n:
-                    continue  # it converts inside this chunk: its forward is split, one request at a time
-                groups.setdefault(n, []).append(c.request_id)
+            if self._groupable(request, c.start, n):
+                eligible.append((c.request_id, c.start, n))
         done: set[str] = set()
-        for n, rids in groups.items():
-            if len(rids) < 2:
-                continue
+        for group, width, padded in _pad_groups(eligible, self.pad_ratio):
+            rows = [(requests[rid], self.kv.request_cache(rid) if start else None, start, n)
+                    for rid, start, n in group]
             try:
-                caches = self.runner.prefill_many([requests[rid] for rid in rids], n)
-            except Exception as exc:  # retried one by one below, where an error is attributed to its own request
+                caches = self.runner.prefill_many(rows)
+            except Exception as exc:  # retried one by one, where an error is attributed to its own request
                 self.prefill_stats.fallbacks += 1
-                result.prefill_fallbacks.append(PrefillFallback(tuple(rids), n, f"{type(exc).__name__}: {exc}"))
+                result.prefill_fallbacks.append(PrefillFallback(tuple(rid for rid, _, _ in group), width,
+                                                                f"{type(exc).__name__}: {exc}"))
                 continue
-            self.prefill_stats.batched_groups += 1
-            self.prefill_stats.batched_rows += len(rids)
-            for rid, cache in zip(rids, caches):
+            self.prefill_stats.record(len(group), sum(start > 0 for _, start, _ in group), padded)
+            result.padded_tokens += padded
+            for (rid, start, n), cache in zip(group, caches):
                 self.kv.adopt(rid, cache)
-                self._encoded[rid] = None
-                self._quantize_if_due(requests[rid], n)
+                self._encoded.setdefault(rid, None)
+                self._quantize_if_due(requests[rid], start + n)
                 done.add(rid)
         return done
+
+    def _groupable(self, request: Request, start: int, n: int) -> bool:
+        rid = request.request_id
+        if n <= 0 or (start > 0) != self.kv.has_request(rid):  # a later chunk has its cache (restored or fed)
+            return False
+        if start > 0 and self.kv.is_quantized(rid):
+            return False  # a quantized row would need a batch of quantized rows only: kept one by one
+        if self.quantize is not None and start <= self.quantize.point(request.prompt_len) < start + n:
+            return False  # it converts inside this chunk: its forward is split, one request at a time
+        return self._checkpoint_at(request, start, start + n) is None
 
     def _prefill_chunk(self, request: Request, start: int, end: int, result: TickResult) -> None:
         """Feed prompt tokens [start, end). For a cache that cannot be trimmed, the feed stops at the last block

@@ -45,8 +45,9 @@ class TextRunner:
         self.max_kv_size = max_kv_size
         self.family = library.model_family(model)  # raises UnsupportedModel for a family that cannot batch
         self.capabilities = layers.capabilities(self.make_cache())
-        # Fresh prompts can share one prefill forward when a row of a batch cache can be split back into a
-        # request's own cache (plain KV; a rotating window or recurrent state cannot).
+        # Prefill chunks can share one forward when a row of a batch cache can be split back into a request's
+        # own cache (plain and quantized KV). A rotating window or recurrent state cannot: the batch form of a
+        # window has no per-row split, and a recurrent state would integrate the right padding.
         self.batched_prefill = self.capabilities.splittable
         # A cache that cannot be trimmed (recurrent state, a rotating window) goes into the prefix cache as exact
         # checkpoints, stored at the block boundaries its prefill passes.
@@ -69,12 +70,20 @@ class TextRunner:
         self.model(mx.array(request.prefill_tokens(start, end))[None], cache=cache)
         mx.eval(library.cache_arrays(cache))
 
-    def prefill_many(self, requests, n):
-        """The first `n` prompt tokens of several fresh requests in one forward; one cache per request back."""
-        batch = self.merge([self.make_cache() for _ in requests])
-        self.model(mx.array([r.prefill_tokens(0, n) for r in requests]), cache=batch)
+    def prefill_many(self, chunks):
+        """Several requests' chunks in one forward; one cache per request back.
+
+        `chunks`: (request, cache, start, n) each: feed prefill tokens [start, start + n) after what `cache`
+        holds (None: a fresh request). The caches are merged left-padded (mlx-lm's BatchKVCache: each row keeps
+        its own RoPE offset and the mask hides the padding), and chunks shorter than the widest are padded on
+        the right: causal attention keeps every real position from seeing a pad, and the pads are cut from the
+        caches after, so each row computes what its own forward would."""
+        width = max(n for *_, n in chunks)
+        batch = self.merge([cache if cache is not None else self.make_cache() for _, cache, _, _ in chunks])
+        tokens = [request.prefill_tokens(start, start + n) + [0] * (width - n) for request, _, start, n in chunks]
+        self.model(mx.array(tokens), cache=batch)
         mx.eval(library.cache_arrays(batch))
-        return library.split_batch(batch, len(requests))
+        return library.split_batch(batch, len(chunks), [width - n for *_, n in chunks])
 
     def decode(self, batch_cache, inputs, rope_deltas):
         return self.model(inputs[:, None], cache=batch_cache)[:, -1, :]

@@ -93,7 +93,7 @@ def test_reference_prompts_cover_the_length_range():
 
 
 def _equal_length_prompts():
-    return [p[:40] for p in mixed_prompts(8, 40, 60, seed=4)] + [p[:25] for p in mixed_prompts(3, 25, 30, seed=5)]
+    return [p[:40] for p in mixed_prompts(8, 40, 60, seed=4)] + [p[:10] for p in mixed_prompts(3, 10, 30, seed=5)]
 
 
 def test_fresh_prompts_of_equal_length_share_one_prefill_forward_and_stay_exact(text_model):
@@ -101,8 +101,10 @@ def test_fresh_prompts_of_equal_length_share_one_prefill_forward_and_stay_exact(
     prompts = _equal_length_prompts()
     engine, log = engine_with_log(model, tokenizer, EngineConfig())
     outputs = engine.generate(prompts, greedy(MAX_TOKENS))
-    # the fast path ran (counted after the batched forward returned, not before it was tried)
-    assert engine.prefill_stats() == {"batched_groups": 2, "batched_rows": len(prompts), "fallbacks": 0}
+    # the fast path ran (counted after the batched forward returned, not before it was tried); padding even one
+    # chunk of 9 to 39 would cost 30 pads for 321 tokens, more than PREFILL_PAD_RATIO allows: two groups
+    assert engine.prefill_stats() == {"batched_groups": 2, "batched_rows": len(prompts), "cached_rows": 0,
+                                      "padded_tokens": 0, "fallbacks": 0}
     assert not any("prefill_fallbacks" in e for e in log.of_kind("outcome"))
     assert [o.token_ids for o in outputs] == [solo_tokens(model, tokenizer, p, MAX_TOKENS) for p in prompts]
 
@@ -116,7 +118,7 @@ def test_a_failing_batched_prefill_falls_back_as_an_event_and_a_counter(text_mod
     model, tokenizer = text_model
 
     class BrokenBatchedPrefill(TextRunner):
-        def prefill_many(self, requests, n):
+        def prefill_many(self, chunks):
             raise RuntimeError("batched prefill is broken")
 
     prompts = _equal_length_prompts()
@@ -125,7 +127,8 @@ def test_a_failing_batched_prefill_falls_back_as_an_event_and_a_counter(text_mod
                     event_sinks=[log])
     outputs = engine.generate(prompts, greedy(MAX_TOKENS))
     assert [o.token_ids for o in outputs] == [solo_tokens(model, tokenizer, p, MAX_TOKENS) for p in prompts]
-    assert engine.prefill_stats() == {"batched_groups": 0, "batched_rows": 0, "fallbacks": 2}
+    assert engine.prefill_stats() == {"batched_groups": 0, "batched_rows": 0, "cached_rows": 0,
+                                      "padded_tokens": 0, "fallbacks": 2}
     fallbacks = [f for e in log.of_kind("outcome") for f in e.get("prefill_fallbacks", [])]
-    assert sorted((len(ids), n) for ids, n, _ in fallbacks) == [(3, 25 - 1), (8, 40 - 1)]
+    assert sorted((len(ids), n) for ids, n, _ in fallbacks) == [(3, 10 - 1), (8, 40 - 1)]  # ids, group width
     assert all("batched prefill is broken" in error for _, _, error in fallbacks)
