@@ -148,6 +148,8 @@ class MLXExecutor:
         self._has_hidden: list[bool] = []
         self.logprob_vectors = logprob_vectors  # hand every row's full log-softmax vector back (compat API)
         self.runner: Runner = runner if hasattr(runner, "decode") and hasattr(runner, "make_cache") else TextRunner(runner)
+        # whether rejected drafts can be dropped per row in place; if not, a verify is undone by a re-feed
+        self._rolls_back = self.runner.capabilities.rollback
         self.prefix_cache = prefix_cache  # read here (payloads to restore); the scheduler decides what is in it
         self.penalty_context = penalty_context
         # what processors and penalties see: every token so far (mlx-lm) or the generated ones only (vllm-mlx)
@@ -511,12 +513,12 @@ class MLXExecutor:
         back); otherwise it is a plain one-token step. Where the batch cannot roll back (`_refeed_drafts`),
         rejected positions are undone by restoring the cache and feeding the accepted ones again."""
         snapshot = None
-        if draft_k and not self.runner.capabilities.rollback:
+        if draft_k and not self._rolls_back:
             draft_k = self._refeed_grants(draft_k)
         drafts = self._propose(draft_k, result) if draft_k else None
         if drafts and self.draft_gate is not None:
             drafts = self._gate(drafts)
-        if drafts and not self.runner.capabilities.rollback:
+        if drafts and not self._rolls_back:
             drafts = self._refeed_drafts(drafts)
             snapshot = snapshot_batch(self.kv.batch) if drafts else None
         width = max((len(d.tokens) for d in drafts.values()), default=0) if drafts else 0
