@@ -95,6 +95,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if rank != 0:  # the other ranks execute rank 0's ticks on their shards until it is done
         engine.follow()
         return 0
+    calibration_tokens = 0
+    if args.calibrate:
+        calibration = engine.calibrate()
+        calibration_tokens = engine.stats().generation_tokens
+        print(f"calibrated: {len(calibration.request_ids)} synthetic requests, {calibration.ticks} ticks, "
+              f"{calibration.seconds:.2f} s (in the trace; left out of the stats below and of simulations)")
     prompts, images = _demo_workload(args.requests, args.seed, with_images=engine.vlm is not None)
     samplings = [SamplingParams(max_tokens=args.max_tokens, temperature=0.0 if i % 2 == 0 else 0.8, seed=i)
                  for i in range(len(prompts))]
@@ -107,7 +113,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         print(f"[{out.request_id}] ({kind}, {out.finish_reason.value}, {len(out.token_ids)} tokens) {out.text[:100]!r}")
     stats = engine.stats().to_dict()
     stats["wall_time"] = wall
-    stats["end_to_end_tps"] = stats["generation_tokens"] / wall if wall else 0.0
+    stats["end_to_end_tps"] = (stats["generation_tokens"] - calibration_tokens) / wall if wall else 0.0
     print(json.dumps(stats, indent=2))
     engine.close()
     if args.trace:
@@ -309,6 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--show", type=int, default=6, help="how many outputs to print")
     p.add_argument("--trace", help="write the event log (JSON lines) to this file")
+    p.add_argument("--calibrate", action="store_true",
+                   help="first decode synthetic requests at every batch size, into the trace, so that `mlxsched "
+                        "simulate` can predict other max_seqs (Engine.calibrate)")
     p.add_argument("--tensor-parallel", action="store_true",
                    help="shard the model over the ranks of `mlx.launch` (rank 0 prints; README)")
     p.set_defaults(func=_cmd_demo)

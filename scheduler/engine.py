@@ -21,6 +21,7 @@ import mlx.core as mx
 from caches.layers import MaskLayout, QuantizationRefused, capabilities as cache_capabilities
 
 from .execution import library
+from .calibration import Calibration, calibrate
 from .config import EngineConfig
 from .plan import PLAN_RECORD_GROUPS, PREFILL_PAD_RATIO
 from .events import EventLog, JsonlSink, MemorySink
@@ -578,6 +579,12 @@ class Engine:
         return s
 
     # ---- conveniences -----------------------------------------------------------------------------
+    def calibrate(self, prompt_lens: tuple[int, ...] = (16, 256), step_tokens: int = 4, seed: int = 0) -> Calibration:
+        """Decode at every batch size from `max_seqs` down to 1 on synthetic requests, into the trace, so that a
+        what-if simulation of this trace can tell the per-row decode cost from the per-forward one
+        (scheduler/calibration.py). Call it on an idle engine, before the workload."""
+        return calibrate(self, prompt_lens, step_tokens, seed)
+
     def generate(
         self,
         prompts: Sequence[str | list[dict] | Sequence[int]],

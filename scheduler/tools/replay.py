@@ -22,6 +22,7 @@ from typing import Any, Iterable, Mapping
 
 from caches.kv import KVLayout
 
+from scheduler.calibration import CALIBRATION_EVENT
 from scheduler.config import EngineConfig
 from scheduler.loop import TickLoop
 from scheduler.events import SCHEMA_VERSION, EventLog, MemorySink, _jsonable, decision_fields
@@ -45,6 +46,9 @@ class Trace:
     plans: dict[int, dict[str, Any]] = field(default_factory=dict)
     outcomes: dict[int, dict[str, Any]] = field(default_factory=dict)
     decisions: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # COMPARED_KINDS, per tick
+    # requests of Engine.calibrate() (scheduler/calibration.py): replayed like any others, left out of the
+    # recorded metrics and of a simulation's arrivals
+    calibration_ids: set[str] = field(default_factory=set)
 
     @property
     def policy_record(self) -> dict[str, Any]:
@@ -111,6 +115,8 @@ def load_trace(source: str | os.PathLike | Iterable[dict[str, Any]]) -> Trace:
             trace.plans[tick] = decision_fields(event)
         elif kind == "outcome":
             trace.outcomes[tick] = event
+        elif kind == CALIBRATION_EVENT:
+            trace.calibration_ids.update(event["request_ids"])
         if kind in COMPARED_KINDS:
             trace.decisions.setdefault(tick, []).append(_comparable(event))
     return trace

@@ -35,6 +35,13 @@ PHASES = (("vision_s", ("per_image_encoded", "per_vision_token")),
           ("prefill_s", ("per_prefill_token", "per_prefill_chunk", "per_media_prefill_token")),
           ("decode_s", ("per_decode_row", "per_decode_forward", "per_prefill_done", "per_context_token")))
 
+#: The rest of a tick (planning, `apply`, events, prefix-cache bookkeeping) is not one constant: it grows
+#: with the rows and chunks the tick schedules (measured on a 12-slot recording: ~0.1 ms for one row, ~0.25
+#: ms for 12, ~0.5-0.7 ms with prefill chunks). It is fitted on these features as well as on the features of
+#: any phase the trace does not time; a feature fitted in two places gets the sum of both terms (the model
+#: is additive: which phase a term was measured in does not matter to a prediction).
+REST_FEATURES = ("base", "per_decode_row", "per_prefill_chunk", "per_prefill_done")
+
 
 @dataclass
 class CostModel:
@@ -135,7 +142,8 @@ class CostModel:
             text += f"; decode rows seen {lo}..{hi} (10th..90th percentile)"
             if hi - lo < 2:
                 text += (": too narrow to tell the per-row decode cost from the per-tick cost (a what-if at "
-                         "another batch size extrapolates)")
+                         "another batch size extrapolates; record with Engine.calibrate() or `mlxsched demo "
+                         "--calibrate` to see every batch size)")
         return text
 
 
@@ -224,11 +232,12 @@ def fit_cost_model(trace: "Trace | str | os.PathLike | Iterable[dict]",
     over all busy ticks; `typical_rel_error` is the median relative error of the terms before the scaling.
     """
     rec = load_recorded(trace)
-    images = {e["request_id"]: int(e.get("num_images", 0)) for e in rec.arrival_events}
+    arrivals = rec.arrival_events + rec.calibration_events  # calibration ticks are fitted like the others
+    images = {e["request_id"]: int(e.get("num_images", 0)) for e in arrivals}
     media_ids = frozenset(int(t) for t in rec.trace.header.get("media_token_ids", ()))
-    prompt_len = {e["request_id"]: len(e["prompt_tokens"]) for e in rec.arrival_events}
+    prompt_len = {e["request_id"]: len(e["prompt_tokens"]) for e in arrivals}
     vision_tokens = {e["request_id"]: sum(1 for t in e["prompt_tokens"] if t in media_ids)
-                     for e in rec.arrival_events if images.get(e["request_id"])}
+                     for e in arrivals if images.get(e["request_id"])}
     media = lambda rid: images.get(rid, 0) > 0  # noqa: E731
     produced: dict[str, int] = {}
     rows, ys, measures = [], [], []
@@ -252,7 +261,7 @@ def fit_cost_model(trace: "Trace | str | os.PathLike | Iterable[dict]",
     timed = [(key, [FEATURES.index(f) for f in names]) for key, names in PHASES
              if all(key in m for m in measures)]
     in_phases = {i for _key, cols in timed for i in cols}
-    rest_cols = [i for i in range(len(FEATURES)) if i not in in_phases]
+    rest_cols = [i for i, name in enumerate(FEATURES) if i not in in_phases or name in REST_FEATURES]
     rest_y = y - sum((np.asarray([float(m[key]) for m in measures]) for key, _ in timed), np.zeros(len(y)))
     coef, scaled = np.zeros(len(FEATURES)), np.zeros(len(FEATURES))
     keep = np.ones(len(y), bool)
@@ -263,7 +272,7 @@ def fit_cost_model(trace: "Trace | str | os.PathLike | Iterable[dict]",
         if active.sum() == 0:
             continue
         c, kept = _fit_phase(x[active][:, cols], phase_y[active], outlier_mads)
-        coef[cols] = c
+        coef[cols] += c
         idx = np.flatnonzero(active)
         keep[idx[~kept]] = False
         terms = x[:, cols] @ c
@@ -271,7 +280,7 @@ def fit_cost_model(trace: "Trace | str | os.PathLike | Iterable[dict]",
         # the phase's terms account for all its recorded time (the outliers' too); the time of a phase on a
         # tick that does none of its work (a few microseconds of bookkeeping) is left to the rest
         total, predicted = float(phase_y[active].sum()), float(terms[active].sum())
-        scaled[cols] = c * (total / predicted if predicted > 0 else 1.0)
+        scaled[cols] += c * (total / predicted if predicted > 0 else 1.0)
     fitted = float((x @ coef).sum())
     slowdown = float(y.sum() / fitted) if fitted > 0 else 1.0
     scaled /= slowdown  # the coefficients stay the fitted terms where one phase is timed (tick_s alone)

@@ -16,7 +16,8 @@ class Recorded:
     trace: Trace
     events: list[dict[str, Any]] | None  # raw events (None when built from a Trace object)
     t0: float  # engine_start measure.t
-    arrival_events: list[dict[str, Any]] = field(default_factory=list)
+    arrival_events: list[dict[str, Any]] = field(default_factory=list)  # the workload's (not calibration's)
+    calibration_events: list[dict[str, Any]] = field(default_factory=list)  # arrivals of Engine.calibrate()
     arrival_time: dict[str, float] = field(default_factory=dict)
     arrival_tick: dict[str, int] = field(default_factory=dict)
     admitted_tick: dict[str, int] = field(default_factory=dict)
@@ -73,6 +74,9 @@ def load_recorded(source: "Recorded | Trace | str | os.PathLike | Iterable[dict]
     for tick in sorted(trace.arrivals):
         for event in trace.arrivals[tick]:
             rid = event["request_id"]
+            if rid in trace.calibration_ids:  # the cost-model fit reads these; metrics and arrivals do not
+                rec.calibration_events.append(event)
+                continue
             rec.arrival_events.append(event)
             rec.arrival_tick[rid] = tick
             rec.arrival_time[rid] = float(event.get("measure", {}).get("t", rec.t0))
