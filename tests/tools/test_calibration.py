@@ -14,8 +14,10 @@ from scheduler.tools.workload import arrivals_from_trace
 from ..helpers import mixed_prompts
 
 SLOTS = 4
-# a workload that keeps every slot full: all arrive at once, equal lengths of output
-WORKLOAD = mixed_prompts(16, 20, 40, seed=3)
+# a workload that keeps every slot full: all arrive at once, equal lengths of output; the second half extends
+# the first half's prompts, so it hits the prefix cache
+_FIRST = mixed_prompts(8, 20, 40, seed=3)
+WORKLOAD = _FIRST + [p + [7, 8, 9] for p in _FIRST]
 
 
 def _record(text_model, path, calibrate: bool):
@@ -55,8 +57,9 @@ def test_calibration_decodes_at_every_batch_size_and_stays_out_of_the_workload(t
     assert calibration.ticks == max(t for t, p in trace.plans.items() if set(p["decode"]) & ids) + 1
     # the workload's numbers are the workload's: the same requests, counts and ticks as without calibration
     real, base = recorded_metrics(calibrated), recorded_metrics(plain)
-    for key in ("requests", "finished", "output_tokens", "ticks"):
+    for key in ("requests", "finished", "output_tokens", "ticks", "cache_hit_rate", "prefix_tokens_saved"):
         assert real[key] == base[key], key
+    assert real["cache_hit_rate"] > 0.25  # the check above compares something
     assert {a.request_id for a in arrivals_from_trace(calibrated)} == {f"w{i}" for i in range(len(WORKLOAD))}
 
 

@@ -101,6 +101,8 @@ def load_recorded(source: "Recorded | Trace | str | os.PathLike | Iterable[dict]
         stored_tokens = stored_bytes = 0
         for e in events:
             kind = e["event"]
+            if e.get("request_id") in trace.calibration_ids:  # the workload's cache figures are the workload's
+                continue
             if kind == "prefix_hit":
                 rec.prefix_hits += 1
                 rec.prefix_tokens_saved += int(e.get("length", 0))
