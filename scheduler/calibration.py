@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 
 #: The event that names the calibration requests (scheduler.tools.simulation.recorded reads it).
 CALIBRATION_EVENT = "calibration"
-#: Request ids of calibration requests start with this (a caller's ids are checked against it).
+#: Request ids of calibration requests start with this (a caller's request with such an id, already in the
+#: engine, makes `calibrate` fail with the engine's duplicate-id error).
 CALIBRATION_ID_PREFIX = "mlxsched-calibration-"
 
 

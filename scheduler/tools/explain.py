@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
+from scheduler.calibration import CALIBRATION_EVENT
 from scheduler.plan import Reason
 from scheduler.tools.replay import TraceError, parse_events
 
@@ -77,8 +78,8 @@ def _events_of(source: "str | os.PathLike | Iterable[dict]") -> list[dict[str, A
 
 def explain(source: "str | os.PathLike | Iterable[dict]", request_ids: Sequence[str] | None = None,
             slowest: int | None = None) -> list[RequestStory]:
-    """Stories of `request_ids` (default: every request), or of the `slowest` requests by TTFT (worst first;
-    a request that never got a token counts as slowest)."""
+    """Stories of `request_ids` (default: every request but the synthetic ones of `Engine.calibrate()`), or of
+    the `slowest` requests by TTFT (worst first; a request that never got a token counts as slowest)."""
     events = _events_of(source)
     if not events or events[0]["event"] != "engine_start":
         raise TraceError("trace does not start with an engine_start event")
@@ -164,7 +165,8 @@ def explain(source: "str | os.PathLike | Iterable[dict]", request_ids: Sequence[
     for rid, waits in closed.items():
         if rid in stories:
             stories[rid].waits = [Wait(r, o, a, b, span(a, b)) for r, o, a, b in waits if b >= a]
-    chosen = list(stories.values())
+    calibration = {rid for e in events if e["event"] == CALIBRATION_EVENT for rid in e["request_ids"]}
+    chosen = [story for rid, story in stories.items() if rid not in calibration]  # Engine.calibrate()'s: asked by id
     if request_ids:
         unknown = [rid for rid in request_ids if rid not in stories]
         if unknown:

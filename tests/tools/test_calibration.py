@@ -7,6 +7,7 @@ import pytest
 
 from scheduler import Engine, EngineConfig, SamplingParams
 from scheduler.calibration import CALIBRATION_ID_PREFIX
+from scheduler.tools.explain import explain
 from scheduler.tools.replay import load_trace, replay
 from scheduler.tools.simulate import CostModel, fit_cost_model, recorded_metrics, tick_features
 from scheduler.tools.workload import arrivals_from_trace
@@ -61,6 +62,15 @@ def test_calibration_decodes_at_every_batch_size_and_stays_out_of_the_workload(t
         assert real[key] == base[key], key
     assert real["cache_hit_rate"] > 0.25  # the check above compares something
     assert {a.request_id for a in arrivals_from_trace(calibrated)} == {f"w{i}" for i in range(len(WORKLOAD))}
+
+
+def test_explain_leaves_the_calibration_out_unless_asked(traces):
+    _plain, calibrated, calibration = traces
+    stories = explain(calibrated)
+    assert {s.request_id for s in stories} == {f"w{i}" for i in range(len(WORKLOAD))}
+    assert {s.request_id for s in explain(calibrated, slowest=3)} <= {s.request_id for s in stories}
+    asked = calibration.request_ids[0]
+    assert [s.request_id for s in explain(calibrated, [asked])] == [asked]
 
 
 def test_a_calibrated_trace_replays_identically(traces):
