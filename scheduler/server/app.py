@@ -196,6 +196,133 @@ def _token_text(tokenizer: Any, token: int) -> str:
     return tokenizer.decode([token])
 
 
+def _check_model(state: ServerState, body: Body) -> None:
+    if body.model is not None and body.model != state.model_name:
+        raise APIError(404, f"model: the model {body.model!r} does not exist here (serving "
+                            f"{state.model_name!r})", "model", "invalid_request_error", "model_not_found")
+
+
+class _ChatChoices:
+    """How a chat completion renders its choices: a role delta first, content deltas, a message at the end."""
+
+    def __init__(self, tokenizer: Any, wants_logprobs: bool, stream: bool):
+        self.tokenizer = tokenizer
+        self.wants_logprobs = wants_logprobs
+        self.object = "chat.completion.chunk" if stream else "chat.completion"
+
+    def first(self, index: int) -> dict[str, Any] | None:
+        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None}
+
+    def delta(self, index: int, delta: Delta) -> dict[str, Any] | None:
+        if not delta.text and delta.finish_reason is None and not delta.logprobs:
+            return None
+        return {"index": index, "delta": {"content": delta.text} if delta.text else {},
+                "logprobs": self._logprobs([delta]), "finish_reason": delta.finish_reason}
+
+    def final(self, index: int, deltas: list[Delta]) -> dict[str, Any]:
+        return {"index": index, "message": {"role": "assistant", "content": "".join(d.text for d in deltas)},
+                "logprobs": self._logprobs(deltas), "finish_reason": deltas[-1].finish_reason if deltas else None}
+
+    def _logprobs(self, deltas: list[Delta]) -> dict[str, Any] | None:
+        if not self.wants_logprobs:
+            return None
+        entries = []
+        for delta in deltas:
+            for token, logprob in delta.logprobs:
+                text = _token_text(self.tokenizer, token)
+                entries.append({"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8")),
+                                "top_logprobs": []})
+        return {"content": entries}
+
+
+class _TextChoices:
+    """How a (legacy) text completion renders its choices: text deltas, the whole text at the end."""
+
+    object = "text_completion"
+
+    def __init__(self, tokenizer: Any, wants_logprobs: bool):
+        self.tokenizer = tokenizer
+        self.wants_logprobs = wants_logprobs
+
+    def first(self, index: int) -> dict[str, Any] | None:
+        return None
+
+    def delta(self, index: int, delta: Delta) -> dict[str, Any] | None:
+        if not delta.text and delta.finish_reason is None and not delta.logprobs:
+            return None
+        return {"index": index, "text": delta.text, "logprobs": self._logprobs([delta]),
+                "finish_reason": delta.finish_reason}
+
+    def final(self, index: int, deltas: list[Delta]) -> dict[str, Any]:
+        return {"index": index, "text": "".join(d.text for d in deltas), "logprobs": self._logprobs(deltas),
+                "finish_reason": deltas[-1].finish_reason if deltas else None}
+
+    def _logprobs(self, deltas: list[Delta]) -> dict[str, Any] | None:
+        if not self.wants_logprobs:
+            return None
+        tokens, values = [], []
+        for delta in deltas:
+            for token, logprob in delta.logprobs:
+                tokens.append(_token_text(self.tokenizer, token))
+                values.append(logprob)
+        offsets = list(itertools.accumulate((len(t) for t in tokens), initial=0))[:-1]
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": None, "text_offset": offsets}
+
+
+def _chunk(call: _Call, obj: str, choices: list[dict], with_usage: bool) -> dict[str, Any]:
+    out = {"id": call.id, "object": obj, "created": call.created, "model": call.state.model_name,
+           "choices": choices}
+    if with_usage:
+        out["usage"] = None
+    return out
+
+
+async def _respond(request: Request, call: _Call, choices: "_ChatChoices | _TextChoices") -> Response:
+    """The call's answer: one JSON body once every choice is done, or (`stream`) server-sent chunks."""
+    body = call.body
+    if not body.stream:
+        pieces: dict[int, list[Delta]] = {i: [] for i in range(body.n)}
+
+        async def collect() -> None:
+            async for index, delta in call.deltas():
+                pieces[index].append(delta)
+
+        collecting = asyncio.create_task(collect())
+        if not await _until_done_or_disconnect(request, collecting):
+            call.usage()  # gone: the cancelled collection closed the streams (aborting the requests)
+            return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+        try:
+            collecting.result()
+        except (ChoiceFailed, EngineStopped) as exc:
+            raise _failure(exc) from None
+        out = {"id": call.id, "object": choices.object, "created": call.created, "model": call.state.model_name,
+               "choices": [choices.final(i, pieces[i]) for i in range(body.n)], "usage": call.usage()}
+        return JSONResponse(out)
+
+    async def events() -> AsyncIterator[str]:
+        with_usage = body.include_usage
+        try:
+            firsts = [choices.first(i) for i in range(body.n)]
+            if firsts[0] is not None:
+                yield _sse(_chunk(call, choices.object, firsts, with_usage))
+            async for index, delta in call.deltas():
+                rendered = choices.delta(index, delta)
+                if rendered is not None:
+                    yield _sse(_chunk(call, choices.object, [rendered], with_usage))
+            if with_usage:
+                yield _sse({**_chunk(call, choices.object, [], False), "usage": call.usage()})
+        except (ChoiceFailed, EngineStopped) as exc:
+            yield _sse(_failure(exc).body())
+        finally:
+            if not with_usage:
+                call.usage()  # hands the requests' records back (nothing is kept for a finished call)
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
 def create_app(state: ServerState) -> Any:
     app = FastAPI(title="mlxsched", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
@@ -213,130 +340,25 @@ def create_app(state: ServerState) -> Any:
                                      "not_found_error" if exc.status_code == 404 else "invalid_request_error").body(),
                             status_code=exc.status_code)
 
-    def check_model(body: Body) -> None:
-        if body.model is not None and body.model != state.model_name:
-            raise APIError(404, f"model: the model {body.model!r} does not exist here (serving "
-                                f"{state.model_name!r})", "model", "invalid_request_error", "model_not_found")
-
-    def chunk(call: _Call, obj: str, choices: list[dict], with_usage: bool) -> dict[str, Any]:
-        out = {"id": call.id, "object": obj, "created": call.created, "model": state.model_name, "choices": choices}
-        if with_usage:
-            out["usage"] = None
-        return out
-
-    async def respond(request: Request, call: _Call, render_delta: Any, render_final: Any, obj: str,
-                      first: Any = None) -> Response:
-        body = call.body
-        if not body.stream:
-            pieces: dict[int, list[Delta]] = {i: [] for i in range(body.n)}
-
-            async def collect() -> None:
-                async for index, delta in call.deltas():
-                    pieces[index].append(delta)
-
-            collecting = asyncio.create_task(collect())
-            if not await _until_done_or_disconnect(request, collecting):
-                call.usage()  # gone: the cancelled collection closed the streams (aborting the requests)
-                return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
-            try:
-                collecting.result()
-            except (ChoiceFailed, EngineStopped) as exc:
-                raise _failure(exc) from None
-            out = {"id": call.id, "object": obj, "created": call.created, "model": state.model_name,
-                   "choices": [render_final(i, pieces[i]) for i in range(body.n)], "usage": call.usage()}
-            return JSONResponse(out)
-
-        async def events() -> AsyncIterator[str]:
-            with_usage = body.include_usage
-            try:
-                if first is not None:
-                    yield _sse(chunk(call, obj, [first(i) for i in range(body.n)], with_usage))
-                async for index, delta in call.deltas():
-                    rendered = render_delta(index, delta)
-                    if rendered is not None:
-                        yield _sse(chunk(call, obj, [rendered], with_usage))
-                if with_usage:
-                    yield _sse({**chunk(call, obj, [], False), "usage": call.usage()})
-            except (ChoiceFailed, EngineStopped) as exc:
-                yield _sse(_failure(exc).body())
-            finally:
-                if not with_usage:
-                    call.usage()  # hands the requests' records back (nothing is kept for a finished call)
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    def logprob_entries(delta_list: list[Delta]) -> list[dict[str, Any]]:
-        entries = []
-        for delta in delta_list:
-            for token, logprob in delta.logprobs:
-                text = _token_text(engine.tokenizer, token)
-                entries.append({"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8")),
-                                "top_logprobs": []})
-        return entries
-
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await _parse(request, ChatCompletionRequest)
-        check_model(body)
+        _check_model(state, body)
         prompt = await asyncio.to_thread(convert_messages, body.messages, vision, audio_rate)
         call = _Call(state, body, "chatcmpl")
         await call.submit(prompt=prompt.messages, images=prompt.images or None, audio=prompt.audio or None)
-        wants_logprobs = body.wants_logprobs()
-
-        def first(index: int) -> dict[str, Any]:
-            return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                    "finish_reason": None}
-
-        def render_delta(index: int, delta: Delta) -> dict[str, Any] | None:
-            if not delta.text and delta.finish_reason is None and not delta.logprobs:
-                return None
-            return {"index": index, "delta": {"content": delta.text} if delta.text else {},
-                    "logprobs": {"content": logprob_entries([delta])} if wants_logprobs else None,
-                    "finish_reason": delta.finish_reason}
-
-        def render_final(index: int, deltas: list[Delta]) -> dict[str, Any]:
-            return {"index": index, "message": {"role": "assistant", "content": "".join(d.text for d in deltas)},
-                    "logprobs": {"content": logprob_entries(deltas)} if wants_logprobs else None,
-                    "finish_reason": deltas[-1].finish_reason if deltas else None}
-
-        return await respond(request, call, render_delta, render_final,
-                             "chat.completion.chunk" if body.stream else "chat.completion", first)
+        return await _respond(request, call, _ChatChoices(engine.tokenizer, body.wants_logprobs(), body.stream))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await _parse(request, CompletionRequest)
-        check_model(body)
+        _check_model(state, body)
         call = _Call(state, body, "cmpl")
         if isinstance(body.prompt, str):
             await call.submit(prompt=body.prompt)
         else:
             await call.submit(prompt_tokens=body.prompt)
-        wants_logprobs = body.wants_logprobs()
-
-        def legacy_logprobs(deltas: list[Delta]) -> dict[str, Any] | None:
-            if not wants_logprobs:
-                return None
-            tokens, values = [], []
-            for delta in deltas:
-                for token, logprob in delta.logprobs:
-                    tokens.append(_token_text(engine.tokenizer, token))
-                    values.append(logprob)
-            offsets = list(itertools.accumulate((len(t) for t in tokens), initial=0))[:-1]
-            return {"tokens": tokens, "token_logprobs": values, "top_logprobs": None, "text_offset": offsets}
-
-        def render_delta(index: int, delta: Delta) -> dict[str, Any] | None:
-            if not delta.text and delta.finish_reason is None and not delta.logprobs:
-                return None
-            return {"index": index, "text": delta.text, "logprobs": legacy_logprobs([delta]),
-                    "finish_reason": delta.finish_reason}
-
-        def render_final(index: int, deltas: list[Delta]) -> dict[str, Any]:
-            return {"index": index, "text": "".join(d.text for d in deltas), "logprobs": legacy_logprobs(deltas),
-                    "finish_reason": deltas[-1].finish_reason if deltas else None}
-
-        return await respond(request, call, render_delta, render_final, "text_completion")
+        return await _respond(request, call, _TextChoices(engine.tokenizer, body.wants_logprobs()))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
