@@ -76,6 +76,109 @@ def _events_of(source: "str | os.PathLike | Iterable[dict]") -> list[dict[str, A
     return list(source)
 
 
+class _StoryBuilder:
+    """Reads a trace's events in order into one RequestStory per request: a handler per event kind."""
+
+    def __init__(self, t0: float):
+        self.t0 = t0
+        self.stories: dict[str, RequestStory] = {}
+        self.tick_start: dict[int, float] = {}
+        self.tick_end: dict[int, float] = {}
+        self.open_waits: dict[str, tuple[Reason, tuple[str, ...], int]] = {}  # id -> (reason, others, first tick)
+        self.closed: dict[str, list[tuple[Reason, tuple[str, ...], int, int]]] = {}
+        self.entered: dict[str, tuple[str, float]] = {}  # id -> (state, when it was entered)
+        self.last_plan_tick = -1
+        self.calibration: set[str] = set()  # Engine.calibrate()'s synthetic requests
+        self._handlers = {"arrival": self._on_arrival, CALIBRATION_EVENT: self._on_calibration,
+                          "plan": self._on_plan, "outcome": self._on_outcome, "prefix_hit": self._on_prefix_hit,
+                          "transition": self._on_transition}
+
+    def read(self, event: dict[str, Any]) -> None:
+        handler = self._handlers.get(event["event"])
+        if handler is not None:
+            handler(event, event["tick"], event.get("measure", {}))
+
+    def _close(self, rid: str, last_tick: int) -> None:
+        if rid in self.open_waits:
+            reason, others, first = self.open_waits.pop(rid)
+            self.closed.setdefault(rid, []).append((reason, others, first, last_tick))
+
+    def _on_arrival(self, e: dict[str, Any], tick: int, measure: dict[str, Any]) -> None:
+        rid, t = e["request_id"], float(measure.get("t", self.t0))
+        self.stories[rid] = RequestStory(rid, tick, t - self.t0, len(e["prompt_tokens"]), e.get("num_images", 0))
+        self.entered[rid] = ("queued", t)
+
+    def _on_calibration(self, e: dict[str, Any], tick: int, measure: dict[str, Any]) -> None:
+        self.calibration.update(e["request_ids"])
+
+    def _on_plan(self, e: dict[str, Any], tick: int, measure: dict[str, Any]) -> None:
+        self.last_plan_tick = tick
+        for rid in e.get("reasons_cleared", []):
+            self._close(rid, tick - 1)
+        for rid, reason, others in e.get("reasons", []):
+            self._close(rid, tick - 1)
+            self.open_waits[rid] = (Reason(reason), tuple(others), tick)
+            if reason == Reason.PREEMPTED_BY.value and rid in self.stories:
+                self.stories[rid].preemptions.append((tick, others[0] if others else None))
+
+    def _on_outcome(self, e: dict[str, Any], tick: int, measure: dict[str, Any]) -> None:
+        if "tick_start_t" in measure:
+            self.tick_start[tick] = float(measure["tick_start_t"])
+        if "t" in measure:
+            self.tick_end[tick] = float(measure["t"])
+        for rid in e.get("sampled", {}):
+            story = self.stories.get(rid)
+            if story is None or rid in e.get("errors", {}):
+                continue
+            story.output_tokens += 1 + len(e.get("accepted_drafts", {}).get(rid, []))
+            if story.ttft_s is None and "t" in measure:
+                story.ttft_s = float(measure["t"]) - self.t0 - story.arrival_s
+        for rid, (proposed, accepted) in e.get("drafts", {}).items():
+            if rid in self.stories:
+                self.stories[rid].drafted += proposed
+                self.stories[rid].draft_accepted += accepted
+        for rid, info in e.get("encoded", {}).items():
+            if rid in self.stories:
+                self.stories[rid].vision_encodes += 1
+                self.stories[rid].vision_cache_hits += bool(info.get("vision_cache_hit"))
+
+    def _on_prefix_hit(self, e: dict[str, Any], tick: int, measure: dict[str, Any]) -> None:
+        if e.get("request_id") in self.stories:
+            self.stories[e["request_id"]].prefix_hits.append((tick, int(e.get("length", 0))))
+
+    def _on_transition(self, e: dict[str, Any], tick: int, measure: dict[str, Any]) -> None:
+        t = float(measure.get("t", self.t0))
+        for rid in e.get("request_ids") or [e.get("request_id")]:
+            story = self.stories.get(rid)
+            if story is None:
+                continue
+            state, since = self.entered[rid]
+            arrival = self.t0 + story.arrival_s
+            story.states.append(StateSpan(state, since - arrival, t - since))
+            self.entered[rid] = (e["to"], t)
+            if e.get("trigger") in ("finish", "abort", "fail"):
+                story.end, story.end_reason, story.end_s = e["trigger"], e.get("reason"), t - arrival
+                # an abort lands before the tick's plan; a finish or failure in its apply
+                self._close(rid, tick - 1 if e["trigger"] == "abort" else tick)
+
+    def finish(self) -> dict[str, RequestStory]:
+        """Closes what is still open at the end of the trace and times the waits; returns the stories."""
+        for rid, (state, since) in self.entered.items():
+            story = self.stories[rid]
+            if story.end is None:
+                story.states.append(StateSpan(state, since - self.t0 - story.arrival_s, None))
+        for rid in list(self.open_waits):
+            self._close(rid, self.last_plan_tick)
+        for rid, waits in self.closed.items():
+            if rid in self.stories:
+                self.stories[rid].waits = [Wait(r, o, a, b, self._span(a, b)) for r, o, a, b in waits if b >= a]
+        return self.stories
+
+    def _span(self, first: int, last: int) -> float | None:
+        start, stop = self.tick_start.get(first), self.tick_start.get(last + 1, self.tick_end.get(last))
+        return None if start is None or stop is None else stop - start
+
+
 def explain(source: "str | os.PathLike | Iterable[dict]", request_ids: Sequence[str] | None = None,
             slowest: int | None = None) -> list[RequestStory]:
     """Stories of `request_ids` (default: every request but the synthetic ones of `Engine.calibrate()`), or of
@@ -83,90 +186,11 @@ def explain(source: "str | os.PathLike | Iterable[dict]", request_ids: Sequence[
     events = _events_of(source)
     if not events or events[0]["event"] != "engine_start":
         raise TraceError("trace does not start with an engine_start event")
-    t0 = float(events[0].get("measure", {}).get("t", 0.0))
-    stories: dict[str, RequestStory] = {}
-    tick_start: dict[int, float] = {}
-    tick_end: dict[int, float] = {}
-    open_waits: dict[str, tuple[Reason, tuple[str, ...], int]] = {}
-    closed: dict[str, list[tuple[Reason, tuple[str, ...], int, int]]] = {}
-    last_plan_tick = -1
-    entered: dict[str, tuple[str, float]] = {}
-
-    def close(rid: str, last_tick: int) -> None:
-        if rid in open_waits:
-            reason, others, first = open_waits.pop(rid)
-            closed.setdefault(rid, []).append((reason, others, first, last_tick))
-
-    for e in events[1:]:
-        kind, tick = e["event"], e["tick"]
-        measure = e.get("measure", {})
-        if kind == "arrival":
-            rid = e["request_id"]
-            t = float(measure.get("t", t0))
-            stories[rid] = RequestStory(rid, tick, t - t0, len(e["prompt_tokens"]), e.get("num_images", 0))
-            entered[rid] = ("queued", t)
-        elif kind == "plan":
-            last_plan_tick = tick
-            for rid in e.get("reasons_cleared", []):
-                close(rid, tick - 1)
-            for record in e.get("reasons", []):
-                rid, reason, others = record
-                close(rid, tick - 1)
-                open_waits[rid] = (Reason(reason), tuple(others), tick)
-                if reason == Reason.PREEMPTED_BY.value and rid in stories:
-                    stories[rid].preemptions.append((tick, others[0] if others else None))
-        elif kind == "outcome":
-            if "tick_start_t" in measure:
-                tick_start[tick] = float(measure["tick_start_t"])
-            if "t" in measure:
-                tick_end[tick] = float(measure["t"])
-            for rid in e.get("sampled", {}):
-                story = stories.get(rid)
-                if story is None or rid in e.get("errors", {}):
-                    continue
-                story.output_tokens += 1 + len(e.get("accepted_drafts", {}).get(rid, []))
-                if story.ttft_s is None and "t" in measure:
-                    story.ttft_s = float(measure["t"]) - t0 - story.arrival_s
-            for rid, (proposed, accepted) in e.get("drafts", {}).items():
-                if rid in stories:
-                    stories[rid].drafted += proposed
-                    stories[rid].draft_accepted += accepted
-            for rid, info in e.get("encoded", {}).items():
-                if rid in stories:
-                    stories[rid].vision_encodes += 1
-                    stories[rid].vision_cache_hits += bool(info.get("vision_cache_hit"))
-        elif kind == "prefix_hit" and e.get("request_id") in stories:
-            stories[e["request_id"]].prefix_hits.append((tick, int(e.get("length", 0))))
-        elif kind == "transition":
-            t = float(measure.get("t", t0))
-            for rid in e.get("request_ids") or [e.get("request_id")]:
-                story = stories.get(rid)
-                if story is None:
-                    continue
-                state, since = entered[rid]
-                arrival = t0 + story.arrival_s
-                story.states.append(StateSpan(state, since - arrival, t - since))
-                entered[rid] = (e["to"], t)
-                if e.get("trigger") in ("finish", "abort", "fail"):
-                    story.end, story.end_reason, story.end_s = e["trigger"], e.get("reason"), t - arrival
-                    # an abort lands before the tick's plan; a finish or failure in its apply
-                    close(rid, tick - 1 if e["trigger"] == "abort" else tick)
-    for rid, (state, since) in entered.items():
-        story = stories[rid]
-        if story.end is None:
-            story.states.append(StateSpan(state, since - t0 - story.arrival_s, None))
-    for rid in list(open_waits):
-        close(rid, last_plan_tick)
-
-    def span(first: int, last: int) -> float | None:
-        start, stop = tick_start.get(first), tick_start.get(last + 1, tick_end.get(last))
-        return None if start is None or stop is None else stop - start
-
-    for rid, waits in closed.items():
-        if rid in stories:
-            stories[rid].waits = [Wait(r, o, a, b, span(a, b)) for r, o, a, b in waits if b >= a]
-    calibration = {rid for e in events if e["event"] == CALIBRATION_EVENT for rid in e["request_ids"]}
-    chosen = [story for rid, story in stories.items() if rid not in calibration]  # Engine.calibrate()'s: asked by id
+    builder = _StoryBuilder(float(events[0].get("measure", {}).get("t", 0.0)))
+    for event in events[1:]:
+        builder.read(event)
+    stories = builder.finish()
+    chosen = [story for rid, story in stories.items() if rid not in builder.calibration]
     if request_ids:
         unknown = [rid for rid in request_ids if rid not in stories]
         if unknown:
