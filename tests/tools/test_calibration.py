@@ -142,3 +142,35 @@ def test_the_rest_of_a_tick_is_fitted_per_row_and_per_chunk():
     old = [one_constant.tick_seconds(*(tick_features(p["prefill"], p["decode"], p["num_batched_tokens"])[1:4]))
            for p in plans]
     assert np.percentile(np.abs(np.asarray(old) - expected) / expected, 95) > 0.1  # the check can fail
+
+
+def _ramp_then_workload(workload_factor: float) -> list[dict]:
+    """Calibration ticks decoding 1..8 rows at 1 ms + 0.1 ms a row, then workload ticks at 8 rows costing
+    `workload_factor` times that (the machine serving is slower than on the clean ramps)."""
+    events = [{"schema": 2, "seq": 0, "tick": 0, "event": "engine_start", "config": {"max_seqs": 8},
+               "measure": {"t": 0.0}}]
+    t = 0.0
+    for tick in range(400):
+        calibrating = tick < 200
+        rows = 1 + tick % 8 if calibrating else 8
+        decode = [f"{'c' if calibrating else 'w'}{j}" for j in range(rows)]
+        tick_s = (1e-3 + 100e-6 * rows) * (1.0 if calibrating else workload_factor)
+        events.append({"schema": 2, "seq": len(events), "tick": tick, "event": "plan", "admitted": [],
+                       "prefill": [], "decode": decode, "num_batched_tokens": rows})
+        events.append({"schema": 2, "seq": len(events), "tick": tick, "event": "outcome", "sampled": {},
+                       "errors": {}, "measure": {"t": t + tick_s, "tick_start_t": t, "tick_s": tick_s}})
+        t += tick_s
+    events.append({"schema": 2, "seq": len(events), "tick": 400, "event": "calibration",
+                   "request_ids": [f"c{j}" for j in range(8)]})
+    return events
+
+
+def test_the_workload_sets_the_level_of_terms_the_calibration_helps_shape():
+    events = _ramp_then_workload(1.3)
+    workload = [e["measure"]["tick_s"] for e in events if e["event"] == "outcome" and e["tick"] >= 200]
+    fitted = fit_cost_model(events)
+    predicted = fitted.tick_seconds(0, 8, 0) - fitted.overhead
+    assert predicted == pytest.approx(np.mean(workload), rel=0.01)
+    # the same ticks with nothing marked as calibration: the level is the average of both (the check can fail)
+    unmarked = fit_cost_model([e for e in events if e["event"] != "calibration"])
+    assert unmarked.tick_seconds(0, 8, 0) - unmarked.overhead < 0.95 * np.mean(workload)

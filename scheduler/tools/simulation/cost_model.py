@@ -225,7 +225,8 @@ def fit_cost_model(trace: "Trace | str | os.PathLike | Iterable[dict]",
     the whole tick would take them for outliers. Each fit is robust: refits leave out ticks that took more
     than `outlier_mads` median absolute deviations longer than the fit says (warm-up, GC pauses, another
     process taking the CPU; None keeps every tick). Each phase's terms are then scaled so that its predicted
-    time over the recorded plans matches the recording, and `slowdown` = recorded busy time / predicted busy
+    time over the recorded plans matches the recording (over the workload's ticks when the trace has
+    calibration ticks: those shape the terms, the workload sets their level), and `slowdown` = recorded busy time / predicted busy
     time applies to all of them (a slowdown from contention is proportional: it carries over to a config with
     more, cheaper ticks better than a constant per tick would). `overhead` is the median gap between one busy
     tick's end and the next busy tick's start. R^2 and the mean relative error are those of the model as used
@@ -240,7 +241,8 @@ def fit_cost_model(trace: "Trace | str | os.PathLike | Iterable[dict]",
                      for e in arrivals if images.get(e["request_id"])}
     media = lambda rid: images.get(rid, 0) > 0  # noqa: E731
     produced: dict[str, int] = {}
-    rows, ys, measures = [], [], []
+    rows, ys, measures, served = [], [], [], []
+    calibration = rec.trace.calibration_ids
     for tick in sorted(rec.trace.outcomes):
         plan = rec.trace.plans.get(tick)
         outcome = rec.trace.outcomes[tick]
@@ -253,11 +255,17 @@ def fit_cost_model(trace: "Trace | str | os.PathLike | Iterable[dict]",
                                       encoded_tokens, context))
             ys.append(float(m["tick_s"]))
             measures.append(m)
+            scheduled = [c[0] for c in plan["prefill"]] + list(plan["decode"])
+            served.append(not scheduled or not set(scheduled) <= calibration)
         for rid in outcome.get("sampled", {}):
             produced[rid] = produced.get(rid, 0) + 1 + len(outcome.get("accepted_drafts", {}).get(rid, ()))
     if len(rows) < 2:
         raise TraceError("fit_cost_model: the trace has fewer than 2 timed ticks (outcome.measure.tick_s)")
     x, y = np.asarray(rows), np.asarray(ys)
+    # Calibration ticks (Engine.calibrate()) show every batch size, so they shape the terms; the level is set
+    # by the workload's own ticks, which run with the machine in the state serving leaves it in (measured on
+    # the tiny models here: 5-10% slower per tick than the calibration's clean ramps at the same features).
+    level = np.asarray(served) if any(served) else np.ones(len(y), bool)
     timed = [(key, [FEATURES.index(f) for f in names]) for key, names in PHASES
              if all(key in m for m in measures)]
     in_phases = {i for _key, cols in timed for i in cols}
@@ -279,10 +287,11 @@ def fit_cost_model(trace: "Trace | str | os.PathLike | Iterable[dict]",
         typical_terms += terms
         # the phase's terms account for all its recorded time (the outliers' too); the time of a phase on a
         # tick that does none of its work (a few microseconds of bookkeeping) is left to the rest
-        total, predicted = float(phase_y[active].sum()), float(terms[active].sum())
+        counted = active & level if (active & level).any() else active
+        total, predicted = float(phase_y[counted].sum()), float(terms[counted].sum())
         scaled[cols] += c * (total / predicted if predicted > 0 else 1.0)
-    fitted = float((x @ coef).sum())
-    slowdown = float(y.sum() / fitted) if fitted > 0 else 1.0
+    fitted = float((x[level] @ coef).sum())
+    slowdown = float(y[level].sum() / fitted) if fitted > 0 else 1.0
     scaled /= slowdown  # the coefficients stay the fitted terms where one phase is timed (tick_s alone)
     pred = (x @ scaled) * slowdown
     ss_res = float(np.sum((y - pred) ** 2))
