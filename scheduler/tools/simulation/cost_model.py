@@ -226,8 +226,8 @@ def fit_cost_model(trace: "Trace | str | os.PathLike | Iterable[dict]",
     than `outlier_mads` median absolute deviations longer than the fit says (warm-up, GC pauses, another
     process taking the CPU; None keeps every tick). Each phase's terms are then scaled so that its predicted
     time over the recorded plans matches the recording (over the workload's ticks when the trace has
-    calibration ticks: those shape the terms, the workload sets their level), and `slowdown` = recorded busy time / predicted busy
-    time applies to all of them (a slowdown from contention is proportional: it carries over to a config with
+    calibration ticks: those shape the terms, the workload sets their level), and `slowdown` = recorded busy
+    time / predicted busy time applies to all of them (a slowdown from contention is proportional: it carries over to a config with
     more, cheaper ticks better than a constant per tick would). `overhead` is the median gap between one busy
     tick's end and the next busy tick's start. R^2 and the mean relative error are those of the model as used
     over all busy ticks; `typical_rel_error` is the median relative error of the terms before the scaling.
