@@ -6,7 +6,7 @@ costs per forward and what it costs per row: a what-if at another `max_seqs` the
 split (measured: 30-120% off on TTFT for a 12-slot recording predicting 4 slots). `calibrate` runs, through
 the engine's own loop and so into its trace, a ramp per prompt length: `max_seqs` requests admitted together
 whose lengths of output differ by `step_tokens`, so that the batch decodes at every size from `max_seqs`
-down to 1, at a short and at a long context. The trace's `calibration` event names these requests: the
+down to 1, at a short and at a long context, with half its rows sampling. The trace's `calibration` event names these requests: the
 cost-model fit uses their ticks like any others, and the recorded metrics and the simulated arrivals leave
 them out.
 """
@@ -46,7 +46,8 @@ def calibrate(engine: "Engine", prompt_lens: tuple[int, ...] = (16, 256), step_t
 
     Each ramp admits `engine.config.max_seqs` requests of `prompt_len` random tokens (drawn from the middle of
     the vocabulary, away from the special tokens either end usually holds); the i-th of n asks for
-    `step_tokens * (n - i)` tokens, so the batch shrinks by one row every `step_tokens` ticks. The prefix
+    `step_tokens * (n - i)` tokens, so the batch shrinks by one row every `step_tokens` ticks; the odd ones
+    sample (temperature 1), the even ones are greedy. The prefix
     cache is cleared afterwards (their entries would only take room). Raises RuntimeError when requests are
     pending: their ticks would mix with the ramp's.
     """
@@ -67,8 +68,11 @@ def calibrate(engine: "Engine", prompt_lens: tuple[int, ...] = (16, 256), step_t
             rid = f"{CALIBRATION_ID_PREFIX}{len(ids)}"
             # the first admitted asks for the most tokens: a long prompt is admitted over several ticks (the
             # token budget), and the batch must be whole before its first row ends
+            # every other request samples (the sampler costs a decode forward more than the greedy argmax);
+            # the last row standing is greedy, so the ramp also shows greedy-only ticks
+            sampling = SamplingParams(max_tokens=step_tokens * (rows - i), temperature=1.0 if i % 2 else 0.0)
             engine.add_request(prompt_tokens=[rng.randrange(low, high) for _ in range(prompt_len)],
-                               sampling=SamplingParams(max_tokens=step_tokens * (rows - i)), request_id=rid)
+                               sampling=sampling, request_id=rid)
             ids.append(rid)
         while engine.has_pending():
             engine.step()

@@ -39,6 +39,7 @@ class SimArrival:
     media_key: str | None = None  # content key of its media: namespaces its prefix-cache entries, keys the vision cache
     abort_time: float | None = None  # the caller aborts it at this time (relative), if still live
     error_after: int | None = None  # it fails (executor error) when sampling token number error_after + 1
+    samples: bool = False  # goes through the sampler (a temperature or penalties), not the greedy argmax
 
     @property
     def prompt_len(self) -> int:
@@ -214,6 +215,7 @@ def arrivals_from_trace(trace: "Trace | str | os.PathLike") -> list[SimArrival]:
     error.
     """
     from scheduler.tools.simulate import load_recorded  # local: simulate imports this module
+    from scheduler.tools.simulation.cost_model import samples_tokens
 
     rec = load_recorded(trace)
     out: list[SimArrival] = []
@@ -236,5 +238,6 @@ def arrivals_from_trace(trace: "Trace | str | os.PathLike") -> list[SimArrival]:
             media_key=event.get("media_key"),
             abort_time=None if abort_time is None else max(0.0, abort_time - rec.t0),
             error_after=error_after,
+            samples=samples_tokens(sampling),
         ))
     return out

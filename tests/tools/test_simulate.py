@@ -193,9 +193,9 @@ def test_sim_executor_tokens_stops_and_errors():
 def test_cost_model_features_follow_the_executor():
     # a completing chunk's last prompt token runs in the decode forward: 8 + 4 - 1 prefill tokens, 2 + 1 rows
     row = tick_features([["a", 0, 8, False], ["b", 4, 8, True]], ["c", "d"], 14)
-    assert row == [1.0, 11.0, 3.0, 2.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    assert row == [1.0, 11.0, 3.0, 2.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
     assert len(row) == len(FEATURES)
-    cost = CostModel(*[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0])
+    cost = CostModel(*[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0])
     plan = TickPlan(0, prefill=(PrefillChunk("a", 0, 8, False), PrefillChunk("b", 4, 8, True)), decode=("c", "d"),
                     num_batched_tokens=14, num_seqs=4)
     assert cost.plan_seconds(plan) == pytest.approx(float(np.dot(row, cost.coefficients)))
@@ -203,9 +203,14 @@ def test_cost_model_features_follow_the_executor():
     # and 30 media tokens in those images; the 3 decode rows attend over 100 tokens of context in all
     media_row = tick_features([["a", 0, 8, False], ["b", 4, 8, True]], ["c", "d"], 14, 2, lambda rid: rid == "b",
                               30, 100)
-    assert media_row == [1.0, 11.0, 3.0, 2.0, 1.0, 1.0, 2.0, 3.0, 30.0, 100.0]
+    assert media_row == [1.0, 11.0, 3.0, 2.0, 1.0, 1.0, 2.0, 3.0, 30.0, 100.0, 0.0, 0.0]
     assert cost.plan_seconds(plan, 2, lambda rid: rid == "b", 30, 100) == pytest.approx(
         float(np.dot(media_row, cost.coefficients)))
+    # sampling: b (completing: it decodes this tick) and d sample, a (prefill only) does not count
+    samples = {"a", "b", "d"}.__contains__
+    sampling_row = tick_features([["a", 0, 8, False], ["b", 4, 8, True]], ["c", "d"], 14, samples=samples)
+    assert sampling_row == [1.0, 11.0, 3.0, 2.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 2.0]
+    assert cost.plan_seconds(plan, samples=samples) == pytest.approx(float(np.dot(sampling_row, cost.coefficients)))
 
 
 def test_compare_table_and_overrides():

@@ -22,9 +22,13 @@ from scheduler.tools.simulation.recorded import load_recorded
 #: with the image's size: its patches), `per_media_prefill_token` the extra cost of a prefill token of a
 #: media request (embedding inputs, M-RoPE positions) over a text one. `per_context_token`: each token of
 #: context a decode row attends over (its prompt and the tokens it produced), summed over the rows.
+#: `per_sampling_forward`: a decode forward with at least one row that samples (temperature or penalties:
+#: the sampler's softmax and draws over the vocabulary, which greedy rows skip); `per_sampling_row` each such row
+#: (measured on the tiny text model, 4 rows: greedy 1.55 ms a decode, every row sampling 1.94-2.12 ms, two of
+#: four 1.90-1.98 ms).
 FEATURES = ("base", "per_prefill_token", "per_decode_row", "per_prefill_chunk", "per_decode_forward",
             "per_prefill_done", "per_image_encoded", "per_media_prefill_token", "per_vision_token",
-            "per_context_token")
+            "per_context_token", "per_sampling_forward", "per_sampling_row")
 
 #: The phases of a tick the engine times (`outcome.measure`), each with the features that cost time in it: a
 #: trace that has a phase's time fits those features on it alone (a phase that is rare, such as encoding,
@@ -33,7 +37,8 @@ FEATURES = ("base", "per_prefill_token", "per_decode_row", "per_prefill_chunk", 
 #: untimed phases.
 PHASES = (("vision_s", ("per_image_encoded", "per_vision_token")),
           ("prefill_s", ("per_prefill_token", "per_prefill_chunk", "per_media_prefill_token")),
-          ("decode_s", ("per_decode_row", "per_decode_forward", "per_prefill_done", "per_context_token")))
+          ("decode_s", ("per_decode_row", "per_decode_forward", "per_prefill_done", "per_context_token",
+                        "per_sampling_forward", "per_sampling_row")))
 
 #: The rest of a tick (planning, `apply`, events, prefix-cache bookkeeping) is not one constant: it grows
 #: with the rows and chunks the tick schedules (measured on a 12-slot recording: ~0.1 ms for one row, ~0.25
@@ -69,6 +74,8 @@ class CostModel:
     per_media_prefill_token: float = 0.0
     per_vision_token: float = 0.0
     per_context_token: float = 0.0
+    per_sampling_forward: float = 0.0
+    per_sampling_row: float = 0.0
     slowdown: float = 1.0
     overhead: float = 0.0
     # time the loop spends taking in an arrival between two ticks (tokenizing; for a media request, the
@@ -96,13 +103,16 @@ class CostModel:
 
     def tick_seconds(self, prefill_tokens: int, decode_rows: int, num_chunks: int, completed: int = 0,
                      images_encoded: int = 0, media_prefill_tokens: int = 0, vision_tokens: int = 0,
-                     context_tokens: int = 0) -> float:
-        """Predicted wall time of one tick (including `overhead`)."""
+                     context_tokens: int = 0, sampling_forward: float = 0.0, sampling_rows: int = 0) -> float:
+        """Predicted wall time of one tick (including `overhead`); `sampling_forward`: whether a decode row
+        samples (1.0 or 0.0, as the feature), `sampling_rows`: how many."""
         return (self.base + self.per_prefill_token * prefill_tokens + self.per_decode_row * decode_rows
                 + self.per_prefill_chunk * num_chunks + (self.per_decode_forward if decode_rows else 0.0)
                 + self.per_prefill_done * completed + self.per_image_encoded * images_encoded
                 + self.per_media_prefill_token * media_prefill_tokens + self.per_vision_token * vision_tokens
-                + self.per_context_token * context_tokens) * self.slowdown + self.overhead
+                + self.per_context_token * context_tokens
+                + (self.per_sampling_forward if sampling_forward else 0.0) + self.per_sampling_row * sampling_rows
+                ) * self.slowdown + self.overhead
 
     def arrival_seconds(self, has_media: bool) -> float:
         """Loop time taken by one arrival that comes in while requests are being served."""
@@ -110,12 +120,13 @@ class CostModel:
 
     def plan_seconds(self, plan: TickPlan, images_encoded: int = 0,
                      media: "Callable[[str], bool]" = lambda _rid: False, vision_tokens: int = 0,
-                     context_tokens: int = 0) -> float:
+                     context_tokens: int = 0, samples: "Callable[[str], bool]" = lambda _rid: False) -> float:
         """A plan's predicted time; `images_encoded`: media items it encodes that miss the vision cache,
         `vision_tokens` their media tokens; `media(request_id)`: whether a request carries media (its prefill
-        tokens cost the media term too); `context_tokens`: the context its decode rows attend over."""
+        tokens cost the media term too); `context_tokens`: the context its decode rows attend over;
+        `samples(request_id)`: whether a request samples (`samples_tokens` of its sampling)."""
         row = tick_features([[c.request_id, c.start, c.end, c.completes] for c in plan.prefill], plan.decode,
-                            plan.num_batched_tokens, images_encoded, media, vision_tokens, context_tokens)
+                            plan.num_batched_tokens, images_encoded, media, vision_tokens, context_tokens, samples)
         return self.tick_seconds(*row[1:4], *row[5:])
 
     def describe(self) -> str:
@@ -127,6 +138,8 @@ class CostModel:
                  f"{self.per_media_prefill_token * 1e6:.3g} us/media prefill token",
                  f"{self.per_vision_token * 1e6:.3g} us/vision token encoded",
                  f"{self.per_context_token * 1e9:.3g} ns/context token of a decode row",
+                 f"{self.per_sampling_forward * 1e3:.3g} ms/decode forward that samples",
+                 f"{self.per_sampling_row * 1e6:.3g} us/sampling row",
                  f"{self.overhead * 1e6:.3g} us between ticks"]
         text = "cost model: (" + " + ".join(parts[:-1]) + f") x {self.slowdown:.3g} + {parts[-1]}"
         if self.per_arrival or self.per_media_arrival:
@@ -147,18 +160,28 @@ class CostModel:
         return text
 
 
+def samples_tokens(sampling: Mapping[str, Any]) -> bool:
+    """Whether a request's recorded sampling (`SamplingParams.to_record()`) goes through the sampler rather
+    than the greedy argmax: a temperature, or penalties (which rewrite the logits first)."""
+    return (float(sampling.get("temperature", 0.0)) > 0.0 or float(sampling.get("presence_penalty", 0.0)) != 0.0
+            or float(sampling.get("repetition_penalty", 1.0)) != 1.0)
+
+
 def tick_features(prefill: Sequence[Sequence[Any]], decode: Sequence[str], num_batched_tokens: int,
                   images_encoded: int = 0, media: "Callable[[str], bool]" = lambda _rid: False,
-                  vision_tokens: int = 0, context_tokens: int = 0) -> list[float]:
+                  vision_tokens: int = 0, context_tokens: int = 0,
+                  samples: "Callable[[str], bool]" = lambda _rid: False) -> list[float]:
     """Feature row for one recorded plan (`prefill` as `[[id, start, end, completes], ...]`), in FEATURES order.
     `images_encoded`: media items encoded this tick that missed the vision cache, `vision_tokens` their media
-    tokens; `media(id)`: whether a request carries media; `context_tokens`: the context of its decode rows."""
-    completing = sum(1 for c in prefill if c[3])
-    decode_rows = len(decode) + completing
+    tokens; `media(id)`: whether a request carries media; `context_tokens`: the context of its decode rows;
+    `samples(id)`: whether a request samples."""
+    completing = [c[0] for c in prefill if c[3]]
+    decode_rows = len(decode) + len(completing)
     media_tokens = sum(c[2] - c[1] - (1 if c[3] else 0) for c in prefill if media(c[0]))
+    sampling_rows = sum(1 for rid in [*decode, *completing] if samples(rid))
     return [1.0, float(num_batched_tokens - decode_rows), float(decode_rows), float(len(prefill)),
-            1.0 if decode_rows else 0.0, float(completing), float(images_encoded), float(media_tokens),
-            float(vision_tokens), float(context_tokens)]
+            1.0 if decode_rows else 0.0, float(len(completing)), float(images_encoded), float(media_tokens),
+            float(vision_tokens), float(context_tokens), 1.0 if sampling_rows else 0.0, float(sampling_rows)]
 
 
 def _encoded_misses(outcome: Mapping[str, Any], images: Mapping[str, int],
@@ -173,6 +196,12 @@ def _fit_phase(x: np.ndarray, y: np.ndarray, outlier_mads: float | None) -> tupl
     """NNLS of y on x, refitted without the ticks that took much longer than the fit says (more than
     `outlier_mads` median absolute deviations above it: warm-up, GC pauses, another process taking the CPU).
     One-sided, because such noise only ever adds time. Returns the coefficients and the kept ticks."""
+    used = np.any(x != 0, axis=0)  # a feature no tick has is fitted on nothing: its term stays 0
+    if not used.all():
+        coef, keep = _fit_phase(x[:, used], y, outlier_mads)
+        full = np.zeros(x.shape[1])
+        full[used] = coef
+        return full, keep
     coef = nnls(x, y)
     keep = np.ones(len(y), bool)
     if outlier_mads is None or len(y) < 2 * x.shape[1] + 2:  # too few ticks to tell an outlier
@@ -194,11 +223,11 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Non-negative least squares for a handful of columns: the best unconstrained fit over every support.
 
     The NNLS optimum is the unconstrained least-squares solution on its own support, so trying every subset
-    of columns (2**k, k <= ~8) and keeping the best one whose coefficients are all >= 0 is exact.
+    of columns (2**k, k <= 12) and keeping the best one whose coefficients are all >= 0 is exact.
     """
     k = a.shape[1]
-    if k > 10:
-        raise ValueError("nnls here is exhaustive over supports; use at most 10 columns")
+    if k > 12:
+        raise ValueError("nnls here is exhaustive over supports; use at most 12 columns")
     best, best_err = np.zeros(k), float(np.sum(b * b))
     for size in range(1, k + 1):
         for support in itertools.combinations(range(k), size):
@@ -240,6 +269,7 @@ def fit_cost_model(trace: "Trace | str | os.PathLike | Iterable[dict]",
     vision_tokens = {e["request_id"]: sum(1 for t in e["prompt_tokens"] if t in media_ids)
                      for e in arrivals if images.get(e["request_id"])}
     media = lambda rid: images.get(rid, 0) > 0  # noqa: E731
+    sampling = {e["request_id"] for e in arrivals if samples_tokens(e.get("sampling", {}))}
     produced: dict[str, int] = {}
     rows, ys, measures, served = [], [], [], []
     calibration = rec.trace.calibration_ids
@@ -252,7 +282,7 @@ def fit_cost_model(trace: "Trace | str | os.PathLike | Iterable[dict]",
             context = sum(prompt_len.get(rid, 0) + produced.get(rid, 0) for rid in rows_now)
             encoded, encoded_tokens = _encoded_misses(outcome, images, vision_tokens)
             rows.append(tick_features(plan["prefill"], plan["decode"], plan["num_batched_tokens"], encoded, media,
-                                      encoded_tokens, context))
+                                      encoded_tokens, context, sampling.__contains__))
             ys.append(float(m["tick_s"]))
             measures.append(m)
             scheduled = [c[0] for c in plan["prefill"]] + list(plan["decode"])

@@ -48,10 +48,13 @@ class SimExecutor:
         self._media: dict[str, tuple[int, str | None]] = {}  # id -> (media items, media key)
         self._vision_tokens: dict[str, int] = {}  # id -> its prompt's media tokens (what the encoder's cost grows with)
         self._vision_seen: set[str] = set()  # media keys encoded before: a vision-cache hit (unbounded cache)
+        self._samples: set[str] = set()  # requests that go through the sampler (their decode rows cost more)
         for a in arrivals:
             self._stop_at[a.request_id] = a.output_len - 1 if a.output_len < a.max_tokens else -1
             self._error_at[a.request_id] = -1 if a.error_after is None else a.error_after
             self._prompt_len[a.request_id] = a.prompt_len
+            if a.samples:
+                self._samples.add(a.request_id)
             if a.num_images:
                 self._media[a.request_id] = (a.num_images, a.media_key)
                 self._vision_tokens[a.request_id] = sum(1 for t in a.prompt_tokens
@@ -75,7 +78,8 @@ class SimExecutor:
         # a decode row attends over its prompt and what it produced (as the fit counts it from a trace)
         context = sum(self._prompt_len[rid] + self._produced.get(rid, 0)
                       for rid in [*plan.decode, *(c.request_id for c in plan.prefill if c.completes)])
-        seconds = self.cost_model.plan_seconds(plan, images, self._media.__contains__, vision_tokens, context)
+        seconds = self.cost_model.plan_seconds(plan, images, self._media.__contains__, vision_tokens, context,
+                                               self._samples.__contains__)
         self.clock += seconds
         sampled: dict[str, int] = {}
         errors: dict[str, str] = {}
