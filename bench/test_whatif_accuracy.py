@@ -81,9 +81,10 @@ def _errors(model_dir, requests, offsets, config_a, config_b, tmp_path):
     return table
 
 
-def _paired_errors(model_dir, requests, offsets, tmp_path, pairs=None):
+def _paired_errors(model_dir, requests, offsets, tmp_path, pairs=None, recorded=None, what_if=None):
     """`pairs` recorded/what-if pairs of real runs (WHATIF_PAIRS, default 3); returns each metric's median
     error over the pairs (printed with every pair's table)."""
+    recorded, what_if = recorded or RECORDED, what_if or WHAT_IF
     pairs = int(os.environ.get("WHATIF_PAIRS", "3")) if pairs is None else pairs
     keep = os.environ.get("WHATIF_TRACE_DIR")  # where to keep the traces (default: the test's tmp_path)
     _timed_run(model_dir, WHAT_IF, requests[:8], [0.0] * 8)  # first-use costs stay out of the timed runs
@@ -92,7 +93,7 @@ def _paired_errors(model_dir, requests, offsets, tmp_path, pairs=None):
         where = Path(keep) / f"{Path(model_dir).name}-{time.strftime('%H%M%S')}-{i}" if keep else tmp_path / f"pair{i}"
         where.mkdir(parents=True)
         print(f"\npair {i} (load {open('/proc/loadavg').read().split()[0]}, traces in {where})", end="")
-        tables.append(_errors(model_dir, requests, offsets, RECORDED, WHAT_IF, where))
+        tables.append(_errors(model_dir, requests, offsets, recorded, what_if, where))
     medians = {m: float(np.median([t[m][2] for t in tables])) for m in METRICS}
     print("\nmedian errors over the pairs:", {m: f"{e:+.1%}" for m, e in medians.items()})
     return medians
@@ -157,3 +158,21 @@ def test_whatif_holds_for_a_text_workload(text_model_dir, tmp_path):
                      priority=i % 3, sampling=SamplingParams(max_tokens=32)) for i in range(128)]
     errors = _paired_errors(text_model_dir, requests, _offsets(len(requests), 100.0, 2), tmp_path)
     assert all(abs(err) <= WHAT_IF_TOLERANCE for err in errors.values()), errors
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["image+text", "text"])
+def test_whatif_holds_for_a_burst(kind, vlm_model_dir, text_model_dir, tmp_path):
+    """The demo's workload doubled (64 chat requests, half of them sampling; half with images on the VLM), all
+    arriving at once: recorded with 16 slots (calibrated), predicted and really run with 4. A burst is the
+    capacity question without the arrival-timing noise of a Poisson stream (bench/README.md, "Issue 16")."""
+    model_dir = vlm_model_dir if kind == "image+text" else text_model_dir
+    prompts, images = _demo_workload(64, seed=0, with_images=kind == "image+text")
+    requests = [dict(prompt=p, images=im, sampling=SamplingParams(max_tokens=48, temperature=0.0 if i % 2 == 0
+                                                                    else 0.8, seed=i))
+                for i, (p, im) in enumerate(zip(prompts, images))]
+    base = EngineConfig(max_batched_tokens=512, prefill_chunk=128, prefix_cache_bytes=64 << 20)
+    errors = _paired_errors(model_dir, requests, [0.0] * len(requests), tmp_path,
+                            recorded=dataclasses.replace(base, max_seqs=16),
+                            what_if=dataclasses.replace(base, max_seqs=4))
+    assert all(abs(err) <= TOLERANCE for err in errors.values()), errors
