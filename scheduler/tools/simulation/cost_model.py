@@ -243,6 +243,50 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return best
 
 
+@dataclass
+class _RecordedTicks:
+    """What the fit reads off a trace: each timed tick's feature row, its time, its measures and whether it
+    served the workload (not calibration alone); the requests' media counts and the media token ids."""
+
+    rows: list[list[float]]
+    seconds: list[float]
+    measures: list[Mapping[str, Any]]
+    served: list[bool]
+    images: dict[str, int]
+    media_token_ids: frozenset[int]
+
+
+def _recorded_ticks(rec: Any) -> _RecordedTicks:
+    arrivals = rec.arrival_events + rec.calibration_events  # calibration ticks are fitted like the others
+    images = {e["request_id"]: int(e.get("num_images", 0)) for e in arrivals}
+    media_ids = frozenset(int(t) for t in rec.trace.header.get("media_token_ids", ()))
+    prompt_len = {e["request_id"]: len(e["prompt_tokens"]) for e in arrivals}
+    vision_tokens = {e["request_id"]: sum(1 for t in e["prompt_tokens"] if t in media_ids)
+                     for e in arrivals if images.get(e["request_id"])}
+    media = lambda rid: images.get(rid, 0) > 0  # noqa: E731
+    sampling = {e["request_id"] for e in arrivals if samples_tokens(e.get("sampling", {}))}
+    calibration = rec.trace.calibration_ids
+    produced: dict[str, int] = {}
+    out = _RecordedTicks([], [], [], [], images, media_ids)
+    for tick in sorted(rec.trace.outcomes):
+        plan = rec.trace.plans.get(tick)
+        outcome = rec.trace.outcomes[tick]
+        m = outcome.get("measure", {})
+        if plan is not None and "tick_s" in m:
+            rows_now = list(plan["decode"]) + [c[0] for c in plan["prefill"] if c[3]]
+            context = sum(prompt_len.get(rid, 0) + produced.get(rid, 0) for rid in rows_now)
+            encoded, encoded_tokens = _encoded_misses(outcome, images, vision_tokens)
+            out.rows.append(tick_features(plan["prefill"], plan["decode"], plan["num_batched_tokens"], encoded,
+                                          media, encoded_tokens, context, sampling.__contains__))
+            out.seconds.append(float(m["tick_s"]))
+            out.measures.append(m)
+            scheduled = [c[0] for c in plan["prefill"]] + list(plan["decode"])
+            out.served.append(not scheduled or not set(scheduled) <= calibration)
+        for rid in outcome.get("sampled", {}):
+            produced[rid] = produced.get(rid, 0) + 1 + len(outcome.get("accepted_drafts", {}).get(rid, ()))
+    return out
+
+
 def fit_cost_model(trace: "Trace | str | os.PathLike | Iterable[dict]",
                    outlier_mads: float | None = 3.0) -> CostModel:
     """Least-squares (non-negative) fit of the per-tick cost over a trace's busy ticks.
@@ -256,41 +300,16 @@ def fit_cost_model(trace: "Trace | str | os.PathLike | Iterable[dict]",
     process taking the CPU; None keeps every tick). Each phase's terms are then scaled so that its predicted
     time over the recorded plans matches the recording (over the workload's ticks when the trace has
     calibration ticks: those shape the terms, the workload sets their level), and `slowdown` = recorded busy
-    time / predicted busy time applies to all of them (a slowdown from contention is proportional: it carries over to a config with
-    more, cheaper ticks better than a constant per tick would). `overhead` is the median gap between one busy
+    time / predicted busy time applies to all of them (a slowdown from contention is proportional: it carries
+    over to a config with more, cheaper ticks better than a constant per tick would). `overhead` is the median gap between one busy
     tick's end and the next busy tick's start. R^2 and the mean relative error are those of the model as used
     over all busy ticks; `typical_rel_error` is the median relative error of the terms before the scaling.
     """
     rec = load_recorded(trace)
-    arrivals = rec.arrival_events + rec.calibration_events  # calibration ticks are fitted like the others
-    images = {e["request_id"]: int(e.get("num_images", 0)) for e in arrivals}
-    media_ids = frozenset(int(t) for t in rec.trace.header.get("media_token_ids", ()))
-    prompt_len = {e["request_id"]: len(e["prompt_tokens"]) for e in arrivals}
-    vision_tokens = {e["request_id"]: sum(1 for t in e["prompt_tokens"] if t in media_ids)
-                     for e in arrivals if images.get(e["request_id"])}
-    media = lambda rid: images.get(rid, 0) > 0  # noqa: E731
-    sampling = {e["request_id"] for e in arrivals if samples_tokens(e.get("sampling", {}))}
-    produced: dict[str, int] = {}
-    rows, ys, measures, served = [], [], [], []
-    calibration = rec.trace.calibration_ids
-    for tick in sorted(rec.trace.outcomes):
-        plan = rec.trace.plans.get(tick)
-        outcome = rec.trace.outcomes[tick]
-        m = outcome.get("measure", {})
-        if plan is not None and "tick_s" in m:
-            rows_now = list(plan["decode"]) + [c[0] for c in plan["prefill"] if c[3]]
-            context = sum(prompt_len.get(rid, 0) + produced.get(rid, 0) for rid in rows_now)
-            encoded, encoded_tokens = _encoded_misses(outcome, images, vision_tokens)
-            rows.append(tick_features(plan["prefill"], plan["decode"], plan["num_batched_tokens"], encoded, media,
-                                      encoded_tokens, context, sampling.__contains__))
-            ys.append(float(m["tick_s"]))
-            measures.append(m)
-            scheduled = [c[0] for c in plan["prefill"]] + list(plan["decode"])
-            served.append(not scheduled or not set(scheduled) <= calibration)
-        for rid in outcome.get("sampled", {}):
-            produced[rid] = produced.get(rid, 0) + 1 + len(outcome.get("accepted_drafts", {}).get(rid, ()))
-    if len(rows) < 2:
+    ticks = _recorded_ticks(rec)
+    if len(ticks.rows) < 2:
         raise TraceError("fit_cost_model: the trace has fewer than 2 timed ticks (outcome.measure.tick_s)")
+    rows, ys, measures, served = ticks.rows, ticks.seconds, ticks.measures, ticks.served
     x, y = np.asarray(rows), np.asarray(ys)
     # Calibration ticks (Engine.calibrate()) show every batch size, so they shape the terms; the level is set
     # by the workload's own ticks, which run with the machine in the state serving leaves it in (measured on
@@ -329,7 +348,7 @@ def fit_cost_model(trace: "Trace | str | os.PathLike | Iterable[dict]",
     r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else (1.0 if ss_res == 0 else 0.0)
     rel = np.abs(pred - y) / np.maximum(y, 1e-12)
     typical = float(np.median(np.abs(typical_terms - y) / np.maximum(y, 1e-12)))
-    overhead, per_arrival, per_media_arrival = _fit_gaps(rec, images, outlier_mads)
+    overhead, per_arrival, per_media_arrival = _fit_gaps(rec, ticks.images, outlier_mads)
     decode_rows = x[keep, FEATURES.index("per_decode_row")]
     decode_rows = decode_rows[decode_rows > 0]
     seen = (tuple(int(v) for v in np.percentile(decode_rows, [10, 90], method="nearest"))
@@ -337,7 +356,7 @@ def fit_cost_model(trace: "Trace | str | os.PathLike | Iterable[dict]",
     return CostModel(*[float(c) for c in scaled], slowdown=slowdown, overhead=overhead, per_arrival=per_arrival,
                      per_media_arrival=per_media_arrival, r2=r2,
                      mean_rel_error=float(rel.mean()), typical_rel_error=typical, n_ticks=len(y),
-                     dropped=int((~keep).sum()), decode_rows_seen=seen, media_token_ids=media_ids,
+                     dropped=int((~keep).sum()), decode_rows_seen=seen, media_token_ids=ticks.media_token_ids,
                      phases=tuple(key for key, _ in timed))
 
 
