@@ -781,7 +781,10 @@ def rollback_reads(batch_cache_layers: Sequence[Any]) -> list[mx.array]:
 def rollback_rows(batch_cache_layers: Sequence[Any], drop: Sequence[int] | mx.array | np.ndarray) -> list[int]:
     """Drop the last ``drop[b]`` positions of row ``b`` from every layer of a left-padded batch cache.
 
-    Only layers whose capabilities declare `rollback` (plain KV batch layers). In place. Rows stay
+    Only layers whose capabilities declare `rollback` (plain KV batch layers). In place. The engine's own batch
+    (`_HoleBatchKVCache`, what `merge_caches` builds from mlx-lm's KVCache) moves nothing: the positions every
+    row drops are trimmed and the rest become masked holes (`_drop_into_holes`). Other plain batches (mlx-lm's
+    and mlx-vlm's BatchKVCache) are re-aligned: rows stay
     right-aligned at the cache's ``_idx``: row b's kept positions move right by ``drop[b]`` (its left padding
     grows) -- the mechanism of mlx-lm's ``BatchKVCache.prepare(right_padding=...)`` + ``finalize()`` -- and
     then the padding every row shares is removed, so ``_idx`` ends at the longest row and padding does not

@@ -50,8 +50,8 @@ Each used random number is fresh: within a tick a row reads the accept stream at
 ``steps .. steps + a`` and the sample stream at ``steps + a``; the next tick starts at ``steps + a + 1``.
 
 Cache helper: :func:`rollback_rows` drops a different number of trailing positions per row from mlx-lm's
-left-padded ``BatchKVCache`` and keeps every row right-aligned (it reaches into mlx-lm cache internals: it
-belongs next to ``scheduler/execution/library.py`` and is pinned by ``tests/kernels/test_speculative_kernels.py``).
+left-padded ``BatchKVCache`` (as masked holes in the engine's batch, ``caches.layers._HoleBatchKVCache``; by
+re-aligning the rows in mlx-lm's own class); it reaches into mlx-lm cache internals: it belongs next to ``scheduler/execution/library.py`` and is pinned by ``tests/kernels/test_speculative_kernels.py``).
 """
 
 from __future__ import annotations
