@@ -1,6 +1,8 @@
 """Where a verify tick's time goes on the trained tiny model: the batched forward at width 1 (a plain decode
 step) against width w = k + 1 (the last token and k drafts), for batch 1 and 4, and the KV rollback after it
-(a plain ``trim`` when every row drops the same number of positions, a per-row shift copy when drops differ),
+(a plain ``trim`` when every row drops the same number of positions; when drops differ, masked holes in the
+executor's batch cache, no copy, until they are squeezed out: `caches.layers._HoleBatchKVCache`; a per-row
+shift copy before 2026-12-05),
 and the greedy acceptance that reads the verdict back. The draft gate's cost model
 (`scheduler/execution/draft_gate.py`, `VerifyCost`) comes from these figures.
 
@@ -87,7 +89,8 @@ def probe(model, batch: int, widths: list[int], context: int, iters: int) -> dic
                 res.accepted.tolist(), res.emitted.tolist()
 
             out["accept_ms"][w] = _low_ms(accept, iters)
-    # rollback alone, after a width-5 forward: equal drops (trim) vs differing drops (per-row shift copy)
+    # rollback alone, after a width-5 forward: equal drops (trim) vs differing drops (holes; a compaction now
+    # and then)
     w = max(widths)
     inputs = mx.array([[11 + (b + j) % 50 for j in range(w)] for b in range(batch)], dtype=mx.int32)
     mixed = [w - (b % w) for b in range(batch)]  # row b keeps b % w of the w positions
@@ -165,7 +168,7 @@ def main(argv=None) -> int:
     print()
     widths = sorted(set(args.width) | {1})
     print("| batch | " + " | ".join(f"forward w={w} ms (x w=1)" for w in widths)
-          + " | accept w=max ms | rollback trim ms | rollback per-row shift ms |")
+          + " | accept w=max ms | rollback trim ms | rollback, drops differ ms |")
     print("|---|" + "---|" * (len(widths) + 3))
     for r in rows:
         base = r["forward_ms"][1]

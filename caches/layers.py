@@ -128,8 +128,107 @@ def _plain_kv_classes() -> tuple[tuple[type, ...], tuple[type, ...]]:
 _PLAIN_KV, _PLAIN_BATCH_KV = _plain_kv_classes()
 
 
-class _GroupedMaskBatchKVCache(mlx_cache.BatchKVCache):
-    """mlx-lm's BatchKVCache whose mask has one more broadcast axis (MaskLayout.GROUPED)."""
+# A batch row's dropped draft positions stay in place, masked, until they are this many (`_HoleBatchKVCache`).
+HOLE_LIMIT = 32
+
+
+class _HoleBatchKVCache(mlx_cache.BatchKVCache):
+    """mlx-lm's BatchKVCache whose rows can drop their last positions without moving: the dropped positions
+    become a *hole*, hidden by the attention mask exactly as left padding is, until the holes are squeezed
+    out (`compact`).
+
+    Why: after a verify forward the rows keep different numbers of positions, and re-aligning them (moving each
+    row's kept positions right, `_shift_rows`) copies every layer's keys and values every verify tick; on the
+    trained tiny model that was about a fifth of a batch-4 verify tick (bench/README.md, "A cheaper verify
+    tick"). A hole costs the mask one `and` with a (B, length) array made on the host. The holes are squeezed
+    out in one gather per array when they take more than `HOLE_LIMIT` positions (attention reads them), before
+    a write that would grow the buffer (so the buffer grows exactly when a compact one would: the KV bound is
+    unchanged; `_compact_before_growth`) and before rows change (filter, extend, extract), so mlx-lm's own code
+    only ever sees its plain left-padded layout.
+
+    `holes`: None, or a (B, capacity) numpy bool array, True at a hole (every layer of a batch holds the same
+    one: the rollback sets them together)."""
+
+    def __init__(self, left_padding):
+        super().__init__(left_padding)
+        self.holes: np.ndarray | None = None
+
+    @classmethod
+    def merge(cls, caches):
+        if all(c.keys is None for c in caches):  # mlx-lm's merge returns its own class for empty caches
+            return cls([0] * len(caches))
+        return super().merge(caches)
+
+    def _compact_before_growth(self, n: int) -> None:
+        """A write of n positions that would grow the buffer compacts first, so the buffer grows from the
+        compact layout as a batch without holes would (the KV bound holds). Every layer of a batch decides
+        alike (same holes, write index and capacity): the one whose mask the model asks for compacts there,
+        before the mask is built, the others before their own write, so the forward sees one layout."""
+        if self.holes is not None and self.keys is not None and self._idx + n > self.keys.shape[2]:
+            self.compact()
+
+    def update_and_fetch(self, keys, values):
+        self._compact_before_growth(keys.shape[2])
+        return super().update_and_fetch(keys, values)
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs):
+        self._compact_before_growth(N)
+        mask = super().make_mask(N, return_array=return_array, **kwargs)
+        if self.holes is None or not isinstance(mask, mx.array):
+            return mask
+        B = self.holes.shape[0]
+        attended = np.concatenate([~self.holes[:, : self._idx], np.ones((B, N), dtype=bool)], axis=1)
+        return mask & mx.array(attended)[:, None, None, :]
+
+    def compact(self) -> None:
+        """Squeeze the holes out: each row's attended positions, in order, right-aligned at the new write
+        index (one gather per array, into a buffer of the same capacity)."""
+        if self.holes is None:
+            return
+        holes, self.holes = self.holes, None
+        if self.keys is None:
+            return
+        padding = np.asarray(self.left_padding.tolist(), dtype=np.int64)
+        capacity = self.keys.shape[2]
+        kept = [np.flatnonzero(~holes[b, padding[b] : self._idx]) + padding[b] for b in range(holes.shape[0])]
+        new_idx = max((len(k) for k in kept), default=0)
+        source = np.zeros((len(kept), capacity), dtype=np.int32)  # positions outside a row's span: left padding
+        for b, k in enumerate(kept):
+            source[b, new_idx - len(k) : new_idx] = k
+        index = mx.array(source)[:, None, :, None]
+        self.keys = mx.take_along_axis(self.keys, index, axis=2)
+        self.values = mx.take_along_axis(self.values, index, axis=2)
+        self.left_padding = mx.array([new_idx - len(k) for k in kept], dtype=self.left_padding.dtype)
+        self._idx = new_idx
+
+    def spare(self) -> int:
+        """Positions of the write index that no row's tokens use: holes and padding every row shares."""
+        return self._idx - int(max(self.offset.tolist(), default=0)) if self.holes is not None else 0
+
+    def filter(self, batch_indices):
+        self.compact()
+        super().filter(batch_indices)
+
+    def extend(self, other):
+        self.compact()
+        if isinstance(other, _HoleBatchKVCache):
+            other.compact()
+        super().extend(other)
+
+    def extract(self, idx):
+        if self.holes is None:
+            return super().extract(idx)
+        padding = self.left_padding.tolist()[idx]
+        positions = mx.array(np.flatnonzero(~self.holes[idx, padding : self._idx]) + padding)
+        cache = mlx_cache.KVCache()
+        cache.keys = mx.contiguous(mx.take(self.keys[idx : idx + 1], positions, axis=2))
+        cache.values = mx.contiguous(mx.take(self.values[idx : idx + 1], positions, axis=2))
+        cache.offset = cache.keys.shape[2]
+        return cache
+
+
+class _GroupedMaskBatchKVCache(_HoleBatchKVCache):
+    """The batch cache whose mask has one more broadcast axis (MaskLayout.GROUPED)."""
 
     def make_mask(self, N: int, return_array: bool = False, **kwargs):
         mask = super().make_mask(N, return_array=return_array, **kwargs)
@@ -144,9 +243,9 @@ class PlainKV:
     @staticmethod
     def merge(layers: Sequence[Any], mask: MaskLayout) -> Any:
         if mask is MaskLayout.GROUPED:
-            if all(layer.keys is None for layer in layers):
-                return _GroupedMaskBatchKVCache([0] * len(layers))
             return _GroupedMaskBatchKVCache.merge(layers)
+        if type(layers[0]) is mlx_cache.KVCache:  # mlx-lm's own: rows roll back into masked holes
+            return _HoleBatchKVCache.merge(layers)
         return type(layers[0]).merge(layers)
 
     @staticmethod
@@ -650,10 +749,42 @@ def _shift_rows(x: mx.array, shift: np.ndarray) -> mx.array:
     return y
 
 
+def _drop_into_holes(layers: list[Any], d: np.ndarray, new_len: np.ndarray) -> None:
+    """`rollback_rows` without moving a row: the positions every row drops are trimmed, the rest (row b's
+    last d[b] - min(d)) become holes (`_HoleBatchKVCache`). No copy; the holes are squeezed out once they take
+    more than HOLE_LIMIT positions."""
+    first = layers[0]
+    idx, shared = first._idx, int(d.min())
+    new_idx = idx - shared
+    holes = np.zeros((d.shape[0], first.keys.shape[2]), dtype=bool) if first.holes is None else first.holes.copy()
+    holes[:, new_idx:] = False
+    for b in np.flatnonzero(d > shared):
+        holes[b, idx - d[b] : new_idx] = True
+    offset, before = mx.array(new_len.astype(np.int32)), first.holes
+    for layer in layers:
+        if layer._idx != idx or layer.holes is not before:
+            raise ValueError("all layers of a batch cache must have the same rows, length and holes")
+        layer._idx, layer.offset = new_idx, offset
+        layer.holes = holes if holes.any() else None
+    if first.spare() > HOLE_LIMIT:
+        for layer in layers:
+            layer.compact()
+
+
+def rollback_reads(batch_cache_layers: Sequence[Any]) -> list[mx.array]:
+    """The arrays `rollback_rows` reads back to the host (each row's length, which the verify forward has just
+    advanced lazily): evaluated with the verdict of a verify tick, the rollback needs no sync of its own."""
+    layers = list(batch_cache_layers)
+    return [layers[0].offset] if layers and isinstance(layers[0], _PLAIN_BATCH_KV) else []
+
+
 def rollback_rows(batch_cache_layers: Sequence[Any], drop: Sequence[int] | mx.array | np.ndarray) -> list[int]:
     """Drop the last ``drop[b]`` positions of row ``b`` from every layer of a left-padded batch cache.
 
-    Only layers whose capabilities declare `rollback` (plain KV batch layers). In place. Rows stay
+    Only layers whose capabilities declare `rollback` (plain KV batch layers). In place. The engine's own batch
+    (`_HoleBatchKVCache`, what `merge_caches` builds from mlx-lm's KVCache) moves nothing: the positions every
+    row drops are trimmed and the rest become masked holes (`_drop_into_holes`). Other plain batches (mlx-lm's
+    and mlx-vlm's BatchKVCache) are re-aligned: rows stay
     right-aligned at the cache's ``_idx``: row b's kept positions move right by ``drop[b]`` (its left padding
     grows) -- the mechanism of mlx-lm's ``BatchKVCache.prepare(right_padding=...)`` + ``finalize()`` -- and
     then the padding every row shares is removed, so ``_idx`` ends at the longest row and padding does not
@@ -687,6 +818,9 @@ def rollback_rows(batch_cache_layers: Sequence[Any], drop: Sequence[int] | mx.ar
         raise ValueError(f"cannot drop more positions than a row holds: drop {d.tolist()}, lengths {lengths.tolist()}")
     new_len = lengths - d
     if not d.any():
+        return new_len.tolist()
+    if all(isinstance(layer, _HoleBatchKVCache) for layer in layers):
+        _drop_into_holes(layers, d, new_len)
         return new_len.tolist()
     idx = first._idx
     new_idx = int(new_len.max()) if new_len.size else 0

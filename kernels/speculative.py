@@ -50,8 +50,8 @@ Each used random number is fresh: within a tick a row reads the accept stream at
 ``steps .. steps + a`` and the sample stream at ``steps + a``; the next tick starts at ``steps + a + 1``.
 
 Cache helper: :func:`rollback_rows` drops a different number of trailing positions per row from mlx-lm's
-left-padded ``BatchKVCache`` and keeps every row right-aligned (it reaches into mlx-lm cache internals: it
-belongs next to ``scheduler/execution/library.py`` and is pinned by ``tests/kernels/test_speculative_kernels.py``).
+left-padded ``BatchKVCache`` (as masked holes in the engine's batch, ``caches.layers._HoleBatchKVCache``; by
+re-aligning the rows in mlx-lm's own class); it reaches into mlx-lm cache internals: it belongs next to ``scheduler/execution/library.py`` and is pinned by ``tests/kernels/test_speculative_kernels.py``).
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ from .sampling import SamplingArrays, _filter, _fmix32, _row_keys
 __all__ = [
     "AcceptResult",
     "greedy_accept",
+    "greedy_accept_rows",
     "stochastic_accept",
     "stochastic_accept_from_uniforms",
     "speculative_uniforms",
@@ -235,6 +236,26 @@ def greedy_accept(target_logits: mx.array, draft_tokens: mx.array, draft_lens: m
     accepted = mx.cumprod(match.astype(mx.int32), axis=1).sum(axis=1).astype(mx.int32) if k else mx.zeros((B,), mx.int32)
     last = mx.take_along_axis(top, accepted[:, None], axis=1)[:, 0]
     return _emit(draft_tokens, accepted, last, k)
+
+
+def greedy_accept_rows(top: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]]) -> tuple[list[int], list[list[int]]]:
+    """:func:`greedy_accept` on the host, from each row's target argmax already read back.
+
+    top[b]: the target's argmax at positions ``0..k`` of row b (``k + 1`` ints, ``k >= len(drafts[b])``);
+    drafts[b]: row b's draft. Returns ``(accepted, emitted)``: ``accepted[b]`` the longest prefix of the draft
+    equal to ``top[b]`` at the same positions, ``emitted[b]`` those drafts and then ``top[b][accepted[b]]``.
+
+    The verify tick of an all-greedy batch reads the argmax back anyway (it is every row's token); deciding
+    here on those few ints replaces the dozen MLX ops of :func:`greedy_accept` (each costs about as much as
+    the arithmetic of a small model's layer on the CPU backend), with the same result."""
+    accepted, emitted = [], []
+    for row_top, draft in zip(top, drafts):
+        a = 0
+        while a < len(draft) and draft[a] == row_top[a]:
+            a += 1
+        accepted.append(a)
+        emitted.append([*draft[:a], row_top[a]])
+    return accepted, emitted
 
 
 # ---------------------------------------------------------------------------

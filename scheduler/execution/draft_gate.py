@@ -2,7 +2,7 @@
 
 The batched verify forward runs every row of the batch (drafting or not) at the width of the widest draft,
 so drafting is a decision for the tick, not for a row: one hopeful row makes all B rows compute ``w``
-positions, pay the acceptance read-back and a per-row cache shift when rows keep different lengths. Per-row
+positions, pay the acceptance read-back and keep rows of different lengths in the cache. Per-row
 pacing (`drafters.AdaptivePace`) cannot see that. The gate can: after the drafter has proposed, it picks the
 width ``w`` (1 = a plain one-token step, no drafts) that maximises expected tokens per unit of tick time,
 
@@ -39,22 +39,24 @@ class VerifyCost:
 
         cost(B, w) = 1 + verify + width * (w - 1) * (1 + rows * (B - 1)) + (shift if B > 1)
 
-    * ``verify``: a verify tick's fixed extra (the acceptance read back to the host, a second sync, the
-      rollback's trim);
+    * ``verify``: a verify tick's fixed extra (the wider logits and their argmax read back to the host, the
+      drafter and the bookkeeping of more tokens);
     * ``width``: each extra position of width, for one row; ``rows``: how much more each further row adds to
       it (a small model's forward is overhead-bound: four rows at width 5 cost far less than four times one);
-    * ``shift``: rows that keep different lengths after acceptance need a per-row cache shift
-      (`caches.layers.rollback_rows`) instead of a trim; with more than one row this is the usual case.
+    * ``shift``: rows that keep different lengths after acceptance (with more than one row, the usual case):
+      their dropped positions become masked holes (`caches.layers.rollback_rows`), which cost the mask an op
+      and, every HOLE_LIMIT positions, one compaction (a per-row copy of every layer before 2026-12-05: 0.45).
 
-    Defaults: the trained tiny model under OpenBLAS (bench/README.md, "Draft gate"; `bench/verify_tick.py`).
-    Another model's figures come from running that probe on it."""
+    Defaults: the trained tiny model under OpenBLAS (bench/README.md, "A cheaper verify tick";
+    `bench/verify_tick.py`: whole batch-4 ticks at w = 2..5 cost 1.22-1.57x a plain one). Another model's
+    figures come from running that probe on it."""
 
     verify: float = 0.10
-    width: float = 0.075
+    width: float = 0.09
     # the extra cost of width measured about the same for one row and four on the tiny model (overhead-bound);
     # > 0 for a model whose forward is compute-bound
     rows: float = 0.0
-    shift: float = 0.45
+    shift: float = 0.05
 
     def __post_init__(self) -> None:
         for name in ("verify", "width", "rows", "shift"):

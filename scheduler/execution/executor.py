@@ -21,10 +21,11 @@ import mlx.core as mx
 
 from caches.kv import KVCacheManager, QuantizeRule
 from kernels.sampling import RowSampling, SamplingArrays, sample_tokens
-from caches.layers import restore_batch, rollback_rows, snapshot_batch
+from caches.layers import restore_batch, rollback_reads, rollback_rows, snapshot_batch
 from caches.prefix import checkpoint_position
 from kernels.speculative import (
     greedy_accept,
+    greedy_accept_rows,
     pad_drafts,
     processed_logprobs,
     stack_draft_logprobs,
@@ -166,6 +167,7 @@ class MLXExecutor:
         self._next_inputs: mx.array | None = None  # (B,) token fed to each row next
         self._rope_deltas: mx.array | None = None  # (B,) VLM position offsets (0 for text rows)
         self._params: SamplingArrays | None = None
+        self._argmax_only = False  # every row samples by a bare argmax (set with _params: `_sampling_arrays`)
         self._context: mx.array | None = None  # (B, W) recent tokens for penalties, -1 padded
         self._released: set[str] = set()
         self._no_draft: set[str] = set()  # rows the draft model could not take: they decode plainly
@@ -505,6 +507,10 @@ class MLXExecutor:
     def _sampling_arrays(self) -> SamplingArrays:
         if self._params is None:
             self._params = SamplingArrays.from_rows([_row_sampling(row.request) for row in self._rows])
+            # a bare argmax per row: greedy, no penalty, processor, custom sampler or logprobs anywhere in the batch
+            self._argmax_only = (self._params.all_greedy and not self._params.any_penalty and not self.logprob_vectors
+                                 and not any(row.request.sampling.logits_processors or row.request.sampling.logprobs
+                                             or row.request.sampling.sampler is not None for row in self._rows))
         return self._params
 
     def _decode(self, result: TickResult, draft_k: dict[str, int]) -> None:
@@ -541,16 +547,11 @@ class MLXExecutor:
             logits = all_logits[:, 0, :]
         logits = self._apply_processors(logits, result)
         params = self._sampling_arrays()
-        context = None
-        if params.any_penalty:
-            fed = inputs.astype(mx.int32)
-            if self.output_only_history:  # a fresh row's first input is its last prompt token: not history here
-                fed = mx.where(mx.array([row.step > 0 for row in self._rows]), fed, -1)
-            self._context = mx.concatenate([self._context[:, 1:], fed[:, None]], axis=1)
-            context = self._context
-        steps = mx.array([row.step for row in self._rows], dtype=mx.uint32)
-        tokens, logprobs = sample_tokens(logits, params, steps, context)
-        tokens = self._apply_samplers(tokens, logprobs, result)
+        top = self._greedy_top(all_logits) if width and self._argmax_only else None
+        if top is not None:  # every row's token is its argmax at position 0 (`sample_tokens` would agree)
+            tokens, logprobs = top[:, 0], None
+        else:
+            tokens, logprobs = self._sample(inputs, logits, params, result)
         want_logprobs = [i for i, row in enumerate(self._rows) if row.request.sampling.logprobs]
         picked = None
         if want_logprobs:
@@ -560,7 +561,7 @@ class MLXExecutor:
         if width:  # (the sampled tokens are evaluated with the verdict: one sync for both)
             emitted = self._verify(all_logits, draft_tokens, draft_lens, drafts, width, result,
                                    tokens if picked is None else (tokens, picked),
-                                   None if snapshot is None else (snapshot, verify_inputs))
+                                   None if snapshot is None else (snapshot, verify_inputs), top)
         if all_hidden is not None:  # each row's hidden state at the last position it kept
             kept = mx.array([len(emitted[i]) - 1 if i in emitted else 0 for i in range(len(self._rows))])
             self._last_hidden = all_hidden[mx.arange(len(self._rows)), kept]
@@ -587,6 +588,29 @@ class MLXExecutor:
                 n = len(emitted.get(i, ()))
                 result.logprob_vectors[row.request.request_id] = (
                     [verified[i, j] for j in range(n)] if n else [logprobs[i]])
+
+    def _sample(self, inputs: mx.array, logits: mx.array, params: SamplingArrays,
+                result: TickResult) -> tuple[mx.array, mx.array]:
+        """Every row's token from its position-0 logits: penalties (with each row's recent tokens), the vectorised
+        sampler, then custom samplers. Returns (tokens, log-probs)."""
+        context = None
+        if params.any_penalty:
+            fed = inputs.astype(mx.int32)
+            if self.output_only_history:  # a fresh row's first input is its last prompt token: not history here
+                fed = mx.where(mx.array([row.step > 0 for row in self._rows]), fed, -1)
+            self._context = mx.concatenate([self._context[:, 1:], fed[:, None]], axis=1)
+            context = self._context
+        steps = mx.array([row.step for row in self._rows], dtype=mx.uint32)
+        tokens, logprobs = sample_tokens(logits, params, steps, context)
+        return self._apply_samplers(tokens, logprobs, result), logprobs
+
+    @staticmethod
+    def _greedy_top(all_logits: mx.array) -> mx.array:
+        """(B, n, V) verify logits -> (B, n) argmax of the log-softmax at every position: the target's greedy
+        choice, taken exactly as `sample_tokens` and mlx-lm's greedy sampler take it. For a batch that only
+        needs argmaxes (`_argmax_only`), this is all a verify tick reads back: the tokens and the verdict
+        (`greedy_accept_rows`) come from it, instead of sampling ops and a dozen acceptance ops."""
+        return mx.argmax(all_logits - mx.logsumexp(all_logits, axis=-1, keepdims=True), axis=-1)
 
     def _decode_groups(self, inputs: mx.array) -> mx.array:
         """The one-token forward of every row. Under kv_bits, rows whose context has not reached their
@@ -658,7 +682,7 @@ class MLXExecutor:
                 for rid, d in drafts.items()}
 
     def _verify(self, all_logits, draft_tokens, draft_lens, drafts, width, result, sampled=(),
-                refeed: tuple[Any, mx.array] | None = None) -> dict[int, list[int]]:
+                refeed: tuple[Any, mx.array] | None = None, top: mx.array | None = None) -> dict[int, list[int]]:
         """Accept per row (greedy: longest matching prefix; sampled: exact min(1, p/q) rule with residual
         resampling), roll every row's cache back to what it accepted, and return each drafting row's emitted
         tokens by row index.
@@ -667,24 +691,18 @@ class MLXExecutor:
         cache cannot drop positions per row: every row keeps the shortest accepted length a (a row that
         accepted more emits its (a+1)-th draft as its token: the target's own choice there, greedy or accepted
         by the sampling rule), and unless a is every draft, the cache is restored and `[input, d_1..d_a]`
-        fed again, one forward of a + 1 positions for all rows."""
+        fed again, one forward of a + 1 positions for all rows.
+
+        `top` (every row's argmax at every position, `_greedy_top`) decides on the host; either way the verdict,
+        the sampled tokens and the lengths the rollback reads are evaluated together: one sync per verify tick."""
         index = [i for i, row in enumerate(self._rows) if row.request.request_id in drafts]
-        idx = mx.array(index)
-        rows = [self._rows[i] for i in index]
-        target = all_logits[idx]
-        if all(row.request.sampling.is_greedy for row in rows):
-            res = greedy_accept(target, draft_tokens[idx], draft_lens[idx])
+        if top is not None:
+            mx.eval(top, *rollback_reads(self.kv.batch))
+            top_rows = top.tolist()
+            accepted, emitted_rows = greedy_accept_rows([top_rows[i] for i in index],
+                                                        [drafts[self._rows[i].request.request_id].tokens for i in index])
         else:
-            params = SamplingArrays.from_rows([_row_sampling(row.request) for row in rows])
-            target_lp = target - mx.logsumexp(target, axis=-1, keepdims=True)
-            draft_lp = stack_draft_logprobs([drafts[r.request.request_id].tokens for r in rows],
-                                            [drafts[r.request.request_id].logprobs for r in rows], width,
-                                            target.shape[-1])
-            res = stochastic_accept(processed_logprobs(target_lp, params), draft_lp, draft_tokens[idx],
-                                    draft_lens[idx], params.seed, mx.array([r.step for r in rows], dtype=mx.uint32))
-        mx.eval(res.accepted, res.emitted, sampled)
-        accepted = res.accepted.tolist()
-        emitted_rows = res.emitted.tolist()
+            accepted, emitted_rows = self._accept(all_logits, draft_tokens, draft_lens, drafts, width, index, sampled)
         if refeed is not None:
             accepted = [min(accepted)] * len(accepted)
         drop = [width] * len(self._rows)
@@ -710,6 +728,25 @@ class MLXExecutor:
         self.draft_stats.record(sum(len(d.tokens) for d in drafts.values()), sum(accepted), len(self._rows),
                                 sum(len(o) for o in out.values()) + len(self._rows) - len(out))
         return out
+
+    def _accept(self, all_logits, draft_tokens, draft_lens, drafts, width, index, sampled) -> tuple[list, list]:
+        """Acceptance on the device for the drafting rows `index` (greedy: longest matching prefix; sampled: the
+        exact min(1, p/q) rule): (accepted, emitted tokens) per drafting row, read back with `sampled`."""
+        idx = mx.array(index)
+        rows = [self._rows[i] for i in index]
+        target = all_logits[idx]
+        if all(row.request.sampling.is_greedy for row in rows):
+            res = greedy_accept(target, draft_tokens[idx], draft_lens[idx])
+        else:
+            params = SamplingArrays.from_rows([_row_sampling(row.request) for row in rows])
+            target_lp = target - mx.logsumexp(target, axis=-1, keepdims=True)
+            draft_lp = stack_draft_logprobs([drafts[r.request.request_id].tokens for r in rows],
+                                            [drafts[r.request.request_id].logprobs for r in rows], width,
+                                            target.shape[-1])
+            res = stochastic_accept(processed_logprobs(target_lp, params), draft_lp, draft_tokens[idx],
+                                    draft_lens[idx], params.seed, mx.array([r.step for r in rows], dtype=mx.uint32))
+        mx.eval(res.accepted, res.emitted, sampled, *rollback_reads(self.kv.batch))
+        return res.accepted.tolist(), res.emitted.tolist()
 
     def _apply_processors(self, logits: mx.array, result: TickResult) -> mx.array:
         """User logits processors run per row (they are arbitrary Python); rows without them are untouched.

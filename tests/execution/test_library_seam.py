@@ -26,7 +26,8 @@ def test_merge_extend_filter_round_trip_keeps_each_rows_keys(text_model):
     model = text_model[0]
     a, b, c = _filled(model, [7, 8, 9]), _filled(model, [10] * 5), _filled(model, [11, 12])
     batch = library.merge_caches([a, b])
-    assert all(type(layer) is BatchKVCache for layer in batch)
+    # mlx-lm's BatchKVCache, subclassed only for its mask (rolled-back drafts as masked holes: caches/layers.py)
+    assert all(isinstance(layer, BatchKVCache) for layer in batch)
     batch = library.extend_batch(batch, library.merge_caches([c]))
     assert batch[0].left_padding.tolist() == [2, 0, 3]
     assert batch[0].offset.tolist() == [3, 5, 2]
@@ -42,7 +43,7 @@ def test_rotating_caches_merge_into_batch_rotating(sliding_model):
     model = sliding_model[0]
     batch = library.merge_caches([_filled(model, [7] * 20), _filled(model, [8] * 3)])
     kinds = [type(layer) for layer in batch]
-    assert kinds.count(BatchRotatingKVCache) == 3 and kinds.count(BatchKVCache) == 1
+    assert kinds.count(BatchRotatingKVCache) == 3 and sum(issubclass(k, BatchKVCache) for k in kinds) == 1
 
 
 def test_nbytes_counts_the_real_arrays(text_model):

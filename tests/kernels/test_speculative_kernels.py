@@ -21,6 +21,7 @@ from kernels.speculative import (
     AcceptResult,
     accept_uniforms,
     greedy_accept,
+    greedy_accept_rows,
     pad_drafts,
     processed_logprobs,
     rollback_rows,
@@ -132,6 +133,23 @@ def test_greedy_matches_reference():
     assert rows_of(res) == ref_greedy(logits, drafts, lens)
     acc = np.array(res.accepted)
     assert acc.min() == 0 and acc.max() == k  # both extremes occur
+
+
+def test_greedy_on_the_host_equals_greedy_accept():
+    """`greedy_accept_rows` (the all-greedy verify tick's decision, from the argmax read back) accepts and emits
+    what `greedy_accept` does on the device, row by row, for drafts of every length."""
+    rng = np.random.default_rng(3)
+    B, k, V = 64, 5, 40
+    logits = rng.normal(size=(B, k + 1, V)).astype(np.float32)
+    top = logits.argmax(-1)
+    drafts = top[:, :k].copy()
+    corrupt = rng.random((B, k)) < 0.25
+    drafts[corrupt] = (drafts[corrupt] + 1 + rng.integers(0, V - 1, size=corrupt.sum())) % V
+    lens = rng.integers(0, k + 1, size=B).astype(np.int32)
+    res = greedy_accept(mx.array(logits), mx.array(drafts), mx.array(lens))
+    accepted, emitted = greedy_accept_rows(top.tolist(), [d[:n].tolist() for d, n in zip(drafts, lens)])
+    assert accepted == res.accepted.tolist()
+    assert emitted == rows_of(res)
 
 
 def test_greedy_padding_is_ignored_and_bonus_comes_from_the_last_valid_position():
@@ -416,8 +434,15 @@ def _single(model, tokens):
 
 
 def _batch(model, histories):
-    """The executor's layout: each row's history minus its last token, merged left-padded."""
+    """The executor's layout: each row's history minus its last token, merged left-padded (a batch whose
+    rollback leaves masked holes: caches.layers._HoleBatchKVCache)."""
     return library.merge_caches([_single(model, h) for h in histories])
+
+
+def _shifting_batch(model, histories):
+    """The same rows in mlx-lm's own BatchKVCache (mlx-vlm's and other plain batches): rollback moves rows."""
+    singles = [_single(model, h) for h in histories]
+    return [mlx_cache.BatchKVCache.merge([s[i] for s in singles]) for i in range(len(singles[0]))]
 
 
 def _decode(model, cache, tokens):
@@ -466,7 +491,7 @@ def test_rollback_equals_a_cache_that_never_saw_the_dropped_tokens(text_model, d
     prompts = _prompts(0, [5, 12, 8])
     k = 4
     drafts = _prompts(1, [k, k, k])
-    cache = _batch(model, [p[:-1] for p in prompts])
+    cache = _shifting_batch(model, [p[:-1] for p in prompts])
     model(mx.array([[p[-1]] + d for p, d in zip(prompts, drafts)]), cache=cache)  # the verification forward
     kept = [p + d[: k - n] for p, d, n in zip(prompts, drafts, drop)]
     before = _row_kv(cache, [len(h) for h in kept])
@@ -494,7 +519,7 @@ def test_rollback_over_many_ticks_then_filter_and_extend(text_model):
     model, _ = text_model
     rng = random.Random(5)
     hist = _prompts(2, [3, 9, 6, 1 + 1])
-    cache = _batch(model, [h[:-1] for h in hist])
+    cache = _shifting_batch(model, [h[:-1] for h in hist])
     k = 3
     for tick in range(6):
         drafts = _prompts(100 + tick, [k] * len(hist))
@@ -512,6 +537,84 @@ def test_rollback_over_many_ticks_then_filter_and_extend(text_model):
     assert mx.array_equal(got, _decode(model, _cache_holding(before), step)).item()
     _assert_close_same_greedy(got, _decode(model, _batch(model, [h[:-1] for h in hist]), step))
     # filter (a row leaves) and extend (a row joins), as the executor does between ticks
+    hist = [h + [t] for h, t in zip(hist, [20, 21, 22, 23])]
+    library.filter_batch(cache, [0, 2, 3])
+    joining = _prompts(9, [7])[0]
+    library.extend_batch(cache, _batch(model, [joining[:-1]]))
+    rows = [hist[0], hist[2], hist[3], joining]
+    ref = _batch(model, [h[:-1] for h in rows])
+    _assert_close_same_greedy(_decode(model, cache, [h[-1] for h in rows]), _decode(model, ref, [h[-1] for h in rows]))
+
+
+@pytest.mark.parametrize("drop", [[0, 2, 4], [3, 3, 3], [4, 0, 1], [4, 4, 0]])
+def test_rollback_into_holes_decodes_as_a_cache_that_never_saw_the_dropped_tokens(text_model, drop):
+    """The executor's batch: what rows drop beyond the shared part stays in place as a masked hole (no copy);
+    decoding through the mask gives a clean cache's logits up to rounding, and squeezing the holes out gives
+    exactly the shifting rollback's layout and values."""
+    model, _ = text_model
+    prompts = _prompts(0, [5, 12, 8])
+    k = 4
+    drafts = _prompts(1, [k, k, k])
+    cache = _batch(model, [p[:-1] for p in prompts])
+    model(mx.array([[p[-1]] + d for p, d in zip(prompts, drafts)]), cache=cache)  # the verification forward
+    kept = [p + d[: k - n] for p, d, n in zip(prompts, drafts, drop)]
+    before = _row_kv(cache, [len(h) for h in kept])
+    idx = cache[0]._idx
+    lengths = rollback_rows(cache, drop)
+    assert lengths == [len(h) for h in kept]
+    for layer in cache:
+        assert layer.offset.tolist() == lengths
+        assert layer._idx == idx - min(drop)  # only the part every row drops is trimmed
+        assert (layer.holes is not None) == (len(set(drop)) > 1)
+    recomputed = _batch(model, kept)
+    steps = [[11, 12, 13], [40, 41, 42]]
+    for step in steps:
+        _assert_close_same_greedy(_decode(model, cache, step), _decode(model, recomputed, step))
+    for layer in cache:
+        layer.compact()
+        assert layer.holes is None
+        assert (layer.left_padding + layer.offset).tolist() == [layer._idx] * 3
+        assert min(layer.left_padding.tolist()) == 0
+    assert cache[0].offset.tolist() == [n + len(steps) for n in lengths]
+    assert _same_kv(_row_kv(cache, lengths), before)
+
+
+def test_holes_stay_bounded_and_compact_before_the_buffer_grows(text_model):
+    """Many verify ticks with random acceptance on rows near the end of the first 256-position buffer: the
+    unused positions stay within HOLE_LIMIT, the buffer grows only from a compact layout (to what a batch
+    without holes holds), and decoding, filter and extend agree with caches prefilled from scratch."""
+    from caches.layers import HOLE_LIMIT, take_rows
+
+    model, _ = text_model
+    rng = random.Random(7)
+    hist = _prompts(3, [230, 200, 220, 12])
+    cache = _batch(model, [h[:-1] for h in hist])
+    k = 4
+    grew = 0
+    for tick in range(14):
+        drafts = _prompts(200 + tick, [k] * len(hist))
+        capacity, longest = cache[0].keys.shape[2], max(len(h) - 1 for h in hist)
+        model(mx.array([[h[-1]] + d for h, d in zip(hist, drafts)]), cache=cache)
+        # as a batch without holes: it grows when its longest row does not fit, from that row's length
+        grows = longest + k + 1 > capacity
+        assert cache[0].keys.shape[2] == (longest + 256 if grows else capacity)
+        grew += grows
+        acc = [rng.randint(0, k) for _ in hist]
+        assert rollback_rows(cache, [k - a for a in acc]) == [len(h) + a for h, a in zip(hist, acc)]
+        hist = [h + d[:a] + [rng.randrange(7, 512)] for h, d, a in zip(hist, drafts, acc)]
+        assert cache[0].spare() <= HOLE_LIMIT
+    assert grew == 1
+    # a row extracted through the holes holds exactly its own positions (as after squeezing them out)
+    lengths = [len(h) - 1 for h in hist]
+    extracted = take_rows(cache, range(len(hist)))
+    assert [single[0].offset for single in extracted] == lengths
+    step = [h[-1] for h in hist]
+    _assert_close_same_greedy(_decode(model, cache, step), _decode(model, _batch(model, [h[:-1] for h in hist]), step))
+    for layer in cache:
+        layer.compact()
+    compacted = _row_kv(cache, lengths)
+    assert all(np.array_equal(np.array(single[j].keys[0]), compacted[j][i][0])
+               for i, single in enumerate(extracted) for j in range(len(cache)))
     hist = [h + [t] for h, t in zip(hist, [20, 21, 22, 23])]
     library.filter_batch(cache, [0, 2, 3])
     joining = _prompts(9, [7])[0]
