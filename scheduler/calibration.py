@@ -47,9 +47,9 @@ def calibrate(engine: "Engine", prompt_lens: tuple[int, ...] = (16, 256), step_t
     Each ramp admits `engine.config.max_seqs` requests of `prompt_len` random tokens (drawn from the middle of
     the vocabulary, away from the special tokens either end usually holds); the i-th of n asks for
     `step_tokens * (n - i)` tokens, so the batch shrinks by one row every `step_tokens` ticks; the odd ones
-    sample (temperature 1), the even ones are greedy. The prefix
-    cache is cleared afterwards (their entries would only take room). Raises RuntimeError when requests are
-    pending: their ticks would mix with the ramp's.
+    sample (temperature 1), the even ones are greedy. The prefix cache is cleared afterwards (their entries
+    would only take room). Raises RuntimeError when requests are pending: their ticks would mix with the
+    ramp's.
     """
     if engine.has_pending():
         raise RuntimeError("calibrate: the engine has pending requests; calibrate an idle engine")
