@@ -88,9 +88,10 @@ class CostModel:
     typical_rel_error: float | None = None
     n_ticks: int = 0
     dropped: int = 0  # outlier ticks left out of the final fit (e.g. the first tick's warm-up)
-    # decode rows of the fitted ticks that decode (10th..90th percentile): what the per-row term was fitted
-    # over; a recording that decoded at one batch size cannot split a decode forward's cost into per-tick
-    # and per-row parts, and a what-if at another batch size then extrapolates an arbitrary split
+    # decode rows of the fitted ticks that decode (10th..90th percentile, widened to the whole range of the
+    # calibration ticks when the trace has them): what the per-row term was fitted over; a recording that
+    # decoded at one batch size cannot split a decode forward's cost into per-tick and per-row parts, and a
+    # what-if at another batch size then extrapolates an arbitrary split
     decode_rows_seen: tuple[int, int] | None = None
     # the prompt token ids that stand for media (the trace's `engine_start.media_token_ids`): what
     # `per_vision_token` counts in a prompt
@@ -349,10 +350,13 @@ def fit_cost_model(trace: "Trace | str | os.PathLike | Iterable[dict]",
     rel = np.abs(pred - y) / np.maximum(y, 1e-12)
     typical = float(np.median(np.abs(typical_terms - y) / np.maximum(y, 1e-12)))
     overhead, per_arrival, per_media_arrival = _fit_gaps(rec, ticks.images, outlier_mads)
-    decode_rows = x[keep, FEATURES.index("per_decode_row")]
-    decode_rows = decode_rows[decode_rows > 0]
+    rows_column = x[:, FEATURES.index("per_decode_row")]
+    decode_rows = rows_column[keep & (rows_column > 0)]
     seen = (tuple(int(v) for v in np.percentile(decode_rows, [10, 90], method="nearest"))
             if decode_rows.size else None)
+    ramps = rows_column[~level & (rows_column > 0)]  # calibration ticks: however few next to the workload's,
+    if seen is not None and ramps.size:  # they were run to show every batch size, and they do
+        seen = (min(seen[0], int(ramps.min())), max(seen[1], int(ramps.max())))
     return CostModel(*[float(c) for c in scaled], slowdown=slowdown, overhead=overhead, per_arrival=per_arrival,
                      per_media_arrival=per_media_arrival, r2=r2,
                      mean_rel_error=float(rel.mean()), typical_rel_error=typical, n_ticks=len(y),
