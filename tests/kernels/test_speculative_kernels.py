@@ -119,15 +119,22 @@ def random_case(B: int, k: int, V: int, seed: int, sharp: float = 2.0):
 # ---------------------------------------------------------------------------
 
 
-def test_greedy_matches_reference():
-    rng = np.random.default_rng(0)
-    B, k, V = 64, 5, 40
+def _greedy_case(seed: int, B: int = 64, k: int = 5, V: int = 40):
+    """Random target logits, drafts that follow the target's argmax except where a quarter are corrupted, and
+    random draft lengths: (logits, the argmax, drafts, lengths)."""
+    rng = np.random.default_rng(seed)
     logits = rng.normal(size=(B, k + 1, V)).astype(np.float32)
     top = logits.argmax(-1)
     drafts = top[:, :k].copy()
     corrupt = rng.random((B, k)) < 0.25
     drafts[corrupt] = (drafts[corrupt] + 1 + rng.integers(0, V - 1, size=corrupt.sum())) % V
     lens = rng.integers(0, k + 1, size=B).astype(np.int32)
+    return logits, top, drafts, lens
+
+
+def test_greedy_matches_reference():
+    B, k = 64, 5
+    logits, _top, drafts, lens = _greedy_case(0, B, k)
     res = greedy_accept(mx.array(logits), mx.array(drafts), mx.array(lens))
     assert res.emitted.shape == (B, k + 1)
     assert rows_of(res) == ref_greedy(logits, drafts, lens)
@@ -138,14 +145,7 @@ def test_greedy_matches_reference():
 def test_greedy_on_the_host_equals_greedy_accept():
     """`greedy_accept_rows` (the all-greedy verify tick's decision, from the argmax read back) accepts and emits
     what `greedy_accept` does on the device, row by row, for drafts of every length."""
-    rng = np.random.default_rng(3)
-    B, k, V = 64, 5, 40
-    logits = rng.normal(size=(B, k + 1, V)).astype(np.float32)
-    top = logits.argmax(-1)
-    drafts = top[:, :k].copy()
-    corrupt = rng.random((B, k)) < 0.25
-    drafts[corrupt] = (drafts[corrupt] + 1 + rng.integers(0, V - 1, size=corrupt.sum())) % V
-    lens = rng.integers(0, k + 1, size=B).astype(np.int32)
+    logits, top, drafts, lens = _greedy_case(3)
     res = greedy_accept(mx.array(logits), mx.array(drafts), mx.array(lens))
     accepted, emitted = greedy_accept_rows(top.tolist(), [d[:n].tolist() for d, n in zip(drafts, lens)])
     assert accepted == res.accepted.tolist()
@@ -485,16 +485,35 @@ def _assert_close_same_greedy(got, want):
     assert mx.argmax(got, axis=-1).tolist() == mx.argmax(want, axis=-1).tolist()
 
 
-@pytest.mark.parametrize("drop", [[0, 2, 4], [3, 3, 3], [4, 0, 1], [4, 4, 0]])
-def test_rollback_equals_a_cache_that_never_saw_the_dropped_tokens(text_model, drop):
-    model, _ = text_model
+def _assert_filter_and_extend_still_decode(model, cache, hist):
+    """After a run of rollbacks, a row leaves (filter) and one joins (extend), as the executor does between
+    ticks: the batch then decodes as one prefilled from scratch (up to rounding, same argmax). `hist`: the
+    four rows' histories, the last token of each not yet fed."""
+    hist = [h + [t] for h, t in zip(hist, [20, 21, 22, 23])]
+    library.filter_batch(cache, [0, 2, 3])
+    joining = _prompts(9, [7])[0]
+    library.extend_batch(cache, _batch(model, [joining[:-1]]))
+    rows = [hist[0], hist[2], hist[3], joining]
+    ref = _batch(model, [h[:-1] for h in rows])
+    _assert_close_same_greedy(_decode(model, cache, [h[-1] for h in rows]), _decode(model, ref, [h[-1] for h in rows]))
+
+
+def _verified(model, make_batch, drop):
+    """Three rows after a verification forward of their last token and k = 4 drafts each, in a batch cache from
+    `make_batch`: (cache, each row's history once it drops drop[b] drafts, the kept positions' keys/values)."""
     prompts = _prompts(0, [5, 12, 8])
     k = 4
     drafts = _prompts(1, [k, k, k])
-    cache = _shifting_batch(model, [p[:-1] for p in prompts])
+    cache = make_batch(model, [p[:-1] for p in prompts])
     model(mx.array([[p[-1]] + d for p, d in zip(prompts, drafts)]), cache=cache)  # the verification forward
     kept = [p + d[: k - n] for p, d, n in zip(prompts, drafts, drop)]
-    before = _row_kv(cache, [len(h) for h in kept])
+    return cache, kept, _row_kv(cache, [len(h) for h in kept])
+
+
+@pytest.mark.parametrize("drop", [[0, 2, 4], [3, 3, 3], [4, 0, 1], [4, 4, 0]])
+def test_rollback_equals_a_cache_that_never_saw_the_dropped_tokens(text_model, drop):
+    model, _ = text_model
+    cache, kept, before = _verified(model, _shifting_batch, drop)
     lengths = rollback_rows(cache, drop)
     assert lengths == [len(h) for h in kept]
     for layer in cache:
@@ -536,14 +555,7 @@ def test_rollback_over_many_ticks_then_filter_and_extend(text_model):
     got = _decode(model, cache, step)
     assert mx.array_equal(got, _decode(model, _cache_holding(before), step)).item()
     _assert_close_same_greedy(got, _decode(model, _batch(model, [h[:-1] for h in hist]), step))
-    # filter (a row leaves) and extend (a row joins), as the executor does between ticks
-    hist = [h + [t] for h, t in zip(hist, [20, 21, 22, 23])]
-    library.filter_batch(cache, [0, 2, 3])
-    joining = _prompts(9, [7])[0]
-    library.extend_batch(cache, _batch(model, [joining[:-1]]))
-    rows = [hist[0], hist[2], hist[3], joining]
-    ref = _batch(model, [h[:-1] for h in rows])
-    _assert_close_same_greedy(_decode(model, cache, [h[-1] for h in rows]), _decode(model, ref, [h[-1] for h in rows]))
+    _assert_filter_and_extend_still_decode(model, cache, hist)
 
 
 @pytest.mark.parametrize("drop", [[0, 2, 4], [3, 3, 3], [4, 0, 1], [4, 4, 0]])
@@ -552,13 +564,7 @@ def test_rollback_into_holes_decodes_as_a_cache_that_never_saw_the_dropped_token
     decoding through the mask gives a clean cache's logits up to rounding, and squeezing the holes out gives
     exactly the shifting rollback's layout and values."""
     model, _ = text_model
-    prompts = _prompts(0, [5, 12, 8])
-    k = 4
-    drafts = _prompts(1, [k, k, k])
-    cache = _batch(model, [p[:-1] for p in prompts])
-    model(mx.array([[p[-1]] + d for p, d in zip(prompts, drafts)]), cache=cache)  # the verification forward
-    kept = [p + d[: k - n] for p, d, n in zip(prompts, drafts, drop)]
-    before = _row_kv(cache, [len(h) for h in kept])
+    cache, kept, before = _verified(model, _batch, drop)
     idx = cache[0]._idx
     lengths = rollback_rows(cache, drop)
     assert lengths == [len(h) for h in kept]
@@ -615,13 +621,7 @@ def test_holes_stay_bounded_and_compact_before_the_buffer_grows(text_model):
     compacted = _row_kv(cache, lengths)
     assert all(np.array_equal(np.array(single[j].keys[0]), compacted[j][i][0])
                for i, single in enumerate(extracted) for j in range(len(cache)))
-    hist = [h + [t] for h, t in zip(hist, [20, 21, 22, 23])]
-    library.filter_batch(cache, [0, 2, 3])
-    joining = _prompts(9, [7])[0]
-    library.extend_batch(cache, _batch(model, [joining[:-1]]))
-    rows = [hist[0], hist[2], hist[3], joining]
-    ref = _batch(model, [h[:-1] for h in rows])
-    _assert_close_same_greedy(_decode(model, cache, [h[-1] for h in rows]), _decode(model, ref, [h[-1] for h in rows]))
+    _assert_filter_and_extend_still_decode(model, cache, hist)
 
 
 def test_rollback_argument_checks():
