@@ -511,14 +511,8 @@ class DraftModelDrafter:
 
     def propose(self, rows: Sequence[DraftRequest], k: int) -> list[Draft]:
         _unique(rows)
-        ks = {r.request_id: _row_k(r, k) for r in rows}
-        if self.pace is not None:
-            for r in rows:
-                if ks[r.request_id]:
-                    self._k[r.request_id] = ks[r.request_id]
-                    ks[r.request_id] = self.pace.limit(r.request_id, ks[r.request_id], len(r.tokens))
+        ks = self._paced_k(rows, k)
         active = [r for r in rows if ks[r.request_id] > 0]
-        K = max(ks.values(), default=0)
         if not active:
             drafts = [Draft(r.request_id, [], None) for r in rows]
             self._stats.record(drafts)
@@ -527,7 +521,36 @@ class DraftModelDrafter:
         if new:
             self._join(new)
         by_id = {r.request_id: r for r in active}
+        logits = self._catch_up(by_id)
+        drafted, q_all = self._draft_steps(logits, by_id, max(ks.values()))
+        row_of = {rid: b for b, rid in enumerate(self._rows)}
+        drafts = []
+        for r in rows:
+            kb = ks[r.request_id]
+            if kb == 0:
+                drafts.append(Draft(r.request_id, [], None))
+                continue
+            b = row_of[r.request_id]
+            drafts.append(Draft(r.request_id, drafted[b][:kb], q_all[b, :kb] if q_all is not None else None))
+            if self.pace is not None:
+                self.pace.drafted(r.request_id, kb)
+        self._stats.record(drafts)
+        return drafts
 
+    def _paced_k(self, rows: Sequence[DraftRequest], k: int) -> dict[str, int]:
+        """Each row's number of drafts this call: its own cap, then the pacing's limit."""
+        ks = {r.request_id: _row_k(r, k) for r in rows}
+        if self.pace is not None:
+            for r in rows:
+                if ks[r.request_id]:
+                    self._k[r.request_id] = ks[r.request_id]
+                    ks[r.request_id] = self.pace.limit(r.request_id, ks[r.request_id], len(r.tokens))
+        return ks
+
+    def _catch_up(self, by_id: dict[str, DraftRequest]) -> mx.array:
+        """Feed every drafting row the history its draft cache lacks, in one forward of equal width (re-feeding
+        cached tokens rather than padding where a row lacks fewer); returns each row's logits at its last real
+        position."""
         # 1. what each row must feed: the history it lacks (active rows, >= 1 token), nothing (others)
         keep_len, pending = [], []
         for rid in self._rows:
@@ -562,13 +585,16 @@ class DraftModelDrafter:
         if any(pad):
             rollback_rows(self._cache, pad)
         last_pos = mx.array([max(width - pd - 1, 0) for pd in pad])[:, None, None]
-        logits = mx.take_along_axis(logits, last_pos, axis=1)[:, 0, :]
         for rid, f in zip(self._rows, feed):
             self._seq[rid].extend(f)
         for rid, row in by_id.items():
             self._committed[rid] = len(row.tokens)
+        return mx.take_along_axis(logits, last_pos, axis=1)[:, 0, :]
 
-        # 3. K draft steps (K - 1 more forwards), one token per row each
+    def _draft_steps(self, logits: mx.array, by_id: dict[str, DraftRequest],
+                     K: int) -> tuple[list[list[int]], mx.array | None]:
+        """K draft tokens per row from `logits` on (K - 1 more forwards, one token per row each), greedy or
+        sampled with each row's own stream; returns them as lists, and (sampling) their (B, K, V) log-probs."""
         params = seeds = steps = None
         if self.sample:
             params = SamplingArrays.from_rows([
@@ -599,18 +625,4 @@ class DraftModelDrafter:
         drafted_list = drafted.tolist()
         for rid, toks in zip(self._rows, drafted_list):
             self._seq[rid].extend(toks[: K - 1])  # the last drafted token was not fed
-
-        row_of = {rid: b for b, rid in enumerate(self._rows)}
-        drafts = []
-        for r in rows:
-            kb = ks[r.request_id]
-            if kb == 0:
-                drafts.append(Draft(r.request_id, [], None))
-                continue
-            b = row_of[r.request_id]
-            lps = q_all[b, :kb] if q_all is not None else None
-            drafts.append(Draft(r.request_id, drafted_list[b][:kb], lps))
-            if self.pace is not None:
-                self.pace.drafted(r.request_id, kb)
-        self._stats.record(drafts)
-        return drafts
+        return drafted_list, q_all
