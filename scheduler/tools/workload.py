@@ -27,6 +27,13 @@ FIRST_ORDINARY_ID = 7  # ids 0..6 are special tokens in the tiny models (and a s
 VOCAB = 512  # synthetic prompt ids are drawn from [FIRST_ORDINARY_ID, VOCAB)
 
 
+def samples_tokens(sampling: Mapping[str, Any]) -> bool:
+    """Whether a request's recorded sampling (`SamplingParams.to_record()`) goes through the sampler rather
+    than the greedy argmax: a temperature, or penalties (which rewrite the logits first)."""
+    return (float(sampling.get("temperature", 0.0)) > 0.0 or float(sampling.get("presence_penalty", 0.0)) != 0.0
+            or float(sampling.get("repetition_penalty", 1.0)) != 1.0)
+
+
 @dataclass
 class SimArrival:
     request_id: str
@@ -215,7 +222,6 @@ def arrivals_from_trace(trace: "Trace | str | os.PathLike") -> list[SimArrival]:
     error.
     """
     from scheduler.tools.simulate import load_recorded  # local: simulate imports this module
-    from scheduler.tools.simulation.cost_model import samples_tokens
 
     rec = load_recorded(trace)
     out: list[SimArrival] = []

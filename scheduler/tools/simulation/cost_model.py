@@ -12,6 +12,7 @@ import numpy as np
 from scheduler.plan import TickPlan
 from scheduler.tools.replay import Trace, TraceError
 from scheduler.tools.simulation.recorded import load_recorded
+from scheduler.tools.workload import samples_tokens
 
 
 #: Per-tick features (see `tick_features`). The executor feeds a completing chunk's last prompt token in the
@@ -161,13 +162,6 @@ class CostModel:
         return text
 
 
-def samples_tokens(sampling: Mapping[str, Any]) -> bool:
-    """Whether a request's recorded sampling (`SamplingParams.to_record()`) goes through the sampler rather
-    than the greedy argmax: a temperature, or penalties (which rewrite the logits first)."""
-    return (float(sampling.get("temperature", 0.0)) > 0.0 or float(sampling.get("presence_penalty", 0.0)) != 0.0
-            or float(sampling.get("repetition_penalty", 1.0)) != 1.0)
-
-
 def tick_features(prefill: Sequence[Sequence[Any]], decode: Sequence[str], num_batched_tokens: int,
                   images_encoded: int = 0, media: "Callable[[str], bool]" = lambda _rid: False,
                   vision_tokens: int = 0, context_tokens: int = 0,
@@ -266,7 +260,6 @@ def _recorded_ticks(rec: Any) -> _RecordedTicks:
                      for e in arrivals if images.get(e["request_id"])}
     media = lambda rid: images.get(rid, 0) > 0  # noqa: E731
     sampling = {e["request_id"] for e in arrivals if samples_tokens(e.get("sampling", {}))}
-    calibration = rec.trace.calibration_ids
     produced: dict[str, int] = {}
     out = _RecordedTicks([], [], [], [], images, media_ids)
     for tick in sorted(rec.trace.outcomes):
@@ -281,8 +274,7 @@ def _recorded_ticks(rec: Any) -> _RecordedTicks:
                                           media, encoded_tokens, context, sampling.__contains__))
             out.seconds.append(float(m["tick_s"]))
             out.measures.append(m)
-            scheduled = [c[0] for c in plan["prefill"]] + list(plan["decode"])
-            out.served.append(not scheduled or not set(scheduled) <= calibration)
+            out.served.append(not rec.calibration_only(tick))
         for rid in outcome.get("sampled", {}):
             produced[rid] = produced.get(rid, 0) + 1 + len(outcome.get("accepted_drafts", {}).get(rid, ()))
     return out

@@ -92,21 +92,11 @@ def recorded_records(trace: "Recorded | Trace | str | os.PathLike | Iterable[dic
     return out
 
 
-def _calibration_only(plan: dict[str, Any] | None, calibration: set[str]) -> bool:
-    """Whether a recorded tick served calibration requests alone (Engine.calibrate()): not the workload's."""
-    if plan is None:
-        return False
-    scheduled = [c[0] for c in plan.get("prefill", [])] + list(plan.get("decode", []))
-    return bool(scheduled) and all(rid in calibration for rid in scheduled)
-
-
 def recorded_metrics(trace: "Recorded | Trace | str | os.PathLike | Iterable[dict]") -> dict[str, Any]:
     """`SimResult.summary()`'s keys, from the real run's wall times (see the module docstring)."""
     rec = load_recorded(trace)
     records = recorded_records(rec)
-    calibration = rec.trace.calibration_ids
-    busy = sorted(t for t in rec.trace.outcomes if not (calibration and _calibration_only(rec.trace.plans.get(t),
-                                                                                           calibration)))
+    busy = sorted(t for t in rec.trace.outcomes if not rec.calibration_only(t))
     # live during tick k: arrived at a tick <= k, not aborted at a tick <= k (aborts are drained before the
     # plan), not finished/failed at a tick < k (those end in the tick's apply, after the plan).
     horizon = (max(busy) if busy else 0) + 2

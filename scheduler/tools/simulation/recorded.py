@@ -44,6 +44,14 @@ class Recorded:
         """Whether the model's prefix-cache entries are exact checkpoints (caches that cannot be trimmed)."""
         return bool(self.trace.header.get("prefix_checkpoints", False))
 
+    def calibration_only(self, tick: int) -> bool:
+        """Whether a recorded tick served `Engine.calibrate()`'s requests alone, not the workload's."""
+        plan = self.trace.plans.get(tick)
+        if plan is None or not self.trace.calibration_ids:
+            return False
+        scheduled = [c[0] for c in plan.get("prefill", [])] + list(plan.get("decode", []))
+        return bool(scheduled) and all(rid in self.trace.calibration_ids for rid in scheduled)
+
     def kv_layout(self) -> Any:
         """The engine's KV layout (`caches.kv.KVLayout`) if the trace recorded one, else None."""
         layers = self.trace.header.get("kv_layout")
