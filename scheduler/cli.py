@@ -100,7 +100,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         calibration = engine.calibrate()
         calibration_tokens = engine.stats().generation_tokens
         print(f"calibrated: {len(calibration.request_ids)} synthetic requests, {calibration.ticks} ticks, "
-              f"{calibration.seconds:.2f} s (in the trace; left out of the stats below and of simulations)")
+              f"{calibration.seconds:.2f} s (in the trace; left out of end_to_end_tps below and of simulations)")
     prompts, images = _demo_workload(args.requests, args.seed, with_images=engine.vlm is not None)
     samplings = [SamplingParams(max_tokens=args.max_tokens, temperature=0.0 if i % 2 == 0 else 0.8, seed=i)
                  for i in range(len(prompts))]
