@@ -14,7 +14,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator, Sequence
+from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 import mlx.core as mx
 
@@ -135,14 +135,20 @@ class Engine:
         draft_model: Any = None,
         mtp_head: Any = None,
         shard_group: Any = None,
+        clock: Callable[[], float] = time.perf_counter,
     ):
+        """`clock` stamps every time the engine records (arrivals, state changes, ticks, trace events): wall
+        time by default. Another clock may stop only between calls into the engine (durations measured inside
+        one call stay true on it): `tools.side_by_side` runs two engines tick by tick on one machine, each on a
+        clock that stops while the other works."""
         self.model = model
         self.config = config or EngineConfig()
         sinks = list(event_sinks)
         # one trace for a sharded model: rank 0's (the other ranks decide nothing)
         if self.config.trace_path and (shard_group is None or shard_group.rank() == 0):
             sinks.append(JsonlSink(self.config.trace_path))
-        self.events = EventLog(sinks)
+        self.clock = clock
+        self.events = EventLog(sinks, clock=clock)
         family = _model_family(model, tokenizer, self.config, self._vision_event)
         self._runner = family.runner
         self.vlm, self.vision_cache = family.vlm, family.vision_cache
@@ -383,7 +389,7 @@ class Engine:
             elif request_id in self._known_live or request_id in self._ended:
                 raise InvalidRequest("request_id", f"duplicate request id {request_id!r}", request_id)
             self._known_live.add(request_id)
-            self._inbox.append(_Arrival(request_id, resolved, sampling, priority, time.perf_counter()))
+            self._inbox.append(_Arrival(request_id, resolved, sampling, priority, self.clock()))
         return request_id
 
     def abort(self, request_id: str) -> bool:
@@ -433,7 +439,7 @@ class Engine:
         if self.shard is not None and self.shard.rank != 0:
             raise RuntimeError("this rank follows rank 0: call engine.follow(), not step()")
         tick = self.tick
-        tick_start = time.perf_counter()
+        tick_start = self.clock()
         outputs = self._drain_inbox(tick)
         ran = self.loop.run_tick(tick)
         plan, result = ran.plan, ran.result
@@ -453,7 +459,7 @@ class Engine:
                                                        for f in result.prefill_fallbacks]}
                                 if result.prefill_fallbacks else {}),
                              **({"drafter_error": result.drafter_error} if result.drafter_error else {}), measure={
-                "t": time.perf_counter(), "tick_start_t": tick_start, "tick_s": time.perf_counter() - tick_start,
+                "t": (now := self.clock()), "tick_start_t": tick_start, "tick_s": now - tick_start,
                 "vision_s": result.vision_time, "prefill_s": result.prefill_time, "decode_s": result.decode_time,
             })
         if self.config.check_invariants:

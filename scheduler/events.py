@@ -16,7 +16,7 @@ import json
 import os
 import threading
 import time
-from typing import Any, Iterable, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 import structlog
 
@@ -95,9 +95,14 @@ class EventLog:
     """Thread-safe event emitter built on a private structlog pipeline (no global structlog config).
 
     `emit(kind, tick, measure=None, **decision_fields)`.
+
+    `clock` stamps the measurements' times (`measure.t`, and every timestamp the engine and scheduler record):
+    `time.perf_counter` unless the engine was given another (`Engine(clock=...)`, e.g. a
+    `tools.side_by_side.EngineClock` that stops while another engine runs).
     """
 
-    def __init__(self, sinks: Iterable[EventSink] = ()):
+    def __init__(self, sinks: Iterable[EventSink] = (), clock: Callable[[], float] = time.perf_counter):
+        self.clock = clock
         self._sinks = list(sinks)
         self._seq = 0
         self._lock = threading.Lock()
@@ -125,7 +130,7 @@ class EventLog:
         if not self._sinks:
             return
         if measure is None:
-            measure = {"t": time.perf_counter()}
+            measure = {"t": self.clock()}
         with self._lock:
             self._logger.msg(kind, tick=tick, **fields, **{MEASURE_KEY: measure})
 

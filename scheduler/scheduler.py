@@ -5,7 +5,6 @@ finish detection, events). It never touches a model; the engine hands `apply` wh
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass, field
 from typing import Any
 from typing import Iterable
@@ -117,7 +116,7 @@ class Scheduler:
             "arrival", tick, request_id=request.request_id, prompt_tokens=request.prompt_tokens,
             sampling=request.sampling.to_record(), priority=request.priority, seed=request.seed,
             num_images=request.num_images, media_key=request.media_key, draft_eligible=request.draft_eligible,
-            error=error, measure={"t": request.arrival_time, "admitted_to_engine_t": time.perf_counter()},
+            error=error, measure={"t": request.arrival_time, "admitted_to_engine_t": self.events.clock()},
         )
         return self.fail(request.request_id, tick, error) if error is not None else None
 
@@ -381,7 +380,7 @@ class Scheduler:
     # ---- transitions ------------------------------------------------------------------------------
     def _move(self, request: Request, trigger: Trigger, tick: int, reason: str | None = None) -> None:
         source, dest = self.lifecycle.fire(request, trigger)
-        now = time.perf_counter()
+        now = self.events.clock()
         spent = now - request.state_entered_time
         request.state_entered_time = now
         self.time_in_state[source.value] = self.time_in_state.get(source.value, 0.0) + spent

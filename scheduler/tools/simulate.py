@@ -26,7 +26,8 @@ The parts live in `scheduler.tools.simulation`, one concern a module: `cost_mode
 
 from __future__ import annotations
 
-from scheduler.tools.simulation.cost_model import FEATURES, PHASES, CostModel, fit_cost_model, nnls, tick_features
+from scheduler.tools.simulation.cost_model import (FEATURES, PHASES, CostModel, context_features, fit_cost_model, nnls,
+                                                   tick_features)
 from scheduler.tools.simulation.driver import SimResult, simulate
 from scheduler.tools.simulation.executor import SimExecutor
 from scheduler.tools.simulation.metrics import RequestRecord, recorded_metrics, recorded_records, summarize
@@ -37,6 +38,6 @@ from scheduler.tools.workload import arrivals_from_trace
 
 __all__ = [
     "FEATURES", "PHASES", "CostModel", "Recorded", "RequestRecord", "SimExecutor", "SimResult", "apply_overrides",
-    "arrivals_from_trace", "compare_table", "fit_cost_model", "load_recorded", "nnls", "recorded_metrics",
+    "arrivals_from_trace", "compare_table", "context_features", "fit_cost_model", "load_recorded", "nnls", "recorded_metrics",
     "recorded_records", "simulate", "summarize", "tick_features", "what_if",
 ]

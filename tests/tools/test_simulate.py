@@ -19,6 +19,7 @@ from scheduler.tools.simulate import (
     SimExecutor,
     apply_overrides,
     compare_table,
+    context_features,
     fit_cost_model,
     load_recorded,
     nnls,
@@ -193,9 +194,9 @@ def test_sim_executor_tokens_stops_and_errors():
 def test_cost_model_features_follow_the_executor():
     # a completing chunk's last prompt token runs in the decode forward: 8 + 4 - 1 prefill tokens, 2 + 1 rows
     row = tick_features([["a", 0, 8, False], ["b", 4, 8, True]], ["c", "d"], 14)
-    assert row == [1.0, 11.0, 3.0, 2.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert row == [1.0, 11.0, 3.0, 2.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
     assert len(row) == len(FEATURES)
-    cost = CostModel(*[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0])
+    cost = CostModel(*[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0])
     plan = TickPlan(0, prefill=(PrefillChunk("a", 0, 8, False), PrefillChunk("b", 4, 8, True)), decode=("c", "d"),
                     num_batched_tokens=14, num_seqs=4)
     assert cost.plan_seconds(plan) == pytest.approx(float(np.dot(row, cost.coefficients)))
@@ -203,14 +204,38 @@ def test_cost_model_features_follow_the_executor():
     # and 30 media tokens in those images; the 3 decode rows attend over 100 tokens of context in all
     media_row = tick_features([["a", 0, 8, False], ["b", 4, 8, True]], ["c", "d"], 14, 2, lambda rid: rid == "b",
                               30, 100)
-    assert media_row == [1.0, 11.0, 3.0, 2.0, 1.0, 1.0, 2.0, 3.0, 30.0, 100.0, 0.0, 0.0]
+    assert media_row == [1.0, 11.0, 3.0, 2.0, 1.0, 1.0, 2.0, 3.0, 30.0, 100.0, 0.0, 0.0, 0.0]
     assert cost.plan_seconds(plan, 2, lambda rid: rid == "b", 30, 100) == pytest.approx(
         float(np.dot(media_row, cost.coefficients)))
     # sampling: b (completing: it decodes this tick) and d sample, a (prefill only) does not count
     samples = {"a", "b", "d"}.__contains__
     sampling_row = tick_features([["a", 0, 8, False], ["b", 4, 8, True]], ["c", "d"], 14, samples=samples)
-    assert sampling_row == [1.0, 11.0, 3.0, 2.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 2.0]
+    assert sampling_row == [1.0, 11.0, 3.0, 2.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 2.0, 0.0]
     assert cost.plan_seconds(plan, samples=samples) == pytest.approx(float(np.dot(sampling_row, cost.coefficients)))
+    # a merge (b completes): the batch of c, d and b is copied at the longest row's length, 3 x 60
+    assert context_features([60, 25, 15], merges=True) == (100, 180)
+    assert context_features([60, 25, 15], merges=False) == (100, 0) and context_features([], True) == (0, 0)
+    merge_row = tick_features([["a", 0, 8, False], ["b", 4, 8, True]], ["c", "d"], 14, context_tokens=100,
+                              join_padded_tokens=180)
+    assert merge_row[FEATURES.index("per_join_padded_token")] == 180.0
+    assert cost.plan_seconds(plan, context_tokens=100, join_padded_tokens=180) == pytest.approx(
+        float(np.dot(merge_row, cost.coefficients)))
+
+
+def test_sim_executor_counts_what_a_merge_copies():
+    """The simulator reads a tick's context features as the fit does: the first tick merges prompts of 3, 5 and
+    3 tokens (11 of context; 3 rows x the longest 5 copied), the decode tick after it merges nothing."""
+    cost = CostModel(per_context_token=0.001, per_join_padded_token=0.01)
+    arrivals = [SimArrival("a", 0.0, [7] * 3, max_tokens=4, output_len=4),
+                SimArrival("b", 0.0, [7] * 5, max_tokens=4, output_len=4),
+                SimArrival("c", 0.0, [7] * 3, max_tokens=4, output_len=4)]
+    ex = SimExecutor(cost, arrivals, stop_token_ids=[0])
+    first = TickPlan(0, admitted=("a", "b", "c"), prefill=(PrefillChunk("a", 0, 3, True), PrefillChunk("b", 0, 5, True),
+                                                          PrefillChunk("c", 0, 3, True)), num_batched_tokens=11, num_seqs=3)
+    ex.execute(first)
+    assert ex.clock == pytest.approx(0.001 * 11 + 0.01 * 15)
+    ex.execute(TickPlan(1, decode=("a", "b", "c"), num_batched_tokens=3, num_seqs=3))
+    assert ex.clock == pytest.approx(0.001 * 11 + 0.01 * 15 + 0.001 * 14)  # each row produced one token
 
 
 def test_compare_table_and_overrides():

@@ -27,9 +27,14 @@ from scheduler.tools.workload import samples_tokens
 #: the sampler's softmax and draws over the vocabulary, which greedy rows skip); `per_sampling_row` each such row
 #: (measured on the tiny text model, 4 rows: greedy 1.55 ms a decode, every row sampling 1.94-2.12 ms, two of
 #: four 1.90-1.98 ms).
+#: `per_join_padded_token`: a tick whose prefills complete merges their caches into the batch, and the merge
+#: copies every row at the longest row's length (the batch is left-padded): its cost grows with rows x the
+#: longest context (measured on a 12-slot Poisson recording of the tiny text model: a decode phase with a merge
+#: took 3.9 ms at 12 rows against 2.4 ms without, 2.5 against 1.7 ms at 4 rows; fitted without this term, the
+#: merges' time went into every decode forward and a 4-slot what-if was predicted 13-15% slow).
 FEATURES = ("base", "per_prefill_token", "per_decode_row", "per_prefill_chunk", "per_decode_forward",
             "per_prefill_done", "per_image_encoded", "per_media_prefill_token", "per_vision_token",
-            "per_context_token", "per_sampling_forward", "per_sampling_row")
+            "per_context_token", "per_sampling_forward", "per_sampling_row", "per_join_padded_token")
 
 #: The phases of a tick the engine times (`outcome.measure`), each with the features that cost time in it: a
 #: trace that has a phase's time fits those features on it alone (a phase that is rare, such as encoding,
@@ -39,7 +44,7 @@ FEATURES = ("base", "per_prefill_token", "per_decode_row", "per_prefill_chunk", 
 PHASES = (("vision_s", ("per_image_encoded", "per_vision_token")),
           ("prefill_s", ("per_prefill_token", "per_prefill_chunk", "per_media_prefill_token")),
           ("decode_s", ("per_decode_row", "per_decode_forward", "per_prefill_done", "per_context_token",
-                        "per_sampling_forward", "per_sampling_row")))
+                        "per_sampling_forward", "per_sampling_row", "per_join_padded_token")))
 
 #: The rest of a tick (planning, `apply`, events, prefix-cache bookkeeping) is not one constant: it grows
 #: with the rows and chunks the tick schedules (measured on a 12-slot recording: ~0.1 ms for one row, ~0.25
@@ -54,8 +59,9 @@ class CostModel:
     """Seconds per tick = (base + per_prefill_token * prefill tokens + per_decode_row * decode rows
     + per_prefill_chunk * chunks + per_decode_forward * [any decode row] + per_prefill_done * completed
     prefills + per_image_encoded * images encoded + per_vision_token * their media tokens
-    + per_media_prefill_token * prefill tokens of media requests + per_context_token * decode rows' context)
-    * slowdown + overhead (see FEATURES).
+    + per_media_prefill_token * prefill tokens of media requests + per_context_token * decode rows' context
+    + per_sampling_forward * [any sampling row] + per_sampling_row * sampling rows
+    + per_join_padded_token * [a merge] * rows x longest context) * slowdown + overhead (see FEATURES).
 
     `slowdown` scales the terms so that they also account for the time the fit's outlier ticks took (pauses,
     contention; see `fit_cost_model`). `overhead` is the engine/client time between two busy ticks (outside
@@ -77,6 +83,7 @@ class CostModel:
     per_context_token: float = 0.0
     per_sampling_forward: float = 0.0
     per_sampling_row: float = 0.0
+    per_join_padded_token: float = 0.0
     slowdown: float = 1.0
     overhead: float = 0.0
     # time the loop spends taking in an arrival between two ticks (tokenizing; for a media request, the
@@ -105,16 +112,18 @@ class CostModel:
 
     def tick_seconds(self, prefill_tokens: int, decode_rows: int, num_chunks: int, completed: int = 0,
                      images_encoded: int = 0, media_prefill_tokens: int = 0, vision_tokens: int = 0,
-                     context_tokens: int = 0, sampling_forward: float = 0.0, sampling_rows: int = 0) -> float:
+                     context_tokens: int = 0, sampling_forward: float = 0.0, sampling_rows: int = 0,
+                     join_padded_tokens: int = 0) -> float:
         """Predicted wall time of one tick (including `overhead`); `sampling_forward`: whether a decode row
-        samples (1.0 or 0.0, as the feature), `sampling_rows`: how many."""
+        samples (1.0 or 0.0, as the feature), `sampling_rows`: how many; `join_padded_tokens`: what a merge
+        copies (`context_features`)."""
         return (self.base + self.per_prefill_token * prefill_tokens + self.per_decode_row * decode_rows
                 + self.per_prefill_chunk * num_chunks + (self.per_decode_forward if decode_rows else 0.0)
                 + self.per_prefill_done * completed + self.per_image_encoded * images_encoded
                 + self.per_media_prefill_token * media_prefill_tokens + self.per_vision_token * vision_tokens
                 + self.per_context_token * context_tokens
                 + (self.per_sampling_forward if sampling_forward else 0.0) + self.per_sampling_row * sampling_rows
-                ) * self.slowdown + self.overhead
+                + self.per_join_padded_token * join_padded_tokens) * self.slowdown + self.overhead
 
     def arrival_seconds(self, has_media: bool) -> float:
         """Loop time taken by one arrival that comes in while requests are being served."""
@@ -122,13 +131,16 @@ class CostModel:
 
     def plan_seconds(self, plan: TickPlan, images_encoded: int = 0,
                      media: "Callable[[str], bool]" = lambda _rid: False, vision_tokens: int = 0,
-                     context_tokens: int = 0, samples: "Callable[[str], bool]" = lambda _rid: False) -> float:
+                     context_tokens: int = 0, samples: "Callable[[str], bool]" = lambda _rid: False,
+                     join_padded_tokens: int = 0) -> float:
         """A plan's predicted time; `images_encoded`: media items it encodes that miss the vision cache,
         `vision_tokens` their media tokens; `media(request_id)`: whether a request carries media (its prefill
-        tokens cost the media term too); `context_tokens`: the context its decode rows attend over;
-        `samples(request_id)`: whether a request samples (`samples_tokens` of its sampling)."""
+        tokens cost the media term too); `context_tokens`, `join_padded_tokens`: its decode rows' context
+        (`context_features`); `samples(request_id)`: whether a request samples (`samples_tokens` of its
+        sampling)."""
         row = tick_features([[c.request_id, c.start, c.end, c.completes] for c in plan.prefill], plan.decode,
-                            plan.num_batched_tokens, images_encoded, media, vision_tokens, context_tokens, samples)
+                            plan.num_batched_tokens, images_encoded, media, vision_tokens, context_tokens, samples,
+                            join_padded_tokens)
         return self.tick_seconds(*row[1:4], *row[5:])
 
     def describe(self) -> str:
@@ -142,6 +154,7 @@ class CostModel:
                  f"{self.per_context_token * 1e9:.3g} ns/context token of a decode row",
                  f"{self.per_sampling_forward * 1e3:.3g} ms/decode forward that samples",
                  f"{self.per_sampling_row * 1e6:.3g} us/sampling row",
+                 f"{self.per_join_padded_token * 1e9:.3g} ns/padded token merged",
                  f"{self.overhead * 1e6:.3g} us between ticks"]
         text = "cost model: (" + " + ".join(parts[:-1]) + f") x {self.slowdown:.3g} + {parts[-1]}"
         if self.per_arrival or self.per_media_arrival:
@@ -165,18 +178,29 @@ class CostModel:
 def tick_features(prefill: Sequence[Sequence[Any]], decode: Sequence[str], num_batched_tokens: int,
                   images_encoded: int = 0, media: "Callable[[str], bool]" = lambda _rid: False,
                   vision_tokens: int = 0, context_tokens: int = 0,
-                  samples: "Callable[[str], bool]" = lambda _rid: False) -> list[float]:
+                  samples: "Callable[[str], bool]" = lambda _rid: False, join_padded_tokens: int = 0) -> list[float]:
     """Feature row for one recorded plan (`prefill` as `[[id, start, end, completes], ...]`), in FEATURES order.
     `images_encoded`: media items encoded this tick that missed the vision cache, `vision_tokens` their media
-    tokens; `media(id)`: whether a request carries media; `context_tokens`: the context of its decode rows;
-    `samples(id)`: whether a request samples."""
+    tokens; `media(id)`: whether a request carries media; `context_tokens`, `join_padded_tokens`: its decode
+    rows' context (`context_features`); `samples(id)`: whether a request samples."""
     completing = [c[0] for c in prefill if c[3]]
     decode_rows = len(decode) + len(completing)
     media_tokens = sum(c[2] - c[1] - (1 if c[3] else 0) for c in prefill if media(c[0]))
     sampling_rows = sum(1 for rid in [*decode, *completing] if samples(rid))
     return [1.0, float(num_batched_tokens - decode_rows), float(decode_rows), float(len(prefill)),
             1.0 if decode_rows else 0.0, float(len(completing)), float(images_encoded), float(media_tokens),
-            float(vision_tokens), float(context_tokens), 1.0 if sampling_rows else 0.0, float(sampling_rows)]
+            float(vision_tokens), float(context_tokens), 1.0 if sampling_rows else 0.0, float(sampling_rows),
+            float(join_padded_tokens)]
+
+
+def context_features(row_contexts: Sequence[int], merges: bool) -> tuple[int, int]:
+    """A tick's decode rows (`row_contexts`: each row's prompt and produced tokens) as the two context
+    features: the context they attend over (summed), and, on a tick that merges completed prefills into the
+    batch (`merges`), the padded tokens the merge copies (rows x the longest context). One reading for the fit
+    (from a trace) and the simulator."""
+    if not row_contexts:
+        return 0, 0
+    return sum(row_contexts), len(row_contexts) * max(row_contexts) if merges else 0
 
 
 def _encoded_misses(outcome: Mapping[str, Any], images: Mapping[str, int],
@@ -218,11 +242,12 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Non-negative least squares for a handful of columns: the best unconstrained fit over every support.
 
     The NNLS optimum is the unconstrained least-squares solution on its own support, so trying every subset
-    of columns (2**k, k <= 12) and keeping the best one whose coefficients are all >= 0 is exact.
+    of columns (2**k; k <= 13: a phase fits at most 8, a trace without phase timings all 13) and keeping the
+    best one whose coefficients are all >= 0 is exact.
     """
     k = a.shape[1]
-    if k > 12:
-        raise ValueError("nnls here is exhaustive over supports; use at most 12 columns")
+    if k > 13:
+        raise ValueError("nnls here is exhaustive over supports; use at most 13 columns")
     best, best_err = np.zeros(k), float(np.sum(b * b))
     for size in range(1, k + 1):
         for support in itertools.combinations(range(k), size):
@@ -267,11 +292,12 @@ def _recorded_ticks(rec: Any) -> _RecordedTicks:
         outcome = rec.trace.outcomes[tick]
         m = outcome.get("measure", {})
         if plan is not None and "tick_s" in m:
-            rows_now = list(plan["decode"]) + [c[0] for c in plan["prefill"] if c[3]]
-            context = sum(prompt_len.get(rid, 0) + produced.get(rid, 0) for rid in rows_now)
+            completing = [c[0] for c in plan["prefill"] if c[3]]
+            context, merged = context_features([prompt_len.get(rid, 0) + produced.get(rid, 0)
+                                                for rid in [*plan["decode"], *completing]], bool(completing))
             encoded, encoded_tokens = _encoded_misses(outcome, images, vision_tokens)
             out.rows.append(tick_features(plan["prefill"], plan["decode"], plan["num_batched_tokens"], encoded,
-                                          media, encoded_tokens, context, sampling.__contains__))
+                                          media, encoded_tokens, context, sampling.__contains__, merged))
             out.seconds.append(float(m["tick_s"]))
             out.measures.append(m)
             out.served.append(not rec.calibration_only(tick))

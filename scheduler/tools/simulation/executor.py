@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 from scheduler.plan import TickPlan, TickResult
-from scheduler.tools.simulation.cost_model import CostModel
+from scheduler.tools.simulation.cost_model import CostModel, context_features
 from scheduler.tools.workload import FIRST_ORDINARY_ID, SimArrival
 
 
@@ -76,10 +76,11 @@ class SimExecutor:
                 vision_tokens += self._vision_tokens.get(rid, 0)
             encoded[rid] = {"rope_delta": 0, "vision_cache_hit": hit}
         # a decode row attends over its prompt and what it produced (as the fit counts it from a trace)
-        context = sum(self._prompt_len[rid] + self._produced.get(rid, 0)
-                      for rid in [*plan.decode, *(c.request_id for c in plan.prefill if c.completes)])
+        completing = [c.request_id for c in plan.prefill if c.completes]
+        context, merged = context_features([self._prompt_len[rid] + self._produced.get(rid, 0)
+                                            for rid in [*plan.decode, *completing]], bool(completing))
         seconds = self.cost_model.plan_seconds(plan, images, self._media.__contains__, vision_tokens, context,
-                                               self._samples.__contains__)
+                                               self._samples.__contains__, merged)
         self.clock += seconds
         sampled: dict[str, int] = {}
         errors: dict[str, str] = {}
