@@ -31,6 +31,7 @@ from typing import Any, Mapping, Sequence
 
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
+from scheduler.events import JsonlSink
 from scheduler.tools.side_by_side import EngineClock, Lane, run_side_by_side
 from scheduler.tools.simulation.cost_model import fit_cost_model
 from scheduler.tools.simulation.driver import simulate
@@ -97,7 +98,9 @@ def check_what_if(model_dir: str | os.PathLike, requests: Sequence[Mapping[str, 
         warmup.step()
     warmup.close()
     paths = trace_dir / "recorded.jsonl", trace_dir / "what_if.jsonl"
-    engines = [Engine.from_pretrained(model_dir, dataclasses.replace(config, trace_path=str(path)), clock=EngineClock())
+    # the traces are written when the engines close: no file I/O in the measured ticks
+    engines = [Engine.from_pretrained(model_dir, dataclasses.replace(config, trace_path=None), clock=EngineClock(),
+                                      event_sinks=[JsonlSink(path, hold_until_close=True)])
                for config, path in zip((recorded, what_if), paths)]
     # what this process holds already (modules, models, other work) stays out of the collector's full passes,
     # which otherwise grow with it and land in whichever lane happens to trigger them
