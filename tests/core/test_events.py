@@ -14,6 +14,20 @@ from scheduler.events import (
 )
 
 
+def test_a_held_jsonl_sink_writes_nothing_until_close(tmp_path):
+    """hold_until_close: no file I/O while events come (a timing measurement's ticks), the same lines at close."""
+    held, plain = tmp_path / "held.jsonl", tmp_path / "plain.jsonl"
+    logs = [EventLog([JsonlSink(held, flush_every=1, hold_until_close=True)], clock=lambda: 1.5),
+            EventLog([JsonlSink(plain, flush_every=1)], clock=lambda: 1.5)]
+    for log in logs:
+        log.emit("plan", 4, decode=["r1"])
+    assert not held.exists() and plain.read_text()
+    for log in logs:
+        log.close()
+    assert held.read_text() == plain.read_text()
+    assert json.loads(held.read_text())[MEASURE_KEY] == {"t": 1.5}  # stamped by the log's clock
+
+
 def test_jsonl_events_are_valid_json_with_the_schema(tmp_path):
     path = tmp_path / "events.jsonl"
     sink = JsonlSink(path)
