@@ -53,7 +53,8 @@ def test_side_by_side_lanes_keep_their_own_time_and_tokens(text_model_dir, tmp_p
                EngineConfig(max_seqs=2, trace_path=str(tmp_path / "b.jsonl"))]
     engines = [Engine.from_pretrained(text_model_dir, c, clock=EngineClock()) for c in configs]
     start = time.perf_counter()
-    results = run_side_by_side([Lane(engines[0], requests, offsets, calibrate=True), Lane(engines[1], requests, offsets)])
+    results = run_side_by_side([Lane(engines[0], requests, offsets, calibrate=True),
+                                Lane(engines[1], requests, offsets)])
     wall = time.perf_counter() - start
     for engine in engines:
         engine.close()

@@ -20,11 +20,7 @@ from scheduler import EngineConfig, SamplingParams
 from scheduler.cli import _demo_workload
 from scheduler.tools.whatif_check import METRICS, check_what_if, run_on_one_cpu
 
-# check_invariants stays off although the test suite turns it on for every engine (tests/conftest.py, through
-# the environment this child inherits): it runs after each tick's last timestamp, so it lands in the gaps
-# between ticks (0.4-0.6 ms each under pytest, against 0.05 ms), grows with the live requests, and is not what
-# an engine serves with.
-BASE = EngineConfig(max_batched_tokens=512, prefill_chunk=128, prefix_cache_bytes=64 << 20, check_invariants=False)
+BASE = EngineConfig(max_batched_tokens=512, prefill_chunk=128, prefix_cache_bytes=64 << 20)
 # Recorded with 12 slots under priority, predicted and really run with 4 slots under FCFS: both the slot count
 # and the policy change. (The other direction, 4 -> 12 slots, extrapolates the per-row decode cost beyond the
 # batch sizes the recording served.)
