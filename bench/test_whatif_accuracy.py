@@ -45,10 +45,8 @@ def test_simulating_the_recorded_policy_holds_on_the_demo_image_text_workload(vl
     engine.close()
     rec = load_recorded(trace)
     cost = fit_cost_model(rec)
-    per_token = rec.prefix_bytes_per_token
     sim = simulate(arrivals_from_trace(rec), dataclasses.replace(rec.trace.config, trace_path=None), cost,
-                   stop_token_id=rec.trace.stop_token_ids[0],
-                   kv_bytes_per_token=int(per_token) if per_token else None).summary()
+                   **rec.simulation_settings()).summary()
     real = recorded_metrics(rec)
     errors = {m: (sim[m] - real[m]) / real[m] for m in METRICS}
     print(errors, cost.describe())

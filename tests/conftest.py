@@ -11,32 +11,9 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-
-def build_model(kind: str, out: Path) -> Path:
-    # imported on first use: the core tests (tests/core) run where MLX is not importable
-    from scheduler.fixtures.tiny_models import build_model as build
-
-    return build(kind, out)
-
-
-@pytest.fixture(scope="session")
-def text_model_dir(tmp_path_factory) -> Path:
-    return build_model("text", tmp_path_factory.mktemp("tiny-text"))
-
-
-@pytest.fixture(scope="session")
-def sliding_model_dir(tmp_path_factory) -> Path:
-    return build_model("sliding", tmp_path_factory.mktemp("tiny-sliding"))
-
-
-@pytest.fixture(scope="session")
-def medium_model_dir(tmp_path_factory) -> Path:
-    return build_model("text-medium", tmp_path_factory.mktemp("tiny-text-medium"))
-
-
-@pytest.fixture(scope="session")
-def vlm_model_dir(tmp_path_factory) -> Path:
-    return build_model("vlm", tmp_path_factory.mktemp("tiny-vlm"))
+# the tiny models' directories, shared with bench/conftest.py (which does not take the suite's settings above)
+from tests.model_dirs import (build_model, medium_model_dir, sliding_model_dir, text_model_dir,  # noqa: E402,F401
+                              vlm_model_dir)
 
 
 @pytest.fixture(scope="session")

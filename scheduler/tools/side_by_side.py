@@ -64,7 +64,6 @@ class Lane:
     requests: Sequence[Mapping[str, Any]]
     offsets: Sequence[float]
     calibrate: bool = False
-    clock: EngineClock = field(init=False)
     start: float = field(init=False, default=0.0)
     next_arrival: int = field(init=False, default=0)
     ticks: int = field(init=False, default=0)
@@ -76,7 +75,10 @@ class Lane:
             raise ValueError(f"{len(self.requests)} requests but {len(self.offsets)} offsets")
         if any(b < a for a, b in zip(self.offsets, self.offsets[1:])):
             raise ValueError("offsets must be in arrival order (non-decreasing)")
-        self.clock = self.engine.clock
+
+    @property
+    def clock(self) -> EngineClock:
+        return self.engine.clock
 
     @property
     def done(self) -> bool:

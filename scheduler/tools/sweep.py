@@ -78,10 +78,7 @@ def sweep(trace: Any, grid: Mapping[str, Sequence[str]], workers: int | None = N
     cost = fit_cost_model(rec)
     arrivals = arrivals_from_trace(rec)
     base = dataclasses.replace(rec.trace.config, trace_path=None)
-    per_token = rec.prefix_bytes_per_token
-    kwargs = dict(stop_token_id=rec.trace.stop_token_ids[0] if rec.trace.stop_token_ids else 0,
-                  kv_layout=rec.kv_layout(), kv_bytes_per_token=int(round(per_token)) if per_token else None,
-                  prefix_checkpoints=rec.prefix_checkpoints)
+    kwargs = rec.simulation_settings()
     axes = list(grid)
     jobs, settings = [], []
     for values in itertools.product(*(grid[a] for a in axes)):

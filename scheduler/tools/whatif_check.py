@@ -68,9 +68,6 @@ class WhatIfCheck:
     cost_model: str  # CostModel.describe() of the fit
     lane_seconds: tuple[float, float]  # each real run's length on its own clock (recorded, what-if)
 
-    def worst(self) -> float:
-        return max(abs(e.error) for e in self.what_if.values())
-
     def record(self) -> dict[str, Any]:
         return {"what_if": {m: e.record() for m, e in self.what_if.items()},
                 "recorded": {m: e.record() for m, e in self.recorded.items()},
@@ -78,10 +75,8 @@ class WhatIfCheck:
 
 
 def _predict(rec: Any, cost: Any, config: EngineConfig) -> dict[str, Any]:
-    per_token = rec.prefix_bytes_per_token
     return simulate(arrivals_from_trace(rec), dataclasses.replace(config, trace_path=None), cost,
-                    policy=config.policy, stop_token_id=rec.trace.stop_token_ids[0],
-                    kv_bytes_per_token=int(per_token) if per_token else None).summary()
+                    policy=config.policy, **rec.simulation_settings()).summary()
 
 
 def check_what_if(model_dir: str | os.PathLike, requests: Sequence[Mapping[str, Any]], offsets: Sequence[float],

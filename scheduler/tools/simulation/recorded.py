@@ -52,6 +52,16 @@ class Recorded:
         scheduled = [c[0] for c in plan.get("prefill", [])] + list(plan.get("decode", []))
         return bool(scheduled) and all(rid in self.trace.calibration_ids for rid in scheduled)
 
+    def simulation_settings(self, kv_layout: Any = None) -> dict[str, Any]:
+        """What `simulate` takes from the recording besides arrivals, config and cost (as keyword arguments):
+        its stop token, the model's KV layout (`kv_layout` when given, else the recorded one), the prefix-cache
+        bytes per token its entries held and whether they are checkpoints."""
+        per_token = self.prefix_bytes_per_token
+        return dict(stop_token_id=self.trace.stop_token_ids[0] if self.trace.stop_token_ids else 0,
+                    kv_layout=kv_layout if kv_layout is not None else self.kv_layout(),
+                    kv_bytes_per_token=int(round(per_token)) if per_token else None,
+                    prefix_checkpoints=self.prefix_checkpoints)
+
     def kv_layout(self) -> Any:
         """The engine's KV layout (`caches.kv.KVLayout`) if the trace recorded one, else None."""
         layers = self.trace.header.get("kv_layout")

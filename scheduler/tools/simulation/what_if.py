@@ -70,17 +70,12 @@ def what_if(trace_path: "str | os.PathLike | Trace", policy: str | Policy | None
     rec = load_recorded(trace_path)
     cost = fit_cost_model(rec)
     arrivals = arrivals_from_trace(rec)
-    stop = rec.trace.stop_token_ids[0] if rec.trace.stop_token_ids else 0
     config = dataclasses.replace(rec.trace.config, trace_path=None)
-    layout = kv_layout if kv_layout is not None else rec.kv_layout()
+    kwargs = rec.simulation_settings(kv_layout)
     other_config = apply_overrides(config, overrides)
-    if getattr(other_config, "kv_memory_bytes", None) is not None and layout is None:
+    if getattr(other_config, "kv_memory_bytes", None) is not None and kwargs["kv_layout"] is None:
         raise ValueError("kv_memory_bytes needs the model's KV layout: this trace has none (engine_start "
                          "kv_layout); pass kv_layout=")
-    per_token = rec.prefix_bytes_per_token
-    per_token = int(round(per_token)) if per_token is not None else None
-    kwargs = dict(stop_token_id=stop, kv_layout=layout, kv_bytes_per_token=per_token,
-                  prefix_checkpoints=rec.prefix_checkpoints)
     recorded_policy = config.policy
     rows = {"recorded": recorded_metrics(rec)}
     same = simulate(arrivals, config, cost, policy=recorded_policy, **kwargs)
