@@ -1,6 +1,6 @@
 """Mixed image + text workload on the tiny Qwen2-VL: our Engine vs the reference (vllm-mlx `MLLMBatchGenerator`).
 
-16 requests, every other one with an image (4 sizes), greedy, `--new-tokens` each. Both sides get the same
+16 requests, every other one with an image (4 sizes; `--image-every 1`: all of them), greedy, `--new-tokens` each. Both sides get the same
 templated prompt strings (mlx-vlm's `apply_chat_template`) and the same image files; ground truth is
 `mlx_vlm.stream_generate` run alone per request, and each side's outputs are checked against it. The sides
 alternate (ours, reference / reference, ours / ...), each warmed up once first.
@@ -22,15 +22,16 @@ from .compare import RunStats, _Clock
 SIZES = [(112, 140), (56, 56), (84, 112), (140, 84)]
 
 
-def _workload(processor, config, tmp: Path, n: int) -> tuple[list[str], list[list[str] | None]]:
+def _workload(processor, config, tmp: Path, n: int,
+              image_every: int = 2) -> tuple[list[str], list[list[str] | None]]:
     import numpy as np
     from mlx_vlm.prompt_utils import apply_chat_template
     from PIL import Image
 
     prompts, images = [], []
     for i in range(n):
-        if i % 2 == 0:
-            w, h = SIZES[(i // 2) % len(SIZES)]
+        if i % image_every == 0:
+            w, h = SIZES[(i // image_every) % len(SIZES)]
             path = tmp / f"img{i}.png"
             Image.fromarray(np.random.default_rng(i).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(path)
             prompts.append(apply_chat_template(processor, config, f"picture {i}", num_images=1))
@@ -74,6 +75,8 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--image-every", type=int, default=2,
+                    help="every Nth request has an image (2: the mixed workload; 1: images only)")
     args = ap.parse_args(argv)
 
     import mlx_vlm
@@ -91,7 +94,7 @@ def main(argv=None) -> int:
         tmp = Path(d)
         model_dir = build_model("vlm", tmp / "vlm")
         model, processor = mlx_vlm.load(str(model_dir))
-        prompts, images = _workload(processor, model.config, tmp, args.requests)
+        prompts, images = _workload(processor, model.config, tmp, args.requests, args.image_every)
         truth = solo(model, processor, prompts, images, args.new_tokens)
         # the reference gets a model instance of its own: mlx-vlm's Qwen2-VL language model keeps position
         # state between calls (its rope deltas), which the solo runs above and our engine's calls would leave

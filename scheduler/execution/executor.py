@@ -305,8 +305,9 @@ class MLXExecutor:
         engine checks); pads are counted in the tick's result and in `prefill_stats`. Returns the request ids
         prefilled here; the rest go the one-request way: a cache kind that cannot be split back out of a batch
         (rotating windows, recurrent state: declared by the cache-layer capabilities), quantized caches, a
-        chunk inside which kv_bits converts, vision-language rows (their runner has no batched prefill), and
-        any group whose forward raised (a `PrefillFallback` in the tick's result, counted, never silent)."""
+        chunk inside which kv_bits converts, a chunk the runner keeps alone (`shares_prefill`: a VLM chunk
+        holding media rows its language model reads per chunk, e.g. Qwen3-VL's deepstack), a family whose
+        per-chunk inputs have no batched form (Gemma 4's per-layer inputs), and any group whose forward raised (a `PrefillFallback` in the tick's result, counted, never silent)."""
         if not getattr(self.runner, "batched_prefill", False):
             return set()
         eligible = []
@@ -317,7 +318,7 @@ class MLXExecutor:
                 eligible.append((c.request_id, c.start, n))
         done: set[str] = set()
         for group, width, padded in _pad_groups(eligible, self.pad_ratio):
-            rows = [(requests[rid], self.kv.request_cache(rid) if start else None, start, n)
+            rows = [(requests[rid], self._encoded[rid], self.kv.request_cache(rid) if start else None, start, n)
                     for rid, start, n in group]
             try:
                 caches = self.runner.prefill_many(rows)
@@ -330,7 +331,6 @@ class MLXExecutor:
             result.padded_tokens += padded
             for (rid, start, n), cache in zip(group, caches):
                 self.kv.adopt(rid, cache)
-                self._encoded.setdefault(rid, None)
                 self._quantize_if_due(requests[rid], start + n)
                 done.add(rid)
         return done
@@ -343,7 +343,13 @@ class MLXExecutor:
             return False  # a quantized row would need a batch of quantized rows only: kept one by one
         if self.quantize is not None and start <= self.quantize.point(request.prompt_len) < start + n:
             return False  # it converts inside this chunk: its forward is split, one request at a time
-        return self._checkpoint_at(request, start, start + n) is None
+        if self._checkpoint_at(request, start, start + n) is not None:
+            return False
+        try:
+            encoded = self._encoded_input(request)
+        except Exception:  # fed alone, where its error is its own
+            return False
+        return self.runner.shares_prefill(encoded, start, n)
 
     def _prefill_chunk(self, request: Request, start: int, end: int, result: TickResult) -> None:
         """Feed prompt tokens [start, end). For a cache that cannot be trimmed, the feed stops at the last block
@@ -368,8 +374,7 @@ class MLXExecutor:
     def _prefill(self, request: Request, start: int, end: int) -> None:
         rid = request.request_id
         cache = self.kv.request_cache(rid)
-        if rid not in self._encoded:  # text requests: token ids (VLM: embeddings of the text, delta 0)
-            self._encoded[rid] = self.runner.encode(request)
+        self._encoded_input(request)
         if end <= start:
             return
         point = self.quantize.point(request.prompt_len) if self.quantize is not None else None
@@ -381,6 +386,14 @@ class MLXExecutor:
             cache, start = self.kv.request_cache(rid), point
         self.runner.prefill(cache, request, self._encoded[rid], start, end)
         self._quantize_if_due(request, end)
+
+    def _encoded_input(self, request: Request) -> Any:
+        """What the runner prefills this request from, made on first use for requests the vision step did not
+        encode: text requests (token ids: None; a VLM's runner: embeddings of the text, delta 0)."""
+        rid = request.request_id
+        if rid not in self._encoded:
+            self._encoded[rid] = self.runner.encode(request)
+        return self._encoded[rid]
 
     def _quantize_if_due(self, request: Request, tokens: int) -> None:
         """Convert a prefilling request's cache once it holds `tokens` >= its conversion point. Not at the end

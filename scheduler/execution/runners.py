@@ -31,6 +31,9 @@ class Runner(Protocol):
 
     def prefill(self, cache: library.Cache, request: Request, encoded: Any, start: int, end: int) -> None: ...
 
+    # Runners with `batched_prefill` true also have `shares_prefill(encoded, start, n)` (may this chunk join a
+    # shared forward) and `prefill_many([(request, encoded, cache, start, n), ...])` (one cache per chunk back).
+
     def decode(self, batch_cache: library.Cache, inputs: mx.array, rope_deltas: mx.array | None) -> mx.array: ...
 
     def verify(self, batch_cache: library.Cache, inputs: mx.array, rope_deltas: mx.array | None = None) -> mx.array:
@@ -70,17 +73,21 @@ class TextRunner:
         self.model(mx.array(request.prefill_tokens(start, end))[None], cache=cache)
         mx.eval(library.cache_arrays(cache))
 
+    def shares_prefill(self, encoded, start: int, n: int) -> bool:
+        return True  # token ids: any chunk can share a forward
+
     def prefill_many(self, chunks):
         """Several requests' chunks in one forward; one cache per request back.
 
-        `chunks`: (request, cache, start, n) each: feed prefill tokens [start, start + n) after what `cache`
-        holds (None: a fresh request). The caches are merged left-padded (mlx-lm's BatchKVCache: each row keeps
-        its own RoPE offset and the mask hides the padding), and chunks shorter than the widest are padded on
-        the right: causal attention keeps every real position from seeing a pad, and the pads are cut from the
-        caches after, so each row computes what its own forward would."""
+        `chunks`: (request, encoded, cache, start, n) each: feed prefill tokens [start, start + n) after what
+        `cache` holds (None: a fresh request). The caches are merged left-padded (mlx-lm's BatchKVCache: each
+        row keeps its own RoPE offset and the mask hides the padding), and chunks shorter than the widest are
+        padded on the right: causal attention keeps every real position from seeing a pad, and the pads are cut
+        from the caches after, so each row computes what its own forward would."""
         width = max(n for *_, n in chunks)
-        batch = self.merge([cache if cache is not None else self.make_cache() for _, cache, _, _ in chunks])
-        tokens = [request.prefill_tokens(start, start + n) + [0] * (width - n) for request, _, start, n in chunks]
+        batch = self.merge([cache if cache is not None else self.make_cache() for _, _, cache, _, _ in chunks])
+        tokens = [request.prefill_tokens(start, start + n) + [0] * (width - n)
+                  for request, _, _, start, n in chunks]
         self.model(mx.array(tokens), cache=batch)
         mx.eval(library.cache_arrays(batch))
         return library.split_batch(batch, len(chunks), [width - n for *_, n in chunks])
@@ -122,8 +129,19 @@ class VisionLanguageRunner:
         return self.adapter.encode_many([(r.media, r.output_tokens[: r.recompute_tokens]) for r in requests],
                                         on_call)
 
+    @property
+    def batched_prefill(self) -> bool:
+        return self.adapter.batched_prefill
+
+    def shares_prefill(self, encoded, start: int, n: int) -> bool:
+        return self.adapter.shares_prefill(encoded, start, start + n)
+
     def prefill(self, cache, request, encoded, start, end):
         self.adapter.prefill(cache, encoded, start, end)
+
+    def prefill_many(self, chunks):
+        """`TextRunner.prefill_many` from each request's encoded embeddings and positions (the adapter's)."""
+        return self.adapter.prefill_many([(cache, encoded, start, n) for _, encoded, cache, start, n in chunks])
 
     def decode(self, batch_cache, inputs, rope_deltas):
         return self.adapter.decode(batch_cache, inputs, rope_deltas)

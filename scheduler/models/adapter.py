@@ -525,9 +525,7 @@ class VLMAdapter:
     def prefill(self, cache: list, encoded: EncodedRequest, start: int, end: int) -> None:
         """Run the language model on positions [start, end) into ``cache`` (which must hold exactly ``start``
         tokens). Logits are not computed (only the cache is evaluated)."""
-        length = encoded.num_tokens
-        if not 0 <= start <= end <= length:
-            raise ValueError(f"bad prefill range [{start}, {end}) for a {length}-token prompt")
+        self._check_range(encoded, start, end)
         if end == start:
             return
         held = int(library.row_offsets(cache)[0].item())
@@ -546,6 +544,52 @@ class VLMAdapter:
         library.lm_forward(self.language_model, encoded.input_ids[:, start:end], cache,
                         inputs_embeds=encoded.embeddings[:, start:end], **kwargs)
         mx.eval([c.state for c in cache])
+
+    @property
+    def batched_prefill(self) -> bool:
+        """Whether chunks of several requests can share one prefill forward: the cache rows split back out of a
+        batch (plain KV, not windows or recurrent state), and no per-chunk input other than positions has a
+        batched form here (Gemma 4's ``per_layer_inputs``)."""
+        return self.capabilities.splittable and not self.spec.sequence_inputs
+
+    def shares_prefill(self, encoded: EncodedRequest | None, start: int, end: int) -> bool:
+        """Whether this chunk may go into a shared forward: it has been encoded, and it holds no media rows the
+        language model reads per chunk (Qwen3-VL's ``visual_pos_masks`` with its deepstack rows, which it
+        scatters by mask position: kept one request per forward)."""
+        if encoded is None:
+            return False
+        return encoded.media_mask is None or not bool(encoded.media_mask[:, start:end].any().item())
+
+    def prefill_many(self, rows: Sequence[tuple[list | None, EncodedRequest, int, int]]) -> list[list]:
+        """Several requests' chunks in one forward; one cache per request back. ``rows``: (cache or None for a
+        fresh request, encoded, start, n): feed positions [start, start + n) after what the cache holds.
+
+        The same layout as the text runner's: caches merged left-padded (each row keeps its own offset, and its
+        mask hides the padding), chunks shorter than the widest padded on the right with zero embeddings, and
+        the pads cut from the caches after. Causal attention keeps every real position from seeing a pad, and
+        each row gets its own positions (M-RoPE: its slice of the prompt's positions; 1-D RoPE: its cache
+        row's offset), so each row computes what its own forward would."""
+        width = max(n for *_, n in rows)
+        batch = layers.merge_caches([cache if cache is not None else self.make_cache() for cache, *_ in rows])
+        ids, embeds, positions = [], [], []
+        for _, encoded, start, n in rows:
+            self._check_range(encoded, start, start + n)
+            pad = width - n
+            ids.append(mx.pad(encoded.input_ids[:, start:start + n], [(0, 0), (0, pad)]))
+            embeds.append(mx.pad(encoded.embeddings[:, start:start + n], [(0, 0), (0, pad), (0, 0)]))
+            kwargs = self.positions.prefill_kwargs(encoded.position_ids, start, start + n)
+            if "position_ids" in kwargs:  # pads sit at position 0: no real position attends to them
+                positions.append(mx.pad(kwargs["position_ids"], [(0, 0), (0, 0), (0, pad)]))
+        kwargs = {"position_ids": mx.concatenate(positions, axis=1)} if positions else {}
+        library.lm_forward(self.language_model, mx.concatenate(ids, axis=0), batch,
+                           inputs_embeds=mx.concatenate(embeds, axis=0), **kwargs)
+        mx.eval(layers.cache_arrays(batch))
+        return layers.split_batch(batch, len(rows), [width - n for *_, n in rows])
+
+    @staticmethod
+    def _check_range(encoded: EncodedRequest, start: int, end: int) -> None:
+        if not 0 <= start <= end <= encoded.num_tokens:
+            raise ValueError(f"bad prefill range [{start}, {end}) for a {encoded.num_tokens}-token prompt")
 
     def decode_positions(self, cache: list, rope_deltas: mx.array, width: int = 1) -> mx.array | None:
         """(3, B, width) positions of every row's next ``width`` tokens (M-RoPE), or None (1-D RoPE)."""

@@ -2,6 +2,7 @@
 images fail with MediaError naming the image; and the mlx-vlm internals the adapter relies on are pinned here so
 an upgrade that moves them fails loudly in this file."""
 
+import dataclasses
 import io
 import os
 
@@ -408,6 +409,42 @@ def test_pin_caches_merge_into_batch_with_per_row_offsets(adapter):
     assert adapter.decode_positions(batch, mx.array([10, -4])).tolist() == [[[13], [1]]] * 3
     adapter.decode(batch, mx.array([7, 8]), mx.array([0, 0]))
     assert batch[0].offset.tolist() == [4, 6]
+
+
+def _layer_arrays(cache):
+    return [(layer.keys[..., :layer.offset, :], layer.values[..., :layer.offset, :]) for layer in cache]
+
+
+def test_prefill_many_equals_each_chunk_alone(adapter):
+    """Fresh image and text chunks and a later chunk of different widths in one forward: each request's cache
+    holds exactly its own positions (pads cut) and what its own forward computes (to BLAS rounding: the
+    matrices have other shapes)."""
+    encoded = [adapter.encode(adapter.prepare(*REQUESTS[i])) for i in (0, 5, 2)]
+    later = adapter.make_cache()
+    adapter.prefill(later, encoded[1], 0, 5)
+    rows = [(None, encoded[0], 0, 20), (later, encoded[1], 5, 18), (None, encoded[2], 0, 13)]
+    assert adapter.batched_prefill
+    got = adapter.prefill_many(rows)
+    for (cache, enc, start, n), batched in zip(rows, got):
+        alone = adapter.make_cache()
+        adapter.prefill(alone, enc, 0, start + n)
+        assert [layer.offset for layer in batched] == [start + n] * len(alone)
+        for (k, v), (k0, v0) in zip(_layer_arrays(batched), _layer_arrays(alone)):
+            assert k.shape == k0.shape and v.shape == v0.shape
+            assert mx.allclose(k, k0, atol=1e-5).item() and mx.allclose(v, v0, atol=1e-5).item()
+
+
+def test_a_chunk_with_per_chunk_media_rows_is_kept_alone(adapter):
+    """Qwen3-VL's language model scatters deepstack rows by its media mask: a chunk that holds media positions
+    is fed alone, a chunk of the same prompt without them may share a forward."""
+    encoded = adapter.encode(adapter.prepare(*REQUESTS[0]))
+    mask = mx.zeros((1, encoded.num_tokens), dtype=mx.bool_)
+    mask[:, 4:10] = True
+    with_mask = dataclasses.replace(encoded, media_mask=mask)
+    assert not adapter.shares_prefill(with_mask, 0, 6)
+    assert adapter.shares_prefill(with_mask, 10, 20)
+    assert adapter.shares_prefill(encoded, 0, 6)
+    assert not adapter.shares_prefill(None, 0, 6)
 
 
 def test_prefill_checks_the_range_and_the_cache(adapter):

@@ -161,6 +161,12 @@ def test_family_batches_exactly(family, schedule):
     mismatches = [i for i, (got, want) in enumerate(zip(outputs, references)) if got != want]
     assert not mismatches, f"{name}/{schedule}: requests {mismatches} differ from solo mlx_vlm"
     assert engine.executor.cache_bytes() == 0 and not engine.executor.live_request_ids()
+    if schedule == "staggered":
+        # chunks of 9 from several prompts at once: equal widths share a forward wherever the cache rows split
+        # back out of a batch (not sliding windows, not recurrent state), image chunks included
+        batched = engine.prefill_stats()
+        assert (batched["batched_groups"] > 0) is engine._runner.batched_prefill, batched
+        assert batched["fallbacks"] == 0, batched
     stats = engine.stats()
     image_ids = {rid for rid, (_, images) in zip(run.tokens, requests) if images}
     if stats.vision_cache is not None:
