@@ -163,7 +163,7 @@ def test_family_batches_exactly(family, schedule):
     assert engine.executor.cache_bytes() == 0 and not engine.executor.live_request_ids()
     if schedule == "staggered":
         # chunks of 9 from several prompts at once: equal widths share a forward wherever the cache rows split
-        # back out of a batch (not sliding windows, not recurrent state), image chunks included
+        # back out of a batch (not sliding windows, not recurrent state), and the output above stayed exact
         batched = engine.prefill_stats()
         assert (batched["batched_groups"] > 0) is engine._runner.batched_prefill, batched
         assert batched["fallbacks"] == 0, batched
