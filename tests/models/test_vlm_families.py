@@ -71,6 +71,10 @@ SCHEDULES = {
     "kv-budget-reencode": dict(stagger=0, config=dict(max_seqs=8, kv_headroom_tokens=0, vision_cache_bytes=0),
                                budget_rows=3),
     "drafting": dict(stagger=1, config=dict(draft_tokens=3, max_batched_tokens=96)),
+    # the kv-budget schedule in chunks of 9: prefills of several requests share forwards (batched prefill)
+    # while image requests are preempted and re-encoded
+    "kv-budget-chunked": dict(stagger=0, config=dict(max_seqs=8, kv_headroom_tokens=0, prefill_chunk=9,
+                                                     max_batched_tokens=40), budget_rows=3),
 }
 
 LONG = "The old man reads many books in the morning, and the teacher brings a warm coat to the farmer. "
@@ -161,7 +165,7 @@ def test_family_batches_exactly(family, schedule):
     mismatches = [i for i, (got, want) in enumerate(zip(outputs, references)) if got != want]
     assert not mismatches, f"{name}/{schedule}: requests {mismatches} differ from solo mlx_vlm"
     assert engine.executor.cache_bytes() == 0 and not engine.executor.live_request_ids()
-    if schedule == "staggered":
+    if schedule in ("staggered", "kv-budget-chunked"):
         # chunks of 9 from several prompts at once: equal widths share a forward wherever the cache rows split
         # back out of a batch (not sliding windows, not recurrent state), and the output above stayed exact
         batched = engine.prefill_stats()
@@ -176,9 +180,10 @@ def test_family_batches_exactly(family, schedule):
         # (sliding windows and recurrent state reuse whole entries only)
         wanted = 2 if engine._runner.capabilities.trimmable else 1
         assert stats.prefix_cache["hits"] >= wanted, "the shared image + prompt (prefix) was not reused"
-    if schedule.startswith("kv-budget"):
-        preempted = {e["request_id"] for e in log.of_kind("transition")
-                     if e["to"] == "queued" and e["from"] != "queued"}
+    preempted = {e["request_id"] for e in log.of_kind("transition") if e["to"] == "queued" and e["from"] != "queued"}
+    if schedule == "kv-budget-chunked":  # which request the budget preempts depends on the family's prompt lengths
+        assert preempted, "the KV budget preempted nothing"
+    if schedule in ("kv-budget", "kv-budget-reencode"):
         assert preempted & image_ids, f"no image request was preempted (preempted: {sorted(preempted)})"
         # a preempted image request is encoded again: from the vision cache (a hit), or with no cache by the
         # encoders (a miss); every encoding is in an outcome event
