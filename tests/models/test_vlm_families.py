@@ -72,7 +72,7 @@ SCHEDULES = {
                                budget_rows=3),
     "drafting": dict(stagger=1, config=dict(draft_tokens=3, max_batched_tokens=96)),
     # the kv-budget schedule in chunks of 9: prefills of several requests share forwards (batched prefill)
-    # while image requests are preempted and re-encoded
+    # while the budget preempts requests (an image request on 8 of the 10 families)
     "kv-budget-chunked": dict(stagger=0, config=dict(max_seqs=8, kv_headroom_tokens=0, prefill_chunk=9,
                                                      max_batched_tokens=40), budget_rows=3),
 }
