@@ -13,21 +13,16 @@ def build_model(kind: str, out: Path) -> Path:
     return build(kind, out)
 
 
-@pytest.fixture(scope="session")
-def text_model_dir(tmp_path_factory) -> Path:
-    return build_model("text", tmp_path_factory.mktemp("tiny-text"))
+def _model_dir_fixture(kind: str):
+    """A session fixture: the `kind` tiny model, built once into a temporary directory."""
+    @pytest.fixture(scope="session")
+    def model_dir(tmp_path_factory) -> Path:
+        return build_model(kind, tmp_path_factory.mktemp(f"tiny-{kind}"))
+
+    return model_dir
 
 
-@pytest.fixture(scope="session")
-def sliding_model_dir(tmp_path_factory) -> Path:
-    return build_model("sliding", tmp_path_factory.mktemp("tiny-sliding"))
-
-
-@pytest.fixture(scope="session")
-def medium_model_dir(tmp_path_factory) -> Path:
-    return build_model("text-medium", tmp_path_factory.mktemp("tiny-text-medium"))
-
-
-@pytest.fixture(scope="session")
-def vlm_model_dir(tmp_path_factory) -> Path:
-    return build_model("vlm", tmp_path_factory.mktemp("tiny-vlm"))
+text_model_dir = _model_dir_fixture("text")
+sliding_model_dir = _model_dir_fixture("sliding")
+medium_model_dir = _model_dir_fixture("text-medium")
+vlm_model_dir = _model_dir_fixture("vlm")
