@@ -68,6 +68,11 @@ class EngineConfig:
         longer time to first token under load) or "prefill-first" (ticks with prefill work run prefill only and
         running rows pause: shortest time to first token, decode stalls while prompts arrive).
     trace_path: write every event as JSON lines to this file.
+    shard_stall_timeout_s: with a model sharded across processes, a rank whose forward has run this long is
+        taken to have lost a peer: MLX's ring backend can leave a forward blocked for good when a peer dies in
+        the middle of it, so the rank reports `ShardLost` (stderr, the engine's `on_shard_lost` hooks) and
+        its process exits with code 75 (scheduler/execution/stall_watchdog.py). None: no bound (such a rank
+        hangs). Set it well above the longest forward a tick's budget allows.
     check_invariants: verify bookkeeping after every tick, raising InvariantViolation: the plan's budgets,
         computed token positions <= planned, real KV bytes <= the plan's bound <= kv_memory_bytes, no cache of an
         ended request. Defaults to on when the environment has MLXSCHED_CHECK_INVARIANTS=1 (tests/conftest.py
@@ -103,6 +108,7 @@ class EngineConfig:
     prefix_block_size: int = 16
     logprob_vectors: bool = False
     trace_path: str | None = None
+    shard_stall_timeout_s: float | None = 60.0
     check_invariants: bool = field(default_factory=lambda: os.environ.get(CHECK_INVARIANTS_ENV) == "1")
 
     def __post_init__(self) -> None:
@@ -158,6 +164,11 @@ class EngineConfig:
             raise ValueError(f"prefix_cache_bytes: must be an integer >= 0, got {self.prefix_cache_bytes!r}")
         if not isinstance(self.prefix_block_size, int) or self.prefix_block_size < 1:
             raise ValueError(f"prefix_block_size: must be an integer >= 1, got {self.prefix_block_size!r}")
+        if self.shard_stall_timeout_s is not None and (
+                isinstance(self.shard_stall_timeout_s, bool) or not isinstance(self.shard_stall_timeout_s, (int, float))
+                or not math.isfinite(self.shard_stall_timeout_s) or self.shard_stall_timeout_s <= 0):
+            raise ValueError(f"shard_stall_timeout_s: must be a finite number > 0 or None, "
+                             f"got {self.shard_stall_timeout_s!r}")
         if self.max_prefill_tokens is not None and (not isinstance(self.max_prefill_tokens, int)
                                                     or self.max_prefill_tokens < 1):
             raise ValueError(f"max_prefill_tokens: must be an integer >= 1 or None, got {self.max_prefill_tokens!r}")

@@ -136,8 +136,13 @@ class Engine:
         mtp_head: Any = None,
         shard_group: Any = None,
         clock: Callable[[], float] = time.perf_counter,
+        on_shard_lost: Sequence[Callable[[Any], None]] = (),
     ):
-        """`clock` stamps every time the engine records (arrivals, state changes, ticks, trace events): wall
+        """`on_shard_lost`: with a sharded model, called with the `ShardLost` error when this rank's forward
+        stalls after a peer died (`EngineConfig.shard_stall_timeout_s`), from the watchdog's thread, after the
+        trace is flushed and just before the process exits; a lost peer that MLX reports is raised as usual.
+
+        `clock` stamps every time the engine records (arrivals, state changes, ticks, trace events): wall
         time by default. Another clock may stop only between calls into the engine (durations measured inside
         one call stay true on it): `tools.side_by_side` runs two engines tick by tick on one machine, each on a
         clock that stops while the other works."""
@@ -172,7 +177,8 @@ class Engine:
                                    max_model_len=self.max_model_len)
         # A model sharded across processes (tensor_group / pipeline_group in from_pretrained): rank 0 runs this
         # engine, the other ranks `follow()` it (scheduler/execution/distributed.py).
-        self.shard = _Shard.create(shard_group, self) if shard_group is not None and shard_group.size() > 1 else None
+        self.shard = (_Shard.create(shard_group, self, tuple(on_shard_lost))
+                      if shard_group is not None and shard_group.size() > 1 else None)
         prefix_payloads = self.shard.prefix_payloads if self.shard is not None else self.scheduler.prefix_cache
         self.executor = executor or MLXExecutor(family.runner, penalty_context=self.config.penalty_context,
                                                 processor_history=self.config.processor_history,
@@ -687,6 +693,8 @@ class Engine:
         """Flush the trace; on rank 0 of a sharded engine, also let the followers' `follow()` return."""
         if self.shard is not None and self.shard.rank == 0:
             self.executor.shutdown()
+        if self.shard is not None and self.shard.watchdog is not None:
+            self.shard.watchdog.close()
         self.events.close()
 
 
@@ -698,10 +706,12 @@ class _Shard:
     channel: Any
     prefix_payloads: Any  # rank 0: the scheduler's prefix cache; followers: their own shard's payloads
     prefix_watch: Any = None
+    watchdog: Any = None  # a StallWatchdog bounding each forward (EngineConfig.shard_stall_timeout_s)
 
     @classmethod
-    def create(cls, group: Any, engine: "Engine") -> "_Shard":
+    def create(cls, group: Any, engine: "Engine", on_shard_lost: tuple[Callable[[Any], None], ...]) -> "_Shard":
         from .execution.distributed import MirroredPayloads, PlanChannel, PrefixEntryWatch
+        from .execution.stall_watchdog import StallWatchdog
 
         cfg = engine.config
         if engine.vlm is not None:
@@ -716,17 +726,22 @@ class _Shard:
         if prefix is not None and rank == 0:
             shard.prefix_watch = PrefixEntryWatch()
             engine.events.add_sink(shard.prefix_watch)
+        if cfg.shard_stall_timeout_s is not None:
+            # the trace is flushed first: the process is about to end without returning from the forward
+            shard.watchdog = StallWatchdog(rank, cfg.shard_stall_timeout_s,
+                                           on_stall=(lambda _error: engine.events.close(), *on_shard_lost))
         return shard
 
     def wrap(self, executor: Any) -> Any:
         from .execution.distributed import ShardedExecutor
 
-        return ShardedExecutor(executor, self.channel, self.prefix_watch) if self.rank == 0 else executor
+        return (ShardedExecutor(executor, self.channel, self.prefix_watch, self.watchdog) if self.rank == 0
+                else executor)
 
     def follower(self, executor: Any) -> Any:
         from .execution.distributed import Follower
 
-        return Follower(executor, self.channel, self.prefix_payloads)
+        return Follower(executor, self.channel, self.prefix_payloads, self.watchdog)
 
     @staticmethod
     def check_request(sampling: SamplingParams) -> None:

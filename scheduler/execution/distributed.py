@@ -9,11 +9,14 @@ model's collectives line up. Followers hand their executor the plan with its new
 message (prompt, sampling, seed, outputs), and check that the tokens they sampled are the tokens rank 0
 sampled: a difference is a loud `ShardDivergence`, never a silent wrong answer.
 
-A lost peer makes MLX's ring backend raise within about a second; both sides turn that into `ShardLost`.
+A lost peer makes MLX's ring backend raise within about a second; both sides turn that into `ShardLost`. A
+forward that was under way when the peer died can instead block for good inside MLX; a `StallWatchdog`
+(scheduler/execution/stall_watchdog.py) bounds every forward and ends such a rank with the same error.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import json
@@ -47,6 +50,14 @@ def raise_if_peer_lost(result: TickResult, rank: int) -> None:
     for rid, error in result.errors.items():
         if any(marker in error for marker in _PEER_LOST_MARKERS):
             raise ShardLost(f"rank {rank}: a peer rank is gone (while computing {rid}: {error})")
+
+
+def guarded_execute(executor: Any, plan: TickPlan, watchdog: Any, rank: int) -> TickResult:
+    """One tick's forward on this rank's shard, under the watchdog when there is one."""
+    with watchdog.guard(f"tick {plan.tick}'s forward") if watchdog is not None else contextlib.nullcontext():
+        result = executor.execute(plan)
+    raise_if_peer_lost(result, rank)
+    return result
 
 
 class MessageKind(str, enum.Enum):
@@ -179,10 +190,12 @@ class PrefixEntryWatch:
 class ShardedExecutor:
     """Rank 0's executor: sends each tick's message, then runs its own shard like any executor."""
 
-    def __init__(self, inner: Any, channel: PlanChannel, prefix_watch: PrefixEntryWatch | None = None):
+    def __init__(self, inner: Any, channel: PlanChannel, prefix_watch: PrefixEntryWatch | None = None,
+                 watchdog: Any = None):
         self.inner = inner
         self.channel = channel
         self.prefix_watch = prefix_watch
+        self.watchdog = watchdog  # a StallWatchdog, or None
         self._produced: dict[str, list[int]] = {}  # tokens rank 0 sampled last tick (accepted drafts first)
         self._released: list[str] = []
         self.closed = False
@@ -208,8 +221,7 @@ class ShardedExecutor:
         payload = self.message_for(plan).to_bytes()
         self.encode_seconds += time.perf_counter() - t0
         self.channel.broadcast(payload)
-        result = self.inner.execute(plan)
-        raise_if_peer_lost(result, self.channel.rank)
+        result = guarded_execute(self.inner, plan, self.watchdog, self.channel.rank)
         self._produced = {rid: [*result.accepted_drafts.get(rid, ()), token] for rid, token in result.sampled.items()}
         return result
 
@@ -248,10 +260,12 @@ class FollowerStats:
 class Follower:
     """Runs on every rank but 0: receive a message, mirror, execute, repeat until rank 0 shuts down."""
 
-    def __init__(self, executor: Any, channel: PlanChannel, payloads: MirroredPayloads | None):
+    def __init__(self, executor: Any, channel: PlanChannel, payloads: MirroredPayloads | None,
+                 watchdog: Any = None):
         self.executor = executor
         self.channel = channel
         self.payloads = payloads
+        self.watchdog = watchdog  # a StallWatchdog, or None
         self.stats = FollowerStats()
         self._produced: dict[str, list[int]] = {}  # tokens this rank emitted last tick, per request
         self._pending_stores: dict[tuple[str, int], Any] = {}
@@ -284,8 +298,8 @@ class Follower:
                     for rid, data in message.requests.items())
         for rid in message.requests:
             self._produced.pop(rid, None)
-        result = self.executor.execute(dataclasses.replace(decode_plan(message.plan), new_requests=new))
-        raise_if_peer_lost(result, self.channel.rank)
+        result = guarded_execute(self.executor, dataclasses.replace(decode_plan(message.plan), new_requests=new),
+                                 self.watchdog, self.channel.rank)
         self._pending_stores = {(s.request_id, s.num_tokens): s.payload for s in result.prefix_stores}
         self._produced = {rid: result.accepted_drafts.get(rid, []) + [token] for rid, token in result.sampled.items()}
         return result

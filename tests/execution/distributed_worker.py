@@ -11,8 +11,10 @@ Scenarios:
 - `checkpoints`: a model whose caches cannot be trimmed (a tiny gpt_oss: sliding-window layers) with the prefix
   cache: its prefill stores exact checkpoints, so one request can store two entries in one tick (a checkpoint
   and its prefill end); the followers must keep each under its own entry id. Compared with mlx-lm alone.
-- `a-rank-dies`: both ranks write their pids and run; the test kills one and times how long the survivor takes
-  to record the error its engine raised.
+- `a-rank-dies`: both ranks write their pids and run short requests; the test kills one and times how long the
+  survivor takes to record the error its engine raised, or its stall watchdog reported before exiting.
+- `a-rank-dies-mid-forward`: the same with 3000-token prompts, so most of a tick is its forward and the kill
+  mostly lands inside one (where MLX's ring backend can block for good, and the watchdog ends the rank).
 """
 
 from __future__ import annotations
@@ -196,30 +198,42 @@ def _keep_busy(engine: Engine) -> None:
     engine.step()
 
 
-def a_rank_dies(model_dir: str, out: Path, group) -> None:
-    """Both ranks write their pid (OUT/rank{N}.pid) and run until their engine raises; the test kills one and
-    times how long the survivor takes to write what it raised (OUT/rank{N}.json)."""
-    engine = Engine.from_pretrained(model_dir, EngineConfig(), tensor_group=group)
+STALL_TIMEOUT_S = 4.0  # a tick's forward here takes milliseconds; the test allows 15 s from the kill
+
+
+def a_rank_dies(model_dir: str, out: Path, group, prompt_len: int = 3, max_tokens: int = 50) -> None:
+    """Both ranks write their pid (OUT/rank{N}.pid) and run until their engine raises (or its watchdog ends
+    the process); the test kills one and times how long the survivor takes to write what it raised
+    (OUT/rank{N}.json, with `"by": "raise"` or `"watchdog"`)."""
     rank = group.rank()
+
+    def record(exc: BaseException, by: str) -> None:
+        (out / f"rank{rank}.json").write_text(json.dumps({"error_type": type(exc).__name__, "error": str(exc),
+                                                          "by": by}))
+
+    engine = Engine.from_pretrained(model_dir, EngineConfig(shard_stall_timeout_s=STALL_TIMEOUT_S),
+                                    tensor_group=group, on_shard_lost=[lambda exc: record(exc, "watchdog")])
     (out / f"rank{rank}.pid").write_text(str(os.getpid()))
+    prompt = [(7 + 13 * j) % 400 + 5 for j in range(prompt_len)]
     try:
         if rank != 0:
             engine.follow()
         while rank == 0:
             if not engine.has_pending():
-                engine.add_request(prompt_tokens=[7, 8, 9], sampling=SamplingParams(max_tokens=50))
+                engine.add_request(prompt_tokens=prompt, sampling=SamplingParams(max_tokens=max_tokens))
             engine.step()
-        result = {"error_type": None}
+        (out / f"rank{rank}.json").write_text(json.dumps({"error_type": None}))
     except Exception as exc:  # what the engine raised is the result
-        result = {"error_type": type(exc).__name__, "error": str(exc)}
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
+        record(exc, "raise")
 
 
 def main() -> None:
     model_dir, out, scenario = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that sees a hang asks for the stacks
     group = mx.distributed.init()
-    {"equality": equality, "checkpoints": checkpoints, "a-rank-dies": a_rank_dies}[scenario](model_dir, out, group)
+    scenarios = {"equality": equality, "checkpoints": checkpoints, "a-rank-dies": a_rank_dies,
+                 "a-rank-dies-mid-forward": lambda *args: a_rank_dies(*args, prompt_len=3000, max_tokens=2)}
+    scenarios[scenario](model_dir, out, group)
 
 
 if __name__ == "__main__":
