@@ -8,6 +8,8 @@ Scenarios:
   that preempts; the prefix cache with shared prefixes; prompt-lookup drafting; an abort), each compared with
   mlx-lm's own sharded generation of every request alone under the same launch (all ranks generate together),
   then, after the followers are released, with the unsharded model on rank 0 alone.
+- `pipeline-equality`: the same, with the model loaded by pipeline (`pipeline_group`: each rank runs some of
+  the layers) instead of by tensor.
 - `checkpoints`: a model whose caches cannot be trimmed (a tiny gpt_oss: sliding-window layers) with the prefix
   cache: its prefill stores exact checkpoints, so one request can store two entries in one tick (a checkpoint
   and its prefill end); the followers must keep each under its own entry id. Compared with mlx-lm alone.
@@ -107,12 +109,12 @@ async def _async_run(engine: Engine, prompts: list[list[int]]) -> dict[str, list
     return {f"r{i}": out.token_ids for i, out in enumerate(outs)}
 
 
-def equality(model_dir: str, out: Path, group) -> None:
+def equality(model_dir: str, out: Path, group, sharding: str = "tensor_group") -> None:
     results: dict = {"configs": {}}
     schedules = _schedules(out)
     engine = None
     for name, schedule in schedules.items():
-        engine = Engine.from_pretrained(model_dir, schedule.config, tensor_group=group)
+        engine = Engine.from_pretrained(model_dir, schedule.config, **{sharding: group})
         if group.rank() != 0:
             engine.follow()
             continue
@@ -130,7 +132,7 @@ def equality(model_dir: str, out: Path, group) -> None:
         results["configs"][name]["preemptions"] = sum(
             e["event"] == "transition" and e["trigger"] == "preempt" for e in read_jsonl(schedule.config.trace_path))
     # the asyncio front over a sharded engine, and what a sharded engine refuses
-    engine = Engine.from_pretrained(model_dir, EngineConfig(), tensor_group=group)
+    engine = Engine.from_pretrained(model_dir, EngineConfig(), **{sharding: group})
     if group.rank() == 0:
         results["async"] = asyncio.run(_async_run(engine, _prompts()))
         try:
@@ -232,6 +234,7 @@ def main() -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that sees a hang asks for the stacks
     group = mx.distributed.init()
     scenarios = {"equality": equality, "checkpoints": checkpoints, "a-rank-dies": a_rank_dies,
+                 "pipeline-equality": lambda *args: equality(*args, sharding="pipeline_group"),
                  "a-rank-dies-mid-forward": lambda *args: a_rank_dies(*args, prompt_len=3000, max_tokens=2)}
     scenarios[scenario](model_dir, out, group)
 

@@ -1,5 +1,6 @@
-"""A model sharded across two local processes (MLX's ring backend over loopback): rank 0 plans, both ranks
-execute, and the outputs are mlx-lm's own sharded generation of each request alone, token for token.
+"""A model sharded across two local processes (MLX's ring backend over loopback), by tensor or by pipeline:
+rank 0 plans, both ranks execute, and the outputs are mlx-lm's own sharded generation of each request alone,
+token for token.
 
 Each test launches the ranks itself, with a timeout, so a hang fails the test instead of CI.
 """
@@ -32,11 +33,21 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
-@pytest.fixture(scope="module")
-def equality_run(text_model_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp-equality")
-    proc = subprocess.run([*LAUNCH, "-n", "2", "--backend", "ring", sys.executable, str(WORKER), str(text_model_dir),
-                           str(out), "equality"], capture_output=True, text=True, timeout=420, env=_env(), cwd=ROOT)
+@pytest.fixture(scope="module", params=["tensor", "pipeline"])
+def equality_run(request, text_model_dir, tmp_path_factory):
+    """Every schedule on two ranks, sharded two ways: `tensor` (the tiny qwen3: each matmul split across the
+    ranks) and `pipeline` (a tiny qwen2, one of mlx-lm's families with `pipeline`: each rank runs one of its
+    two layers and passes the hidden states on)."""
+    if request.param == "tensor":
+        model_dir, scenario = text_model_dir, "equality"
+    else:
+        from scheduler.fixtures.families import build_family_model
+
+        model_dir = build_family_model("qwen2", tmp_path_factory.mktemp("pp-qwen2"))
+        scenario = "pipeline-equality"
+    out = tmp_path_factory.mktemp(f"{request.param}-equality")
+    proc = subprocess.run([*LAUNCH, "-n", "2", "--backend", "ring", sys.executable, str(WORKER), str(model_dir),
+                           str(out), scenario], capture_output=True, text=True, timeout=420, env=_env(), cwd=ROOT)
     assert proc.returncode == 0 and (out / "result.json").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     return out, json.loads((out / "result.json").read_text())
 
@@ -78,9 +89,10 @@ def test_async_engine_runs_over_a_sharded_engine_and_processors_are_refused(equa
 
 @pytest.mark.slow
 def test_sharded_output_equals_the_unsharded_model_on_this_model(equality_run):
-    """Sharding splits each matmul's sum across ranks, so float rounding differs from the unsharded model and a
-    near-tie could flip a greedy choice; on this tiny float32 model none does (under both BLAS libraries), so
-    equality is asserted here. A flip on another model would be rounding, not a scheduling error."""
+    """Tensor sharding splits each matmul's sum across ranks, so float rounding differs from the unsharded model
+    and a near-tie could flip a greedy choice; on these tiny float32 models none does (under both BLAS
+    libraries), so equality is asserted here. A flip on another model would be rounding, not a scheduling
+    error. (Pipeline sharding computes each layer whole, on one rank.)"""
     _, result = equality_run
     for schedule, run in result["configs"].items():
         for rid, tokens in run["tokens"].items():
