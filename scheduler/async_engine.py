@@ -213,15 +213,17 @@ class AsyncEngine:
                        priority: int = 0) -> RequestOutput:
         tokens: list[int] = []
         logprobs: list[float] = []
+        top_logprobs: list[list[tuple[int, float]]] = []
         last = None
         async for out in self.stream(prompt=prompt, prompt_tokens=prompt_tokens, sampling=sampling,
                                      request_id=request_id, images=images, videos=videos, audio=audio,
                                      priority=priority):
             tokens.extend(out.token_ids)
             logprobs.extend(out.logprobs)
+            top_logprobs.extend(out.top_logprobs)
             last = out
         return RequestOutput(last.request_id, tokens, self.engine.tokenizer.decode(tokens), last.finish_reason,
-                             last.error, logprobs)
+                             last.error, logprobs, top_logprobs)
 
     def close(self, drain_s: float = 0.0) -> None:
         """Stop the loop after the tick in progress; streams still waiting end with EngineStopped.

@@ -54,6 +54,7 @@ class RequestOutput:
     finish_reason: Any
     error: str | None = None
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # SamplingParams.top_logprobs
 
 
 class Throughput:
@@ -635,6 +636,7 @@ class Engine:
             raise
         tokens: dict[str, list[int]] = {i: [] for i in ids}
         logprobs: dict[str, list[float]] = {i: [] for i in ids}
+        top_logprobs: dict[str, list[list[tuple[int, float]]]] = {i: [] for i in ids}
         results: dict[str, RequestOutput] = {}
         while len(results) < len(ids):
             for out in self.step():
@@ -642,6 +644,7 @@ class Engine:
                     continue  # someone else's request
                 tokens[out.request_id].extend(out.token_ids)
                 logprobs[out.request_id].extend(out.logprobs)
+                top_logprobs[out.request_id].extend(out.top_logprobs)
                 if out.finished:
                     toks = tokens[out.request_id]
                     # the text leaves out the stop token that ended it (as mlx-lm's generate does); token_ids keep it
@@ -650,6 +653,7 @@ class Engine:
                         request_id=out.request_id, token_ids=toks,
                         text=self._text(shown),
                         finish_reason=out.finish_reason, error=out.error, logprobs=logprobs[out.request_id],
+                        top_logprobs=top_logprobs[out.request_id],
                     )
                     if progress is not None:
                         progress(out)

@@ -235,6 +235,8 @@ class TickResult:
 
     sampled: dict[str, int] = field(default_factory=dict)  # request id -> token sampled this tick
     logprobs: dict[str, float] = field(default_factory=dict)  # only for requests that asked
+    # request id -> the sampled token's `top_logprobs` most likely (token, logprob), most likely first
+    top_logprobs: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     logprob_vectors: dict[str, list] = field(default_factory=dict)  # (V,) log-softmax per emitted token, if configured
     accepted_drafts: dict[str, list[int]] = field(default_factory=dict)  # drafts emitted before `sampled`
     drafts: dict[str, tuple[int, int]] = field(default_factory=dict)  # request id -> (proposed, accepted)

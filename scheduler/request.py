@@ -76,6 +76,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     logprobs: bool = False
+    # with logprobs: this many most likely tokens and their logprobs for each output token, from the same
+    # log-softmax the chosen token's logprob comes from (OpenAI's `top_logprobs`, 0..20)
+    top_logprobs: int = 0
     logits_processors: tuple[LogitsProcessor, ...] = ()
     # A custom sampling function (mlx-lm's `make_sampler(...)` shape) that picks this request's tokens instead of
     # the temperature / top_p / top_k / min_p fields; it is Python, so the row is sampled on its own and never
@@ -107,6 +110,9 @@ class SamplingParams:
         _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**32), "seed",
                f"must be None or an integer in [0, 2**32), got {self.seed!r}")
         _check(isinstance(self.logprobs, bool), "logprobs", f"must be a bool, got {self.logprobs!r}")
+        _check(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs",
+               f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        _check(self.logprobs or not self.top_logprobs, "top_logprobs", "needs logprobs=True")
         procs = self.logits_processors
         _check(isinstance(procs, (tuple, list)) and all(callable(p) for p in procs), "logits_processors",
                "must be a sequence of callables (tokens, logits) -> logits")
@@ -129,11 +135,14 @@ class SamplingParams:
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> "SamplingParams":
-        return cls(**{f: record[f] for f in _RECORDED_SAMPLING_FIELDS}, stop_token_ids=tuple(record["stop_token_ids"]))
+        # a field a trace predates takes its default (top_logprobs came after the first traces)
+        return cls(**{f: record[f] for f in _RECORDED_SAMPLING_FIELDS if f in record},
+                   stop_token_ids=tuple(record["stop_token_ids"]))
 
 
 _RECORDED_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                             "repetition_penalty", "seed", "logprobs")
+                             "repetition_penalty", "seed", "logprobs", "top_logprobs")
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 
 
 @dataclass(eq=False)  # identity semantics: the state machine keeps models in a list
@@ -156,6 +165,7 @@ class Request:
     num_computed_tokens: int = 0  # prompt tokens whose keys/values are in the KV cache
     output_tokens: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # sampling.top_logprobs > 0
     finish_reason: FinishReason | None = None
     error: str | None = None
     num_preemptions: int = 0

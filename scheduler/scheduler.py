@@ -32,6 +32,8 @@ class StepOutput:
     finish_reason: FinishReason | None = None
     error: str | None = None
     logprobs: list[float] = field(default_factory=list)
+    # per token, its `top_logprobs` most likely (token, logprob), most likely first (SamplingParams.top_logprobs)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     logprob_vectors: list = field(default_factory=list)  # (V,) log-softmax per token (EngineConfig.logprob_vectors)
     num_drafted: int = 0  # speculative decoding: draft tokens proposed for this request this tick
 
@@ -366,16 +368,20 @@ class Scheduler:
         reason = request.finish_reason
         if reason is None and not result.logprob_vectors and not sampling.logprobs:
             return StepOutput(rid, tokens, request.state)
-        logprobs = []
+        logprobs, top = [], []
         if sampling.logprobs and rid not in result.drafts:
             request.output_logprobs.append(result.logprobs[rid])
             logprobs = [result.logprobs[rid]]
+            if sampling.top_logprobs:
+                request.output_top_logprobs.append(result.top_logprobs[rid])
+                top = [result.top_logprobs[rid]]
         vectors = result.logprob_vectors.get(rid, [])[: len(tokens)]
         if reason is None:
-            return StepOutput(rid, tokens, request.state, logprobs=logprobs, logprob_vectors=vectors)
+            return StepOutput(rid, tokens, request.state, logprobs=logprobs, top_logprobs=top, logprob_vectors=vectors)
         self._end(request, Trigger.FINISH, tick, reason.value)
         released.append(rid)
-        return StepOutput(rid, tokens, request.state, True, reason, logprobs=logprobs, logprob_vectors=vectors)
+        return StepOutput(rid, tokens, request.state, True, reason, logprobs=logprobs, top_logprobs=top,
+                          logprob_vectors=vectors)
 
     # ---- transitions ------------------------------------------------------------------------------
     def _move(self, request: Request, trigger: Trigger, tick: int, reason: str | None = None) -> None:

@@ -571,6 +571,7 @@ class MLXExecutor:
         if want_logprobs:
             idx = mx.array(want_logprobs)
             picked = mx.take_along_axis(logprobs[idx], tokens[idx][:, None].astype(mx.int32), axis=1)[:, 0]
+        alternatives = self._top_logprobs(logprobs)
         emitted: dict[int, list[int]] = {}
         if width:  # (the sampled tokens are evaluated with the verdict: one sync for both)
             emitted = self._verify(all_logits, draft_tokens, draft_lens, drafts, width, result,
@@ -580,7 +581,7 @@ class MLXExecutor:
             kept = mx.array([len(emitted[i]) - 1 if i in emitted else 0 for i in range(len(self._rows))])
             self._last_hidden = all_hidden[mx.arange(len(self._rows)), kept]
             self._has_hidden = [True] * len(self._rows)
-        mx.eval(tokens, *(() if picked is None else (picked,)))
+        mx.eval(tokens, *(() if picked is None else (picked,)), *(() if alternatives is None else alternatives[1:]))
         token_list = tokens.tolist()
         for i, (row, token) in enumerate(zip(self._rows, token_list)):
             out = emitted.get(i)
@@ -595,6 +596,11 @@ class MLXExecutor:
         if picked is not None:
             for i, lp in zip(want_logprobs, picked.tolist()):
                 result.logprobs[self._rows[i].request.request_id] = lp
+        if alternatives is not None:
+            rows, ids, values = alternatives
+            for i, row_ids, row_values in zip(rows, ids.tolist(), values.tolist()):
+                k = self._rows[i].request.sampling.top_logprobs
+                result.top_logprobs[self._rows[i].request.request_id] = list(zip(row_ids[:k], row_values[:k]))
         if self.logprob_vectors:  # one (V,) vector per emitted token
             if emitted:
                 verified = all_logits - mx.logsumexp(all_logits, axis=-1, keepdims=True)
@@ -602,6 +608,19 @@ class MLXExecutor:
                 n = len(emitted.get(i, ()))
                 result.logprob_vectors[row.request.request_id] = (
                     [verified[i, j] for j in range(n)] if n else [logprobs[i]])
+
+    def _top_logprobs(self, logprobs: mx.array | None) -> tuple[list[int], mx.array, mx.array] | None:
+        """(rows, ids, values) of the most likely tokens of the rows that asked for `top_logprobs`, as many as
+        the most any of them asked for, most likely first; None when no row asked."""
+        rows = [i for i, row in enumerate(self._rows) if row.request.sampling.top_logprobs]
+        if not rows:
+            return None
+        lp = logprobs[mx.array(rows)]
+        k = min(max(self._rows[i].request.sampling.top_logprobs for i in rows), lp.shape[-1])
+        candidates = mx.argpartition(-lp, kth=k - 1, axis=-1)[:, :k]  # the k largest, unordered
+        values = mx.take_along_axis(lp, candidates, axis=-1)
+        order = mx.argsort(-values, axis=-1)
+        return rows, mx.take_along_axis(candidates, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
 
     def _sample(self, inputs: mx.array, logits: mx.array, params: SamplingArrays,
                 result: TickResult) -> tuple[mx.array, mx.array]:

@@ -229,11 +229,15 @@ class _ChatChoices:
             return None
         entries = []
         for delta in deltas:
-            for token, logprob in delta.logprobs:
-                text = _token_text(self.tokenizer, token)
-                entries.append({"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8")),
-                                "top_logprobs": []})
+            for i, (token, logprob) in enumerate(delta.logprobs):
+                alternatives = delta.top_logprobs[i] if i < len(delta.top_logprobs) else []
+                entries.append({**self._entry(token, logprob),
+                                "top_logprobs": [self._entry(t, lp) for t, lp in alternatives]})
         return {"content": entries}
+
+    def _entry(self, token: int, logprob: float) -> dict[str, Any]:
+        text = _token_text(self.tokenizer, token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
 class _TextChoices:
@@ -261,13 +265,19 @@ class _TextChoices:
     def _logprobs(self, deltas: list[Delta]) -> dict[str, Any] | None:
         if not self.wants_logprobs:
             return None
-        tokens, values = [], []
+        tokens, values, alternatives = [], [], []
         for delta in deltas:
-            for token, logprob in delta.logprobs:
+            for i, (token, logprob) in enumerate(delta.logprobs):
                 tokens.append(_token_text(self.tokenizer, token))
                 values.append(logprob)
+                if i < len(delta.top_logprobs):  # the legacy shape: {token text: logprob}, most likely first
+                    listed: dict[str, float] = {}
+                    for t, lp in delta.top_logprobs[i]:  # tokens with one text share its key: the likelier keeps it
+                        listed.setdefault(_token_text(self.tokenizer, t), lp)
+                    alternatives.append(listed)
         offsets = list(itertools.accumulate((len(t) for t in tokens), initial=0))[:-1]
-        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": None, "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": alternatives or None,
+                "text_offset": offsets}
 
 
 def _chunk(call: _Call, obj: str, choices: list[dict], with_usage: bool) -> dict[str, Any]:

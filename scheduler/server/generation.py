@@ -27,6 +27,8 @@ class Delta:
     token_ids: list[int]  # every token the engine produced in this output (a stop token included)
     logprobs: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob) of the emitted tokens
     finish_reason: str | None = None  # "stop" / "length" on the last delta
+    # per emitted token, its most likely alternatives (token id, logprob), most likely first (top_logprobs)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 class ChoiceFailed(Exception):
@@ -71,6 +73,7 @@ def sampling_params(body: Body, index: int, default_max_tokens: int) -> Sampling
         "stop_token_ids": tuple(body.stop_ids()),
         "seed": seed,
         "logprobs": body.wants_logprobs(),
+        "top_logprobs": body.alternatives(),
     }
     try:
         return SamplingParams(**fields)
@@ -92,21 +95,22 @@ async def choice_deltas(stream: RequestStream, tokenizer: Any, stop_strings: lis
             # the stop token ends the text: it is counted, not shown
             shown = tokens[:-1] if out.finish_reason is FinishReason.STOP and tokens else tokens
             logprobs = list(zip(shown, out.logprobs)) if wants_logprobs else []
+            top = list(out.top_logprobs[: len(logprobs)])
             text = detok.add(shown)
             if out.finished:
                 text += detok.flush()
             matched = stops.feed(text)
             if matched.stopped:
                 stream.close()  # aborts the engine request
-                yield Delta(matched.text, tokens, logprobs, "stop")
+                yield Delta(matched.text, tokens, logprobs, "stop", top)
                 return
             if out.finished:
                 tail = stops.flush()  # held text, cut if it holds a stop string
                 reason = "length" if out.finish_reason is FinishReason.LENGTH and not tail.stopped else "stop"
-                yield Delta(matched.text + tail.text, tokens, logprobs, reason)
+                yield Delta(matched.text + tail.text, tokens, logprobs, reason, top)
                 return
             if matched.text or logprobs:
-                yield Delta(matched.text, tokens, logprobs)
+                yield Delta(matched.text, tokens, logprobs, top_logprobs=top)
             elif tokens:  # held back (a partial character or a possible stop string): still counted
                 yield Delta("", tokens)
     finally:

@@ -193,8 +193,6 @@ class ChatCompletionRequest(_Sampling):
                 raise ValueError("must be in [0, 20]")
             if v and not info.data.get("logprobs"):
                 raise ValueError("needs logprobs: true")
-            if v:  # the engine hands out the chosen token's logprob; alternatives would need every row's vector
-                raise ValueError("only 0 is supported (the chosen token's logprob, no alternatives)")
         return v
 
     def token_limit(self) -> tuple[int | None, str]:
@@ -205,6 +203,10 @@ class ChatCompletionRequest(_Sampling):
 
     def wants_logprobs(self) -> bool:
         return self.logprobs
+
+    def alternatives(self) -> int:
+        """How many most likely tokens to list next to each output token."""
+        return self.top_logprobs or 0
 
 
 class CompletionRequest(_Sampling):
@@ -224,8 +226,6 @@ class CompletionRequest(_Sampling):
     def _logprobs_range(cls, v: int | None) -> int | None:
         if v is not None and not 0 <= v <= 5:
             raise ValueError("must be in [0, 5]")
-        if v:
-            raise ValueError("only 0 is supported (the chosen token's logprob, no alternatives)")
         return v
 
     @field_validator("echo")
@@ -240,6 +240,10 @@ class CompletionRequest(_Sampling):
 
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None
+
+    def alternatives(self) -> int:
+        """How many most likely tokens to list next to each output token (the legacy `logprobs: N`)."""
+        return self.logprobs or 0
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -237,6 +237,45 @@ def test_logprobs_match_mlx_lm(text_model):
     assert out.logprobs == pytest.approx([lp for _, lp in want], abs=1e-5)
 
 
+def test_top_logprobs_are_the_most_likely_tokens_of_mlx_lms_own_distribution(text_model):
+    """Each output token's `top_logprobs` alternatives are the k largest entries of the log-softmax mlx-lm's
+    stream_generate reports for that step (the request runs batched next to others with other k): the values
+    match mlx-lm's k largest in order, and each listed token has the value mlx-lm gives it (so a tie may list
+    either token, never a wrong one). Greedy, so the first alternative is the chosen token."""
+    model, tokenizer = text_model
+    from mlx_lm import stream_generate
+
+    steps = [r.logprobs for r in stream_generate(model, tokenizer, PROMPTS[1], max_tokens=8)]
+    engine = Engine(model, tokenizer)
+    k = 5
+    outs = engine.generate([PROMPTS[1], PROMPTS[2], PROMPTS[3]],
+                           [SamplingParams(max_tokens=8, logprobs=True, top_logprobs=k),
+                            SamplingParams(max_tokens=8, logprobs=True, top_logprobs=2),
+                            SamplingParams(max_tokens=8)])
+    out = outs[0]
+    assert len(out.top_logprobs) == len(out.token_ids) == len(steps)
+    for token, chosen, alternatives, vector in zip(out.token_ids, out.logprobs, out.top_logprobs, steps):
+        want = sorted(vector.tolist(), reverse=True)[:k]
+        assert [lp for _, lp in alternatives] == pytest.approx(want, abs=1e-5)
+        assert [lp for _, lp in alternatives] == sorted((lp for _, lp in alternatives), reverse=True)
+        for alt, lp in alternatives:
+            assert vector[alt].item() == pytest.approx(lp, abs=1e-5)
+        assert alternatives[0] == (token, chosen)
+    assert [len(a) for a in outs[1].top_logprobs] == [2] * len(outs[1].token_ids)
+    assert outs[2].top_logprobs == [] and outs[2].logprobs == []
+
+
+@pytest.mark.parametrize("bad", [-1, 21, 2.0, True])
+def test_top_logprobs_out_of_range_is_refused(bad):
+    with pytest.raises(InvalidRequest, match="top_logprobs: must be an integer in"):
+        SamplingParams(logprobs=True, top_logprobs=bad)
+
+
+def test_top_logprobs_without_logprobs_is_refused():
+    with pytest.raises(InvalidRequest, match="top_logprobs: needs logprobs=True"):
+        SamplingParams(top_logprobs=3)
+
+
 def test_threads_adding_and_aborting_while_the_engine_steps(text_model, reference):
     model, tokenizer = text_model
     engine = Engine(model, tokenizer, EngineConfig(max_batched_tokens=64, max_seqs=8, prefill_chunk=16,

@@ -294,6 +294,47 @@ def test_stop_strings_stop_ids_n_seed_and_logprobs(server, reference):
         engine.generate([text], [SamplingParams(max_tokens=10)])[0].token_ids)
 
 
+def test_top_logprobs_list_the_engines_most_likely_tokens(server, reference):
+    """Chat `top_logprobs` and the legacy completions `logprobs: N` list, for each shown token, the most likely
+    tokens the engine reports (SamplingParams.top_logprobs, checked against mlx-lm in test_engine_behaviour),
+    most likely first; greedy, so the first is the chosen token."""
+    engine = reference[0]
+    messages = [{"role": "user", "content": "Tell me about the river and a garden"}]
+    (want,) = engine.generate([messages], [SamplingParams(max_tokens=12, logprobs=True, top_logprobs=4)])
+    prompt_ids = [7, 8, 9, 10, 11]
+    (want_text,) = engine.generate([prompt_ids], [SamplingParams(max_tokens=6, logprobs=True, top_logprobs=2)])
+
+    def decoded(pairs):
+        return [(engine.tokenizer.decode([t]), lp) for t, lp in pairs]
+
+    async def run():
+        async with server.client() as client:
+            chat = await client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=12,
+                                                        temperature=0, logprobs=True, top_logprobs=4)
+            text = await client.completions.create(model=MODEL_NAME, prompt=prompt_ids, max_tokens=6, temperature=0,
+                                                   logprobs=2)
+            return chat, text
+
+    chat, text = asyncio.run(run())
+    entries = chat.choices[0].logprobs.content
+    shown = len(want.token_ids) - (want.finish_reason is FinishReason.STOP)
+    assert len(entries) == shown
+    for entry, top in zip(entries, want.top_logprobs):
+        got = [(alt.token, alt.logprob) for alt in entry.top_logprobs]
+        assert [t for t, _ in got] == [t for t, _ in decoded(top)]
+        assert [lp for _, lp in got] == pytest.approx([lp for _, lp in top], abs=1e-5)
+        assert (got[0][0], got[0][1]) == (entry.token, pytest.approx(entry.logprob, abs=1e-6))
+        assert all(alt.bytes == list(alt.token.encode("utf-8")) for alt in entry.top_logprobs)
+    legacy = text.choices[0].logprobs
+    assert len(legacy.top_logprobs) == len(legacy.tokens) > 0
+    for alternatives, top in zip(legacy.top_logprobs, want_text.top_logprobs):
+        listed: dict[str, float] = {}
+        for token_text, lp in decoded(top):  # tokens that decode alike (partial UTF-8) share a key
+            listed.setdefault(token_text, lp)
+        assert list(alternatives) == list(listed)
+        assert list(alternatives.values()) == pytest.approx(list(listed.values()), abs=1e-5)
+
+
 def _bad_inputs(tmp_path: Path) -> list[tuple[str, bytes | dict, int, str]]:
     """(endpoint, body, status, the field the error must name)."""
     ok = [{"role": "user", "content": "hi"}]
@@ -324,9 +365,10 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[str, bytes | dict, int, str]]:
         (chat, {"messages": ok, "n": 0}, 400, "n"),
         (chat, {"messages": ok, "seed": -1}, 400, "seed"),
         (chat, {"messages": ok, "stop": [99999]}, 400, "stop"),
-        (chat, {"messages": ok, "top_logprobs": 2, "logprobs": True}, 400, "top_logprobs"),
+        (chat, {"messages": ok, "top_logprobs": 2}, 400, "top_logprobs"),  # needs logprobs: true
+        (chat, {"messages": ok, "top_logprobs": 21, "logprobs": True}, 400, "top_logprobs"),
         (chat, {"messages": ok, "frequency_penalty": 0.5}, 400, "frequency_penalty"),
-        (cmpl, {"prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+        (cmpl, {"prompt": "hi", "logprobs": 6}, 400, "logprobs"),
         (chat, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": garbage}},
                                                            {"type": "text", "text": "hi"}]}]}, 400,
          "messages.0.content.0"),
