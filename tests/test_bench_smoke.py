@@ -1,0 +1,52 @@
+"""Every measurement script in bench/ still runs: each command bench/README.md quotes, at the smallest sizes, as a
+user runs it (`python -m bench.NAME ...` in a child process), ends with status 0 and prints a table row.
+
+The figures are not checked (bench/ measures, tests never time anything); what is checked is that a script has
+not rotted when an interface it drives moved (bench.prefill_mix once called `TextRunner.prefill_many` with the
+chunk tuples of an earlier version, and nothing noticed until it was rerun).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# module -> (arguments, what its output must hold); MODEL_DIR: the tiny text model's directory. The smallest
+# workloads each script allows. "|" is a markdown table row.
+SCRIPTS: dict[str, tuple[list[str], str]] = {
+    "run": (["--model", "text", "--workload", "mixed", "--batch", "4", "--lo", "8", "--hi", "40", "--new-tokens", "8",
+             "--repeats", "1", "--peer", "mlx-lm", "vllm-mlx"], "|"),
+    "decode_overhead": (["--model", "text", "--batch", "4", "--steps", "4", "--repeats", "1"], "overhead"),
+    "drafting": (["--model-dir", "MODEL_DIR", "--batch", "1", "--new-tokens", "16", "--repeats", "1"], "|"),
+    "verify_tick": (["--model-dir", "MODEL_DIR", "--iters", "5", "--repeats", "1", "--new-tokens", "8"], "|"),
+    "features": (["--model", "text"], "trace:"),
+    "lifecycle_cost": (["--n", "100"], "one logged transition"),
+    "memory": (["--requests", "8", "--early", "4"], "peak MLX memory"),
+    "prefix_index": (["--entries", "10"], "|"),
+    "profile_tick": (["--model", "text", "--batch", "2", "--ticks", "5"], "ms/tick under cProfile"),
+    "quantized_kv": (["--batch", "2", "--prompt-len", "16", "--new-tokens", "4", "--admit-requests", "2",
+                      "--admit-len", "16", "--admit-base", "1"], "|"),
+    "scheduler_cost": (["--live", "4"], "|"),
+    "vision_batch": (["--repeats", "1"], "|"),
+    "vision_peer": (["--requests", "4", "--new-tokens", "4", "--repeats", "1"], "|"),
+    "prefill_mix": (["--model", "text", "--n", "4", "--lo", "8", "--hi", "40", "--repeats", "1", "--ratios", "0.0625",
+                     "--split-ratios", "1"], "|"),
+    "op_floor": (["--model", "text", "--batch", "2", "--iters", "3", "--prefill-len", "16", "--widths", "1", "3"], "|"),
+    "code_shape": ([], "longest functions"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", sorted(SCRIPTS))
+def test_the_bench_script_runs(module, text_model_dir):
+    args, marker = SCRIPTS[module]
+    args = [str(text_model_dir) if a == "MODEL_DIR" else a for a in args]
+    proc = subprocess.run([sys.executable, "-m", f"bench.{module}", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert marker in proc.stdout, proc.stdout[-3000:]
