@@ -470,6 +470,36 @@ def test_prefix_cache_in_the_simulation():
     assert on["ttft_mean_s"] < off["ttft_mean_s"]
 
 
+def test_a_recorded_prefix_cache_clear_is_carried_into_the_simulation(text_model, tmp_path):
+    """Engine.clear_prefix_cache() is part of the workload: the what-if applies it when the recording did (at
+    the first tick at or after its time), so the recorded cache hits are what the simulation of the recorded
+    config finds; without the clear it would find one more."""
+    model, tokenizer = text_model
+    prompt = mixed_prompts(1, 60, 60, seed=9)[0]
+    path = tmp_path / "clear.jsonl"
+    engine = Engine(model, tokenizer, EngineConfig(prefix_cache_bytes=1 << 22, trace_path=str(path)))
+    for wave in range(3):  # the same prompt three times, one after another; the cache is cleared before the third
+        if wave == 2:
+            assert engine.clear_prefix_cache()
+        engine.add_request(prompt_tokens=prompt, sampling=SamplingParams(max_tokens=5))
+        while engine.has_pending():
+            engine.step()
+    engine.close()
+    rec = load_recorded(path)
+    assert (rec.prefix_hits, rec.prefix_misses) == (1, 2) and len(rec.prefix_clear_times) == 1
+    # the clear took effect in the third request's first tick, after it was queued: it is placed at its arrival
+    assert rec.prefix_clear_times == [rec.arrival_time["req-2"] - rec.t0]
+
+    config = dataclasses.replace(rec.trace.config, trace_path=None, check_invariants=True)
+    settings = rec.simulation_settings()
+    cost = fit_cost_model(rec)
+    carried = simulate(arrivals_from_trace(rec), config, cost, policy=config.policy, **settings).summary()
+    settings["prefix_clear_times"] = []
+    dropped = simulate(arrivals_from_trace(rec), config, cost, policy=config.policy, **settings).summary()
+    assert carried["cache_hit_rate"] == pytest.approx(1 / 3) == recorded_metrics(rec)["cache_hit_rate"]
+    assert dropped["cache_hit_rate"] == pytest.approx(2 / 3)
+
+
 def test_kv_budget_preempts_in_the_simulation():
     from caches import kv  # an in-repo module: an import error must fail the test, not skip it
 

@@ -57,6 +57,7 @@ def simulate(
     kv_bytes_per_token: int | None = None,
     max_ticks: int | None = None,
     prefix_checkpoints: bool = False,
+    prefix_clear_times: Sequence[float] = (),
 ) -> SimResult:
     """Drive the real Scheduler over `arrivals` in virtual time; see the module docstring.
 
@@ -66,14 +67,16 @@ def simulate(
     arrival that could never fit is refused as the engine refuses it (outcome "error", never queued).
     `config.prefix_cache_bytes` turns the real prefix cache on; its entries are sized `kv_bytes_per_token`
     per token (default: the layout's, else 0); `prefix_checkpoints` stores them as a model whose caches cannot
-    be trimmed does (exact checkpoints, see SimExecutor). `config.check_invariants` checks the bookkeeping every tick.
+    be trimmed does (exact checkpoints, see SimExecutor). `prefix_clear_times` empty the prefix cache as
+    `Engine.clear_prefix_cache()` did in the recording: at the start of the first tick at or after each time,
+    after that tick's arrivals and aborts. `config.check_invariants` checks the bookkeeping every tick.
     """
     ids = [a.request_id for a in arrivals]
     if len(set(ids)) != len(ids):
         raise ValueError("simulate: request ids must be unique")
     wall0 = time.perf_counter()
     run = _Simulation(arrivals, config, cost_model, policy, stop_token_id, kv_layout, kv_bytes_per_token,
-                      prefix_checkpoints)
+                      prefix_checkpoints, prefix_clear_times)
     limit = max_ticks if max_ticks is not None else math.inf
     while run.next_arrival < len(run.pending) or run.live:
         now = run.advance_clock()
@@ -81,6 +84,7 @@ def simulate(
         run.abort_due(now)
         if not run.live:
             continue
+        run.clear_due(now)
         run.run_tick(now)
         if run.ticks >= limit:
             break
@@ -93,8 +97,10 @@ class _Simulation:
 
     def __init__(self, arrivals: Sequence[SimArrival], config: EngineConfig, cost_model: CostModel,
                  policy: str | Policy | None, stop_token_id: int, kv_layout: Any, kv_bytes_per_token: int | None,
-                 prefix_checkpoints: bool = False):
+                 prefix_checkpoints: bool = False, prefix_clear_times: Sequence[float] = ()):
         self.config, self.kv_layout, self.cost_model = config, kv_layout, cost_model
+        self.clears = sorted(prefix_clear_times)
+        self.next_clear = 0
         extra = {"kv_layout": kv_layout} if kv_layout is not None else {}
         self.scheduler = Scheduler(config, EventLog(), stop_token_ids=[stop_token_id], policy=policy, **extra)
         if kv_bytes_per_token is None:
@@ -153,6 +159,16 @@ class _Simulation:
                 self.scheduler.abort(rid, self.ticks)
                 self.loop.release([rid])
                 self.records[rid].outcome, self.records[rid].end = "aborted", now
+
+    def clear_due(self, now: float) -> None:
+        """Empty the prefix cache at the start of this tick if a recorded clear's time has come (several clears
+        before one tick are one)."""
+        due = False
+        while self.next_clear < len(self.clears) and self.clears[self.next_clear] <= now:
+            self.next_clear += 1
+            due = True
+        if due:
+            self.scheduler.clear_prefix_cache(self.ticks)
 
     def run_tick(self, now: float) -> None:
         """Plan, count, execute and apply one tick, then record what each request did at the tick's end."""

@@ -33,6 +33,7 @@ class Recorded:
     prefix_misses: int = 0
     prefix_tokens_saved: int = 0
     prefix_bytes_per_token: float | None = None  # from prefix_store events (nbytes / tokens)
+    prefix_clear_times: list[float] = field(default_factory=list)  # Engine.clear_prefix_cache(), relative to t0
 
     @property
     def cache_hit_rate(self) -> float | None:
@@ -55,12 +56,12 @@ class Recorded:
     def simulation_settings(self, kv_layout: Any = None) -> dict[str, Any]:
         """What `simulate` takes from the recording besides arrivals, config and cost (as keyword arguments):
         its stop token, the model's KV layout (`kv_layout` when given, else the recorded one), the prefix-cache
-        bytes per token its entries held and whether they are checkpoints."""
+        bytes per token its entries held, whether they are checkpoints, and when the cache was cleared."""
         per_token = self.prefix_bytes_per_token
         return dict(stop_token_id=self.trace.stop_token_ids[0] if self.trace.stop_token_ids else 0,
                     kv_layout=kv_layout if kv_layout is not None else self.kv_layout(),
                     kv_bytes_per_token=int(round(per_token)) if per_token else None,
-                    prefix_checkpoints=self.prefix_checkpoints)
+                    prefix_checkpoints=self.prefix_checkpoints, prefix_clear_times=list(self.prefix_clear_times))
 
     def kv_layout(self) -> Any:
         """The engine's KV layout (`caches.kv.KVLayout`) if the trace recorded one, else None."""
@@ -150,7 +151,18 @@ def load_recorded(source: "Recorded | Trace | str | os.PathLike | Iterable[dict]
         for rid, tick in rec.last_tick.items():
             if rid not in rec.abort_tick and rid not in rec.errored:
                 rec.finished[rid] = tick
+    rec.prefix_clear_times = [_clear_time(rec, tick) for tick in sorted(trace.prefix_clears)]
     return rec
+
+
+def _clear_time(rec: Recorded, tick: int) -> float:
+    """When a recorded `clear_prefix_cache()` happened, as a simulation reads it (relative to t0): it took
+    effect at the start of `tick`, after that tick's arrivals were queued, so it is placed at the latest of
+    those arrivals (the simulation adds them and clears in the same tick); a tick without arrivals places it
+    at the tick's start."""
+    joined = [rec.arrival_time[e["request_id"]] for e in rec.trace.arrivals.get(tick, ())
+              if e["request_id"] in rec.arrival_time]
+    return max(joined, default=_tick_start(rec.trace, tick)) - rec.t0
 
 
 def _tick_start(trace: Trace, tick: int) -> float:
