@@ -19,7 +19,8 @@ class EngineConfig:
     max_seqs: requests admitted at once (prefilling + decoding).
     prefill_chunk: the longest prefill chunk one request gets in one tick.
     max_prefill_tokens: prefill tokens of all requests together in one tick (None: whatever
-        max_batched_tokens leaves after decoding).
+        max_batched_tokens leaves after decoding). Drafts are not capped by it: they use what prefill left of
+        max_batched_tokens.
     max_model_len: the context limit: prompt + outputs never exceed it (generation ends with LENGTH there,
         drafts stay inside it; a prompt with no room for one output is refused). None means the model's
         `max_position_embeddings`. max_kv_size does not lift it.

@@ -212,8 +212,10 @@ class _TickBuilder:
         self.gone: set[str] = set()  # preempted or failed this tick
         self.decode: tuple[str, ...] = ()
         self.why: _Reasons
-        self.budget = 0  # prefill (then draft) tokens left this tick
-        self.prefill_budget = 0  # what prefill started with
+        self.budget = 0  # prefill tokens left this tick
+        self.prefill_budget = 0  # what prefill started with (max_prefill_tokens caps it)
+        self.tick_budget = 0  # max_batched_tokens after decode: prefill and then drafts draw from it
+        self.draft_budget_used = 0
         self.seqs = 0  # sequences holding a slot
         self.vision = _VisionBudget(config.vision_budget)
         self.prefill: list[PrefillChunk] = []
@@ -253,7 +255,7 @@ class _TickBuilder:
             kept = [r.request_id for r in (*view.decoding, *view.prefilling) if r.request_id not in gone]
             for rid in self.preempted:
                 self.why.preempted(rid, kept[0] if kept else None)
-        budget = config.max_batched_tokens - len(self.decode)
+        budget = self.tick_budget = config.max_batched_tokens - len(self.decode)
         if config.max_prefill_tokens is not None:
             budget = min(budget, config.max_prefill_tokens)
         self.budget = self.prefill_budget = budget
@@ -341,7 +343,8 @@ class _TickBuilder:
             self.seqs += 1
 
     def grant_drafts(self) -> None:
-        """Speculative decoding uses what prefill left. Draft lengths are planned as what the verify forward
+        """Speculative decoding uses what prefill left of `max_batched_tokens` (`max_prefill_tokens` caps prefill
+        only: drafts are decoding work). Draft lengths are planned as what the verify forward
         computes: it runs every row of the batched forward (drafting or not) at the width of the longest
         draft, so a width of w costs forward_rows x w tokens of `max_batched_tokens`, however few rows draft.
         One width for all: every drafting row gets up to the widest width the budget pays for (at most
@@ -350,7 +353,8 @@ class _TickBuilder:
         if not (config.draft_tokens and not self.prefill_only and self.decode):
             return
         forward_rows = len(self.decode) + sum(c.completes for c in self.prefill)
-        width = min(config.draft_tokens, self.budget // forward_rows) if forward_rows else 0
+        left = self.tick_budget - (self.prefill_budget - self.budget)
+        width = min(config.draft_tokens, left // forward_rows) if forward_rows else 0
         for request in self.view.decoding:
             if request.request_id in self.gone:
                 continue
@@ -364,7 +368,7 @@ class _TickBuilder:
                 self.why.note(request.request_id, Reason.DRAFT_BUDGET)
             if k >= 1:
                 self.draft.append(DraftGrant(request.request_id, k))
-        self.budget -= forward_rows * max((k for _, k in self.draft), default=0)
+        self.draft_budget_used = forward_rows * max((k for _, k in self.draft), default=0)
 
     def build(self) -> TickPlan:
         return TickPlan(
@@ -377,7 +381,7 @@ class _TickBuilder:
             prefix_hits=tuple(self.prefix_hits),
             preempted=tuple(self.preempted),
             failed=tuple(self.failed),
-            num_batched_tokens=len(self.decode) + self.prefill_budget - self.budget,
+            num_batched_tokens=len(self.decode) + self.prefill_budget - self.budget + self.draft_budget_used,
             num_seqs=self.seqs,
             kv_bytes_bound=self.kv.bytes() if self.kv is not None else None,
             reasons=tuple(self.why.by_id.values()),

@@ -137,6 +137,18 @@ def test_draft_budget_and_draft_ineligible():
     assert (Reason.DRAFT_INELIGIBLE, ()) in _explained(sink, "c")
 
 
+def test_the_prefill_cap_leaves_drafts_the_rest_of_the_tick():
+    """max_prefill_tokens caps prefill only: a tick whose prefill takes the whole cap still verifies drafts
+    with what max_batched_tokens has left, and the plan counts both."""
+    sched, _ = _scheduler(EngineConfig(max_seqs=4, max_batched_tokens=64, prefill_chunk=16, max_prefill_tokens=6,
+                                       draft_tokens=3))
+    plans = _run(sched, 4, [(0, _req("a", 4)), (2, _req("b", 40))])
+    # tick 2: b's chunk takes the whole prefill cap (6 tokens); a still drafts all 3 from the 63 the row leaves
+    assert [c.num_tokens for c in plans[2].prefill] == [6]
+    assert plans[2].draft == (("a", 3),) and "a" not in _reasons_of(plans[2])
+    assert plans[2].num_batched_tokens == 1 + 6 + 3  # a's row, b's chunk, a's drafts (b does not decode yet)
+
+
 def test_a_row_near_its_end_drafts_what_it_can_use_without_a_reason():
     sched, _ = _scheduler(EngineConfig(max_seqs=4, max_batched_tokens=64, prefill_chunk=16, draft_tokens=3))
     plans = _run(sched, 3, [(0, _req("a", 4, max_tokens=3))])
