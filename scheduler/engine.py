@@ -461,6 +461,9 @@ class Engine:
                              encoded=encoded, accepted_drafts=result.accepted_drafts,
                              drafts={rid: list(d) for rid, d in result.drafts.items()},
                              computed_tokens=result.computed_tokens,
+                             **({"top_logprobs": {rid: [list(pair) for pair in pairs]
+                                                  for rid, pairs in result.top_logprobs.items()}}
+                                if result.top_logprobs else {}),
                              **({"padded_tokens": result.padded_tokens} if result.padded_tokens else {}),
                              **({"prefill_fallbacks": [[list(f.request_ids), f.num_tokens, f.error]
                                                        for f in result.prefill_fallbacks]}

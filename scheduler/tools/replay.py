@@ -4,8 +4,8 @@ tick whose decisions differ from the recorded ones.
 A trace is the engine's event log (JSON lines, schema `events.SCHEMA_VERSION`). Replay takes from it the
 engine config, the policy with its parameters and the model stop ids (`engine_start`), every arrival with the
 tick it arrived at (an arrival the engine failed at once, e.g. for unreadable media, carries its error), every
-caller abort, and every executor outcome (`outcome`: the sampled token, logprobs, errors, prefix stores,
-drafts per request). `ReplayExecutor` hands those outcomes back in place of a model and keeps a model of the
+caller abort, and every executor outcome (`outcome`: the sampled token, logprobs and top_logprobs, errors,
+prefix stores, drafts per request). `ReplayExecutor` hands those outcomes back in place of a model and keeps a model of the
 batch's rows, so the scheduler's own bookkeeping (admission, chunking, finish detection, prefix-cache hits,
 stores and evictions) and the KV merges, filters and rollbacks it implies are re-derived. Each tick's plan is
 compared with the recorded `plan` event, then the tick's decision events (`COMPARED_KINDS`) with the
@@ -180,8 +180,9 @@ class ReplayExecutor:
             self.events.emit("kv_filter", plan.tick, request_ids=list(self.rows))  # the whole batch is dropped
             self.rows = []
         stores = [PrefixStore(rid, n, nbytes, whole_only) for rid, n, nbytes, whole_only in outcome.get("prefix_stores", [])]
+        top = {rid: [tuple(pair) for pair in pairs] for rid, pairs in outcome.get("top_logprobs", {}).items()}
         return TickResult(sampled=dict(outcome.get("sampled", {})), logprobs=dict(outcome.get("logprobs", {})),
-                          errors=errors, prefix_stores=stores, encoded=dict(outcome.get("encoded", {})),
+                          top_logprobs=top, errors=errors, prefix_stores=stores, encoded=dict(outcome.get("encoded", {})),
                           accepted_drafts=dict(outcome.get("accepted_drafts", {})), drafts=drafts)
 
     def release(self, request_ids: Iterable[str]) -> None:

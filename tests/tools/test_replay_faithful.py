@@ -47,22 +47,25 @@ def logprob_run(text_model, tmp_path_factory):
     engine = Engine(model, tokenizer, EngineConfig(max_batched_tokens=48, max_seqs=3, prefill_chunk=16,
                                                    trace_path=str(path)))
     arrivals = [(i // 2, {"prompt_tokens": p, "request_id": f"r{i}",
-                          "sampling": SamplingParams(max_tokens=5 + i, logprobs=i != 2,
+                          "sampling": SamplingParams(max_tokens=5 + i, logprobs=i != 2, top_logprobs=3 if i == 1 else 0,
                                                      temperature=0.0 if i % 2 else 0.9, seed=i)})
                 for i, p in enumerate(mixed_prompts(5, 3, 40, seed=7))]
     streamed: dict[str, list[float]] = {}
+    streamed_top: dict[str, list] = {}
     pending = list(arrivals)
     while pending or engine.has_pending():
         while pending and pending[0][0] <= engine.tick:
             engine.add_request(**pending.pop(0)[1])
         for out in engine.step():
             streamed.setdefault(out.request_id, []).extend(out.logprobs)
+            streamed_top.setdefault(out.request_id, []).extend(out.top_logprobs)
     engine.close()
-    return path, streamed
+    assert len(streamed_top["r1"]) == len(streamed["r1"]) and not streamed_top["r0"]
+    return path, streamed, streamed_top
 
 
 def test_the_outcome_carries_each_sampled_tokens_logprob(logprob_run):
-    path, streamed = logprob_run
+    path, streamed, _ = logprob_run
     recorded: dict[str, list[float]] = {}
     for e in read_jsonl(path):
         if e["event"] == "outcome":
@@ -74,8 +77,19 @@ def test_the_outcome_carries_each_sampled_tokens_logprob(logprob_run):
     assert all(len(recorded[f"r{i}"]) == 5 + i for i in (0, 1, 3, 4))
 
 
+def test_the_outcome_carries_top_logprobs_for_the_requests_that_asked(logprob_run):
+    path, _, streamed_top = logprob_run
+    recorded: dict[str, list] = {}
+    for e in read_jsonl(path):
+        if e["event"] == "outcome":
+            for rid, pairs in e.get("top_logprobs", {}).items():
+                recorded.setdefault(rid, []).append([tuple(pair) for pair in pairs])
+    assert recorded == {"r1": streamed_top["r1"]}
+
+
 def test_a_trace_with_logprobs_replays_and_the_command_says_identical(logprob_run, capsys):
-    path, _ = logprob_run
+    """Logprobs and top_logprobs (r1) included: replay feeds the recorded outcomes back."""
+    path, _, _ = logprob_run
     report = replay(load_trace(path))
     assert report.identical, report.format()
     assert main(["replay", str(path)]) == 0
