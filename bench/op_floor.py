@@ -30,9 +30,10 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from .verify_tick import _low_ms  # the 10th percentile of timed calls, in ms
 
 
 @dataclass(frozen=True)
@@ -56,19 +57,6 @@ class Shapes:
                    kv_heads=config.get("num_key_value_heads") or heads,
                    head_dim=config.get("head_dim") or config["hidden_size"] // heads,
                    intermediate=config["intermediate_size"], vocab=config["vocab_size"])
-
-
-def _low_ms(fn, iters: int) -> float:
-    """The 10th percentile of ``iters`` timings of ``fn`` (which evaluates what it computes), in ms: on a
-    shared machine the low tail is the work's own cost."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * sorted(times)[len(times) // 10]
 
 
 def _parts(shapes: Shapes, rows: int, queries: int, keys: int, mask, iters: int) -> dict[str, float]:

@@ -571,7 +571,7 @@ class MLXExecutor:
         if want_logprobs:
             idx = mx.array(want_logprobs)
             picked = mx.take_along_axis(logprobs[idx], tokens[idx][:, None].astype(mx.int32), axis=1)[:, 0]
-        alternatives = self._top_logprobs(logprobs)
+        alternatives = self._top_logprobs(logprobs) if want_logprobs else None  # (top_logprobs needs logprobs)
         emitted: dict[int, list[int]] = {}
         if width:  # (the sampled tokens are evaluated with the verdict: one sync for both)
             emitted = self._verify(all_logits, draft_tokens, draft_lens, drafts, width, result,
@@ -609,7 +609,7 @@ class MLXExecutor:
                 result.logprob_vectors[row.request.request_id] = (
                     [verified[i, j] for j in range(n)] if n else [logprobs[i]])
 
-    def _top_logprobs(self, logprobs: mx.array | None) -> tuple[list[int], mx.array, mx.array] | None:
+    def _top_logprobs(self, logprobs: mx.array) -> tuple[list[int], mx.array, mx.array] | None:
         """(rows, ids, values) of the most likely tokens of the rows that asked for `top_logprobs`, as many as
         the most any of them asked for, most likely first; None when no row asked."""
         rows = [i for i, row in enumerate(self._rows) if row.request.sampling.top_logprobs]

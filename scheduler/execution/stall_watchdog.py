@@ -35,14 +35,13 @@ class StallWatchdog:
     """Arms around each sharded forward (`guard`); a forward that outlives `timeout_s` ends the process."""
 
     def __init__(self, rank: int, timeout_s: float, on_stall: tuple[Callable[[ShardLost], None], ...] = (),
-                 exit: Callable[[int], None] = os._exit, clock: Callable[[], float] = time.monotonic):
+                 exit: Callable[[int], None] = os._exit):
         if not timeout_s > 0:
             raise ValueError(f"timeout_s: must be > 0, got {timeout_s!r}")
         self.rank = rank
         self.timeout_s = timeout_s
         self.on_stall = on_stall
         self._exit = exit  # os._exit: a blocked thread keeps a normal exit from completing
-        self._clock = clock
         self._cond = threading.Condition()
         self._armed: tuple[int, float, str] | None = None  # (generation, deadline, what is running)
         self._generation = 0
@@ -55,7 +54,7 @@ class StallWatchdog:
     def guard(self, what: str) -> Iterator[None]:
         with self._cond:
             self._generation += 1
-            self._armed = (self._generation, self._clock() + self.timeout_s, what)
+            self._armed = (self._generation, time.monotonic() + self.timeout_s, what)
             self._cond.notify()
         try:
             yield
@@ -76,7 +75,7 @@ class StallWatchdog:
                     self._cond.wait()
                     continue
                 generation, deadline, what = self._armed
-                left = deadline - self._clock()
+                left = deadline - time.monotonic()
                 if left > 0:
                     self._cond.wait(left)
                     continue
