@@ -67,6 +67,11 @@ class _KVTracker:
         # this tick, but their whole prompts are reserved in every admission check, so what is let in behind
         # them cannot take the memory they are about to prefill into.
         self.pending: dict[str, int] = {}
+        # The whole prompt of every request that is prefilling (or starts to this tick): an admission check
+        # counts each at its full size, not at the chunks it has so far, so a request let in behind a long
+        # prompt cannot take the memory that prompt's later chunks need (it would then wait behind the newer
+        # request, or be preempted for it).
+        self.prompts: dict[str, int] = {}
 
     def bytes(self, rows: dict[str, int] | None = None, prefilling: dict | None = None, grow: int = 0) -> int:
         rows = self.rows if rows is None else rows
@@ -95,6 +100,7 @@ class _KVTracker:
         if not fits:
             return False
         self.rows, self.prefilling = rows, prefilling
+        self.prompts[request.request_id] = request.prefill_len
         return True
 
     def try_admit_media(self, request: Request) -> bool:
@@ -106,12 +112,17 @@ class _KVTracker:
         return True
 
     def admits(self, request: Request, rows: dict[str, int], prefilling: dict) -> bool:
-        """Admit only if the whole prompt fits next to every row grown by the headroom (and the prompts
-        reserved for admitted media): a request that is let in must not be preempted again a few ticks later
-        (no preempt/readmit thrash)."""
-        full_rows = {**rows, **self.pending, request.request_id: request.prefill_len}
-        full_prefilling = {k: v for k, v in prefilling.items() if k != request.request_id}
-        return self.bytes(full_rows, full_prefilling, grow=self.headroom) <= self.budget
+        """Admit only if the whole prompt fits next to every row grown by the headroom, the prompts reserved
+        for admitted media and the whole prompts of the requests already prefilling: a request that is let in
+        must not be preempted again a few ticks later, nor make an older one wait or be preempted (no
+        preempt/readmit thrash)."""
+        full_rows = {**rows, **self.pending, **self.whole_prompts(prefilling, but=request),
+                     request.request_id: request.prefill_len}
+        return self.bytes(full_rows, {}, grow=self.headroom) <= self.budget
+
+    def whole_prompts(self, prefilling: dict, but: Request) -> dict[str, int]:
+        """The requests prefilling other than `but`, each at its whole prompt (as the batch row it becomes)."""
+        return {rid: self.prompts[rid] for rid in prefilling if rid != but.request_id}
 
     def quantized_prefill_fits(self, request: Request, chunk: PrefillChunk, rows: dict[str, int],
                                prefilling: dict) -> bool:
@@ -119,9 +130,9 @@ class _KVTracker:
         its last token, float) can exceed what it costs as a quantized row; admit only if that peak fits too."""
         if self.layout.quantized_rows_from is None:
             return True
-        full_rows = {k: v for k, v in {**rows, **self.pending}.items() if k != request.request_id}
-        full_prefilling = {k: v for k, v in prefilling.items() if k != request.request_id}
-        full_prefilling[request.request_id] = (request.prefill_len - 1, chunk.num_tokens)
+        full_rows = {k: v for k, v in {**rows, **self.pending, **self.whole_prompts(prefilling, but=request)}.items()
+                     if k != request.request_id}
+        full_prefilling = {request.request_id: (request.prefill_len - 1, chunk.num_tokens)}
         return (self.bytes(full_rows, full_prefilling, grow=self.headroom) <= self.budget
                 and self.bytes(rows, prefilling) <= self.budget)
 
@@ -234,6 +245,7 @@ class _TickBuilder:
             # (+ draft_tokens: a verification holds that many extra positions until it is rolled back)
             kv.rows = {r.request_id: r.prompt_len + r.num_output_tokens + config.draft_tokens for r in view.decoding}
             kv.prefilling = {r.request_id: (r.num_computed_tokens, 0) for r in view.prefilling}
+            kv.prompts = {r.request_id: r.prefill_len for r in view.prefilling}
             kv.pending = {r.request_id: r.prefill_len for r in view.encoding}
             victims = [r.request_id for r in view.decoding] + [r.request_id for r in view.prefilling]
             while not kv.fits() and victims:

@@ -62,6 +62,25 @@ def test_kv_admission_counts_the_media_already_admitted():
     assert not any(p.preempted for p in plans)
 
 
+def test_kv_admission_counts_the_whole_prompts_already_prefilling():
+    """Regression: admission counted a request still prefilling at the chunks it had so far, so a request
+    let in behind a long prompt took the memory that prompt's later chunks needed; then either the newcomer
+    was preempted two ticks later (budget 700 here) or the older prompt waited behind it and was preempted
+    for it (750-800). Now the newcomer waits (kv_budget) until the long prompt's memory is free, and nothing
+    is preempted."""
+    layout = KVLayout((LayerLayout(1, None),))
+    for budget in (700, 750, 800):
+        config = EngineConfig(max_seqs=4, max_batched_tokens=64, prefill_chunk=32, kv_memory_bytes=budget,
+                              kv_headroom_tokens=2)
+        _, plans, finished_at = simulate(config, [(0, 200, 4), (1, 100, 40)], kv_layout=layout)
+        assert not any(p.preempted for p in plans), budget
+        r1_admitted = next(p.tick for p in plans if "r1" in p.admitted)
+        assert r1_admitted > finished_at["r0"][0]
+        assert all(_reason(p, "r1") is Reason.KV_BUDGET for p in plans[1:r1_admitted])
+        assert finished_at["r0"][0] == 9  # (7 prefill ticks of 32 tokens, then 3 more decode ticks)
+        assert {reason for _, reason in finished_at.values()} == {FinishReason.LENGTH}
+
+
 def test_prefill_first_decodes_next_to_media_encoding():
     """In prefill-first mode only prefill chunks make a tick prefill only: a tick that only admits and
     encodes media decodes the running rows too."""
