@@ -17,6 +17,9 @@ Scenarios:
   survivor takes to record the error its engine raised, or its stall watchdog reported before exiting.
 - `a-rank-dies-mid-forward`: the same with 3000-token prompts, so most of a tick is its forward and the kill
   mostly lands inside one (where MLX's ring backend can block for good, and the watchdog ends the rank).
+- `a-rank-stalls-at-construction`: both ranks load the model sharded, then rank 1 sleeps instead of building its
+  engine; rank 0's construction blocks in its KV-layout probe forward (a collective rank 1 never joins) and
+  its watchdog must end it (OUT/rank0.json, `"by": "watchdog"`).
 """
 
 from __future__ import annotations
@@ -59,7 +62,11 @@ class Schedule:
     abort: str | None = None  # a request aborted at tick 3
 
 
-def _schedules(trace_dir: Path) -> dict[str, Schedule]:
+KV_BUDGET_TOKENS = 1170  # the KV budget of `kv-budget-preempts`, in tokens of a rank's own layers
+
+
+def _schedules(trace_dir: Path, kv_bytes_per_token: int) -> dict[str, Schedule]:
+    """`kv_bytes_per_token`: what a token's KV costs on rank 0 (its shard of the layers or heads)."""
     def trace(name: str) -> str:
         return str(trace_dir / f"{name}.jsonl")
 
@@ -68,10 +75,11 @@ def _schedules(trace_dir: Path) -> dict[str, Schedule]:
         "all-at-once": Schedule(EngineConfig(trace_path=trace("all-at-once")), prompts, per_tick=0, abort="r0"),
         "staggered-small-budget": Schedule(EngineConfig(max_batched_tokens=48, prefill_chunk=16, max_seqs=3,
                                                         trace_path=trace("staggered")), prompts),
-        # about four of these rows fit per rank: decoding rows outgrow the budget and are preempted
-        "kv-budget-preempts": Schedule(EngineConfig(max_batched_tokens=128, prefill_chunk=32, kv_memory_bytes=850_000,
+        # about three of these rows fit per rank: decoding rows outgrow the budget and are preempted
+        "kv-budget-preempts": Schedule(EngineConfig(max_batched_tokens=128, prefill_chunk=32,
+                                                    kv_memory_bytes=KV_BUDGET_TOKENS * kv_bytes_per_token,
                                                     kv_headroom_tokens=8, trace_path=trace("kv-budget")),
-                                       mixed_prompts(16, 8, 120, seed=21), max_tokens=24, per_tick=4),
+                                       mixed_prompts(16, 8, 120, seed=21), max_tokens=48, per_tick=4),
         "prefix-cache": Schedule(EngineConfig(prefix_cache_bytes=4 << 20, prefix_block_size=16,
                                               trace_path=trace("prefix")), prompts),
         # draft_gate=False: one repetitive row among nine, whose drafts the gate would (rightly) decline; the
@@ -111,7 +119,12 @@ async def _async_run(engine: Engine, prompts: list[list[int]]) -> dict[str, list
 
 def equality(model_dir: str, out: Path, group, sharding: str = "tensor_group") -> None:
     results: dict = {"configs": {}}
-    schedules = _schedules(out)
+    probe = Engine.from_pretrained(model_dir, EngineConfig(), **{sharding: group})
+    schedules = _schedules(out, probe.kv_layout.bytes_per_token)
+    if group.rank() == 0:
+        probe.close()
+    else:
+        probe.follow()
     engine = None
     for name, schedule in schedules.items():
         engine = Engine.from_pretrained(model_dir, schedule.config, **{sharding: group})
@@ -229,13 +242,31 @@ def a_rank_dies(model_dir: str, out: Path, group, prompt_len: int = 3, max_token
         record(exc, "raise")
 
 
+def a_rank_stalls_at_construction(model_dir: str, out: Path, group) -> None:
+    rank = group.rank()
+    if rank != 0:
+        from mlx_lm.utils import sharded_load
+
+        sharded_load(model_dir, tensor_group=group)  # (ends with a barrier rank 0's load joins)
+        time.sleep(120)  # the test kills this rank once rank 0 has exited
+        return
+
+    def record(exc: BaseException, by: str) -> None:
+        (out / "rank0.json").write_text(json.dumps({"error_type": type(exc).__name__, "error": str(exc), "by": by}))
+
+    Engine.from_pretrained(model_dir, EngineConfig(shard_stall_timeout_s=2.0), tensor_group=group,
+                           on_shard_lost=[lambda exc: record(exc, "watchdog")])
+    (out / "rank0.json").write_text(json.dumps({"error_type": None, "by": "constructed"}))
+
+
 def main() -> None:
     model_dir, out, scenario = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that sees a hang asks for the stacks
     group = mx.distributed.init()
     scenarios = {"equality": equality, "checkpoints": checkpoints, "a-rank-dies": a_rank_dies,
                  "pipeline-equality": lambda *args: equality(*args, sharding="pipeline_group"),
-                 "a-rank-dies-mid-forward": lambda *args: a_rank_dies(*args, prompt_len=3000, max_tokens=2)}
+                 "a-rank-dies-mid-forward": lambda *args: a_rank_dies(*args, prompt_len=3000, max_tokens=2),
+                 "a-rank-stalls-at-construction": a_rank_stalls_at_construction}
     scenarios[scenario](model_dir, out, group)
 
 
