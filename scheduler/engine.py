@@ -7,6 +7,7 @@ locked inbox drained at the top of each tick, so a tick's plan sees a consistent
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import threading
@@ -166,31 +167,39 @@ class Engine:
                 model.language_model if self.vlm is not None else model):
             raise ValueError("max_kv_size: this model builds its own caches (e.g. sliding windows); "
                              "mlx-lm ignores max_kv_size for it and so would the results")
-        # The KV layout is measured for text models even without a budget: the trace records it, so a what-if
-        # simulation can try a budget on any trace.
-        self.kv_layout = self.vlm.kv_layout() if self.vlm is not None else library.kv_layout(model, self.config.max_kv_size)
-        self.quantize = self._quantize_rule(model)  # kv_bits: and the layout counts quantized bytes
-        if self.kv_layout is not None and draft_model is not None and self.config.drafter == "draft-model":
-            # the draft model keeps a row per decoding request too: the budget counts its layers as well
-            self.kv_layout = self.kv_layout.combined(library.kv_layout(draft_model))
-        budget_layout = self.kv_layout if self.config.kv_memory_bytes is not None else None
-        self.scheduler = Scheduler(self.config, self.events, family.stop_ids, policy, budget_layout,
-                                   max_model_len=self.max_model_len)
-        # A model sharded across processes (tensor_group / pipeline_group in from_pretrained): rank 0 runs this
-        # engine, the other ranks `follow()` it (scheduler/execution/distributed.py).
-        self.shard = (_Shard.create(shard_group, self, tuple(on_shard_lost))
-                      if shard_group is not None and shard_group.size() > 1 else None)
-        prefix_payloads = self.shard.prefix_payloads if self.shard is not None else self.scheduler.prefix_cache
-        self.executor = executor or MLXExecutor(family.runner, penalty_context=self.config.penalty_context,
-                                                processor_history=self.config.processor_history,
-                                                prefix_cache=prefix_payloads,
-                                                logprob_vectors=self.config.logprob_vectors,
-                                                drafter=self._make_drafter(draft_model, mtp_head),
-                                                draft_gate=self._make_draft_gate(),
-                                                on_event=self._executor_event, quantize=self.quantize)
-        if self.shard is not None:
-            self.executor = self.shard.wrap(self.executor)
-        self.loop = TickLoop(self.scheduler, self.executor)
+        sharded = shard_group is not None and shard_group.size() > 1
+        watchdog = _stall_watchdog(shard_group.rank(), self, tuple(on_shard_lost)) if sharded else None
+        with contextlib.ExitStack() as undo:  # a construction that fails stops the watchdog it started
+            if watchdog is not None:
+                undo.callback(watchdog.close)
+            # The KV layout is measured for text models even without a budget: the trace records it, so a what-if
+            # simulation can try a budget on any trace. With a sharded model its probe forwards are collectives
+            # like any tick's, so they run under the stall watchdog too.
+            with watchdog.guard("the KV-layout probe forward") if watchdog is not None else contextlib.nullcontext():
+                self.kv_layout = (self.vlm.kv_layout() if self.vlm is not None
+                                  else library.kv_layout(model, self.config.max_kv_size))
+                self.quantize = self._quantize_rule(model)  # kv_bits: and the layout counts quantized bytes
+            if self.kv_layout is not None and draft_model is not None and self.config.drafter == "draft-model":
+                # the draft model keeps a row per decoding request too: the budget counts its layers as well
+                self.kv_layout = self.kv_layout.combined(library.kv_layout(draft_model))
+            budget_layout = self.kv_layout if self.config.kv_memory_bytes is not None else None
+            self.scheduler = Scheduler(self.config, self.events, family.stop_ids, policy, budget_layout,
+                                       max_model_len=self.max_model_len)
+            # A model sharded across processes (tensor_group / pipeline_group in from_pretrained): rank 0 runs this
+            # engine, the other ranks `follow()` it (scheduler/execution/distributed.py).
+            self.shard = _Shard.create(shard_group, self, watchdog) if sharded else None
+            prefix_payloads = self.shard.prefix_payloads if self.shard is not None else self.scheduler.prefix_cache
+            self.executor = executor or MLXExecutor(family.runner, penalty_context=self.config.penalty_context,
+                                                    processor_history=self.config.processor_history,
+                                                    prefix_cache=prefix_payloads,
+                                                    logprob_vectors=self.config.logprob_vectors,
+                                                    drafter=self._make_drafter(draft_model, mtp_head),
+                                                    draft_gate=self._make_draft_gate(),
+                                                    on_event=self._executor_event, quantize=self.quantize)
+            if self.shard is not None:
+                self.executor = self.shard.wrap(self.executor)
+            self.loop = TickLoop(self.scheduler, self.executor)
+            undo.pop_all()
         self.tick = 0
         self._lock = threading.Lock()
         self._inbox: list[_Arrival] = []
@@ -705,6 +714,18 @@ class Engine:
         self.events.close()
 
 
+def _stall_watchdog(rank: int, engine: "Engine", on_shard_lost: tuple[Callable[[Any], None], ...]) -> Any:
+    """The StallWatchdog bounding each of a sharded rank's forwards (EngineConfig.shard_stall_timeout_s), from
+    the first probe forward of its construction on; None when the bound is off."""
+    from .execution.stall_watchdog import StallWatchdog
+
+    if engine.config.shard_stall_timeout_s is None:
+        return None
+    # the trace is flushed first: the process is about to end without returning from the forward
+    return StallWatchdog(rank, engine.config.shard_stall_timeout_s,
+                         on_stall=(lambda _error: engine.events.close(), *on_shard_lost))
+
+
 @dataclass
 class _Shard:
     """How this engine takes part in a sharded model: the channel, and what rank 0 sends or a follower mirrors."""
@@ -716,9 +737,8 @@ class _Shard:
     watchdog: Any = None  # a StallWatchdog bounding each forward (EngineConfig.shard_stall_timeout_s)
 
     @classmethod
-    def create(cls, group: Any, engine: "Engine", on_shard_lost: tuple[Callable[[Any], None], ...]) -> "_Shard":
+    def create(cls, group: Any, engine: "Engine", watchdog: Any) -> "_Shard":
         from .execution.distributed import MirroredPayloads, PlanChannel, PrefixEntryWatch
-        from .execution.stall_watchdog import StallWatchdog
 
         cfg = engine.config
         if engine.vlm is not None:
@@ -727,16 +747,12 @@ class _Shard:
             raise ValueError(f"drafter={cfg.drafter!r} with a sharded model: only prompt-lookup drafting is built "
                              "(a draft model or MTP head would need its own sharding)")
         rank, prefix = group.rank(), engine.scheduler.prefix_cache
-        shard = cls(rank, PlanChannel(group), prefix)
+        shard = cls(rank, PlanChannel(group), prefix, watchdog=watchdog)
         if prefix is not None and rank != 0:
             shard.prefix_payloads = MirroredPayloads(prefix.block_size)
         if prefix is not None and rank == 0:
             shard.prefix_watch = PrefixEntryWatch()
             engine.events.add_sink(shard.prefix_watch)
-        if cfg.shard_stall_timeout_s is not None:
-            # the trace is flushed first: the process is about to end without returning from the forward
-            shard.watchdog = StallWatchdog(rank, cfg.shard_stall_timeout_s,
-                                           on_stall=(lambda _error: engine.events.close(), *on_shard_lost))
         return shard
 
     def wrap(self, executor: Any) -> Any:

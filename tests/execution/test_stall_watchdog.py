@@ -113,3 +113,28 @@ def test_the_bound_must_be_a_positive_finite_number(bad):
     with pytest.raises(ValueError, match="shard_stall_timeout_s"):
         EngineConfig(shard_stall_timeout_s=bad)
     assert EngineConfig(shard_stall_timeout_s=None).shard_stall_timeout_s is None
+
+
+class _TwoRanks:
+    """Stands for an `mx.distributed` group of two ranks, for the checks a sharded engine makes before it
+    sends anything (no collective runs: the model here is whole)."""
+
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return 2
+
+
+def test_a_sharded_engine_that_fails_to_construct_stops_its_watchdog(text_model):
+    """The watchdog starts before the construction's probe forwards; a construction that then fails (here:
+    a draft model, which sharding does not build) stops its thread instead of leaving it behind."""
+    from scheduler import Engine
+
+    model, tokenizer = text_model
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(ValueError, match="drafter='draft-model' with a sharded model"):
+        Engine(model, tokenizer, EngineConfig(draft_tokens=2, drafter="draft-model"), draft_model=model,
+               shard_group=_TwoRanks())
+    assert not [t.name for t in threading.enumerate()
+                if t.name.startswith("mlxsched-stall-watchdog") and t.name not in before]

@@ -169,6 +169,36 @@ def test_a_killed_rank_fails_the_other_with_a_clear_error_quickly(text_model_dir
 
 
 @pytest.mark.slow
+def test_a_rank_stalled_at_construction_is_ended_by_the_watchdog(text_model_dir, tmp_path):
+    """The engine's construction runs probe forwards (its KV layout), collectives like any tick's: with its peer
+    not joining them, rank 0 is ended by its stall watchdog (exit SHARD_LOST_EXIT_CODE, a ShardLost naming the
+    probe) instead of blocking for ever."""
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(2)]))
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(text_model_dir), str(tmp_path),
+                               "a-rank-stalls-at-construction"],
+                              env={**_env(), "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}, cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=(tmp_path / f"rank{rank}.stderr").open("wb"))
+             for rank in range(2)]
+    try:
+        try:
+            code = procs[0].wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            procs[0].send_signal(signal.SIGUSR1)
+            time.sleep(2.0)
+            pytest.fail("rank 0 blocked in its construction; its stacks:\n" + _stderr(tmp_path, 0))
+        result = json.loads((tmp_path / "rank0.json").read_text())
+        assert result["by"] == "watchdog" and result["error_type"] == "ShardLost", result
+        assert "the KV-layout probe forward has been blocked for 2 s" in result["error"]
+        assert code == SHARD_LOST_EXIT_CODE, _stderr(tmp_path, 0)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+@pytest.mark.slow
 def test_followers_keep_every_checkpoint_a_request_stores_in_one_tick(tmp_path):
     """gpt_oss (sliding-window layers: its caches cannot be trimmed) with the prefix cache: the prefill stores
     exact checkpoints, one request stores a checkpoint and its prefill end in the same tick, and the followers
