@@ -35,6 +35,7 @@ from .generation import Body, ChoiceFailed, Delta, choice_deltas, refusal, sampl
 from .messages import convert_messages
 from .metrics import EngineMetrics, engine_snapshot
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, usage, validation_error
+from .token_bytes import TokenBytes
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
@@ -205,8 +206,9 @@ def _check_model(state: ServerState, body: Body) -> None:
 class _ChatChoices:
     """How a chat completion renders its choices: a role delta first, content deltas, a message at the end."""
 
-    def __init__(self, tokenizer: Any, wants_logprobs: bool, stream: bool):
+    def __init__(self, tokenizer: Any, token_bytes: TokenBytes, wants_logprobs: bool, stream: bool):
         self.tokenizer = tokenizer
+        self.token_bytes = token_bytes
         self.wants_logprobs = wants_logprobs
         self.object = "chat.completion.chunk" if stream else "chat.completion"
 
@@ -236,8 +238,8 @@ class _ChatChoices:
         return {"content": entries}
 
     def _entry(self, token: int, logprob: float) -> dict[str, Any]:
-        text = _token_text(self.tokenizer, token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": _token_text(self.tokenizer, token), "logprob": logprob,
+                "bytes": list(self.token_bytes(token))}
 
 
 class _TextChoices:
@@ -338,6 +340,7 @@ def create_app(state: ServerState) -> Any:
     app.state.server = state
     engine = state.engine
     vision = engine.vlm is not None
+    token_bytes = TokenBytes(engine.tokenizer)  # (built once: it reads the tokenizer's decoder)
     audio_rate = getattr(engine.vlm, "sample_rate", None) if vision else None
 
     @app.exception_handler(APIError)
@@ -357,7 +360,8 @@ def create_app(state: ServerState) -> Any:
         prompt = await asyncio.to_thread(convert_messages, body.messages, vision, audio_rate)
         call = _Call(state, body, "chatcmpl")
         await call.submit(prompt=prompt.messages, images=prompt.images or None, audio=prompt.audio or None)
-        return await _respond(request, call, _ChatChoices(engine.tokenizer, body.wants_logprobs(), body.stream))
+        choices = _ChatChoices(engine.tokenizer, token_bytes, body.wants_logprobs(), body.stream)
+        return await _respond(request, call, choices)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -324,7 +324,10 @@ def test_top_logprobs_list_the_engines_most_likely_tokens(server, reference):
         assert [t for t, _ in got] == [t for t, _ in decoded(top)]
         assert [lp for _, lp in got] == pytest.approx([lp for _, lp in top], abs=1e-5)
         assert (got[0][0], got[0][1]) == (entry.token, pytest.approx(entry.logprob, abs=1e-6))
-        assert all(alt.bytes == list(alt.token.encode("utf-8")) for alt in entry.top_logprobs)
+        # raw token bytes (test_token_bytes.py): what decodes alone decodes the same as the token's text
+        assert all(bytes(alt.bytes).decode("utf-8", "replace") == alt.token for alt in entry.top_logprobs)
+    # ...and a client joins the chosen tokens' bytes back into the text
+    assert b"".join(bytes(e.bytes) for e in entries).decode("utf-8", "replace") == chat.choices[0].message.content
     legacy = text.choices[0].logprobs
     assert len(legacy.top_logprobs) == len(legacy.tokens) > 0
     for alternatives, top in zip(legacy.top_logprobs, want_text.top_logprobs):
