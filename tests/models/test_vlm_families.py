@@ -72,7 +72,7 @@ SCHEDULES = {
                                budget_rows=3),
     "drafting": dict(stagger=1, config=dict(draft_tokens=3, max_batched_tokens=96)),
     # the kv-budget schedule in chunks of 9: prefills of several requests share forwards (batched prefill)
-    # while the budget preempts requests (an image request on 8 of the 10 families)
+    # while the budget holds requests back (and preempts some on 8 of the 10 families)
     "kv-budget-chunked": dict(stagger=0, config=dict(max_seqs=8, kv_headroom_tokens=0, prefill_chunk=9,
                                                      max_batched_tokens=40), budget_rows=3),
 }
@@ -181,8 +181,13 @@ def test_family_batches_exactly(family, schedule):
         wanted = 2 if engine._runner.capabilities.trimmable else 1
         assert stats.prefix_cache["hits"] >= wanted, "the shared image + prompt (prefix) was not reused"
     preempted = {e["request_id"] for e in log.of_kind("transition") if e["to"] == "queued" and e["from"] != "queued"}
-    if schedule == "kv-budget-chunked":  # which request the budget preempts depends on the family's prompt lengths
-        assert preempted, "the KV budget preempted nothing"
+    if schedule == "kv-budget-chunked":
+        # Admission reserves whole prompts, so whether a row then outgrows the budget (and is preempted) depends on
+        # the family's prompt and output lengths (8 of the 10 preempt here); on every one the budget held requests
+        # back while others prefilled in shared forwards.
+        waited = {rid for p in log.of_kind("plan") for rid, reason, *_ in p.get("reasons") or ()
+                  if reason == "kv_budget"}
+        assert preempted or waited, "the KV budget constrained nothing"
     if schedule in ("kv-budget", "kv-budget-reencode"):
         assert preempted & image_ids, f"no image request was preempted (preempted: {sorted(preempted)})"
         # a preempted image request is encoded again: from the vision cache (a hit), or with no cache by the
