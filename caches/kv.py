@@ -192,6 +192,16 @@ class KVLayout:
         """Batch rows plus single-request caches given as (tokens, last chunk)."""
         return self.batch_bytes(row_tokens) + sum(self.request_bytes(n, c) for n, c in prefill_tokens)
 
+    def admit_alone_bytes(self, prompt_len: int, headroom: int, chunk: int) -> int:
+        """What the planner's admission rule asks of a prompt with nothing else held: its row grown by
+        `headroom` and, when rows are quantized, its float prefill peak too (all but its last token, in its own
+        float cache, after a chunk of at most `chunk` tokens). A prompt needing more than the budget here can
+        never be admitted, so the engine refuses it on arrival instead of queueing it for ever."""
+        need = self.footprint([prompt_len + headroom], [])
+        if self.quantized_rows_from is not None:
+            need = max(need, self.request_bytes(max(prompt_len - 1, 1), chunk))
+        return need
+
 
 def _layer_batch_bytes(layer: LayerLayout, row_tokens: Sequence[int], per_token: int) -> int:
     """Upper bound of one layer of a batch cache whose rows hold `row_tokens` tokens each."""

@@ -216,6 +216,8 @@ class Engine:
             vocab_size=self.vocab_size, max_model_len=self.max_model_len,
             stop_token_ids=sorted(self.scheduler.model_stop_ids),
             kv_layout=None if self.kv_layout is None else self.kv_layout.record(),
+            # kv_bits: when each request's cache converts follows from this rule (replay re-derives it)
+            kv_quantize=None if self.quantize is None else self.quantize.record(),
             # prefix-cache entries are exact checkpoints (a what-if simulation stores them the same way)
             prefix_checkpoints=bool(getattr(family.runner, "prefix_checkpoints", False)),
             plan_records=list(PLAN_RECORD_GROUPS),  # the optional plan-record keys this engine writes
@@ -389,9 +391,10 @@ class Engine:
         resolved = self.prompts.resolve(prompt, prompt_tokens, MediaInputs.of(images, videos, audio), request_id)
         tokens = resolved.token_ids
         if self.kv_layout is not None and self.config.kv_memory_bytes is not None:
-            # what the planner requires to admit it alone: the prompt plus the admission headroom
+            # what the planner requires to admit it alone (with kv_bits, its float prefill peak included)
             n = len(tokens)
-            need = self.kv_layout.footprint([n + max(1, self.config.kv_headroom_tokens)], [])
+            need = self.kv_layout.admit_alone_bytes(n, max(1, self.config.kv_headroom_tokens),
+                                                    min(self.config.prefill_chunk, max(n - 1, 1)))
             if need > self.config.kv_memory_bytes:
                 raise InvalidRequest("prompt", f"needs {need} bytes of KV cache, more than kv_memory_bytes "
                                                f"({self.config.kv_memory_bytes})", request_id)

@@ -61,6 +61,36 @@ def drive(engine: "Engine", arrivals: list[tuple[int, dict]], max_ticks: int = 1
     return run
 
 
+def interleave(engine, rng, events: int, add, add_below: float, abort_below: float, burst: int) -> list[str]:
+    """`events` random calls into the engine, each drawn as r = rng.random(): r < add_below adds a request
+    (`add()` returns its id, or None when the engine refused it), r < abort_below aborts one added (if any),
+    otherwise 1..`burst` ticks. Returns the ids added."""
+    ids: list[str] = []
+    for _ in range(events):
+        r = rng.random()
+        if r < add_below:
+            rid = add()
+            if rid is not None:
+                ids.append(rid)
+        elif r < abort_below and ids:
+            engine.abort(rng.choice(ids))
+        else:
+            for _ in range(rng.randint(1, burst)):
+                engine.step()
+    return ids
+
+
+def drain(engine, max_ticks: int = 3000) -> int:
+    """Step the engine until nothing is pending; a run that does not drain within `max_ticks` is a livelock.
+    Returns the ticks it took."""
+    ticks = 0
+    while engine.has_pending():
+        engine.step()
+        ticks += 1
+        assert ticks < max_ticks, "requests pending but nothing progresses"
+    return ticks
+
+
 def engine_with_log(model, tokenizer, config) -> tuple["Engine", MemorySink]:
     from scheduler import Engine
 

@@ -20,7 +20,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterable, Mapping
 
-from caches.kv import KVLayout
+from caches.kv import KVLayout, QuantizeRule
 
 from scheduler.calibration import CALIBRATION_EVENT
 from scheduler.config import EngineConfig
@@ -61,6 +61,13 @@ class Trace:
     @property
     def stop_token_ids(self) -> list[int]:
         return self.header.get("stop_token_ids", [])
+
+    @property
+    def quantize_rule(self) -> QuantizeRule | None:
+        """kv_bits: the rule every request's conversion point follows (`engine_start.kv_quantize`); None when
+        the engine did not quantize, or predates the record (its conversions are then not compared)."""
+        record = self.header.get("kv_quantize")
+        return QuantizeRule(**record) if record else None
 
 
 def _config_from(record: Mapping[str, Any]) -> EngineConfig:
@@ -122,9 +129,26 @@ def load_trace(source: str | os.PathLike | Iterable[dict[str, Any]]) -> Trace:
     return trace
 
 
-# Decision events compared tick by tick besides the plan: transitions, prefix-cache and KV-batch decisions.
+# Decision events compared tick by tick besides the plan: transitions, prefix-cache and KV-batch decisions, and
+# kv_bits conversions (`kv_quantize`: compared as the tick's set of (request, tokens), whatever their order,
+# which follows how the executor grouped its prefill forwards).
 COMPARED_KINDS = frozenset({"transition", "prefix_hit", "prefix_miss", "prefix_store", "prefix_evict",
-                            "prefix_clear", "kv_merge", "kv_filter", "kv_rollback"})
+                            "prefix_clear", "kv_merge", "kv_filter", "kv_rollback", "kv_quantize"})
+
+
+def _tick_decisions(events: list[dict[str, Any]], conversions: bool, failed: set[str]) -> list[dict[str, Any]]:
+    """A tick's decision events as replay compares them: in their order, but the tick's `kv_quantize` events
+    as one entry after them, `conversions` sorted [request_id, tokens] (tokens: the context length it
+    converted at inside a prefill, None at a merge or after a decode); none when `conversions` is off. The
+    requests whose prefill failed this tick are left out of it (whether one converted before its forward
+    raised is not in the trace)."""
+    ordered = [e for e in events if e["event"] != "kv_quantize"]
+    if not conversions:
+        return ordered
+    converted = sorted(([rid, e.get("tokens")] for e in events if e["event"] == "kv_quantize"
+                        for rid in e["request_ids"] if rid not in failed),
+                       key=lambda c: (c[0], -1 if c[1] is None else c[1]))
+    return ordered + ([{"event": "kv_quantize", "conversions": converted}] if converted else [])
 
 
 def _comparable(event: Mapping[str, Any]) -> dict[str, Any]:
@@ -149,13 +173,16 @@ def request_from_arrival(event: Mapping[str, Any]) -> Request:
 class ReplayExecutor:
     """Returns the outcomes recorded in a trace instead of running a model, and carries out the KV-batch
     decisions they imply on a model of the batch (its rows, in order), emitting the same `kv_merge`,
-    `kv_filter` and `kv_rollback` events `MLXExecutor` does, so replay compares them with the recorded ones."""
+    `kv_filter` and `kv_rollback` events `MLXExecutor` does, and under kv_bits the `kv_quantize` conversions
+    its QuantizeRule implies (`_Conversions`), so replay compares them with the recorded ones."""
 
     def __init__(self, trace: Trace, events: EventLog | None = None):
         self.trace = trace
         self.events = events or EventLog()
         self.rows: list[str] = []  # request ids in batch row order
         self.tick = 0
+        rule = trace.quantize_rule
+        self.conversions = _Conversions(rule, self.events) if rule is not None else None
 
     def execute(self, plan: TickPlan) -> TickResult:
         self.tick = plan.tick
@@ -169,15 +196,24 @@ class ReplayExecutor:
         drafts = {rid: tuple(d) for rid, d in outcome.get("drafts", {}).items()}
         joining = [c.request_id for c in plan.prefill
                    if c.completes and not errors.get(c.request_id, "").startswith(PREFILL_FAILED)]
+        conversions = self.conversions
+        if conversions is not None:
+            conversions.prefill(plan, errors)
+            conversions.join(plan.tick, joining)
         if joining:
             self.rows += joining
             self.events.emit("kv_merge", plan.tick, request_ids=joining)
+        decode_failed = any(e.startswith(DECODE_FAILED) for e in errors.values())
+        if conversions is not None and self.rows and (plan.decode or joining) and not decode_failed:
+            conversions.after_decode(plan.tick)
         width = max((proposed for proposed, _ in drafts.values()), default=0)
         if width:  # every row is rolled back to what it accepted (rows without drafts were padded)
             self.events.emit("kv_rollback", plan.tick, rows=[
                 [rid, width - drafts[rid][1] if rid in drafts else width] for rid in self.rows])
-        if self.rows and any(e.startswith(DECODE_FAILED) for e in errors.values()):
+        if self.rows and decode_failed:
             self.events.emit("kv_filter", plan.tick, request_ids=list(self.rows))  # the whole batch is dropped
+            if conversions is not None:
+                conversions.release(self.rows)
             self.rows = []
         stores = [PrefixStore(rid, n, nbytes, whole_only) for rid, n, nbytes, whole_only in outcome.get("prefix_stores", [])]
         top = {rid: [tuple(pair) for pair in pairs] for rid, pairs in outcome.get("top_logprobs", {}).items()}
@@ -187,10 +223,77 @@ class ReplayExecutor:
 
     def release(self, request_ids: Iterable[str]) -> None:
         gone = set(request_ids)
+        if self.conversions is not None:
+            self.conversions.release(gone)
         removed = [rid for rid in self.rows if rid in gone]
         if removed:
             self.events.emit("kv_filter", self.tick, request_ids=removed)
             self.rows = [rid for rid in self.rows if rid not in gone]
+
+
+class _Conversions:
+    """Under kv_bits, when each request's cache converts, as `MLXExecutor` converts it (ARCHITECTURE.md,
+    "Quantized KV"): at its `QuantizeRule.point` inside a prefill (the forward is split there), at a prefix
+    restore that lands at or past it, at the merge when the point is the prompt's end, or, for a row that
+    joined below its point, after the decode that brings it there. Emits the same `kv_quantize` events."""
+
+    def __init__(self, rule: QuantizeRule, events: EventLog):
+        self.rule = rule
+        self.events = events
+        self.requests: dict[str, Request] = {}  # the executor's copies (TickPlan.new_requests)
+        self.converted: set[str] = set()  # requests whose own (prefilling) cache is quantized
+        self.float_rows: dict[str, int] = {}  # rows decoding in float storage -> tokens their cache holds
+
+    def prefill(self, plan: TickPlan, errors: Mapping[str, str]) -> None:
+        for new in plan.new_requests:
+            self.requests[new.request_id] = Request.from_new_request(new)
+        for rid, _entry_id, length in plan.prefix_hits:  # a restored cache is a float one (ARCHITECTURE.md)
+            self.converted.discard(rid)
+            request = self.requests[rid]
+            if self.rule.point(request.prompt_len) <= length < request.prefill_len - 1:
+                self._convert(plan.tick, rid, length)
+        for chunk in plan.prefill:
+            rid = chunk.request_id
+            if errors.get(rid, "").startswith(PREFILL_FAILED):
+                self.converted.discard(rid)  # its cache is dropped (and its conversions are not compared)
+                continue
+            request = self.requests[rid]
+            point, fed_to = self.rule.point(request.prompt_len), chunk.end - 1 if chunk.completes else chunk.end
+            if rid not in self.converted and chunk.start < point <= fed_to and point < request.prefill_len - 1:
+                self._convert(plan.tick, rid, point)
+
+    def join(self, tick: int, joining: list[str]) -> None:
+        converted = []
+        for rid in joining:
+            request = self.requests[rid]
+            if request.prefill_len - 1 >= self.rule.point(request.prompt_len):
+                if rid not in self.converted:
+                    converted.append(rid)
+            else:
+                self.float_rows[rid] = request.prefill_len - 1
+            self.converted.discard(rid)  # its cache is a batch row now
+        if converted:
+            self.events.emit("kv_quantize", tick, request_ids=converted)
+
+    def after_decode(self, tick: int) -> None:
+        moved = []
+        for rid in list(self.float_rows):
+            self.float_rows[rid] += 1
+            if self.float_rows[rid] >= self.rule.point(self.requests[rid].prompt_len):
+                moved.append(rid)
+                del self.float_rows[rid]
+        if moved:
+            self.events.emit("kv_quantize", tick, request_ids=moved)
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            self.converted.discard(rid)
+            self.float_rows.pop(rid, None)
+            self.requests.pop(rid, None)
+
+    def _convert(self, tick: int, rid: str, tokens: int) -> None:
+        self.converted.add(rid)
+        self.events.emit("kv_quantize", tick, request_ids=[rid], tokens=tokens)
 
 
 @dataclass
@@ -264,6 +367,7 @@ def replay(trace: Trace, policy: str | Policy | None = None) -> ReplayReport:
     loop = TickLoop(scheduler, executor)
     n_requests = 0
     records_reuse = _records_reuse(trace)
+    conversions = trace.quantize_rule is not None
     for tick in range(trace.last_tick + 1):
         executor.tick = tick
         ended = []
@@ -289,7 +393,10 @@ def replay(trace: Trace, policy: str | Policy | None = None) -> ReplayReport:
         if not records_reuse:
             replayed_decisions = [_without_reuse(e) for e in replayed_decisions]
         sink.events.clear()
-        recorded_decisions = trace.decisions.get(tick, [])
+        failed = {rid for rid, error in trace.outcomes.get(tick, {}).get("errors", {}).items()
+                  if error.startswith(PREFILL_FAILED)}
+        replayed_decisions = _tick_decisions(replayed_decisions, conversions, failed)
+        recorded_decisions = _tick_decisions(trace.decisions.get(tick, []), conversions, failed)
         if replayed_decisions != recorded_decisions:
             return ReplayReport(tick, n_requests, _event_divergence(tick, recorded_decisions, replayed_decisions,
                                                                     scheduler, trace.config))
@@ -326,7 +433,7 @@ def _event_divergence(tick: int, recorded: list[dict], replayed: list[dict], sch
     for e in recorded + replayed:
         if e.get("event") in differing or differing == ["order of events"]:
             involved += [e["request_id"]] if e.get("request_id") else []
-            involved += e.get("request_ids", []) + [r[0] for r in e.get("rows", [])]
+            involved += e.get("request_ids", []) + [r[0] for r in e.get("rows", []) + e.get("conversions", [])]
     return Divergence(tick, {k: rec.get(k) for k in differing}, {k: rep.get(k) for k in differing}, differing,
                       _involved(dict.fromkeys(involved), scheduler), _budgets(config))
 

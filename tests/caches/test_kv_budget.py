@@ -7,7 +7,7 @@ from caches.kv import STEP, KVLayout, LayerLayout
 from scheduler import Engine, EngineConfig, FinishReason, InvalidRequest
 from scheduler.tools.replay import load_trace, replay
 
-from ..helpers import drive, engine_with_log, greedy, mixed_prompts, solo_tokens
+from ..helpers import drain, drive, engine_with_log, greedy, interleave, mixed_prompts, solo_tokens
 
 PROMPTS = mixed_prompts(32, 8, 120, seed=21)
 MAX_TOKENS = 48
@@ -114,24 +114,15 @@ def test_prefilling_requests_never_deadlock_on_memory(text_model):
     engine = Engine(model, tokenizer, EngineConfig(
         max_batched_tokens=chunk + 8 + 6 * draft, max_seqs=6, prefill_chunk=chunk, kv_memory_bytes=kv,
         kv_headroom_tokens=4, prefix_cache_bytes=8 << 20, draft_tokens=draft, mix=mix, check_invariants=True))
-    ids = []
-    for _ in range(40):
-        r = rng.random()
-        if r < 0.45:
-            length, shared, n, sampled = rng.randint(1, 90), rng.random() < 0.5, rng.randint(1, 12), rng.random() < 0.5
-            seed = rng.randint(0, 100)
-            body_rng = random.Random(seed)
-            body = [body_rng.randrange(7, 512) for _ in range(length)]
-            ids.append(engine.add_request(prompt_tokens=(SHARED + body) if shared else body, sampling=SamplingParams(
-                max_tokens=n, temperature=0.8 if sampled else 0.0, seed=seed)))
-        elif r < 0.6 and ids:
-            engine.abort(rng.choice(ids))
-        else:
-            for _ in range(rng.randint(1, 4)):
-                engine.step()
-    ticks = 0
-    while engine.has_pending():
-        engine.step()
-        ticks += 1
-        assert ticks < 3000, "deadlock: requests pending but nothing progresses"
+
+    def add():
+        length, shared, n, sampled = rng.randint(1, 90), rng.random() < 0.5, rng.randint(1, 12), rng.random() < 0.5
+        seed = rng.randint(0, 100)
+        body_rng = random.Random(seed)
+        body = [body_rng.randrange(7, 512) for _ in range(length)]
+        return engine.add_request(prompt_tokens=(SHARED + body) if shared else body, sampling=SamplingParams(
+            max_tokens=n, temperature=0.8 if sampled else 0.0, seed=seed))
+
+    interleave(engine, rng, 40, add, add_below=0.45, abort_below=0.6, burst=4)
+    drain(engine)
     assert engine.executor.cache_bytes() == 0

@@ -13,13 +13,14 @@ from mlx_lm.models import cache as mlx_cache
 
 from caches import layers
 from caches.kv import STEP, QuantizeRule
-from scheduler import Engine, EngineConfig
+from scheduler import Engine, EngineConfig, InvalidRequest, SamplingParams
 from scheduler.execution import library
 from scheduler.families import UnsupportedFeature
 from scheduler.fixtures.families import build_family_model
+from scheduler.events import read_jsonl
 from scheduler.tools.replay import load_trace, replay
 
-from ..helpers import drive, engine_with_log, greedy, mixed_prompts, solo_tokens
+from ..helpers import drain, drive, engine_with_log, greedy, interleave, mixed_prompts, solo_tokens
 
 MAX_TOKENS = 10
 HEAD_DIM_64 = {"head_dim": 64}
@@ -68,11 +69,18 @@ def test_the_reference_is_sensitive_to_quantization(family):
 
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: f"q{s[0]}-start{s[1]}")
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
-def test_batched_greedy_equals_mlx_lm_alone_with_the_same_kv_bits(family, schedule, setting):
+def test_batched_greedy_equals_mlx_lm_alone_with_the_same_kv_bits(family, schedule, setting, tmp_path):
     model_type, model, tokenizer, prompts, references, _ = family
     config, stagger = SCHEDULES[schedule]
-    got, engine, sink = _run(model, tokenizer, EngineConfig(**config, **_quantized(*setting)), prompts, stagger)
+    trace = tmp_path / "q.jsonl"
+    got, engine, sink = _run(model, tokenizer, EngineConfig(**config, **_quantized(*setting), trace_path=str(trace)),
+                             prompts, stagger)
     assert got == references[setting], f"{model_type} / {schedule} / {setting}"
+    engine.close()
+    # replay re-derives every conversion from the recorded QuantizeRule and compares it
+    report = replay(load_trace(trace))
+    assert report.identical, report.format()
+    assert sum(len(e["request_ids"]) for e in sink.of_kind("kv_quantize")) == engine.kv_cache_stats()["conversions"]
     stats = engine.kv_cache_stats()
     assert stats["conversions"] == sum(1 for p in prompts if len(p) - 1 + MAX_TOKENS >= max(setting[1], 1))
     if setting[1] > 0:  # rows that joined below the start decoded in the float group, then moved
@@ -101,25 +109,90 @@ def test_a_kv_budget_that_preempts_decoding_rows_still_matches_mlx_lm_alone(fami
     assert [run.tokens[f"r{i}"] for i in range(len(prompts))] == reference
     assert "decoding" in [e["from"] for e in sink.of_kind("transition") if e["trigger"] == "preempt"]
     assert replay(load_trace(trace)).identical
+    # a trace whose conversions differ from the rule's diverges there (replay compares kv_quantize)
+    events = read_jsonl(trace)
+    first = next(e for e in events if e["event"] == "kv_quantize")
+    events.remove(first)
+    report = replay(load_trace(events))
+    assert not report.identical and report.divergence.tick == first["tick"]
+    assert report.divergence.differing_fields == ["kv_quantize"]
 
 
-def test_a_prompt_past_mlx_lms_first_prefill_step_converts_inside_its_prefill(family):
+def test_a_prompt_past_mlx_lms_first_prefill_step_converts_inside_its_prefill(family, tmp_path):
     """mlx-lm alone converts after its first 2048-token prefill step; the engine's chunks (300 tokens) straddle
     that point, so the chunk is split there. Such a cache is not offered to the prefix cache (a shorter shared
-    prefix would need its first tokens in float storage)."""
+    prefix would need its first tokens in float storage). Replay re-derives the conversion at 2048."""
     _, model, tokenizer, _, _, _ = family
+    trace = tmp_path / "q.jsonl"
     long_prompt = mixed_prompts(1, 2100, 2100, seed=5)[0]
     short = mixed_prompts(1, 30, 30, seed=6)[0]
     settings = _quantized(4, 0)
     reference = [solo_tokens(model, tokenizer, p, 4, **settings) for p in (long_prompt, short)]
     engine, sink = engine_with_log(model, tokenizer, EngineConfig(
-        max_batched_tokens=700, prefill_chunk=300, prefix_cache_bytes=1 << 26, **settings))
+        max_batched_tokens=700, prefill_chunk=300, prefix_cache_bytes=1 << 26, trace_path=str(trace), **settings))
     run = drive(engine, [(0, {"prompt_tokens": p, "sampling": greedy(4), "request_id": f"r{i}"})
                          for i, p in enumerate((long_prompt, short))])
+    engine.close()
     assert [run.tokens["r0"], run.tokens["r1"]] == reference
     converted_in_prefill = [e for e in sink.of_kind("kv_quantize") if e.get("tokens") == 2048]
     assert [e["request_ids"] for e in converted_in_prefill] == [["r0"]]
     assert [e["request_id"] for e in sink.of_kind("prefix_store")] == ["r1"]
+    report = replay(load_trace(trace))
+    assert report.identical, report.format()
+
+
+def test_a_prompt_whose_float_prefill_peak_cannot_fit_is_refused_on_arrival(family):
+    """Admission under kv_bits also needs a prompt's float prefill peak to fit, so a prompt whose quantized row
+    fits but whose peak never does is refused when it arrives (it used to be queued, never admitted, and held
+    back every request behind it for ever); a shorter one still runs."""
+    _, model, tokenizer, _, _, _ = family
+    settings = _quantized(4, 0)
+    rule = library.quantize_rule(4, 64, 0)
+    layout = library.quantized_kv_layout(model, library.kv_layout(model), rule)
+    long_prompt, short_prompt = mixed_prompts(1, 60, 60, seed=8)[0], mixed_prompts(1, 12, 12, seed=9)[0]
+    budget = layout.admit_alone_bytes(len(long_prompt), 1, 16) - 1
+    assert layout.footprint([len(long_prompt) + 1], []) <= budget  # its row alone would fit
+    engine = Engine(model, tokenizer, EngineConfig(prefill_chunk=16, kv_memory_bytes=budget, kv_headroom_tokens=1,
+                                                   check_invariants=True, **settings))
+    with pytest.raises(InvalidRequest, match="kv_memory_bytes"):
+        engine.add_request(prompt_tokens=long_prompt, sampling=greedy(MAX_TOKENS))
+    run = drive(engine, [(0, {"prompt_tokens": short_prompt, "sampling": greedy(MAX_TOKENS), "request_id": "s"})])
+    assert run.tokens["s"] == solo_tokens(model, tokenizer, short_prompt, MAX_TOKENS, **settings)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_schedules_drain_and_replay_with_their_conversions(family, seed, tmp_path):
+    """Random interleavings under kv_bits (conversion points inside, at the end of and beyond the prompts, a
+    KV budget, the prefix cache, prefill-first mixing, aborts): every run drains, and replay re-derives each
+    conversion (`kv_quantize`) from the recorded rule."""
+    import random
+
+    _, model, tokenizer, _, _, _ = family
+    rng = random.Random(seed)
+    trace = tmp_path / "q.jsonl"
+    engine = Engine(model, tokenizer, EngineConfig(
+        max_batched_tokens=rng.choice([16, 40, 128]), max_seqs=rng.randint(1, 6), prefill_chunk=rng.choice([5, 8, 32]),
+        kv_bits=rng.choice([4, 8]), kv_group_size=64, quantized_kv_start=rng.choice([0, 5, 24, 60]),
+        prefix_cache_bytes=rng.choice([0, 1 << 24]), prefix_block_size=8,
+        mix=rng.choice(["decode-first", "prefill-first"]),
+        kv_memory_bytes=rng.choice([None, 800_000, 1_200_000]), kv_headroom_tokens=rng.choice([0, 4]),
+        trace_path=str(trace), check_invariants=True))
+    shared = mixed_prompts(1, 20, 20, seed=seed)[0]
+
+    def add():
+        body = [rng.randrange(7, 500) for _ in range(rng.randint(1, 70))]
+        try:
+            return engine.add_request(prompt_tokens=(shared + body) if rng.random() < 0.4 else body,
+                                      sampling=SamplingParams(max_tokens=rng.randint(1, 40)))
+        except InvalidRequest:  # a prompt the budget can never hold
+            return None
+
+    interleave(engine, rng, 30, add, add_below=0.4, abort_below=0.5, burst=3)
+    drain(engine)
+    engine.close()
+    assert engine.executor.cache_bytes() == 0
+    report = replay(load_trace(trace))
+    assert report.identical, report.format()
 
 
 def test_a_hybrid_family_quantizes_its_attention_layers_and_leaves_recurrent_state(tmp_path):

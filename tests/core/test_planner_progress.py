@@ -7,8 +7,10 @@ import random
 
 from caches.kv import KVLayout, LayerLayout
 from scheduler.config import EngineConfig
+from scheduler.events import EventLog
 from scheduler.plan import Reason
-from scheduler.request import FinishReason
+from scheduler.request import FinishReason, Request, SamplingParams
+from scheduler.scheduler import Scheduler
 
 from ..helpers import simulate_planning as simulate
 
@@ -122,3 +124,31 @@ def test_every_request_finishes_within_a_bound():
         _, plans, finished_at = simulate(config, requests, kv_layout=LAYOUT, max_ticks=bound + 1)
         assert len(finished_at) == len(requests), f"seed {seed}: {config}"
         assert all(reason is FinishReason.LENGTH for _, reason in finished_at.values()), f"seed {seed}"
+
+
+def test_a_prompt_the_engine_accepts_is_one_the_planner_admits_alone():
+    """`KVLayout.admit_alone_bytes` (what Engine.add_request checks a prompt against) is exactly the planner's
+    admission rule on an empty engine, quantized rows included (their float prefill peak): a prompt within it
+    runs to the end, one over it is never admitted. Regression: under kv_bits the engine checked the row alone
+    and queued prompts whose float peak never fits, which then held back every request behind them for ever."""
+    layout = KVLayout((LayerLayout(16, None, quantized_bytes_per_token=4),) * 2, quantized_prefill_from=2048,
+                      quantized_rows_from=25)
+    rng = random.Random(7)
+    admitted = refused = 0
+    for _ in range(300):
+        n, headroom, chunk = rng.randint(1, 120), rng.choice([1, 4]), rng.choice([8, 32])
+        budget = rng.randint(8_000, 14_000)
+        config = EngineConfig(max_seqs=2, max_batched_tokens=64, prefill_chunk=chunk, kv_memory_bytes=budget,
+                              kv_headroom_tokens=headroom)
+        need = layout.admit_alone_bytes(n, headroom, min(chunk, max(n - 1, 1)))
+        if need <= budget:
+            _, plans, finished_at = simulate(config, [(0, n, 3)], kv_layout=layout)
+            assert finished_at["r0"][1] is FinishReason.LENGTH and plans[0].admitted == ("r0",)
+            admitted += 1
+        else:
+            scheduler = Scheduler(config, EventLog(), kv_layout=layout)
+            scheduler.add(Request("r0", [5] * n, SamplingParams(max_tokens=3)), 0)
+            plan = scheduler.plan(scheduler.view(0))
+            assert plan.admitted == () and _reason(plan, "r0") is Reason.KV_BUDGET
+            refused += 1
+    assert admitted > 50 and refused > 50
