@@ -5,8 +5,10 @@ large budget, or one of about two entries so entries are evicted every few ticks
 lookup) and either tick mix. Invariants are checked every tick (EngineConfig.check_invariants: the plan's
 budgets, and real KV bytes <= the plan's bound <= kv_memory_bytes at the tick's peak and after it); at the end
 every request ended exactly once, a request fails only if its own processor raised, every unaborted greedy
-request equals its solo mlx-lm output, and every cache byte held for requests is returned."""
+request equals its solo mlx-lm output, every cache byte held for requests is returned, and the run's event
+log replays decision for decision (tools/replay.py)."""
 
+import json
 import random
 
 import pytest
@@ -16,8 +18,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from caches import layers
 from scheduler import Engine, EngineConfig, FinishReason, RequestState, SamplingParams
-from scheduler.events import MemorySink
+from scheduler.events import MemorySink, _jsonable
 from scheduler.execution import library
+from scheduler.tools.replay import load_trace, replay
 
 from ..helpers import solo_tokens
 
@@ -47,6 +50,12 @@ def _solo(model, tokenizer, prompt, n):
     return _SOLO[key]
 
 
+def _assert_replays(log: MemorySink) -> None:
+    """The run's event log, as its trace file would hold it, replays decision for decision."""
+    report = replay(load_trace([json.loads(json.dumps(e, default=_jsonable)) for e in log.events]))
+    assert report.identical, report.format()
+
+
 def _engine_machine(model, tokenizer, kv_budgets, drafts):
     """The machine for one model: `kv_budgets` and `drafts` are what its caches allow (a hybrid cannot draft)."""
     checkpoints_only = not layers.capabilities(library.make_request_cache(model)).trimmable
@@ -57,10 +66,11 @@ def _engine_machine(model, tokenizer, kv_budgets, drafts):
                     chunk=st.sampled_from([5, 16, 64]), draft=st.sampled_from(drafts),
                     mix=st.sampled_from(["decode-first", "prefill-first"]))
         def start(self, kv_budget, prefix, chunk, draft, mix):
+            self.log = MemorySink()
             self.engine = Engine(model, tokenizer, EngineConfig(
                 max_batched_tokens=chunk + 8 + 6 * draft, max_seqs=6, prefill_chunk=chunk, kv_memory_bytes=kv_budget,
                 kv_headroom_tokens=4, prefix_cache_bytes=prefix, draft_tokens=draft, mix=mix,
-                check_invariants=True))
+                check_invariants=True), event_sinks=[self.log])
             self.specs, self.tokens, self.ended, self.aborted = {}, {}, {}, set()
             self.raising, self.errors = {}, {}
 
@@ -142,6 +152,7 @@ def _engine_machine(model, tokenizer, kv_budgets, drafts):
             if cache is not None:
                 assert cache.bytes == sum(e.nbytes for e in cache._entries.values()) <= cache.max_bytes
                 SEEN["prefix_evictions"] += cache.stats()["evictions"]
+            _assert_replays(self.log)
 
     return EngineMachine
 
@@ -192,14 +203,21 @@ def vlm_machine_class(request, vlm_model_dir, tmp_path_factory):
     from PIL import Image
 
     from scheduler.fixtures.vlm_families import build_tiny_vlm
+    from scheduler.models.prompt import MediaInputs
 
     model_dir = vlm_model_dir if request.param == "qwen2_vl" else build_tiny_vlm(
         request.param, tmp_path_factory.mktemp(f"stateful-{request.param}"))
     model, processor = mlx_vlm.load(str(model_dir))
-    bytes_per_token = Engine(model, processor).kv_layout.bytes_per_token
+    probe = Engine(model, processor)
     images = [Image.fromarray(np.random.default_rng(i).integers(0, 256, (h, w, 3), dtype=np.uint8))
               for i, (w, h) in enumerate([(56, 56), (84, 112), (112, 140)])]
     texts = ["Look.", "What is this thing here?", "Describe it in many words, please, carefully."]
+    # the tight budget holds two rows of the longest prompt `add` can make: admitted rows always fit, and the
+    # longest one outgrows it as soon as it decodes next to another row
+    longest = max(len(probe.prompts.resolve(apply_chat_template(processor, model.config, text, num_images=len(imgs)),
+                                            None, MediaInputs.of(imgs or None), None).token_ids)
+                  for text in texts for imgs in ([], *([image] for image in images)))
+    tight_budget = probe.kv_layout.batch_bytes([longest] * 2)
 
     def solo(prompt, imgs, n):
         key = (request.param, prompt, tuple(id(i) for i in imgs), n)
@@ -217,13 +235,12 @@ def vlm_machine_class(request, vlm_model_dir, tmp_path_factory):
         @initialize(chunk=st.sampled_from([7, 32]), vision_budget=st.sampled_from([1, 4]), prefix=st.booleans(),
                     tight=st.booleans(), draft=st.sampled_from([0, 2]))
         def start(self, chunk, vision_budget, prefix, tight, draft):
-            # tight: room for about two rows (the batch cache grows in 256-token steps), no admission headroom;
-            # outputs of up to 24 tokens, so rows outgrow what they were admitted with and are preempted
+            # tight: room for two rows of the longest prompt, no admission headroom
             self.log = MemorySink()
             self.engine = Engine(model, processor, event_sinks=[self.log], config=EngineConfig(
                 max_batched_tokens=chunk + 6 + 5 * draft, max_seqs=5, prefill_chunk=chunk,
                 vision_budget=vision_budget, prefix_cache_bytes=(8 << 20) if prefix else 0,
-                kv_memory_bytes=bytes_per_token * 600 if tight else None, kv_headroom_tokens=0,
+                kv_memory_bytes=tight_budget if tight else None, kv_headroom_tokens=0,
                 draft_tokens=draft, check_invariants=True))
             self.specs, self.tokens, self.ended, self.aborted = {}, {}, {}, set()
 
@@ -263,6 +280,7 @@ def vlm_machine_class(request, vlm_model_dir, tmp_path_factory):
                 else:
                     assert self.tokens[rid] == solo(prompt, imgs, n), rid
             assert self.engine.executor.cache_bytes() == 0 and not self.engine.executor.live_request_ids()
+            _assert_replays(self.log)
             VLMMachine.preemptions += sum(1 for e in self.log.of_kind("transition")
                                           if e["to"] == "queued" and e["from"] != "queued" and self.specs[
                                               e["request_id"]][1])  # image requests preempted
