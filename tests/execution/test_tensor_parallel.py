@@ -7,6 +7,7 @@ Each test launches the ranks itself, with a timeout, so a hang fails the test in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -121,6 +123,26 @@ def _stderr(tmp_path: Path, rank: int) -> str:
     return (tmp_path / f"rank{rank}.stderr").read_text(errors="replace")[-8000:]
 
 
+@contextlib.contextmanager
+def _ranks_by_hand(model_dir: Path, tmp_path: Path, scenario: str) -> Iterator[list[subprocess.Popen]]:
+    """Both ranks of a worker scenario, started by hand (what mlx.launch does for the ring backend) so that one
+    can die without the launcher killing the other; whatever is still running at the end is killed. stderr
+    goes to files (`_stderr`): a pipe nobody drains can fill and block a rank."""
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(2)]))
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(model_dir), str(tmp_path), scenario],
+                              env={**_env(), "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}, cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=(tmp_path / f"rank{rank}.stderr").open("wb"))
+             for rank in range(2)]
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("scenario", ["a-rank-dies", "a-rank-dies-mid-forward"], ids=["short-ticks", "mid-forward"])
 @pytest.mark.parametrize("victim", [1, 0], ids=["follower-killed", "rank0-killed"])
@@ -128,14 +150,7 @@ def test_a_killed_rank_fails_the_other_with_a_clear_error_quickly(text_model_dir
     """The survivor reports ShardLost within seconds, wherever in its tick the peer died: raised by its engine
     when MLX fails the collective (it then exits 0), or from its stall watchdog when MLX's ring backend left the
     forward blocked (it then exits with SHARD_LOST_EXIT_CODE). `mid-forward` makes the second case common."""
-    # started by hand (what mlx.launch does for the ring backend) so that the survivor is not killed with it
-    hostfile = tmp_path / "hosts.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(2)]))
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(text_model_dir), str(tmp_path), scenario],
-                              env={**_env(), "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}, cwd=ROOT,
-                              stdout=subprocess.DEVNULL, stderr=(tmp_path / f"rank{rank}.stderr").open("wb"))
-             for rank in range(2)]  # stderr to files: a pipe nobody drains can fill and block a rank
-    try:
+    with _ranks_by_hand(text_model_dir, tmp_path, scenario) as procs:
         deadline = time.monotonic() + 120
         while not all((tmp_path / f"rank{r}.pid").exists() for r in range(2)):
             assert time.monotonic() < deadline, "the ranks did not start"
@@ -161,11 +176,6 @@ def test_a_killed_rank_fails_the_other_with_a_clear_error_quickly(text_model_dir
         assert "peer rank is gone" in result["error"]
         assert elapsed < 15
         assert code == {"raise": 0, "watchdog": SHARD_LOST_EXIT_CODE}[result["by"]], (code, result)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
 
 
 @pytest.mark.slow
@@ -173,14 +183,7 @@ def test_a_rank_stalled_at_construction_is_ended_by_the_watchdog(text_model_dir,
     """The engine's construction runs probe forwards (its KV layout), collectives like any tick's: with its peer
     not joining them, rank 0 is ended by its stall watchdog (exit SHARD_LOST_EXIT_CODE, a ShardLost naming the
     probe) instead of blocking for ever."""
-    hostfile = tmp_path / "hosts.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(2)]))
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(text_model_dir), str(tmp_path),
-                               "a-rank-stalls-at-construction"],
-                              env={**_env(), "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}, cwd=ROOT,
-                              stdout=subprocess.DEVNULL, stderr=(tmp_path / f"rank{rank}.stderr").open("wb"))
-             for rank in range(2)]
-    try:
+    with _ranks_by_hand(text_model_dir, tmp_path, "a-rank-stalls-at-construction") as procs:
         try:
             code = procs[0].wait(timeout=90)
         except subprocess.TimeoutExpired:
@@ -191,11 +194,6 @@ def test_a_rank_stalled_at_construction_is_ended_by_the_watchdog(text_model_dir,
         assert result["by"] == "watchdog" and result["error_type"] == "ShardLost", result
         assert "the KV-layout probe forward has been blocked for 2 s" in result["error"]
         assert code == SHARD_LOST_EXIT_CODE, _stderr(tmp_path, 0)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
 
 
 @pytest.mark.slow
