@@ -28,6 +28,7 @@ _EXPORTS = {
     "Trigger": ".lifecycle",
     "FinishReason": ".request",
     "InvalidRequest": ".request",
+    "UnreadableMedia": ".request",
     "Request": ".request",
     "SamplingParams": ".request",
     "UnknownRequest": ".request",

@@ -374,8 +374,8 @@ class Engine:
         Images (PIL images, file paths or bytes), videos (file paths, bytes or frame lists; frames selected at
         `config.video_fps`, at most `config.video_max_frames`) and audio (WAV paths, bytes or
         (samples, sample_rate)) need a model whose adapter takes them and a prompt (templated text or chat
-        messages). Media that cannot be read does not raise: the request is accepted and fails at the next tick
-        with the error in its output, like any failure of its own work.
+        messages). Media that cannot be read, or that the model's processor refuses, raises UnreadableMedia (an
+        InvalidRequest naming the item: `kind`, `index`).
         """
         if sampling is None:
             sampling = SamplingParams()
@@ -496,7 +496,6 @@ class Engine:
             arrivals, self._inbox = self._inbox, []
             aborts, self._abort_inbox = self._abort_inbox, []
             clear_prefix, self._clear_prefix_requested = self._clear_prefix_requested, False
-        failed = []
         for a in arrivals:
             request = Request(
                 request_id=a.request_id, prompt_tokens=a.prompt.token_ids, sampling=a.sampling,
@@ -504,10 +503,8 @@ class Engine:
                 seed=a.sampling.seed if a.sampling.seed is not None else _derived_seed(self.config.seed, a.request_id),
                 media=a.prompt.media, num_images=a.prompt.num_media_items, media_key=a.prompt.media_key,
             )
-            out = self.scheduler.add(request, tick, error=a.prompt.error)
-            if out is not None:
-                failed.append(out)
-        outputs = failed + [
+            self.scheduler.add(request, tick)
+        outputs = [
             self.scheduler.abort(rid, tick)
             for rid in dict.fromkeys(aborts)  # an id aborted twice in one tick is aborted once
             if rid in self.scheduler.requests

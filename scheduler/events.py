@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Protocol
 
 import structlog
 
-SCHEMA_VERSION = 2  # 2: arrival error/draft_eligible, policy record, outcome logprobs, kv_* events
+SCHEMA_VERSION = 2  # 2: arrival draft_eligible (and error, no longer written), policy record, outcome logprobs, kv_* events
 MEASURE_KEY = "measure"
 
 

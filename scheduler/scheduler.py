@@ -104,10 +104,8 @@ class Scheduler:
             self.prefix_cache.clear()
 
     # ---- requests in and out ----------------------------------------------------------------------
-    def add(self, request: Request, tick: int, error: str | None = None) -> StepOutput | None:
-        """Queue an arrival. With `error` (its input turned out unusable, e.g. unreadable media) it is accepted
-        and failed at once, and the StepOutput saying so is returned; the arrival event records the error so
-        replay fails it the same way."""
+    def add(self, request: Request, tick: int) -> None:
+        """Queue an arrival."""
         if self.max_model_len is not None:
             request.max_model_len = self.max_model_len
         self.lifecycle.attach(request)
@@ -118,9 +116,8 @@ class Scheduler:
             "arrival", tick, request_id=request.request_id, prompt_tokens=request.prompt_tokens,
             sampling=request.sampling.to_record(), priority=request.priority, seed=request.seed,
             num_images=request.num_images, media_key=request.media_key, draft_eligible=request.draft_eligible,
-            error=error, measure={"t": request.arrival_time, "admitted_to_engine_t": self.events.clock()},
+            measure={"t": request.arrival_time, "admitted_to_engine_t": self.events.clock()},
         )
-        return self.fail(request.request_id, tick, error) if error is not None else None
 
     def abort(self, request_id: str, tick: int, reason: str = "aborted by caller") -> StepOutput:
         request = self.requests[request_id]

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler.models import library
-from scheduler.request import InvalidRequest, as_token_ids, validate_prompt_tokens
+from scheduler.request import InvalidRequest, UnreadableMedia, as_token_ids, validate_prompt_tokens
 
 
 @dataclass
@@ -55,7 +55,6 @@ class ResolvedPrompt:
 
     token_ids: list[int]  # validated ids; for a vision-language model the processor's (placeholders expanded)
     media: Any = None  # the model adapter's PreparedRequest (vision-language models); None for text models
-    error: str | None = None  # unreadable media: the request is accepted and fails at its first tick with this
 
     @property
     def num_media_items(self) -> int:
@@ -69,7 +68,8 @@ class ResolvedPrompt:
 class PromptResolver:
     """Resolves requests for one loaded model. ``vlm``: the model adapter of a vision-language model (None for
     a text model, whose ``tokenizer`` then does the work). Bad input raises ``InvalidRequest`` naming the
-    argument; media that cannot be read is not raised: it is the result's ``error``."""
+    argument; media that cannot be read or that the processor refuses raises ``UnreadableMedia`` naming the
+    item."""
 
     def __init__(self, tokenizer: Any, vlm: Any, vocab_size: int, max_model_len: int,
                  video_fps: float | None = None, video_max_frames: int | None = None):
@@ -94,15 +94,13 @@ class PromptResolver:
         """``prompt`` (a string, chat messages, or for a vision-language model messages with content parts) or
         ``prompt_tokens``, exactly one, and the media -> the request's ``ResolvedPrompt``."""
         prompt_tokens = self._check(prompt, prompt_tokens, media, request_id)
-        prepared, error = None, None
+        prepared = None
         if self.vlm is None:
             ids = prompt_tokens if prompt_tokens is not None else self._tokenize(prompt)
         else:
-            prepared, error = self._prepare(prompt, prompt_tokens, media)
-            # unreadable media: the request is still accepted (it fails at its first tick, with the error in its
-            # output), so it needs some prompt; it is never computed
-            ids = prepared.input_ids if prepared is not None else [0]
-        return ResolvedPrompt(validate_prompt_tokens(ids, self.vocab_size, self.max_model_len), prepared, error)
+            prepared = self._prepare(prompt, prompt_tokens, media, request_id)
+            ids = prepared.input_ids
+        return ResolvedPrompt(validate_prompt_tokens(ids, self.vocab_size, self.max_model_len), prepared)
 
     def _tokenize(self, prompt: Any) -> list[int]:
         if isinstance(prompt, str):
@@ -113,12 +111,13 @@ class PromptResolver:
             return list(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True))
         raise InvalidRequest("prompt", f"must be a string or a list of chat messages, got {type(prompt).__name__}")
 
-    def _prepare(self, prompt: Any, prompt_tokens: list[int] | None, media: MediaInputs) -> tuple[Any, str | None]:
-        """The vision-language model's CPU preprocessing, on the caller's thread. (prepared inputs, media error)."""
-        from scheduler.models.media import MediaError, MediaLimit, RemoteMedia
+    def _prepare(self, prompt: Any, prompt_tokens: list[int] | None, media: MediaInputs,
+                 request_id: str | None) -> Any:
+        """The vision-language model's CPU preprocessing, on the caller's thread: the adapter's prepared inputs."""
+        from scheduler.models.media import MediaError, MediaLimit
 
         if prompt_tokens is not None:
-            return self.vlm.text_request(prompt_tokens), None
+            return self.vlm.text_request(prompt_tokens)
         if isinstance(prompt, str) and not prompt:
             raise InvalidRequest("prompt", "is empty")
         kwargs: dict[str, Any] = {}
@@ -127,13 +126,13 @@ class PromptResolver:
         if media.audio:
             kwargs["audio"] = media.audio
         try:
-            return self.vlm.prepare(prompt, media.images, **kwargs), None
-        except (RemoteMedia, MediaLimit) as exc:  # known without reading anything: refused now
-            raise InvalidRequest(f"{exc.kind}s", str(exc)) from None
-        except MediaError as exc:
-            return None, f"unreadable {getattr(exc, 'kind', 'image')}: {exc}"
+            return self.vlm.prepare(prompt, media.images, **kwargs)
+        except MediaLimit as exc:
+            raise InvalidRequest("audio" if exc.kind == "audio" else f"{exc.kind}s", str(exc), request_id) from None
+        except MediaError as exc:  # it does not decode, is remote, or the processor refuses it
+            raise UnreadableMedia(exc.kind, exc.index, exc.reason, request_id) from None
         except (ValueError, TypeError) as exc:
-            raise InvalidRequest("prompt", str(exc)) from None
+            raise InvalidRequest("prompt", str(exc), request_id) from None
 
 
 class ContentPartError(ValueError):

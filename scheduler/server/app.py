@@ -21,7 +21,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -104,7 +104,9 @@ class _Call:
         self.streams: list[RequestStream] = []
         self.completion_tokens = 0
 
-    async def submit(self, **engine_args: Any) -> None:
+    async def submit(self, part_of: Callable[[str, int | None], str | None] | None = None, **engine_args: Any
+                     ) -> None:
+        """Submit the call's choices. `part_of` names the content part a refused medium came from."""
         state, body = self.state, self.body
         samplings = [sampling_params(body, i, state.engine.max_model_len) for i in range(body.n)]
         if not state.aengine.running:  # before the queue bound: a dead loop's queue never drains
@@ -122,7 +124,7 @@ class _Call:
             for rid in self.request_ids[len(self.streams):]:
                 state.metrics.forget(rid)
             if isinstance(exc, InvalidRequest):
-                raise refusal(body, exc) from None
+                raise refusal(body, exc, part_of) from None
             if isinstance(exc, EngineStopped):
                 raise APIError(503, f"the engine is not running: {exc}", None, "server_error") from None
             raise
@@ -359,7 +361,8 @@ def create_app(state: ServerState) -> Any:
         _check_model(state, body)
         prompt = await asyncio.to_thread(convert_messages, body.messages, vision, audio_rate)
         call = _Call(state, body, "chatcmpl")
-        await call.submit(prompt=prompt.messages, images=prompt.images or None, audio=prompt.audio or None)
+        await call.submit(prompt.part_of, prompt=prompt.messages, images=prompt.images or None,
+                          audio=prompt.audio or None)
         choices = _ChatChoices(engine.tokenizer, token_bytes, body.wants_logprobs(), body.stream)
         return await _respond(request, call, choices)
 

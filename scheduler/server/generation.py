@@ -10,10 +10,10 @@ choice ends with "stop" and its engine request is aborted (nothing keeps computi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from ..async_engine import RequestStream
-from ..request import FinishReason, InvalidRequest, SamplingParams
+from ..request import FinishReason, InvalidRequest, SamplingParams, UnreadableMedia
 from .detokenize import IncrementalDetokenizer
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest
 from .stops import StopMatcher
@@ -49,7 +49,14 @@ def engine_field(body: Body, name: str) -> str:
     return name
 
 
-def refusal(body: Body, exc: InvalidRequest) -> APIError:
+def refusal(body: Body, exc: InvalidRequest, part_of: Callable[[str, int | None], str | None] | None = None
+            ) -> APIError:
+    """The 400 for what the engine refused. `part_of(kind, index)`: the content part a medium came from, so
+    media the model's processor refused is named as the server's own decoding names it."""
+    if isinstance(exc, UnreadableMedia) and part_of is not None:
+        part = part_of(exc.kind, exc.index)
+        if part is not None:
+            return APIError(400, f"{part}: unreadable {exc.kind}: {exc.reason}", part)
     param = engine_field(body, exc.field)
     message = str(exc)
     if exc.field and message.startswith(f"{exc.field}: "):

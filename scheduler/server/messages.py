@@ -2,8 +2,10 @@
 
 Images (`image_url` parts: `data:image/...;base64,` URLs, local paths or `file://` URLs) and audio
 (`input_audio` parts: base64 WAV) are decoded here, before the request is submitted, so an unreadable one is a
-400 naming its part and nothing is queued. Each media part becomes a `{"type": "image"}` / `{"type": "audio"}`
-marker where it stood, the form mlx-vlm's chat template expands; a text-only model gets the text parts joined.
+400 naming its part and nothing is queued; one the model's processor refuses is refused by the engine
+(`UnreadableMedia`), which the server answers the same way (`EnginePrompt.part_of` names the part). Each media
+part becomes a `{"type": "image"}` / `{"type": "audio"}` marker where it stood, the form mlx-vlm's chat template
+expands; a text-only model gets the text parts joined.
 """
 
 from __future__ import annotations
@@ -22,6 +24,13 @@ class EnginePrompt:
     messages: list[dict[str, Any]]
     images: list[Any] = field(default_factory=list)  # PIL images, decoded
     audio: list[Any] = field(default_factory=list)  # (samples, sample_rate), decoded
+    # where each medium came from, per kind ("image", "audio"): the body's path of its content part
+    parts: dict[str, list[str]] = field(default_factory=lambda: {"image": [], "audio": []})
+
+    def part_of(self, kind: str, index: int | None) -> str | None:
+        """The content part (`messages.I.content.J`) of the engine's `kind` medium `index`, if known."""
+        paths = self.parts.get(kind, [])
+        return paths[index] if index is not None and 0 <= index < len(paths) else None
 
 
 def _image_source(url: str) -> str:
@@ -59,6 +68,7 @@ def convert_messages(messages: list[ChatMessage], vision: bool, audio_rate: int 
                 out.images.append(load_image(_image_source(source), len(out.images)))
             except MediaError as exc:
                 raise APIError(400, f"{where}: unreadable image: {exc.reason}", where) from None
+            out.parts["image"].append(where)
         else:
             if audio_rate is None:
                 raise APIError(400, f"{where}: this model takes no audio", where)
@@ -66,6 +76,7 @@ def convert_messages(messages: list[ChatMessage], vision: bool, audio_rate: int 
                 out.audio.append((load_audio(source, len(out.audio), audio_rate), audio_rate))
             except MediaError as exc:
                 raise APIError(400, f"{where}: unreadable audio: {exc.reason}", where) from None
+            out.parts["audio"].append(where)
     if not vision and audio_rate is None:  # a text model's template takes a string
         out.messages = [{**message, "content": "\n".join(p["text"] for p in message["content"])}
                         if isinstance(message["content"], list) else message for message in out.messages]

@@ -3,7 +3,8 @@ tick whose decisions differ from the recorded ones.
 
 A trace is the engine's event log (JSON lines, schema `events.SCHEMA_VERSION`). Replay takes from it the
 engine config, the policy with its parameters and the model stop ids (`engine_start`), every arrival with the
-tick it arrived at (an arrival the engine failed at once, e.g. for unreadable media, carries its error), every
+tick it arrived at (in traces of engines that accepted unreadable media, an arrival failed at once carries its
+error), every
 caller abort, and every executor outcome (`outcome`: the sampled token, logprobs and top_logprobs, errors,
 prefix stores, drafts per request). `ReplayExecutor` hands those outcomes back in place of a model and keeps a model of the
 batch's rows, so the scheduler's own bookkeeping (admission, chunking, finish detection, prefix-cache hits,
@@ -372,9 +373,12 @@ def replay(trace: Trace, policy: str | Policy | None = None) -> ReplayReport:
         executor.tick = tick
         ended = []
         for event in trace.arrivals.get(tick, []):
-            out = scheduler.add(request_from_arrival(event), tick, error=event.get("error"))
-            if out is not None:
-                ended.append(out.request_id)
+            scheduler.add(request_from_arrival(event), tick)
+            if event.get("error") is not None:
+                # written by engines before UnreadableMedia, which accepted a request whose media could not be
+                # read and failed it on arrival; such a trace replays that failure
+                scheduler.fail(event["request_id"], tick, event["error"])
+                ended.append(event["request_id"])
             n_requests += 1
         for rid in dict.fromkeys(trace.aborts.get(tick, [])):
             if rid in scheduler.requests:

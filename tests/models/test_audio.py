@@ -333,7 +333,7 @@ def test_prompt_may_end_with_the_audio(gemma, adapter, clips):
 # ------------------------------------------------------------------------------------ through the engine
 
 
-from scheduler import Engine, EngineConfig, FinishReason, SamplingParams  # noqa: E402
+from scheduler import Engine, EngineConfig, SamplingParams, UnreadableMedia  # noqa: E402
 
 
 @pytest.mark.parametrize("budgets", [dict(), dict(max_batched_tokens=24, prefill_chunk=7, max_seqs=4, vision_budget=1)],
@@ -353,7 +353,7 @@ def test_engine_audio_and_text_match_solo(gemma, mixed, clips, budgets):
     assert engine.executor.cache_bytes() == 0 and not engine.executor.live_request_ids()
 
 
-def test_engine_repeated_clip_hits_the_cache_and_bad_audio_fails_alone(gemma, mixed, clips, tmp_path):
+def test_engine_repeated_clip_hits_the_cache_and_bad_audio_is_refused_alone(gemma, mixed, clips, tmp_path):
     from ..helpers import drive
 
     model, processor = gemma
@@ -362,14 +362,14 @@ def test_engine_repeated_clip_hits_the_cache_and_bad_audio_fails_alone(gemma, mi
     sampling = SamplingParams(max_tokens=MAX_TOKENS)
     prompt = prepared[0].prompt
     first = drive(engine, [(0, {"prompt": prompt, "audio": [clips["a"]], "sampling": sampling})])
+    with pytest.raises(UnreadableMedia, match="^audio: unreadable audio 0: ") as info:
+        engine.add_request(prompt=prompt, audio=[tmp_path / "nope.wav"], sampling=sampling, request_id="missing")
+    assert (info.value.kind, info.value.index) == ("audio", 0) and not engine.has_pending()
     second = drive(engine, [(0, {"prompt": prompt, "audio": [clips["a"].read_bytes()], "sampling": sampling,
-                                 "request_id": "again"}),
-                            (0, {"prompt": prompt, "audio": [tmp_path / "nope.wav"], "sampling": sampling,
-                                 "request_id": "missing"})])
+                                 "request_id": "again"})])
     assert list(first.tokens.values()) == [references[0]] and second.tokens["again"] == references[0]
     stats = engine.vision_cache_stats()
     assert (stats["hits"], stats["misses"]) == (1, 1)
-    assert second.finish["missing"] is FinishReason.ERROR and "unreadable audio: audio 0:" in second.errors["missing"]
 
 
 def test_engine_drafting_on_audio_rows_matches_solo(gemma, mixed, clips):

@@ -463,7 +463,7 @@ def test_frame_selection_validation_is_not_a_media_error(adapter, video_path):
 # ------------------------------------------------------------------------------------ through the engine
 
 
-from scheduler import Engine, EngineConfig, FinishReason, SamplingParams  # noqa: E402
+from scheduler import Engine, EngineConfig, SamplingParams, UnreadableMedia  # noqa: E402
 
 
 def _drive(engine, arrivals):
@@ -501,21 +501,20 @@ def test_engine_video_image_text_match_solo(vlm, adapter, mixed, video_path, bud
     assert list(run.tokens.values()) == [references[2]]
 
 
-def test_engine_repeated_video_hits_the_vision_cache_and_bad_videos_fail_alone(vlm, mixed, video_path, tmp_path):
+def test_engine_repeated_video_hits_the_vision_cache_and_bad_videos_are_refused_alone(vlm, mixed, video_path, tmp_path):
     model, processor = vlm
     prepared, references = mixed
     engine = Engine(model, processor, EngineConfig(video_fps=2.0, check_invariants=True))
     prompt = prepared[0].prompt
     sampling = SamplingParams(max_tokens=MAX_TOKENS)
     first = _drive(engine, [(0, {"prompt": prompt, "videos": [video_path], "sampling": sampling})])
-    second = _drive(engine, [(0, {"prompt": prompt, "videos": [video_path.read_bytes()], "sampling": sampling}),
-                             (0, {"prompt": prompt, "videos": [tmp_path / "nope.mp4"], "sampling": sampling,
-                                  "request_id": "missing"}),
-                             (0, {"prompt": prompt, "videos": [b"junk" * 64], "sampling": sampling,
-                                  "request_id": "junk"})])
+    for rid, video in (("missing", tmp_path / "nope.mp4"), ("junk", b"junk" * 64)):
+        with pytest.raises(UnreadableMedia, match="^videos: unreadable video 0: ") as info:
+            engine.add_request(prompt=prompt, videos=[video], sampling=sampling, request_id=rid)
+        assert (info.value.field, info.value.kind, info.value.index) == ("videos", "video", 0)
+    assert not engine.has_pending()
+    second = _drive(engine, [(0, {"prompt": prompt, "videos": [video_path.read_bytes()], "sampling": sampling})])
     assert list(first.tokens.values()) == [references[0]]
-    assert second.tokens[[r for r in second.tokens if r not in ("missing", "junk")][0]] == references[0]
+    assert list(second.tokens.values()) == [references[0]]
     stats = engine.vision_cache_stats()
     assert (stats["hits"], stats["misses"]) == (1, 1)
-    for rid in ("missing", "junk"):
-        assert second.finish[rid] is FinishReason.ERROR and "unreadable video: video 0:" in second.errors[rid]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from scheduler import Engine, EngineConfig, FinishReason, RequestState, SamplingParams
+from scheduler import Engine, EngineConfig, FinishReason, SamplingParams, UnreadableMedia
 from scheduler.tools.replay import load_trace, replay
 
 from ..helpers import drive, engine_with_log
@@ -159,23 +159,34 @@ def test_media_is_admitted_while_text_keeps_arriving(vlm):
     assert len(finished_at) == 61
 
 
-def test_bad_images_fail_only_their_request(vlm, tmp_path):
+def test_bad_images_are_refused_alone(vlm, tmp_path):
+    """An image that does not decode, or that the processor refuses (Qwen2-VL's patch grid allows an aspect
+    ratio below 200), raises UnreadableMedia naming the image; nothing is queued and the good request runs."""
     model, processor = vlm
     good = noise_image(56, 56, seed=5)
     buf = io.BytesIO()
     good.save(buf, format="PNG")
     prompt = templated(vlm, "What is this?", 1)
-    bad = {"truncated": buf.getvalue()[:40], "missing": str(tmp_path / "nope.png"),
-           "zero-size": Image.new("RGB", (0, 0))}
+    two = templated(vlm, "And these?", 2)
+    bad = {"truncated": (prompt, [buf.getvalue()[:40]], 0), "missing": (prompt, [str(tmp_path / "nope.png")], 0),
+           "zero-size": (prompt, [Image.new("RGB", (0, 0))], 0),
+           "too-wide": (prompt, [noise_image(2000, 8, seed=6)], 0),
+           "second-too-wide": (two, [good, noise_image(8, 2000, seed=7)], 1)}
     engine = Engine(model, processor, EngineConfig(check_invariants=True))
-    arrivals = [(0, {"prompt": prompt, "images": [img], "request_id": name, "sampling": SamplingParams(max_tokens=MAX_TOKENS)})
-                for name, img in bad.items()]
-    arrivals.append((0, {"prompt": prompt, "images": [good], "request_id": "good", "sampling": SamplingParams(max_tokens=MAX_TOKENS)}))
-    run = drive(engine, arrivals)
-    for name in bad:
-        assert run.finish[name] is FinishReason.ERROR and "image 0" in run.errors[name], name
-        assert engine.state_of(name) is RequestState.ABORTED
+    for name, (text, images, index) in bad.items():
+        with pytest.raises(UnreadableMedia) as info:
+            engine.add_request(prompt=text, images=images, request_id=name,
+                               sampling=SamplingParams(max_tokens=MAX_TOKENS))
+        assert (info.value.field, info.value.kind, info.value.index) == ("images", "image", index), name
+        assert str(info.value).startswith(f"images: unreadable image {index}: "), name
+    assert "aspect ratio" in str(info.value)
+    assert not engine.has_pending()
+    run = drive(engine, [(0, {"prompt": prompt, "images": [good], "request_id": "good",
+                              "sampling": SamplingParams(max_tokens=MAX_TOKENS)})])
     assert run.tokens["good"] == solo(vlm, prompt, [good])
+    for name in bad:  # refused ids were never taken: they are free to use
+        assert engine.add_request(prompt=prompt, images=[good], request_id=name,
+                                  sampling=SamplingParams(max_tokens=1))
 
 
 def test_text_only_token_prompts_and_replay(vlm, tmp_path):

@@ -180,7 +180,11 @@ def test_vlm_requests_with_and_without_images_match_solo(vlm_model_dir):
     specs = [(with_image, [image]), (text_only, None), (with_image, [image])]
     uids = gen.insert([MLLMBatchRequest(uid=-1, request_id=f"v{i}", prompt=p, images=imgs, max_tokens=8, temperature=0.0)
                        for i, (p, imgs) in enumerate(specs)])
+    # an image that does not decode: refused by the engine (UnreadableMedia), an "error" response here
+    bad, = gen.insert([MLLMBatchRequest(uid=-1, request_id="bad", prompt=with_image, images=[b"\x89PNG not really"],
+                                        max_tokens=8, temperature=0.0)])
     tokens, finish = _run(gen)
+    assert finish[bad] == "error" and not tokens.get(bad)
     for uid, (prompt, imgs) in zip(uids, specs):
         last = None
         for last in mlx_vlm.stream_generate(model, processor, prompt, image=imgs, max_tokens=8, temperature=0.0):

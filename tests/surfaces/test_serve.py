@@ -382,6 +382,14 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[str, bytes | dict, int, str]]:
         (chat, {"messages": [{"role": "user", "content": [
             {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}]}]}, 400,
          "messages.0.content.0"),  # this model takes no audio
+        # decodes, but the model's processor refuses it (Qwen2-VL: aspect ratio at most 200): the engine's
+        # UnreadableMedia names image 1, which the server maps back to its part
+        (chat, {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                             {"role": "user", "content": [
+                                 {"type": "image_url", "image_url": {"url": _picture(3, (56, 56))[1]}},
+                                 {"type": "text", "text": "and these?"},
+                                 {"type": "image_url", "image_url": {"url": _picture(4, (2000, 8))[1]}}]}]},
+         400, "messages.2.content.2"),
         (chat, {"messages": ok, "model": "gpt-4"}, 404, "model"),
     ]
 

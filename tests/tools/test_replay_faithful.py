@@ -1,8 +1,8 @@
 """Replay is faithful on ordinary traces (issue 24 items 3-7), each a regression test that failed before:
 
 3. per-token logprobs are in the outcome, so a trace with `logprobs=True` replays (replay raised KeyError);
-4. an arrival failed at inbox time (unreadable media) carries its error, so replay fails it the same way
-   (an unedited trace was "DIVERGED at tick 0");
+4. an arrival failed at inbox time (unreadable media, by engines before UnreadableMedia refused it) carries its
+   error, so replay fails it the same way (an unedited trace was "DIVERGED at tick 0");
 5. whether a row may draft is recorded per arrival, so rows with logits processors do not draft in replay
    either (replay diverged at the first decode tick with drafting on);
 6. the policy is recorded with its parameters (Priority(aging_ticks=5) replayed with the default aging), and a
@@ -15,12 +15,10 @@ import json
 
 import pytest
 
-from scheduler import Engine, EngineConfig, FinishReason, SamplingParams
+from scheduler import Engine, EngineConfig, SamplingParams, UnreadableMedia
 from scheduler.cli import main
-from scheduler.events import SCHEMA_VERSION, EventLog, MemorySink, read_jsonl
+from scheduler.events import SCHEMA_VERSION, read_jsonl
 from scheduler.policy import FCFS, Priority, PolicyUnavailable
-from scheduler.request import Request
-from scheduler.scheduler import Scheduler
 from scheduler.tools.replay import TraceError, load_trace, replay
 
 from ..helpers import drive, mixed_prompts
@@ -99,22 +97,6 @@ def test_a_trace_with_logprobs_replays_and_the_command_says_identical(logprob_ru
 # ---- 4: unreadable media ------------------------------------------------------------------------------------
 
 
-def test_an_arrival_failed_by_the_engine_records_its_error_and_fails_the_same_way():
-    """Model-free: Scheduler.add(..., error=) accepts and fails the request in one step, and the arrival event
-    carries the error (the engine and replay share this path)."""
-    sink = MemorySink()
-    sched = Scheduler(EngineConfig(), EventLog([sink]))
-    out = sched.add(Request("bad", [5, 6], SamplingParams(max_tokens=3)), 0, error="unreadable image: truncated")
-    assert (out.request_id, out.finished, out.finish_reason, out.error) == (
-        "bad", True, FinishReason.ERROR, "unreadable image: truncated")
-    assert not sched.has_live()
-    arrival, transition = sink.events
-    assert arrival["event"] == "arrival" and arrival["error"] == "unreadable image: truncated"
-    assert (transition["trigger"], transition["from"], transition["to"]) == ("fail", "queued", "aborted")
-    assert sched.add(Request("good", [5, 6], SamplingParams(max_tokens=3)), 0) is None
-    assert sink.events[-1]["error"] is None
-
-
 @pytest.fixture(scope="module")
 def vlm(vlm_model_dir):
     import mlx_vlm
@@ -139,31 +121,58 @@ def _noise_image(seed, size=(56, 56)):
     return Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8))
 
 
-def test_unreadable_media_is_recorded_in_the_arrival_and_replays_identically(vlm, tmp_path):
+def _trace_with_an_arrival_failed_at_once(vlm, tmp_path):
+    """A trace as engines before UnreadableMedia wrote it: the unreadable request was accepted, its arrival
+    carried the error and it was failed in its arrival tick. Today's engine refuses that request, so the trace
+    is the one it writes for the readable request, with what the older engine wrote for the other put back: its
+    arrival (with the error) and fail transition at tick 1, and its id in that tick's plan's `step.finished`."""
+    model, processor = vlm
+    path = tmp_path / "media.jsonl"
+    engine = Engine(model, processor, EngineConfig(trace_path=str(path)))
+    drive(engine, [(0, {"prompt": _image_prompt(vlm, "What is this?"), "images": [_noise_image(2)],
+                        "request_id": "good", "sampling": SamplingParams(max_tokens=4)})])
+    engine.close()
+    events = read_jsonl(path)
+    good = next(e for e in events if e["event"] == "arrival")
+    bad = {**good, "tick": 1, "request_id": "bad", "prompt_tokens": [0], "num_images": 0, "media_key": None,
+           "error": "unreadable image: image 0: truncated"}
+    fail = {"schema": good["schema"], "seq": 0, "tick": 1, "event": "transition", "request_id": "bad",
+            "from": "queued", "to": "aborted", "trigger": "fail", "reason": bad["error"]}
+    at = next(i for i, e in enumerate(events) if e["tick"] == 1)
+    events[at:at] = [bad, fail]
+    plan = next(e for e in events if e["event"] == "plan" and e["tick"] == 1)
+    plan["step"]["finished"] = ["bad", *plan["step"]["finished"]]  # ended before the plan, as at any arrival
+    for seq, e in enumerate(events):
+        e["seq"] = seq
+    return events
+
+
+def test_unreadable_media_is_refused_and_nothing_is_recorded(vlm, tmp_path):
     model, processor = vlm
     path = tmp_path / "media.jsonl"
     buf = io.BytesIO()
     _noise_image(1).save(buf, format="PNG")
     engine = Engine(model, processor, EngineConfig(trace_path=str(path)))
-    run = drive(engine, [
-        (0, {"prompt": _image_prompt(vlm, "What is this?"), "images": [_noise_image(2)], "request_id": "good",
-             "sampling": SamplingParams(max_tokens=4)}),
-        (1, {"prompt": _image_prompt(vlm, "And this?"), "images": [buf.getvalue()[:40]], "request_id": "bad",
-             "sampling": SamplingParams(max_tokens=4)}),
-    ])
+    with pytest.raises(UnreadableMedia):
+        engine.add_request(prompt=_image_prompt(vlm, "And this?"), images=[buf.getvalue()[:40]], request_id="bad")
+    run = drive(engine, [(0, {"prompt": _image_prompt(vlm, "What is this?"), "images": [_noise_image(2)],
+                              "request_id": "good", "sampling": SamplingParams(max_tokens=4)})])
     engine.close()
-    assert run.finish["bad"] is FinishReason.ERROR and len(run.tokens["good"]) == 4
+    assert len(run.tokens["good"]) == 4
     events = read_jsonl(path)
-    bad = next(e for e in events if e["event"] == "arrival" and e["request_id"] == "bad")
-    assert bad["error"] == run.errors["bad"] and bad["error"].startswith("unreadable image")
-    assert any(e["event"] == "transition" and e["request_id"] == "bad" and e["trigger"] == "fail"
-               and e["tick"] == bad["tick"] for e in events)
-    report = replay(load_trace(path))
+    assert [e["request_id"] for e in events if e["event"] == "arrival"] == ["good"]
+    assert all("error" not in e for e in events if e["event"] == "arrival")
+    assert replay(load_trace(path)).identical
+
+
+def test_an_older_trace_with_an_arrival_failed_at_once_replays_that_failure(vlm, tmp_path):
+    events = _trace_with_an_arrival_failed_at_once(vlm, tmp_path)
+    report = replay(load_trace(_write(tmp_path / "older.jsonl", events)))
     assert report.identical, report.format()
-    # and replay does read it: without the recorded error, the request is admitted where it was failed
-    bad["error"] = None
+    # and replay does read the error: without it, the request is admitted where it was failed
+    next(e for e in events if e.get("request_id") == "bad" and e["event"] == "arrival")["error"] = None
     edited = replay(load_trace(_write(tmp_path / "no-error.jsonl", events)))
-    assert not edited.identical and edited.divergence.tick == bad["tick"]
+    assert not edited.identical and edited.divergence.tick == 1
 
 
 # ---- 5: draft eligibility -----------------------------------------------------------------------------------
