@@ -156,6 +156,8 @@ class Engine:
             sinks.append(JsonlSink(self.config.trace_path))
         self.clock = clock
         self.events = EventLog(sinks, clock=clock)
+        # here, on the constructing thread: the engine may be stepped from another (AsyncEngine, the server)
+        library.materialize(model, draft_model, mtp_head)
         family = _model_family(model, tokenizer, self.config, self._vision_event)
         self._runner = family.runner
         self.vlm, self.vision_cache = family.vlm, family.vision_cache

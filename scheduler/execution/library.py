@@ -9,6 +9,7 @@ tests/execution/test_library_seam.py pins the exact behaviour we rely on so an u
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import mlx.core as mx
@@ -68,6 +69,39 @@ def model_family(model: Any) -> Family:
     except layers.UnsupportedCache as exc:
         raise UnsupportedModel(model_type, str(exc)) from exc
     return family
+
+
+def materialize(*models: Any) -> int:
+    """Evaluate, on this thread, every array the models hold: their parameters, and the arrays that are not
+    parameters (underscore attributes, and attributes of plain objects a module keeps, e.g. mlx-vlm Pixtral's
+    rotary table, `PixtralRotaryEmbedding.inv_freq`, computed lazily at construction). MLX evaluates a lazy
+    array on the stream it was built on, and streams are per thread: such an array, first needed by a forward
+    on another thread (an AsyncEngine's loop, a server), raises "There is no Stream(cpu, 0) in current thread".
+    A text model's probe forwards happen to evaluate what its text path needs; a vision tower is not probed.
+    Returns how many arrays were evaluated (tests/execution/test_library_seam.py)."""
+    arrays: list[mx.array] = []
+    seen: set[int] = set()
+    pending: list[Any] = [m for m in models if m is not None]
+    while pending:
+        obj = pending.pop()
+        if isinstance(obj, _NOT_STATE) or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, mx.array):
+            arrays.append(obj)
+            continue
+        if isinstance(obj, dict):  # an nn.Module is a dict of its arrays, submodules and lists
+            pending.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            pending.extend(obj)
+        pending.extend(getattr(obj, "__dict__", {}).values())  # other attributes; a plain object's fields
+    mx.eval(arrays)
+    return len(arrays)
+
+
+# values that hold no model state: scalars, and code (classes, modules, functions, bound methods)
+_NOT_STATE = (str, bytes, int, float, bool, type(None), type, types.ModuleType, types.FunctionType,
+              types.MethodType, types.BuiltinFunctionType)
 
 
 def kv_layout(model: Any, max_kv_size: int | None = None) -> KVLayout:

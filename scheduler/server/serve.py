@@ -2,11 +2,13 @@
 
 Shutdown (SIGINT / SIGTERM, handled by uvicorn): new connections stop, open responses get
 `graceful_shutdown_s` to finish, then their tasks are cancelled (which aborts their engine requests); after
-that the engine loop stops and the trace is flushed and closed.
+that the engine loop stops and the trace is flushed and closed, and the process exits with 0.
 """
 
 from __future__ import annotations
 
+import signal
+import threading
 from pathlib import Path
 
 from ..async_engine import AsyncEngine
@@ -28,11 +30,18 @@ def serve(model_dir: str | Path, config: EngineConfig, host: str = "127.0.0.1", 
     state = ServerState(aengine, metrics, model_name or Path(model_dir).name, max_queue)
     server = uvicorn.Server(uvicorn.Config(create_app(state), host=host, port=port, log_level=log_level,
                                            timeout_graceful_shutdown=graceful_shutdown_s, lifespan="off"))
+    # Once it has shut down, uvicorn raises the signal it handled again, with the handler that was there before
+    # it ran: SIGINT's is Python's KeyboardInterrupt, SIGTERM's would end the process before the trace is
+    # flushed. So SIGTERM gets a handler that raises too (signals can be handled on the main thread only).
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if on_main_thread else None
     try:
         server.run()
-    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled once it has shut down: that is the end
+    except (KeyboardInterrupt, _Terminated):  # the re-raised signal: that is the end
         pass
     finally:
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, previous)
         # requests still live (their responses were cancelled after the grace period) are aborted and freed
         # by the loop before it stops: nothing of theirs outlives it
         aengine.close(drain_s=graceful_shutdown_s)
@@ -40,3 +49,11 @@ def serve(model_dir: str | Path, config: EngineConfig, host: str = "127.0.0.1", 
         import mlx.core as mx
 
         mx.clear_streams()  # this thread loaded the model: its MLX streams go before the interpreter does
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived (raised by `_raise_terminated`, the server's SIGTERM handler)."""
+
+
+def _raise_terminated(_signum: int, _frame: object) -> None:
+    raise _Terminated()

@@ -1,5 +1,5 @@
-"""Pins the mlx-lm behaviour scheduler/execution/library.py relies on. If an mlx-lm upgrade moves any of it, these
-fail here, loudly, instead of as wrong tokens somewhere else."""
+"""Pins the mlx-lm (and MLX) behaviour scheduler/execution/library.py relies on. If an upgrade moves any of it,
+these fail here, loudly, instead of as wrong tokens somewhere else."""
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
@@ -57,3 +57,54 @@ def test_model_facts(text_model):
     assert library.max_positions(model) is not None
     eos = library.eos_token_ids(tokenizer)
     assert eos and all(isinstance(i, int) for i in eos)
+
+
+_MATERIALIZE_SCRIPT = """
+import os, threading
+import mlx.core as mx, mlx.nn as nn
+from scheduler.execution import library
+
+class Table:  # a plain object a module keeps, as mlx-vlm's PixtralRotaryEmbedding is
+    def __init__(self):
+        self.freqs = mx.arange(8).astype(mx.float32) * 2
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.table = Table()
+        self._hidden = mx.ones((3,)) + 1  # underscore: not a parameter
+
+def on_another_thread(model):
+    out = []
+    def run():
+        try:
+            mx.eval(model.table.freqs, model._hidden)
+            out.append("ok")
+        except RuntimeError as exc:
+            out.append(str(exc))
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return out[0]
+
+lazy, ready = Model(), Model()
+count = library.materialize(ready)
+print(on_another_thread(lazy), "|", on_another_thread(ready), "|", count, flush=True)
+os._exit(0)  # not the interpreter's exit: a thread that ran MLX work can make that abort (MLX's thread-locals)
+"""
+
+
+def test_materialize_evaluates_what_the_parameters_leave_out():
+    """Pins the MLX behaviour `library.materialize` exists for (a lazy array built on one thread cannot be
+    evaluated on another), and that it reaches arrays outside `parameters()`: an underscore attribute and a plain
+    object's field. In a child process, which leaves with os._exit."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _MATERIALIZE_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lazy, ready, count = (part.strip() for part in run.stdout.strip().split("|"))
+    assert "There is no Stream" in lazy, lazy
+    assert ready == "ok"
+    assert count == "4"  # linear.weight, linear.bias, table.freqs, _hidden

@@ -118,6 +118,7 @@ def family(request, tmp_path_factory):
     from scheduler.models.families import FAMILIES
 
     assert set(FAMILY_CASES[name].media) == set(FAMILIES[name].media), "the family table and its test disagree"
+    MODEL_DIRS[name] = model_dir
     model, processor = mlx_vlm.load(str(model_dir))
     requests = workload()
     references = []
@@ -133,6 +134,7 @@ def family(request, tmp_path_factory):
 
 
 PROMPT_TOKENS: dict[str, list[int]] = {}  # family -> each request's prompt length (as mlx-vlm counted it)
+MODEL_DIRS: dict[str, Path] = {}  # family -> its tiny build
 
 
 def _config(engine_probe: Engine | None, schedule: dict, prompt_tokens: list[int] = ()) -> EngineConfig:
@@ -224,6 +226,33 @@ def test_family_is_quiet_per_request(family, capfd, caplog, recwarn):
     assert (out, err) == ("", ""), f"{name} printed per request: {(out + err)[:300]}"
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [r.getMessage() for r in caplog.records]
     assert not [str(w.message) for w in recwarn]
+
+
+def test_family_serves_from_the_async_engines_thread(family):
+    """A model loaded here and run only by an AsyncEngine (its loop thread, as in the server): an image and a
+    text request equal solo mlx_vlm. MLX evaluates a lazy array on the stream of the thread that built it, and
+    mlx-vlm's Pixtral vision tower (mistral3, pixtral) keeps its rotary table as a lazy array outside the
+    parameters: before the engine materialized the model on construction, every image request of those
+    families failed there with "There is no Stream(cpu, 0) in current thread"."""
+    import asyncio
+
+    import mlx_vlm
+
+    from scheduler import AsyncEngine
+
+    name, _, requests, references = family
+    model, processor = mlx_vlm.load(str(MODEL_DIRS[name]))  # fresh: nothing of it evaluated on this thread
+    engine = Engine(model, processor, EngineConfig(check_invariants=True))
+
+    async def run():
+        async with AsyncEngine(engine) as aengine:
+            return await asyncio.gather(*(aengine.generate(prompt=m, images=im or None,
+                                                           sampling=SamplingParams(max_tokens=MAX_TOKENS))
+                                          for m, im in requests[1:3]))
+
+    outs = asyncio.run(run())
+    assert [o.error for o in outs] == [None, None]
+    assert [o.token_ids for o in outs] == references[1:3]
 
 
 def _frames(seed: int, count: int, width: int, height: int) -> list:

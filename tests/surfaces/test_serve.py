@@ -604,3 +604,22 @@ def test_sigint_shuts_down_cleanly(server):
     events = read_jsonl(server.trace)  # complete JSON lines: the trace was flushed and closed
     aborted = [e for e in events if e["event"] == "transition" and e["to"] == "aborted"]
     assert any(e["request_id"] == server.aborted_request for e in aborted)
+
+
+def test_sigterm_shuts_down_cleanly_too(vlm_model_dir, tmp_path):
+    """SIGTERM (what process managers send) as SIGINT: uvicorn shuts down, then raises the signal again with the
+    handler from before it ran; the default one ended the process there (exit -15), so the engine loop was never
+    stopped and the trace never flushed (it was empty)."""
+    server = _start(vlm_model_dir, tmp_path, "term")
+    try:
+        _wait_healthy(server, time.monotonic() + 120)
+        status, body = server.post("/v1/completions", {"prompt": [7, 8, 9], "max_tokens": 3, "temperature": 0})
+        assert status == 200, body
+        server.process.send_signal(signal.SIGTERM)
+        rc = server.process.wait(30)
+    finally:
+        _stop(server)
+    assert rc == 0, server.log.read_text()[-3000:]
+    events = read_jsonl(server.trace)
+    finished = [e for e in events if e["event"] == "transition" and e["to"] == "finished"]
+    assert len(finished) == 1
