@@ -278,13 +278,25 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as exc:  # the `serve` extra is not installed
         print(f"mlxsched serve needs the serve extra (pip install 'mlxsched[serve]'): {exc}", file=sys.stderr)
         return 2
+    from .engine import Engine
+    from .families import UnsupportedModel
+    from .models.families import UnsupportedFamily
+
     try:
         config = _engine_config(args)
     except ValueError as exc:
         print(f"mlxsched serve: {exc}", file=sys.stderr)
         return 2
-    serve(args.model, config, host=args.host, port=args.port, max_queue=args.max_queue,
-          model_name=args.served_model_name, graceful_shutdown_s=args.graceful_shutdown_s)
+    try:  # what cannot be served is said in one line, before anything listens
+        engine = Engine.from_pretrained(args.model, config)
+    except FileNotFoundError as exc:  # (it names the path)
+        print(f"mlxsched serve: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, UnsupportedModel, UnsupportedFamily, ValueError) as exc:
+        print(f"mlxsched serve: cannot serve {args.model}: {exc}", file=sys.stderr)
+        return 2
+    serve(engine, args.served_model_name or Path(args.model).name, host=args.host, port=args.port,
+          max_queue=args.max_queue, graceful_shutdown_s=args.graceful_shutdown_s)
     return 0
 
 

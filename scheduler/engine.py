@@ -329,6 +329,9 @@ class Engine:
         model sharded across the group's ranks; call this on every rank, then use the engine on rank 0 and
         `engine.follow()` on the others (README: "One model across processes").
         """
+        if not Path(model_dir).is_dir():  # mlx-lm would take it for a Hugging Face repo id and try to download
+            raise FileNotFoundError(f"{model_dir}: no such model directory (a local mlx-lm or mlx-vlm model "
+                                    "directory; nothing is downloaded)")
         if tensor_group is not None or pipeline_group is not None:
             if library.is_vision_language_dir(model_dir):
                 raise ValueError("tensor_group / pipeline_group: sharding is built for mlx-lm text models only")

@@ -1,4 +1,4 @@
-"""Run the server: load the model into an Engine, feed its events to the metrics, serve the app with uvicorn.
+"""Run the server: feed an Engine's events to the metrics, serve the app with uvicorn.
 
 Shutdown (SIGINT / SIGTERM, handled by uvicorn): new connections stop, open responses get
 `graceful_shutdown_s` to finish, then their tasks are cancelled (which aborts their engine requests); after
@@ -9,25 +9,22 @@ from __future__ import annotations
 
 import signal
 import threading
-from pathlib import Path
 
 from ..async_engine import AsyncEngine
-from ..config import EngineConfig
 from ..engine import Engine
 from .app import ServerState, create_app
 from .metrics import EngineMetrics
 
 
-def serve(model_dir: str | Path, config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
-          max_queue: int | None = None, model_name: str | None = None, graceful_shutdown_s: float = 5.0,
-          log_level: str = "info") -> None:
+def serve(engine: Engine, model_name: str, host: str = "127.0.0.1", port: int = 8000,
+          max_queue: int | None = None, graceful_shutdown_s: float = 5.0, log_level: str = "info") -> None:
+    """Serve `engine` (built on this thread, e.g. `Engine.from_pretrained`) as `model_name` until a signal."""
     import uvicorn
 
-    engine = Engine.from_pretrained(model_dir, config)
     metrics = EngineMetrics()
     engine.events.add_sink(metrics)
     aengine = AsyncEngine(engine)
-    state = ServerState(aengine, metrics, model_name or Path(model_dir).name, max_queue)
+    state = ServerState(aengine, metrics, model_name, max_queue)
     server = uvicorn.Server(uvicorn.Config(create_app(state), host=host, port=port, log_level=log_level,
                                            timeout_graceful_shutdown=graceful_shutdown_s, lifespan="off"))
     # Once it has shut down, uvicorn raises the signal it handled again, with the handler that was there before

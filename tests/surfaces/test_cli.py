@@ -76,3 +76,19 @@ def test_serve_refuses_a_bad_engine_config_before_loading(capsys):
     assert "max_batched_tokens" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["serve", "--model", "no-such-dir", "--max-queue", "0"])
+
+
+def test_serve_says_in_one_line_what_it_cannot_serve(tmp_path, capsys):
+    """A path that is not a model directory (mlx-lm took it for a Hugging Face repo id and raised from the hub
+    client), and a family the engine refuses (llava_next), end with exit 2 and one line, before anything
+    listens."""
+    from scheduler.fixtures.vlm_families import build_tiny_vlm
+
+    assert main(["serve", "--model", str(tmp_path / "no-such-dir")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no such model directory" in err and "no-such-dir" in err
+    refused = build_tiny_vlm("llava_next", tmp_path / "llava_next")
+    assert main(["serve", "--model", str(refused)]) == 2
+    err = capsys.readouterr().err  # (transformers may warn first, loading the processor)
+    assert "Traceback" not in err
+    assert err.splitlines()[-1].startswith("mlxsched serve: cannot serve") and "llava_next" in err
