@@ -208,6 +208,11 @@ class VLMAdapter:
             self._fingerprint = library.model_fingerprint(self.model, self.processor)
         return self._fingerprint
 
+    @property
+    def media_kinds(self) -> frozenset[str]:
+        """What this family's processor takes: "image", "video", "audio"."""
+        return self.spec.media
+
     def media_key(self, media_inputs: dict[str, Any]) -> str:
         """Content key of a request's ordered media: the preprocessed tensors (the exact encoder inputs), by
         name, and the model / processor fingerprint. Independent of file names and of the prompt text."""

@@ -341,9 +341,9 @@ def create_app(state: ServerState) -> Any:
     app = FastAPI(title="mlxsched", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
     engine = state.engine
-    vision = engine.vlm is not None
+    vision = engine.vlm is not None and "image" in engine.vlm.media_kinds  # (some families take audio only)
     token_bytes = TokenBytes(engine.tokenizer)  # (built once: it reads the tokenizer's decoder)
-    audio_rate = getattr(engine.vlm, "sample_rate", None) if vision else None
+    audio_rate = getattr(engine.vlm, "sample_rate", None) if engine.vlm is not None else None
 
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> JSONResponse:

@@ -9,6 +9,7 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import time  # noqa: E402
 import wave  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
@@ -470,3 +471,42 @@ def test_gemma3n_is_refused_at_load_with_the_reason():
                      per_layer_inputs=prompt.per_layer_inputs[:, -1:]).logits
     as_decode = lm(ids[:, -1:], cache=by_id).logits
     assert not mx.allclose(as_generate, as_decode, atol=1e-3)
+
+
+def test_served_audio_chat_equals_the_engine_and_images_are_refused_by_part(gemma, audio_model_dir, tmp_path):
+    """`mlxsched serve` on an audio family: an `input_audio` part (base64 WAV) gives what the engine gives for
+    the same messages and clip (greedy), and an image part is refused naming that part, since the family
+    takes audio only (it was refused naming `messages`, by the engine, after the server had decoded it)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from ..surfaces.test_serve import _start, _stop, _wait_healthy
+
+    clip = write_wav(tmp_path / "clip.wav", tone(0.6, seed=3))
+    model, processor = gemma
+    want = Engine(model, processor, EngineConfig()).generate(
+        [audio_messages("What do you hear?")], SamplingParams(max_tokens=MAX_TOKENS), audio=[[str(clip)]])[0]
+    audio_part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(clip.read_bytes()).decode(),
+                                                         "format": "wav"}}
+    png = io.BytesIO()
+    Image.new("RGB", (28, 28)).save(png, format="PNG")
+    image_part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,"
+                                                            + base64.b64encode(png.getvalue()).decode()}}
+    server = _start(audio_model_dir, tmp_path, "audio")
+    try:
+        _wait_healthy(server, time.monotonic() + 120)
+        status, got = server.post("/v1/chat/completions", {
+            "messages": [{"role": "user", "content": [audio_part, {"type": "text", "text": "What do you hear?"}]}],
+            "max_tokens": MAX_TOKENS, "temperature": 0})
+        refused_status, refused = server.post("/v1/chat/completions", {
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "and this?"}, image_part]}],
+            "max_tokens": 2})
+    finally:
+        _stop(server)
+    assert status == 200, got
+    assert got["usage"]["completion_tokens"] == len(want.token_ids)
+    assert got["choices"][0]["message"]["content"] == want.text
+    assert refused_status == 400 and refused["error"]["param"] == "messages.0.content.1", refused
+    assert "takes no images" in refused["error"]["message"]
