@@ -8,6 +8,7 @@ Video sources (``load_video``)
 * a file path (``str`` / ``os.PathLike``), decoded with OpenCV (``cv2.VideoCapture``);
 * raw bytes (``bytes`` / ``bytearray`` / ``memoryview``): written to a temporary file that OpenCV opens (its
   FFmpeg backend recognises the container from the content, not the name) and removed afterwards;
+* a ``data:video/...;base64,`` URL (an OpenAI-style ``video_url`` part's): its bytes, as above;
 * a list/tuple of frames (PIL images or ``HxWx3`` / ``HxWx4`` / ``HxW`` ``uint8`` numpy arrays), taken as
   frames that were already chosen: ``fps`` does not apply to them (they carry no timestamps), only the
   ``max_frames`` cap.
@@ -58,7 +59,7 @@ import io
 
 import numpy as np
 
-VideoInput = Any  # str | os.PathLike | bytes | bytearray | memoryview | Sequence[PIL.Image | np.ndarray]
+VideoInput = Any  # str (path, data:video URL) | os.PathLike | bytes | bytearray | memoryview | Sequence[frames]
 
 
 class MediaError(ValueError):
@@ -303,9 +304,11 @@ def load_video(source: VideoInput, index: int, fps: float, max_frames: int) -> V
                 os.unlink(tmp)
             except OSError:
                 pass
+    if isinstance(source, str) and source.startswith("data:"):  # an OpenAI-style video_url part's data: URL
+        return load_video(_data_url_bytes(source, "video", index), index, fps, max_frames)
     if isinstance(source, str) and source.startswith(("http://", "https://")):
-        raise RemoteMedia(index, "remote URLs are not fetched; pass the video bytes, a file path or its frames",
-                          "video")
+        raise RemoteMedia(index, "remote URLs are not fetched; pass the video bytes, a file path, a data: URL or "
+                                 "its frames", "video")
     if isinstance(source, str) and source.startswith("file://"):
         source = source[len("file://"):]
     if isinstance(source, (str, os.PathLike)):
@@ -436,17 +439,22 @@ def load_image(source: ImageInput, index: int) -> Any:
     return image
 
 
+def _data_url_bytes(url: str, kind: str, index: int) -> bytes:
+    """The payload of a ``data:<kind>/...;base64,`` URL."""
+    head, sep, payload = url.partition(",")
+    if not sep or not head.startswith(f"data:{kind}/") or ";base64" not in head:
+        raise MediaError(index, f"unsupported data URI (want data:{kind}/...;base64,...)", kind)
+    try:
+        return base64.b64decode(payload, validate=True)
+    except Exception as exc:
+        raise MediaError(index, f"bad base64 in data URI: {exc}", kind) from exc
+
+
 def _read_source(source: Any, index: int) -> bytes:
     if isinstance(source, (bytes, bytearray, memoryview)):
         return bytes(source)
     if isinstance(source, str) and source.startswith("data:"):
-        head, sep, payload = source.partition(",")
-        if not sep or not head.startswith("data:image/") or ";base64" not in head:
-            raise MediaError(index, "unsupported data URI (want data:image/...;base64,...)")
-        try:
-            return base64.b64decode(payload, validate=True)
-        except Exception as exc:
-            raise MediaError(index, f"bad base64 in data URI: {exc}") from exc
+        return _data_url_bytes(source, "image", index)
     if isinstance(source, str) and source.startswith(("http://", "https://")):
         raise RemoteMedia(index, "remote URLs are not fetched; pass the image bytes, a file path, a data: URL or "
                                  "a PIL image")

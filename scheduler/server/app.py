@@ -341,7 +341,8 @@ def create_app(state: ServerState) -> Any:
     app = FastAPI(title="mlxsched", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
     engine = state.engine
-    vision = engine.vlm is not None and "image" in engine.vlm.media_kinds  # (some families take audio only)
+    media = engine.vlm.media_kinds if engine.vlm is not None else frozenset()  # (some families take audio only)
+    vision, video = "image" in media, "video" in media
     token_bytes = TokenBytes(engine.tokenizer)  # (built once: it reads the tokenizer's decoder)
     audio_rate = getattr(engine.vlm, "sample_rate", None) if engine.vlm is not None else None
 
@@ -359,10 +360,10 @@ def create_app(state: ServerState) -> Any:
     async def chat_completions(request: Request) -> Response:
         body = await _parse(request, ChatCompletionRequest)
         _check_model(state, body)
-        prompt = await asyncio.to_thread(convert_messages, body.messages, vision, audio_rate)
+        prompt = await asyncio.to_thread(convert_messages, body.messages, vision, audio_rate, video)
         call = _Call(state, body, "chatcmpl")
         await call.submit(prompt.part_of, prompt=prompt.messages, images=prompt.images or None,
-                          audio=prompt.audio or None)
+                          videos=prompt.videos or None, audio=prompt.audio or None)
         choices = _ChatChoices(engine.tokenizer, token_bytes, body.wants_logprobs(), body.stream)
         return await _respond(request, call, choices)
 

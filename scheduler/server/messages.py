@@ -3,9 +3,11 @@
 Images (`image_url` parts: `data:image/...;base64,` URLs, local paths or `file://` URLs) and audio
 (`input_audio` parts: base64 WAV) are decoded here, before the request is submitted, so an unreadable one is a
 400 naming its part and nothing is queued; one the model's processor refuses is refused by the engine
-(`UnreadableMedia`), which the server answers the same way (`EnginePrompt.part_of` names the part). Each media
-part becomes a `{"type": "image"}` / `{"type": "audio"}` marker where it stood, the form mlx-vlm's chat template
-expands; a text-only model gets the text parts joined.
+(`UnreadableMedia`), which the server answers the same way (`EnginePrompt.part_of` names the part). Videos
+(`video_url` parts: `data:video/...;base64,` URLs, local paths or `file://` URLs) are decoded by the engine,
+whose frame sampling (`video_fps`, `video_max_frames`) they need; one it cannot read is a 400 the same way.
+Each media part becomes a `{"type": "image"}` / `{"type": "video"}` / `{"type": "audio"}` marker where it
+stood, the form the chat templates expand; a text-only model gets the text parts joined.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from .protocol import APIError, ChatMessage
 class EnginePrompt:
     messages: list[dict[str, Any]]
     images: list[Any] = field(default_factory=list)  # PIL images, decoded
+    videos: list[Any] = field(default_factory=list)  # sources (data: URL or path), decoded by the engine
     audio: list[Any] = field(default_factory=list)  # (samples, sample_rate), decoded
-    # where each medium came from, per kind ("image", "audio"): the body's path of its content part
-    parts: dict[str, list[str]] = field(default_factory=lambda: {"image": [], "audio": []})
+    # where each medium came from, per kind ("image", "video", "audio"): the body's path of its content part
+    parts: dict[str, list[str]] = field(default_factory=lambda: {"image": [], "video": [], "audio": []})
 
     def part_of(self, kind: str, index: int | None) -> str | None:
         """The content part (`messages.I.content.J`) of the engine's `kind` medium `index`, if known."""
@@ -33,21 +36,22 @@ class EnginePrompt:
         return paths[index] if index is not None and 0 <= index < len(paths) else None
 
 
-def _image_source(url: str) -> str:
+def _media_source(url: str, kind: str) -> str:
     if url.startswith("data:"):
         return url
     parsed = urlparse(url)
     if parsed.scheme == "file":
         return unquote(parsed.path)
     if parsed.scheme in ("http", "https"):
-        raise MediaError(None, "remote image URLs are not fetched: send a data: URL or a local path")
+        raise MediaError(None, f"remote {kind} URLs are not fetched: send a data: URL or a local path", kind)
     return url  # a local path
 
 
-def convert_messages(messages: list[ChatMessage], vision: bool, audio_rate: int | None) -> EnginePrompt:
-    """`vision`: the model takes images; `audio_rate`: its audio sample rate (None: it takes no audio).
-    Raises APIError(400) naming the part at fault. The content parts are parsed by the engine's own parser
-    (`models.prompt.from_openai_messages`); only the decoding happens here, ahead of the engine."""
+def convert_messages(messages: list[ChatMessage], vision: bool, audio_rate: int | None,
+                     video: bool = False) -> EnginePrompt:
+    """`vision` / `video`: the model takes images / videos; `audio_rate`: its audio sample rate (None: it takes
+    no audio). Raises APIError(400) naming the part at fault. The content parts are parsed by the engine's own
+    parser (`models.prompt.from_openai_messages`); only the decoding happens here, ahead of the engine."""
     as_dicts = [{"role": "system" if m.role == "developer" else m.role,
                  "content": m.content if isinstance(m.content, str) else [p.model_dump() for p in m.content]}
                 for m in messages]
@@ -57,7 +61,7 @@ def convert_messages(messages: list[ChatMessage], vision: bool, audio_rate: int 
         where = f"messages.{exc.message_index}.content.{exc.part_index}"
         raise APIError(400, f"{where}: {exc.reason}", where) from None
     out = EnginePrompt(messages=parsed)
-    sources = {"image": iter(media.images), "audio": iter(media.audio)}
+    sources = {"image": iter(media.images), "video": iter(media.videos), "audio": iter(media.audio)}
     for kind, m, p in media.origins:
         where = f"messages.{m}.content.{p}"
         source = next(sources[kind])
@@ -65,10 +69,18 @@ def convert_messages(messages: list[ChatMessage], vision: bool, audio_rate: int 
             if not vision:
                 raise APIError(400, f"{where}: this model takes no images", where)
             try:
-                out.images.append(load_image(_image_source(source), len(out.images)))
+                out.images.append(load_image(_media_source(source, kind), len(out.images)))
             except MediaError as exc:
                 raise APIError(400, f"{where}: unreadable image: {exc.reason}", where) from None
             out.parts["image"].append(where)
+        elif kind == "video":
+            if not video:
+                raise APIError(400, f"{where}: this model takes no video", where)
+            try:
+                out.videos.append(_media_source(source, kind))
+            except MediaError as exc:
+                raise APIError(400, f"{where}: unreadable video: {exc.reason}", where) from None
+            out.parts["video"].append(where)
         else:
             if audio_rate is None:
                 raise APIError(400, f"{where}: this model takes no audio", where)
@@ -77,7 +89,7 @@ def convert_messages(messages: list[ChatMessage], vision: bool, audio_rate: int 
             except MediaError as exc:
                 raise APIError(400, f"{where}: unreadable audio: {exc.reason}", where) from None
             out.parts["audio"].append(where)
-    if not vision and audio_rate is None:  # a text model's template takes a string
+    if not vision and not video and audio_rate is None:  # a text model's template takes a string
         out.messages = [{**message, "content": "\n".join(p["text"] for p in message["content"])}
                         if isinstance(message["content"], list) else message for message in out.messages]
     return out

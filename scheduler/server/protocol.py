@@ -136,6 +136,10 @@ class ImageURL(_Strict):
     detail: str | None = None
 
 
+class VideoURL(_Strict):
+    url: str
+
+
 class InputAudio(_Strict):
     data: str  # base64
     format: str = "wav"
@@ -151,12 +155,17 @@ class ImagePart(_Strict):
     image_url: ImageURL
 
 
+class VideoPart(_Strict):
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
 class AudioPart(_Strict):
     type: Literal["input_audio"]
     input_audio: InputAudio
 
 
-ContentPart = Annotated[Union[TextPart, ImagePart, AudioPart], Field(discriminator="type")]
+ContentPart = Annotated[Union[TextPart, ImagePart, VideoPart, AudioPart], Field(discriminator="type")]
 
 
 class ChatMessage(_Strict):

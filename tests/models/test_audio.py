@@ -503,6 +503,8 @@ def test_served_audio_chat_equals_the_engine_and_images_are_refused_by_part(gemm
         refused_status, refused = server.post("/v1/chat/completions", {
             "messages": [{"role": "user", "content": [{"type": "text", "text": "and this?"}, image_part]}],
             "max_tokens": 2})
+        no_video = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": "video_url", "video_url": {"url": "clip.mp4"}}]}], "max_tokens": 2})
     finally:
         _stop(server)
     assert status == 200, got
@@ -510,3 +512,5 @@ def test_served_audio_chat_equals_the_engine_and_images_are_refused_by_part(gemm
     assert got["choices"][0]["message"]["content"] == want.text
     assert refused_status == 400 and refused["error"]["param"] == "messages.0.content.1", refused
     assert "takes no images" in refused["error"]["message"]
+    assert no_video[0] == 400 and no_video[1]["error"]["param"] == "messages.0.content.0", no_video
+    assert "takes no video" in no_video[1]["error"]["message"]

@@ -9,6 +9,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import math  # noqa: E402
+import time  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
@@ -518,3 +519,48 @@ def test_engine_repeated_video_hits_the_vision_cache_and_bad_videos_are_refused_
     assert list(second.tokens.values()) == [references[0]]
     stats = engine.vision_cache_stats()
     assert (stats["hits"], stats["misses"]) == (1, 1)
+
+
+def test_served_video_chat_equals_the_engine_and_bad_videos_are_refused_by_part(vlm, vlm_model_dir, video_path,
+                                                                                tmp_path):
+    """`mlxsched serve`: a `video_url` part (a `data:video/...;base64,` URL, or a local path) gives what the engine
+    gives for the same messages and file; a video that does not decode is a 400 naming its part (refused by the
+    engine's decoder: UnreadableMedia); a `data:` URL of another kind too. Video parts were refused by the
+    request schema before, and the engine's own content-part parser took a data: URL for a file name."""
+    import base64
+
+    from ..surfaces.test_serve import _start, _stop, _wait_healthy
+
+    model, processor = vlm
+    want = Engine(model, processor, EngineConfig()).generate(
+        [video_messages("What happens in the video?")], SamplingParams(max_tokens=MAX_TOKENS),
+        videos=[[str(video_path)]])[0]
+    data_url = "data:video/x-msvideo;base64," + base64.b64encode(video_path.read_bytes()).decode()
+
+    def body(*videos, text="What happens in the video?"):
+        return {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi."}] + [
+            {"type": "video_url", "video_url": {"url": url}} for url in videos] + [{"type": "text", "text": text}]}],
+            "max_tokens": MAX_TOKENS, "temperature": 0}
+
+    junk = "data:video/mp4;base64," + base64.b64encode(b"not a video at all" * 8).decode()
+    server = _start(vlm_model_dir, tmp_path, "video")
+    try:
+        _wait_healthy(server, time.monotonic() + 120)
+        answers = [server.post("/v1/chat/completions", b) for b in (
+            {**body(data_url), "messages": [{"role": "user", "content": [
+                {"type": "video_url", "video_url": {"url": data_url}},
+                {"type": "text", "text": "What happens in the video?"}]}]},
+            {**body(str(video_path)), "messages": [{"role": "user", "content": [
+                {"type": "video_url", "video_url": {"url": f"file://{video_path}"}},
+                {"type": "text", "text": "What happens in the video?"}]}]},
+            body(data_url, junk),
+            body("data:image/png;base64,AAAA"))]
+    finally:
+        _stop(server)
+    for status, got in answers[:2]:
+        assert status == 200, got
+        assert got["choices"][0]["message"]["content"] == want.text
+        assert got["usage"]["completion_tokens"] == len(want.token_ids)
+    for (status, got), part in zip(answers[2:], ("messages.0.content.2", "messages.0.content.1")):
+        assert status == 400 and got["error"]["param"] == part, got
+        assert "unreadable video" in got["error"]["message"], got
