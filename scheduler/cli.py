@@ -287,6 +287,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"mlxsched serve: {exc}", file=sys.stderr)
         return 2
+    media_dir = None
+    if args.allowed_local_media_path is not None:
+        media_dir = Path(args.allowed_local_media_path).resolve()
+        if not media_dir.is_dir():
+            print(f"mlxsched serve: --allowed-local-media-path {args.allowed_local_media_path}: not a directory",
+                  file=sys.stderr)
+            return 2
     try:  # what cannot be served is said in one line, before anything listens
         engine = Engine.from_pretrained(args.model, config)
     except FileNotFoundError as exc:  # (it names the path)
@@ -296,7 +303,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"mlxsched serve: cannot serve {args.model}: {exc}", file=sys.stderr)
         return 2
     serve(engine, args.served_model_name or Path(args.model).name, host=args.host, port=args.port,
-          max_queue=args.max_queue, graceful_shutdown_s=args.graceful_shutdown_s)
+          max_queue=args.max_queue, graceful_shutdown_s=args.graceful_shutdown_s, local_media_dir=media_dir)
     return 0
 
 
@@ -334,8 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="shard the model over the ranks of `mlx.launch` (rank 0 prints; README)")
     p.set_defaults(func=_cmd_demo)
 
-    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat completions with images "
-                                     "and audio, streaming) with Prometheus metrics at /metrics")
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat completions with images, "
+                                     "video and audio, streaming) with Prometheus metrics at /metrics")
     p.add_argument("--model", required=True, help="a local mlx-lm or mlx-vlm model directory")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -344,6 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "no bound)")
     p.add_argument("--graceful-shutdown-s", type=float, default=5.0,
                    help="on SIGINT/SIGTERM, how long open responses may finish before they are cancelled")
+    p.add_argument("--allowed-local-media-path", metavar="DIR",
+                   help="let clients name image / video files (paths, file:// URLs) under this directory (default: "
+                        "none, only data: URLs: a client must not read the server's files)")
     _add_engine_flags(p)
     p.set_defaults(func=_cmd_serve)
 

@@ -21,6 +21,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
@@ -46,6 +47,7 @@ class ServerState:
     metrics: EngineMetrics
     model_name: str
     max_queue: int | None = None  # refuse (429) beyond this many waiting requests; None: no bound
+    local_media_dir: Path | None = None  # clients may name media files under it (resolved); None: none at all
 
     @property
     def engine(self) -> Any:
@@ -360,7 +362,8 @@ def create_app(state: ServerState) -> Any:
     async def chat_completions(request: Request) -> Response:
         body = await _parse(request, ChatCompletionRequest)
         _check_model(state, body)
-        prompt = await asyncio.to_thread(convert_messages, body.messages, vision, audio_rate, video)
+        prompt = await asyncio.to_thread(convert_messages, body.messages, vision, audio_rate, video,
+                                         state.local_media_dir)
         call = _Call(state, body, "chatcmpl")
         await call.submit(prompt.part_of, prompt=prompt.messages, images=prompt.images or None,
                           videos=prompt.videos or None, audio=prompt.audio or None)

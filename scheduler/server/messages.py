@@ -1,10 +1,11 @@
 """OpenAI chat messages -> what `Engine.add_request` takes: chat messages in the model's form plus decoded media.
 
-Images (`image_url` parts: `data:image/...;base64,` URLs, local paths or `file://` URLs) and audio
+Images (`image_url` parts: `data:image/...;base64,` URLs; local paths or `file://` URLs only under the directory
+the server allows, `--allowed-local-media-path`) and audio
 (`input_audio` parts: base64 WAV) are decoded here, before the request is submitted, so an unreadable one is a
 400 naming its part and nothing is queued; one the model's processor refuses is refused by the engine
 (`UnreadableMedia`), which the server answers the same way (`EnginePrompt.part_of` names the part). Videos
-(`video_url` parts: `data:video/...;base64,` URLs, local paths or `file://` URLs) are decoded by the engine,
+(`video_url` parts: `data:video/...;base64,` URLs, or files as for images) are decoded by the engine,
 whose frame sampling (`video_fps`, `video_max_frames`) they need; one it cannot read is a 400 the same way.
 Each media part becomes a `{"type": "image"}` / `{"type": "video"}` / `{"type": "audio"}` marker where it
 stood, the form the chat templates expand; a text-only model gets the text parts joined.
@@ -13,6 +14,7 @@ stood, the form the chat templates expand; a text-only model gets the text parts
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
@@ -36,22 +38,30 @@ class EnginePrompt:
         return paths[index] if index is not None and 0 <= index < len(paths) else None
 
 
-def _media_source(url: str, kind: str) -> str:
+def _media_source(url: str, kind: str, local_dir: Path | None) -> str:
+    """A part's URL as the media loaders take it: a data: URL as is, a path (or file:// URL) only under
+    `local_dir` (the server's --allowed-local-media-path: a client must not make the server read its files)."""
     if url.startswith("data:"):
         return url
     parsed = urlparse(url)
-    if parsed.scheme == "file":
-        return unquote(parsed.path)
     if parsed.scheme in ("http", "https"):
-        raise MediaError(None, f"remote {kind} URLs are not fetched: send a data: URL or a local path", kind)
-    return url  # a local path
+        raise MediaError(None, f"remote {kind} URLs are not fetched: send a data: URL", kind)
+    path = unquote(parsed.path) if parsed.scheme == "file" else url
+    if local_dir is None:
+        raise MediaError(None, "local files are not read unless the server allows a directory "
+                               "(--allowed-local-media-path): send a data: URL", kind)
+    resolved = (local_dir / path).resolve()  # relative to it; symlinks and .. resolved before the check
+    if not resolved.is_relative_to(local_dir):
+        raise MediaError(None, f"{path!r} is outside the allowed media directory", kind)
+    return str(resolved)
 
 
 def convert_messages(messages: list[ChatMessage], vision: bool, audio_rate: int | None,
-                     video: bool = False) -> EnginePrompt:
+                     video: bool = False, local_dir: Path | None = None) -> EnginePrompt:
     """`vision` / `video`: the model takes images / videos; `audio_rate`: its audio sample rate (None: it takes
-    no audio). Raises APIError(400) naming the part at fault. The content parts are parsed by the engine's own
-    parser (`models.prompt.from_openai_messages`); only the decoding happens here, ahead of the engine."""
+    no audio); `local_dir`: the directory whose files parts may name (None: data: URLs only). Raises
+    APIError(400) naming the part at fault. The content parts are parsed by the engine's own parser
+    (`models.prompt.from_openai_messages`); only the decoding happens here, ahead of the engine."""
     as_dicts = [{"role": "system" if m.role == "developer" else m.role,
                  "content": m.content if isinstance(m.content, str) else [p.model_dump() for p in m.content]}
                 for m in messages]
@@ -69,7 +79,7 @@ def convert_messages(messages: list[ChatMessage], vision: bool, audio_rate: int 
             if not vision:
                 raise APIError(400, f"{where}: this model takes no images", where)
             try:
-                out.images.append(load_image(_media_source(source, kind), len(out.images)))
+                out.images.append(load_image(_media_source(source, kind, local_dir), len(out.images)))
             except MediaError as exc:
                 raise APIError(400, f"{where}: unreadable image: {exc.reason}", where) from None
             out.parts["image"].append(where)
@@ -77,7 +87,7 @@ def convert_messages(messages: list[ChatMessage], vision: bool, audio_rate: int 
             if not video:
                 raise APIError(400, f"{where}: this model takes no video", where)
             try:
-                out.videos.append(_media_source(source, kind))
+                out.videos.append(_media_source(source, kind, local_dir))
             except MediaError as exc:
                 raise APIError(400, f"{where}: unreadable video: {exc.reason}", where) from None
             out.parts["video"].append(where)

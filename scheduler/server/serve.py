@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from pathlib import Path
 
 from ..async_engine import AsyncEngine
 from ..engine import Engine
@@ -17,14 +18,16 @@ from .metrics import EngineMetrics
 
 
 def serve(engine: Engine, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-          max_queue: int | None = None, graceful_shutdown_s: float = 5.0, log_level: str = "info") -> None:
-    """Serve `engine` (built on this thread, e.g. `Engine.from_pretrained`) as `model_name` until a signal."""
+          max_queue: int | None = None, graceful_shutdown_s: float = 5.0, log_level: str = "info",
+          local_media_dir: Path | None = None) -> None:
+    """Serve `engine` (built on this thread, e.g. `Engine.from_pretrained`) as `model_name` until a signal.
+    `local_media_dir`: the directory whose files clients may name as media (None: no file is read)."""
     import uvicorn
 
     metrics = EngineMetrics()
     engine.events.add_sink(metrics)
     aengine = AsyncEngine(engine)
-    state = ServerState(aengine, metrics, model_name, max_queue)
+    state = ServerState(aengine, metrics, model_name, max_queue, local_media_dir)
     server = uvicorn.Server(uvicorn.Config(create_app(state), host=host, port=port, log_level=log_level,
                                            timeout_graceful_shutdown=graceful_shutdown_s, lifespan="off"))
     # Once it has shut down, uvicorn raises the signal it handled again, with the handler that was there before

@@ -523,10 +523,11 @@ def test_engine_repeated_video_hits_the_vision_cache_and_bad_videos_are_refused_
 
 def test_served_video_chat_equals_the_engine_and_bad_videos_are_refused_by_part(vlm, vlm_model_dir, video_path,
                                                                                 tmp_path):
-    """`mlxsched serve`: a `video_url` part (a `data:video/...;base64,` URL, or a local path) gives what the engine
-    gives for the same messages and file; a video that does not decode is a 400 naming its part (refused by the
-    engine's decoder: UnreadableMedia); a `data:` URL of another kind too. Video parts were refused by the
-    request schema before, and the engine's own content-part parser took a data: URL for a file name."""
+    """`mlxsched serve`: a `video_url` part (a `data:video/...;base64,` URL, or a file under the directory the
+    server allows) gives what the engine gives for the same messages and file; a video that does not decode is a
+    400 naming its part (refused by the engine's decoder: UnreadableMedia); a `data:` URL of another kind too,
+    and a file outside the allowed directory (`..` included). Video parts were refused by the request schema
+    before, and the engine's own content-part parser took a data: URL for a file name."""
     import base64
 
     from ..surfaces.test_serve import _start, _stop, _wait_healthy
@@ -543,24 +544,26 @@ def test_served_video_chat_equals_the_engine_and_bad_videos_are_refused_by_part(
             "max_tokens": MAX_TOKENS, "temperature": 0}
 
     junk = "data:video/mp4;base64," + base64.b64encode(b"not a video at all" * 8).decode()
-    server = _start(vlm_model_dir, tmp_path, "video")
+    def alone(url):
+        return {**body(), "messages": [{"role": "user", "content": [
+            {"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "What happens in the video?"}]}]}
+
+    server = _start(vlm_model_dir, tmp_path, "video", "--allowed-local-media-path", str(video_path.parent))
     try:
         _wait_healthy(server, time.monotonic() + 120)
         answers = [server.post("/v1/chat/completions", b) for b in (
-            {**body(data_url), "messages": [{"role": "user", "content": [
-                {"type": "video_url", "video_url": {"url": data_url}},
-                {"type": "text", "text": "What happens in the video?"}]}]},
-            {**body(str(video_path)), "messages": [{"role": "user", "content": [
-                {"type": "video_url", "video_url": {"url": f"file://{video_path}"}},
-                {"type": "text", "text": "What happens in the video?"}]}]},
-            body(data_url, junk),
-            body("data:image/png;base64,AAAA"))]
+            alone(data_url), alone(f"file://{video_path}"), alone(video_path.name),  # (relative to the directory)
+            body(data_url, junk), body("data:image/png;base64,AAAA"),
+            body(str(vlm_model_dir / "config.json")), body(f"{video_path.parent}/../{video_path.parent.name}/x/../"
+                                                           f"../{vlm_model_dir.name}/config.json"))]
     finally:
         _stop(server)
-    for status, got in answers[:2]:
+    for status, got in answers[:3]:
         assert status == 200, got
         assert got["choices"][0]["message"]["content"] == want.text
         assert got["usage"]["completion_tokens"] == len(want.token_ids)
-    for (status, got), part in zip(answers[2:], ("messages.0.content.2", "messages.0.content.1")):
+    refusals = zip(answers[3:], ("messages.0.content.2", "messages.0.content.1", "messages.0.content.1",
+                                 "messages.0.content.1"), ("unreadable video", "unreadable video", "outside", "outside"))
+    for (status, got), part, why in refusals:
         assert status == 400 and got["error"]["param"] == part, got
-        assert "unreadable video" in got["error"]["message"], got
+        assert why in got["error"]["message"], got

@@ -338,6 +338,12 @@ def test_top_logprobs_list_the_engines_most_likely_tokens(server, reference):
         assert list(alternatives.values()) == pytest.approx(list(listed.values()), abs=1e-5)
 
 
+def _png_file(tmp_path: Path) -> Path:
+    path = tmp_path / "real.png"
+    _picture(5, (56, 56))[0].save(path)
+    return path
+
+
 def _bad_inputs(tmp_path: Path) -> list[tuple[str, bytes | dict, int, str]]:
     """(endpoint, body, status, the field the error must name)."""
     ok = [{"role": "user", "content": "hi"}]
@@ -377,6 +383,10 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[str, bytes | dict, int, str]]:
          "messages.0.content.0"),
         (chat, {"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": str(tmp_path / "missing.png")}}]}]}, 400, "messages.0.content.0"),
+        # a file that exists, but this server allows no media directory: it reads no file a client names
+        (chat, {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": f"file://{_png_file(tmp_path)}"}}]}]}, 400,
+         "messages.0.content.0"),
         (chat, {"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]}, 400, "messages.0.content.0"),
         (chat, {"messages": [{"role": "user", "content": [
