@@ -241,35 +241,69 @@ def _positive(value: str) -> int:
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    """EngineConfig fields as flags (defaults: EngineConfig's)."""
-    g = p.add_argument_group("engine")
-    g.add_argument("--max-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-seqs", type=int, default=32)
-    g.add_argument("--prefill-chunk", type=int, default=512)
-    g.add_argument("--max-model-len", type=int, help="context limit (default: the model's max_position_embeddings)")
-    g.add_argument("--kv-memory-mb", type=int, help="hard budget on KV bytes of running requests (default: none)")
+    """EngineConfig fields as flags: one per field a served engine may set (tests/surfaces/test_cli.py checks
+    the list against EngineConfig). A flag left out keeps EngineConfig's default."""
+    g = p.add_argument_group("engine (defaults: EngineConfig's)")
+    g.add_argument("--max-batched-tokens", type=int, help="tokens computed per tick (2048)")
+    g.add_argument("--max-seqs", type=int, help="requests admitted at once (32)")
+    g.add_argument("--prefill-chunk", type=int, help="longest prefill chunk of one request per tick (512)")
+    g.add_argument("--max-prefill-tokens", type=int, help="prefill tokens of all requests per tick (what decoding "
+                                                          "leaves)")
+    g.add_argument("--max-model-len", type=int, help="context limit (the model's max_position_embeddings)")
+    g.add_argument("--kv-memory-mb", type=int, help="hard budget on KV bytes of running requests (none)")
+    g.add_argument("--kv-headroom-tokens", type=int, help="growth per row an admission leaves room for (32)")
+    g.add_argument("--kv-bits", type=int, choices=[4, 8], help="quantized KV cache (off)")
+    g.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], help="quantization group size (64)")
+    g.add_argument("--quantized-kv-start", type=int, help="context length from which KV is quantized (0)")
     g.add_argument("--max-kv-size", type=int, help="bounded attention: keep the last N tokens per request")
-    g.add_argument("--prefix-cache-mb", type=int, default=0, help="prefix cache budget (0: off)")
-    g.add_argument("--vision-cache-mb", type=int, default=256, help="vision-encoder output cache (0: off)")
-    g.add_argument("--policy", default="fcfs", choices=["fcfs", "priority", "shortest-prompt-first", "prefix-aware"])
-    g.add_argument("--mix", default="decode-first", choices=["decode-first", "prefill-first"])
-    g.add_argument("--draft-tokens", type=int, default=0, help="speculative decoding: draft tokens per row (0: off)")
-    g.add_argument("--drafter", default="prompt-lookup", choices=["prompt-lookup", "mtp"])
-    g.add_argument("--seed", type=int, default=0, help="engine seed (requests without their own seed)")
+    g.add_argument("--prefix-cache-mb", type=int, help="prefix cache budget (0: off)")
+    g.add_argument("--prefix-block-size", type=int, help="tokens per block of the prefix index (16)")
+    g.add_argument("--vision-cache-mb", type=int, help="vision-encoder output cache (256; 0: off)")
+    g.add_argument("--vision-budget", type=int, help="media items encoded per tick (4)")
+    g.add_argument("--video-fps", type=float, help="video frames sampled per second (2)")
+    g.add_argument("--video-max-frames", type=int, help="frames per video at most (32)")
+    g.add_argument("--max-images-per-request", type=int, help="images in one request at most (16)")
+    g.add_argument("--policy", choices=["fcfs", "priority", "shortest-prompt-first", "prefix-aware"])
+    g.add_argument("--mix", choices=["decode-first", "prefill-first"])
+    g.add_argument("--draft-tokens", type=int, help="speculative decoding: draft tokens per row (0: off)")
+    g.add_argument("--drafter", choices=["prompt-lookup", "mtp"])
+    g.add_argument("--no-adaptive-drafting", dest="adaptive_drafting", action="store_false", default=None,
+                   help="every drafting row proposes up to --draft-tokens each tick")
+    g.add_argument("--no-draft-gate", dest="draft_gate", action="store_false", default=None,
+                   help="verify every proposed draft at full length")
+    g.add_argument("--penalty-context", type=int, help="tokens the repetition / presence penalties look back (20)")
+    g.add_argument("--processor-history", choices=["prompt+output", "output"],
+                   help="what penalties and logits processors see (prompt+output: mlx-lm's)")
+    g.add_argument("--seed", type=int, help="engine seed (requests without their own seed)")
     g.add_argument("--trace", help="write the event log (JSON lines) to this file")
 
 
+# EngineConfig fields given in other units on the command line: flag dest -> (field, scale)
+_SCALED_FLAGS = {"kv_memory_mb": ("kv_memory_bytes", 1 << 20), "prefix_cache_mb": ("prefix_cache_bytes", 1 << 20),
+                 "vision_cache_mb": ("vision_cache_bytes", 1 << 20), "trace": ("trace_path", None)}
+# EngineConfig fields with no serve flag, and why
+ENGINE_FIELDS_WITHOUT_FLAGS = {
+    "logprob_vectors": "a (V,) vector per token is for library callers; the server answers top_logprobs",
+    "shard_stall_timeout_s": "sharded engines only; serve runs one process",
+    "check_invariants": "a test switch (MLXSCHED_CHECK_INVARIANTS=1)",
+}
+
+
 def _engine_config(args: argparse.Namespace):
+    import dataclasses
+
     from .config import EngineConfig
 
-    return EngineConfig(
-        max_batched_tokens=args.max_batched_tokens, max_seqs=args.max_seqs, prefill_chunk=args.prefill_chunk,
-        max_model_len=args.max_model_len,
-        kv_memory_bytes=args.kv_memory_mb << 20 if args.kv_memory_mb is not None else None,
-        max_kv_size=args.max_kv_size, prefix_cache_bytes=args.prefix_cache_mb << 20,
-        vision_cache_bytes=args.vision_cache_mb << 20, policy=args.policy, mix=args.mix,
-        draft_tokens=args.draft_tokens, drafter=args.drafter, seed=args.seed, trace_path=args.trace,
-    )
+    given: dict = {}
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in ENGINE_FIELDS_WITHOUT_FLAGS:
+            continue
+        dest = next((d for d, (name, _) in _SCALED_FLAGS.items() if name == f.name), f.name)
+        value = getattr(args, dest, None)
+        if value is not None:
+            scale = _SCALED_FLAGS.get(dest, (None, None))[1]
+            given[f.name] = value * scale if scale else value
+    return EngineConfig(**given)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
