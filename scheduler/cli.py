@@ -278,9 +278,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace", help="write the event log (JSON lines) to this file")
 
 
-# EngineConfig fields given in other units on the command line: flag dest -> (field, scale)
-_SCALED_FLAGS = {"kv_memory_mb": ("kv_memory_bytes", 1 << 20), "prefix_cache_mb": ("prefix_cache_bytes", 1 << 20),
-                 "vision_cache_mb": ("vision_cache_bytes", 1 << 20), "trace": ("trace_path", None)}
+# EngineConfig fields whose flag has another name: field -> (flag dest, what one unit of the flag is in the field)
+_FLAG_FOR_FIELD = {"kv_memory_bytes": ("kv_memory_mb", 1 << 20), "prefix_cache_bytes": ("prefix_cache_mb", 1 << 20),
+                   "vision_cache_bytes": ("vision_cache_mb", 1 << 20), "trace_path": ("trace", None)}
 # EngineConfig fields with no serve flag, and why
 ENGINE_FIELDS_WITHOUT_FLAGS = {
     "logprob_vectors": "a (V,) vector per token is for library callers; the server answers top_logprobs",
@@ -290,6 +290,7 @@ ENGINE_FIELDS_WITHOUT_FLAGS = {
 
 
 def _engine_config(args: argparse.Namespace):
+    """The EngineConfig of the flags given (None: not given, EngineConfig's default)."""
     import dataclasses
 
     from .config import EngineConfig
@@ -298,11 +299,10 @@ def _engine_config(args: argparse.Namespace):
     for f in dataclasses.fields(EngineConfig):
         if f.name in ENGINE_FIELDS_WITHOUT_FLAGS:
             continue
-        dest = next((d for d, (name, _) in _SCALED_FLAGS.items() if name == f.name), f.name)
-        value = getattr(args, dest, None)
+        dest, unit = _FLAG_FOR_FIELD.get(f.name, (f.name, None))
+        value = getattr(args, dest)
         if value is not None:
-            scale = _SCALED_FLAGS.get(dest, (None, None))[1]
-            given[f.name] = value * scale if scale else value
+            given[f.name] = value * unit if unit is not None else value
     return EngineConfig(**given)
 
 
