@@ -263,6 +263,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--video-fps", type=float, help="video frames sampled per second (2)")
     g.add_argument("--video-max-frames", type=int, help="frames per video at most (32)")
     g.add_argument("--max-images-per-request", type=int, help="images in one request at most (16)")
+    g.add_argument("--max-videos-per-request", type=int, help="videos in one request at most (4)")
+    g.add_argument("--max-audio-per-request", type=int, help="audio clips in one request at most (8)")
     g.add_argument("--policy", choices=["fcfs", "priority", "shortest-prompt-first", "prefix-aware"])
     g.add_argument("--mix", choices=["decode-first", "prefill-first"])
     g.add_argument("--draft-tokens", type=int, help="speculative decoding: draft tokens per row (0: off)")

@@ -44,6 +44,8 @@ class EngineConfig:
     video_max_frames: at most this many frames per video, spread evenly over the clip when fps would give more.
     vision_cache_bytes: byte budget of the vision-encoder output cache (VLMs; 0 turns it off).
     max_images_per_request: at most this many images in one request (more is refused with InvalidRequest).
+    max_videos_per_request, max_audio_per_request: the same for videos (each up to video_max_frames frames) and
+        audio clips: every kind of media a client sends is bounded per request.
     max_kv_size: keep only the last `max_kv_size` tokens of each request's context (rotating caches, no
         attention sinks), for models without their own cache layout; positions stay true (RoPE uses the real
         offset). None keeps everything.
@@ -99,6 +101,8 @@ class EngineConfig:
     video_max_frames: int = 32
     vision_cache_bytes: int = 256 << 20
     max_images_per_request: int = 16
+    max_videos_per_request: int = 4
+    max_audio_per_request: int = 8
     max_kv_size: int | None = None  # bounded context: rotating caches of this many tokens
     kv_memory_bytes: int | None = None  # hard budget for KV caches; None = unbounded
     kv_headroom_tokens: int = 32
@@ -114,7 +118,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_batched_tokens", "max_seqs", "prefill_chunk", "penalty_context", "vision_budget",
-                     "max_images_per_request"):
+                     "max_images_per_request", "max_videos_per_request", "max_audio_per_request"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")

@@ -803,7 +803,8 @@ def _model_family(model: Any, tokenizer: Any, config: EngineConfig, on_vision_ev
     # for an mlx-vlm model, `tokenizer` is its processor
     vlm = adapter_for(model, tokenizer, vision_cache, video_fps=config.video_fps,
                       video_max_frames=config.video_max_frames, max_kv_size=config.max_kv_size,
-                      max_images_per_request=config.max_images_per_request)
+                      media_limits={"image": config.max_images_per_request, "video": config.max_videos_per_request,
+                                    "audio": config.max_audio_per_request})
     return _ModelFamily(VisionLanguageRunner(vlm), vlm.tokenizer, vlm.vocab_size, vlm.max_positions,
                         vlm.eos_token_ids, vlm, vision_cache)
 

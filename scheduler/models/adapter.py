@@ -134,11 +134,12 @@ class VLMAdapter:
     ``media_encoder``: the callable ``(input_ids, media_inputs, mask) -> InputEmbeddingsFeatures`` that runs the
     encoders and the merge (``Model.get_input_embeddings``); replace it on the instance to instrument it (tests
     count its calls). ``max_kv_size``: rotating caches of that many tokens (``library.make_cache``).
-    ``max_images_per_request``: more images in one request raise ``MediaLimit``."""
+    ``media_limits``: at most this many media items of a kind ("image", "video", "audio") in one request; more
+    raise ``MediaLimit``."""
 
     def __init__(self, model: Any, processor: Any, vision_cache: VisionCache | None = None,
                  video_fps: float = DEFAULT_VIDEO_FPS, video_max_frames: int = DEFAULT_VIDEO_MAX_FRAMES,
-                 max_kv_size: int | None = None, max_images_per_request: int | None = None):
+                 max_kv_size: int | None = None, media_limits: dict[str, int] | None = None):
         self.spec: FamilySpec = family_for(getattr(getattr(model, "config", None), "model_type", None))
         if self.spec.refused:
             raise UnsupportedFamily(f"model_type {self.spec.model_type!r} cannot be batched: {self.spec.refused}")
@@ -146,7 +147,7 @@ class VLMAdapter:
         self.language_model = model.language_model
         self.vision_cache = vision_cache
         self.max_kv_size = max_kv_size
-        self.max_images_per_request = max_images_per_request
+        self.media_limits = dict(media_limits or {})
         self.positions = STRATEGIES[self.spec.positions]
         self.media_encoder: Callable[[mx.array, dict, Any], Any] = self._encode_media
         self.media_token_ids = library.media_token_ids(model, processor)
@@ -244,8 +245,10 @@ class VLMAdapter:
                                  "audio=, not both")
             prompt, parts = prompts.from_openai_messages(list(prompt))
             images, videos, clips_in = parts.images, parts.videos, parts.audio
-        if self.max_images_per_request is not None and len(images) > self.max_images_per_request:
-            raise MediaLimit("image", len(images), self.max_images_per_request)
+        for kind, items in (("image", images), ("video", videos), ("audio", clips_in)):
+            limit = self.media_limits.get(kind)
+            if limit is not None and len(items) > limit:
+                raise MediaLimit(kind, len(items), limit)
         for kind, items in (("image", images), ("video", videos), ("audio", clips_in)):
             if items and kind not in self.spec.media:
                 raise ValueError(f"{kind}s are not supported for {self.spec.model_type} (it takes "

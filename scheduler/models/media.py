@@ -79,11 +79,14 @@ class RemoteMedia(MediaError):
 
 
 class MediaLimit(ValueError):
-    """More media of one kind in a request than the engine allows (``max_images_per_request``)."""
+    """More media of one kind in a request than the engine allows (``EngineConfig.max_images_per_request``,
+    ``max_videos_per_request``, ``max_audio_per_request``)."""
 
     def __init__(self, kind: str, count: int, limit: int):
         self.kind, self.count, self.limit = kind, count, limit
-        super().__init__(f"{count} {kind}s in one request; at most {limit} (max_{kind}s_per_request)")
+        plural = "audio" if kind == "audio" else f"{kind}s"
+        what = "audio clips" if kind == "audio" else plural
+        super().__init__(f"{count} {what} in one request; at most {limit} (max_{plural}_per_request)")
 
 
 def describe_source(source: Any) -> str:

@@ -334,7 +334,7 @@ def test_prompt_may_end_with_the_audio(gemma, adapter, clips):
 # ------------------------------------------------------------------------------------ through the engine
 
 
-from scheduler import Engine, EngineConfig, SamplingParams, UnreadableMedia  # noqa: E402
+from scheduler import Engine, EngineConfig, InvalidRequest, SamplingParams, UnreadableMedia  # noqa: E402
 
 
 @pytest.mark.parametrize("budgets", [dict(), dict(max_batched_tokens=24, prefill_chunk=7, max_seqs=4, vision_budget=1)],
@@ -514,3 +514,11 @@ def test_served_audio_chat_equals_the_engine_and_images_are_refused_by_part(gemm
     assert "takes no images" in refused["error"]["message"]
     assert no_video[0] == 400 and no_video[1]["error"]["param"] == "messages.0.content.0", no_video
     assert "takes no video" in no_video[1]["error"]["message"]
+
+
+def test_max_audio_per_request(gemma, clips):
+    model, processor = gemma
+    engine = Engine(model, processor, EngineConfig(max_audio_per_request=1, check_invariants=True))
+    with pytest.raises(InvalidRequest, match=r"2 audio clips in one request; at most 1 \(max_audio_per_request\)") as info:
+        engine.add_request(prompt=audio_messages("two", 2), audio=[clips["a"], clips["a"]])
+    assert info.value.field == "audio" and not engine.has_pending()

@@ -121,6 +121,17 @@ def test_max_images_per_request(vlm):
         solo(vlm, user("two", 2), images[:2])]
 
 
+def test_max_videos_per_request(vlm):
+    """Videos are bounded per request too (each is up to video_max_frames frames), before any is decoded: the
+    sources here are not even files."""
+    model, processor = vlm
+    engine = Engine(model, processor, EngineConfig(max_videos_per_request=1, check_invariants=True))
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "video"}, {"type": "text", "text": "two"}]}]
+    with pytest.raises(InvalidRequest, match=r"2 videos in one request; at most 1 \(max_videos_per_request\)") as info:
+        engine.add_request(prompt=messages, videos=["a.mp4", "b.mp4"])
+    assert info.value.field == "videos" and not engine.has_pending()
+
+
 def _tiny_paligemma():
     from mlx_vlm.models import paligemma
 

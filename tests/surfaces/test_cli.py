@@ -114,6 +114,8 @@ def test_every_engine_config_field_is_a_serve_flag_or_says_why_not():
                "video_fps": ("--video-fps", "1.5", 1.5), "video_max_frames": ("--video-max-frames", "8", 8),
                "vision_cache_bytes": ("--vision-cache-mb", "3", 3 << 20),
                "max_images_per_request": ("--max-images-per-request", "4", 4),
+               "max_videos_per_request": ("--max-videos-per-request", "2", 2),
+               "max_audio_per_request": ("--max-audio-per-request", "3", 3),
                "max_kv_size": ("--max-kv-size", "128", 128), "kv_memory_bytes": ("--kv-memory-mb", "5", 5 << 20),
                "kv_headroom_tokens": ("--kv-headroom-tokens", "4", 4), "kv_bits": ("--kv-bits", "8", 8),
                "kv_group_size": ("--kv-group-size", "32", 32), "quantized_kv_start": ("--quantized-kv-start", "9", 9),
