@@ -38,6 +38,11 @@ class InvalidRequest(ValueError):
         super().__init__(f"{field_name}: {message}" if field_name else message)
 
 
+def media_field(kind: str) -> str:
+    """The add_request argument of a media kind: "image" -> "images", "video" -> "videos", "audio" -> "audio"."""
+    return kind if kind == "audio" else f"{kind}s"
+
+
 class UnreadableMedia(InvalidRequest):
     """An image, video or audio clip of the request cannot be used (it does not decode, or the model's processor
     refuses it). `kind` is "image", "video" or "audio"; `index` its position in the request's list of that kind
@@ -46,7 +51,7 @@ class UnreadableMedia(InvalidRequest):
     def __init__(self, kind: str, index: int | None, reason: str, request_id: str | None = None):
         self.kind, self.index, self.reason = kind, index, reason
         where = f"{kind} {index}" if index is not None else f"{kind}s"
-        super().__init__("audio" if kind == "audio" else f"{kind}s", f"unreadable {where}: {reason}", request_id)
+        super().__init__(media_field(kind), f"unreadable {where}: {reason}", request_id)
 
 
 class UnknownRequest(KeyError):

@@ -59,6 +59,8 @@ import io
 
 import numpy as np
 
+from scheduler.request import media_field
+
 VideoInput = Any  # str (path, data:video URL) | os.PathLike | bytes | bytearray | memoryview | Sequence[frames]
 
 
@@ -84,9 +86,9 @@ class MediaLimit(ValueError):
 
     def __init__(self, kind: str, count: int, limit: int):
         self.kind, self.count, self.limit = kind, count, limit
-        plural = "audio" if kind == "audio" else f"{kind}s"
-        what = "audio clips" if kind == "audio" else plural
-        super().__init__(f"{count} {what} in one request; at most {limit} (max_{plural}_per_request)")
+        field_name = media_field(kind)
+        what = "audio clips" if kind == "audio" else field_name
+        super().__init__(f"{count} {what} in one request; at most {limit} (max_{field_name}_per_request)")
 
 
 def describe_source(source: Any) -> str:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler.models import library
-from scheduler.request import InvalidRequest, UnreadableMedia, as_token_ids, validate_prompt_tokens
+from scheduler.request import InvalidRequest, UnreadableMedia, as_token_ids, media_field, validate_prompt_tokens
 
 
 @dataclass
@@ -128,7 +128,7 @@ class PromptResolver:
         try:
             return self.vlm.prepare(prompt, media.images, **kwargs)
         except MediaLimit as exc:
-            raise InvalidRequest("audio" if exc.kind == "audio" else f"{exc.kind}s", str(exc), request_id) from None
+            raise InvalidRequest(media_field(exc.kind), str(exc), request_id) from None
         except MediaError as exc:  # it does not decode, is remote, or the processor refuses it
             raise UnreadableMedia(exc.kind, exc.index, exc.reason, request_id) from None
         except (ValueError, TypeError) as exc:

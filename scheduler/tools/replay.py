@@ -4,8 +4,7 @@ tick whose decisions differ from the recorded ones.
 A trace is the engine's event log (JSON lines, schema `events.SCHEMA_VERSION`). Replay takes from it the
 engine config, the policy with its parameters and the model stop ids (`engine_start`), every arrival with the
 tick it arrived at (in traces of engines that accepted unreadable media, an arrival failed at once carries its
-error), every
-caller abort, and every executor outcome (`outcome`: the sampled token, logprobs and top_logprobs, errors,
+error), every caller abort, and every executor outcome (`outcome`: the sampled token, logprobs and top_logprobs, errors,
 prefix stores, drafts per request). `ReplayExecutor` hands those outcomes back in place of a model and keeps a model of the
 batch's rows, so the scheduler's own bookkeeping (admission, chunking, finish detection, prefix-cache hits,
 stores and evictions) and the KV merges, filters and rollbacks it implies are re-derived. Each tick's plan is
