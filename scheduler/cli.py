@@ -339,7 +339,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"mlxsched serve: cannot serve {args.model}: {exc}", file=sys.stderr)
         return 2
     serve(engine, args.served_model_name or Path(args.model).name, host=args.host, port=args.port,
-          max_queue=args.max_queue, graceful_shutdown_s=args.graceful_shutdown_s, local_media_dir=media_dir)
+          max_queue=args.max_queue, graceful_shutdown_s=args.graceful_shutdown_s, local_media_dir=media_dir,
+          max_request_bytes=args.max_request_mb << 20)
     return 0
 
 
@@ -387,6 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "no bound)")
     p.add_argument("--graceful-shutdown-s", type=float, default=5.0,
                    help="on SIGINT/SIGTERM, how long open responses may finish before they are cancelled")
+    p.add_argument("--max-request-mb", type=_positive, default=64,
+                   help="a larger request body is answered 413 (default: 64; base64 media counts)")
     p.add_argument("--allowed-local-media-path", metavar="DIR",
                    help="let clients name image / video files (paths, file:// URLs) under this directory (default: "
                         "none, only data: URLs: a client must not read the server's files)")

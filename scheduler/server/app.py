@@ -39,6 +39,7 @@ from .protocol import APIError, ChatCompletionRequest, CompletionRequest, usage,
 from .token_bytes import TokenBytes
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+DEFAULT_MAX_REQUEST_BYTES = 64 << 20  # room for a few large base64 images or a short video
 
 
 @dataclass
@@ -48,6 +49,7 @@ class ServerState:
     model_name: str
     max_queue: int | None = None  # refuse (429) beyond this many waiting requests; None: no bound
     local_media_dir: Path | None = None  # clients may name media files under it (resolved); None: none at all
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a larger body is a 413, read no further
 
     @property
     def engine(self) -> Any:
@@ -76,8 +78,24 @@ class _CountResponses:
         await self.app(scope, receive, counting_send)
 
 
-async def _parse(request: Request, model: type[Body]) -> Body:
-    raw = await request.body()
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (413) once it passes `limit` bytes: by its Content-Length before anything is read, or
+    while a chunked one arrives, so an oversized body is never held whole."""
+    too_large = APIError(413, f"body: larger than the server's limit of {limit} bytes (--max-request-mb)", "body")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _parse(request: Request, model: type[Body], limit: int) -> Body:
+    raw = await _read_body(request, limit)
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -360,7 +378,7 @@ def create_app(state: ServerState) -> Any:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = await _parse(request, ChatCompletionRequest)
+        body = await _parse(request, ChatCompletionRequest, state.max_request_bytes)
         _check_model(state, body)
         prompt = await asyncio.to_thread(convert_messages, body.messages, vision, audio_rate, video,
                                          state.local_media_dir)
@@ -372,7 +390,7 @@ def create_app(state: ServerState) -> Any:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = await _parse(request, CompletionRequest)
+        body = await _parse(request, CompletionRequest, state.max_request_bytes)
         _check_model(state, body)
         call = _Call(state, body, "cmpl")
         if isinstance(body.prompt, str):

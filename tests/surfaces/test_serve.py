@@ -130,7 +130,7 @@ def servers(vlm_model_dir, tmp_path_factory):
     main = _start(vlm_model_dir, tmp, "main", "--max-seqs", "32", "--max-batched-tokens", "2048",
                   "--prefix-cache-mb", "16")
     small = _start(vlm_model_dir, tmp, "small", "--max-seqs", "1", "--max-batched-tokens", "256", "--max-queue", "1",
-                   preexec=_limit_file_size)
+                   "--max-request-mb", "1", preexec=_limit_file_size)
     try:
         deadline = time.monotonic() + 120
         _wait_healthy(main, deadline)
@@ -546,6 +546,38 @@ def test_metrics_match_the_counts(server):
     for gauge in ("mlxsched_queue_length", "mlxsched_running_rows", "mlxsched_kv_cache_bytes"):
         assert _value(after, gauge) == 0, gauge
     assert _value(after, "mlxsched_kv_cache_budget_bytes") == 0  # no --kv-memory-mb
+
+
+def test_an_oversized_body_is_a_413_whether_or_not_it_declares_its_length(servers):
+    """`--max-request-mb 1`: a body over it is refused by its Content-Length before it is read, and a chunked
+    one (no length) once 1 MB of it has arrived; the server answers the next request as usual."""
+    import http.client
+
+    small = servers[1]
+    host, port = small.base_url.removeprefix("http://").split(":")
+    image = "data:image/png;base64," + "A" * (1200 << 10)  # a little over the limit: what is left unread is small
+    body = json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}}]}]})
+
+    def post(chunked: bool) -> tuple[int, dict]:
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        try:
+            if chunked:
+                pieces = (body[i: i + 65536].encode() for i in range(0, len(body), 65536))
+                conn.request("POST", "/v1/chat/completions", body=pieces, encode_chunked=True,
+                             headers={"Content-Type": "application/json"})
+            else:
+                conn.request("POST", "/v1/chat/completions", body=body.encode(),
+                             headers={"Content-Type": "application/json"})
+            response = conn.getresponse()
+            return response.status, json.loads(response.read())
+        finally:
+            conn.close()
+
+    for chunked in (False, True):
+        status, got = post(chunked)
+        assert status == 413 and got["error"]["param"] == "body", (chunked, got)
+    status, got = small.post("/v1/completions", {"prompt": [7, 8, 9], "max_tokens": 2, "temperature": 0})
+    assert status == 200, got
 
 
 def test_max_queue_answers_429_and_a_failed_engine_loop_answers_503(servers):
