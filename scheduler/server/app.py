@@ -35,7 +35,7 @@ from ..request import InvalidRequest
 from .generation import Body, ChoiceFailed, Delta, choice_deltas, refusal, sampling_params
 from .messages import convert_messages
 from .metrics import EngineMetrics, engine_snapshot
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, usage, validation_error
+from .protocol import MAX_CHOICES, APIError, ChatCompletionRequest, CompletionRequest, usage, validation_error
 from .token_bytes import TokenBytes
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
@@ -113,38 +113,49 @@ def _sse(payload: Any) -> str:
 
 
 class _Call:
-    """One HTTP completion call: its choices' engine requests, submitted together, and their merged deltas."""
+    """One HTTP completion call: its choices' engine requests, submitted together, and their merged deltas.
+    `prompts`: how many prompts it has (a /v1/completions prompt list); each gets `n` choices, choice
+    `p * n + j` being prompt p's j-th (OpenAI's order)."""
 
-    def __init__(self, state: ServerState, body: Body, kind: str):
+    def __init__(self, state: ServerState, body: Body, kind: str, prompts: int = 1):
         self.state = state
         self.body = body
         self.id = f"{kind}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
-        self.request_ids = [f"{self.id}-{i}" for i in range(body.n)]
+        self.request_ids = [f"{self.id}-{i}" for i in range(prompts * body.n)]
         self.streams: list[RequestStream] = []
         self.completion_tokens = 0
 
-    async def submit(self, part_of: Callable[[str, int | None], str | None] | None = None, **engine_args: Any
-                     ) -> None:
-        """Submit the call's choices. `part_of` names the content part a refused medium came from."""
+    @property
+    def choices(self) -> int:
+        return len(self.request_ids)
+
+    async def submit(self, prompts: list[dict[str, Any]],
+                     part_of: Callable[[str, int | None], str | None] | None = None) -> None:
+        """Submit the call's choices: `n` per entry of `prompts` (its engine arguments: prompt or prompt_tokens,
+        media). `part_of` names the content part a refused medium came from."""
         state, body = self.state, self.body
-        samplings = [sampling_params(body, i, state.engine.max_model_len) for i in range(body.n)]
+        samplings = [sampling_params(body, i % body.n, state.engine.max_model_len) for i in range(self.choices)]
         if not state.aengine.running:  # before the queue bound: a dead loop's queue never drains
             raise APIError(503, f"the engine loop is not running: {state.aengine.error!r}", None, "server_error")
         if not state.metrics.reserve(self.request_ids, state.max_queue):
             raise APIError(429, f"the queue is full ({state.max_queue} waiting requests): retry later", None,
                            "rate_limit_error", "queue_full")
         try:
-            for rid, sampling in zip(self.request_ids, samplings):
+            for i, (rid, sampling) in enumerate(zip(self.request_ids, samplings)):
                 self.streams.append(await state.aengine.submit(request_id=rid, sampling=sampling,
-                                                               priority=body.priority, **engine_args))
+                                                               priority=body.priority, **prompts[i // body.n]))
         except BaseException as exc:
             for stream in self.streams:  # a later choice refused: the earlier ones are aborted
                 stream.close()
             for rid in self.request_ids[len(self.streams):]:
                 state.metrics.forget(rid)
             if isinstance(exc, InvalidRequest):
-                raise refusal(body, exc, part_of) from None
+                error = refusal(body, exc, part_of)
+                if len(prompts) > 1 and error.param == "prompt":  # which of the prompts
+                    where = f"prompt.{len(self.streams) // body.n}"
+                    error = APIError(400, f"{where}: {error.message.removeprefix('prompt: ')}", where)
+                raise error from None
             if isinstance(exc, EngineStopped):
                 raise APIError(503, f"the engine is not running: {exc}", None, "server_error") from None
             raise
@@ -186,7 +197,8 @@ class _Call:
 
     def usage(self) -> dict[str, int]:
         records = [self.state.metrics.claim(rid) for rid in self.request_ids]
-        prompt = records[0].prompt_tokens if records and records[0] is not None else 0  # one prompt for n choices
+        # each prompt once, not once per choice: its first choice's record
+        prompt = sum(r.prompt_tokens for r in records[:: self.body.n] if r is not None)
         return usage(prompt, self.completion_tokens)
 
 
@@ -316,7 +328,7 @@ async def _respond(request: Request, call: _Call, choices: "_ChatChoices | _Text
     """The call's answer: one JSON body once every choice is done, or (`stream`) server-sent chunks."""
     body = call.body
     if not body.stream:
-        pieces: dict[int, list[Delta]] = {i: [] for i in range(body.n)}
+        pieces: dict[int, list[Delta]] = {i: [] for i in range(call.choices)}
 
         async def collect() -> None:
             async for index, delta in call.deltas():
@@ -331,13 +343,13 @@ async def _respond(request: Request, call: _Call, choices: "_ChatChoices | _Text
         except (ChoiceFailed, EngineStopped) as exc:
             raise _failure(exc) from None
         out = {"id": call.id, "object": choices.object, "created": call.created, "model": call.state.model_name,
-               "choices": [choices.final(i, pieces[i]) for i in range(body.n)], "usage": call.usage()}
+               "choices": [choices.final(i, pieces[i]) for i in range(call.choices)], "usage": call.usage()}
         return JSONResponse(out)
 
     async def events() -> AsyncIterator[str]:
         with_usage = body.include_usage
         try:
-            firsts = [choices.first(i) for i in range(body.n)]
+            firsts = [choices.first(i) for i in range(call.choices)]
             if firsts[0] is not None:
                 yield _sse(_chunk(call, choices.object, firsts, with_usage))
             async for index, delta in call.deltas():
@@ -383,8 +395,8 @@ def create_app(state: ServerState) -> Any:
         prompt = await asyncio.to_thread(convert_messages, body.messages, vision, audio_rate, video,
                                          state.local_media_dir)
         call = _Call(state, body, "chatcmpl")
-        await call.submit(prompt.part_of, prompt=prompt.messages, images=prompt.images or None,
-                          videos=prompt.videos or None, audio=prompt.audio or None)
+        await call.submit([dict(prompt=prompt.messages, images=prompt.images or None, videos=prompt.videos or None,
+                                audio=prompt.audio or None)], prompt.part_of)
         choices = _ChatChoices(engine.tokenizer, token_bytes, body.wants_logprobs(), body.stream)
         return await _respond(request, call, choices)
 
@@ -392,11 +404,12 @@ def create_app(state: ServerState) -> Any:
     async def completions(request: Request) -> Response:
         body = await _parse(request, CompletionRequest, state.max_request_bytes)
         _check_model(state, body)
-        call = _Call(state, body, "cmpl")
-        if isinstance(body.prompt, str):
-            await call.submit(prompt=body.prompt)
-        else:
-            await call.submit(prompt_tokens=body.prompt)
+        prompts = body.prompt_list()
+        if len(prompts) * body.n > MAX_CHOICES:
+            raise APIError(400, f"n: {len(prompts)} prompts x n={body.n} choices; at most {MAX_CHOICES} in one "
+                                "request", "n")
+        call = _Call(state, body, "cmpl", len(prompts))
+        await call.submit([dict(prompt=p) if isinstance(p, str) else dict(prompt_tokens=p) for p in prompts])
         return await _respond(request, call, _TextChoices(engine.tokenizer, body.wants_logprobs()))
 
     @app.get("/v1/models")

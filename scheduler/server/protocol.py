@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valida
 
 MAX_STOP_STRINGS = 16
 MAX_N = 16
+MAX_PROMPTS = 64  # prompts of one /v1/completions request
+MAX_CHOICES = 256  # prompts x n: engine requests of one HTTP request
 
 
 class APIError(Exception):
@@ -219,7 +221,8 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[StrictInt]]  # one prompt: text or token ids
+    # one prompt (text or token ids) or several (a list of texts or of token-id lists): each gets `n` choices
+    prompt: Union[str, list[StrictInt], list[str], list[list[StrictInt]]]
     logprobs: StrictInt | None = None  # legacy: number of alternatives per token, 0..5
     echo: StrictBool = False  # only false
 
@@ -228,7 +231,17 @@ class CompletionRequest(_Sampling):
     def _some_prompt(cls, v: Any) -> Any:
         if not v:
             raise ValueError("must not be empty")
+        if isinstance(v, list) and isinstance(v[0], (str, list)):
+            if len(v) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts in one request")
+            if any(not p for p in v):
+                raise ValueError("no prompt of the list may be empty")
         return v
+
+    def prompt_list(self) -> list[str | list[int]]:
+        """The prompts, one or several: texts or token-id lists."""
+        one = isinstance(self.prompt, str) or not isinstance(self.prompt[0], (str, list))
+        return [self.prompt] if one else list(self.prompt)
 
     @field_validator("logprobs")
     @classmethod

@@ -294,6 +294,37 @@ def test_stop_strings_stop_ids_n_seed_and_logprobs(server, reference):
         engine.generate([text], [SamplingParams(max_tokens=10)])[0].token_ids)
 
 
+def test_a_list_of_prompts_gets_n_choices_each_in_openais_order(server, reference):
+    """/v1/completions with several prompts (token-id lists, and texts): choice p * n + j is prompt p's j-th, each
+    equal to the engine's output for that prompt alone, streamed or not; usage counts each prompt once. A bad
+    prompt of the list is named by its index."""
+    prompts = [[7, 8, 9, 10], [30, 31], [5] * 12]
+    refs = _greedy_reference(reference, prompts, [None] * 3, [6] * 3)
+
+    async def run():
+        async with server.client() as client:
+            whole = await client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=6, temperature=0,
+                                                    n=2)
+            texts = await client.completions.create(model=MODEL_NAME, prompt=["the river", "a garden"],
+                                                    max_tokens=3, temperature=0)
+            pieces: dict[int, str] = {}
+            async for chunk in await client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=6,
+                                                               temperature=0, n=2, stream=True):
+                for choice in chunk.choices:
+                    pieces[choice.index] = pieces.get(choice.index, "") + choice.text
+            return whole, texts, pieces
+
+    whole, texts, pieces = asyncio.run(run())
+    assert [c.index for c in whole.choices] == list(range(6))
+    assert [c.text for c in whole.choices] == [ref[0] for ref in refs for _ in range(2)]
+    assert whole.usage.prompt_tokens == sum(ref[3] for ref in refs)
+    assert whole.usage.completion_tokens == 2 * sum(ref[1] for ref in refs)
+    assert [pieces[i] for i in range(6)] == [c.text for c in whole.choices]
+    assert len(texts.choices) == 2
+    status, got = server.post("/v1/completions", {"prompt": [[7, 8], [7, 99999]], "max_tokens": 2})
+    assert status == 400 and got["error"]["param"] == "prompt.1", got
+
+
 def test_top_logprobs_list_the_engines_most_likely_tokens(server, reference):
     """Chat `top_logprobs` and the legacy completions `logprobs: N` list, for each shown token, the most likely
     tokens the engine reports (SamplingParams.top_logprobs, checked against mlx-lm in test_engine_behaviour),
