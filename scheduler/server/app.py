@@ -138,6 +138,9 @@ class _Call:
         samplings = [sampling_params(body, i % body.n, state.engine.max_model_len) for i in range(self.choices)]
         if not state.aengine.running:  # before the queue bound: a dead loop's queue never drains
             raise APIError(503, f"the engine loop is not running: {state.aengine.error!r}", None, "server_error")
+        if state.max_queue is not None and self.choices > state.max_queue:  # a retry could never fit: not a 429
+            raise APIError(400, f"n: {self.choices} choices in one request, more than the server queues at once "
+                                f"(--max-queue {state.max_queue})", "n")
         if not state.metrics.reserve(self.request_ids, state.max_queue):
             raise APIError(429, f"the queue is full ({state.max_queue} waiting requests): retry later", None,
                            "rate_limit_error", "queue_full")

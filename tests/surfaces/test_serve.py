@@ -638,6 +638,9 @@ def test_max_queue_answers_429_and_a_failed_engine_loop_answers_503(servers):
                 await waiting
             return failed.value, unavailable.value
 
+    # more choices than --max-queue 1 could ever hold: a 400 naming n, not a 429 to retry for ever
+    status, body = small.post("/v1/completions", {"prompt": [7, 8], "n": 2, "max_tokens": 1})
+    assert status == 400 and body["error"]["param"] == "n", body
     failed, unavailable = asyncio.run(run())
     assert "engine" in str(failed)
     assert unavailable.status_code == 503
