@@ -699,3 +699,35 @@ def test_sigterm_shuts_down_cleanly_too(vlm_model_dir, tmp_path):
     events = read_jsonl(server.trace)
     finished = [e for e in events if e["event"] == "transition" and e["to"] == "finished"]
     assert len(finished) == 1
+
+
+def test_priority_orders_waiting_requests_under_the_priority_policy(vlm_model_dir, tmp_path):
+    """`priority` (ours) reaches the engine: with one slot, `--policy priority` admits a later, more urgent request
+    before an earlier, less urgent one that waits with it (the trace's admission order)."""
+    # one slot, held for hundreds of ticks by a long prompt prefilled a token per tick (an output could end early)
+    server = _start(vlm_model_dir, tmp_path, "priority", "--policy", "priority", "--max-seqs", "1",
+                    "--prefill-chunk", "1", "--max-batched-tokens", "2")
+    try:
+        _wait_healthy(server, time.monotonic() + 120)
+
+        async def run():
+            async with server.client() as client:
+                def ask(prompt, priority):
+                    return client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2, temperature=0,
+                                                     extra_body={"priority": priority})
+                first = asyncio.create_task(ask([7, 8, 9] * 140, 0))
+                await asyncio.to_thread(_wait_for, lambda: _value(server.metrics(), "mlxsched_requests",
+                                                                  state="chunk_prefilling") == 1)
+                low = asyncio.create_task(ask("an early request that can wait", 0))
+                await asyncio.to_thread(_wait_for, lambda: _value(server.metrics(), "mlxsched_queue_length") == 1)
+                high = asyncio.create_task(ask("a later urgent request", 5))
+                await asyncio.gather(first, low, high)
+        asyncio.run(run())
+    finally:
+        _stop(server)
+    events = read_jsonl(server.trace)
+    arrivals = [e for e in events if e["event"] == "arrival"]  # in arrival order
+    assert [e["priority"] for e in arrivals] == [0, 0, 5]
+    _, low, high = (e["request_id"] for e in arrivals)
+    admitted = [rid for e in events if e["event"] == "plan" for rid in e["admitted"]]
+    assert admitted.index(high) < admitted.index(low)
