@@ -20,7 +20,8 @@ from typing import Any, Callable, Iterable, Protocol
 
 import structlog
 
-SCHEMA_VERSION = 2  # 2: arrival draft_eligible (and error, no longer written), policy record, outcome logprobs, kv_* events
+# 2: arrival draft_eligible (and error, no longer written), policy record, outcome logprobs, kv_* events
+SCHEMA_VERSION = 2
 MEASURE_KEY = "measure"
 
 

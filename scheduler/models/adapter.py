@@ -249,7 +249,6 @@ class VLMAdapter:
             limit = self.media_limits.get(kind)
             if limit is not None and len(items) > limit:
                 raise MediaLimit(kind, len(items), limit)
-        for kind, items in (("image", images), ("video", videos), ("audio", clips_in)):
             if items and kind not in self.spec.media:
                 raise ValueError(f"{kind}s are not supported for {self.spec.model_type} (it takes "
                                  f"{', '.join(sorted(self.spec.media))})")
