@@ -56,6 +56,9 @@ class RequestOutput:
     error: str | None = None
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # SamplingParams.top_logprobs
+    # SamplingParams.prompt_logprobs: each prompt token's logprob (None for the first), and its alternatives
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class Throughput:
@@ -654,6 +657,7 @@ class Engine:
         tokens: dict[str, list[int]] = {i: [] for i in ids}
         logprobs: dict[str, list[float]] = {i: [] for i in ids}
         top_logprobs: dict[str, list[list[tuple[int, float]]]] = {i: [] for i in ids}
+        prompt_logprobs: dict[str, tuple[Any, Any]] = {}
         results: dict[str, RequestOutput] = {}
         while len(results) < len(ids):
             for out in self.step():
@@ -662,6 +666,8 @@ class Engine:
                 tokens[out.request_id].extend(out.token_ids)
                 logprobs[out.request_id].extend(out.logprobs)
                 top_logprobs[out.request_id].extend(out.top_logprobs)
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[out.request_id] = (out.prompt_logprobs, out.prompt_top_logprobs)
                 if out.finished:
                     toks = tokens[out.request_id]
                     # the text leaves out the stop token that ended it (as mlx-lm's generate does); token_ids keep it
@@ -671,6 +677,8 @@ class Engine:
                         text=self._text(shown),
                         finish_reason=out.finish_reason, error=out.error, logprobs=logprobs[out.request_id],
                         top_logprobs=top_logprobs[out.request_id],
+                        prompt_logprobs=prompt_logprobs.get(out.request_id, (None, None))[0],
+                        prompt_top_logprobs=prompt_logprobs.get(out.request_id, (None, None))[1],
                     )
                     if progress is not None:
                         progress(out)

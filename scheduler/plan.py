@@ -230,6 +230,17 @@ class PrefillFallback:
 
 
 @dataclass
+class PromptLogprobs:
+    """Prompt-token logprobs one prefill feed computed: `logprobs[j]` is prompt token `first + j`'s, given the
+    tokens before it; `top[j]` its position's most likely (token, logprob), most likely first (empty lists when
+    `SamplingParams.prompt_logprobs` is 0)."""
+
+    first: int
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]]
+
+
+@dataclass
 class TickResult:
     """What an executor reports back: the only input `apply` takes besides the plan."""
 
@@ -238,6 +249,8 @@ class TickResult:
     # request id -> the sampled token's `top_logprobs` most likely (token, logprob), most likely first
     top_logprobs: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     logprob_vectors: dict[str, list] = field(default_factory=dict)  # (V,) log-softmax per emitted token, if configured
+    # request id -> the prompt-token logprobs its prefill feeds computed this tick, in order (prompt_logprobs)
+    prompt_logprobs: dict[str, list[PromptLogprobs]] = field(default_factory=dict)
     accepted_drafts: dict[str, list[int]] = field(default_factory=dict)  # drafts emitted before `sampled`
     drafts: dict[str, tuple[int, int]] = field(default_factory=dict)  # request id -> (proposed, accepted)
     drafter_error: str | None = None  # the drafter raised: this tick decoded without drafts

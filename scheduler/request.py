@@ -95,6 +95,11 @@ class SamplingParams:
     # with logprobs: this many most likely tokens and their logprobs for each output token, from the same
     # log-softmax the chosen token's logprob comes from (OpenAI's `top_logprobs`, 0..20)
     top_logprobs: int = 0
+    # the logprob of every prompt token given the ones before it (the first has none), and this many most likely
+    # tokens at each position: vLLM's `prompt_logprobs` (None: off; 0..20). What `echo` + `logprobs` of the
+    # completions API read. A request that asks is computed from its first token: the prefix cache is not
+    # looked up for it, and its prefill chunks run in forwards of their own (their logits are read).
+    prompt_logprobs: int | None = None
     logits_processors: tuple[LogitsProcessor, ...] = ()
     # A custom sampling function (mlx-lm's `make_sampler(...)` shape) that picks this request's tokens instead of
     # the temperature / top_p / top_k / min_p fields; it is Python, so the row is sampled on its own and never
@@ -129,6 +134,9 @@ class SamplingParams:
         _check(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs",
                f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
         _check(self.logprobs or not self.top_logprobs, "top_logprobs", "needs logprobs=True")
+        _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
+                                                and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS),
+               "prompt_logprobs", f"must be None or an integer in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs!r}")
         procs = self.logits_processors
         _check(isinstance(procs, (tuple, list)) and all(callable(p) for p in procs), "logits_processors",
                "must be a sequence of callables (tokens, logits) -> logits")
@@ -157,7 +165,7 @@ class SamplingParams:
 
 
 _RECORDED_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                             "repetition_penalty", "seed", "logprobs", "top_logprobs")
+                             "repetition_penalty", "seed", "logprobs", "top_logprobs", "prompt_logprobs")
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 
 
@@ -182,6 +190,10 @@ class Request:
     output_tokens: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # sampling.top_logprobs > 0
+    # sampling.prompt_logprobs set: entry i is prompt token i's logprob (None for token 0), and its most likely
+    # alternatives; filled as prefill computes them (a recompute after a preemption adds nothing new)
+    prompt_logprobs: list[float | None] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str | None = None
     num_preemptions: int = 0

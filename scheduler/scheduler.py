@@ -15,7 +15,7 @@ from caches.prefix import PrefixCache
 from .config import EngineConfig
 from .events import EventLog
 from .lifecycle import Lifecycle, RequestState, Trigger
-from .plan import ROW_REASONS, NewRequest, TickPlan, TickResult, WaitReason
+from .plan import ROW_REASONS, NewRequest, PromptLogprobs, TickPlan, TickResult, WaitReason
 from .planner import SchedulerView, plan_tick
 from .policy import Policy, make_policy
 from .request import FinishReason, Request
@@ -35,7 +35,11 @@ class StepOutput:
     # per token, its `top_logprobs` most likely (token, logprob), most likely first (SamplingParams.top_logprobs)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     logprob_vectors: list = field(default_factory=list)  # (V,) log-softmax per token (EngineConfig.logprob_vectors)
-    num_drafted: int = 0  # speculative decoding: draft tokens proposed for this request this tick
+    num_drafted: int = 0
+    # with the request's first token, when it asked for them (SamplingParams.prompt_logprobs): each prompt
+    # token's logprob (None for the first) and its position's most likely (token, logprob)s
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None  # speculative decoding: draft tokens proposed for this request this tick
 
 
 @dataclass
@@ -151,6 +155,8 @@ class Scheduler:
     def _prefix_match(self, request: Request) -> tuple[int, int] | None:
         """(entry id, cached tokens) for a waiting request; memoised until the prefix cache changes."""
         cache = self.prefix_cache
+        if request.sampling.prompt_logprobs is not None:
+            return None  # every prompt position is computed: its logits are what it asked for
         memo = self._prefix_memo.get(request.request_id)
         if memo is not None and memo[0] == cache.version:
             return memo[1]
@@ -279,6 +285,8 @@ class Scheduler:
             if request is None:  # failed above
                 continue
             request.num_computed_tokens = chunk.end
+            for piece in result.prompt_logprobs.get(request.request_id, ()):
+                _add_prompt_logprobs(request, piece)
             if chunk.completes:
                 applied.outputs.append(self._emit(request, [result.sampled[request.request_id]], result, tick,
                                                   applied.released, completes_prefill=True))
@@ -306,6 +314,8 @@ class Scheduler:
             if request is None or request.num_computed_tokens != 0:  # failed above, or not its first chunk
                 continue
             self._prefix_memo.pop(request.request_id, None)
+            if request.sampling.prompt_logprobs is not None:
+                continue  # not looked up (`_prefix_match`): neither a hit nor a miss
             if request.request_id in hits:
                 self.prefix_cache.record_hit(*hits[request.request_id], request_id=request.request_id)
             else:
@@ -348,6 +358,7 @@ class Scheduler:
         before it can finish. Every decoding row passes here every tick: the common case returns early."""
         rid, out, sampling = request.request_id, request.output_tokens, request.sampling
         limit, model_stops = request.output_limit, self.model_stop_ids
+        with_prompt = completes_prefill and not out and sampling.prompt_logprobs is not None
         for n, token in enumerate(tokens, 1):
             out.append(token)
             if token in model_stops or token in sampling.stop_token_ids:
@@ -362,7 +373,16 @@ class Scheduler:
             del self.prefilling[rid]
             self.decoding[rid] = request
             self._move(request, Trigger.START_DECODE, tick)
-        reason = request.finish_reason
+        output = self._emit_logprobs(request, tokens, result, tick, released)
+        if with_prompt:  # the first token brings the prompt's logprobs (its prefill computed every position)
+            output.prompt_logprobs = list(request.prompt_logprobs) or [None]
+            output.prompt_top_logprobs = list(request.prompt_top_logprobs) or [[]]
+        return output
+
+    def _emit_logprobs(self, request: Request, tokens: list[int], result: TickResult, tick: int,
+                       released: list[str]) -> StepOutput:
+        """`_emit`'s output: the tokens with their logprobs, and the request's end when it has a finish reason."""
+        rid, sampling, reason = request.request_id, request.sampling, request.finish_reason
         if reason is None and not result.logprob_vectors and not sampling.logprobs:
             return StepOutput(rid, tokens, request.state)
         logprobs, top = [], []
@@ -478,3 +498,18 @@ def _array_bytes(payload: Any) -> int:
     if isinstance(payload, (int, float, str, type)) or payload is None:
         return 0
     return int(getattr(payload, "nbytes", 0))
+
+
+def _add_prompt_logprobs(request: Request, piece: PromptLogprobs) -> None:
+    """Extend the request's prompt logprobs with what one prefill feed computed. Entry i is prompt token i's;
+    a recompute after a preemption computes positions it already has, which are kept as they were."""
+    if not request.prompt_logprobs:
+        request.prompt_logprobs.append(None)  # the first token has nothing before it
+        request.prompt_top_logprobs.append([])
+    have = len(request.prompt_logprobs)
+    if piece.first > have:
+        raise InvariantViolation(f"request {request.request_id}: prompt logprobs from token {piece.first}, but "
+                                 f"only {have} are known")
+    skip = have - piece.first
+    request.prompt_logprobs.extend(piece.logprobs[skip:])
+    request.prompt_top_logprobs.extend(piece.top[skip:])

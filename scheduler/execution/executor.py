@@ -32,8 +32,8 @@ from kernels.speculative import (
     stochastic_accept,
 )
 
-from scheduler.plan import (DECODE_FAILED, PREFILL_FAILED, PREFILL_PAD_RATIO, PrefillFallback, PrefixStore, TickPlan,
-                            TickResult)
+from scheduler.plan import (DECODE_FAILED, PREFILL_FAILED, PREFILL_PAD_RATIO, PrefillFallback, PrefixStore,
+                            PromptLogprobs, TickPlan, TickResult)
 from scheduler.request import Request
 from scheduler.execution.draft_gate import DraftGate
 from scheduler.execution.drafters import Draft, DraftRequest
@@ -340,6 +340,8 @@ class MLXExecutor:
         rid = request.request_id
         if n <= 0 or (start > 0) != self.kv.has_request(rid):  # a later chunk has its cache (restored or fed)
             return False
+        if request.sampling.prompt_logprobs is not None:
+            return False  # its logits are read (`_note_prompt_logprobs`): one forward of its own
         if start > 0 and self.kv.is_quantized(rid):
             return False  # a quantized row would need a batch of quantized rows only: kept one by one
         if self.quantize is not None and start <= self.quantize.point(request.prompt_len) < start + n:
@@ -360,19 +362,19 @@ class MLXExecutor:
         completion (`_offer_prefix`), so it is not a checkpoint here."""
         at = self._checkpoint_at(request, start, end)
         if at is None:
-            self._prefill(request, start, end)
+            self._prefill(request, start, end, result)
             return
-        self._prefill(request, start, at)
+        self._prefill(request, start, at, result)
         payload, nbytes, whole_only = self.kv.snapshot(request.request_id)
         result.prefix_stores.append(PrefixStore(request.request_id, at, nbytes, whole_only, payload))
-        self._prefill(request, at, end)
+        self._prefill(request, at, end, result)
 
     def _checkpoint_at(self, request: Request, start: int, end: int) -> int | None:
         if not self._checkpoints:
             return None
         return checkpoint_position(start, end, request.prefill_len, self.prefix_cache.block_size)
 
-    def _prefill(self, request: Request, start: int, end: int) -> None:
+    def _prefill(self, request: Request, start: int, end: int, result: TickResult) -> None:
         rid = request.request_id
         cache = self.kv.request_cache(rid)
         self._encoded_input(request)
@@ -382,11 +384,41 @@ class MLXExecutor:
         if point is not None and start < point < end and not self.kv.is_quantized(rid):
             # mlx-lm converts at `point`: the tokens before it are computed from float keys and values, the
             # tokens after it from quantized ones, so the forward is split there
-            self.runner.prefill(cache, request, self._encoded[rid], start, point)
+            logits = self.runner.prefill(cache, request, self._encoded[rid], start, point)
+            self._note_prompt_logprobs(request, start, logits, result)
             self._quantize_if_due(request, point)
             cache, start = self.kv.request_cache(rid), point
-        self.runner.prefill(cache, request, self._encoded[rid], start, end)
+        logits = self.runner.prefill(cache, request, self._encoded[rid], start, end)
+        self._note_prompt_logprobs(request, start, logits, result)
         self._quantize_if_due(request, end)
+
+    @staticmethod
+    def _note_prompt_logprobs(request: Request, start: int, logits: Any, result: TickResult) -> None:
+        """For a request that asked (`SamplingParams.prompt_logprobs`): the logprobs of the prompt tokens this feed
+        predicts. The logits at position p (fed from `start`) score token p + 1; positions past the prompt (outputs
+        re-fed after a preemption) score nothing new. One log-softmax in float32 over the feed's positions, the
+        vocabulary projection of a feed no longer than the tick's token budget."""
+        k = request.sampling.prompt_logprobs
+        if k is None or logits is None:
+            return
+        n = min(logits.shape[1], request.prompt_len - 1 - start)  # positions whose next token is a prompt token
+        if n <= 0:
+            return
+        logits = logits[0, :n].astype(mx.float32)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        targets = mx.array(request.prompt_tokens[start + 1: start + 1 + n], dtype=mx.int32)
+        picked = mx.take_along_axis(logprobs, targets[:, None], axis=1)[:, 0]
+        top: list[list[tuple[int, float]]] = [[] for _ in range(n)]
+        if k:
+            k = min(k, logprobs.shape[-1])
+            candidates = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]
+            values = mx.take_along_axis(logprobs, candidates, axis=-1)
+            order = mx.argsort(-values, axis=-1)
+            ids, values = mx.take_along_axis(candidates, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
+            mx.eval(picked, ids, values)
+            top = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+        result.prompt_logprobs.setdefault(request.request_id, []).append(
+            PromptLogprobs(start + 1, picked.tolist(), top))
 
     def _encoded_input(self, request: Request) -> Any:
         """What the runner prefills this request from, made on first use for requests the vision step did not

@@ -29,7 +29,9 @@ class Runner(Protocol):
         """``encode`` of each request (its result or the exception that failed it), batched where the model
         allows; ``on_call(VisionCall)`` per encoder call."""
 
-    def prefill(self, cache: library.Cache, request: Request, encoded: Any, start: int, end: int) -> None: ...
+    def prefill(self, cache: library.Cache, request: Request, encoded: Any, start: int, end: int) -> mx.array:
+        """Feed prefill positions [start, end) into `cache` (evaluated). Returns the chunk's (1, end - start, V)
+        logits unevaluated: nothing computes the vocabulary projection unless a caller reads them."""
 
     # Runners with `batched_prefill` true also have `shares_prefill(encoded, start, n)` (may this chunk join a
     # shared forward) and `prefill_many([(request, encoded, cache, start, n), ...])` (one cache per chunk back).
@@ -70,8 +72,9 @@ class TextRunner:
         return [None for _ in requests]  # no encoders
 
     def prefill(self, cache, request, encoded, start, end):
-        self.model(mx.array(request.prefill_tokens(start, end))[None], cache=cache)
+        logits = self.model(mx.array(request.prefill_tokens(start, end))[None], cache=cache)
         mx.eval(library.cache_arrays(cache))
+        return logits
 
     def shares_prefill(self, encoded, start: int, n: int) -> bool:
         return True  # token ids: any chunk can share a forward
@@ -137,7 +140,7 @@ class VisionLanguageRunner:
         return self.adapter.shares_prefill(encoded, start, start + n)
 
     def prefill(self, cache, request, encoded, start, end):
-        self.adapter.prefill(cache, encoded, start, end)
+        return self.adapter.prefill(cache, encoded, start, end)
 
     def prefill_many(self, chunks):
         """`TextRunner.prefill_many` from each request's encoded embeddings and positions (the adapter's)."""

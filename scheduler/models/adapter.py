@@ -529,12 +529,13 @@ class VLMAdapter:
     def make_cache(self) -> list:
         return library.make_cache(self.language_model, self.max_kv_size)
 
-    def prefill(self, cache: list, encoded: EncodedRequest, start: int, end: int) -> None:
+    def prefill(self, cache: list, encoded: EncodedRequest, start: int, end: int) -> mx.array | None:
         """Run the language model on positions [start, end) into ``cache`` (which must hold exactly ``start``
-        tokens). Logits are not computed (only the cache is evaluated)."""
+        tokens). Only the cache is evaluated; the chunk's (1, end - start, V) logits are returned unevaluated
+        (None for an empty range), so nothing computes them unless the caller reads them."""
         self._check_range(encoded, start, end)
         if end == start:
-            return
+            return None
         held = int(library.row_offsets(cache)[0].item())
         if held != start:
             raise ValueError(f"prefill from {start} but the cache holds {held} tokens")
@@ -548,9 +549,10 @@ class VLMAdapter:
                 kwargs[self.spec.media_mask_input] = chunk_mask
                 for name, rows in encoded.media_rows.items():
                     kwargs[name] = rows[:, before: before + inside]
-        library.lm_forward(self.language_model, encoded.input_ids[:, start:end], cache,
-                        inputs_embeds=encoded.embeddings[:, start:end], **kwargs)
+        logits = library.lm_forward(self.language_model, encoded.input_ids[:, start:end], cache,
+                                    inputs_embeds=encoded.embeddings[:, start:end], **kwargs)
         mx.eval([c.state for c in cache])
+        return logits
 
     @property
     def batched_prefill(self) -> bool:

@@ -156,6 +156,15 @@ def equality(model_dir: str, out: Path, group, sharding: str = "tensor_group") -
         engine.close()
     else:
         engine.follow()
+    # prompt logprobs: the logits of prefill chunks are read on every rank, in the same order (with a pipeline
+    # their vocabulary projection follows a collective, which every rank must run)
+    engine = Engine.from_pretrained(model_dir, EngineConfig(prefill_chunk=16), **{sharding: group})
+    if group.rank() == 0:
+        outs = engine.generate(_prompts()[:3], SamplingParams(max_tokens=4, prompt_logprobs=2))
+        results["prompt_logprobs"] = [[o.prompt_logprobs, o.prompt_top_logprobs, o.token_ids] for o in outs]
+        engine.close()
+    else:
+        engine.follow()
     # mlx-lm's own sharded generation, each request alone: every rank runs it (its collectives line up)
     solo = {name: {f"r{i}": solo_tokens(engine.model, engine.tokenizer, p, s.max_tokens) for i, p in enumerate(s.prompts)}
             for name, s in schedules.items()}
@@ -165,10 +174,20 @@ def equality(model_dir: str, out: Path, group, sharding: str = "tensor_group") -
 
     model, tokenizer = mlx_lm.load(model_dir)  # unsharded, on rank 0 alone (no collectives)
     results["sharded_solo"] = solo
+    results["unsharded_prompt_logprobs"] = [_forward_logprobs(model, p) for p in _prompts()[:3]]
     results["unsharded_solo"] = {
         name: {f"r{i}": solo_tokens(model, tokenizer, p, s.max_tokens) for i, p in enumerate(s.prompts)}
         for name, s in schedules.items()}
     (out / "result.json").write_text(json.dumps(results))
+
+
+def _forward_logprobs(model, prompt: list[int]) -> list[float]:
+    """Each prompt token's logprob (after the first) from one unsharded forward of the prompt alone."""
+    import mlx.core as mx
+
+    logits = model(mx.array(prompt)[None])[0].astype(mx.float32)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return [logprobs[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)]
 
 
 def checkpoints(model_dir: str, out: Path, group) -> None:

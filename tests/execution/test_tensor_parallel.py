@@ -90,6 +90,17 @@ def test_async_engine_runs_over_a_sharded_engine_and_processors_are_refused(equa
 
 
 @pytest.mark.slow
+def test_prompt_logprobs_on_a_sharded_engine_equal_the_unsharded_forward(equality_run):
+    """Rank 0 reads each prefill chunk's logits, and the followers run the same reads (their collectives line
+    up): the values are the unsharded model's own forward of each prompt, to the tolerance of a sharded sum."""
+    _, results = equality_run
+    for (values, top, tokens), want, name in zip(results["prompt_logprobs"], results["unsharded_prompt_logprobs"],
+                                                  ["r0", "r1", "r2"]):
+        assert values[0] is None and values[1:] == pytest.approx(want, abs=1e-4)
+        assert [len(t) for t in top[1:]] == [2] * len(want)
+        assert tokens == results["sharded_solo"]["all-at-once"][name][:4]  # mlx-lm's own sharded generation
+
+
 def test_sharded_output_equals_the_unsharded_model_on_this_model(equality_run):
     """Tensor sharding splits each matmul's sum across ranks, so float rounding differs from the unsharded model
     and a near-tie could flip a greedy choice; on these tiny float32 models none does (under both BLAS
