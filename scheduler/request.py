@@ -136,7 +136,8 @@ class SamplingParams:
         _check(self.logprobs or not self.top_logprobs, "top_logprobs", "needs logprobs=True")
         _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
                                                 and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS),
-               "prompt_logprobs", f"must be None or an integer in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs!r}")
+               "prompt_logprobs",
+               f"must be None or an integer in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs!r}")
         procs = self.logits_processors
         _check(isinstance(procs, (tuple, list)) and all(callable(p) for p in procs), "logits_processors",
                "must be a sequence of callables (tokens, logits) -> logits")

@@ -35,11 +35,12 @@ class StepOutput:
     # per token, its `top_logprobs` most likely (token, logprob), most likely first (SamplingParams.top_logprobs)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     logprob_vectors: list = field(default_factory=list)  # (V,) log-softmax per token (EngineConfig.logprob_vectors)
-    num_drafted: int = 0
+    num_drafted: int = 0  # speculative decoding: draft tokens proposed for this request this tick
     # with the request's first token, when it asked for them (SamplingParams.prompt_logprobs): each prompt
     # token's logprob (None for the first) and its position's most likely (token, logprob)s
     prompt_logprobs: list[float | None] | None = None
-    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None  # speculative decoding: draft tokens proposed for this request this tick
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_token_ids: list[int] | None = None  # the prompt those are of (set with them)
 
 
 @dataclass
@@ -377,6 +378,7 @@ class Scheduler:
         if with_prompt:  # the first token brings the prompt's logprobs (its prefill computed every position)
             output.prompt_logprobs = list(request.prompt_logprobs) or [None]
             output.prompt_top_logprobs = list(request.prompt_top_logprobs) or [[]]
+            output.prompt_token_ids = list(request.prompt_tokens)
         return output
 
     def _emit_logprobs(self, request: Request, tokens: list[int], result: TickResult, tick: int,

@@ -306,7 +306,8 @@ class MLXExecutor:
         prefilled here; the rest go the one-request way: a cache kind that cannot be split back out of a batch
         (rotating windows, recurrent state: declared by the cache-layer capabilities), quantized caches, a
         chunk inside which kv_bits converts, a chunk the runner keeps alone (`shares_prefill`: a VLM chunk
-        holding media rows its language model reads per chunk, e.g. Qwen3-VL's deepstack), a family whose
+        holding media rows its language model reads per chunk, e.g. Qwen3-VL's deepstack), a request that asks
+        for prompt logprobs (its own forward's logits are read: `_note_prompt_logprobs`), a family whose
         per-chunk inputs have no batched form (Gemma 4's per-layer inputs), and any group whose forward raised
         (a `PrefillFallback` in the tick's result, counted, never silent)."""
         if not getattr(self.runner, "batched_prefill", False):

@@ -123,6 +123,7 @@ class _Call:
         self.id = f"{kind}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
         self.request_ids = [f"{self.id}-{i}" for i in range(prompts * body.n)]
+        self.echoes: list[str] | None = None  # per prompt, its text, which each of its choices echoes
         self.streams: list[RequestStream] = []
         self.completion_tokens = 0
 
@@ -169,8 +170,9 @@ class _Call:
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, stream: RequestStream) -> None:
+            echo = self.echoes[index // self.body.n] if self.echoes is not None else None
             try:
-                async for delta in choice_deltas(stream, tokenizer, stops, logprobs):
+                async for delta in choice_deltas(stream, tokenizer, stops, logprobs, echo):
                     queue.put_nowait((index, delta))
                 queue.put_nowait((index, None))
             except asyncio.CancelledError:
@@ -284,34 +286,49 @@ class _TextChoices:
 
     object = "text_completion"
 
-    def __init__(self, tokenizer: Any, wants_logprobs: bool):
+    def __init__(self, tokenizer: Any, wants_logprobs: bool, alternatives: int):
         self.tokenizer = tokenizer
         self.wants_logprobs = wants_logprobs
+        self.alternatives = alternatives  # the legacy `logprobs: N`: N most likely tokens listed per token
 
     def first(self, index: int) -> dict[str, Any] | None:
         return None
 
     def delta(self, index: int, delta: Delta) -> dict[str, Any] | None:
-        if not delta.text and delta.finish_reason is None and not delta.logprobs:
+        if not delta.text and delta.finish_reason is None and not delta.logprobs and delta.echo is None:
             return None
-        return {"index": index, "text": delta.text, "logprobs": self._logprobs([delta]),
+        return {"index": index, "text": self._text([delta]), "logprobs": self._logprobs([delta]),
                 "finish_reason": delta.finish_reason}
 
     def final(self, index: int, deltas: list[Delta]) -> dict[str, Any]:
-        return {"index": index, "text": "".join(d.text for d in deltas), "logprobs": self._logprobs(deltas),
+        return {"index": index, "text": self._text(deltas), "logprobs": self._logprobs(deltas),
                 "finish_reason": deltas[-1].finish_reason if deltas else None}
 
+    @staticmethod
+    def _text(deltas: list[Delta]) -> str:
+        return "".join((d.echo.text if d.echo is not None else "") + d.text for d in deltas)
+
     def _logprobs(self, deltas: list[Delta]) -> dict[str, Any] | None:
+        """The legacy shape: per token its text, its logprob and its alternatives {token text: logprob} (most likely
+        first), and where its text starts. An echoed prompt's tokens come first, the first with null logprob and
+        alternatives (nothing precedes it)."""
         if not self.wants_logprobs:
             return None
         tokens, values, alternatives = [], [], []
         for delta in deltas:
-            for i, (token, logprob) in enumerate(delta.logprobs):
-                tokens.append(_token_text(self.tokenizer, token))
-                values.append(logprob)
-                if i < len(delta.top_logprobs):  # the legacy shape: {token text: logprob}, most likely first
+            echoed = delta.echo.logprobs if delta.echo is not None else []
+            echoed_top = delta.echo.top_logprobs if delta.echo is not None else []
+            for pairs, top in ((echoed, echoed_top), (delta.logprobs, delta.top_logprobs)):
+                for i, (token, logprob) in enumerate(pairs):
+                    tokens.append(_token_text(self.tokenizer, token))
+                    values.append(logprob)
+                    if not self.alternatives:
+                        continue
+                    if logprob is None:  # an echoed prompt's first token
+                        alternatives.append(None)
+                        continue
                     listed: dict[str, float] = {}
-                    for t, lp in delta.top_logprobs[i]:  # tokens with one text share its key: the likelier keeps it
+                    for t, lp in (top[i] if i < len(top) else ()):  # one text shares a key: the likelier keeps it
                         listed.setdefault(_token_text(self.tokenizer, t), lp)
                     alternatives.append(listed)
         offsets = list(itertools.accumulate((len(t) for t in tokens), initial=0))[:-1]
@@ -412,8 +429,11 @@ def create_app(state: ServerState) -> Any:
             raise APIError(400, f"n: {len(prompts)} prompts x n={body.n} choices; at most {MAX_CHOICES} in one "
                                 "request", "n")
         call = _Call(state, body, "cmpl", len(prompts))
+        if body.echo:  # a text prompt as sent; token ids as the tokenizer decodes them
+            call.echoes = [p if isinstance(p, str) else engine.tokenizer.decode(p) for p in prompts]
         await call.submit([dict(prompt=p) if isinstance(p, str) else dict(prompt_tokens=p) for p in prompts])
-        return await _respond(request, call, _TextChoices(engine.tokenizer, body.wants_logprobs()))
+        choices = _TextChoices(engine.tokenizer, body.wants_logprobs(), body.alternatives())
+        return await _respond(request, call, choices)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -29,6 +29,17 @@ class Delta:
     finish_reason: str | None = None  # "stop" / "length" on the last delta
     # per emitted token, its most likely alternatives (token id, logprob), most likely first (top_logprobs)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    echo: "EchoedPrompt | None" = None  # the first delta of a choice that echoes its prompt
+
+
+@dataclass
+class EchoedPrompt:
+    """The prompt a completion echoes before its own text: the text, and with logprobs each prompt token's
+    (token id, logprob; None for the first) and its position's alternatives (SamplingParams.prompt_logprobs)."""
+
+    text: str
+    logprobs: list[tuple[int, float | None]] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 class ChoiceFailed(Exception):
@@ -81,6 +92,7 @@ def sampling_params(body: Body, index: int, default_max_tokens: int) -> Sampling
         "seed": seed,
         "logprobs": body.wants_logprobs(),
         "top_logprobs": body.alternatives(),
+        "prompt_logprobs": body.prompt_alternatives(),
     }
     try:
         return SamplingParams(**fields)
@@ -89,19 +101,28 @@ def sampling_params(body: Body, index: int, default_max_tokens: int) -> Sampling
 
 
 async def choice_deltas(stream: RequestStream, tokenizer: Any, stop_strings: list[str],
-                        wants_logprobs: bool) -> AsyncIterator[Delta]:
+                        wants_logprobs: bool, echo: str | None = None) -> AsyncIterator[Delta]:
     """The deltas of one choice until it ends. Raises ChoiceFailed if the engine failed it. Closing the
-    iterator early (the client went away) closes the stream, which aborts the request."""
+    iterator early (the client went away) closes the stream, which aborts the request.
+
+    `echo`: the prompt's text, which the first delta carries (`Delta.echo`) before any output text, with the
+    prompt's logprobs when the request asked for them. An echoing choice's logprobs also list the stop token
+    that ended it (its text is still left out), as vLLM's do: the logprobs then hold every token of prompt and
+    completion, which is what lm-eval's `token_logprobs[ctxlen:-1]` slicing expects."""
     detok = IncrementalDetokenizer(tokenizer)
     stops = StopMatcher(stop_strings)
+    with_stop_token = echo is not None
     try:
         async for out in stream:
             if out.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
                 raise ChoiceFailed(out.error or f"the request ended with {out.finish_reason.value}")
+            if echo is not None:
+                yield Delta("", [], echo=_echoed(echo, out))
+                echo = None
             tokens = list(out.token_ids)
             # the stop token ends the text: it is counted, not shown
             shown = tokens[:-1] if out.finish_reason is FinishReason.STOP and tokens else tokens
-            logprobs = list(zip(shown, out.logprobs)) if wants_logprobs else []
+            logprobs = list(zip(tokens if with_stop_token else shown, out.logprobs)) if wants_logprobs else []
             top = list(out.top_logprobs[: len(logprobs)])
             text = detok.add(shown)
             if out.finished:
@@ -122,3 +143,12 @@ async def choice_deltas(stream: RequestStream, tokenizer: Any, stop_strings: lis
                 yield Delta("", tokens)
     finally:
         stream.close()
+
+
+def _echoed(text: str, first: Any) -> EchoedPrompt:
+    """The echo of a choice's prompt, from its first engine output (which carries the prompt logprobs when the
+    request asked for them)."""
+    if first.prompt_logprobs is None:
+        return EchoedPrompt(text)
+    return EchoedPrompt(text, list(zip(first.prompt_token_ids, first.prompt_logprobs)),
+                        list(first.prompt_top_logprobs))

@@ -219,12 +219,17 @@ class ChatCompletionRequest(_Sampling):
         """How many most likely tokens to list next to each output token."""
         return self.top_logprobs or 0
 
+    def prompt_alternatives(self) -> int | None:
+        return None  # chat completions have no echo
+
 
 class CompletionRequest(_Sampling):
     # one prompt (text or token ids) or several (a list of texts or of token-id lists): each gets `n` choices
     prompt: Union[str, list[StrictInt], list[str], list[list[StrictInt]]]
     logprobs: StrictInt | None = None  # legacy: number of alternatives per token, 0..5
-    echo: StrictBool = False  # only false
+    # the prompt before the completion: in the text, and with `logprobs` in the logprobs too (each prompt token's
+    # logprob given the ones before it, the first null: what lm-eval's loglikelihood tasks read)
+    echo: StrictBool = False
 
     @field_validator("prompt")
     @classmethod
@@ -250,13 +255,6 @@ class CompletionRequest(_Sampling):
             raise ValueError("must be in [0, 5]")
         return v
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
-        return v
-
     def token_limit(self) -> tuple[int | None, str]:
         return self.max_tokens, "max_tokens"
 
@@ -266,6 +264,10 @@ class CompletionRequest(_Sampling):
     def alternatives(self) -> int:
         """How many most likely tokens to list next to each output token (the legacy `logprobs: N`)."""
         return self.logprobs or 0
+
+    def prompt_alternatives(self) -> int | None:
+        """With echo and logprobs, the engine's `prompt_logprobs` (alternatives per prompt token); else None."""
+        return self.alternatives() if self.echo and self.wants_logprobs() else None
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -369,6 +369,62 @@ def test_top_logprobs_list_the_engines_most_likely_tokens(server, reference):
         assert list(alternatives.values()) == pytest.approx(list(listed.values()), abs=1e-5)
 
 
+def test_echo_with_logprobs_answers_lm_evals_loglikelihood_request(server, reference):
+    """lm-eval's `local-completions` loglikelihood request (token-id prompts, `max_tokens: 1`, `logprobs: 1`,
+    `echo: true`) gets each prompt token's logprob (the first null) and the generated token's, as the engine
+    computes them (`SamplingParams.prompt_logprobs`, checked against a forward of the prompt in
+    test_prompt_logprobs.py); lm-eval's own parsing (`token_logprobs[ctxlen:-1]`, greedy when each equals its
+    alternatives' best) reads them. Echo without logprobs prepends the prompt's text, streamed or not. An echoing
+    choice ended by a stop token still lists that token's logprob (its text is left out)."""
+    engine = reference[0]
+    contexts = [[7, 8, 9, 10, 11, 12], [21, 22, 23]]
+    continuations = [[13, 14, 15], [24, 25]]
+    prompts = [c + x for c, x in zip(contexts, continuations)]
+    want = engine.generate(prompts, SamplingParams(max_tokens=1, logprobs=True, top_logprobs=1, prompt_logprobs=1))
+    status, body = server.post("/v1/completions", {"model": MODEL_NAME, "prompt": prompts, "temperature": 0,
+                                                   "max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": True})
+    assert status == 200, body
+    for choice, prompt, context, out in zip(sorted(body["choices"], key=lambda c: c["index"]), prompts, contexts,
+                                            want):
+        logprobs = choice["logprobs"]
+        assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+        assert logprobs["token_logprobs"][1:] == pytest.approx(out.prompt_logprobs[1:] + out.logprobs, abs=1e-5)
+        assert logprobs["tokens"] == [engine.tokenizer.decode([t]) for t in prompt + out.token_ids]
+        assert choice["text"].startswith(engine.tokenizer.decode(prompt))
+        # lm-eval's parse_logprobs
+        ctxlen = len(context)
+        assert sum(logprobs["token_logprobs"][ctxlen:-1]) == pytest.approx(sum(out.prompt_logprobs[ctxlen:]),
+                                                                           abs=1e-4)
+        greedy = all(lp == max(top.values()) for lp, top in zip(logprobs["token_logprobs"][ctxlen:-1],
+                                                                logprobs["top_logprobs"][ctxlen:-1]))
+        assert greedy == all(lp == top[0][1] for lp, top in zip(out.prompt_logprobs[ctxlen:],
+                                                                out.prompt_top_logprobs[ctxlen:]))
+
+    text = "Tell me about the river"
+    (completion,) = engine.generate([text], SamplingParams(max_tokens=4))
+    stop_id = completion.token_ids[0]
+
+    async def run():
+        async with server.client() as client:
+            plain = await client.completions.create(model=MODEL_NAME, prompt=text, max_tokens=4, temperature=0,
+                                                    echo=True)
+            stream = await client.completions.create(model=MODEL_NAME, prompt=text, max_tokens=4, temperature=0,
+                                                     echo=True, stream=True)
+            chunks = [c async for c in stream]
+            stopped = await client.completions.create(model=MODEL_NAME, prompt=text, max_tokens=4, temperature=0,
+                                                      echo=True, logprobs=0, extra_body={"stop_token_ids": [stop_id]})
+            return plain, chunks, stopped
+
+    plain, chunks, stopped = asyncio.run(run())
+    assert plain.choices[0].text == text + completion.text and plain.choices[0].logprobs is None
+    assert chunks[0].choices[0].text == text
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text + completion.text
+    entries = stopped.choices[0].logprobs
+    assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].text == text
+    assert len(entries.token_logprobs) == stopped.usage.prompt_tokens + 1 and entries.top_logprobs is None
+    assert entries.token_logprobs[-1] is not None and entries.tokens[-1] == engine.tokenizer.decode([stop_id])
+
+
 def _png_file(tmp_path: Path) -> Path:
     path = tmp_path / "real.png"
     _picture(5, (56, 56))[0].save(path)
