@@ -37,7 +37,8 @@ class ShardLost(RuntimeError):
 
 
 class ShardDivergence(RuntimeError):
-    """A follower computed different tokens from rank 0's: the shards no longer agree."""
+    """A follower computed different tokens from rank 0's (or received something that is not a tick message:
+    the ranks' collectives are out of step): the shards no longer agree."""
 
 
 # What MLX's backends say when a peer is gone. The executor contains a failing forward to the requests in it
@@ -126,11 +127,19 @@ class TickMessage:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "TickMessage":
-        record = json.loads(data)
-        return cls(kind=MessageKind(record["kind"]), plan=record["plan"],
-                   requests={rid: RequestData(**r) for rid, r in record["requests"].items()},
-                   appended=record["appended"], released=record["released"],
-                   prefix_added=[tuple(a) for a in record["prefix_added"]], prefix_evicted=record["prefix_evicted"])
+        """The message rank 0 broadcast. Anything else (bytes of another collective, which a follower receives
+        when the ranks' collectives are out of step) raises ShardDivergence saying so, not a decoding error."""
+        try:
+            record = json.loads(data)
+            return cls(kind=MessageKind(record["kind"]), plan=record["plan"],
+                       requests={rid: RequestData(**r) for rid, r in record["requests"].items()},
+                       appended=record["appended"], released=record["released"],
+                       prefix_added=[tuple(a) for a in record["prefix_added"]],
+                       prefix_evicted=record["prefix_evicted"])
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:  # (UnicodeDecodeError is a ValueError)
+            raise ShardDivergence(f"a {len(data)}-byte broadcast is not a tick message ({type(exc).__name__}: "
+                                  f"{exc}; it starts {bytes(data[:16])!r}): the ranks' collectives are out of step"
+                                  ) from exc
 
 
 class PlanChannel:

@@ -18,10 +18,12 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 import pytest
 
 from scheduler import SamplingParams
-from scheduler.execution.distributed import MessageKind, RequestData, TickMessage, decode_plan, encode_plan
+from scheduler.execution.distributed import (MessageKind, RequestData, ShardDivergence, TickMessage, decode_plan,
+                                             encode_plan)
 from scheduler.execution.stall_watchdog import SHARD_LOST_EXIT_CODE
 from scheduler.plan import PrefillChunk, TickPlan
 from scheduler.tools.replay import load_trace, replay
@@ -240,6 +242,19 @@ def test_the_plan_crosses_the_wire_unchanged():
     back = TickMessage.from_bytes(message.to_bytes())
     assert decode_plan(back.plan) == plan
     assert back == message
+
+
+@pytest.mark.parametrize("received", [
+    np.arange(40, dtype=np.float32).tobytes(),  # another collective's floats: not UTF-8
+    b"[1, 2, 3]",  # JSON, but not a message
+    b'{"kind": "tick"}',  # a message's start, its fields missing
+    b'{"kind": "resize", "plan": null}',  # no such kind
+], ids=["floats", "json-list", "fields-missing", "unknown-kind"])
+def test_a_broadcast_that_is_not_a_tick_message_says_the_ranks_are_out_of_step(received):
+    """What a follower receives when its collectives and rank 0's no longer line up is refused as such (the
+    follower ends with that error), not as a decoding error from deep inside JSON."""
+    with pytest.raises(ShardDivergence, match="is not a tick message .* the ranks' collectives are out of step"):
+        TickMessage.from_bytes(received)
 
 
 def test_follow_is_only_for_the_other_ranks_of_a_sharded_engine(text_model):
