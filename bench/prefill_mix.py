@@ -85,7 +85,7 @@ def _grouped(runner, prompts, ticks, ratio):
         grouped = set()
         for group, _, padded in _pad_groups(chunks, ratio):
             rows = [(prompts[i], None, caches.get(i) if start else None, start, n) for i, start, n in group]
-            for (i, _, _), cache in zip(group, runner.prefill_many(rows)):
+            for (i, _, _), cache in zip(group, runner.prefill_many(rows)[0]):
                 caches[i] = cache
                 grouped.add(i)
             forwards, pads = forwards + 1, pads + padded
@@ -108,7 +108,7 @@ def _split(runner, prompts, ticks, ratio):
         for group, _, _ in _pad_groups(chunks, ratio):
             w = min(n for *_, n in group)
             rows = [(prompts[i], None, caches.get(i) if start else None, start, w) for i, start, n in group]
-            for (i, start, n), cache in zip(group, runner.prefill_many(rows)):
+            for (i, start, n), cache in zip(group, runner.prefill_many(rows)[0]):
                 caches[i] = cache
                 grouped[i] = w
             forwards += 1

@@ -98,7 +98,7 @@ class SamplingParams:
     # the logprob of every prompt token given the ones before it (the first has none), and this many most likely
     # tokens at each position: vLLM's `prompt_logprobs` (None: off; 0..20). What `echo` + `logprobs` of the
     # completions API read. A request that asks is computed from its first token: the prefix cache is not
-    # looked up for it, and its prefill chunks run in forwards of their own (their logits are read).
+    # looked up for it.
     prompt_logprobs: int | None = None
     logits_processors: tuple[LogitsProcessor, ...] = ()
     # A custom sampling function (mlx-lm's `make_sampler(...)` shape) that picks this request's tokens instead of

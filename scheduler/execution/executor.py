@@ -306,8 +306,7 @@ class MLXExecutor:
         prefilled here; the rest go the one-request way: a cache kind that cannot be split back out of a batch
         (rotating windows, recurrent state: declared by the cache-layer capabilities), quantized caches, a
         chunk inside which kv_bits converts, a chunk the runner keeps alone (`shares_prefill`: a VLM chunk
-        holding media rows its language model reads per chunk, e.g. Qwen3-VL's deepstack), a request that asks
-        for prompt logprobs (its own forward's logits are read: `_note_prompt_logprobs`), a family whose
+        holding media rows its language model reads per chunk, e.g. Qwen3-VL's deepstack), a family whose
         per-chunk inputs have no batched form (Gemma 4's per-layer inputs), and any group whose forward raised
         (a `PrefillFallback` in the tick's result, counted, never silent)."""
         if not getattr(self.runner, "batched_prefill", False):
@@ -322,13 +321,17 @@ class MLXExecutor:
         for group, width, padded in _pad_groups(eligible, self.pad_ratio):
             rows = [(requests[rid], self._encoded[rid], self.kv.request_cache(rid) if start else None, start, n)
                     for rid, start, n in group]
+            noted = TickResult()  # (kept only if the whole group succeeds: a retried row notes its own)
             try:
-                caches = self.runner.prefill_many(rows)
+                caches, logits = self.runner.prefill_many(rows)
+                for i, (rid, start, n) in enumerate(group):  # rows that asked read their own positions
+                    self._note_prompt_logprobs(requests[rid], start, logits[i:i + 1, :n], noted)
             except Exception as exc:  # retried one by one, where an error is attributed to its own request
                 self.prefill_stats.fallbacks += 1
                 result.prefill_fallbacks.append(PrefillFallback(tuple(rid for rid, _, _ in group), width,
                                                                 f"{type(exc).__name__}: {exc}"))
                 continue
+            result.prompt_logprobs.update(noted.prompt_logprobs)  # (a request has one chunk a tick)
             self.prefill_stats.record(len(group), sum(start > 0 for _, start, _ in group), padded)
             result.padded_tokens += padded
             for (rid, start, n), cache in zip(group, caches):
@@ -341,8 +344,6 @@ class MLXExecutor:
         rid = request.request_id
         if n <= 0 or (start > 0) != self.kv.has_request(rid):  # a later chunk has its cache (restored or fed)
             return False
-        if request.sampling.prompt_logprobs is not None:
-            return False  # its logits are read (`_note_prompt_logprobs`): one forward of its own
         if start > 0 and self.kv.is_quantized(rid):
             return False  # a quantized row would need a batch of quantized rows only: kept one by one
         if self.quantize is not None and start <= self.quantize.point(request.prompt_len) < start + n:

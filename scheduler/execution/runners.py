@@ -34,7 +34,8 @@ class Runner(Protocol):
         logits unevaluated: nothing computes the vocabulary projection unless a caller reads them."""
 
     # Runners with `batched_prefill` true also have `shares_prefill(encoded, start, n)` (may this chunk join a
-    # shared forward) and `prefill_many([(request, encoded, cache, start, n), ...])` (one cache per chunk back).
+    # shared forward) and `prefill_many([(request, encoded, cache, start, n), ...])` (one cache per chunk back,
+    # and the forward's (B, width, V) logits unevaluated: row i's first n are its chunk's).
 
     def decode(self, batch_cache: library.Cache, inputs: mx.array, rope_deltas: mx.array | None) -> mx.array: ...
 
@@ -86,14 +87,15 @@ class TextRunner:
         `cache` holds (None: a fresh request). The caches are merged left-padded (mlx-lm's BatchKVCache: each
         row keeps its own RoPE offset and the mask hides the padding), and chunks shorter than the widest are
         padded on the right: causal attention keeps every real position from seeing a pad, and the pads are cut
-        from the caches after, so each row computes what its own forward would."""
+        from the caches after, so each row computes what its own forward would. Returns (caches, the forward's
+        (B, width, V) logits unevaluated: row i's first n positions are its chunk's)."""
         width = max(n for *_, n in chunks)
         batch = self.merge([cache if cache is not None else self.make_cache() for _, _, cache, _, _ in chunks])
         tokens = [request.prefill_tokens(start, start + n) + [0] * (width - n)
                   for request, _, _, start, n in chunks]
-        self.model(mx.array(tokens), cache=batch)
+        logits = self.model(mx.array(tokens), cache=batch)
         mx.eval(library.cache_arrays(batch))
-        return library.split_batch(batch, len(chunks), [width - n for *_, n in chunks])
+        return library.split_batch(batch, len(chunks), [width - n for *_, n in chunks]), logits
 
     def decode(self, batch_cache, inputs, rope_deltas):
         return self.model(inputs[:, None], cache=batch_cache)[:, -1, :]

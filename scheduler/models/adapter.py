@@ -569,9 +569,11 @@ class VLMAdapter:
             return False
         return encoded.media_mask is None or not bool(encoded.media_mask[:, start:end].any().item())
 
-    def prefill_many(self, rows: Sequence[tuple[list | None, EncodedRequest, int, int]]) -> list[list]:
-        """Several requests' chunks in one forward; one cache per request back. ``rows``: (cache or None for a
-        fresh request, encoded, start, n): feed positions [start, start + n) after what the cache holds.
+    def prefill_many(self, rows: Sequence[tuple[list | None, EncodedRequest, int, int]]
+                     ) -> tuple[list[list], mx.array]:
+        """Several requests' chunks in one forward; one cache per request back, and the forward's (B, width, V)
+        logits unevaluated (row i's first n positions are its chunk's). ``rows``: (cache or None for a fresh
+        request, encoded, start, n): feed positions [start, start + n) after what the cache holds.
 
         The same layout as the text runner's: caches merged left-padded (each row keeps its own offset, and its
         mask hides the padding), chunks shorter than the widest padded on the right with zero embeddings, and
@@ -590,10 +592,10 @@ class VLMAdapter:
             if "position_ids" in kwargs:  # pads sit at position 0: no real position attends to them
                 positions.append(mx.pad(kwargs["position_ids"], [(0, 0), (0, 0), (0, pad)]))
         kwargs = {"position_ids": mx.concatenate(positions, axis=1)} if positions else {}
-        library.lm_forward(self.language_model, mx.concatenate(ids, axis=0), batch,
-                           inputs_embeds=mx.concatenate(embeds, axis=0), **kwargs)
+        logits = library.lm_forward(self.language_model, mx.concatenate(ids, axis=0), batch,
+                                    inputs_embeds=mx.concatenate(embeds, axis=0), **kwargs)
         mx.eval(layers.cache_arrays(batch))
-        return layers.split_batch(batch, len(rows), [width - n for *_, n in rows])
+        return layers.split_batch(batch, len(rows), [width - n for *_, n in rows]), logits
 
     @staticmethod
     def _check_range(encoded: EncodedRequest, start: int, end: int) -> None:

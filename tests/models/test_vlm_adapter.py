@@ -424,7 +424,8 @@ def test_prefill_many_equals_each_chunk_alone(adapter):
     adapter.prefill(later, encoded[1], 0, 5)
     rows = [(None, encoded[0], 0, 20), (later, encoded[1], 5, 18), (None, encoded[2], 0, 13)]
     assert adapter.batched_prefill
-    got = adapter.prefill_many(rows)
+    got, logits = adapter.prefill_many(rows)
+    assert logits.shape[:2] == (3, 20)
     for (cache, enc, start, n), batched in zip(rows, got):
         alone = adapter.make_cache()
         adapter.prefill(alone, enc, 0, start + n)

@@ -61,9 +61,9 @@ def run_collecting(engine, arrivals):
 
 @pytest.mark.parametrize("chunk", [7, 64])
 def test_prompt_logprobs_equal_one_forward_of_the_prompt_alone(text_model, chunk):
-    """Requests with k = 3 and k = 0 run beside requests that did not ask (which stay in batched prefill
-    groups); chunked or not, each asking request's values match the prompt's own forward, it gets them once, with
-    its first token, and every request's tokens are its solo greedy tokens."""
+    """Requests with k = 3, 1 and 0 run beside requests that did not ask; chunked or not, each asking request's
+    values match the prompt's own forward, it gets them once, with its first token, and every request's tokens
+    are its solo greedy tokens."""
     model, tokenizer = text_model
     prompts = mixed_prompts(6, 2, 40, seed=31)
     asks = {0: 3, 2: 0, 5: 1}
@@ -80,6 +80,22 @@ def test_prompt_logprobs_equal_one_forward_of_the_prompt_alone(text_model, chunk
         assert_prompt_logprobs(values, top, want, vectors, k)
     for i, p in enumerate(prompts):
         assert tokens[f"r{i}"] == solo_tokens(model, tokenizer, p, MAX_TOKENS)
+
+
+def test_rows_of_a_shared_prefill_forward_read_their_own_positions(text_model):
+    """Requests that all ask, arriving together: their chunks share right-padded forwards (counted in
+    `prefill_stats`), and each row's values are its own prompt's, not its pads' or a neighbour's. The token
+    budget (70) gives the third prompt a first chunk of 22 beside two of 24: its pads sit mid-prompt, where the
+    logits past its 22 positions would score its next real tokens if they were read."""
+    model, tokenizer = text_model
+    prompts = mixed_prompts(3, 40, 40, seed=12)
+    engine = Engine(model, tokenizer, EngineConfig(max_batched_tokens=70, prefill_chunk=24, check_invariants=True))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=2, prompt_logprobs=2))
+    stats = engine.executor.prefill_stats
+    assert stats.batched_rows >= len(prompts) and stats.padded_tokens > 0
+    for out, prompt in zip(outs, prompts):
+        assert_prompt_logprobs(out.prompt_logprobs, out.prompt_top_logprobs, *alone(model, prompt), 2)
+        assert out.token_ids == solo_tokens(model, tokenizer, prompt, 2)
 
 
 def test_generate_and_a_one_token_prompt(text_model):
