@@ -94,6 +94,10 @@ class PrefillStats:
                 "cached_rows": self.cached_rows, "padded_tokens": self.padded_tokens, "fallbacks": self.fallbacks}
 
 
+# prompt positions whose float32 log-softmax is computed at once (`MLXExecutor._note_prompt_logprobs`)
+PROMPT_LOGPROB_BLOCK = 256
+
+
 def _pad_groups(chunks: list[tuple[str, int, int]], pad_ratio: float) -> list[tuple[list, int, int]]:
     """(request id, start, n) chunks -> groups of two or more: (chunks, width, pad positions). Longest first;
     a group takes the next chunk while its pads stay within `pad_ratio` x its real tokens (a shorter chunk
@@ -398,29 +402,35 @@ class MLXExecutor:
     def _note_prompt_logprobs(request: Request, start: int, logits: Any, result: TickResult) -> None:
         """For a request that asked (`SamplingParams.prompt_logprobs`): the logprobs of the prompt tokens this feed
         predicts. The logits at position p (fed from `start`) score token p + 1; positions past the prompt (outputs
-        re-fed after a preemption) score nothing new. One log-softmax in float32 over the feed's positions, the
-        vocabulary projection of a feed no longer than the tick's token budget."""
+        re-fed after a preemption) score nothing new. A float32 log-softmax per block of `PROMPT_LOGPROB_BLOCK`
+        positions: the logits themselves (the feed's positions x the vocabulary, in the model's dtype) are what
+        mlx-lm's own last prefill step makes; the float32 copy on top is bounded by the block."""
         k = request.sampling.prompt_logprobs
         if k is None or logits is None:
             return
         n = min(logits.shape[1], request.prompt_len - 1 - start)  # positions whose next token is a prompt token
         if n <= 0:
             return
-        logits = logits[0, :n].astype(mx.float32)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        targets = mx.array(request.prompt_tokens[start + 1: start + 1 + n], dtype=mx.int32)
-        picked = mx.take_along_axis(logprobs, targets[:, None], axis=1)[:, 0]
-        top: list[list[tuple[int, float]]] = [[] for _ in range(n)]
-        if k:
-            k = min(k, logprobs.shape[-1])
-            candidates = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]
+        piece = PromptLogprobs(start + 1, [], [])
+        for a in range(0, n, PROMPT_LOGPROB_BLOCK):
+            b = min(a + PROMPT_LOGPROB_BLOCK, n)
+            block = logits[0, a:b].astype(mx.float32)
+            logprobs = block - mx.logsumexp(block, axis=-1, keepdims=True)
+            targets = mx.array(request.prompt_tokens[start + 1 + a: start + 1 + b], dtype=mx.int32)
+            picked = mx.take_along_axis(logprobs, targets[:, None], axis=1)[:, 0]
+            if not k:
+                piece.logprobs += picked.tolist()
+                piece.top += [[] for _ in range(b - a)]
+                continue
+            top = min(k, logprobs.shape[-1])
+            candidates = mx.argpartition(-logprobs, kth=top - 1, axis=-1)[:, :top]
             values = mx.take_along_axis(logprobs, candidates, axis=-1)
             order = mx.argsort(-values, axis=-1)
             ids, values = mx.take_along_axis(candidates, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
             mx.eval(picked, ids, values)
-            top = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-        result.prompt_logprobs.setdefault(request.request_id, []).append(
-            PromptLogprobs(start + 1, picked.tolist(), top))
+            piece.logprobs += picked.tolist()
+            piece.top += [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+        result.prompt_logprobs.setdefault(request.request_id, []).append(piece)
 
     def _encoded_input(self, request: Request) -> Any:
         """What the runner prefills this request from, made on first use for requests the vision step did not

@@ -98,6 +98,18 @@ def test_rows_of_a_shared_prefill_forward_read_their_own_positions(text_model):
         assert out.token_ids == solo_tokens(model, tokenizer, prompt, 2)
 
 
+def test_a_feed_longer_than_one_log_softmax_block(text_model):
+    """One 299-position feed is scored in blocks of PROMPT_LOGPROB_BLOCK positions; they join up."""
+    from scheduler.execution.executor import PROMPT_LOGPROB_BLOCK
+
+    model, tokenizer = text_model
+    prompt = mixed_prompts(1, 300, 300, seed=13)[0]
+    assert len(prompt) - 1 > PROMPT_LOGPROB_BLOCK
+    engine = Engine(model, tokenizer, EngineConfig(max_batched_tokens=512, prefill_chunk=512))
+    (out,) = engine.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=3))
+    assert_prompt_logprobs(out.prompt_logprobs, out.prompt_top_logprobs, *alone(model, prompt), 3)
+
+
 def test_generate_and_a_one_token_prompt(text_model):
     model, tokenizer = text_model
     engine = Engine(model, tokenizer)
@@ -158,6 +170,19 @@ def test_a_recurrent_models_checkpointed_prefill(tmp_path):
     (out,) = engine.generate([prompt], SamplingParams(max_tokens=3, prompt_logprobs=1))
     assert_prompt_logprobs(out.prompt_logprobs, out.prompt_top_logprobs, *alone(model, prompt), 1)
     assert out.token_ids == solo_tokens(model, tokenizer, prompt, 3)
+
+
+def test_with_kv_bits_the_prompt_is_scored_on_the_float_cache_as_mlx_lm_keeps_it(tmp_path):
+    """kv_bits converts a request's cache where mlx-lm alone would (after the prompt's prefill for any prompt
+    under its 2048-token prefill step): the prompt's positions are computed from float keys and values, so the
+    values are the float forward's, and the tokens are mlx-lm's with the same kv_bits."""
+    model, tokenizer = load(str(build_family_model("qwen3", tmp_path / "qwen3", overrides={"head_dim": 64})))
+    prompt = mixed_prompts(1, 40, 40, seed=8)[0]
+    quantized = dict(kv_bits=8, kv_group_size=64, quantized_kv_start=16)
+    engine = Engine(model, tokenizer, EngineConfig(prefill_chunk=12, **quantized))
+    (out,) = engine.generate([prompt], SamplingParams(max_tokens=6, prompt_logprobs=1))
+    assert_prompt_logprobs(out.prompt_logprobs, out.prompt_top_logprobs, *alone(model, prompt), 1)
+    assert out.token_ids == solo_tokens(model, tokenizer, prompt, 6, **quantized)
 
 
 def test_a_vlm_prompt_with_an_image_equals_mlx_vlms_own_forward(vlm_model_dir):
