@@ -1,6 +1,6 @@
 """Stateful property test on the real tiny model (and on a hybrid one): random interleavings of add (varied
 lengths, shared prefixes, greedy and seeded sampling, logits processors: one that changes nothing and one that
-raises after a few tokens), abort in any state, and ticks, under KV-budget pressure, with the prefix cache (a
+raises after a few tokens, prompt logprobs), abort in any state, and ticks, under KV-budget pressure, with the prefix cache (a
 large budget, or one of about two entries so entries are evicted every few ticks), speculative decoding (prompt
 lookup) and either tick mix. Invariants are checked every tick (EngineConfig.check_invariants: the plan's
 budgets, and real KV bytes <= the plan's bound <= kv_memory_bytes at the tick's peak and after it); at the end
@@ -27,7 +27,7 @@ from ..helpers import solo_tokens
 SHARED = [random.Random(1).randrange(7, 512) for _ in range(40)]
 _SOLO: dict[tuple, list[int]] = {}
 SMALL_PREFIX_BUDGET = 150_000  # about two stored prompts of the tiny model: every few stores evict
-SEEN = {"prefix_evictions": 0, "processor_failures": 0}  # over all examples: the mix was really exercised
+SEEN = {"prefix_evictions": 0, "processor_failures": 0, "scored": 0}  # over all examples: the mix was exercised
 
 
 def _keep(tokens, logits):
@@ -41,6 +41,18 @@ def _raise_after(prompt_len: int, n: int):
         return logits
 
     return processor
+
+
+def _scored(model, prompt):
+    """Each prompt token's logprob (after the first) from one forward of the prompt alone."""
+    import mlx.core as mx
+
+    key = ("scored", tuple(prompt))
+    if key not in _SOLO:
+        logits = model(mx.array(prompt)[None])[0].astype(mx.float32)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        _SOLO[key] = [logprobs[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)]
+    return _SOLO[key]
 
 
 def _solo(model, tokenizer, prompt, n):
@@ -73,18 +85,20 @@ def _engine_machine(model, tokenizer, kv_budgets, drafts):
                 check_invariants=True), event_sinks=[self.log])
             self.specs, self.tokens, self.ended, self.aborted = {}, {}, {}, set()
             self.raising, self.errors = {}, {}
+            self.scored, self.prompt_logprobs = {}, {}  # prompt_logprobs asked; every output that carried them
 
         @rule(length=st.integers(1, 90), shared=st.booleans(), n=st.integers(1, 12),
               sampled=st.booleans(), seed=st.integers(0, 100),
-              processor=st.sampled_from([None, None, "keep", "raise"]))
-        def add(self, length, shared, n, sampled, seed, processor):
+              processor=st.sampled_from([None, None, "keep", "raise"]), scored=st.sampled_from([None, None, 0, 2]))
+        def add(self, length, shared, n, sampled, seed, processor, scored):
             rng = random.Random(seed)
             body = [rng.randrange(7, 512) for _ in range(length)]
             prompt = (SHARED + body) if shared else body
             processors = {None: (), "keep": (_keep,), "raise": (_raise_after(len(prompt), 2),)}[processor]
             sampling = SamplingParams(max_tokens=n, temperature=0.8 if sampled else 0.0, seed=seed,
-                                      logits_processors=processors)
+                                      logits_processors=processors, prompt_logprobs=scored)
             rid = self.engine.add_request(prompt_tokens=prompt, sampling=sampling)
+            self.scored[rid], self.prompt_logprobs[rid] = scored, []
             self.specs[rid] = (prompt, n, sampled)
             self.raising[rid] = processor == "raise" and n > 2  # it reaches its third token: the raise
             self.tokens[rid] = []
@@ -108,6 +122,8 @@ def _engine_machine(model, tokenizer, kv_budgets, drafts):
             for out in self.engine.step():
                 assert out.request_id not in self.ended, "output after the end"
                 self.tokens[out.request_id].extend(out.token_ids)
+                if out.prompt_logprobs is not None:
+                    self.prompt_logprobs[out.request_id].append(out.prompt_logprobs)
                 if out.finished:
                     self.ended[out.request_id] = out.finish_reason
                     self.errors[out.request_id] = out.error
@@ -132,6 +148,14 @@ def _engine_machine(model, tokenizer, kv_budgets, drafts):
                 self._step()
             assert set(self.ended) == set(self.specs), "every request ended exactly once"
             for rid, (prompt, n, sampled) in self.specs.items():
+                # prompt logprobs: once, with the first token (preempted and recomputed or not), the prompt's own
+                delivered = self.prompt_logprobs[rid]
+                if self.scored[rid] is None or not self.tokens[rid]:
+                    assert delivered == [], rid
+                else:
+                    (values,) = delivered
+                    assert values[0] is None and values[1:] == pytest.approx(_scored(model, prompt), abs=1e-4), rid
+                    SEEN["scored"] += 1
                 reason = self.ended[rid]
                 if reason is FinishReason.ABORT:
                     assert rid in self.aborted
@@ -189,7 +213,7 @@ def test_random_interleavings_keep_every_guarantee(machine_class):
                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
     machine_class.TestCase.settings = settings_
     machine_class.TestCase().runTest()
-    assert SEEN["prefix_evictions"] > 0 and SEEN["processor_failures"] > 0, SEEN
+    assert SEEN["prefix_evictions"] > 0 and SEEN["processor_failures"] > 0 and SEEN["scored"] > 0, SEEN
 
 
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen3_vl"])
