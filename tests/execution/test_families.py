@@ -116,3 +116,26 @@ def test_the_readme_table_is_generated_from_the_family_table():
     start = readme.index("<!-- families-table:begin")
     body = readme[readme.index("\n", start) + 1: readme.index("<!-- families-table:end -->")]
     assert body.strip() == support_table().strip(), "README's family table is stale: regenerate it from support_table()"
+
+
+def test_prompt_logprobs_equal_mlx_lms_own_prefill_of_each_prompt(family):
+    """Prompt logprobs on every family, chunked small and batched: each prompt token's logprob equals what
+    mlx-lm's own cache (`make_prompt_cache`: windows and recurrent state as mlx-lm keeps them) gives in one
+    forward of the prompt alone, and the tokens stay mlx-lm's."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from scheduler import Engine, SamplingParams
+
+    model_type, model, tokenizer, prompts, reference = family
+    engine = Engine(model, tokenizer, EngineConfig(max_batched_tokens=24, max_seqs=4, prefill_chunk=7,
+                                                   check_invariants=True))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, prompt_logprobs=2))
+    for prompt, out, want_tokens in zip(prompts, outs, reference):
+        logits = model(mx.array(prompt)[None], cache=make_prompt_cache(model))[0].astype(mx.float32)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        want = [logprobs[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)]
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt), model_type
+        assert out.prompt_logprobs[1:] == pytest.approx(want, abs=1e-4), model_type
+        assert all(top[0][1] >= lp - 1e-6 for top, lp in zip(out.prompt_top_logprobs[1:], out.prompt_logprobs[1:]))
+        assert out.token_ids == want_tokens, model_type

@@ -356,3 +356,42 @@ def test_readme_family_table_agrees_with_the_family_specs():
         assert set(media.split(" (")[0].split(", ")) == set(spec.media), (name, media)
         if name in FAMILY_CASES:
             assert drafting.startswith("yes"), (name, drafting)  # every family's drafting schedule runs
+
+
+def _prompt_logprobs_alone(model, processor, messages, images) -> tuple[list[int], list[float]]:
+    """(prompt ids, each prompt token's logprob after the first) as mlx-vlm's own generate computes the prompt:
+    `get_input_embeddings` (the attention mask goes there only), then the language model over the whole prompt
+    with mlx-vlm's prompt cache and the embedding step's extra outputs."""
+    import mlx.core as mx
+    from mlx_vlm.models.cache import make_prompt_cache
+    from mlx_vlm.prompt_utils import apply_chat_template
+    from mlx_vlm.utils import prepare_inputs
+
+    prompt = apply_chat_template(processor, model.config, messages, num_images=len(images))
+    inputs = prepare_inputs(processor, images=images or None, prompts=prompt)
+    ids = inputs["input_ids"]
+    extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
+    embedded = model.get_input_embeddings(ids, inputs.get("pixel_values"), mask=inputs.get("attention_mask"), **extra)
+    extra.update({k: v for k, v in embedded.to_dict().items() if k != "inputs_embeds" and v is not None})
+    logits = model.language_model(ids, inputs_embeds=embedded.inputs_embeds,
+                                  cache=make_prompt_cache(model.language_model), **extra).logits[0]
+    logits = logits.astype(mx.float32)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    tokens = ids[0].tolist()
+    return tokens, [logprobs[i, tokens[i + 1]].item() for i in range(len(tokens) - 1)]
+
+
+def test_family_prompt_logprobs_equal_mlx_vlms_own_prefill(family):
+    """Prompt logprobs on every family: an image request, a text request and a two-image request prefilled
+    together in chunks of 9 (shared forwards where the family's caches split) give each prompt token the logprob
+    mlx-vlm's own generate path computes for that prompt alone."""
+    name, (model, processor), requests, references = family
+    chosen = [0, 1, 3]
+    engine = Engine(model, processor, EngineConfig(prefill_chunk=9, max_batched_tokens=40, check_invariants=True))
+    outs = engine.generate([requests[i][0] for i in chosen], SamplingParams(max_tokens=MAX_TOKENS, prompt_logprobs=1),
+                           images=[requests[i][1] or None for i in chosen])
+    for i, out in zip(chosen, outs):
+        tokens, want = _prompt_logprobs_alone(model, processor, *requests[i])
+        assert len(out.prompt_logprobs) == len(tokens) and out.prompt_logprobs[0] is None, name
+        assert out.prompt_logprobs[1:] == pytest.approx(want, abs=1e-4), f"{name}: request {i}"
+        assert out.token_ids == references[i], f"{name}: request {i}"

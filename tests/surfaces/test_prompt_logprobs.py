@@ -1,7 +1,8 @@
 """Prompt logprobs (`SamplingParams.prompt_logprobs`): each prompt token's logprob given the tokens before it,
 equal to what one forward of the prompt alone gives, whatever the engine did around it: chunked prefill, other
-requests batched beside it, a recurrent model's prefix checkpoints, a preemption and recompute, a VLM prompt with
-an image. The request's output tokens do not change."""
+requests batched beside it, a recurrent model's prefix checkpoints, a preemption and recompute, kv_bits. Every
+text family: tests/execution/test_families.py; every VLM family, image prompts included:
+tests/models/test_vlm_families.py. The request's output tokens do not change."""
 
 import mlx.core as mx
 import numpy as np
@@ -183,26 +184,6 @@ def test_with_kv_bits_the_prompt_is_scored_on_the_float_cache_as_mlx_lm_keeps_it
     (out,) = engine.generate([prompt], SamplingParams(max_tokens=6, prompt_logprobs=1))
     assert_prompt_logprobs(out.prompt_logprobs, out.prompt_top_logprobs, *alone(model, prompt), 1)
     assert out.token_ids == solo_tokens(model, tokenizer, prompt, 6, **quantized)
-
-
-def test_a_vlm_prompt_with_an_image_equals_mlx_vlms_own_forward(vlm_model_dir):
-    import mlx_vlm
-    from mlx_vlm.prompt_utils import apply_chat_template
-    from mlx_vlm.utils import prepare_inputs
-    from PIL import Image
-
-    model, processor = mlx_vlm.load(str(vlm_model_dir))
-    image = Image.fromarray(np.random.default_rng(1).integers(0, 256, (56, 84, 3), dtype=np.uint8))
-    prompt = apply_chat_template(processor, model.config, [{"role": "user", "content": [
-        {"type": "image"}, {"type": "text", "text": "What is it?"}]}], num_images=1)
-    inputs = prepare_inputs(processor, images=[image], prompts=prompt)
-    extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
-    logits = model(inputs["input_ids"], inputs["pixel_values"], mask=inputs["attention_mask"], **extra).logits[0]
-    ids = inputs["input_ids"][0].tolist()
-    engine = Engine(model, processor, EngineConfig(prefill_chunk=9))
-    out, _ = engine.generate([prompt, "plain text"], SamplingParams(max_tokens=3, prompt_logprobs=2),
-                             images=[[image], None])
-    assert_prompt_logprobs(out.prompt_logprobs, out.prompt_top_logprobs, *forward_logprobs(logits, ids, 2), 2)
 
 
 @pytest.mark.parametrize("bad", [-1, 21, 2.0, True, "3"])
