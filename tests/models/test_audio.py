@@ -522,3 +522,39 @@ def test_max_audio_per_request(gemma, clips):
     with pytest.raises(InvalidRequest, match=r"2 audio clips in one request; at most 1 \(max_audio_per_request\)") as info:
         engine.add_request(prompt=audio_messages("two", 2), audio=[clips["a"], clips["a"]])
     assert info.value.field == "audio" and not engine.has_pending()
+
+
+def test_prompt_logprobs_equal_mlx_vlms_own_prefill(gemma, adapter, mixed, clips):
+    """Prompt logprobs through the engine (an audio request and a text one whose prompt wraps the 64-token
+    sliding window, chunks of 7) equal what mlx-vlm's own generate path computes for each prompt alone:
+    `get_input_embeddings`, then the language model with mlx-vlm's prompt cache and the embedding step's extra
+    inputs (Gemma 4's per-layer inputs). To 1e-3: the sliding layers' chunked attention reorders sums more than a
+    plain cache does (up to 7e-05 measured on OpenBLAS); a wrong position is off by far more."""
+    import mlx.core as mx
+    from mlx_vlm.models.cache import make_prompt_cache
+    from mlx_vlm.utils import prepare_inputs
+
+    from scheduler import Engine, EngineConfig, SamplingParams
+
+    model, processor = gemma
+    prepared, references = mixed
+    chosen = [0, 7]  # an audio clip; the long text
+    engine = Engine(model, processor, EngineConfig(prefill_chunk=CHUNK, max_batched_tokens=30, max_seqs=4))
+    outs = engine.generate([prepared[i].prompt for i in chosen],
+                           SamplingParams(max_tokens=MAX_TOKENS, prompt_logprobs=1),
+                           audio=[[str(clips["a"])], None])
+    for i, out in zip(chosen, outs):
+        inputs = prepare_inputs(processor, audio=[str(clips["a"])] if i == 0 else None, prompts=prepared[i].prompt)
+        ids = inputs["input_ids"]
+        extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
+        embedded = model.get_input_embeddings(ids, inputs.get("pixel_values"), mask=inputs.get("attention_mask"),
+                                              **extra)
+        extra.update({k: v for k, v in embedded.to_dict().items() if k != "inputs_embeds" and v is not None})
+        logits = model.language_model(ids, inputs_embeds=embedded.inputs_embeds,
+                                      cache=make_prompt_cache(model.language_model), **extra).logits[0]
+        logprobs = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32), axis=-1, keepdims=True)
+        tokens = ids[0].tolist()
+        assert tokens == prepared[i].input_ids
+        want = [logprobs[j, tokens[j + 1]].item() for j in range(len(tokens) - 1)]
+        assert out.prompt_logprobs[0] is None and out.prompt_logprobs[1:] == pytest.approx(want, abs=1e-3), i
+        assert out.token_ids == references[i], i
