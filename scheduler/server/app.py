@@ -172,7 +172,7 @@ class _Call:
         async def pump(index: int, stream: RequestStream) -> None:
             echo = self.echoes[index // self.body.n] if self.echoes is not None else None
             try:
-                async for delta in choice_deltas(stream, tokenizer, stops, logprobs, echo):
+                async for delta in choice_deltas(stream, tokenizer, stops, logprobs, echo, self.body.prompt_only()):
                     queue.put_nowait((index, delta))
                 queue.put_nowait((index, None))
             except asyncio.CancelledError:

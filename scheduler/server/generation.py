@@ -94,6 +94,8 @@ def sampling_params(body: Body, index: int, default_max_tokens: int) -> Sampling
         "top_logprobs": body.alternatives(),
         "prompt_logprobs": body.prompt_alternatives(),
     }
+    if body.prompt_only():  # the engine decodes the one token a finished prefill brings; the answer drops it
+        fields["max_tokens"] = 1
     try:
         return SamplingParams(**fields)
     except InvalidRequest as exc:
@@ -101,14 +103,18 @@ def sampling_params(body: Body, index: int, default_max_tokens: int) -> Sampling
 
 
 async def choice_deltas(stream: RequestStream, tokenizer: Any, stop_strings: list[str],
-                        wants_logprobs: bool, echo: str | None = None) -> AsyncIterator[Delta]:
+                        wants_logprobs: bool, echo: str | None = None, prompt_only: bool = False
+                        ) -> AsyncIterator[Delta]:
     """The deltas of one choice until it ends. Raises ChoiceFailed if the engine failed it. Closing the
     iterator early (the client went away) closes the stream, which aborts the request.
 
     `echo`: the prompt's text, which the first delta carries (`Delta.echo`) before any output text, with the
     prompt's logprobs when the request asked for them. An echoing choice's logprobs also list the stop token
     that ended it (its text is still left out), as vLLM's do: the logprobs then hold every token of prompt and
-    completion, which is what lm-eval's `token_logprobs[ctxlen:-1]` slicing expects."""
+    completion, which is what lm-eval's `token_logprobs[ctxlen:-1]` slicing expects.
+
+    `prompt_only` (`max_tokens: 0`): the choice ends at its first output with "length" and no completion: the
+    token that output brings (the engine decodes one, `sampling_params`) is neither shown nor counted."""
     detok = IncrementalDetokenizer(tokenizer)
     stops = StopMatcher(stop_strings)
     with_stop_token = echo is not None
@@ -119,6 +125,9 @@ async def choice_deltas(stream: RequestStream, tokenizer: Any, stop_strings: lis
             if echo is not None:
                 yield Delta("", [], echo=_echoed(echo, out))
                 echo = None
+            if prompt_only:
+                yield Delta("", [], finish_reason="length")
+                return
             tokens = list(out.token_ids)
             # the stop token ends the text: it is counted, not shown
             shown = tokens[:-1] if out.finish_reason is FinishReason.STOP and tokens else tokens

@@ -222,6 +222,9 @@ class ChatCompletionRequest(_Sampling):
     def prompt_alternatives(self) -> int | None:
         return None  # chat completions have no echo
 
+    def prompt_only(self) -> bool:
+        return False  # max_tokens 0 is refused here
+
 
 class CompletionRequest(_Sampling):
     # one prompt (text or token ids) or several (a list of texts or of token-id lists): each gets `n` choices
@@ -268,6 +271,11 @@ class CompletionRequest(_Sampling):
     def prompt_alternatives(self) -> int | None:
         """With echo and logprobs, the engine's `prompt_logprobs` (alternatives per prompt token); else None."""
         return self.alternatives() if self.echo and self.wants_logprobs() else None
+
+    def prompt_only(self) -> bool:
+        """`max_tokens: 0`: no completion, only the prompt (with echo and logprobs: scoring it, the legacy API's
+        way and older lm-eval's)."""
+        return self.max_tokens == 0
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -372,7 +372,7 @@ def test_top_logprobs_list_the_engines_most_likely_tokens(server, reference):
 def test_echo_with_logprobs_answers_lm_evals_loglikelihood_request(server, reference):
     """lm-eval's `local-completions` loglikelihood request (token-id prompts, `max_tokens: 1`, `logprobs: 1`,
     `echo: true`) gets each prompt token's logprob (the first null) and the generated token's, as the engine
-    computes them (`SamplingParams.prompt_logprobs`, checked against a forward of the prompt in
+    computes them; `max_tokens: 0` scores the prompt alone (`SamplingParams.prompt_logprobs`, checked against a forward of the prompt in
     test_prompt_logprobs.py); lm-eval's own parsing (`token_logprobs[ctxlen:-1]`, greedy when each equals its
     alternatives' best) reads them. Echo without logprobs prepends the prompt's text, streamed or not. An echoing
     choice ended by a stop token still lists that token's logprob (its text is left out)."""
@@ -400,6 +400,18 @@ def test_echo_with_logprobs_answers_lm_evals_loglikelihood_request(server, refer
         assert greedy == all(lp == top[0][1] for lp, top in zip(out.prompt_logprobs[ctxlen:],
                                                                 out.prompt_top_logprobs[ctxlen:]))
 
+    # max_tokens 0 (the legacy API's scoring call, older lm-eval's): the prompt alone, no completion
+    status, scored = server.post("/v1/completions", {"model": MODEL_NAME, "prompt": prompts[0], "max_tokens": 0,
+                                                     "logprobs": 2, "echo": True, "temperature": 0})
+    assert status == 200, scored
+    (choice,) = scored["choices"]
+    assert choice["text"] == engine.tokenizer.decode(prompts[0]) and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(want[0].prompt_logprobs[1:], abs=1e-5)
+    assert len(choice["logprobs"]["tokens"]) == len(prompts[0]) == len(choice["logprobs"]["top_logprobs"])
+    assert scored["usage"]["completion_tokens"] == 0 and scored["usage"]["prompt_tokens"] == len(prompts[0])
+    status, silent = server.post("/v1/completions", {"model": MODEL_NAME, "prompt": prompts[1], "max_tokens": 0})
+    assert status == 200 and silent["choices"][0]["text"] == "" and silent["choices"][0]["logprobs"] is None
+
     text = "Tell me about the river"
     (completion,) = engine.generate([text], SamplingParams(max_tokens=4))
     stop_id = completion.token_ids[0]
@@ -413,9 +425,12 @@ def test_echo_with_logprobs_answers_lm_evals_loglikelihood_request(server, refer
             chunks = [c async for c in stream]
             stopped = await client.completions.create(model=MODEL_NAME, prompt=text, max_tokens=4, temperature=0,
                                                       echo=True, logprobs=0, extra_body={"stop_token_ids": [stop_id]})
-            return plain, chunks, stopped
+            prompt_only = await client.completions.create(model=MODEL_NAME, prompt=text, max_tokens=0, echo=True,
+                                                          stream=True)
+            return plain, chunks, stopped, [c async for c in prompt_only]
 
-    plain, chunks, stopped = asyncio.run(run())
+    plain, chunks, stopped, prompt_only = asyncio.run(run())
+    assert [(c.choices[0].text, c.choices[0].finish_reason) for c in prompt_only] == [(text, None), ("", "length")]
     assert plain.choices[0].text == text + completion.text and plain.choices[0].logprobs is None
     assert chunks[0].choices[0].text == text
     assert "".join(c.choices[0].text for c in chunks if c.choices) == text + completion.text
