@@ -60,6 +60,7 @@ class RequestStory:
     end: str | None = None  # trigger that ended it: finish, abort, fail (None: live at the end of the trace)
     end_reason: str | None = None  # stop / length / the error text / ...
     end_s: float | None = None  # seconds after arrival
+    prompt_logprobs: int | None = None  # SamplingParams.prompt_logprobs (None: not asked)
 
     @property
     def prefix_tokens_saved(self) -> int:
@@ -105,7 +106,8 @@ class _StoryBuilder:
 
     def _on_arrival(self, e: dict[str, Any], tick: int, measure: dict[str, Any]) -> None:
         rid, t = e["request_id"], float(measure.get("t", self.t0))
-        self.stories[rid] = RequestStory(rid, tick, t - self.t0, len(e["prompt_tokens"]), e.get("num_images", 0))
+        self.stories[rid] = RequestStory(rid, tick, t - self.t0, len(e["prompt_tokens"]), e.get("num_images", 0),
+                                         prompt_logprobs=e.get("sampling", {}).get("prompt_logprobs"))
         self.entered[rid] = ("queued", t)
 
     def _on_calibration(self, e: dict[str, Any], tick: int, measure: dict[str, Any]) -> None:
@@ -238,6 +240,9 @@ def format_story(story: RequestStory) -> str:
     if story.prefix_hits:
         lines.append(f"Prefix cache: {len(story.prefix_hits)} hit(s), {story.prefix_tokens_saved} prompt tokens "
                      "not recomputed.")
+    if story.prompt_logprobs is not None:
+        lines.append(f"Prompt logprobs asked ({story.prompt_logprobs} alternatives a position): every prompt "
+                     "token computed, the prefix cache not looked up.")
     if story.vision_encodes:
         lines.append(f"Vision cache: {story.vision_cache_hits} of {story.vision_encodes} encoding(s) hit.")
     for tick, by in story.preemptions:

@@ -197,3 +197,23 @@ def test_prompt_logprobs_travel_in_the_trace_record():
     assert SamplingParams.from_record(record).prompt_logprobs == 4
     del record["prompt_logprobs"]  # a trace from before the field
     assert SamplingParams.from_record(record).prompt_logprobs is None
+
+
+def test_explain_says_why_a_scoring_request_skipped_the_prefix_cache(text_model, tmp_path):
+    """The decision not to look the prefix cache up has its reason in the story `explain` tells from the trace."""
+    from scheduler.tools.explain import explain, format_story
+
+    model, tokenizer = text_model
+    trace = tmp_path / "trace.jsonl"
+    prompt = mixed_prompts(1, 40, 40, seed=3)[0]
+    engine = Engine(model, tokenizer, EngineConfig(prefix_cache_bytes=1 << 24, prefix_block_size=8,
+                                                   trace_path=str(trace)))
+    for rid, sampling in (("plain", greedy(2)), ("scored", SamplingParams(max_tokens=2, prompt_logprobs=3)),
+                          ("again", greedy(2))):
+        engine.add_request(prompt_tokens=prompt, sampling=sampling, request_id=rid)
+        while engine.has_pending():
+            engine.step()
+    engine.close()
+    stories = {s.request_id: format_story(s) for s in explain(str(trace))}
+    assert "Prompt logprobs asked (3 alternatives a position)" in stories["scored"]
+    assert "Prefix cache: 1 hit(s)" in stories["again"] and "Prompt logprobs" not in stories["again"]
