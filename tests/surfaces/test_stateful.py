@@ -25,7 +25,8 @@ from scheduler.tools.replay import load_trace, replay
 from ..helpers import solo_tokens
 
 SHARED = [random.Random(1).randrange(7, 512) for _ in range(40)]
-_SOLO: dict[tuple, list[int]] = {}
+# references by (model, ...): the text and hybrid machines draw the same prompts, and their models differ
+_SOLO: dict[tuple, list] = {}
 SMALL_PREFIX_BUDGET = 150_000  # about two stored prompts of the tiny model: every few stores evict
 SEEN = {"prefix_evictions": 0, "processor_failures": 0, "scored": 0}  # over all examples: the mix was exercised
 
@@ -47,7 +48,7 @@ def _scored(model, prompt):
     """Each prompt token's logprob (after the first) from one forward of the prompt alone."""
     import mlx.core as mx
 
-    key = ("scored", tuple(prompt))
+    key = (id(model), "scored", tuple(prompt))
     if key not in _SOLO:
         logits = model(mx.array(prompt)[None])[0].astype(mx.float32)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -56,7 +57,7 @@ def _scored(model, prompt):
 
 
 def _solo(model, tokenizer, prompt, n):
-    key = (tuple(prompt), n)
+    key = (id(model), tuple(prompt), n)
     if key not in _SOLO:
         _SOLO[key] = solo_tokens(model, tokenizer, prompt, n)
     return _SOLO[key]
