@@ -40,6 +40,10 @@ class EngineConfig:
     vision_budget: media items whose encoding runs in one tick (so much media cannot stall decoding): an image
         is one item, a video one per temporal patch of its selected frames (Qwen2-VL: 2 frames), an audio clip
         one. A request with more items than the whole budget is encoded alone in a tick.
+    vision_token_budget: media tokens (the prompt positions the encoders fill) encoded per tick, next to
+        vision_budget: encoder work grows with an image's size, which an item count does not see (a 56x56
+        image is 4 tokens of Qwen2-VL, a 896x896 one 1024). A tick takes a request's media while both budgets
+        hold; a request over either alone is encoded alone in a tick. None: items only.
     video_fps: frames sampled per second of video, by timestamp (scheduler/models/media.py).
     video_max_frames: at most this many frames per video, spread evenly over the clip when fps would give more.
     vision_cache_bytes: byte budget of the vision-encoder output cache (VLMs; 0 turns it off).
@@ -96,7 +100,8 @@ class EngineConfig:
     drafter: str = "prompt-lookup"  # or "draft-model" (Engine(draft_model=...)) or "mtp" (Engine(mtp_head=...))
     adaptive_drafting: bool = True
     draft_gate: bool = True
-    vision_budget: int = 4  # media items encoded per tick
+    vision_budget: int = 16  # media items encoded per tick
+    vision_token_budget: int | None = 1024  # media tokens encoded per tick (None: no token bound)
     video_fps: float = 2.0
     video_max_frames: int = 32
     vision_cache_bytes: int = 256 << 20
@@ -122,6 +127,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+        if self.vision_token_budget is not None and (not isinstance(self.vision_token_budget, int) or isinstance(
+                self.vision_token_budget, bool) or self.vision_token_budget < 1):
+            raise ValueError(f"vision_token_budget: must be None or an integer >= 1, got {self.vision_token_budget!r}")
         if (isinstance(self.video_fps, bool) or not isinstance(self.video_fps, (int, float))
                 or not math.isfinite(self.video_fps) or self.video_fps <= 0):
             raise ValueError(f"video_fps: must be a finite number > 0, got {self.video_fps!r}")

@@ -20,7 +20,8 @@ class Reason(str, Enum):
     PREFILL_CHUNK = "prefill_chunk"  # its chunk is cut at prefill_chunk tokens
     PREFILL_TOKEN_CAP = "prefill_token_cap"  # max_prefill_tokens (the prefill share of a tick) is used up
     KV_BUDGET = "kv_budget"  # its next chunk (or admission with headroom) does not fit kv_memory_bytes
-    VISION_BUDGET = "vision_budget"  # its media waits: this tick's vision_budget images are taken
+    # its media waits: this tick's vision_budget items or vision_token_budget tokens are taken
+    VISION_BUDGET = "vision_budget"
     POLICY_ORDER = "policy_order"  # it would fit, but a blocked request ahead of it may not be jumped
     WAITING_FOR_MEDIA = "waiting_for_media"  # its media is encoded this tick; its prefill starts next tick
     PREEMPTED_BY = "preempted_by"  # preempted (caches dropped) to make room for `others[0]`

@@ -138,20 +138,25 @@ class _KVTracker:
 
 
 class _VisionBudget:
-    """Images encoded per tick. A request with more images than the whole budget is encoded alone in a tick
-    rather than never."""
+    """Media encoded per tick: items (`vision_budget`) and media tokens (`vision_token_budget`, None: no token
+    bound). A request over either whole budget is encoded alone in a tick rather than never."""
 
-    def __init__(self, images: int):
-        self.total = self.left = images
+    def __init__(self, items: int, tokens: int | None):
+        self.items_left = items
+        self.tokens_left = tokens
         self.chosen: list[str] = []
 
     def take(self, request: Request) -> bool:
         """Whether `request`'s media is encoded this tick."""
-        if request.num_images <= self.left or (not self.chosen and self.left == self.total):
-            self.chosen.append(request.request_id)
-            self.left -= request.num_images
-            return True
-        return False
+        fits = request.num_images <= self.items_left and (
+            self.tokens_left is None or request.num_media_tokens <= self.tokens_left)
+        if not (fits or not self.chosen):
+            return False
+        self.chosen.append(request.request_id)
+        self.items_left -= request.num_images
+        if self.tokens_left is not None:
+            self.tokens_left -= request.num_media_tokens
+        return True
 
 
 class _Reasons:
@@ -228,7 +233,7 @@ class _TickBuilder:
         self.tick_budget = 0  # max_batched_tokens after decode: prefill and then drafts draw from it
         self.draft_budget_used = 0
         self.seqs = 0  # sequences holding a slot
-        self.vision = _VisionBudget(config.vision_budget)
+        self.vision = _VisionBudget(config.vision_budget, config.vision_token_budget)
         self.prefill: list[PrefillChunk] = []
         self.prefix_hits: list[PrefixHit] = []
         self.admitted: list[str] = []

@@ -179,7 +179,8 @@ class Request:
     sampling: SamplingParams
     priority: int = 0
     arrival_tick: int = 0
-    num_images: int = 0
+    num_images: int = 0  # media items (encoder-budget units: `PreparedRequest.num_media_items`)
+    num_media_tokens: int = 0  # prompt positions its media fill (`vision_token_budget` counts them)
     media: Any = None  # the model's preprocessed inputs (VLM: PreparedRequest); released once encoded
     media_key: str | None = None  # content key of the images: namespaces prefix-cache entries
     media_encoded: bool = False

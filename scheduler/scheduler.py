@@ -121,6 +121,7 @@ class Scheduler:
             "arrival", tick, request_id=request.request_id, prompt_tokens=request.prompt_tokens,
             sampling=request.sampling.to_record(), priority=request.priority, seed=request.seed,
             num_images=request.num_images, media_key=request.media_key, draft_eligible=request.draft_eligible,
+            **({"num_media_tokens": request.num_media_tokens} if request.num_media_tokens else {}),
             measure={"t": request.arrival_time, "admitted_to_engine_t": self.events.clock()},
         )
 

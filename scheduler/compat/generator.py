@@ -244,6 +244,7 @@ class MLLMBatchGenerator:
             prefill_chunk=prefill_step_size,
             max_batched_tokens=self.completion_batch_size + prefill_batch_size * prefill_step_size,
             vision_budget=prefill_batch_size,
+            vision_token_budget=None,  # the reference batches media by request count only
             vision_cache_bytes=vision_cache_size * VISION_ENTRY_BYTES if enable_vision_cache else 0,
             prefix_cache_bytes=_prefix_cache_bytes(prefix_cache_config),
             max_kv_size=max_kv_size or None,

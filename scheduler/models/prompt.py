@@ -61,6 +61,10 @@ class ResolvedPrompt:
         return self.media.num_media_items if self.media is not None else 0
 
     @property
+    def num_media_tokens(self) -> int:
+        return self.media.num_media_tokens if self.media is not None else 0
+
+    @property
     def media_key(self) -> str | None:
         return self.media.media_key if self.media is not None else None
 

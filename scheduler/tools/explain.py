@@ -210,7 +210,7 @@ _PLAIN = {
     Reason.PREFILL_CHUNK: "its prefill was cut into chunks (prefill_chunk)",
     Reason.PREFILL_TOKEN_CAP: "the prefill share of the tick was used up (max_prefill_tokens)",
     Reason.KV_BUDGET: "its KV memory did not fit (kv_memory_bytes)",
-    Reason.VISION_BUDGET: "the tick's images were taken (vision_budget)",
+    Reason.VISION_BUDGET: "the tick's media encoding was taken (vision_budget items or vision_token_budget tokens)",
     Reason.POLICY_ORDER: "the policy put a blocked request ahead of it",
     Reason.WAITING_FOR_MEDIA: "its media was being encoded",
     Reason.PREEMPTED_BY: "it was preempted to make room",

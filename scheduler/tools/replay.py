@@ -165,6 +165,7 @@ def request_from_arrival(event: Mapping[str, Any]) -> Request:
         arrival_tick=event["tick"],
         seed=event.get("seed", 0),
         num_images=event.get("num_images", 0),
+        num_media_tokens=event.get("num_media_tokens", 0),  # (traces from before the token budget: 0)
         media_key=event.get("media_key"),
         draft_eligible=event.get("draft_eligible"),
     )

@@ -43,6 +43,7 @@ class SimArrival:
     output_len: int  # tokens it produces before it stops (<= max_tokens); == max_tokens: ends by length
     priority: int = 0
     num_images: int = 0
+    num_media_tokens: int = 0  # prompt positions its media fill (the vision token budget counts them)
     media_key: str | None = None  # content key of its media: namespaces its prefix-cache entries, keys the vision cache
     abort_time: float | None = None  # the caller aborts it at this time (relative), if still live
     error_after: int | None = None  # it fails (executor error) when sampling token number error_after + 1
@@ -241,6 +242,7 @@ def arrivals_from_trace(trace: "Trace | str | os.PathLike") -> list[SimArrival]:
             output_len=max_tok if ended_early else max(1, min(produced, max_tok)),
             priority=event.get("priority", 0),
             num_images=int(event.get("num_images", 0)),
+            num_media_tokens=int(event.get("num_media_tokens", 0)),
             media_key=event.get("media_key"),
             abort_time=None if abort_time is None else max(0.0, abort_time - rec.t0),
             error_after=error_after,

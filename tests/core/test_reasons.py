@@ -113,6 +113,26 @@ def test_vision_budget_and_waiting_for_media():
     assert (Reason.WAITING_FOR_MEDIA, ()) in _explained(sink, "a")
 
 
+def test_the_vision_token_budget_bounds_encoder_work_by_size():
+    """Small images share a tick up to vision_token_budget media tokens, whatever their count; an image larger
+    than the whole token budget is encoded alone in a tick, not never; None bounds items only."""
+    def media(rid, tokens):
+        return Request(rid, [TOKEN] * (tokens + 4), SamplingParams(max_tokens=1000), num_images=1,
+                       num_media_tokens=tokens, media_key=rid)
+
+    config = dict(max_seqs=8, max_batched_tokens=4096, prefill_chunk=64, vision_budget=16)
+    sched, sink = _scheduler(EngineConfig(**config, vision_token_budget=100))
+    plans = _run(sched, 3, [(0, media("a", 40)), (0, media("b", 40)), (0, media("c", 40)), (0, media("d", 300)),
+                            (0, media("e", 10))])
+    # 40 + 40 tokens, then c's 40 would pass 100 and d's 300 too; e's 10 fit what is left
+    assert plans[0].encode == ("a", "b", "e") and plans[1].encode == ("c",) and plans[2].encode == ("d",)
+    assert _reasons_of(plans[0])["c"] == (Reason.VISION_BUDGET, ())
+    assert _reasons_of(plans[1])["d"] == (Reason.VISION_BUDGET, ())
+    sched, _ = _scheduler(EngineConfig(**config, vision_token_budget=None))
+    plans = _run(sched, 1, [(0, media(r, 300)) for r in "abc"])
+    assert plans[0].encode == ("a", "b", "c")
+
+
 def test_prefill_first_pauses_the_running_rows():
     sched, sink = _scheduler(EngineConfig(max_seqs=4, max_batched_tokens=64, prefill_chunk=8, mix="prefill-first"))
     plans = _run(sched, 6, [(0, _req("a", 4)), (3, _req("b", 20))])

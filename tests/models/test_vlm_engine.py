@@ -86,7 +86,8 @@ def test_mixed_batch_matches_solo_mlx_vlm(vlm, workload, name, staggered):
     mismatches = [i for i, (got, want) in enumerate(zip(outputs, reference)) if got != want]
     assert not mismatches, f"requests {mismatches} differ from solo mlx_vlm output"
     plans = log.of_kind("plan")
-    assert all(len(p["encode"]) <= max(1, CONFIGS[name].get("vision_budget", 4)) for p in plans)
+    assert all(len(p["encode"]) <= max(1, CONFIGS[name].get("vision_budget", EngineConfig().vision_budget))
+               for p in plans)
     moves = [(e["from"], e["to"]) for e in log.of_kind("transition")]
     assert moves.count(("queued", "vision_encoding")) == 8
     assert moves.count(("vision_encoding", "chunk_prefilling")) == 8

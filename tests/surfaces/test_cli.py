@@ -111,6 +111,7 @@ def test_every_engine_config_field_is_a_serve_flag_or_says_why_not():
                "draft_tokens": ("--draft-tokens", "2", 2), "drafter": ("--drafter", "mtp", "mtp"),
                "adaptive_drafting": ("--no-adaptive-drafting", None, False),
                "draft_gate": ("--no-draft-gate", None, False), "vision_budget": ("--vision-budget", "2", 2),
+               "vision_token_budget": ("--vision-token-budget", "300", 300),
                "video_fps": ("--video-fps", "1.5", 1.5), "video_max_frames": ("--video-max-frames", "8", 8),
                "vision_cache_bytes": ("--vision-cache-mb", "3", 3 << 20),
                "max_images_per_request": ("--max-images-per-request", "4", 4),
