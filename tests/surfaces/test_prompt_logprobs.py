@@ -19,8 +19,8 @@ MAX_TOKENS = 5
 TOLERANCE = 1e-4  # chunked forwards against one forward of the whole prompt: BLAS order only
 
 
-def forward_logprobs(logits: mx.array, prompt: list[int], k: int) -> tuple[list, list]:
-    """(each prompt token's logprob, each position's k largest logprobs) from one (L, V) logits of the prompt."""
+def forward_logprobs(logits: mx.array, prompt: list[int]) -> tuple[list, list]:
+    """(each prompt token's logprob, each position's log-softmax vector) from one (L, V) logits of the prompt."""
     logits = logits.astype(mx.float32)
     vectors = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
     picked = [None] + [float(vectors[i, prompt[i + 1]]) for i in range(len(prompt) - 1)]
@@ -28,7 +28,7 @@ def forward_logprobs(logits: mx.array, prompt: list[int], k: int) -> tuple[list,
 
 
 def alone(model, prompt: list[int]) -> tuple[list, list]:
-    return forward_logprobs(model(mx.array(prompt)[None])[0], prompt, 0)
+    return forward_logprobs(model(mx.array(prompt)[None])[0], prompt)
 
 
 def assert_prompt_logprobs(got_values, got_top, want_values, want_vectors, k):
@@ -45,8 +45,8 @@ def assert_prompt_logprobs(got_values, got_top, want_values, want_vectors, k):
 
 
 def run_collecting(engine, arrivals):
-    """Step `engine` with `(tick, add_request kwargs)` arrivals until it drains. Returns (tokens, errors, carried,
-    preemptions): per request id its tokens and every (prompt_logprobs, prompt_top_logprobs) an output carried."""
+    """Step `engine` with `(tick, add_request kwargs)` arrivals until it drains. Returns (tokens, errors, carried):
+    per request id its tokens, its error, and every (prompt_logprobs, prompt_top_logprobs) an output carried."""
     tokens, errors, carried, pending = {}, {}, {}, sorted(arrivals, key=lambda a: a[0])
     while pending or engine.has_pending():
         while pending and pending[0][0] <= engine.tick:
