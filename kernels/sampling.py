@@ -50,6 +50,7 @@ __all__ = [
     "filter_logprobs",
     "sample",
     "logprobs_from_logits",
+    "most_likely",
     "sample_tokens",
     "DEFAULT_PENALTY_CONTEXT",
     "set_compile",
@@ -447,6 +448,15 @@ def sample(logprobs: mx.array, params: SamplingArrays, step: mx.array) -> mx.arr
 def logprobs_from_logits(logits: mx.array) -> mx.array:
     """logits - logsumexp(logits), per row (as mlx-lm's generate_step)."""
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def most_likely(logprobs: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    """(ids, values) of each row's k largest logprobs (k <= vocabulary), most likely first: a partition, then a
+    sort of the k only."""
+    candidates = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]  # the k largest, unordered
+    values = mx.take_along_axis(logprobs, candidates, axis=-1)
+    order = mx.argsort(-values, axis=-1)
+    return mx.take_along_axis(candidates, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
 
 
 def sample_tokens(

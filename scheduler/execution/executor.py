@@ -20,7 +20,7 @@ from typing import Any, Iterable, Mapping
 import mlx.core as mx
 
 from caches.kv import KVCacheManager, QuantizeRule
-from kernels.sampling import RowSampling, SamplingArrays, sample_tokens
+from kernels.sampling import RowSampling, SamplingArrays, logprobs_from_logits, most_likely, sample_tokens
 from caches.layers import restore_batch, rollback_reads, rollback_rows, snapshot_batch
 from caches.prefix import checkpoint_position
 from kernels.speculative import (
@@ -94,7 +94,7 @@ class PrefillStats:
                 "cached_rows": self.cached_rows, "padded_tokens": self.padded_tokens, "fallbacks": self.fallbacks}
 
 
-# prompt positions whose float32 log-softmax is computed at once (`MLXExecutor._note_prompt_logprobs`)
+# prompt positions whose float32 log-softmax is computed at once (`_prompt_logprobs`)
 PROMPT_LOGPROB_BLOCK = 256
 
 
@@ -114,6 +114,36 @@ def _pad_groups(chunks: list[tuple[str, int, int]], pad_ratio: float) -> list[tu
             groups.append((ordered[i:j], width, pads))
         i = j
     return groups
+
+
+def _prompt_logprobs(request: Request, start: int, logits: Any) -> PromptLogprobs | None:
+    """For a request that asked (`SamplingParams.prompt_logprobs`): the logprobs of the prompt tokens a feed from
+    `start` predicts, from its (1, n, V) logits; None when it did not ask or the feed predicts no prompt token.
+    The logits at position p score token p + 1; positions past the prompt (outputs re-fed after a preemption)
+    score nothing new. A float32 log-softmax per block of `PROMPT_LOGPROB_BLOCK` positions: the logits themselves
+    (the feed's positions x the vocabulary, in the model's dtype) are what mlx-lm's own last prefill step makes;
+    the float32 copy on top is bounded by the block."""
+    k = request.sampling.prompt_logprobs
+    if k is None or logits is None:
+        return None
+    n = min(logits.shape[1], request.prompt_len - 1 - start)  # positions whose next token is a prompt token
+    if n <= 0:
+        return None
+    piece = PromptLogprobs(start + 1, [], [])
+    for a in range(0, n, PROMPT_LOGPROB_BLOCK):
+        b = min(a + PROMPT_LOGPROB_BLOCK, n)
+        logprobs = logprobs_from_logits(logits[0, a:b].astype(mx.float32))
+        targets = mx.array(request.prompt_tokens[start + 1 + a: start + 1 + b], dtype=mx.int32)
+        picked = mx.take_along_axis(logprobs, targets[:, None], axis=1)[:, 0]
+        if not k:
+            piece.logprobs += picked.tolist()
+            piece.top += [[] for _ in range(b - a)]
+            continue
+        ids, values = most_likely(logprobs, min(k, logprobs.shape[-1]))
+        mx.eval(picked, ids, values)
+        piece.logprobs += picked.tolist()
+        piece.top += [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    return piece
 
 
 def _row_sampling(request: Request) -> RowSampling:
@@ -325,17 +355,20 @@ class MLXExecutor:
         for group, width, padded in _pad_groups(eligible, self.pad_ratio):
             rows = [(requests[rid], self._encoded[rid], self.kv.request_cache(rid) if start else None, start, n)
                     for rid, start, n in group]
-            noted = TickResult()  # (kept only if the whole group succeeds: a retried row notes its own)
             try:
                 caches, logits = self.runner.prefill_many(rows)
-                for i, (rid, start, n) in enumerate(group):  # rows that asked read their own positions
-                    self._note_prompt_logprobs(requests[rid], start, logits[i:i + 1, :n], noted)
+                # rows that asked read their own positions (kept only if the whole group succeeds: a row retried
+                # alone reads its own forward's)
+                pieces = [_prompt_logprobs(requests[rid], start, logits[i:i + 1, :n])
+                          for i, (rid, start, n) in enumerate(group)]
             except Exception as exc:  # retried one by one, where an error is attributed to its own request
                 self.prefill_stats.fallbacks += 1
                 result.prefill_fallbacks.append(PrefillFallback(tuple(rid for rid, _, _ in group), width,
                                                                 f"{type(exc).__name__}: {exc}"))
                 continue
-            result.prompt_logprobs.update(noted.prompt_logprobs)  # (a request has one chunk a tick)
+            for (rid, _, _), piece in zip(group, pieces):
+                if piece is not None:
+                    result.prompt_logprobs.setdefault(rid, []).append(piece)
             self.prefill_stats.record(len(group), sum(start > 0 for _, start, _ in group), padded)
             result.padded_tokens += padded
             for (rid, start, n), cache in zip(group, caches):
@@ -400,37 +433,9 @@ class MLXExecutor:
 
     @staticmethod
     def _note_prompt_logprobs(request: Request, start: int, logits: Any, result: TickResult) -> None:
-        """For a request that asked (`SamplingParams.prompt_logprobs`): the logprobs of the prompt tokens this feed
-        predicts. The logits at position p (fed from `start`) score token p + 1; positions past the prompt (outputs
-        re-fed after a preemption) score nothing new. A float32 log-softmax per block of `PROMPT_LOGPROB_BLOCK`
-        positions: the logits themselves (the feed's positions x the vocabulary, in the model's dtype) are what
-        mlx-lm's own last prefill step makes; the float32 copy on top is bounded by the block."""
-        k = request.sampling.prompt_logprobs
-        if k is None or logits is None:
-            return
-        n = min(logits.shape[1], request.prompt_len - 1 - start)  # positions whose next token is a prompt token
-        if n <= 0:
-            return
-        piece = PromptLogprobs(start + 1, [], [])
-        for a in range(0, n, PROMPT_LOGPROB_BLOCK):
-            b = min(a + PROMPT_LOGPROB_BLOCK, n)
-            block = logits[0, a:b].astype(mx.float32)
-            logprobs = block - mx.logsumexp(block, axis=-1, keepdims=True)
-            targets = mx.array(request.prompt_tokens[start + 1 + a: start + 1 + b], dtype=mx.int32)
-            picked = mx.take_along_axis(logprobs, targets[:, None], axis=1)[:, 0]
-            if not k:
-                piece.logprobs += picked.tolist()
-                piece.top += [[] for _ in range(b - a)]
-                continue
-            top = min(k, logprobs.shape[-1])
-            candidates = mx.argpartition(-logprobs, kth=top - 1, axis=-1)[:, :top]
-            values = mx.take_along_axis(logprobs, candidates, axis=-1)
-            order = mx.argsort(-values, axis=-1)
-            ids, values = mx.take_along_axis(candidates, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
-            mx.eval(picked, ids, values)
-            piece.logprobs += picked.tolist()
-            piece.top += [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-        result.prompt_logprobs.setdefault(request.request_id, []).append(piece)
+        piece = _prompt_logprobs(request, start, logits)
+        if piece is not None:
+            result.prompt_logprobs.setdefault(request.request_id, []).append(piece)
 
     def _encoded_input(self, request: Request) -> Any:
         """What the runner prefills this request from, made on first use for requests the vision step did not
@@ -661,10 +666,7 @@ class MLXExecutor:
             return None
         lp = logprobs[mx.array(rows)]
         k = min(max(self._rows[i].request.sampling.top_logprobs for i in rows), lp.shape[-1])
-        candidates = mx.argpartition(-lp, kth=k - 1, axis=-1)[:, :k]  # the k largest, unordered
-        values = mx.take_along_axis(lp, candidates, axis=-1)
-        order = mx.argsort(-values, axis=-1)
-        return rows, mx.take_along_axis(candidates, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
+        return (rows, *most_likely(lp, k))
 
     def _sample(self, inputs: mx.array, logits: mx.array, params: SamplingArrays,
                 result: TickResult) -> tuple[mx.array, mx.array]:
