@@ -46,10 +46,10 @@ from caches.vision import VisionCache, content_key
 
 from scheduler.models import prompt as prompts
 from scheduler.models import library
+from scheduler.models import positions as position_strategies
 from scheduler.models.families import FamilySpec, UnsupportedFamily, VisionBatch, family_for
 from scheduler.models.media import (AudioInput, ImageInput, MediaError, MediaLimit, VideoFrames, VideoInput,
                                     load_audio, load_image, load_video, validate_video_sampling)
-from scheduler.models.positions import STRATEGIES
 
 DEFAULT_VIDEO_FPS = 2.0  # Qwen2-VL's own default sampling rate
 DEFAULT_VIDEO_MAX_FRAMES = 32
@@ -148,7 +148,7 @@ class VLMAdapter:
         self.vision_cache = vision_cache
         self.max_kv_size = max_kv_size
         self.media_limits = dict(media_limits or {})
-        self.positions = STRATEGIES[self.spec.positions]
+        self.positions = position_strategies.for_family(self.spec)
         self.media_encoder: Callable[[mx.array, dict, Any], Any] = self._encode_media
         self.media_token_ids = library.media_token_ids(model, processor)
         self.image_token = _placeholder(processor, self.spec.placeholder)

@@ -8,6 +8,8 @@ between families is declared here, and nothing else:
                    gemma3, idefics3, smolvlm, mistral3, pixtral, llava, gemma4, gemma4_unified) or ``MROPE``
                    (Qwen2/2.5/3-VL, Qwen3.5: 3-D positions from the image / video grids, a per-request rope delta; see
                    ``positions.py``).
+``video_block_per_frame``  M-RoPE: a video's frame groups are each their own vision block, temporal position 0
+                   (Qwen3-VL, Qwen3.5), where Qwen2/2.5-VL give a video one block along the temporal axis.
 ``media``          the media kinds the family's processor and embedding merge take.
 ``placeholder``    the processor attribute naming the text a prompt holds once per image (``image_token`` for
                    most; gemma3's prompt holds its ``boi_token``, which the processor expands).
@@ -66,6 +68,7 @@ class FamilySpec:
     media_row_inputs: tuple[str, ...] = ()
     sequence_inputs: tuple[str, ...] = ()
     mixed_image_video: bool = False
+    video_block_per_frame: bool = False
     vision_batch: VisionBatch = VisionBatch.EQUAL_SHAPE
     media_axis: int = 0
     audio_encoder: str = "audio_tower"
@@ -88,9 +91,10 @@ GEMMA3_PER_REQUEST = ("vision tower per request: its patch conv rounds different
 FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
     FamilySpec("qwen2_vl", Positions.MROPE, _QWEN_MEDIA, vision_batch=_ONE),
     FamilySpec("qwen2_5_vl", Positions.MROPE, _QWEN_MEDIA, vision_batch=_ONE),
-    FamilySpec("qwen3_vl", Positions.MROPE, _QWEN_MEDIA, media_mask_input="visual_pos_masks",
+    FamilySpec("qwen3_vl", Positions.MROPE, _QWEN_MEDIA, video_block_per_frame=True,
+               media_mask_input="visual_pos_masks",
                media_row_inputs=("deepstack_visual_embeds",), vision_batch=_ONE),
-    FamilySpec("qwen3_5", Positions.MROPE, _QWEN_MEDIA, vision_batch=_ONE,
+    FamilySpec("qwen3_5", Positions.MROPE, _QWEN_MEDIA, video_block_per_frame=True, vision_batch=_ONE,
                notes="hybrid: gated-delta (recurrent) layers next to full attention"),
     FamilySpec("gemma3", placeholder="boi_token", vision_batch=VisionBatch.PER_REQUEST,
                notes=GEMMA3_PER_REQUEST),

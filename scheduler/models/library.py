@@ -9,8 +9,8 @@
                           ``own_chat_template``: the model's own template (messages with videos).
 ``input_embeddings``      ``Model.get_input_embeddings``: the encoder(s) and the merge, as ``mlx_vlm.generate``
                           calls it; also with no media (the text path).
-``rope_index``            the language model's ``get_rope_index`` (M-RoPE families): pure, it touches none of the
-                          per-instance ``_position_ids`` / ``_rope_deltas`` state.
+``mrope_tokens``          what the M-RoPE families' ``get_rope_index`` reads from the config (media token ids, patch
+                          merge), for our own ``positions.mrope_index``.
 ``lm_forward``            one language-model call with ``inputs_embeds`` or token ids and explicit kwargs.
 ``make_cache``            the cache ``mlx_vlm.stream_generate`` builds (``make_prompt_cache``), or rotating caches
                           of ``max_kv_size`` tokens.
@@ -89,9 +89,12 @@ def input_embeddings(model: Any, input_ids: mx.array, media_inputs: dict[str, An
     return model.get_input_embeddings(input_ids, pixel_values, mask=mask, **kwargs)
 
 
-def rope_index(model: Any, input_ids: mx.array, image_grid_thw: Any, video_grid_thw: Any,
-               mask: mx.array | None) -> tuple[mx.array, mx.array]:
-    return model.language_model.get_rope_index(input_ids, image_grid_thw, video_grid_thw, mask)
+def mrope_tokens(model: Any) -> tuple[int, int, int, int]:
+    """(image token, video token, vision-start token, spatial merge size), read where the M-RoPE language
+    models' ``get_rope_index`` reads them (``language_model.config``)."""
+    config = model.language_model.config
+    return (int(config.image_token_id), int(config.video_token_id), int(config.vision_start_token_id),
+            int(config.vision_config.spatial_merge_size))
 
 
 def lm_forward(language_model: Any, inputs: mx.array, cache: list, inputs_embeds: mx.array | None = None,

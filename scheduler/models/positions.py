@@ -2,25 +2,36 @@
 
 ``RopePositions``  plain 1-D RoPE: the language model derives every position from the row's cache offset, so
                    no position is passed and every rope delta is 0.
-``MRopePositions`` Qwen2/2.5/3-VL: ``get_rope_index`` gives a prompt (3, 1, L) positions (temporal, height,
-                   width); image / video tokens get grid positions and the text after them continues from the
-                   largest position so far. The rope delta is ``max_position + 1 - L``; a row's next position is
+``MRopePositions`` Qwen2/2.5/3-VL, Qwen3.5: a prompt's (3, 1, L) positions (temporal, height, width), as the
+                   language model's ``get_rope_index`` computes them: image / video tokens get grid positions and
+                   the text after each block continues from that block's largest position + 1. The rope delta is ``max_position + 1 - L``; a row's next position is
                    then (tokens in its cache + its delta) on all three axes, which is what mlx-vlm's own decode
                    step computes from the state it keeps on the model instance. We pass explicit positions on
                    every call instead, so that state (``_position_ids`` / ``_rope_deltas``, one per model, not per
                    row) is never read or written and rows with different deltas batch correctly.
 
 Per-row position state lives in the executor (one delta per row), never on the model object.
+
+Why our own ``mrope_index`` and not mlx-vlm's ``get_rope_index``: theirs builds each block with a dozen small MLX
+ops and reads them back (``.item()``, ``.tolist()``), about 0.6 ms a prompt on this CPU, 8-10% of the 16-image
+benchmark's run (bench/README.md, "M-RoPE positions"); this is the same integer arithmetic in numpy. The two
+differ only in where video frames go: Qwen2/2.5-VL give a video one block whose temporal axis counts its frame
+groups; Qwen3-VL and Qwen3.5 split it into one block per frame group (their processors put a vision-start token
+and a timestamp before each), each with temporal position 0 (``FamilySpec.video_block_per_frame``).
+tests/models/test_positions.py holds it equal to each family's ``get_rope_index`` (images, videos, both, masks,
+text only), so a change in mlx-vlm fails there first.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from scheduler.models import library
-from scheduler.models.families import Positions
+from scheduler.models.families import FamilySpec, Positions
 
 
 class RopePositions:
@@ -34,17 +45,88 @@ class RopePositions:
         return {}
 
 
+@dataclass(frozen=True)
+class MRopeLayout:
+    """What ``mrope_index`` reads from a model's config: the media token ids and the patch merge."""
+
+    image_token: int
+    video_token: int
+    vision_start: int
+    spatial_merge: int
+    video_block_per_frame: bool = False
+
+
+def mrope_index(tokens: np.ndarray, mask: np.ndarray, layout: MRopeLayout, image_grids: np.ndarray | None,
+                video_grids: np.ndarray | None) -> tuple[np.ndarray, int]:
+    """(3, L) int64 positions and the rope delta of one prompt (``tokens``, ``mask``: (L,)), as ``get_rope_index``
+    computes them for a batch of one, quirks included: masked-out columns get position 1; with grids, the delta
+    counts the kept tokens, without them the whole row."""
+    tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+    keep = np.asarray(mask).reshape(-1) == 1
+    length = tokens.shape[0]
+    if image_grids is None and video_grids is None:  # text only: positions count the kept tokens
+        positions = np.cumsum(keep.astype(np.int64)) - 1
+        positions[~keep] = 1
+        delta = int(positions.max()) + 1 - length if length else 0
+        return np.broadcast_to(positions, (3, length)).copy(), delta
+    images = [tuple(int(x) for x in row) for row in np.asarray(image_grids).reshape(-1, 3)] \
+        if image_grids is not None else []
+    videos = [tuple(int(x) for x in row) for row in np.asarray(video_grids).reshape(-1, 3)] \
+        if video_grids is not None else []
+    if layout.video_block_per_frame:
+        videos = [(1, h, w) for t, h, w in videos for _ in range(t)]
+    kept = tokens[keep]
+    after_start = kept[1:][kept[:-1] == layout.vision_start]
+    remaining = {"image": int(np.sum(after_start == layout.image_token)),
+                 "video": int(np.sum(after_start == layout.video_token))}
+    grids = {"image": iter(images), "video": iter(videos)}
+    where = {"image": np.flatnonzero(kept == layout.image_token), "video": np.flatnonzero(kept == layout.video_token)}
+    pieces: list[np.ndarray] = []
+    next_position, cursor = 0, 0
+    for _ in range(remaining["image"] + remaining["video"]):
+        found = {}
+        for kind in ("image", "video"):
+            at = where[kind][where[kind] >= cursor] if remaining[kind] > 0 else ()
+            if remaining[kind] > 0 and len(where[kind]) and not len(at):
+                raise ValueError(f"no {kind} token after position {cursor} for the {kind} block the prompt announces")
+            found[kind] = int(at[0]) if len(at) else len(kept) + 1
+        kind = "image" if found["image"] < found["video"] else "video"
+        remaining[kind] -= 1
+        try:
+            t, h, w = next(grids[kind])
+        except StopIteration:
+            raise ValueError(f"the prompt has more {kind} blocks than {kind} grids") from None
+        h, w = h // layout.spatial_merge, w // layout.spatial_merge
+        if t * h * w == 0:
+            raise ValueError(f"an empty {kind} grid ({t}, {h}, {w} after the merge)")
+        text_len = found[kind] - cursor
+        pieces.append(np.broadcast_to(np.arange(text_len) + next_position, (3, text_len)))
+        grid = np.stack([np.repeat(np.arange(t), h * w), np.tile(np.repeat(np.arange(h), w), t),
+                         np.tile(np.arange(w), t * h)]) + text_len + next_position
+        pieces.append(grid)
+        next_position = int(grid.max()) + 1
+        cursor = found[kind] + t * h * w
+    if cursor < len(kept):
+        pieces.append(np.broadcast_to(np.arange(len(kept) - cursor) + next_position, (3, len(kept) - cursor)))
+    compact = np.concatenate(pieces, axis=1) if pieces else np.zeros((3, 0), dtype=np.int64)
+    if compact.shape[1] != len(kept):
+        raise ValueError(f"the media grids cover {compact.shape[1]} positions of a {len(kept)}-token prompt")
+    positions = np.ones((3, length), dtype=np.int64)
+    positions[:, keep] = compact
+    return positions, (int(compact.max()) + 1 - len(kept)) if compact.size else 0
+
+
 class MRopePositions:
+    def __init__(self, video_block_per_frame: bool):
+        self.video_block_per_frame = video_block_per_frame
+
     def prompt(self, model: Any, ids: mx.array, media_inputs: dict, mask: mx.array | None) -> tuple[mx.array, int]:
-        positions, deltas = library.rope_index(model, ids, media_inputs.get("image_grid_thw"),
-                                            media_inputs.get("video_grid_thw"), mask)
-        length = ids.shape[1]
-        if positions.ndim == 2:  # text only: the same position on every axis
-            positions = mx.broadcast_to(positions[None], (3, *positions.shape))
-        if positions.shape != (3, 1, length):
-            raise ValueError(f"unexpected prompt position shape {tuple(positions.shape)}")
-        delta = int(mx.array(deltas).reshape(-1)[0].item()) if deltas is not None else 0
-        return positions.astype(mx.int32), delta
+        layout = MRopeLayout(*library.mrope_tokens(model), video_block_per_frame=self.video_block_per_frame)
+        tokens = np.array(ids).reshape(-1)
+        keep = np.ones_like(tokens) if mask is None else np.array(mask).reshape(-1)
+        grids = [media_inputs.get(name) for name in ("image_grid_thw", "video_grid_thw")]
+        positions, delta = mrope_index(tokens, keep, layout, *(None if g is None else np.array(g) for g in grids))
+        return mx.array(positions.astype(np.int32))[:, None, :], delta
 
     def prefill_kwargs(self, positions: mx.array, start: int, end: int) -> dict:
         return {"position_ids": positions[:, :, start:end]}
@@ -60,4 +142,8 @@ class MRopePositions:
         return {"position_ids": mx.broadcast_to(positions[None], (3, *positions.shape))}
 
 
-STRATEGIES = {Positions.ROPE: RopePositions(), Positions.MROPE: MRopePositions()}
+def for_family(spec: FamilySpec) -> RopePositions | MRopePositions:
+    """The positions strategy a family declares."""
+    if spec.positions is Positions.MROPE:
+        return MRopePositions(video_block_per_frame=spec.video_block_per_frame)
+    return RopePositions()

@@ -1,0 +1,146 @@
+"""Our M-RoPE positions (scheduler/models/positions.py, ``mrope_index``) equal what each M-RoPE family's own
+``get_rope_index`` in mlx-vlm computes, positions and rope delta, on the tiny builds of the four families: prompts
+the processors make (images, videos, several of them) and seeded synthetic ones (blocks anywhere, left padding
+masked out, text only). If mlx-vlm changes how a family places tokens, this file fails first."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from PIL import Image
+
+from scheduler.models import library
+from scheduler.models.families import FAMILIES, Positions
+from scheduler.models.positions import MRopeLayout, for_family, mrope_index
+
+MROPE_FAMILIES = sorted(name for name, spec in FAMILIES.items() if spec.positions is Positions.MROPE)
+
+
+def test_the_families_under_test_are_the_mrope_ones():
+    assert MROPE_FAMILIES == ["qwen2_5_vl", "qwen2_vl", "qwen3_5", "qwen3_vl"]
+
+
+@pytest.fixture(scope="module", params=MROPE_FAMILIES)
+def loaded(request, tiny_vlm_dir, vlm_model_dir):
+    import mlx_vlm
+
+    name = request.param
+    model, processor = mlx_vlm.load(str(vlm_model_dir if name == "qwen2_vl" else tiny_vlm_dir(name)))
+    return name, model, processor
+
+
+def _theirs(model, ids: np.ndarray, mask: np.ndarray | None, image_grids, video_grids) -> tuple[np.ndarray, int]:
+    positions, deltas = model.language_model.get_rope_index(
+        mx.array(ids[None]), None if image_grids is None else mx.array(image_grids),
+        None if video_grids is None else mx.array(video_grids), None if mask is None else mx.array(mask[None]))
+    positions = np.array(positions)
+    if positions.ndim == 2:
+        positions = np.broadcast_to(positions[None], (3, *positions.shape))
+    return positions[:, 0, :], int(np.array(deltas).reshape(-1)[0])
+
+
+def _layout(name: str, model) -> MRopeLayout:
+    return MRopeLayout(*library.mrope_tokens(model), video_block_per_frame=FAMILIES[name].video_block_per_frame)
+
+
+def _synthetic(rng: np.random.Generator, layout: MRopeLayout, per_frame: bool, kinds: list[str]):
+    """Token ids with a vision block per entry of ``kinds`` between random text, and the grids they need."""
+    media_ids = {layout.image_token, layout.video_token, layout.vision_start}
+    text_ids = [i for i in range(5, 400) if i not in media_ids]
+    merge = layout.spatial_merge
+    tokens: list[int] = list(rng.choice(text_ids, rng.integers(0, 6)))
+    grids: dict[str, list] = {"image": [], "video": []}
+    for kind in kinds:
+        t = 1 if kind == "image" else int(rng.integers(1, 4))
+        h, w = (int(rng.integers(1, 4)) * merge for _ in range(2))
+        grids[kind].append([t, h, w])
+        token = layout.image_token if kind == "image" else layout.video_token
+        frames = t if kind == "video" and per_frame else 1
+        per_block = (t // frames) * (h // merge) * (w // merge)
+        for _ in range(frames):
+            tokens += [layout.vision_start] + [token] * per_block + list(rng.choice(text_ids, rng.integers(1, 4)))
+    tokens += list(rng.choice(text_ids, rng.integers(0, 5)))
+    return (np.array(tokens, dtype=np.int64), np.array(grids["image"]) if grids["image"] else None,
+            np.array(grids["video"]) if grids["video"] else None)
+
+
+def test_synthetic_prompts_match_get_rope_index(loaded):
+    name, model, _ = loaded
+    layout = _layout(name, model)
+    rng = np.random.default_rng(0)
+    shapes = [["image"], ["video"], ["image", "image", "image"], ["video", "video"], ["image", "video", "image"],
+              ["video", "image"]]
+    compared = 0
+    for case in range(24):
+        kinds = shapes[case % len(shapes)]
+        tokens, image_grids, video_grids = _synthetic(rng, layout, layout.video_block_per_frame, kinds)
+        pad = int(rng.integers(0, 4)) if case % 3 == 0 else 0  # left padding, masked out
+        ids = np.concatenate([np.full(pad, 7, dtype=np.int64), tokens])
+        mask = np.concatenate([np.zeros(pad, dtype=np.int64), np.ones(len(tokens), dtype=np.int64)])
+        want = _theirs(model, ids, mask, image_grids, video_grids)
+        got = mrope_index(ids, mask, layout, image_grids, video_grids)
+        np.testing.assert_array_equal(got[0], want[0], err_msg=f"{name} case {case}: {kinds}, pad {pad}")
+        assert got[1] == want[1], (name, case, kinds, pad)
+        compared += 1
+    assert compared == 24
+
+
+@pytest.mark.parametrize("pad", [0, 3])
+def test_text_only_prompts_match_get_rope_index(loaded, pad):
+    name, model, _ = loaded
+    ids = np.arange(20, 40, dtype=np.int64)
+    mask = (np.arange(20) >= pad).astype(np.int64)
+    for given_mask in ([mask] if pad else [mask, None]):
+        want = _theirs(model, ids, given_mask, None, None)
+        got = mrope_index(ids, np.ones(20, dtype=np.int64) if given_mask is None else given_mask,
+                          _layout(name, model), None, None)
+        np.testing.assert_array_equal(got[0], want[0])
+        assert got[1] == want[1]
+
+
+def _image(seed: int, size: tuple[int, int]) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (*size[::-1], 3), dtype=np.uint8))
+
+
+def test_processor_prompts_match_get_rope_index(loaded):
+    """Prompts as the engine prepares them (the family's processor expands the placeholders), through the
+    strategy the adapter uses."""
+    from scheduler.models.adapter import VLMAdapter
+
+    name, model, processor = loaded
+    adapter = VLMAdapter(model, processor)
+    strategy = for_family(FAMILIES[name])
+    frames = [np.asarray(_image(10 + i, (56, 84))) for i in range(4)]
+
+    def parts(n_images: int, n_videos: int) -> list[dict]:
+        return ([{"type": "image"}] * n_images + [{"type": "video"}] * n_videos
+                + [{"type": "text", "text": "What is in it?"}])
+
+    requests = [
+        ([{"role": "user", "content": parts(1, 0)}], [_image(1, (56, 56))], []),
+        ([{"role": "user", "content": parts(2, 0)}], [_image(2, (84, 56)), _image(3, (112, 84))], []),
+        ([{"role": "user", "content": parts(0, 1)}], [], [frames]),
+        ([{"role": "user", "content": parts(0, 2)}], [], [frames, frames[:2]]),
+        ([{"role": "user", "content": "no media at all"}], [], []),
+    ]
+    for messages, images, videos in requests:
+        prepared = adapter.prepare(messages, images=images, videos=videos)
+        ids = np.array(prepared.input_ids, dtype=np.int64)
+        mask = None if prepared.mask is None else np.array(prepared.mask).reshape(-1)
+        grids = {k: prepared.media_inputs.get(k) for k in ("image_grid_thw", "video_grid_thw")}
+        want = _theirs(model, ids, mask, *(None if g is None else np.array(g) for g in grids.values()))
+        got_positions, got_delta = strategy.prompt(model, mx.array(ids[None]), grids,
+                                                   None if mask is None else mx.array(mask[None]))
+        assert got_positions.shape == (3, 1, len(ids)) and got_positions.dtype == mx.int32
+        np.testing.assert_array_equal(np.array(got_positions)[:, 0, :], want[0], err_msg=f"{name}: {messages}")
+        assert got_delta == want[1], (name, messages)
+
+
+def test_inconsistent_grids_are_refused():
+    layout = MRopeLayout(image_token=3, video_token=4, vision_start=2, spatial_merge=2)
+    tokens = np.array([9, 2, 3, 3, 9])  # one image block of 2 tokens
+    with pytest.raises(ValueError, match="cover"):
+        mrope_index(tokens, np.ones(5), layout, np.array([[1, 4, 4]]), None)  # a grid of 4 tokens
+    with pytest.raises(ValueError, match="more image blocks"):
+        mrope_index(tokens, np.ones(5), layout, np.zeros((0, 3)), None)
