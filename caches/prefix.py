@@ -15,8 +15,12 @@ An entry with layers that cannot be trimmed (a rotating window: once it has wrap
 trim it back are gone; recurrent state: it has no notion of a shorter prefix) can only be reused whole, as an
 exact checkpoint. The executor stores such caches at the block boundaries their prefill passes, so a prompt
 that shares only some blocks with a stored one still finds the deepest checkpoint it shares; a hit says how
-it used its entry (`reuse`: whole, trimmed or checkpoint). Entries are namespaced (e.g. by the content hash
-of a request's images) so a prefix with image tokens only matches a request with the same images.
+it used its entry (`reuse`: whole, trimmed or checkpoint).
+
+Keys are sequences of hashable items compared by equality, not only token ids: the scheduler keys a request
+with media by its token ids up to its first media token and (media content key, token id) pairs from there
+(`Request.prefix_key`), so a prefix through an image only matches a request with the same media, and the text
+before it matches any request that has it.
 """
 
 from __future__ import annotations
@@ -31,8 +35,7 @@ EventHook = Callable[..., None]  # (kind, **fields)
 @dataclass
 class PrefixEntry:
     entry_id: int
-    tokens: tuple[int, ...]
-    namespace: str | None
+    tokens: tuple  # the key (Request.prefix_key) of the prefix whose state the payload holds
     nbytes: int
     # a cache that cannot be trimmed (a rotating window, recurrent state): the entry is an exact checkpoint of
     # its tokens, reusable only whole, never cut to a shorter prefix
@@ -63,16 +66,24 @@ def reuse_kind(whole_only: bool, length: int, entry_tokens: int) -> str:
     return "whole" if length == entry_tokens else "trimmed"
 
 
-def checkpoint_position(start: int, end: int, prefill_len: int, block: int) -> int | None:
-    """Where a prefill feeding tokens [start, end) stores a checkpoint of a cache that cannot be trimmed: the
-    last block boundary strictly inside the feed (at most one per chunk), never the prefill end
-    (`prefill_len - 1` tokens: that one is stored whole when the prefill completes)."""
+def checkpoint_position(start: int, end: int, prefill_len: int, block: int,
+                        media_offset: int | None = None) -> int | None:
+    """Where a prefill feeding tokens [start, end) stores a checkpoint of a cache that cannot be trimmed (at most
+    one per chunk), never the prefill end (`prefill_len - 1` tokens: that one is stored whole when the prefill
+    completes): the last block boundary at or before the request's first media token when the feed passes it
+    (the state every request with that text before its media, or with none, can restore), else the last block
+    boundary in the feed."""
+    if media_offset is not None:
+        at = media_offset // block * block
+        if start < at <= end and at < prefill_len - 1:
+            return at
     at = end // block * block
     return at if start < at < prefill_len - 1 else None
 
 
-def _chain(tokens: Sequence[int], block: int, limit: int | None = None) -> list[int]:
-    """Chained hashes of the full blocks of `tokens` (Python int/tuple hashing: stable across runs)."""
+def _chain(tokens: Sequence, block: int, limit: int | None = None) -> list[int]:
+    """Chained hashes of the full blocks of `tokens`. In-process only: str hashing (the media keys in a key) is
+    salted per process, and no decision depends on a hash value (buckets keep insertion order)."""
     n = len(tokens) // block if limit is None else min(len(tokens) // block, limit)
     out, h = [], 0
     for k in range(n):
@@ -81,7 +92,7 @@ def _chain(tokens: Sequence[int], block: int, limit: int | None = None) -> list[
     return out
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int], start: int) -> int:
+def _common_prefix(a: Sequence, b: Sequence, start: int) -> int:
     n = min(len(a), len(b))
     i = start
     while i < n and a[i] == b[i]:
@@ -97,15 +108,15 @@ class PrefixCache:
         self.block_size = block_size
         self._on_event = on_event or (lambda kind, **fields: None)
         self._entries: OrderedDict[int, PrefixEntry] = OrderedDict()  # LRU order: oldest first
-        self._index: dict[tuple[str | None, int], dict[int, None]] = {}
-        self._by_tokens: dict[tuple[str | None, tuple[int, ...]], int] = {}
+        self._index: dict[int, dict[int, None]] = {}  # block-chain hash -> entries holding that block
+        self._by_tokens: dict[tuple, int] = {}
         self._next_id = 0
         self.bytes = 0
         self.version = 0  # changes whenever a lookup could answer differently
         self.hits = self.misses = self.evictions = self.tokens_saved = self.stores = 0
 
     # ---- lookup (pure) --------------------------------------------------------------------------------
-    def lookup(self, tokens: Sequence[int], namespace: str | None = None, max_len: int | None = None) -> PrefixMatch | None:
+    def lookup(self, tokens: Sequence, max_len: int | None = None) -> PrefixMatch | None:
         """The best reusable prefix for `tokens` (at most `max_len` tokens), or None. Changes nothing."""
         limit = len(tokens) if max_len is None else min(max_len, len(tokens))
         if limit < self.block_size or not self._entries:
@@ -113,7 +124,7 @@ class PrefixCache:
         chain = _chain(tokens, self.block_size)
         depth = 0
         for k, h in enumerate(chain):
-            if (namespace, h) not in self._index:
+            if h not in self._index:
                 break
             depth = k + 1
         # The deepest shared block first. A checkpoint (whole-only entry) that does not fit there may have a
@@ -121,15 +132,14 @@ class PrefixCache:
         # depth with a usable entry holds the best one: every usable entry found at depth d provides at least
         # min(d blocks, limit) tokens, and an entry indexed only above d shares fewer than d blocks.
         for d in range(depth, 0, -1):
-            best = self._best_at(tokens, namespace, chain[d - 1], d * self.block_size, limit)
+            best = self._best_at(tokens, chain[d - 1], d * self.block_size, limit)
             if best is not None:
                 return best
         return None
 
-    def _best_at(self, tokens: Sequence[int], namespace: str | None, block_hash: int, shared: int,
-                 limit: int) -> PrefixMatch | None:
+    def _best_at(self, tokens: Sequence, block_hash: int, shared: int, limit: int) -> PrefixMatch | None:
         best: PrefixMatch | None = None
-        for entry_id in self._index[(namespace, block_hash)]:
+        for entry_id in self._index[block_hash]:
             entry = self._entries[entry_id]
             if tuple(tokens[:shared]) != entry.tokens[:shared]:  # hash collision guard
                 continue
@@ -164,25 +174,25 @@ class PrefixCache:
     def payload(self, entry_id: int) -> Any:
         return self._entries[entry_id].payload
 
-    def store(self, tokens: Sequence[int], nbytes: int, payload: Any = None, namespace: str | None = None,
-              whole_only: bool = False, request_id: str | None = None) -> int | None:
+    def store(self, tokens: Sequence, nbytes: int, payload: Any = None, whole_only: bool = False,
+              request_id: str | None = None) -> int | None:
         """Index `tokens` with its KV payload; evict least recently used entries to fit. Returns the entry id,
         None when the prefix is too short to index or larger than the whole budget."""
         tokens = tuple(tokens)
         if len(tokens) < self.block_size or nbytes > self.max_bytes:
             return None
-        existing = self._by_tokens.get((namespace, tokens))
+        existing = self._by_tokens.get(tokens)
         if existing is not None:  # same prefix already stored: keep the old tensors, refresh recency
             self._entries.move_to_end(existing)
             return existing
         while self.bytes + nbytes > self.max_bytes:
             self._evict_oldest()
-        entry = PrefixEntry(self._next_id, tokens, namespace, nbytes, whole_only, payload)
+        entry = PrefixEntry(self._next_id, tokens, nbytes, whole_only, payload)
         self._next_id += 1
         self._entries[entry.entry_id] = entry
-        self._by_tokens[(namespace, tokens)] = entry.entry_id
+        self._by_tokens[tokens] = entry.entry_id
         for h in _chain(tokens, self.block_size):
-            self._index.setdefault((namespace, h), {})[entry.entry_id] = None
+            self._index.setdefault(h, {})[entry.entry_id] = None
         self.bytes += nbytes
         self.stores += 1
         self.version += 1
@@ -198,12 +208,12 @@ class PrefixCache:
 
     def _remove(self, entry: PrefixEntry) -> None:
         del self._entries[entry.entry_id]
-        del self._by_tokens[(entry.namespace, entry.tokens)]
+        del self._by_tokens[entry.tokens]
         for h in _chain(entry.tokens, self.block_size):
-            bucket = self._index[(entry.namespace, h)]
+            bucket = self._index[h]
             del bucket[entry.entry_id]
             if not bucket:
-                del self._index[(entry.namespace, h)]
+                del self._index[h]
         self.bytes -= entry.nbytes
         self.version += 1
 

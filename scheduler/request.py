@@ -182,7 +182,10 @@ class Request:
     num_images: int = 0  # media items (encoder-budget units: `PreparedRequest.num_media_items`)
     num_media_tokens: int = 0  # prompt positions its media fill (`vision_token_budget` counts them)
     media: Any = None  # the model's preprocessed inputs (VLM: PreparedRequest); released once encoded
-    media_key: str | None = None  # content key of the images: namespaces prefix-cache entries
+    media_key: str | None = None  # content key of the ordered media (the vision cache's key)
+    # prompt position of the first media token (None: no media). Prefix-cache keys mark every position from here
+    # on with `media_key` (`prefix_key`), so the text before it is shared with any request that has it.
+    media_offset: int | None = None
     media_encoded: bool = False
     seed: int = 0  # effective sampling seed (sampling.seed or derived from the engine seed and id)
     # the context limit: prompt + outputs never exceed it (Scheduler.add sets it; None: only max_tokens caps)
@@ -222,7 +225,8 @@ class Request:
         """An executor's own copy of a request the plan brings (`TickPlan.new_requests`): the prompt, the
         outputs re-fed after a preemption, sampling, seed and media; never attached to a lifecycle."""
         return cls(new.request_id, list(new.prompt_tokens), new.sampling, seed=new.seed, media=new.media,
-                   num_images=new.num_images, media_key=new.media_key, recompute_tokens=new.recompute_tokens,
+                   num_images=new.num_images, media_key=new.media_key, media_offset=new.media_offset,
+                   recompute_tokens=new.recompute_tokens,
                    output_tokens=list(new.output_tokens))
 
     @property
@@ -239,6 +243,15 @@ class Request:
         if end <= len(prompt):
             return prompt[start:end]
         return (prompt + self.output_tokens[: self.recompute_tokens])[start:end]
+
+    def prefix_key(self, n: int) -> tuple:
+        """The prefix cache's key of the first `n` prefill tokens: the token ids up to `media_offset`, then
+        (media key, token id) pairs. KV state before the first media token depends on the text alone, so it is
+        shared between text-only requests and requests with any media; from there on it depends on the media,
+        which the pairs carry (a match there needs the same ordered media)."""
+        tokens = self.prefill_tokens(0, n)
+        cut = n if self.media_offset is None else min(self.media_offset, n)
+        return (*tokens[:cut], *((self.media_key, t) for t in tokens[cut:]))
 
     @property
     def num_prompt_remaining(self) -> int:

@@ -122,6 +122,7 @@ class Scheduler:
             sampling=request.sampling.to_record(), priority=request.priority, seed=request.seed,
             num_images=request.num_images, media_key=request.media_key, draft_eligible=request.draft_eligible,
             **({"num_media_tokens": request.num_media_tokens} if request.num_media_tokens else {}),
+            **({"media_offset": request.media_offset} if request.media_offset is not None else {}),
             measure={"t": request.arrival_time, "admitted_to_engine_t": self.events.clock()},
         )
 
@@ -163,8 +164,7 @@ class Scheduler:
         if memo is not None and memo[0] == cache.version:
             return memo[1]
         # At least the last prompt token must be computed: it is the row's first decode input.
-        match = cache.lookup(request.prefill_tokens(0, request.prefill_len), namespace=request.media_key,
-                             max_len=request.prefill_len - 1)
+        match = cache.lookup(request.prefix_key(request.prefill_len), max_len=request.prefill_len - 1)
         found = (match.entry_id, match.length) if match else None
         self._prefix_memo[request.request_id] = (cache.version, found)
         return found
@@ -192,7 +192,7 @@ class Scheduler:
         for rid in dict.fromkeys(ids):
             r = self.requests[rid]
             new.append(NewRequest(rid, tuple(r.prompt_tokens), r.sampling, r.seed, tuple(r.output_tokens),
-                                  r.recompute_tokens, r.media, r.media_key, r.num_images))
+                                  r.recompute_tokens, r.media, r.media_key, r.num_images, r.media_offset))
         return tuple(new)
 
     def _plan_record(self, plan: TickPlan) -> dict[str, Any]:
@@ -275,9 +275,8 @@ class Scheduler:
             request = self.requests.get(store.request_id)
             if request is None:  # it failed this tick: a failing request fails alone and stores nothing
                 continue
-            self.prefix_cache.store(request.prefill_tokens(0, store.num_tokens), store.nbytes, store.payload,
-                                    namespace=request.media_key, whole_only=store.whole_only,
-                                    request_id=store.request_id)
+            self.prefix_cache.store(request.prefix_key(store.num_tokens), store.nbytes, store.payload,
+                                    whole_only=store.whole_only, request_id=store.request_id)
 
     def _apply_prefill(self, plan: TickPlan, result: TickResult, tick: int, applied: AppliedTick) -> None:
         """Computed tokens advance; a chunk that completes the prompt brings its first token and the move to

@@ -411,7 +411,8 @@ class MLXExecutor:
     def _checkpoint_at(self, request: Request, start: int, end: int) -> int | None:
         if not self._checkpoints:
             return None
-        return checkpoint_position(start, end, request.prefill_len, self.prefix_cache.block_size)
+        return checkpoint_position(start, end, request.prefill_len, self.prefix_cache.block_size,
+                                   request.media_offset)
 
     def _prefill(self, request: Request, start: int, end: int, result: TickResult) -> None:
         rid = request.request_id

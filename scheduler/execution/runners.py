@@ -119,6 +119,9 @@ class VisionLanguageRunner:
         self.adapter = adapter
         self.capabilities = adapter.capabilities
         self.family = adapter.spec  # model_type, for typed refusals
+        # as for text: caches that cannot be trimmed (gemma3's windows, qwen3_5's recurrent state) go into the
+        # prefix cache as exact checkpoints
+        self.prefix_checkpoints = not self.capabilities.trimmable
 
     def make_cache(self) -> library.Cache:
         return self.adapter.make_cache()

@@ -65,6 +65,7 @@ class PreparedRequest:
     media_inputs: dict[str, Any] = field(default_factory=dict)  # the processor's media tensors, by name
     mask: Any | None = None  # the processor's (1, L) attention mask
     media_key: str | None = None  # content key of the ordered media; None for text-only
+    media_offset: int | None = None  # position of the first media token; None for text-only
     num_media_tokens: int = 0
     prompt: str = ""  # the templated prompt text given to the processor
     num_images: int = 0
@@ -281,12 +282,13 @@ class VLMAdapter:
         ids = self._prompt_ids(inputs)
         has_media = bool(pil or clips or waves)
         media_inputs = {k: v for k, v in inputs.items() if k not in _NOT_MEDIA and v is not None} if has_media else {}
-        num_media = sum(1 for t in ids if t in self.media_token_ids)
-        if has_media and not num_media:
+        media_at = [i for i, t in enumerate(ids) if t in self.media_token_ids]
+        if has_media and not media_at:
             raise ValueError("the processor put no media tokens in the prompt")
         return PreparedRequest(
             input_ids=ids, media_inputs=media_inputs, mask=inputs.get("attention_mask"),
-            media_key=self.media_key(media_inputs) if has_media else None, num_media_tokens=num_media, prompt=text,
+            media_key=self.media_key(media_inputs) if has_media else None, num_media_tokens=len(media_at),
+            media_offset=media_at[0] if has_media else None, prompt=text,
             num_images=len(pil), num_videos=len(clips), num_audio=len(waves),
             video_frame_indices=tuple(clip.indices for clip in clips),
         )

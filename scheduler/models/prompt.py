@@ -68,6 +68,10 @@ class ResolvedPrompt:
     def media_key(self) -> str | None:
         return self.media.media_key if self.media is not None else None
 
+    @property
+    def media_offset(self) -> int | None:
+        return self.media.media_offset if self.media is not None else None
+
 
 class PromptResolver:
     """Resolves requests for one loaded model. ``vlm``: the model adapter of a vision-language model (None for

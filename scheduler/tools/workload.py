@@ -27,6 +27,14 @@ FIRST_ORDINARY_ID = 7  # ids 0..6 are special tokens in the tiny models (and a s
 VOCAB = 512  # synthetic prompt ids are drawn from [FIRST_ORDINARY_ID, VOCAB)
 
 
+def media_offset(arrival: Mapping[str, Any]) -> int | None:
+    """The arrival's first media position. Traces from before it was recorded keyed a media request's prefix
+    entries by its media as a whole (no text shared with other requests): offset 0 gives those keys."""
+    if "media_offset" in arrival:
+        return arrival["media_offset"]
+    return 0 if arrival.get("media_key") is not None else None
+
+
 def samples_tokens(sampling: Mapping[str, Any]) -> bool:
     """Whether a request's recorded sampling (`SamplingParams.to_record()`) goes through the sampler rather
     than the greedy argmax: a temperature, or penalties (which rewrite the logits first)."""
@@ -44,7 +52,8 @@ class SimArrival:
     priority: int = 0
     num_images: int = 0
     num_media_tokens: int = 0  # prompt positions its media fill (the vision token budget counts them)
-    media_key: str | None = None  # content key of its media: namespaces its prefix-cache entries, keys the vision cache
+    media_key: str | None = None  # content key of its media: keys the vision cache and its prefix keys' media part
+    media_offset: int | None = None  # position of its first media token (Request.media_offset)
     abort_time: float | None = None  # the caller aborts it at this time (relative), if still live
     error_after: int | None = None  # it fails (executor error) when sampling token number error_after + 1
     samples: bool = False  # goes through the sampler (a temperature or penalties), not the greedy argmax
@@ -244,6 +253,7 @@ def arrivals_from_trace(trace: "Trace | str | os.PathLike") -> list[SimArrival]:
             num_images=int(event.get("num_images", 0)),
             num_media_tokens=int(event.get("num_media_tokens", 0)),
             media_key=event.get("media_key"),
+            media_offset=media_offset(event),
             abort_time=None if abort_time is None else max(0.0, abort_time - rec.t0),
             error_after=error_after,
             samples=samples_tokens(sampling),

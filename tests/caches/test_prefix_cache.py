@@ -66,13 +66,28 @@ def test_the_deepest_checkpoint_that_fits_is_found_above_the_deepest_shared_bloc
     assert hits == ["checkpoint", "trimmed"]
 
 
-def test_namespaces_isolate_media():
+def test_media_keys_share_the_text_before_the_media_and_nothing_after():
+    """Request.prefix_key: token ids up to the first media token, (media key, id) pairs from there. A request
+    with other media (or none) shares the text before the media; only the same media goes further."""
+    from scheduler.request import Request
+
     c = _cache()
-    tokens = list(range(10, 30))
-    c.store(tokens, nbytes=10, namespace="image-a")
-    assert c.lookup(tokens + [1], namespace="image-b", max_len=20) is None
-    assert c.lookup(tokens + [1], namespace=None, max_len=20) is None
-    assert c.lookup(tokens + [1], namespace="image-a", max_len=20).length == 20
+    text, media, after = list(range(10, 22)), [5] * 8, [30, 31, 32, 33]  # 12 text tokens, 8 media positions
+
+    def request(key, prompt_tail, offset=12):
+        return Request("r", text + prompt_tail, SamplingParams(), media_key=key,
+                       media_offset=None if key is None else offset)
+
+    stored = request("image-a", media + after)
+    assert stored.prefix_key(14)[:12] == tuple(text) and stored.prefix_key(14)[12:] == (("image-a", 5),) * 2
+    c.store(stored.prefix_key(24), nbytes=10)
+    assert c.lookup(request("image-a", media + after + [1]).prefix_key(25), max_len=24).length == 24
+    assert c.lookup(request("image-b", media + after + [1]).prefix_key(25), max_len=24).length == 12
+    assert c.lookup(request(None, [40] * 9).prefix_key(21), max_len=20).length == 12  # text only
+    # the same ids as the media positions, but text: still only the text before them
+    assert c.lookup(request(None, media + after + [1]).prefix_key(25), max_len=24).length == 12
+    # the same media starting earlier: only the text before its first media token is shared
+    assert c.lookup(request("image-a", media + after, offset=8).prefix_key(24), max_len=23).length == 8
 
 
 def test_lru_eviction_under_the_byte_budget_and_stats():

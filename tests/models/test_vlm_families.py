@@ -208,6 +208,61 @@ def test_family_batches_exactly(family, schedule):
         assert drafted_rows & image_ids, "no image row drafted"
 
 
+def test_family_shares_the_text_before_its_media(family, tmp_path):
+    """A system prompt shared by an image request, a request with another image and a text-only request: the
+    later two restore the first one's state of that text from the prefix cache (its entry cut back to it, or,
+    where caches cannot be cut, the checkpoint its prefill stored at the block boundary before its first media
+    token), and each output equals solo mlx_vlm. The trace replays; without the recorded media offsets it
+    does not (a trace from before they were recorded keys media requests by their media alone, as the engine
+    then did: these would share nothing)."""
+    import json
+
+    from scheduler.tools.replay import load_trace, replay
+    import mlx_vlm
+    from mlx_vlm.prompt_utils import apply_chat_template
+
+    name, (model, processor), _, _ = family
+    system = {"role": "system", "content": LONG + LONG}
+    requests = [([system, {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}], [image])
+                for text, image in (("What is it?", noise_image(56, 84, 11)), ("Describe it.", noise_image(84, 56, 12)))]
+    requests.append(([system, {"role": "user", "content": "Just text, please."}], []))
+    want = []
+    for messages, images in requests:
+        prompt = apply_chat_template(processor, model.config, messages, num_images=len(images))
+        last = None
+        for last in mlx_vlm.stream_generate(model, processor, prompt, image=images or None, max_tokens=MAX_TOKENS,
+                                            temperature=0.0):
+            pass
+        want.append(list(last.token_ids))
+    block = 8
+    trace = tmp_path / "trace.jsonl"
+    engine, log = engine_with_log(model, processor, EngineConfig(prefix_cache_bytes=8 << 20, prefix_block_size=block,
+                                                                 check_invariants=True, trace_path=str(trace)))
+    got = []
+    for messages, images in requests:  # one after another: each finds what the ones before stored
+        run = drive(engine, [(0, {"prompt": messages, "images": images,
+                                  "sampling": SamplingParams(max_tokens=MAX_TOKENS)})])
+        assert not run.errors, run.errors
+        got += list(run.tokens.values())
+    assert got == want
+    offset = [e.get("media_offset") for e in log.of_kind("arrival")]
+    assert offset[0] == offset[1] and offset[0] >= 4 * block and offset[2] is None, offset
+    hits = {e["request_id"]: e["length"] for e in log.of_kind("prefix_hit")}
+    ids = [e["request_id"] for e in log.of_kind("arrival")]
+    assert offset[0] - block < hits[ids[1]] <= offset[0], (hits, offset)  # the text before the other image
+    assert 0 < hits[ids[2]] <= offset[0], (hits, offset)  # the system prompt, for text only
+    assert ids[0] not in hits
+    engine.close()
+    report = replay(load_trace(trace))
+    assert report.identical, report.format()
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    for event in events:
+        event.pop("media_offset", None)
+    old_style = tmp_path / "without-offsets.jsonl"
+    old_style.write_text("".join(json.dumps(e) + "\n" for e in events))
+    assert not replay(load_trace(old_style)).identical
+
+
 def test_family_is_quiet_per_request(family, capfd, caplog, recwarn):
     """Nothing prints, logs or warns per request (mlx-vlm's template call made transformers warn about
     "processor_kwargs" once per image request)."""

@@ -46,6 +46,7 @@ class SimExecutor:
         self._error_at: dict[str, int] = {}
         self._prompt_len: dict[str, int] = {}
         self._media: dict[str, tuple[int, str | None]] = {}  # id -> (media items, media key)
+        self._media_offset: dict[str, int] = {}  # id -> its first media position (where it checkpoints)
         self._vision_tokens: dict[str, int] = {}  # id -> its prompt's media tokens (what the encoder's cost grows with)
         self._vision_seen: set[str] = set()  # media keys encoded before: a vision-cache hit (unbounded cache)
         self._samples: set[str] = set()  # requests that go through the sampler (their decode rows cost more)
@@ -55,6 +56,8 @@ class SimExecutor:
             self._prompt_len[a.request_id] = a.prompt_len
             if a.samples:
                 self._samples.add(a.request_id)
+            if a.media_offset is not None:
+                self._media_offset[a.request_id] = a.media_offset
             if a.num_images:
                 self._media[a.request_id] = (a.num_images, a.media_key)
                 self._vision_tokens[a.request_id] = sum(1 for t in a.prompt_tokens
@@ -120,7 +123,8 @@ class SimExecutor:
 
         for c in plan.prefill:
             n = self._prefill_len.get(c.request_id, self._prompt_len[c.request_id])
-            at = checkpoint_position(c.start, c.end - 1 if c.completes else c.end, n, self.prefix_block_size)
+            at = checkpoint_position(c.start, c.end - 1 if c.completes else c.end, n, self.prefix_block_size,
+                                     self._media_offset.get(c.request_id))
             if at is not None:
                 result.prefix_stores.append(PrefixStore(c.request_id, at, at * self.kv_bytes_per_token, True, None))
 
