@@ -37,14 +37,18 @@ def available() -> str | None:
     return None
 
 
-def _generator(model: Any, processor: Any, n: int, completion_batch_size: int | None,
-               prefill_step_size: int) -> Any:
+def quiet_reference_logs() -> None:
+    """It logs every request's sampling settings at INFO; keep that out of the timed loop's stderr."""
     import logging
 
+    logging.getLogger("vllm_mlx").setLevel(logging.WARNING)
+
+
+def _generator(model: Any, processor: Any, n: int, completion_batch_size: int | None,
+               prefill_step_size: int) -> Any:
     from vllm_mlx.mllm_batch_generator import MLLMBatchGenerator
 
-    # It logs every request's sampling settings at INFO; keep that out of the timed loop's stderr.
-    logging.getLogger("vllm_mlx").setLevel(logging.WARNING)
+    quiet_reference_logs()
     return MLLMBatchGenerator(
         model, processor, stop_tokens=set(),
         completion_batch_size=completion_batch_size or max(32, n),
