@@ -4,17 +4,19 @@
                    no position is passed and every rope delta is 0.
 ``MRopePositions`` Qwen2/2.5/3-VL, Qwen3.5: a prompt's (3, 1, L) positions (temporal, height, width), as the
                    language model's ``get_rope_index`` computes them: image / video tokens get grid positions and
-                   the text after each block continues from that block's largest position + 1. The rope delta is ``max_position + 1 - L``; a row's next position is
-                   then (tokens in its cache + its delta) on all three axes, which is what mlx-vlm's own decode
-                   step computes from the state it keeps on the model instance. We pass explicit positions on
-                   every call instead, so that state (``_position_ids`` / ``_rope_deltas``, one per model, not per
-                   row) is never read or written and rows with different deltas batch correctly.
+                   the text after each block continues from that block's largest position + 1. The rope delta is
+                   ``max_position + 1 - L``; a row's next position is then (tokens in its cache + its delta) on
+                   all three axes, which is what mlx-vlm's own decode step computes from the state it keeps on
+                   the model instance. We pass explicit positions on every call instead, so that state
+                   (``_position_ids`` / ``_rope_deltas``, one per model, not per row) is never read or written
+                   and rows with different deltas batch correctly.
 
 Per-row position state lives in the executor (one delta per row), never on the model object.
 
 Why our own ``mrope_index`` and not mlx-vlm's ``get_rope_index``: theirs builds each block with a dozen small MLX
-ops and reads them back (``.item()``, ``.tolist()``), about 0.6 ms a prompt on this CPU, 8-10% of the 16-image
-benchmark's run (bench/README.md, "M-RoPE positions"); this is the same integer arithmetic in numpy. The two
+ops and reads them back (``.item()``, ``.tolist()``), about 0.6 ms a prompt on a 2-core x86 CPU, 8% of the
+16-image benchmark's run (bench/README.md, issue 18 table, session 35); this is the same integer arithmetic in
+numpy. The two
 differ only in where video frames go: Qwen2/2.5-VL give a video one block whose temporal axis counts its frame
 groups; Qwen3-VL and Qwen3.5 split it into one block per frame group (their processors put a vision-start token
 and a timestamp before each), each with temporal position 0 (``FamilySpec.video_block_per_frame``).
