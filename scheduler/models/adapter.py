@@ -65,8 +65,7 @@ class PreparedRequest:
     media_inputs: dict[str, Any] = field(default_factory=dict)  # the processor's media tensors, by name
     mask: Any | None = None  # the processor's (1, L) attention mask
     media_key: str | None = None  # content key of the ordered media; None for text-only
-    media_offset: int | None = None  # position of the first media token; None for text-only
-    num_media_tokens: int = 0
+    media_positions: tuple[int, ...] = ()  # the prompt positions of its media tokens (the encoders' rows go there)
     prompt: str = ""  # the templated prompt text given to the processor
     num_images: int = 0
     num_videos: int = 0
@@ -76,6 +75,15 @@ class PreparedRequest:
     @property
     def has_media(self) -> bool:
         return bool(self.num_images or self.num_videos or self.num_audio)
+
+    @property
+    def num_media_tokens(self) -> int:
+        return len(self.media_positions)
+
+    @property
+    def media_offset(self) -> int | None:
+        """The position of the first media token; None for text-only."""
+        return self.media_positions[0] if self.media_positions else None
 
     @property
     def num_media_items(self) -> int:
@@ -282,13 +290,12 @@ class VLMAdapter:
         ids = self._prompt_ids(inputs)
         has_media = bool(pil or clips or waves)
         media_inputs = {k: v for k, v in inputs.items() if k not in _NOT_MEDIA and v is not None} if has_media else {}
-        media_at = [i for i, t in enumerate(ids) if t in self.media_token_ids]
+        media_at = tuple(i for i, t in enumerate(ids) if t in self.media_token_ids) if has_media else ()
         if has_media and not media_at:
             raise ValueError("the processor put no media tokens in the prompt")
         return PreparedRequest(
             input_ids=ids, media_inputs=media_inputs, mask=inputs.get("attention_mask"),
-            media_key=self.media_key(media_inputs) if has_media else None, num_media_tokens=len(media_at),
-            media_offset=media_at[0] if has_media else None, prompt=text,
+            media_key=self.media_key(media_inputs) if has_media else None, media_positions=media_at, prompt=text,
             num_images=len(pil), num_videos=len(clips), num_audio=len(waves),
             video_frame_indices=tuple(clip.indices for clip in clips),
         )
@@ -464,9 +471,9 @@ class VLMAdapter:
                            if getattr(out, name, None) is not None}
         media: list[_Media] = []
         start = media_start = 0
-        for one in ids_list:
+        for one, (prepared, _) in zip(ids_list, group):
             length = one.shape[1]
-            positions = self._media_positions(one)
+            positions = prepared.media_positions
             own = embeds[:, start: start + length]
             rows = own[0, mx.array(positions)]
             own_rows = [None if r is None else r[:, media_start: media_start + len(positions)] for r in row_inputs]
@@ -488,9 +495,6 @@ class VLMAdapter:
             mask[:, : len(prepared.input_ids)] = prepared.mask.astype(mx.int32)
         return mask
 
-    def _media_positions(self, ids: mx.array) -> np.ndarray:
-        return np.flatnonzero(np.isin(np.array(ids[0]), list(self.media_token_ids)))
-
     def _assemble(self, prepared: PreparedRequest, extra_tokens: Sequence[int], media: _Media | None
                   ) -> EncodedRequest:
         """The request's inputs from its media rows: the encoders' own merged embeddings when this request's
@@ -498,7 +502,7 @@ class VLMAdapter:
         ids = self._ids(prepared, extra_tokens)
         mask = self._mask(prepared, ids)
         spec = self.spec
-        media_positions = self._media_positions(ids)
+        media_positions = prepared.media_positions  # of the prompt: re-fed outputs are embedded as token ids
         row_inputs: list = [None] * len(spec.media_row_inputs)
         if media is not None and media.embeds is not None:
             embeds, sequence_inputs, row_inputs = media.embeds, media.sequence_inputs, media.row_inputs
