@@ -510,7 +510,7 @@ class Engine:
                 priority=a.priority, arrival_tick=tick, arrival_time=a.arrival_time,
                 seed=a.sampling.seed if a.sampling.seed is not None else _derived_seed(self.config.seed, a.request_id),
                 media=a.prompt.media, num_images=a.prompt.num_media_items, media_key=a.prompt.media_key,
-                num_media_tokens=a.prompt.num_media_tokens, media_offset=a.prompt.media_offset,
+                num_media_tokens=a.prompt.num_media_tokens, media_marks=a.prompt.media_marks,
             )
             self.scheduler.add(request, tick)
         outputs = [

@@ -114,7 +114,7 @@ class NewRequest:
     media: Any = field(default=None, compare=False)  # the model layer's prepared inputs (VLM), by reference
     media_key: str | None = None
     num_images: int = 0
-    media_offset: int | None = None  # the prompt position of its first media token (Request.media_offset)
+    media_marks: tuple[tuple[int, str], ...] = ()  # Request.media_marks (its first: where it checkpoints)
 
 
 #: Optional groups of plan-record keys, named in `engine_start.plan_records` by the traces that carry them. A

@@ -183,9 +183,10 @@ class Request:
     num_media_tokens: int = 0  # prompt positions its media fill (`vision_token_budget` counts them)
     media: Any = None  # the model's preprocessed inputs (VLM: PreparedRequest); released once encoded
     media_key: str | None = None  # content key of the ordered media (the vision cache's key)
-    # prompt position of the first media token (None: no media). Prefix-cache keys mark every position from here
-    # on with `media_key` (`prefix_key`), so the text before it is shared with any request that has it.
-    media_offset: int | None = None
+    # (first prompt position, key) per stretch of the prompt whose state depends on the media so far (one per
+    # media item where the model layer tells them apart, else one for all: `PreparedRequest.media_marks`).
+    # Prefix-cache keys carry them (`prefix_key`), so the text before the first is shared with any request.
+    media_marks: tuple[tuple[int, str], ...] = ()
     media_encoded: bool = False
     seed: int = 0  # effective sampling seed (sampling.seed or derived from the engine seed and id)
     # the context limit: prompt + outputs never exceed it (Scheduler.add sets it; None: only max_tokens caps)
@@ -225,7 +226,7 @@ class Request:
         """An executor's own copy of a request the plan brings (`TickPlan.new_requests`): the prompt, the
         outputs re-fed after a preemption, sampling, seed and media; never attached to a lifecycle."""
         return cls(new.request_id, list(new.prompt_tokens), new.sampling, seed=new.seed, media=new.media,
-                   num_images=new.num_images, media_key=new.media_key, media_offset=new.media_offset,
+                   num_images=new.num_images, media_key=new.media_key, media_marks=new.media_marks,
                    recompute_tokens=new.recompute_tokens,
                    output_tokens=list(new.output_tokens))
 
@@ -244,14 +245,23 @@ class Request:
             return prompt[start:end]
         return (prompt + self.output_tokens[: self.recompute_tokens])[start:end]
 
+    @property
+    def media_offset(self) -> int | None:
+        """The prompt position of its first media token (None: no media)."""
+        return self.media_marks[0][0] if self.media_marks else None
+
     def prefix_key(self, n: int) -> tuple:
-        """The prefix cache's key of the first `n` prefill tokens: the token ids up to `media_offset`, then
-        (media key, token id) pairs. KV state before the first media token depends on the text alone, so it is
-        shared between text-only requests and requests with any media; from there on it depends on the media,
-        which the pairs carry (a match there needs the same ordered media)."""
+        """The prefix cache's key of the first `n` prefill tokens: the token ids up to the first media mark,
+        then (key of the last mark so far, token id) pairs. KV state before the first media token depends on
+        the text alone, so it is shared between text-only requests and requests with any media; from a mark on
+        it depends on the media up to that mark, which the pairs carry (a match there needs the same media so
+        far: a chat turn that adds an image shares the turns before it)."""
         tokens = self.prefill_tokens(0, n)
-        cut = n if self.media_offset is None else min(self.media_offset, n)
-        return (*tokens[:cut], *((self.media_key, t) for t in tokens[cut:]))
+        marks = self.media_marks
+        key: list = tokens[: min(marks[0][0], n)] if marks else list(tokens)
+        for (start, media), (end, _) in zip(marks, (*marks[1:], (n, None))):
+            key += [(media, t) for t in tokens[start: max(start, min(end, n))]]
+        return tuple(key)
 
     @property
     def num_prompt_remaining(self) -> int:

@@ -122,7 +122,7 @@ class Scheduler:
             sampling=request.sampling.to_record(), priority=request.priority, seed=request.seed,
             num_images=request.num_images, media_key=request.media_key, draft_eligible=request.draft_eligible,
             **({"num_media_tokens": request.num_media_tokens} if request.num_media_tokens else {}),
-            **({"media_offset": request.media_offset} if request.media_offset is not None else {}),
+            **({"media_marks": [list(m) for m in request.media_marks]} if request.media_marks else {}),
             measure={"t": request.arrival_time, "admitted_to_engine_t": self.events.clock()},
         )
 
@@ -192,7 +192,7 @@ class Scheduler:
         for rid in dict.fromkeys(ids):
             r = self.requests[rid]
             new.append(NewRequest(rid, tuple(r.prompt_tokens), r.sampling, r.seed, tuple(r.output_tokens),
-                                  r.recompute_tokens, r.media, r.media_key, r.num_images, r.media_offset))
+                                  r.recompute_tokens, r.media, r.media_key, r.num_images, r.media_marks))
         return tuple(new)
 
     def _plan_record(self, plan: TickPlan) -> dict[str, Any]:

@@ -47,7 +47,7 @@ from caches.vision import VisionCache, content_key
 from scheduler.models import prompt as prompts
 from scheduler.models import library
 from scheduler.models import positions as position_strategies
-from scheduler.models.families import FamilySpec, UnsupportedFamily, VisionBatch, family_for
+from scheduler.models.families import FamilySpec, Positions, UnsupportedFamily, VisionBatch, family_for
 from scheduler.models.media import (AudioInput, ImageInput, MediaError, MediaLimit, VideoFrames, VideoInput,
                                     load_audio, load_image, load_video, validate_video_sampling)
 
@@ -55,6 +55,17 @@ DEFAULT_VIDEO_FPS = 2.0  # Qwen2-VL's own default sampling rate
 DEFAULT_VIDEO_MAX_FRAMES = 32
 
 _NOT_MEDIA = ("input_ids", "attention_mask")
+_GRID_PIXELS = {"image_grid_thw": "pixel_values", "video_grid_thw": "pixel_values_videos"}  # the Qwen processors'
+
+
+def _named_parts(media_inputs: dict[str, Any]) -> list:
+    """Every media tensor by name, in name order (a list of tensors as its items)."""
+    parts: list[Any] = []
+    for name in sorted(media_inputs):
+        value = media_inputs[name]
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        parts += [name, *(v if isinstance(v, mx.array) else mx.array(np.asarray(v)) for v in values)]
+    return parts
 
 
 @dataclass
@@ -66,6 +77,8 @@ class PreparedRequest:
     mask: Any | None = None  # the processor's (1, L) attention mask
     media_key: str | None = None  # content key of the ordered media; None for text-only
     media_positions: tuple[int, ...] = ()  # the prompt positions of its media tokens (the encoders' rows go there)
+    # (first prompt position, key) of each stretch whose state depends on the media so far (`media_marks`)
+    media_marks: tuple[tuple[int, str], ...] = ()
     prompt: str = ""  # the templated prompt text given to the processor
     num_images: int = 0
     num_videos: int = 0
@@ -223,18 +236,53 @@ class VLMAdapter:
         """What this family's processor takes: "image", "video", "audio"."""
         return self.spec.media
 
-    def media_key(self, media_inputs: dict[str, Any]) -> str:
-        """Content key of a request's ordered media: the preprocessed tensors (the exact encoder inputs), by
-        name, and the model / processor fingerprint. Independent of file names and of the prompt text."""
-        parts: list[Any] = [self.spec.model_type, self.fingerprint]
-        for name in sorted(media_inputs):
-            value = media_inputs[name]
-            if isinstance(value, (list, tuple)):
-                value = [mx.array(v) for v in value]
-            elif not isinstance(value, mx.array):
-                value = mx.array(np.asarray(value))
-            parts += [name, *(value if isinstance(value, list) else [value])]
-        return content_key(parts)
+    def media_marks(self, media_inputs: dict[str, Any], positions: Sequence[int]) -> tuple[tuple[int, str], ...]:
+        """Content keys of a request's ordered media, from the preprocessed tensors (the exact encoder inputs)
+        and the model / processor fingerprint, independent of file names and of the prompt text: (first prompt
+        position, key) per media item in prompt order, each key covering the items up to it (a chain: the
+        state of a prompt position depends on the media before it, not after), or one mark at the first media
+        token for all of them where the media cannot be told apart per item. The last key covers every media
+        tensor: it is the request's ``media_key``. ``positions``: the prompt's media positions.
+
+        Per item: the M-RoPE (Qwen) families, whose processors give each image or video its own patch rows
+        (as many as the product of its ``*_grid_thw`` row) and its own ``grid / merge**2`` prompt tokens, and
+        whose towers attend within each item; the prefix cache then shares a prompt up to a later item (a chat
+        that adds an image). Other families' tensors (tiles, padded stacks) are keyed whole."""
+        head = [self.spec.model_type, self.fingerprint]
+        items = self._media_items(media_inputs)
+        if items is None:
+            return ((positions[0], content_key(head + _named_parts(media_inputs))),)
+        if sum(n for n, _ in items) != len(positions):
+            raise ValueError(f"the media grids give {sum(n for n, _ in items)} media tokens, the prompt has "
+                             f"{len(positions)}")
+        marks, key, seen = [], content_key(head), 0
+        for tokens, parts in items:
+            key = content_key([key, *parts])
+            marks.append((positions[seen], key))
+            seen += tokens
+        return tuple(marks)
+
+    def _media_items(self, media_inputs: dict[str, Any]) -> list[tuple[int, list]] | None:
+        """(prompt tokens, tensors) of each media item, or None where this family's inputs are not split per
+        item here (see ``media_marks``)."""
+        if self.spec.positions is not Positions.MROPE:
+            return None
+        grids = [name for name in _GRID_PIXELS if name in media_inputs]
+        if len(grids) != 1 or set(media_inputs) != {grids[0], _GRID_PIXELS[grids[0]]}:
+            return None  # one kind of media per request (FamilySpec.mixed_image_video), nothing else
+        grid_name, pixel_name = grids[0], _GRID_PIXELS[grids[0]]
+        grid = np.asarray(media_inputs[grid_name]).astype(np.int64).reshape(-1, 3)
+        pixels = media_inputs[pixel_name]
+        if isinstance(pixels, mx.array) and pixels.dtype == mx.bfloat16:  # numpy has no bfloat16: its 16-bit words
+            pixels = pixels.view(mx.uint16)
+        pixels = np.asarray(pixels)
+        patches = grid.prod(axis=1)
+        if int(patches.sum()) != pixels.shape[0]:
+            return None
+        merge = library.mrope_tokens(self.model)[3]
+        bounds = np.concatenate([[0], np.cumsum(patches)])
+        return [(int(n) // merge ** 2, [grid_name, grid[i], pixel_name, pixels[bounds[i]: bounds[i + 1]]])
+                for i, n in enumerate(patches)]
 
     # ---- CPU side -------------------------------------------------------------------------------------
     def prepare(self, prompt: str | list[dict], images: Sequence[ImageInput] | None = (),
@@ -293,9 +341,10 @@ class VLMAdapter:
         media_at = tuple(i for i, t in enumerate(ids) if t in self.media_token_ids) if has_media else ()
         if has_media and not media_at:
             raise ValueError("the processor put no media tokens in the prompt")
+        marks = self.media_marks(media_inputs, media_at) if has_media else ()
         return PreparedRequest(
             input_ids=ids, media_inputs=media_inputs, mask=inputs.get("attention_mask"),
-            media_key=self.media_key(media_inputs) if has_media else None, media_positions=media_at, prompt=text,
+            media_key=marks[-1][1] if marks else None, media_positions=media_at, media_marks=marks, prompt=text,
             num_images=len(pil), num_videos=len(clips), num_audio=len(waves),
             video_frame_indices=tuple(clip.indices for clip in clips),
         )

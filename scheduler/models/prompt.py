@@ -69,8 +69,8 @@ class ResolvedPrompt:
         return self.media.media_key if self.media is not None else None
 
     @property
-    def media_offset(self) -> int | None:
-        return self.media.media_offset if self.media is not None else None
+    def media_marks(self) -> tuple[tuple[int, str], ...]:
+        return self.media.media_marks if self.media is not None else ()
 
 
 class PromptResolver:

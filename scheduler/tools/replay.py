@@ -29,7 +29,7 @@ from scheduler.events import SCHEMA_VERSION, EventLog, MemorySink, _jsonable, de
 from scheduler.plan import DECODE_FAILED, PLAN_RECORD_GROUPS, PREFILL_FAILED, PrefixStore, TickPlan, TickResult
 from scheduler.policy import Policy, make_policy
 from scheduler.request import Request, SamplingParams
-from scheduler.tools.workload import media_offset
+from scheduler.tools.workload import media_marks
 from scheduler.scheduler import Scheduler
 
 
@@ -168,7 +168,7 @@ def request_from_arrival(event: Mapping[str, Any]) -> Request:
         num_images=event.get("num_images", 0),
         num_media_tokens=event.get("num_media_tokens", 0),  # (traces from before the token budget: 0)
         media_key=event.get("media_key"),
-        media_offset=media_offset(event),
+        media_marks=media_marks(event),
         draft_eligible=event.get("draft_eligible"),
     )
 

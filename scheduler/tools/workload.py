@@ -27,12 +27,14 @@ FIRST_ORDINARY_ID = 7  # ids 0..6 are special tokens in the tiny models (and a s
 VOCAB = 512  # synthetic prompt ids are drawn from [FIRST_ORDINARY_ID, VOCAB)
 
 
-def media_offset(arrival: Mapping[str, Any]) -> int | None:
-    """The arrival's first media position. Traces from before it was recorded keyed a media request's prefix
-    entries by its media as a whole (no text shared with other requests): offset 0 gives those keys."""
-    if "media_offset" in arrival:
-        return arrival["media_offset"]
-    return 0 if arrival.get("media_key") is not None else None
+def media_marks(arrival: Mapping[str, Any]) -> tuple[tuple[int, str], ...]:
+    """The arrival's media marks (`Request.media_marks`). Traces from before they were recorded keyed a media
+    request's prefix entries by its media as a whole, from its first position (no text shared with other
+    requests): one mark at 0 gives those keys; a `media_offset` (recorded for a while instead) one mark there."""
+    if "media_marks" in arrival:
+        return tuple((int(position), str(key)) for position, key in arrival["media_marks"])
+    key = arrival.get("media_key")
+    return () if key is None else ((int(arrival.get("media_offset", 0)), key),)
 
 
 def samples_tokens(sampling: Mapping[str, Any]) -> bool:
@@ -53,7 +55,7 @@ class SimArrival:
     num_images: int = 0
     num_media_tokens: int = 0  # prompt positions its media fill (the vision token budget counts them)
     media_key: str | None = None  # content key of its media: keys the vision cache and its prefix keys' media part
-    media_offset: int | None = None  # position of its first media token (Request.media_offset)
+    media_marks: tuple[tuple[int, str], ...] = ()  # Request.media_marks (its prefix keys' media)
     abort_time: float | None = None  # the caller aborts it at this time (relative), if still live
     error_after: int | None = None  # it fails (executor error) when sampling token number error_after + 1
     samples: bool = False  # goes through the sampler (a temperature or penalties), not the greedy argmax
@@ -253,7 +255,7 @@ def arrivals_from_trace(trace: "Trace | str | os.PathLike") -> list[SimArrival]:
             num_images=int(event.get("num_images", 0)),
             num_media_tokens=int(event.get("num_media_tokens", 0)),
             media_key=event.get("media_key"),
-            media_offset=media_offset(event),
+            media_marks=media_marks(event),
             abort_time=None if abort_time is None else max(0.0, abort_time - rec.t0),
             error_after=error_after,
             samples=samples_tokens(sampling),

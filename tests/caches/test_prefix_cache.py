@@ -67,7 +67,7 @@ def test_the_deepest_checkpoint_that_fits_is_found_above_the_deepest_shared_bloc
 
 
 def test_media_keys_share_the_text_before_the_media_and_nothing_after():
-    """Request.prefix_key: token ids up to the first media token, (media key, id) pairs from there. A request
+    """Request.prefix_key: token ids up to the first media mark, (media key, id) pairs from there. A request
     with other media (or none) shares the text before the media; only the same media goes further."""
     from scheduler.request import Request
 
@@ -76,7 +76,7 @@ def test_media_keys_share_the_text_before_the_media_and_nothing_after():
 
     def request(key, prompt_tail, offset=12):
         return Request("r", text + prompt_tail, SamplingParams(), media_key=key,
-                       media_offset=None if key is None else offset)
+                       media_marks=() if key is None else ((offset, key),))
 
     stored = request("image-a", media + after)
     assert stored.prefix_key(14)[:12] == tuple(text) and stored.prefix_key(14)[12:] == (("image-a", 5),) * 2
@@ -88,6 +88,30 @@ def test_media_keys_share_the_text_before_the_media_and_nothing_after():
     assert c.lookup(request(None, media + after + [1]).prefix_key(25), max_len=24).length == 12
     # the same media starting earlier: only the text before its first media token is shared
     assert c.lookup(request("image-a", media + after, offset=8).prefix_key(24), max_len=23).length == 8
+
+
+def test_per_item_marks_share_the_media_so_far():
+    """Marks per media item, each key covering the items up to it (a chat turn that adds an image): a prompt
+    matches through every item both have, in order, and stops at the first that differs."""
+    from scheduler.request import Request
+
+    c = _cache()
+    text, image, between = list(range(10, 18)), [5] * 4, [40, 41, 42, 43]
+
+    def request(keys):  # text, then per key: an image and text after it
+        prompt, marks = list(text), []
+        for key in keys:
+            marks.append((len(prompt), key))
+            prompt += image + between
+        return Request("r", prompt + [1], SamplingParams(), media_key=keys[-1], media_marks=tuple(marks))
+
+    a = request(["A"])
+    assert a.prefix_key(12) == (*text, *(("A", 5),) * 4) and a.prefix_key(6) == tuple(text[:6])
+    c.store(a.prefix_key(16), nbytes=10)
+    assert c.lookup(request(["A", "A+B"]).prefix_key(25), max_len=24).length == 16  # turn one, whole
+    assert c.lookup(request(["C", "C+B"]).prefix_key(25), max_len=24).length == 8  # other first image: the text
+    c.store(request(["A", "A+B"]).prefix_key(24), nbytes=10)
+    assert c.lookup(request(["A", "A+D"]).prefix_key(25), max_len=24).length == 16  # up to the second image
 
 
 def test_lru_eviction_under_the_byte_budget_and_stats():

@@ -212,7 +212,7 @@ def test_family_shares_the_text_before_its_media(family, tmp_path):
     """A system prompt shared by an image request, a request with another image and a text-only request: the
     later two restore the first one's state of that text from the prefix cache (its entry cut back to it, or,
     where caches cannot be cut, the checkpoint its prefill stored at the block boundary before its first media
-    token), and each output equals solo mlx_vlm. The trace replays; without the recorded media offsets it
+    token), and each output equals solo mlx_vlm. The trace replays; without the recorded media marks it
     does not (a trace from before they were recorded keys media requests by their media alone, as the engine
     then did: these would share nothing)."""
     import json
@@ -245,7 +245,7 @@ def test_family_shares_the_text_before_its_media(family, tmp_path):
         assert not run.errors, run.errors
         got += list(run.tokens.values())
     assert got == want
-    offset = [e.get("media_offset") for e in log.of_kind("arrival")]
+    offset = [e["media_marks"][0][0] if "media_marks" in e else None for e in log.of_kind("arrival")]
     assert offset[0] == offset[1] and offset[0] >= 4 * block and offset[2] is None, offset
     hits = {e["request_id"]: e["length"] for e in log.of_kind("prefix_hit")}
     ids = [e["request_id"] for e in log.of_kind("arrival")]
@@ -257,10 +257,55 @@ def test_family_shares_the_text_before_its_media(family, tmp_path):
     assert report.identical, report.format()
     events = [json.loads(line) for line in trace.read_text().splitlines()]
     for event in events:
-        event.pop("media_offset", None)
+        event.pop("media_marks", None)
     old_style = tmp_path / "without-offsets.jsonl"
     old_style.write_text("".join(json.dumps(e) + "\n" for e in events))
     assert not replay(load_trace(old_style)).identical
+
+
+def test_family_chat_turn_adding_an_image_reuses_the_turn_before(family):
+    """A chat's second turn resends the first (system prompt, an image, a question, the answer) and adds a second
+    image. Where the model layer keys media per item (the M-RoPE families: each image its own patch rows and
+    prompt tokens), the second turn restores all of the first turn's prompt from the prefix cache, image
+    included; elsewhere the media are keyed as a whole and it restores the text before the first image. Each
+    output equals solo mlx_vlm."""
+    import mlx_vlm
+    from mlx_vlm.prompt_utils import apply_chat_template
+
+    from scheduler.models.families import FAMILIES, Positions
+
+    name, (model, processor), _, _ = family
+    first = [{"role": "system", "content": LONG},
+             {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
+    second = first + [{"role": "assistant", "content": "It is a picture of noise."},
+                      {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "And this one?"}]}]
+    turns = [(first, [noise_image(56, 84, 21)]), (second, [noise_image(56, 84, 21), noise_image(84, 56, 22)])]
+    want = []
+    for messages, images in turns:
+        prompt = apply_chat_template(processor, model.config, messages, num_images=len(images))
+        last = None
+        for last in mlx_vlm.stream_generate(model, processor, prompt, image=images, max_tokens=MAX_TOKENS,
+                                            temperature=0.0):
+            pass
+        want.append(list(last.token_ids))
+    engine, log = engine_with_log(model, processor, EngineConfig(prefix_cache_bytes=8 << 20, prefix_block_size=8,
+                                                                 check_invariants=True))
+    got = []
+    for messages, images in turns:
+        run = drive(engine, [(0, {"prompt": messages, "images": images,
+                                  "sampling": SamplingParams(max_tokens=MAX_TOKENS)})])
+        assert not run.errors, run.errors
+        got += list(run.tokens.values())
+    assert got == want
+    arrivals = log.of_kind("arrival")
+    marks = [[position for position, _ in e["media_marks"]] for e in arrivals]
+    hits = [e["length"] for e in log.of_kind("prefix_hit") if e["request_id"] == arrivals[1]["request_id"]]
+    if FAMILIES[name].positions is Positions.MROPE:
+        assert len(marks[1]) == 2 and marks[1][0] == marks[0][0], marks
+        assert hits == [len(arrivals[0]["prompt_tokens"]) - 1], (hits, marks)  # the whole first turn
+    else:
+        assert len(marks[1]) == 1, marks
+        assert len(hits) == 1 and 0 < hits[0] <= marks[0][0], (hits, marks)  # the text before the image
 
 
 def test_family_is_quiet_per_request(family, capfd, caplog, recwarn):

@@ -56,8 +56,8 @@ class SimExecutor:
             self._prompt_len[a.request_id] = a.prompt_len
             if a.samples:
                 self._samples.add(a.request_id)
-            if a.media_offset is not None:
-                self._media_offset[a.request_id] = a.media_offset
+            if a.media_marks:
+                self._media_offset[a.request_id] = a.media_marks[0][0]
             if a.num_images:
                 self._media[a.request_id] = (a.num_images, a.media_key)
                 self._vision_tokens[a.request_id] = sum(1 for t in a.prompt_tokens
