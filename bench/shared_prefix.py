@@ -2,19 +2,20 @@
 and without its prefix cache, and the reference (vllm-mlx `MLLMBatchGenerator`) with and without its own, on the
 tiny Qwen2-VL.
 
-Our prefix keys carry the media from a request's first media token on (`Request.prefix_key`), so every request
-after the first restores the system prompt's state and prefills only its image and question. The reference keys
-its prefix cache by token ids alone: the image placeholders of two images of one size are the same ids, so a
-request reuses the state of another request's image and its output is not what its own image gives (counted in
-the last column).
+Our prefix keys carry each media item from its first token on (`Request.prefix_key`), so every request after the
+first restores the system prompt's state and prefills only its image and question, and (`--turns T`) each turn
+of a chat that adds an image restores the turns before it. The reference keys its prefix cache by token ids
+alone: the image placeholders of two images of one size are the same ids, so a request reuses the state of
+another request's image and its output is not what its own image gives (counted in the last column).
 
-Requests arrive on a wall-clock schedule (request i at i x `--interval` seconds after the start), the same for
-each side: a loop adds what has arrived, steps, and sleeps only when nothing is running. Reported per side:
+Requests arrive on a wall-clock schedule (request i, or chat i's first turn, at i x `--interval` seconds after
+the start; a chat's next turn when its previous one has ended), the same for each side: a loop adds what has
+arrived, steps, and sleeps only when nothing is running. Reported per side:
 time to first token (mean and the largest) and request latency (arrival to last token, mean), the prefill tokens
 the prefix cache saved (ours), and the outputs checked against `mlx_vlm.stream_generate` run alone.
 
     python -m bench.shared_prefix [--requests 16] [--system-words 300] [--interval 0.04] [--new-tokens 16]
-                                  [--repeats 3]
+                                  [--turns 1] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -49,43 +50,64 @@ class Timings:
                 f"{exact}/{len(self.outputs)} |")
 
 
-def workload(processor: Any, config: Any, tmp: Path, n: int, system_words: int) -> tuple[list[str], list[str]]:
-    """Templated prompts (the shared system message, then an image and a question) and one image file each."""
+@dataclass(frozen=True)
+class Arrival:
+    at: float  # seconds after the start, at the earliest
+    after: int | None = None  # the request whose end it waits for (the chat's previous turn)
+
+
+def workload(processor: Any, config: Any, tmp: Path, n: int, system_words: int, turns: int, interval: float
+             ) -> tuple[list[str], list[list[str]], list[Arrival]]:
+    """Templated prompts, image files and arrivals. `turns` 1: `n` requests, each the shared system message, an
+    image and a question, one every `interval`. `turns` T > 1: `n` chats started `interval` apart, each turn
+    resending the chat so far (its images, questions and a fixed answer) with a new image and question, sent
+    when the chat's previous turn has ended."""
     import numpy as np
     from mlx_vlm.prompt_utils import apply_chat_template
     from PIL import Image
 
     words = SENTENCE.split()
-    system = " ".join(words[i % len(words)] for i in range(system_words))
-    prompts, paths = [], []
-    for i in range(n):
-        w, h = SIZES[i % len(SIZES)]
-        path = tmp / f"img{i}.png"
-        Image.fromarray(np.random.default_rng(100 + i).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(path)
-        messages = [{"role": "system", "content": system},
-                    {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"What is in picture {i}?"}]}]
-        prompts.append(apply_chat_template(processor, config, messages, num_images=1))
-        paths.append(str(path))
-    return prompts, paths
+    system = [{"role": "system", "content": " ".join(words[i % len(words)] for i in range(system_words))}]
+    prompts, paths, arrivals = [], [], []
+    for chat in range(n):
+        messages, images = list(system), []
+        for turn in range(turns):
+            k = chat * turns + turn
+            w, h = SIZES[k % len(SIZES)]
+            path = tmp / f"img{k}.png"
+            Image.fromarray(np.random.default_rng(100 + k).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(path)
+            if turn:
+                messages.append({"role": "assistant", "content": "It is a picture of coloured noise."})
+            messages.append({"role": "user", "content": [{"type": "image"},
+                                                         {"type": "text", "text": f"What is in picture {k}?"}]})
+            images.append(str(path))
+            prompts.append(apply_chat_template(processor, config, messages, num_images=len(images)))
+            paths.append(list(images))
+            arrivals.append(Arrival(chat * interval, len(arrivals) - 1 if turn else None))
+    return prompts, paths, arrivals
 
 
-def _arrivals_loop(n: int, interval: float, add: Callable[[int], Any], step: Callable[[], list[tuple[Any, list[int],
+def _arrivals_loop(arrivals: list[Arrival], add: Callable[[int], Any], step: Callable[[], list[tuple[Any, list[int],
                    bool]]], pending: Callable[[], bool], side: str) -> Timings:
-    """Add request i once i x interval seconds have passed; step while anything runs. `step` returns (handle,
-    new tokens, finished) per request that produced something."""
+    """Add each request once its time has come and the request it waits for has ended; step while anything
+    runs. `step` returns (handle, new tokens, finished) per request that produced something. TTFT and latency
+    count from each request's arrival."""
+    n = len(arrivals)
     outputs: list[list[int]] = [[] for _ in range(n)]
+    arrived: list[float | None] = [None] * n
     first: list[float | None] = [None] * n
     done: list[float | None] = [None] * n
     index: dict[Any, int] = {}
     t0 = time.perf_counter()
-    added = 0
-    while added < n or pending():
+    while any(d is None for d in done):
         now = time.perf_counter() - t0
-        while added < n and added * interval <= now:
-            index[add(added)] = added
-            added += 1
+        for i, a in enumerate(arrivals):
+            if arrived[i] is None and a.at <= now and (a.after is None or done[a.after] is not None):
+                arrived[i] = max(a.at, done[a.after] if a.after is not None else 0.0)
+                index[add(i)] = i
         if not pending():
-            time.sleep(max(0.0, added * interval - (time.perf_counter() - t0)))
+            waiting = [a.at for i, a in enumerate(arrivals) if arrived[i] is None and a.after is None]
+            time.sleep(max(0.0, min(waiting, default=now) - (time.perf_counter() - t0)))
             continue
         for handle, tokens, finished in step():
             i = index[handle]
@@ -96,21 +118,20 @@ def _arrivals_loop(n: int, interval: float, add: Callable[[int], Any], step: Cal
             if finished:
                 done[i] = t
     wall = time.perf_counter() - t0
-    ttft = [(f if f is not None else wall) - i * interval for i, f in enumerate(first)]
-    latency = [(d if d is not None else wall) - i * interval for i, d in enumerate(done)]
+    ttft = [(f if f is not None else d) - a for f, d, a in zip(first, done, arrived)]
+    latency = [d - a for d, a in zip(done, arrived)]
     return Timings(side, ttft, latency, outputs, wall)
 
 
-def run_ours(model: Any, processor: Any, prompts: list[str], paths: list[str], new_tokens: int, interval: float,
-             prefix_cache: bool) -> Timings:
+def run_ours(model: Any, processor: Any, prompts: list[str], paths: list[list[str]], new_tokens: int,
+             arrivals: list[Arrival], prefix_cache: bool) -> Timings:
     from scheduler import Engine, EngineConfig, SamplingParams
 
     engine = Engine(model, processor, EngineConfig(prefix_cache_bytes=(256 << 20) if prefix_cache else 0))
     sampling = SamplingParams(max_tokens=new_tokens)
     try:
         timings = _arrivals_loop(
-            len(prompts), interval,
-            lambda i: engine.add_request(prompt=prompts[i], images=[paths[i]], sampling=sampling),
+            arrivals, lambda i: engine.add_request(prompt=prompts[i], images=paths[i], sampling=sampling),
             lambda: [(o.request_id, list(o.token_ids), o.finished) for o in engine.step()],
             engine.has_pending, "ours" if prefix_cache else "ours, no prefix cache")
         timings.tokens_saved = engine.prefix_cache_stats()["tokens_saved"] if prefix_cache else 0
@@ -119,8 +140,8 @@ def run_ours(model: Any, processor: Any, prompts: list[str], paths: list[str], n
         engine.close()
 
 
-def run_reference(model: Any, processor: Any, prompts: list[str], paths: list[str], new_tokens: int,
-                  interval: float, prefix_cache: bool) -> Timings:
+def run_reference(model: Any, processor: Any, prompts: list[str], paths: list[list[str]], new_tokens: int,
+                  arrivals: list[Arrival], prefix_cache: bool) -> Timings:
     from vllm_mlx.memory_cache import MemoryCacheConfig
     from vllm_mlx.mllm_batch_generator import MLLMBatchGenerator, MLLMBatchRequest
 
@@ -133,7 +154,7 @@ def run_reference(model: Any, processor: Any, prompts: list[str], paths: list[st
     live: set[int] = set()
 
     def add(i: int) -> int:
-        uid = gen.insert([MLLMBatchRequest(uid=0, request_id=f"r{i}", prompt=prompts[i], images=[_data_uri(paths[i])],
+        uid = gen.insert([MLLMBatchRequest(uid=0, request_id=f"r{i}", prompt=prompts[i], images=[_data_uri(p) for p in paths[i]],
                                            max_tokens=new_tokens, temperature=0.0, top_p=1.0)])[0]
         live.add(uid)
         return uid
@@ -148,7 +169,7 @@ def run_reference(model: Any, processor: Any, prompts: list[str], paths: list[st
         return out
 
     try:
-        timings = _arrivals_loop(len(prompts), interval, add, step, lambda: bool(live),
+        timings = _arrivals_loop(arrivals, add, step, lambda: bool(live),
                                  "vllm-mlx" if prefix_cache else "vllm-mlx, no prefix cache")
         timings.tokens_saved = gen.prefix_cache.get_stats()["tokens_saved"] if prefix_cache else 0
         return timings
@@ -160,7 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.shared_prefix", description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--system-words", type=int, default=300)
-    parser.add_argument("--interval", type=float, default=0.04, help="seconds between arrivals")
+    parser.add_argument("--interval", type=float, default=0.04, help="seconds between arrivals (between chats' "
+                        "first turns with --turns)")
+    parser.add_argument("--turns", type=int, default=1, help="turns per chat, each adding an image (1: single "
+                        "requests)")
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-peer", action="store_true", help="ours only (no vllm-mlx)")
@@ -180,15 +204,16 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
         model, processor = mlx_vlm.load(str(build_model("vlm", tmp / "vlm")))
-        prompts, paths = workload(processor, model.config, tmp, args.requests, args.system_words)
-        want = solo(model, processor, prompts, [[p] for p in paths], args.new_tokens)
+        prompts, paths, arrivals = workload(processor, model.config, tmp, args.requests, args.system_words,
+                                            args.turns, args.interval)
+        want = solo(model, processor, prompts, paths, args.new_tokens)
         sides: list[Callable[[], Timings]] = [
-            lambda: run_ours(model, processor, prompts, paths, args.new_tokens, args.interval, True),
-            lambda: run_ours(model, processor, prompts, paths, args.new_tokens, args.interval, False)]
+            lambda: run_ours(model, processor, prompts, paths, args.new_tokens, arrivals, True),
+            lambda: run_ours(model, processor, prompts, paths, args.new_tokens, arrivals, False)]
         if peer:  # its own model instance: it keeps per-instance state on the language model
             ref_model, ref_processor = mlx_vlm.load(str(tmp / "vlm"))
             sides += [lambda cache=cache: run_reference(ref_model, ref_processor, prompts, paths, args.new_tokens,
-                                                        args.interval, cache) for cache in (True, False)]
+                                                        arrivals, cache) for cache in (True, False)]
         for side in sides:  # warm-up
             side()
         best: dict[str, Timings] = {}
@@ -201,10 +226,12 @@ def main(argv: list[str] | None = None) -> int:
                 if t.side not in best or statistics.mean(t.ttft_s) < statistics.mean(best[t.side].ttft_s):
                     best[t.side] = t
         prompt_tokens = len(processor.tokenizer.encode(prompts[0]))
+    shape = (f"{args.requests} requests of about {prompt_tokens} prompt tokens before image expansion, one every "
+             f"{args.interval * 1e3:.0f} ms" if args.turns == 1 else
+             f"{args.requests} chats of {args.turns} turns (first turn about {prompt_tokens} prompt tokens before image "
+             f"expansion), started {args.interval * 1e3:.0f} ms apart")
     print(f"Command: `python -m bench.shared_prefix {shlex.join(argv if argv is not None else sys.argv[1:])}`; "
-          f"{args.requests} requests of about {prompt_tokens} prompt tokens before image expansion, one every "
-          f"{args.interval * 1e3:.0f} ms; the run with the lowest mean TTFT of {args.repeats} per side; "
-          f"load1 {os.getloadavg()[0]:.1f}\n")
+          f"{shape}; the run with the lowest mean TTFT of {args.repeats} per side; load1 {os.getloadavg()[0]:.1f}\n")
     print("| side | mean TTFT ms | max TTFT ms | mean latency ms | wall s | prefill tokens from the prefix cache | "
           "outputs equal to mlx_vlm.stream_generate alone |")
     print("|---|---|---|---|---|---|---|")

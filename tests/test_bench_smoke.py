@@ -38,7 +38,8 @@ SCRIPTS: dict[str, tuple[list[str], str]] = {
                      "--split-ratios", "1"], "|"),
     "op_floor": (["--model", "text", "--batch", "2", "--iters", "3", "--prefill-len", "16", "--widths", "1", "3"], "|"),
     "code_shape": ([], "longest functions"),
-    "shared_prefix": (["--requests", "3", "--system-words", "40", "--new-tokens", "4", "--repeats", "1"], "|"),
+    "shared_prefix": (["--requests", "2", "--turns", "2", "--system-words", "40", "--new-tokens", "4", "--repeats",
+                       "1"], "|"),
     "scoring": (["--model", "text", "--n", "3", "--lo", "8", "--hi", "20", "--repeats", "1"], "|"),
 }
 
