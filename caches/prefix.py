@@ -18,9 +18,9 @@ that shares only some blocks with a stored one still finds the deepest checkpoin
 it used its entry (`reuse`: whole, trimmed or checkpoint).
 
 Keys are sequences of hashable items compared by equality, not only token ids: the scheduler keys a request
-with media by its token ids up to its first media token and (media content key, token id) pairs from there
-(`Request.prefix_key`), so a prefix through an image only matches a request with the same media, and the text
-before it matches any request that has it.
+with media by its token ids up to its first media token and (content key of the media so far, token id) pairs
+from there (`Request.prefix_key`), so a prefix through an image only matches a request with the same media up
+to there, and the text before the first image matches any request that has it.
 """
 
 from __future__ import annotations

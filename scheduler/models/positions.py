@@ -16,12 +16,12 @@ Per-row position state lives in the executor (one delta per row), never on the m
 Why our own ``mrope_index`` and not mlx-vlm's ``get_rope_index``: theirs builds each block with a dozen small MLX
 ops and reads them back (``.item()``, ``.tolist()``), about 0.6 ms a prompt on a 2-core x86 CPU, 8% of the
 16-image benchmark's run (bench/README.md, issue 18 table, session 35); this is the same integer arithmetic in
-numpy. The two
-differ only in where video frames go: Qwen2/2.5-VL give a video one block whose temporal axis counts its frame
-groups; Qwen3-VL and Qwen3.5 split it into one block per frame group (their processors put a vision-start token
-and a timestamp before each), each with temporal position 0 (``FamilySpec.video_block_per_frame``).
-tests/models/test_positions.py holds it equal to each family's ``get_rope_index`` (images, videos, both, masks,
-text only), so a change in mlx-vlm fails there first.
+numpy. The families differ only in where video frames go: Qwen2/2.5-VL give a video one block whose temporal
+axis counts its frame groups; Qwen3-VL and Qwen3.5 split it into one block per frame group (their processors put
+a vision-start token and a timestamp before each), each with temporal position 0
+(``FamilySpec.video_block_per_frame``). tests/models/test_positions.py holds it equal to each family's
+``get_rope_index`` (images, videos, images and videos in one prompt, masks, text only), so a change in mlx-vlm
+fails there first.
 """
 
 from __future__ import annotations

@@ -29,8 +29,8 @@ from scheduler.events import SCHEMA_VERSION, EventLog, MemorySink, _jsonable, de
 from scheduler.plan import DECODE_FAILED, PLAN_RECORD_GROUPS, PREFILL_FAILED, PrefixStore, TickPlan, TickResult
 from scheduler.policy import Policy, make_policy
 from scheduler.request import Request, SamplingParams
-from scheduler.tools.workload import media_marks
 from scheduler.scheduler import Scheduler
+from scheduler.tools.workload import media_marks
 
 
 class TraceError(ValueError):

@@ -29,8 +29,9 @@ VOCAB = 512  # synthetic prompt ids are drawn from [FIRST_ORDINARY_ID, VOCAB)
 
 def media_marks(arrival: Mapping[str, Any]) -> tuple[tuple[int, str], ...]:
     """The arrival's media marks (`Request.media_marks`). Traces from before they were recorded keyed a media
-    request's prefix entries by its media as a whole, from its first position (no text shared with other
-    requests): one mark at 0 gives those keys; a `media_offset` (recorded for a while instead) one mark there."""
+    request's prefix entries by its media as a whole from its first position (no text shared with other
+    requests): one mark at 0 with its media key gives those keys. Traces that recorded a `media_offset` (for a
+    while, instead of marks) get one mark there."""
     if "media_marks" in arrival:
         return tuple((int(position), str(key)) for position, key in arrival["media_marks"])
     key = arrival.get("media_key")
@@ -54,7 +55,7 @@ class SimArrival:
     priority: int = 0
     num_images: int = 0
     num_media_tokens: int = 0  # prompt positions its media fill (the vision token budget counts them)
-    media_key: str | None = None  # content key of its media: keys the vision cache and its prefix keys' media part
+    media_key: str | None = None  # content key of its ordered media (the vision cache's key)
     media_marks: tuple[tuple[int, str], ...] = ()  # Request.media_marks (its prefix keys' media)
     abort_time: float | None = None  # the caller aborts it at this time (relative), if still live
     error_after: int | None = None  # it fails (executor error) when sampling token number error_after + 1
