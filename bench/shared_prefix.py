@@ -154,8 +154,10 @@ def run_reference(model: Any, processor: Any, prompts: list[str], paths: list[li
     live: set[int] = set()
 
     def add(i: int) -> int:
-        uid = gen.insert([MLLMBatchRequest(uid=0, request_id=f"r{i}", prompt=prompts[i], images=[_data_uri(p) for p in paths[i]],
-                                           max_tokens=new_tokens, temperature=0.0, top_p=1.0)])[0]
+        request = MLLMBatchRequest(uid=0, request_id=f"r{i}", prompt=prompts[i],
+                                   images=[_data_uri(path) for path in paths[i]], max_tokens=new_tokens,
+                                   temperature=0.0, top_p=1.0)
+        uid = gen.insert([request])[0]
         live.add(uid)
         return uid
 
@@ -230,8 +232,12 @@ def main(argv: list[str] | None = None) -> int:
              f"{args.interval * 1e3:.0f} ms" if args.turns == 1 else
              f"{args.requests} chats of {args.turns} turns (first turn about {prompt_tokens} prompt tokens before image "
              f"expansion), started {args.interval * 1e3:.0f} ms apart")
+    # the reference runs without stop tokens (as in bench.vision_peer): its outputs compare with solo ones only
+    # where those ran to --new-tokens
+    early = sum(len(w) < args.new_tokens for w in want)
     print(f"Command: `python -m bench.shared_prefix {shlex.join(argv if argv is not None else sys.argv[1:])}`; "
-          f"{shape}; the run with the lowest mean TTFT of {args.repeats} per side; load1 {os.getloadavg()[0]:.1f}\n")
+          f"{shape}; the run with the lowest mean TTFT of {args.repeats} per side; load1 {os.getloadavg()[0]:.1f}; "
+          f"solo outputs that stopped before --new-tokens: {early}\n")
     print("| side | mean TTFT ms | max TTFT ms | mean latency ms | wall s | prefill tokens from the prefix cache | "
           "outputs equal to mlx_vlm.stream_generate alone |")
     print("|---|---|---|---|---|---|---|")
