@@ -68,6 +68,18 @@ def _named_parts(media_inputs: dict[str, Any]) -> list:
     return parts
 
 
+@dataclass(frozen=True)
+class MediaItem:
+    """One image or video of a request whose family keys media per item (``VLMAdapter.media_keys``): what the
+    encoders need to make its rows alone, and the key they are cached under."""
+
+    key: str  # content key of this item alone (its tensors, the model / processor fingerprint)
+    token: int  # its placeholder token id
+    tokens: int  # prompt positions it fills
+    inputs: dict[str, Any]  # its encoder inputs: its patch rows and its grid row, by the processor's names
+    count: int  # encoder-budget units: 1 per image, ``grid_t`` per video (``num_media_items``)
+
+
 @dataclass
 class PreparedRequest:
     """CPU-side preprocessing result; no model forward yet."""
@@ -79,6 +91,7 @@ class PreparedRequest:
     media_positions: tuple[int, ...] = ()  # the prompt positions of its media tokens (the encoders' rows go there)
     # (first prompt position, key) of each stretch whose state depends on the media so far (`media_marks`)
     media_marks: tuple[tuple[int, str], ...] = ()
+    media_items: tuple[MediaItem, ...] = ()  # per media item, where the family keys media per item
     prompt: str = ""  # the templated prompt text given to the processor
     num_images: int = 0
     num_videos: int = 0
@@ -122,9 +135,9 @@ class PreparedRequest:
 
 @dataclass(frozen=True)
 class VisionCall:
-    """One encoder call of ``encode_many``: the items (indices into its ``items``) and media items
-    (``num_media_items``) it took, its wall time, and the error if it raised (a call over several requests is
-    then redone one request at a time)."""
+    """One encoder call of ``encode_many``: the requests (indices into its ``items``) whose units it took, the
+    media items (``num_media_items``) it took, its wall time, and the error if it raised (a call over several
+    units is then redone one unit at a time)."""
 
     items: tuple[int, ...]
     images: int
@@ -236,52 +249,59 @@ class VLMAdapter:
         """What this family's processor takes: "image", "video", "audio"."""
         return self.spec.media
 
-    def media_marks(self, media_inputs: dict[str, Any], positions: Sequence[int]) -> tuple[tuple[int, str], ...]:
+    def media_keys(self, media_inputs: dict[str, Any], ids: Sequence[int], positions: Sequence[int]
+                   ) -> tuple[tuple[tuple[int, str], ...], tuple[MediaItem, ...]]:
         """Content keys of a request's ordered media, from the preprocessed tensors (the exact encoder inputs)
-        and the model / processor fingerprint, independent of file names and of the prompt text: (first prompt
-        position, key) per media item in prompt order, each key covering the items up to it (a chain: the
-        state of a prompt position depends on the media before it, not after), or one mark at the first media
-        token for all of them where the media cannot be told apart per item. The last key covers every media
-        tensor: it is the request's ``media_key``. ``positions``: the prompt's media positions.
+        and the model / processor fingerprint, independent of file names and of the prompt text. Returns the
+        media marks, (first prompt position, key) per media item in prompt order, each key a chain over the
+        items up to it (the state of a prompt position depends on the media before it, not after), and the
+        items, each with its own key (its rows depend on it alone). Where the media cannot be told apart per
+        item: one mark at the first media token over all of them, and no items. The last mark's key covers
+        every media tensor: it is the request's ``media_key``. ``positions``: the prompt's media positions.
 
-        Per item: the M-RoPE (Qwen) families, whose processors give each image or video its own patch rows
-        (as many as the product of its ``*_grid_thw`` row) and its own ``grid / merge**2`` prompt tokens, and
-        whose towers attend within each item; the prefix cache then shares a prompt up to a later item (a chat
-        that adds an image). Other families' tensors (tiles, padded stacks) are keyed whole."""
+        Per item: the M-RoPE (Qwen) families, whose processors give each image or video its own patch rows (as
+        many as the product of its ``*_grid_thw`` row) and its own ``grid / merge**2`` prompt tokens, and whose
+        towers attend within each item: the prefix cache then shares a prompt up to a later item (a chat that
+        adds an image), and the vision cache holds each item's rows, so a request encodes only the items it has
+        not seen. Other families' tensors (tiles, padded stacks) are keyed and encoded whole."""
         head = [self.spec.model_type, self.fingerprint]
-        items = self._media_items(media_inputs)
-        if items is None:
-            return ((positions[0], content_key(head + _named_parts(media_inputs))),)
-        if sum(n for n, _ in items) != len(positions):
-            raise ValueError(f"the media grids give {sum(n for n, _ in items)} media tokens, the prompt has "
+        split = self._split_items(media_inputs)
+        if split is None:
+            return ((positions[0], content_key(head + _named_parts(media_inputs))),), ()
+        if sum(tokens for tokens, *_ in split) != len(positions):
+            raise ValueError(f"the media grids give {sum(t for t, *_ in split)} media tokens, the prompt has "
                              f"{len(positions)}")
-        marks, key, seen = [], content_key(head), 0
-        for tokens, parts in items:
-            key = content_key([key, *parts])
-            marks.append((positions[seen], key))
+        marks, items, chain, seen = [], [], content_key(head), 0
+        for tokens, count, parts, inputs in split:
+            item = MediaItem(content_key(head + parts), int(ids[positions[seen]]), tokens, inputs, count)
+            chain = content_key([chain, item.key])
+            marks.append((positions[seen], chain))
+            items.append(item)
             seen += tokens
-        return tuple(marks)
+        return tuple(marks), tuple(items)
 
-    def _media_items(self, media_inputs: dict[str, Any]) -> list[tuple[int, list]] | None:
-        """(prompt tokens, tensors) of each media item, or None where this family's inputs are not split per
-        item here (see ``media_marks``)."""
+    def _split_items(self, media_inputs: dict[str, Any]) -> list[tuple[int, int, list, dict]] | None:
+        """(prompt tokens, encoder-budget count, tensors to hash, encoder inputs) of each media item, or None
+        where this family's inputs are not split per item here (see ``media_keys``)."""
         if self.spec.positions is not Positions.MROPE:
             return None
         grids = [name for name in _GRID_PIXELS if name in media_inputs]
         if len(grids) != 1 or set(media_inputs) != {grids[0], _GRID_PIXELS[grids[0]]}:
             return None  # one kind of media per request (FamilySpec.mixed_image_video), nothing else
         grid_name, pixel_name = grids[0], _GRID_PIXELS[grids[0]]
-        grid = np.asarray(media_inputs[grid_name]).astype(np.int64).reshape(-1, 3)
-        pixels = media_inputs[pixel_name]
-        if isinstance(pixels, mx.array) and pixels.dtype == mx.bfloat16:  # numpy has no bfloat16: its 16-bit words
-            pixels = pixels.view(mx.uint16)
-        pixels = np.asarray(pixels)
+        grid_values, pixel_values = mx.array(media_inputs[grid_name]), mx.array(media_inputs[pixel_name])
+        grid = np.asarray(grid_values).astype(np.int64).reshape(-1, 3)
+        words = pixel_values.view(mx.uint16) if pixel_values.dtype == mx.bfloat16 else pixel_values
+        pixels = np.asarray(words)  # to hash (numpy has no bfloat16: its 16-bit words)
         patches = grid.prod(axis=1)
         if int(patches.sum()) != pixels.shape[0]:
             return None
         merge = library.mrope_tokens(self.model)[3]
-        bounds = np.concatenate([[0], np.cumsum(patches)])
-        return [(int(n) // merge ** 2, [grid_name, grid[i], pixel_name, pixels[bounds[i]: bounds[i + 1]]])
+        bounds = np.concatenate([[0], np.cumsum(patches)]).tolist()
+        videos = grid_name == "video_grid_thw"  # a video counts its temporal patches (num_media_items)
+        return [(int(n) // merge ** 2, int(grid[i][0]) if videos else 1,
+                 [grid_name, grid[i], pixel_name, pixels[bounds[i]: bounds[i + 1]]],
+                 {grid_name: grid_values[i: i + 1], pixel_name: pixel_values[bounds[i]: bounds[i + 1]]})
                 for i, n in enumerate(patches)]
 
     # ---- CPU side -------------------------------------------------------------------------------------
@@ -341,10 +361,11 @@ class VLMAdapter:
         media_at = tuple(i for i, t in enumerate(ids) if t in self.media_token_ids) if has_media else ()
         if has_media and not media_at:
             raise ValueError("the processor put no media tokens in the prompt")
-        marks = self.media_marks(media_inputs, media_at) if has_media else ()
+        marks, items = self.media_keys(media_inputs, ids, media_at) if has_media else ((), ())
         return PreparedRequest(
             input_ids=ids, media_inputs=media_inputs, mask=inputs.get("attention_mask"),
-            media_key=marks[-1][1] if marks else None, media_positions=media_at, media_marks=marks, prompt=text,
+            media_key=marks[-1][1] if marks else None, media_positions=media_at, media_marks=marks,
+            media_items=items, prompt=text,
             num_images=len(pil), num_videos=len(clips), num_audio=len(waves),
             video_frame_indices=tuple(clip.indices for clip in clips),
         )
@@ -398,47 +419,82 @@ class VLMAdapter:
 
     def encode_many(self, items: Sequence[tuple[PreparedRequest, Sequence[int]]],
                     on_call: Callable[[VisionCall], None] | None = None) -> list[EncodedRequest | Exception]:
-        """``encode`` of several requests, the media of those not in the vision cache through the encoders in as
-        few calls as the family allows (``FamilySpec.vision_batch``). A request whose media another request of
-        ``items`` has too is encoded once (the later one is then a vision-cache hit, as it was one by one).
-        ``on_call`` hears of every encoder call. A call over several requests that raises is redone one request
-        at a time, so an error is that request's own (its ``VisionCall.error`` says why it was redone). Returns,
-        per item, its ``EncodedRequest`` or the exception that failed it."""
+        """``encode`` of several requests. Their media go through the encoders as units: each media item of the
+        families that key media per item (``PreparedRequest.media_items``), else all of a request's media. A
+        unit in the vision cache is not encoded again, nor is one that an earlier request of ``items`` has
+        too; the others go through the encoders in as few calls as the family allows
+        (``FamilySpec.vision_batch``). ``on_call`` hears of every encoder call. A call over several units that
+        raises is redone one unit at a time, so an error fails only the requests with that unit (its
+        ``VisionCall.error`` says why it was redone). Returns, per item, its ``EncodedRequest`` or the
+        exception that failed it."""
         outcomes: list[EncodedRequest | Exception | None] = [None] * len(items)
-        found: dict[int, _Media] = {}  # index -> media rows from the cache or the encoders
-        leaders: dict[str, int] = {}  # media key -> the first item with it (encoded once)
-        followers: list[int] = []
-        for i, (prepared, _) in enumerate(items):
+        units: dict[int, list[_Unit]] = {}
+        for i, (prepared, extra) in enumerate(items):
             if not prepared.has_media:
                 continue
             if not prepared.media_inputs:
                 outcomes[i] = ValueError("media tensors were released before encode")
-            elif prepared.media_key in leaders:
-                followers.append(i)
             else:
-                cached = self._cached(prepared.media_key)
-                if cached is not None:
-                    found[i] = cached
-                else:
-                    leaders[prepared.media_key] = i
-        for group in self._vision_groups([i for i in leaders.values()], items):
-            found.update(self._encode_group(group, items, outcomes, on_call))
-        for i in followers:  # the leader's entry (a counted hit), or its rows when there is no cache to hold them
-            leader = leaders[items[i][0].media_key]
-            cached = self._cached(items[i][0].media_key)
+                units[i] = self._units(i, prepared, extra)
+        found: dict[str, _Media] = {}  # unit key -> its rows, from the cache or this call's encoders
+        failed: dict[str, Exception] = {}
+        first: dict[str, _Unit] = {}  # key -> the first unit with it (looked up, and encoded, once)
+        misses: list[_Unit] = []
+        for unit in (u for request_units in units.values() for u in request_units):
+            if unit.key in first:
+                continue
+            first[unit.key] = unit
+            cached = self._cached(unit.key)
             if cached is not None:
-                found[i] = cached
-            elif leader in found:
-                found[i] = dataclasses.replace(found[leader], embeds=None, sequence_inputs={}, seconds=0.0)
+                found[unit.key] = cached
             else:
-                outcomes[i] = outcomes[leader]
+                misses.append(unit)
+        for group in self._vision_groups(misses):
+            self._encode_group(group, found, failed, on_call)
+        for i, request_units in units.items():
+            error = next((failed[u.key] for u in request_units if u.key in failed), None)
+            if error is not None:
+                outcomes[i] = error
+                continue
+            media = [found[u.key] if first[u.key] is u else self._follower(u.key, found) for u in request_units]
+            outcomes[i] = self._joined(request_units, media)
         for i, (prepared, extra) in enumerate(items):
-            if outcomes[i] is None:
+            if outcomes[i] is None or isinstance(outcomes[i], _Media):
                 try:
-                    outcomes[i] = self._assemble(prepared, extra, found.get(i))
+                    outcomes[i] = self._assemble(prepared, extra, outcomes[i])
                 except Exception as exc:  # a request whose rows do not fit its prompt fails alone
                     outcomes[i] = exc
         return outcomes  # type: ignore[return-value]
+
+    def _units(self, index: int, prepared: PreparedRequest, extra_tokens: Sequence[int]) -> list[_Unit]:
+        """A request's encoder units: per media item (its placeholder tokens alone as the prompt the encoders
+        see: the merge fills them with its rows), or all its media with its own prompt (whose merged
+        embeddings then serve as the request's)."""
+        if prepared.media_items:
+            return [_Unit(index, item.key, mx.array([[item.token] * item.tokens], dtype=mx.int32),
+                          mx.ones((1, item.tokens), dtype=mx.int32), item.inputs, tuple(range(item.tokens)),
+                          item.count, whole=False) for item in prepared.media_items]
+        ids = self._ids(prepared, extra_tokens)
+        return [_Unit(index, prepared.media_key, ids, self._mask(prepared, ids), prepared.media_inputs,
+                      prepared.media_positions, prepared.num_media_items, whole=True)]
+
+    def _follower(self, key: str, found: dict[str, _Media]) -> _Media:
+        """A unit that another request of the call has too: the cache's entry (a counted hit), or the leader's
+        rows when there is no cache to hold them."""
+        cached = self._cached(key)
+        if cached is not None:
+            return cached
+        return dataclasses.replace(found[key], embeds=None, sequence_inputs={}, seconds=0.0)
+
+    @staticmethod
+    def _joined(units: list[_Unit], media: list[_Media]) -> _Media:
+        """A request's rows from its units' rows, in order (a whole-request unit's are the request's)."""
+        if len(media) == 1:
+            return media[0] if units[0].whole else dataclasses.replace(media[0], embeds=None, sequence_inputs={})
+        row_inputs = [None if any(m.row_inputs[k] is None for m in media) else
+                      mx.concatenate([m.row_inputs[k] for m in media], axis=1) for k in range(len(media[0].row_inputs))]
+        return _Media(mx.concatenate([m.rows for m in media], axis=0), row_inputs, hit=all(m.hit for m in media),
+                      seconds=sum(m.seconds for m in media))
 
     def _cached(self, key: str | None) -> _Media | None:
         if self.vision_cache is None or key is None:
@@ -449,70 +505,61 @@ class VLMAdapter:
         rows, *row_inputs = (cached,) if not self.spec.media_row_inputs else cached
         return _Media(rows, list(row_inputs), hit=True)
 
-    def _vision_groups(self, indices: list[int], items: Sequence[tuple[PreparedRequest, Sequence[int]]]
-                       ) -> list[list[int]]:
-        """The encoder calls for the requests at ``indices``: requests with the same media tensors by name go
-        together (a Qwen tick's images apart from its videos); ``EQUAL_SHAPE`` families also need every other
-        axis of each tensor to agree; ``PER_REQUEST`` families encode alone."""
+    def _vision_groups(self, units: list[_Unit]) -> list[list[_Unit]]:
+        """The encoder calls for ``units``: units with the same media tensors by name go together (a tick's
+        images apart from its videos); ``EQUAL_SHAPE`` families also need every other axis of each tensor to
+        agree; ``PER_REQUEST`` families encode alone."""
         if self.spec.vision_batch is VisionBatch.PER_REQUEST:
-            return [[i] for i in indices]
-        groups: dict[tuple, list[int]] = {}
-        for i in indices:
-            media = items[i][0].media_inputs
+            return [[u] for u in units]
+        groups: dict[tuple, list[_Unit]] = {}
+        for unit in units:
             if self.spec.vision_batch is VisionBatch.ONE:
-                key: tuple = tuple(sorted(media))
+                key: tuple = tuple(sorted(unit.inputs))
             else:
                 key = tuple(sorted((name, _shape_but(value, self._axis(name)), str(getattr(value, "dtype", "")))
-                                   for name, value in media.items()))
-            groups.setdefault(key, []).append(i)
+                                   for name, value in unit.inputs.items()))
+            groups.setdefault(key, []).append(unit)
         return list(groups.values())
 
     def _axis(self, name: str) -> int:
         return 0 if name.endswith("_grid_thw") else self.spec.media_axis
 
-    def _encode_group(self, group: list[int], items: Sequence[tuple[PreparedRequest, Sequence[int]]],
-                      outcomes: list, on_call: Callable[[VisionCall], None] | None) -> dict[int, _Media]:
+    def _encode_group(self, group: list[_Unit], found: dict[str, _Media], failed: dict[str, Exception],
+                      on_call: Callable[[VisionCall], None] | None) -> None:
         """One encoder call over ``group`` (their prompts side by side in one sequence: the merge fills media
-        positions in order, so each request's slice of the merged embeddings is its own), the rows stored in the
-        vision cache. A failing call of several requests is redone one by one."""
-        prepared = [items[i][0] for i in group]
-        images = sum(p.num_media_items for p in prepared)
+        positions in order, so each unit's slice of the merged embeddings is its own), the rows stored in the
+        vision cache. A failing call of several units is redone one by one."""
+        requests = tuple(sorted({u.request for u in group}))
+        count = sum(u.count for u in group)
         t0 = time.perf_counter()
         try:
-            media = self._run_encoders([items[i] for i in group])
+            media = self._run_encoders(group)
         except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
             if on_call is not None:
-                on_call(VisionCall(tuple(group), images, time.perf_counter() - t0, error=error))
+                on_call(VisionCall(requests, count, time.perf_counter() - t0, error=f"{type(exc).__name__}: {exc}"))
             if len(group) == 1:
-                outcomes[group[0]] = exc
-                return {}
-            found: dict[int, _Media] = {}
-            for i in group:
-                found.update(self._encode_group([i], items, outcomes, on_call))
-            return found
+                failed[group[0].key] = exc
+                return
+            for unit in group:
+                self._encode_group([unit], found, failed, on_call)
+            return
         seconds = time.perf_counter() - t0
         if on_call is not None:
-            on_call(VisionCall(tuple(group), images, seconds))
-        found = {}
-        for i, p, m in zip(group, prepared, media):
-            m.seconds = seconds * p.num_media_items / max(images, 1)  # the call's time by share of media items
-            if self.vision_cache is not None and p.media_key is not None:
+            on_call(VisionCall(requests, count, seconds))
+        for unit, m in zip(group, media):
+            m.seconds = seconds * unit.count / max(count, 1)  # the call's time by share of media items
+            if self.vision_cache is not None:
                 value = m.rows if not self.spec.media_row_inputs else (m.rows, *m.row_inputs)
-                self.vision_cache.put(p.media_key, value, m.seconds)
-            found[i] = m
-        return found
+                self.vision_cache.put(unit.key, value, m.seconds)
+            found[unit.key] = m
 
-    def _run_encoders(self, group: Sequence[tuple[PreparedRequest, Sequence[int]]]) -> list[_Media]:
-        ids_list = [self._ids(p, extra) for p, extra in group]
-        masks = [self._mask(p, ids) for (p, _), ids in zip(group, ids_list)]
+    def _run_encoders(self, group: Sequence[_Unit]) -> list[_Media]:
         if len(group) == 1:
-            ids, mask, media_inputs = ids_list[0], masks[0], group[0][0].media_inputs
+            ids, mask, media_inputs = group[0].ids, group[0].mask, group[0].inputs
         else:
-            ids, mask = mx.concatenate(ids_list, axis=1), mx.concatenate(masks, axis=1)
-            media_inputs = {name: mx.concatenate([mx.array(p.media_inputs[name]) for p, _ in group],
-                                                 axis=self._axis(name))
-                            for name in group[0][0].media_inputs}
+            ids, mask = mx.concatenate([u.ids for u in group], axis=1), mx.concatenate([u.mask for u in group], axis=1)
+            media_inputs = {name: mx.concatenate([mx.array(u.inputs[name]) for u in group], axis=self._axis(name))
+                            for name in group[0].inputs}
         out = self.media_encoder(ids, media_inputs, mask)
         embeds = out.inputs_embeds
         row_inputs = [_as_array(getattr(out, name, None)) for name in self.spec.media_row_inputs]
@@ -520,18 +567,18 @@ class VLMAdapter:
                            if getattr(out, name, None) is not None}
         media: list[_Media] = []
         start = media_start = 0
-        for one, (prepared, _) in zip(ids_list, group):
-            length = one.shape[1]
-            positions = prepared.media_positions
+        for unit in group:
+            length, positions = unit.ids.shape[1], unit.positions
             own = embeds[:, start: start + length]
             rows = own[0, mx.array(positions)]
             own_rows = [None if r is None else r[:, media_start: media_start + len(positions)] for r in row_inputs]
-            media.append(_Media(rows, own_rows, hit=False, embeds=own,
-                                sequence_inputs={k: v[:, start: start + length] for k, v in sequence_inputs.items()}))
+            media.append(_Media(rows, own_rows, hit=False, embeds=own if unit.whole else None,
+                                sequence_inputs={k: v[:, start: start + length] for k, v in sequence_inputs.items()}
+                                if unit.whole else {}))
             start, media_start = start + length, media_start + len(positions)
         if start != embeds.shape[1]:
             raise ValueError(f"the encoders gave {embeds.shape[1]} embeddings for {start} tokens")
-        mx.eval([m.embeds for m in media], [m.rows for m in media],
+        mx.eval([m.embeds for m in media if m.embeds is not None], [m.rows for m in media],
                 [r for m in media for r in m.row_inputs if r is not None])
         return media
 
@@ -678,6 +725,20 @@ class VLMAdapter:
         self.verify(cache, probe, mx.zeros((1,), dtype=mx.int32))
         mx.eval(layers.cache_arrays(cache))
         return layers.probe_layout(cache)
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """One encoder input of ``encode_many``: a media item, or all of a request's media (``whole``)."""
+
+    request: int  # index of its request in the call's items
+    key: str  # the vision cache's key for its rows
+    ids: mx.array  # (1, n) the prompt the encoders see
+    mask: mx.array
+    inputs: dict[str, Any]  # its media tensors, by name
+    positions: tuple[int, ...]  # where in ``ids`` its rows are
+    count: int  # encoder-budget units (``VisionCall.images``)
+    whole: bool
 
 
 @dataclass

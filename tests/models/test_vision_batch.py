@@ -216,12 +216,15 @@ def test_a_bad_medium_fails_only_its_own_request(name, tmp_path):
     adapter, executor = _executor(model, processor, events)
     prepared = {f"r{i}": adapter.prepare(m, images=im) for i, (m, im) in enumerate(image_requests()[:3])}
     bad = prepared["r1"]
-    if name == "qwen2_vl":
-        pixels = bad.media_inputs["pixel_values"]
-        broken = {"pixel_values": pixels[:, : pixels.shape[1] - 3]}
+    if name == "qwen2_vl":  # media keyed per item: the item is what the encoders take
+        (item,) = bad.media_items
+        pixels = item.inputs["pixel_values"]
+        broken_item = dataclasses.replace(item, key="broken", inputs={**item.inputs,
+                                                                      "pixel_values": pixels[:, : pixels.shape[1] - 3]})
+        prepared["r1"] = dataclasses.replace(bad, media_items=(broken_item,), media_key="broken")
     else:
         broken = {"image_sizes": mx.zeros_like(mx.array(bad.media_inputs["image_sizes"]))}
-    prepared["r1"] = dataclasses.replace(bad, media_inputs={**bad.media_inputs, **broken}, media_key="broken")
+        prepared["r1"] = dataclasses.replace(bad, media_inputs={**bad.media_inputs, **broken}, media_key="broken")
     result = executor.execute(_encode_plan(prepared))
     assert set(result.errors) == {"r1"} and result.errors["r1"].startswith("vision encoding failed")
     assert set(result.encoded) == {"r0", "r2"}

@@ -267,8 +267,9 @@ def test_family_chat_turn_adding_an_image_reuses_the_turn_before(family):
     """A chat's second turn resends the first (system prompt, an image, a question, the answer) and adds a second
     image. Where the model layer keys media per item (the M-RoPE families: each image its own patch rows and
     prompt tokens), the second turn restores all of the first turn's prompt from the prefix cache, image
-    included; elsewhere the media are keyed as a whole and it restores the text before the first image. Each
-    output equals solo mlx_vlm."""
+    included, and encodes only the new image (the first one's rows are a vision-cache entry of their own);
+    elsewhere the media are keyed as a whole: it restores the text before the first image and encodes both.
+    Each output equals solo mlx_vlm."""
     import mlx_vlm
     from mlx_vlm.prompt_utils import apply_chat_template
 
@@ -300,12 +301,15 @@ def test_family_chat_turn_adding_an_image_reuses_the_turn_before(family):
     arrivals = log.of_kind("arrival")
     marks = [[position for position, _ in e["media_marks"]] for e in arrivals]
     hits = [e["length"] for e in log.of_kind("prefix_hit") if e["request_id"] == arrivals[1]["request_id"]]
+    encoded = [e["images"] for e in log.of_kind("vision_encode") if arrivals[1]["request_id"] in e["request_ids"]]
     if FAMILIES[name].positions is Positions.MROPE:
         assert len(marks[1]) == 2 and marks[1][0] == marks[0][0], marks
         assert hits == [len(arrivals[0]["prompt_tokens"]) - 1], (hits, marks)  # the whole first turn
+        assert encoded == [1], encoded  # only the new image: the first one's rows are in the vision cache
     else:
         assert len(marks[1]) == 1, marks
         assert len(hits) == 1 and 0 < hits[0] <= marks[0][0], (hits, marks)  # the text before the image
+        assert sum(encoded) == 2, encoded  # both images: the vision cache holds the first request's media whole
 
 
 def test_family_is_quiet_per_request(family, capfd, caplog, recwarn):
