@@ -299,10 +299,15 @@ class VLMAdapter:
         merge = library.mrope_tokens(self.model)[3]
         bounds = np.concatenate([[0], np.cumsum(patches)]).tolist()
         videos = grid_name == "video_grid_thw"  # a video counts its temporal patches (num_media_items)
-        return [(int(n) // merge ** 2, int(grid[i][0]) if videos else 1,
-                 [grid_name, grid[i], pixel_name, pixels[bounds[i]: bounds[i + 1]]],
-                 {grid_name: grid_values[i: i + 1], pixel_name: pixel_values[bounds[i]: bounds[i + 1]]})
-                for i, n in enumerate(patches)]
+        split = [(int(n) // merge ** 2, int(grid[i][0]) if videos else 1,
+                  [grid_name, grid[i], pixel_name, pixels[bounds[i]: bounds[i + 1]]],
+                  {grid_name: grid_values[i: i + 1], pixel_name: pixel_values[bounds[i]: bounds[i + 1]]})
+                 for i, n in enumerate(patches)]
+        # Evaluated here: a lazy slice belongs to this thread's stream, and the encoders run on the engine's
+        # thread (AsyncEngine prepares on a worker), where evaluating it fails ("no Stream(cpu, N) in current
+        # thread"; tests/models/test_vlm_families.py, the AsyncEngine test's two-image request).
+        mx.eval([value for *_, inputs in split for value in inputs.values()])
+        return split
 
     # ---- CPU side -------------------------------------------------------------------------------------
     def prepare(self, prompt: str | list[dict], images: Sequence[ImageInput] | None = (),

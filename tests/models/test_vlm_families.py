@@ -333,11 +333,13 @@ def test_family_is_quiet_per_request(family, capfd, caplog, recwarn):
 
 
 def test_family_serves_from_the_async_engines_thread(family):
-    """A model loaded here and run only by an AsyncEngine (its loop thread, as in the server): an image and a
-    text request equal solo mlx_vlm. MLX evaluates a lazy array on the stream of the thread that built it, and
-    mlx-vlm's Pixtral vision tower (mistral3, pixtral) keeps its rotary table as a lazy array outside the
-    parameters: before the engine materialized the model on construction, every image request of those
-    families failed there with "There is no Stream(cpu, 0) in current thread"."""
+    """A model loaded here and run only by an AsyncEngine (its loop thread, as in the server): a text request,
+    an image request and a two-image request equal solo mlx_vlm. MLX evaluates a lazy array on the stream of the
+    thread that built it, and mlx-vlm's Pixtral vision tower (mistral3, pixtral) keeps its rotary table as a lazy
+    array outside the parameters: before the engine materialized the model on construction, every image request
+    of those families failed there with "There is no Stream(cpu, 0) in current thread". Likewise the per-item
+    media tensors of the Qwen families, sliced on the AsyncEngine's preprocessing worker: left lazy, the
+    two-image request failed with "There is no Stream(cpu, N) in current thread"."""
     import asyncio
 
     import mlx_vlm
@@ -352,11 +354,11 @@ def test_family_serves_from_the_async_engines_thread(family):
         async with AsyncEngine(engine) as aengine:
             return await asyncio.gather(*(aengine.generate(prompt=m, images=im or None,
                                                            sampling=SamplingParams(max_tokens=MAX_TOKENS))
-                                          for m, im in requests[1:3]))
+                                          for m, im in requests[1:4]))
 
     outs = asyncio.run(run())
-    assert [o.error for o in outs] == [None, None]
-    assert [o.token_ids for o in outs] == references[1:3]
+    assert [o.error for o in outs] == [None, None, None]
+    assert [o.token_ids for o in outs] == references[1:4]
 
 
 def _frames(seed: int, count: int, width: int, height: int) -> list:
