@@ -748,8 +748,9 @@ class _Unit:
 
 @dataclass
 class _Media:
-    """One request's media rows (``(num_media_tokens, H)``) and per-media-token extra inputs, from the vision
-    cache (``hit``) or its encoder call (which also made its merged ``embeds`` and sequence inputs)."""
+    """The media rows (``(media tokens, H)``) and per-media-token extra inputs of an encoder unit, or of a request
+    (its units' joined), from the vision cache (``hit``) or an encoder call (which, for a whole-request unit,
+    also made the request's merged ``embeds`` and sequence inputs)."""
 
     rows: mx.array
     row_inputs: list
