@@ -9,7 +9,8 @@ requests go through the encoders in one call where the family allows it.
   events;
 * vision-cache hits are not encoded again: only the misses are in the tick's call (media repeated within the
   tick are encoded once);
-* a bad medium in a batched call fails only its own request (the call is redone one request at a time).
+* the Qwen families encode each image once, whatever requests hold it and in which order (per-item units);
+* a bad medium in a batched call fails only its own request (the call is redone one unit at a time).
 """
 
 from __future__ import annotations
@@ -186,6 +187,42 @@ def test_vision_cache_hits_are_not_encoded_again(name, tmp_path):
     hits = {r: info["vision_cache_hit"] for o in log.of_kind("outcome") for r, info in o["encoded"].items()
             if r in run.tokens}
     assert hits == dict(zip(run.tokens, [True, True, False, True]))
+
+
+def test_qwen_images_are_encoded_once_whatever_request_holds_them(tmp_path):
+    """The Qwen families encode and cache each image on its own (``PreparedRequest.media_items``): requests that
+    hold the same images in other combinations and orders encode each image once, in one call, and each
+    request's embeddings equal those of the request encoded alone; a later request made of images seen before
+    is all vision-cache hits, with no encoder call. The engine's outputs equal solo mlx_vlm."""
+    import mlx_vlm
+
+    model, processor = mlx_vlm.load(str(build_model("vlm", tmp_path)))
+    a, b, c = noise_image(56, 84, 31), noise_image(84, 56, 32), noise_image(56, 56, 33)
+    first = [(user("Both?", 2), [a, b]), (user("Both, the other way?", 2), [b, a]), (user("And these?", 2), [c, b])]
+    adapter = _adapter(model, processor, vision_cache=_cache())
+    prepared = [adapter.prepare(m, images=im) for m, im in first]
+    assert [len(p.media_items) for p in prepared] == [2, 2, 2]
+    calls = []
+    many = adapter.encode_many([(p, ()) for p in prepared], on_call=calls.append)
+    assert [(call.items, call.images) for call in calls] == [((0, 2), 3)]  # a, b and c: the second has none new
+    alone = [_adapter(model, processor).encode(p) for p in prepared]  # each alone, no cache
+    for got, want in zip(many, alone):
+        assert mx.allclose(got.embeddings, want.embeddings, rtol=1e-5, atol=1e-5).item()
+    assert [got.vision_cache_hit for got in many] == [False, True, False]  # the second: both of its images were
+    later = adapter.prepare(user("Just this one?", 1), images=[c])       # encoded for the first
+    calls.clear()
+    assert adapter.encode_many([(later, ())], on_call=calls.append)[0].vision_cache_hit is True and not calls
+    engine, log = engine_with_log(model, processor, EngineConfig(vision_budget=64, check_invariants=True))
+    run = drive(engine, [(0, {"prompt": m, "images": im, "sampling": SamplingParams(max_tokens=MAX_TOKENS)})
+                         for m, im in first])
+    assert list(run.tokens.values()) == [_solo(model, processor, m, im) for m, im in first]
+    assert [c["images"] for c in log.of_kind("vision_encode")] == [3]
+
+
+def _cache():
+    from caches.vision import VisionCache
+
+    return VisionCache(64 << 20)
 
 
 def _executor(model, processor, events):
