@@ -462,7 +462,7 @@ class VLMAdapter:
                 outcomes[i] = error
                 continue
             media = [found[u.key] if first[u.key] is u else self._follower(u.key, found) for u in request_units]
-            outcomes[i] = self._joined(request_units, media)
+            outcomes[i] = self._joined(media)
         for i, (prepared, extra) in enumerate(items):
             if outcomes[i] is None or isinstance(outcomes[i], _Media):
                 try:
@@ -492,10 +492,11 @@ class VLMAdapter:
         return dataclasses.replace(found[key], embeds=None, sequence_inputs={}, seconds=0.0)
 
     @staticmethod
-    def _joined(units: list[_Unit], media: list[_Media]) -> _Media:
-        """A request's rows from its units' rows, in order (a whole-request unit's are the request's)."""
+    def _joined(media: list[_Media]) -> _Media:
+        """A request's rows from its units' rows, in order (a whole-request unit's are the request's: only an
+        encoder call over a whole request makes merged ``embeds``)."""
         if len(media) == 1:
-            return media[0] if units[0].whole else dataclasses.replace(media[0], embeds=None, sequence_inputs={})
+            return media[0]
         row_inputs = [None if any(m.row_inputs[k] is None for m in media) else
                       mx.concatenate([m.row_inputs[k] for m in media], axis=1) for k in range(len(media[0].row_inputs))]
         return _Media(mx.concatenate([m.rows for m in media], axis=0), row_inputs, hit=all(m.hit for m in media),

@@ -107,11 +107,24 @@ def workload() -> list[tuple[list[dict], list]]:
     ]
 
 
+def solo(model, processor, messages, images):
+    """mlx_vlm.stream_generate on one chat alone (templated as mlx-vlm templates it): its last response, whose
+    token_ids are the reference."""
+    import mlx_vlm
+    from mlx_vlm.prompt_utils import apply_chat_template
+
+    prompt = apply_chat_template(processor, model.config, messages, num_images=len(images))
+    last = None
+    for last in mlx_vlm.stream_generate(model, processor, prompt, image=list(images) or None, max_tokens=MAX_TOKENS,
+                                        temperature=0.0):
+        pass
+    return last
+
+
 @pytest.fixture(scope="module", params=list(FAMILY_CASES))
 def family(request, tmp_path_factory):
     """(name, (model, processor), requests, solo references) of one family."""
     import mlx_vlm
-    from mlx_vlm.prompt_utils import apply_chat_template
 
     name = request.param
     model_dir = FAMILY_CASES[name].build(tmp_path_factory.mktemp(f"tiny-{name}"))
@@ -123,11 +136,7 @@ def family(request, tmp_path_factory):
     requests = workload()
     references = []
     for messages, images in requests:
-        prompt = apply_chat_template(processor, model.config, messages, num_images=len(images))
-        last = None
-        for last in mlx_vlm.stream_generate(model, processor, prompt, image=images or None,
-                                            max_tokens=MAX_TOKENS, temperature=0.0):
-            pass
+        last = solo(model, processor, messages, images)
         references.append(list(last.token_ids))
         PROMPT_TOKENS.setdefault(name, []).append(last.prompt_tokens)
     return name, (model, processor), requests, references
@@ -218,22 +227,13 @@ def test_family_shares_the_text_before_its_media(family, tmp_path):
     import json
 
     from scheduler.tools.replay import load_trace, replay
-    import mlx_vlm
-    from mlx_vlm.prompt_utils import apply_chat_template
 
     name, (model, processor), _, _ = family
     system = {"role": "system", "content": LONG + LONG}
     requests = [([system, {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}], [image])
                 for text, image in (("What is it?", noise_image(56, 84, 11)), ("Describe it.", noise_image(84, 56, 12)))]
     requests.append(([system, {"role": "user", "content": "Just text, please."}], []))
-    want = []
-    for messages, images in requests:
-        prompt = apply_chat_template(processor, model.config, messages, num_images=len(images))
-        last = None
-        for last in mlx_vlm.stream_generate(model, processor, prompt, image=images or None, max_tokens=MAX_TOKENS,
-                                            temperature=0.0):
-            pass
-        want.append(list(last.token_ids))
+    want = [list(solo(model, processor, messages, images).token_ids) for messages, images in requests]
     block = 8
     trace = tmp_path / "trace.jsonl"
     engine, log = engine_with_log(model, processor, EngineConfig(prefix_cache_bytes=8 << 20, prefix_block_size=block,
@@ -270,9 +270,6 @@ def test_family_chat_turn_adding_an_image_reuses_the_turn_before(family):
     included, and encodes only the new image (the first one's rows are a vision-cache entry of their own);
     elsewhere the media are keyed as a whole: it restores the text before the first image and encodes both.
     Each output equals solo mlx_vlm."""
-    import mlx_vlm
-    from mlx_vlm.prompt_utils import apply_chat_template
-
     from scheduler.models.families import FAMILIES, Positions
 
     name, (model, processor), _, _ = family
@@ -281,14 +278,7 @@ def test_family_chat_turn_adding_an_image_reuses_the_turn_before(family):
     second = first + [{"role": "assistant", "content": "It is a picture of noise."},
                       {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "And this one?"}]}]
     turns = [(first, [noise_image(56, 84, 21)]), (second, [noise_image(56, 84, 21), noise_image(84, 56, 22)])]
-    want = []
-    for messages, images in turns:
-        prompt = apply_chat_template(processor, model.config, messages, num_images=len(images))
-        last = None
-        for last in mlx_vlm.stream_generate(model, processor, prompt, image=images, max_tokens=MAX_TOKENS,
-                                            temperature=0.0):
-            pass
-        want.append(list(last.token_ids))
+    want = [list(solo(model, processor, messages, images).token_ids) for messages, images in turns]
     engine, log = engine_with_log(model, processor, EngineConfig(prefix_cache_bytes=8 << 20, prefix_block_size=8,
                                                                  check_invariants=True))
     got = []
@@ -371,7 +361,6 @@ def test_family_video_batches_exactly(family):
     an image and a text request, staggered, small budgets; each equals mlx_vlm.stream_generate alone with the
     same frames. The others refuse videos at add_request with a typed error."""
     import mlx_vlm
-    from mlx_vlm.prompt_utils import apply_chat_template
 
     from scheduler.request import InvalidRequest
 
