@@ -463,13 +463,38 @@ class VLMAdapter:
                 continue
             media = [found[u.key] if first[u.key] is u else self._follower(u.key, found) for u in request_units]
             outcomes[i] = self._joined(media)
-        for i, (prepared, extra) in enumerate(items):
-            if outcomes[i] is None or isinstance(outcomes[i], _Media):
-                try:
-                    outcomes[i] = self._assemble(prepared, extra, outcomes[i])
-                except Exception as exc:  # a request whose rows do not fit its prompt fails alone
-                    outcomes[i] = exc
+        assemble = [i for i, outcome in enumerate(outcomes) if outcome is None or isinstance(outcome, _Media)]
+        text_path = [i for i in assemble if outcomes[i] is None or outcomes[i].embeds is None]
+        texts = dict(zip(text_path, self._text_inputs([items[i] for i in text_path])))
+        for i in assemble:
+            prepared, extra = items[i]
+            try:
+                outcomes[i] = self._assemble(prepared, extra, outcomes[i], texts.get(i))
+            except Exception as exc:  # a request whose rows do not fit its prompt fails alone
+                outcomes[i] = exc
         return outcomes  # type: ignore[return-value]
+
+    def _text_inputs(self, items: Sequence[tuple[PreparedRequest, Sequence[int]]]
+                     ) -> list[tuple[mx.array, dict[str, mx.array]]]:
+        """The text path's embeddings and sequence inputs of each request (its media rows go in after), from
+        one call over the prompts side by side: every family's text path embeds token by token (an embedding
+        lookup; Gemma 4's per-layer inputs too), so each prompt's slice is what its own call gives
+        (tests/models/test_vision_batch.py compares with requests encoded alone), and the call's fixed cost
+        (mlx-vlm's Qwen text path also works out positions, which the engine takes from ``self.positions``)
+        is paid once per tick, not once per request."""
+        if not items:
+            return []
+        ids = [self._ids(prepared, extra) for prepared, extra in items]
+        masks = [self._mask(prepared, i) for (prepared, _), i in zip(items, ids)]
+        out = library.input_embeddings(self.model, mx.concatenate(ids, axis=1), {}, mx.concatenate(masks, axis=1))
+        sequence_inputs = {name: getattr(out, name) for name in self.spec.sequence_inputs
+                           if getattr(out, name, None) is not None}
+        texts, start = [], 0
+        for i in ids:
+            end = start + i.shape[1]
+            texts.append((out.inputs_embeds[:, start:end], {k: v[:, start:end] for k, v in sequence_inputs.items()}))
+            start = end
+        return texts
 
     def _units(self, index: int, prepared: PreparedRequest, extra_tokens: Sequence[int]) -> list[_Unit]:
         """A request's encoder units: per media item (its placeholder tokens alone as the prompt the encoders
@@ -597,10 +622,11 @@ class VLMAdapter:
             mask[:, : len(prepared.input_ids)] = prepared.mask.astype(mx.int32)
         return mask
 
-    def _assemble(self, prepared: PreparedRequest, extra_tokens: Sequence[int], media: _Media | None
-                  ) -> EncodedRequest:
+    def _assemble(self, prepared: PreparedRequest, extra_tokens: Sequence[int], media: _Media | None,
+                  text: tuple[mx.array, dict[str, mx.array]] | None) -> EncodedRequest:
         """The request's inputs from its media rows: the encoders' own merged embeddings when this request's
-        call made them, else the text embeddings with the rows put back at the media positions."""
+        call made them, else its text embeddings (``text``, from ``_text_inputs``) with the rows put back at
+        the media positions."""
         ids = self._ids(prepared, extra_tokens)
         mask = self._mask(prepared, ids)
         spec = self.spec
@@ -609,10 +635,9 @@ class VLMAdapter:
         if media is not None and media.embeds is not None:
             embeds, sequence_inputs, row_inputs = media.embeds, media.sequence_inputs, media.row_inputs
         else:
-            out = library.input_embeddings(self.model, ids, {}, mask)  # the text path: no encoder
-            sequence_inputs = {name: getattr(out, name) for name in spec.sequence_inputs
-                               if getattr(out, name, None) is not None}
-            embeds = out.inputs_embeds
+            if text is None:
+                raise ValueError("no text embeddings for a request its encoders did not embed")
+            embeds, sequence_inputs = text
             if media is not None:
                 embeds = mx.array(embeds)
                 embeds[0, mx.array(media_positions)] = media.rows.astype(embeds.dtype)
