@@ -45,7 +45,7 @@ from caches import layers
 from caches.vision import VisionCache, content_key
 
 from scheduler.models import prompt as prompts
-from scheduler.models import library
+from scheduler.models import library, media_items
 from scheduler.models import positions as position_strategies
 from scheduler.models.families import FamilySpec, Positions, UnsupportedFamily, VisionBatch, family_for
 from scheduler.models.media import (AudioInput, ImageInput, MediaError, MediaLimit, VideoFrames, VideoInput,
@@ -55,7 +55,6 @@ DEFAULT_VIDEO_FPS = 2.0  # Qwen2-VL's own default sampling rate
 DEFAULT_VIDEO_MAX_FRAMES = 32
 
 _NOT_MEDIA = ("input_ids", "attention_mask")
-_GRID_PIXELS = {"image_grid_thw": "pixel_values", "video_grid_thw": "pixel_values_videos"}  # the Qwen processors'
 
 
 def _named_parts(media_inputs: dict[str, Any]) -> list:
@@ -76,7 +75,7 @@ class MediaItem:
     key: str  # content key of this item alone (its tensors, the model / processor fingerprint)
     token: int  # its placeholder token id
     tokens: int  # prompt positions it fills
-    inputs: dict[str, Any]  # its encoder inputs: its patch rows and its grid row, by the processor's names
+    inputs: dict[str, Any]  # its encoder inputs, by the processor's names (``media_items.ItemInputs``)
     count: int  # encoder-budget units: 1 per image, ``grid_t`` per video (``num_media_items``)
 
 
@@ -255,59 +254,26 @@ class VLMAdapter:
         and the model / processor fingerprint, independent of file names and of the prompt text. Returns the
         media marks, (first prompt position, key) per media item in prompt order, each key a chain over the
         items up to it (the state of a prompt position depends on the media before it, not after), and the
-        items, each with its own key (its rows depend on it alone). Where the media cannot be told apart per
-        item: one mark at the first media token over all of them, and no items. The last mark's key covers
-        every media tensor: it is the request's ``media_key``. ``positions``: the prompt's media positions.
+        items, each with its own key (its rows depend on it alone). Where the family's tensors are not split
+        per item (``FamilySpec.item_split``, ``media_items.py``): one mark at the first media token over all of
+        them, and no items. The last mark's key covers every media tensor: it is the request's ``media_key``.
+        ``positions``: the prompt's media positions.
 
-        Per item: the M-RoPE (Qwen) families, whose processors give each image or video its own patch rows (as
-        many as the product of its ``*_grid_thw`` row) and its own ``grid / merge**2`` prompt tokens, and whose
-        towers attend within each item: the prefix cache then shares a prompt up to a later item (a chat that
-        adds an image), and the vision cache holds each item's rows, so a request encodes only the items it has
-        not seen. Other families' tensors (tiles, padded stacks) are keyed and encoded whole."""
+        Per item, the prefix cache shares a prompt up to a later item (a chat that adds an image), and the
+        vision cache holds each item's rows, so a request encodes only the items it has not seen."""
         head = [self.spec.model_type, self.fingerprint]
-        split = self._split_items(media_inputs)
+        split = media_items.split_items(self.spec.item_split, self.model, media_inputs, len(positions))
         if split is None:
             return ((positions[0], content_key(head + _named_parts(media_inputs))),), ()
-        if sum(tokens for tokens, *_ in split) != len(positions):
-            raise ValueError(f"the media grids give {sum(t for t, *_ in split)} media tokens, the prompt has "
-                             f"{len(positions)}")
         marks, items, chain, seen = [], [], content_key(head), 0
-        for tokens, count, parts, inputs in split:
-            item = MediaItem(content_key(head + parts), int(ids[positions[seen]]), tokens, inputs, count)
+        for share in split:
+            item = MediaItem(content_key(head + list(share.parts)), int(ids[positions[seen]]), share.tokens,
+                             share.inputs, share.count)
             chain = content_key([chain, item.key])
             marks.append((positions[seen], chain))
             items.append(item)
-            seen += tokens
+            seen += share.tokens
         return tuple(marks), tuple(items)
-
-    def _split_items(self, media_inputs: dict[str, Any]) -> list[tuple[int, int, list, dict]] | None:
-        """(prompt tokens, encoder-budget count, tensors to hash, encoder inputs) of each media item, or None
-        where this family's inputs are not split per item here (see ``media_keys``)."""
-        if self.spec.positions is not Positions.MROPE:
-            return None
-        grids = [name for name in _GRID_PIXELS if name in media_inputs]
-        if len(grids) != 1 or set(media_inputs) != {grids[0], _GRID_PIXELS[grids[0]]}:
-            return None  # one kind of media per request (FamilySpec.mixed_image_video), nothing else
-        grid_name, pixel_name = grids[0], _GRID_PIXELS[grids[0]]
-        grid_values, pixel_values = mx.array(media_inputs[grid_name]), mx.array(media_inputs[pixel_name])
-        grid = np.asarray(grid_values).astype(np.int64).reshape(-1, 3)
-        words = pixel_values.view(mx.uint16) if pixel_values.dtype == mx.bfloat16 else pixel_values
-        pixels = np.asarray(words)  # to hash (numpy has no bfloat16: its 16-bit words)
-        patches = grid.prod(axis=1)
-        if int(patches.sum()) != pixels.shape[0]:
-            return None
-        merge = library.mrope_tokens(self.model)[3]
-        bounds = np.concatenate([[0], np.cumsum(patches)]).tolist()
-        videos = grid_name == "video_grid_thw"  # a video counts its temporal patches (num_media_items)
-        split = [(int(n) // merge ** 2, int(grid[i][0]) if videos else 1,
-                  [grid_name, grid[i], pixel_name, pixels[bounds[i]: bounds[i + 1]]],
-                  {grid_name: grid_values[i: i + 1], pixel_name: pixel_values[bounds[i]: bounds[i + 1]]})
-                 for i, n in enumerate(patches)]
-        # Evaluated here: a lazy slice belongs to this thread's stream, and the encoders run on the engine's
-        # thread (AsyncEngine prepares on a worker), where evaluating it fails ("no Stream(cpu, N) in current
-        # thread"; tests/models/test_vlm_families.py, the AsyncEngine test's two-image request).
-        mx.eval([value for *_, inputs in split for value in inputs.values()])
-        return split
 
     # ---- CPU side -------------------------------------------------------------------------------------
     def prepare(self, prompt: str | list[dict], images: Sequence[ImageInput] | None = (),
@@ -539,7 +505,7 @@ class VLMAdapter:
     def _vision_groups(self, units: list[_Unit]) -> list[list[_Unit]]:
         """The encoder calls for ``units``: units with the same media tensors by name go together (a tick's
         images apart from its videos); ``EQUAL_SHAPE`` families also need every other axis of each tensor to
-        agree; ``PER_REQUEST`` families encode alone."""
+        agree; ``PER_REQUEST`` families encode alone (their media are one unit per request: ``ItemSplit.WHOLE``)."""
         if self.spec.vision_batch is VisionBatch.PER_REQUEST:
             return [[u] for u in units]
         groups: dict[tuple, list[_Unit]] = {}

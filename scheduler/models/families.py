@@ -21,6 +21,13 @@ between families is declared here, and nothing else:
 ``audio_encoder``  the model attribute that turns audio features into embeddings (a checkpoint without it is
                    refused for an audio family): Gemma 4's Conformer ``audio_tower``; Gemma 4 unified has no
                    encoder, its ``embed_audio`` projects raw 40 ms frames.
+``item_split``     how the media tensors split into items, each keyed and encoded on its own (``ItemSplit``,
+                   ``media_items.py``): a chat turn that adds an image then restores the turns before it from the
+                   prefix cache, images included, and encodes only the new image. ``GRID`` for the Qwen families,
+                   ``STACK`` for llava, ``SIZED_STACK`` for mistral3 and pixtral; ``WHOLE`` (keyed and encoded as
+                   one unit) for idefics3 / smolvlm, whose processors tile several images into one tensor, the
+                   audio families, and gemma3 (see its note: an image's rows depend, by a few 1e-7 under
+                   OpenBLAS, on the images stacked with it, and the tiny gemma3's greedy tokens follow them).
 ``vision_batch`` / ``media_axis``  how the media of several requests go through the encoders in one call
                    (``VisionBatch``) and the axis of the media tensors that counts images (their other axes
                    must agree to be concatenated; ``*_grid_thw`` always count on axis 0). ``ONE``: every request
@@ -48,6 +55,15 @@ class Positions(enum.Enum):
     MROPE = "mrope"  # (3, B, L) positions; decode position = tokens in the row's cache + the request's delta
 
 
+class ItemSplit(enum.Enum):
+    """How a request's media tensors split into items (``media_items.py``)."""
+
+    WHOLE = "whole"  # not split: the request's media are one unit
+    GRID = "grid"  # flattened patch rows with a ``*_grid_thw`` row per item (the Qwen processors)
+    STACK = "stack"  # ``pixel_values`` axis 0, one equal-size image per index
+    SIZED_STACK = "sized_stack"  # ``pixel_values`` padded to the largest image, with its ``image_sizes`` row
+
+
 class VisionBatch(enum.Enum):
     ONE = "one"  # all the tick's media in one encoder call
     EQUAL_SHAPE = "equal_shape"  # one call per group of equal-shape media tensors
@@ -71,6 +87,7 @@ class FamilySpec:
     video_block_per_frame: bool = False
     vision_batch: VisionBatch = VisionBatch.EQUAL_SHAPE
     media_axis: int = 0
+    item_split: ItemSplit = ItemSplit.WHOLE
     audio_encoder: str = "audio_tower"
     refused: str | None = None  # why mlx-vlm's model cannot be batched here (refused at load)
     notes: str = field(default="", compare=False)
@@ -78,6 +95,7 @@ class FamilySpec:
 
 _QWEN_MEDIA = frozenset({"image", "video"})
 _ONE = VisionBatch.ONE
+_GRID = ItemSplit.GRID
 
 # Why gemma3 encodes per request (measured; ARCHITECTURE.md, "Vision batching"): under OpenBLAS its SigLIP patch
 # conv on 4 stacked images rounds an image's patch embeddings 5-6e-7 away from the same conv on that image alone
@@ -85,24 +103,30 @@ _ONE = VisionBatch.ONE
 # the 9 requests of tests/models/test_vlm_families.py's workload (6 of 9 in `python -m bench.vision_batch
 # --gemma3`) gave other greedy tokens than solo mlx_vlm. The other families' towers also round a few 1e-7
 # differently in a batch under OpenBLAS, and their greedy tokens stay equal (tests/models/test_vision_batch.py).
-GEMMA3_PER_REQUEST = ("vision tower per request: its patch conv rounds differently on stacked images under "
-                      "OpenBLAS (5-6e-7), which flipped greedy tokens of the tiny gemma3")
+#
+# For the same reason its media are keyed and encoded whole (ItemSplit.WHOLE): keyed per image (STACK), a chat turn
+# adding an image restored the turn before from the prefix cache and encoded the new image alone, while solo
+# mlx_vlm stacks both images; under OpenBLAS the second turn's greedy tokens then differed from solo mlx_vlm
+# (tests/models/test_vlm_families.py, the chat-turn test, tried 2026-12-05).
+GEMMA3_PER_REQUEST = ("vision tower per request, media keyed whole: its patch conv rounds differently on stacked "
+                      "images under OpenBLAS (5-6e-7), which flipped greedy tokens of the tiny gemma3")
 
 FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
-    FamilySpec("qwen2_vl", Positions.MROPE, _QWEN_MEDIA, vision_batch=_ONE),
-    FamilySpec("qwen2_5_vl", Positions.MROPE, _QWEN_MEDIA, vision_batch=_ONE),
+    FamilySpec("qwen2_vl", Positions.MROPE, _QWEN_MEDIA, vision_batch=_ONE, item_split=_GRID),
+    FamilySpec("qwen2_5_vl", Positions.MROPE, _QWEN_MEDIA, vision_batch=_ONE, item_split=_GRID),
     FamilySpec("qwen3_vl", Positions.MROPE, _QWEN_MEDIA, video_block_per_frame=True,
                media_mask_input="visual_pos_masks",
-               media_row_inputs=("deepstack_visual_embeds",), vision_batch=_ONE),
-    FamilySpec("qwen3_5", Positions.MROPE, _QWEN_MEDIA, video_block_per_frame=True, vision_batch=_ONE,
+               media_row_inputs=("deepstack_visual_embeds",), vision_batch=_ONE, item_split=_GRID),
+    FamilySpec("qwen3_5", Positions.MROPE, _QWEN_MEDIA, video_block_per_frame=True, vision_batch=_ONE, item_split=_GRID,
                notes="hybrid: gated-delta (recurrent) layers next to full attention"),
     FamilySpec("gemma3", placeholder="boi_token", vision_batch=VisionBatch.PER_REQUEST,
                notes=GEMMA3_PER_REQUEST),
     FamilySpec("idefics3", media_axis=1),  # pixel_values (1, views, C, H, W)
     FamilySpec("smolvlm", media_axis=1, notes="idefics3's model with SmolVLMProcessor (video frames become images there)"),
-    FamilySpec("mistral3"),
-    FamilySpec("pixtral", notes="mistral3's tower and language model without its patch merger"),
-    FamilySpec("llava", notes="CLIP tower, every image resized and cropped to one size"),
+    FamilySpec("mistral3", item_split=ItemSplit.SIZED_STACK),
+    FamilySpec("pixtral", item_split=ItemSplit.SIZED_STACK,
+               notes="mistral3's tower and language model without its patch merger"),
+    FamilySpec("llava", item_split=ItemSplit.STACK, notes="CLIP tower, every image resized and cropped to one size"),
     FamilySpec("gemma4", media=frozenset({"audio"}), sequence_inputs=("per_layer_inputs",),
                vision_batch=VisionBatch.PER_REQUEST,
                notes="audio only: images not attempted (checkpoints with use_bidirectional_attention "

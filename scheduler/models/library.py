@@ -129,6 +129,12 @@ def row_offsets(cache: list) -> mx.array:
     return mx.array([int(offset)], dtype=mx.int32)
 
 
+def patch_grid(model: Any) -> tuple[int, int]:
+    """(patch size, spatial merge size) of the Pixtral-style towers (mistral3, pixtral): an image of h x w pixels
+    fills (h / patch / merge) x (w / patch / merge) prompt positions (pixtral has no patch merger: merge 1)."""
+    return (int(model.config.vision_config.patch_size), int(getattr(model.config, "spatial_merge_size", None) or 1))
+
+
 def text_embedding_module(language_model: Any) -> Any:
     inner = getattr(language_model, "model", None)
     return getattr(inner, "embed_tokens", None) or language_model.embed_tokens

@@ -9,7 +9,8 @@ requests go through the encoders in one call where the family allows it.
   events;
 * vision-cache hits are not encoded again: only the misses are in the tick's call (media repeated within the
   tick are encoded once);
-* the Qwen families encode each image once, whatever requests hold it and in which order (per-item units);
+* the families that key media per item encode each image once, whatever requests hold it and in which order
+  (per-item units);
 * a bad medium in a batched call fails only its own request (the call is redone one unit at a time).
 """
 
@@ -25,6 +26,7 @@ from PIL import Image
 from scheduler import EngineConfig, SamplingParams
 from scheduler.fixtures.tiny_models import build_model
 from scheduler.fixtures.vlm_families import build_tiny_vlm
+from scheduler.models.adapter import _shape_but
 from scheduler.models.families import FAMILIES, VisionBatch
 from scheduler.plan import NewRequest, TickPlan
 
@@ -189,22 +191,36 @@ def test_vision_cache_hits_are_not_encoded_again(name, tmp_path):
     assert hits == dict(zip(run.tokens, [True, True, False, True]))
 
 
-def test_qwen_images_are_encoded_once_whatever_request_holds_them(tmp_path):
-    """The Qwen families encode and cache each image on its own (``PreparedRequest.media_items``): requests that
-    hold the same images in other combinations and orders encode each image once, in one call, and each
-    request's embeddings equal those of the request encoded alone; a later request made of images seen before
-    is all vision-cache hits, with no encoder call. The engine's outputs equal solo mlx_vlm."""
+@pytest.mark.parametrize("name", ["qwen2_vl", "llava", "mistral3", "pixtral"])
+def test_images_are_encoded_once_whatever_request_holds_them(name, tmp_path):
+    """The families that key media per item (``FamilySpec.item_split``: one of each layout, GRID, STACK and
+    SIZED_STACK) encode and cache each image on its own (``PreparedRequest.media_items``): requests that hold
+    the same images in other combinations and orders encode each image once (in one call where the family's
+    ``vision_batch`` puts them together: images of one size on the stacking families), and each request's
+    embeddings equal those of the request encoded alone; a later request made of images seen before is all
+    vision-cache hits, with no encoder call. The engine's outputs equal solo mlx_vlm."""
     import mlx_vlm
 
-    model, processor = mlx_vlm.load(str(build_model("vlm", tmp_path)))
+    from scheduler.models.families import ItemSplit
+
+    model_dir = (build_model("vlm", tmp_path) if name == "qwen2_vl"
+                 else build_tiny_vlm(name, tmp_path, seed=BATCHING[name]))
+    model, processor = mlx_vlm.load(str(model_dir))
     a, b, c = noise_image(56, 84, 31), noise_image(84, 56, 32), noise_image(56, 56, 33)
     first = [(user("Both?", 2), [a, b]), (user("Both, the other way?", 2), [b, a]), (user("And these?", 2), [c, b])]
     adapter = _adapter(model, processor, vision_cache=_cache())
+    assert adapter.spec.item_split is not ItemSplit.WHOLE
     prepared = [adapter.prepare(m, images=im) for m, im in first]
     assert [len(p.media_items) for p in prepared] == [2, 2, 2]
+    assert prepared[0].media_items[0].key == prepared[1].media_items[1].key  # a, whatever shares its request
+    assert prepared[0].media_items[1].key == prepared[1].media_items[0].key == prepared[2].media_items[1].key
+    shapes = {tuple(sorted((k, _shape_but(v, adapter._axis(k))) for k, v in item.inputs.items()))
+              for item in (*prepared[0].media_items, prepared[2].media_items[0])}
     calls = []
     many = adapter.encode_many([(p, ()) for p in prepared], on_call=calls.append)
-    assert [(call.items, call.images) for call in calls] == [((0, 2), 3)]  # a, b and c: the second has none new
+    assert sum(call.images for call in calls) == 3  # a, b and c: the second request has none new
+    assert len(calls) == (1 if adapter.spec.vision_batch is VisionBatch.ONE else len(shapes))
+    assert {i for call in calls for i in call.items} == {0, 2}
     alone = [_adapter(model, processor).encode(p) for p in prepared]  # each alone, no cache
     for got, want in zip(many, alone):
         assert mx.allclose(got.embeddings, want.embeddings, rtol=1e-5, atol=1e-5).item()
@@ -216,7 +232,7 @@ def test_qwen_images_are_encoded_once_whatever_request_holds_them(tmp_path):
     run = drive(engine, [(0, {"prompt": m, "images": im, "sampling": SamplingParams(max_tokens=MAX_TOKENS)})
                          for m, im in first])
     assert list(run.tokens.values()) == [_solo(model, processor, m, im) for m, im in first]
-    assert [c["images"] for c in log.of_kind("vision_encode")] == [3]
+    assert sum(c["images"] for c in log.of_kind("vision_encode")) == 3
 
 
 def _cache():
@@ -253,15 +269,14 @@ def test_a_bad_medium_fails_only_its_own_request(name, tmp_path):
     adapter, executor = _executor(model, processor, events)
     prepared = {f"r{i}": adapter.prepare(m, images=im) for i, (m, im) in enumerate(image_requests()[:3])}
     bad = prepared["r1"]
-    if name == "qwen2_vl":  # media keyed per item: the item is what the encoders take
-        (item,) = bad.media_items
+    (item,) = bad.media_items  # media keyed per item: the item is what the encoders take
+    if name == "qwen2_vl":
         pixels = item.inputs["pixel_values"]
-        broken_item = dataclasses.replace(item, key="broken", inputs={**item.inputs,
-                                                                      "pixel_values": pixels[:, : pixels.shape[1] - 3]})
-        prepared["r1"] = dataclasses.replace(bad, media_items=(broken_item,), media_key="broken")
+        broken = {"pixel_values": pixels[:, : pixels.shape[1] - 3]}
     else:
-        broken = {"image_sizes": mx.zeros_like(mx.array(bad.media_inputs["image_sizes"]))}
-        prepared["r1"] = dataclasses.replace(bad, media_inputs={**bad.media_inputs, **broken}, media_key="broken")
+        broken = {"image_sizes": mx.zeros_like(item.inputs["image_sizes"])}
+    broken_item = dataclasses.replace(item, key="broken", inputs={**item.inputs, **broken})
+    prepared["r1"] = dataclasses.replace(bad, media_items=(broken_item,), media_key="broken")
     result = executor.execute(_encode_plan(prepared))
     assert set(result.errors) == {"r1"} and result.errors["r1"].startswith("vision encoding failed")
     assert set(result.encoded) == {"r0", "r2"}

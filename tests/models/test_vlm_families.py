@@ -265,12 +265,12 @@ def test_family_shares_the_text_before_its_media(family, tmp_path):
 
 def test_family_chat_turn_adding_an_image_reuses_the_turn_before(family):
     """A chat's second turn resends the first (system prompt, an image, a question, the answer) and adds a second
-    image. Where the model layer keys media per item (the M-RoPE families: each image its own patch rows and
-    prompt tokens), the second turn restores all of the first turn's prompt from the prefix cache, image
-    included, and encodes only the new image (the first one's rows are a vision-cache entry of their own);
-    elsewhere the media are keyed as a whole: it restores the text before the first image and encodes both.
-    Each output equals solo mlx_vlm."""
-    from scheduler.models.families import FAMILIES, Positions
+    image. Where the model layer keys media per item (``FamilySpec.item_split``: every family here but the
+    tiling idefics3 / smolvlm, and gemma3), the second turn restores all of the first turn's prompt from the prefix cache,
+    image included, and encodes only the new image (the first one's rows are a vision-cache entry of their
+    own); elsewhere the media are keyed as a whole: it restores the text before the first image and encodes
+    both. Each output equals solo mlx_vlm."""
+    from scheduler.models.families import FAMILIES, ItemSplit
 
     name, (model, processor), _, _ = family
     first = [{"role": "system", "content": LONG},
@@ -292,7 +292,7 @@ def test_family_chat_turn_adding_an_image_reuses_the_turn_before(family):
     marks = [[position for position, _ in e["media_marks"]] for e in arrivals]
     hits = [e["length"] for e in log.of_kind("prefix_hit") if e["request_id"] == arrivals[1]["request_id"]]
     encoded = [e["images"] for e in log.of_kind("vision_encode") if arrivals[1]["request_id"] in e["request_ids"]]
-    if FAMILIES[name].positions is Positions.MROPE:
+    if FAMILIES[name].item_split is not ItemSplit.WHOLE:
         assert len(marks[1]) == 2 and marks[1][0] == marks[0][0], marks
         assert hits == [len(arrivals[0]["prompt_tokens"]) - 1], (hits, marks)  # the whole first turn
         assert encoded == [1], encoded  # only the new image: the first one's rows are in the vision cache
