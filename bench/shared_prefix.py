@@ -14,8 +14,11 @@ arrived, steps, and sleeps only when nothing is running. Reported per side:
 time to first token (mean and the largest) and request latency (arrival to last token, mean), the prefill tokens
 the prefix cache saved (ours), and the outputs checked against `mlx_vlm.stream_generate` run alone.
 
+`--family NAME` runs another tiny family (`scheduler/fixtures/vlm_families.py`, seed 0) in place of the tiny
+Qwen2-VL: with `--turns`, what keying media per image (`FamilySpec.item_split`) gives a chat on that family.
+
     python -m bench.shared_prefix [--requests 16] [--system-words 300] [--interval 0.04] [--new-tokens 16]
-                                  [--turns 1] [--repeats 3]
+                                  [--turns 1] [--repeats 3] [--family qwen2_vl] [--no-peer]
 """
 
 from __future__ import annotations
@@ -190,11 +193,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-peer", action="store_true", help="ours only (no vllm-mlx)")
+    parser.add_argument("--family", default="qwen2_vl", help="the tiny family to run (default: the tiny Qwen2-VL "
+                        "of `mlxsched make-model vlm`; others from scheduler/fixtures/vlm_families.py)")
     args = parser.parse_args(argv)
 
     import mlx_vlm
 
     from scheduler.fixtures.tiny_models import build_model
+    from scheduler.fixtures.vlm_families import build_tiny_vlm
 
     from .reference import available
     from .vision_peer import solo
@@ -205,7 +211,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
-        model, processor = mlx_vlm.load(str(build_model("vlm", tmp / "vlm")))
+        model_dir = (build_model("vlm", tmp / "vlm") if args.family == "qwen2_vl"
+                     else build_tiny_vlm(args.family, tmp / "vlm"))
+        model, processor = mlx_vlm.load(str(model_dir))
         prompts, paths, arrivals = workload(processor, model.config, tmp, args.requests, args.system_words,
                                             args.turns, args.interval)
         want = solo(model, processor, prompts, paths, args.new_tokens)
@@ -213,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             lambda: run_ours(model, processor, prompts, paths, args.new_tokens, arrivals, True),
             lambda: run_ours(model, processor, prompts, paths, args.new_tokens, arrivals, False)]
         if peer:  # its own model instance: it keeps per-instance state on the language model
-            ref_model, ref_processor = mlx_vlm.load(str(tmp / "vlm"))
+            ref_model, ref_processor = mlx_vlm.load(str(model_dir))
             sides += [lambda cache=cache: run_reference(ref_model, ref_processor, prompts, paths, args.new_tokens,
                                                         arrivals, cache) for cache in (True, False)]
         for side in sides:  # warm-up
@@ -232,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
              f"{args.interval * 1e3:.0f} ms" if args.turns == 1 else
              f"{args.requests} chats of {args.turns} turns (first turn about {prompt_tokens} prompt tokens before image "
              f"expansion), started {args.interval * 1e3:.0f} ms apart")
+    if args.family != "qwen2_vl":
+        shape = f"tiny {args.family}: {shape}"
     # the reference runs without stop tokens (as in bench.vision_peer): its outputs compare with solo ones only
     # where those ran to --new-tokens
     early = sum(len(w) < args.new_tokens for w in want)
