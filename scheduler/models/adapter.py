@@ -248,7 +248,7 @@ class VLMAdapter:
         """What this family's processor takes: "image", "video", "audio"."""
         return self.spec.media
 
-    def media_keys(self, media_inputs: dict[str, Any], ids: Sequence[int], positions: Sequence[int]
+    def media_keys(self, media_inputs: dict[str, Any], ids: Sequence[int], positions: Sequence[int], num_items: int
                    ) -> tuple[tuple[tuple[int, str], ...], tuple[MediaItem, ...]]:
         """Content keys of a request's ordered media, from the preprocessed tensors (the exact encoder inputs)
         and the model / processor fingerprint, independent of file names and of the prompt text. Returns the
@@ -257,12 +257,13 @@ class VLMAdapter:
         items, each with its own key (its rows depend on it alone). Where the family's tensors are not split
         per item (``FamilySpec.item_split``, ``media_items.py``): one mark at the first media token over all of
         them, and no items. The last mark's key covers every media tensor: it is the request's ``media_key``.
-        ``positions``: the prompt's media positions.
+        ``positions``: the prompt's media positions; ``num_items``: the request's images and videos.
 
         Per item, the prefix cache shares a prompt up to a later item (a chat that adds an image), and the
         vision cache holds each item's rows, so a request encodes only the items it has not seen."""
         head = [self.spec.model_type, self.fingerprint]
-        split = media_items.split_items(self.spec.item_split, self.model, media_inputs, len(positions))
+        split = media_items.split_items(self.spec.item_split, self.model, media_inputs,
+                                        media_items.RequestMedia(ids, positions, num_items, self.processor))
         if split is None:
             return ((positions[0], content_key(head + _named_parts(media_inputs))),), ()
         marks, items, chain, seen = [], [], content_key(head), 0
@@ -332,7 +333,7 @@ class VLMAdapter:
         media_at = tuple(i for i, t in enumerate(ids) if t in self.media_token_ids) if has_media else ()
         if has_media and not media_at:
             raise ValueError("the processor put no media tokens in the prompt")
-        marks, items = self.media_keys(media_inputs, ids, media_at) if has_media else ((), ())
+        marks, items = self.media_keys(media_inputs, ids, media_at, len(pil) + len(clips)) if has_media else ((), ())
         return PreparedRequest(
             input_ids=ids, media_inputs=media_inputs, mask=inputs.get("attention_mask"),
             media_key=marks[-1][1] if marks else None, media_positions=media_at, media_marks=marks,

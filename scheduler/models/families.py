@@ -24,10 +24,10 @@ between families is declared here, and nothing else:
 ``item_split``     how the media tensors split into items, each keyed and encoded on its own (``ItemSplit``,
                    ``media_items.py``): a chat turn that adds an image then restores the turns before it from the
                    prefix cache, images included, and encodes only the new image. ``GRID`` for the Qwen families,
-                   ``STACK`` for llava, ``SIZED_STACK`` for mistral3 and pixtral; ``WHOLE`` (keyed and encoded as
-                   one unit) for idefics3 / smolvlm, whose processors tile several images into one tensor, the
-                   audio families, and gemma3 (see its note: an image's rows depend, by a few 1e-7 under
-                   OpenBLAS, on the images stacked with it, and the tiny gemma3's greedy tokens follow them).
+                   ``STACK`` for llava, ``SIZED_STACK`` for mistral3 and pixtral, ``TILES`` for idefics3 and
+                   smolvlm; ``WHOLE`` (keyed and encoded as one unit) for the audio families and gemma3 (see its
+                   note: an image's rows depend, by a few 1e-7 under OpenBLAS, on the images stacked with it, and
+                   the tiny gemma3's greedy tokens follow them).
 ``vision_batch`` / ``media_axis``  how the media of several requests go through the encoders in one call
                    (``VisionBatch``) and the axis of the media tensors that counts images (their other axes
                    must agree to be concatenated; ``*_grid_thw`` always count on axis 0). ``ONE``: every request
@@ -62,6 +62,7 @@ class ItemSplit(enum.Enum):
     GRID = "grid"  # flattened patch rows with a ``*_grid_thw`` row per item (the Qwen processors)
     STACK = "stack"  # ``pixel_values`` axis 0, one equal-size image per index
     SIZED_STACK = "sized_stack"  # ``pixel_values`` padded to the largest image, with its ``image_sizes`` row
+    TILES = "tiles"  # ``pixel_values`` (1, views, ...): each image's tile views, then its global view
 
 
 class VisionBatch(enum.Enum):
@@ -121,8 +122,9 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
                notes="hybrid: gated-delta (recurrent) layers next to full attention"),
     FamilySpec("gemma3", placeholder="boi_token", vision_batch=VisionBatch.PER_REQUEST,
                notes=GEMMA3_PER_REQUEST),
-    FamilySpec("idefics3", media_axis=1),  # pixel_values (1, views, C, H, W)
-    FamilySpec("smolvlm", media_axis=1, notes="idefics3's model with SmolVLMProcessor (video frames become images there)"),
+    FamilySpec("idefics3", media_axis=1, item_split=ItemSplit.TILES),  # pixel_values (1, views, C, H, W)
+    FamilySpec("smolvlm", media_axis=1, item_split=ItemSplit.TILES,
+               notes="idefics3's model with SmolVLMProcessor (video frames become images there)"),
     FamilySpec("mistral3", item_split=ItemSplit.SIZED_STACK),
     FamilySpec("pixtral", item_split=ItemSplit.SIZED_STACK,
                notes="mistral3's tower and language model without its patch merger"),

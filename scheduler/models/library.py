@@ -135,6 +135,19 @@ def patch_grid(model: Any) -> tuple[int, int]:
     return (int(model.config.vision_config.patch_size), int(getattr(model.config, "spatial_merge_size", None) or 1))
 
 
+def global_image_token_id(processor: Any) -> int | None:
+    """The id of the tag before each image's last (global) view in an Idefics3 / SmolVLM prompt, or None."""
+    value = getattr(processor, "global_image_token_id", None)
+    if isinstance(value, int):
+        return value
+    tag = getattr(processor, "global_image_tag", None) or getattr(processor, "global_image_token", None)
+    tokenizer = getattr(processor, "tokenizer", None)
+    if not isinstance(tag, str) or tokenizer is None:
+        return None
+    value = tokenizer.convert_tokens_to_ids(tag)
+    return value if isinstance(value, int) and value != getattr(tokenizer, "unk_token_id", None) else None
+
+
 def text_embedding_module(language_model: Any) -> Any:
     inner = getattr(language_model, "model", None)
     return getattr(inner, "embed_tokens", None) or language_model.embed_tokens

@@ -12,10 +12,15 @@ it fills and the tensors its content key hashes, by the layout the family's proc
                  ``image_sizes`` row (mistral3, pixtral); an image fills ``(h / patch / merge) x (w / patch / merge)``
                  positions and is cut to its own size, so it hashes and encodes the same whatever images share its
                  request (the tower crops each image to its size: its padding is never read).
-``WHOLE``        not split (tiles of several images in one tensor, audio): the request's media are one unit.
+``TILES``        ``pixel_values`` (1, views, C, H, W): each image's tile views, then its global view, every view
+                 filling an equal share of the positions (idefics3, smolvlm); an image ends with the view whose
+                 positions follow the processor's global-image tag. Only where no view is padded (its
+                 ``pixel_attention_mask`` all set): a padded view's tensors would depend on the other images.
+``WHOLE``        not split (audio; gemma3, see ``families.py``): the request's media are one unit.
 
-A split that does not account for exactly the prompt's media positions, or tensors the layout does not name,
-give ``None``: the media are then keyed and encoded whole, as for ``WHOLE``. An item encoded alone gives the
+A split that does not give the request's items (``num_items``: its images and videos), or does not account for
+exactly the prompt's media positions, or tensors the layout does not name, gives ``None``: the media are then
+keyed and encoded whole, as for ``WHOLE``. An item encoded alone gives the
 rows of its share of a call over the whole request up to the BLAS's rounding on other row counts (bitwise with
 the wheel's BLAS, a few 1e-7 under OpenBLAS: tests/models/test_vision_batch.py).
 """
@@ -23,7 +28,7 @@ the wheel's BLAS, a few 1e-7 under OpenBLAS: tests/models/test_vision_batch.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -44,14 +49,23 @@ class ItemInputs:
     inputs: dict[str, mx.array]  # its encoder inputs, by the processor's names (evaluated)
 
 
-def split_items(split: ItemSplit, model: Any, media_inputs: dict[str, Any], num_tokens: int
+@dataclass(frozen=True)
+class RequestMedia:
+    """What a split reads besides the tensors: the prompt and the processor's tags."""
+
+    ids: Sequence[int]  # the expanded prompt ids
+    positions: Sequence[int]  # its media positions, in order
+    num_items: int  # the request's images and videos
+    processor: Any
+
+
+def split_items(split: ItemSplit, model: Any, media_inputs: dict[str, Any], request: RequestMedia
                 ) -> list[ItemInputs] | None:
-    """The items of one request's media, in prompt order, or None where they are keyed and encoded whole.
-    ``num_tokens``: the prompt's media positions."""
+    """The items of one request's media, in prompt order, or None where they are keyed and encoded whole."""
     if split is ItemSplit.WHOLE:
         return None
-    items = _SPLITS[split](model, media_inputs, num_tokens)
-    if not items or sum(item.tokens for item in items) != num_tokens:
+    items = _SPLITS[split](model, media_inputs, request)
+    if not items or len(items) != request.num_items or sum(item.tokens for item in items) != len(request.positions):
         return None
     # Evaluated here: a lazy slice belongs to this thread's stream, and the encoders run on the engine's thread
     # (AsyncEngine prepares on a worker), where evaluating it fails ("no Stream(cpu, N) in current thread";
@@ -65,7 +79,7 @@ def _host(values: mx.array) -> np.ndarray:
     return np.asarray(values.view(mx.uint16) if values.dtype == mx.bfloat16 else values)
 
 
-def _grid(model: Any, media_inputs: dict[str, Any], num_tokens: int) -> list[ItemInputs] | None:
+def _grid(model: Any, media_inputs: dict[str, Any], request: RequestMedia) -> list[ItemInputs] | None:
     grids = [name for name in _GRID_PIXELS if name in media_inputs]
     if len(grids) != 1 or set(media_inputs) != {grids[0], _GRID_PIXELS[grids[0]]}:
         return None  # one kind of media per request (FamilySpec.mixed_image_video), nothing else
@@ -85,19 +99,19 @@ def _grid(model: Any, media_inputs: dict[str, Any], num_tokens: int) -> list[Ite
             for i, n in enumerate(patches)]
 
 
-def _stack(model: Any, media_inputs: dict[str, Any], num_tokens: int) -> list[ItemInputs] | None:
+def _stack(model: Any, media_inputs: dict[str, Any], request: RequestMedia) -> list[ItemInputs] | None:
     if set(media_inputs) != {"pixel_values"}:
         return None
     pixel_values = mx.array(media_inputs["pixel_values"])
     pixels = _host(pixel_values)
-    n = pixels.shape[0] if pixels.ndim == 4 else 0
+    n, num_tokens = (pixels.shape[0] if pixels.ndim == 4 else 0), len(request.positions)
     if not n or num_tokens % n:
         return None
     return [ItemInputs(num_tokens // n, 1, ("pixel_values", pixels[i]), {"pixel_values": pixel_values[i: i + 1]})
             for i in range(n)]
 
 
-def _sized_stack(model: Any, media_inputs: dict[str, Any], num_tokens: int) -> list[ItemInputs] | None:
+def _sized_stack(model: Any, media_inputs: dict[str, Any], request: RequestMedia) -> list[ItemInputs] | None:
     if set(media_inputs) != {"pixel_values", "image_sizes"}:
         return None
     pixel_values, sizes = mx.array(media_inputs["pixel_values"]), mx.array(media_inputs["image_sizes"])
@@ -116,4 +130,34 @@ def _sized_stack(model: Any, media_inputs: dict[str, Any], num_tokens: int) -> l
     return items
 
 
-_SPLITS = {ItemSplit.GRID: _grid, ItemSplit.STACK: _stack, ItemSplit.SIZED_STACK: _sized_stack}
+def _tiles(model: Any, media_inputs: dict[str, Any], request: RequestMedia) -> list[ItemInputs] | None:
+    if set(media_inputs) != {"pixel_values", "pixel_attention_mask"}:
+        return None
+    pixel_values, pixel_mask = mx.array(media_inputs["pixel_values"]), mx.array(media_inputs["pixel_attention_mask"])
+    if pixel_values.ndim != 5 or pixel_values.shape[0] != 1 or pixel_mask.shape[:2] != pixel_values.shape[:2]:
+        return None
+    if not bool(mx.all(pixel_mask).item()):
+        return None
+    tag = library.global_image_token_id(request.processor)
+    views, positions = pixel_values.shape[1], request.positions
+    if tag is None or not views or len(positions) % views:
+        return None
+    per_view = len(positions) // views
+    # the views whose first position follows the tag are the global ones: an image ends with its own
+    firsts = [positions[v * per_view] for v in range(views)]
+    ends = [v + 1 for v, first in enumerate(firsts) if first > 0 and request.ids[first - 1] == tag]
+    if not ends or ends[-1] != views:
+        return None
+    pixels, mask = _host(pixel_values), np.asarray(pixel_mask)
+    items, start = [], 0
+    for end in ends:
+        inputs = {"pixel_values": pixel_values[:, start:end], "pixel_attention_mask": pixel_mask[:, start:end]}
+        items.append(ItemInputs((end - start) * per_view, 1,
+                                ("pixel_attention_mask", mask[:, start:end], "pixel_values", pixels[:, start:end]),
+                                inputs))
+        start = end
+    return items
+
+
+_SPLITS = {ItemSplit.GRID: _grid, ItemSplit.STACK: _stack, ItemSplit.SIZED_STACK: _sized_stack,
+           ItemSplit.TILES: _tiles}

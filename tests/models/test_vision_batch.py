@@ -191,10 +191,10 @@ def test_vision_cache_hits_are_not_encoded_again(name, tmp_path):
     assert hits == dict(zip(run.tokens, [True, True, False, True]))
 
 
-@pytest.mark.parametrize("name", ["qwen2_vl", "llava", "mistral3", "pixtral"])
+@pytest.mark.parametrize("name", ["qwen2_vl", "llava", "mistral3", "idefics3"])
 def test_images_are_encoded_once_whatever_request_holds_them(name, tmp_path):
-    """The families that key media per item (``FamilySpec.item_split``: one of each layout, GRID, STACK and
-    SIZED_STACK) encode and cache each image on its own (``PreparedRequest.media_items``): requests that hold
+    """The families that key media per item (``FamilySpec.item_split``: one of each layout, GRID, STACK,
+    SIZED_STACK and TILES) encode and cache each image on its own (``PreparedRequest.media_items``): requests that hold
     the same images in other combinations and orders encode each image once (in one call where the family's
     ``vision_batch`` puts them together: images of one size on the stacking families), and each request's
     embeddings equal those of the request encoded alone; a later request made of images seen before is all

@@ -265,8 +265,8 @@ def test_family_shares_the_text_before_its_media(family, tmp_path):
 
 def test_family_chat_turn_adding_an_image_reuses_the_turn_before(family):
     """A chat's second turn resends the first (system prompt, an image, a question, the answer) and adds a second
-    image. Where the model layer keys media per item (``FamilySpec.item_split``: every family here but the
-    tiling idefics3 / smolvlm, and gemma3), the second turn restores all of the first turn's prompt from the prefix cache,
+    image. Where the model layer keys media per item (``FamilySpec.item_split``: every family here but
+    gemma3), the second turn restores all of the first turn's prompt from the prefix cache,
     image included, and encodes only the new image (the first one's rows are a vision-cache entry of their
     own); elsewhere the media are keyed as a whole: it restores the text before the first image and encodes
     both. Each output equals solo mlx_vlm."""
