@@ -24,7 +24,7 @@ from caches.layers import MaskLayout, QuantizationRefused, capabilities as cache
 from .execution import library
 from .calibration import Calibration, calibrate
 from .config import EngineConfig
-from .plan import PLAN_RECORD_GROUPS, PREFILL_PAD_RATIO
+from .plan import ENCODED_RECORD, PLAN_RECORD_GROUPS, PREFILL_PAD_RATIO
 from .events import EventLog, JsonlSink, MemorySink
 from .execution.executor import MLXExecutor
 from .execution.runners import TextRunner, VisionLanguageRunner
@@ -474,8 +474,7 @@ class Engine:
             outputs.extend(ran.applied.outputs)
             self._account(plan, result)
             stores = [[s.request_id, s.num_tokens, s.nbytes, s.whole_only] for s in result.prefix_stores]
-            encoded = {rid: {"rope_delta": e["rope_delta"], "vision_cache_hit": e["vision_cache_hit"]}
-                       for rid, e in result.encoded.items()}
+            encoded = {rid: {k: e[k] for k in ENCODED_RECORD if k in e} for rid, e in result.encoded.items()}
             self.events.emit("outcome", tick, sampled=result.sampled, logprobs=result.logprobs,
                              errors=result.errors, prefix_stores=stores,
                              encoded=encoded, accepted_drafts=result.accepted_drafts,
@@ -511,6 +510,7 @@ class Engine:
                 seed=a.sampling.seed if a.sampling.seed is not None else _derived_seed(self.config.seed, a.request_id),
                 media=a.prompt.media, num_images=a.prompt.num_media_items, media_key=a.prompt.media_key,
                 num_media_tokens=a.prompt.num_media_tokens, media_marks=a.prompt.media_marks,
+                media_items=a.prompt.media_items,
             )
             self.scheduler.add(request, tick)
         outputs = [

@@ -117,6 +117,13 @@ class NewRequest:
     media_marks: tuple[tuple[int, str], ...] = ()  # Request.media_marks (its first: where it checkpoints)
 
 
+#: What an outcome records of each request a tick encoded (`TickResult.encoded`): its rope delta, whether all
+#: its media came from the vision cache, and the media items and media tokens that went through the encoders for
+#: it (fewer than it has where some of its items were in the cache: the families keyed per item). Traces from
+#: before the last two do not carry them.
+ENCODED_RECORD = ("rope_delta", "vision_cache_hit", "items_encoded", "media_tokens_encoded")
+
+
 #: Optional groups of plan-record keys, named in `engine_start.plan_records` by the traces that carry them. A
 #: trace without a group (older mlxsched) did not record it, and replay does not compare it.
 PLAN_RECORD_GROUPS: dict[str, tuple[str, ...]] = {
@@ -258,7 +265,7 @@ class TickResult:
     drafter_error: str | None = None  # the drafter raised: this tick decoded without drafts
     errors: dict[str, str] = field(default_factory=dict)  # request id -> readable error; that request fails
     prefix_stores: list[PrefixStore] = field(default_factory=list)
-    encoded: dict[str, dict] = field(default_factory=dict)  # request id -> {rope_delta, vision_cache_hit, ...}
+    encoded: dict[str, dict] = field(default_factory=dict)  # request id -> its ENCODED_RECORD fields (and more)
     prefill_fallbacks: list[PrefillFallback] = field(default_factory=list)
     computed_tokens: int = 0  # token positions the model actually ran this tick (prefill + decode/verify forward)
     padded_tokens: int = 0  # pad positions batched prefill computed on top (<= PREFILL_PAD_RATIO x prefill tokens)

@@ -170,6 +170,25 @@ _RECORDED_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 
 
+@dataclass(frozen=True)
+class MediaItemRef:
+    """A media item of a request whose family keys media per item, as the scheduler and the traces see it: what
+    the vision cache holds it under, and what encoding it costs (the what-if simulator counts a chat turn's
+    earlier images as vision-cache hits by these keys)."""
+
+    key: str  # its content key (the vision cache's)
+    tokens: int  # the prompt positions it fills
+    count: int  # encoder-budget units: 1 per image, the temporal patches of a video
+
+    def to_record(self) -> list:
+        return [self.key, self.tokens, self.count]
+
+    @classmethod
+    def from_record(cls, record: Sequence) -> "MediaItemRef":
+        key, tokens, count = record
+        return cls(str(key), int(tokens), int(count))
+
+
 @dataclass(eq=False)  # identity semantics: the state machine keeps models in a list
 class Request:
     """One request moving through the lifecycle. The `Lifecycle` machine owns `state`."""
@@ -187,6 +206,7 @@ class Request:
     # media item where the model layer tells them apart, else one for all: `PreparedRequest.media_marks`).
     # Prefix-cache keys carry them (`prefix_key`), so the text before the first is shared with any request.
     media_marks: tuple[tuple[int, str], ...] = ()
+    media_items: tuple[MediaItemRef, ...] = ()  # per item where the model layer keys media per item, else ()
     media_encoded: bool = False
     seed: int = 0  # effective sampling seed (sampling.seed or derived from the engine seed and id)
     # the context limit: prompt + outputs never exceed it (Scheduler.add sets it; None: only max_tokens caps)

@@ -123,6 +123,7 @@ class Scheduler:
             num_images=request.num_images, media_key=request.media_key, draft_eligible=request.draft_eligible,
             **({"num_media_tokens": request.num_media_tokens} if request.num_media_tokens else {}),
             **({"media_marks": [list(m) for m in request.media_marks]} if request.media_marks else {}),
+            **({"media_items": [item.to_record() for item in request.media_items]} if request.media_items else {}),
             measure={"t": request.arrival_time, "admitted_to_engine_t": self.events.clock()},
         )
 

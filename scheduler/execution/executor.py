@@ -309,7 +309,8 @@ class MLXExecutor:
                 continue
             self._encoded[rid] = encoded
             result.encoded[rid] = {"rope_delta": encoded.rope_delta, "vision_cache_hit": encoded.vision_cache_hit,
-                                   "vision_time_s": encoded.vision_time_s}
+                                   "vision_time_s": encoded.vision_time_s, "items_encoded": encoded.encoded_items,
+                                   "media_tokens_encoded": encoded.encoded_media_tokens}
 
     def _fail_batch(self, joining: list[str], result: TickResult, error: str) -> None:
         """The batched decode is one work item: every row in it (and every request joining it) fails, the

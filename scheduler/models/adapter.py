@@ -152,8 +152,11 @@ class EncodedRequest:
     position_ids: mx.array | None  # (3, 1, L) int32 M-RoPE positions; None for 1-D RoPE families
     rope_delta: int  # decode position of a row = tokens in its cache + rope_delta (0 for 1-D RoPE)
     input_ids: mx.array  # (1, L) int32
-    vision_cache_hit: bool | None = None  # None: no media
+    vision_cache_hit: bool | None = None  # None: no media; True: all of its media units were in the vision cache
     vision_time_s: float = 0.0  # encoder wall time (0 on a hit)
+    encoded_items: int = 0  # media items (encoder-budget units) that went through the encoders for it
+    encoded_media_tokens: int = 0  # their media tokens (a unit in the cache, or encoded for an earlier request
+    # of the same call, is not counted: on the families keyed per item, a chat turn encodes only its new image)
     sequence_inputs: dict[str, mx.array] = field(default_factory=dict)  # (1, L, ...) sliced with each chunk
     media_mask: mx.array | None = None  # (1, L) bool: the media positions (families that declare the input)
     media_rows: dict[str, Any] = field(default_factory=dict)  # per media token rows (families that declare them)
@@ -423,13 +426,16 @@ class VLMAdapter:
                 misses.append(unit)
         for group in self._vision_groups(misses):
             self._encode_group(group, found, failed, on_call)
+        missed = {u.key for u in misses}
         for i, request_units in units.items():
             error = next((failed[u.key] for u in request_units if u.key in failed), None)
             if error is not None:
                 outcomes[i] = error
                 continue
             media = [found[u.key] if first[u.key] is u else self._follower(u.key, found) for u in request_units]
-            outcomes[i] = self._joined(media)
+            joined = outcomes[i] = self._joined(media)
+            own = [u for u in request_units if first[u.key] is u and u.key in missed]  # what its encoders ran on
+            joined.encoded_items, joined.encoded_tokens = sum(u.count for u in own), sum(len(u.positions) for u in own)
         assemble = [i for i, outcome in enumerate(outcomes) if outcome is None or isinstance(outcome, _Media)]
         text_path = [i for i in assemble if outcomes[i] is None or outcomes[i].embeds is None]
         texts = dict(zip(text_path, self._text_inputs([items[i] for i in text_path])))
@@ -488,7 +494,7 @@ class VLMAdapter:
         """A request's rows from its units' rows, in order (a whole-request unit's are the request's: only an
         encoder call over a whole request makes merged ``embeds``)."""
         if len(media) == 1:
-            return media[0]
+            return dataclasses.replace(media[0])
         row_inputs = [None if any(m.row_inputs[k] is None for m in media) else
                       mx.concatenate([m.row_inputs[k] for m in media], axis=1) for k in range(len(media[0].row_inputs))]
         return _Media(mx.concatenate([m.rows for m in media], axis=0), row_inputs, hit=all(m.hit for m in media),
@@ -624,6 +630,8 @@ class VLMAdapter:
         return EncodedRequest(embeddings=embeds, position_ids=positions, rope_delta=delta, input_ids=ids,
                               vision_cache_hit=None if media is None else media.hit,
                               vision_time_s=0.0 if media is None else media.seconds,
+                              encoded_items=0 if media is None else media.encoded_items,
+                              encoded_media_tokens=0 if media is None else media.encoded_tokens,
                               sequence_inputs=sequence_inputs, media_mask=media_mask, media_rows=media_rows)
 
     def make_cache(self) -> list:
@@ -751,6 +759,8 @@ class _Media:
     embeds: mx.array | None = None
     sequence_inputs: dict[str, mx.array] = field(default_factory=dict)
     seconds: float = 0.0
+    encoded_items: int = 0  # of a request's: the media items its units put through the encoders in this call
+    encoded_tokens: int = 0  # and their media tokens
 
 
 def _shape_but(value: Any, axis: int) -> tuple:

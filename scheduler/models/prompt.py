@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler.models import library
-from scheduler.request import InvalidRequest, UnreadableMedia, as_token_ids, media_field, validate_prompt_tokens
+from scheduler.request import (InvalidRequest, MediaItemRef, UnreadableMedia, as_token_ids, media_field,
+                               validate_prompt_tokens)
 
 
 @dataclass
@@ -71,6 +72,12 @@ class ResolvedPrompt:
     @property
     def media_marks(self) -> tuple[tuple[int, str], ...]:
         return self.media.media_marks if self.media is not None else ()
+
+    @property
+    def media_items(self) -> tuple[MediaItemRef, ...]:
+        if self.media is None:
+            return ()
+        return tuple(MediaItemRef(item.key, item.tokens, item.count) for item in self.media.media_items)
 
 
 class PromptResolver:

@@ -30,7 +30,7 @@ from scheduler.plan import DECODE_FAILED, PLAN_RECORD_GROUPS, PREFILL_FAILED, Pr
 from scheduler.policy import Policy, make_policy
 from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import Scheduler
-from scheduler.tools.workload import media_marks
+from scheduler.tools.workload import media_items, media_marks
 
 
 class TraceError(ValueError):
@@ -169,6 +169,7 @@ def request_from_arrival(event: Mapping[str, Any]) -> Request:
         num_media_tokens=event.get("num_media_tokens", 0),  # (traces from before the token budget: 0)
         media_key=event.get("media_key"),
         media_marks=media_marks(event),
+        media_items=media_items(event),
         draft_eligible=event.get("draft_eligible"),
     )
 

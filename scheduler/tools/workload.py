@@ -20,6 +20,8 @@ import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, Union
 
+from scheduler.request import MediaItemRef
+
 if TYPE_CHECKING:  # pragma: no cover
     from scheduler.tools.replay import Trace
 
@@ -36,6 +38,12 @@ def media_marks(arrival: Mapping[str, Any]) -> tuple[tuple[int, str], ...]:
         return tuple((int(position), str(key)) for position, key in arrival["media_marks"])
     key = arrival.get("media_key")
     return () if key is None else ((int(arrival.get("media_offset", 0)), key),)
+
+
+def media_items(arrival: Mapping[str, Any]) -> tuple[MediaItemRef, ...]:
+    """The arrival's media items (`Request.media_items`): recorded where the model layer keyed its media per
+    item; () for a request whose media are one unit, and in traces from before they were recorded."""
+    return tuple(MediaItemRef.from_record(item) for item in arrival.get("media_items", ()))
 
 
 def samples_tokens(sampling: Mapping[str, Any]) -> bool:
@@ -57,6 +65,7 @@ class SimArrival:
     num_media_tokens: int = 0  # prompt positions its media fill (the vision token budget counts them)
     media_key: str | None = None  # content key of its ordered media (the vision cache's key)
     media_marks: tuple[tuple[int, str], ...] = ()  # Request.media_marks (its prefix keys' media)
+    media_items: tuple[MediaItemRef, ...] = ()  # Request.media_items (per item where keyed per item)
     abort_time: float | None = None  # the caller aborts it at this time (relative), if still live
     error_after: int | None = None  # it fails (executor error) when sampling token number error_after + 1
     samples: bool = False  # goes through the sampler (a temperature or penalties), not the greedy argmax
@@ -257,6 +266,7 @@ def arrivals_from_trace(trace: "Trace | str | os.PathLike") -> list[SimArrival]:
             num_media_tokens=int(event.get("num_media_tokens", 0)),
             media_key=event.get("media_key"),
             media_marks=media_marks(event),
+            media_items=media_items(event),
             abort_time=None if abort_time is None else max(0.0, abort_time - rec.t0),
             error_after=error_after,
             samples=samples_tokens(sampling),

@@ -292,14 +292,24 @@ def test_family_chat_turn_adding_an_image_reuses_the_turn_before(family):
     marks = [[position for position, _ in e["media_marks"]] for e in arrivals]
     hits = [e["length"] for e in log.of_kind("prefix_hit") if e["request_id"] == arrivals[1]["request_id"]]
     encoded = [e["images"] for e in log.of_kind("vision_encode") if arrivals[1]["request_id"] in e["request_ids"]]
+    # what the outcomes record of each turn's encoding (the what-if simulator's vision-cost fit reads it)
+    recorded = [info for o in log.of_kind("outcome") for rid, info in o["encoded"].items()
+                if rid == arrivals[1]["request_id"]]
+    media_tokens = [e["num_media_tokens"] for e in arrivals]
     if FAMILIES[name].item_split is not ItemSplit.WHOLE:
         assert len(marks[1]) == 2 and marks[1][0] == marks[0][0], marks
         assert hits == [len(arrivals[0]["prompt_tokens"]) - 1], (hits, marks)  # the whole first turn
         assert encoded == [1], encoded  # only the new image: the first one's rows are in the vision cache
+        items = [e["media_items"] for e in arrivals]  # (key, media tokens, count) per image
+        assert len(items[0]) == 1 and len(items[1]) == 2 and items[1][0] == items[0][0], items
+        assert sum(tokens for _, tokens, _ in items[1]) == media_tokens[1]
+        assert [(r["items_encoded"], r["media_tokens_encoded"]) for r in recorded] == [(1, items[1][1][1])]
     else:
         assert len(marks[1]) == 1, marks
         assert len(hits) == 1 and 0 < hits[0] <= marks[0][0], (hits, marks)  # the text before the image
         assert sum(encoded) == 2, encoded  # both images: the vision cache holds the first request's media whole
+        assert "media_items" not in arrivals[1]
+        assert [(r["items_encoded"], r["media_tokens_encoded"]) for r in recorded] == [(2, media_tokens[1])]
 
 
 def test_family_is_quiet_per_request(family, capfd, caplog, recwarn):

@@ -601,6 +601,45 @@ def test_the_sim_executor_charges_vision_tokens_and_context():
     assert ex.clock == pytest.approx(3e-3 + 15e-6 + 17e-6)  # each row has produced one token since
 
 
+def test_the_sim_executor_counts_vision_hits_per_media_item():
+    """Arrivals that record their media per item (`media_items`): a chat turn that resends an earlier image
+    encodes, and is charged for, its new image only; an arrival without items is one unit (its media key)."""
+    from scheduler.request import MediaItemRef
+
+    cost = CostModel(per_image_encoded=1e-3, per_vision_token=1e-4, media_token_ids=frozenset({5}))
+    first, second = MediaItemRef("a", 3, 1), MediaItemRef("b", 2, 1)
+    arrivals = [SimArrival("t1", 0.0, [1, 5, 5, 5, 1], 4, 4, num_images=1, media_key="ka", media_items=(first,)),
+                SimArrival("t2", 0.0, [1, 5, 5, 5, 1, 5, 5, 1], 4, 4, num_images=2, media_key="kab",
+                           media_items=(first, second)),
+                SimArrival("w", 0.0, [1, 5, 5, 5, 5, 1], 4, 4, num_images=1, media_key="kw")]
+    ex = SimExecutor(cost, arrivals)
+    encoded = {}
+    for tick, rid in enumerate(("t1", "t2", "w")):
+        before = ex.clock
+        result = ex.execute(TickPlan(tick, admitted=(rid,), encode=(rid,)))
+        encoded[rid] = (result.encoded[rid], ex.clock - before)
+    assert encoded["t1"][0] == {"rope_delta": 0, "vision_cache_hit": False, "items_encoded": 1,
+                                "media_tokens_encoded": 3}
+    assert encoded["t2"][0]["items_encoded"] == 1 and encoded["t2"][0]["media_tokens_encoded"] == 2
+    assert encoded["t2"][1] == pytest.approx(1e-3 + 2e-4)  # b alone: a's rows are a hit
+    assert encoded["w"][0]["media_tokens_encoded"] == 4  # one unit: every media token of its prompt
+    again = ex.execute(TickPlan(3, admitted=("t2",), encode=("t2",)))  # a preempted t2 re-encoded: all hits
+    assert again.encoded["t2"]["vision_cache_hit"] is True and again.encoded["t2"]["items_encoded"] == 0
+
+
+def test_the_fit_counts_the_items_an_outcome_says_were_encoded():
+    """The vision terms are fitted on what each outcome records as encoded (`items_encoded`,
+    `media_tokens_encoded`); a trace from before those fields counts every media item of a request that was
+    not a hit."""
+    from scheduler.tools.simulation.cost_model import _encoded_misses
+
+    images, tokens = {"t2": 2, "old": 3}, {"t2": 5, "old": 9}
+    now = {"encoded": {"t2": {"vision_cache_hit": False, "items_encoded": 1, "media_tokens_encoded": 2}}}
+    before = {"encoded": {"old": {"vision_cache_hit": False}, "hit": {"vision_cache_hit": True}}}
+    assert _encoded_misses(now, images, tokens) == (1, 2)
+    assert _encoded_misses(before, images, tokens) == (3, 9)
+
+
 def test_an_arrival_taken_in_while_serving_delays_the_next_tick():
     """The loop's time to take a media arrival in (fitted on the gaps) is charged when it arrives while other
     requests are served; an arrival to an idle engine delays nothing (the loop was waiting anyway)."""

@@ -206,9 +206,16 @@ def context_features(row_contexts: Sequence[int], merges: bool) -> tuple[int, in
 def _encoded_misses(outcome: Mapping[str, Any], images: Mapping[str, int],
                     vision_tokens: Mapping[str, int]) -> tuple[int, int]:
     """Media items a recorded tick encoded that missed the vision cache (`outcome.encoded`), and their media
-    tokens."""
-    missed = [rid for rid, info in outcome.get("encoded", {}).items() if not info.get("vision_cache_hit")]
-    return sum(images.get(rid, 1) for rid in missed), sum(vision_tokens.get(rid, 0) for rid in missed)
+    tokens: as the outcome counts them per request (`items_encoded`, `media_tokens_encoded`: a chat turn whose
+    earlier images were in the cache encoded its new one only), or, in traces from before those, all of the
+    media of each request that was not a hit."""
+    items = tokens = 0
+    for rid, info in outcome.get("encoded", {}).items():
+        if "items_encoded" in info:
+            items, tokens = items + int(info["items_encoded"]), tokens + int(info.get("media_tokens_encoded", 0))
+        elif not info.get("vision_cache_hit"):
+            items, tokens = items + images.get(rid, 1), tokens + vision_tokens.get(rid, 0)
+    return items, tokens
 
 
 def _fit_phase(x: np.ndarray, y: np.ndarray, outlier_mads: float | None) -> tuple[np.ndarray, np.ndarray]:

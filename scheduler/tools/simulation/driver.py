@@ -147,7 +147,8 @@ class _Simulation:
             self.scheduler.add(Request(request_id=a.request_id, prompt_tokens=a.prompt_tokens, sampling=sampling,
                                        priority=a.priority, arrival_tick=tick, arrival_time=a.arrival_time,
                                        num_images=a.num_images, num_media_tokens=a.num_media_tokens,
-                                       media_key=a.media_key, media_marks=a.media_marks), tick)
+                                       media_key=a.media_key, media_marks=a.media_marks,
+                                       media_items=a.media_items), tick)
             if busy:
                 self.executor.clock += self.cost_model.arrival_seconds(a.num_images > 0)
 

@@ -45,10 +45,11 @@ class SimExecutor:
         self._stop_at: dict[str, int] = {}
         self._error_at: dict[str, int] = {}
         self._prompt_len: dict[str, int] = {}
-        self._media: dict[str, tuple[int, str | None]] = {}  # id -> (media items, media key)
+        # id -> its encoder units: (key, media items, media tokens) per item where the trace keys them per item,
+        # else one unit (its media key, all its items and media tokens)
+        self._media: dict[str, tuple[tuple[str | None, int, int], ...]] = {}
         self._media_offset: dict[str, int] = {}  # id -> its first media position (where it checkpoints)
-        self._vision_tokens: dict[str, int] = {}  # id -> its prompt's media tokens (what the encoder's cost grows with)
-        self._vision_seen: set[str] = set()  # media keys encoded before: a vision-cache hit (unbounded cache)
+        self._vision_seen: set[str] = set()  # unit keys encoded before: a vision-cache hit (unbounded cache)
         self._samples: set[str] = set()  # requests that go through the sampler (their decode rows cost more)
         for a in arrivals:
             self._stop_at[a.request_id] = a.output_len - 1 if a.output_len < a.max_tokens else -1
@@ -58,10 +59,9 @@ class SimExecutor:
                 self._samples.add(a.request_id)
             if a.media_marks:
                 self._media_offset[a.request_id] = a.media_marks[0][0]
-            if a.num_images:
-                self._media[a.request_id] = (a.num_images, a.media_key)
-                self._vision_tokens[a.request_id] = sum(1 for t in a.prompt_tokens
-                                                        if t in cost_model.media_token_ids)
+            if a.num_images:  # the media tokens: what the encoder's cost grows with
+                self._media[a.request_id] = tuple((i.key, i.count, i.tokens) for i in a.media_items) or (
+                    (a.media_key, a.num_images, sum(1 for t in a.prompt_tokens if t in cost_model.media_token_ids)),)
         self._produced: dict[str, int] = {}
 
     def execute(self, plan: TickPlan) -> TickResult:
@@ -70,14 +70,15 @@ class SimExecutor:
         encoded: dict[str, dict] = {}
         images = vision_tokens = 0
         for rid in plan.encode:
-            count, key = self._media.get(rid, (1, None))
-            hit = key is not None and key in self._vision_seen
-            if key is not None:
-                self._vision_seen.add(key)
-            if not hit:
-                images += count
-                vision_tokens += self._vision_tokens.get(rid, 0)
-            encoded[rid] = {"rope_delta": 0, "vision_cache_hit": hit}
+            items = tokens = 0
+            for key, count, unit_tokens in self._media.get(rid, ((None, 1, 0),)):
+                if key is None or key not in self._vision_seen:
+                    items, tokens = items + count, tokens + unit_tokens
+                if key is not None:
+                    self._vision_seen.add(key)
+            images, vision_tokens = images + items, vision_tokens + tokens
+            encoded[rid] = {"rope_delta": 0, "vision_cache_hit": items == 0, "items_encoded": items,
+                            "media_tokens_encoded": tokens}
         # a decode row attends over its prompt and what it produced (as the fit counts it from a trace)
         completing = [c.request_id for c in plan.prefill if c.completes]
         context, merged = context_features([self._prompt_len[rid] + self._produced.get(rid, 0)
