@@ -522,12 +522,13 @@ def test_kv_budget_preempts_in_the_simulation():
 
 def _phased_trace(true: CostModel, n_ticks: int, seed: int = 0, media_ids: tuple[int, ...] = (5,)) -> list[dict]:
     """A trace that times each tick's phases (vision_s, prefill_s, decode_s, as the engine records them), with
-    encoding on one tick in 25: images of 4..40 media tokens. Decode rows attend over a growing context;
-    every phase's time follows `true` (+2% noise) and one tick in 30 takes 3x as long (load)."""
+    encoding on one tick in 25: requests of one or two images, 4..40 media tokens in all. Decode rows attend
+    over a growing context; every phase's time follows `true` (+2% noise) and one tick in 30 takes 3x as long
+    (load). The loop takes each arrival in before the tick that drains it: 0.5 ms, and 2 ms per image."""
     rng = np.random.default_rng(seed)
     events = [{"schema": 1, "seq": 0, "tick": 0, "event": "engine_start", "config": {"max_seqs": 8},
                "media_token_ids": list(media_ids), "measure": {"t": 100.0}}]
-    t, produced, prompt_len = 100.0, {}, {}
+    t, produced, prompt_len, images = 100.0, {}, {}, {}
     for tick in range(n_ticks):
         chunks, encode = [], []
         if tick % 25 == 3:  # a few images arrive and are encoded and prefilled at once
@@ -535,18 +536,19 @@ def _phased_trace(true: CostModel, n_ticks: int, seed: int = 0, media_ids: tuple
                 rid, vt = f"m{tick}-{j}", int(rng.integers(4, 41))
                 prompt = [1] * 6 + [media_ids[0]] * vt + [1] * 6
                 prompt_len[rid] = len(prompt)
+                images[rid] = 1 + j % 2
                 events.append({"schema": 1, "seq": len(events), "tick": tick, "event": "arrival", "request_id": rid,
-                               "prompt_tokens": prompt, "sampling": {"max_tokens": 8}, "num_images": 1,
+                               "prompt_tokens": prompt, "sampling": {"max_tokens": 8}, "num_images": images[rid],
                                "measure": {"t": t}})
                 encode.append(rid)
                 chunks.append([rid, 0, len(prompt), True])
-            t += 5e-3 * len(encode)  # the loop took each media arrival in (its preprocessing) before this tick
+            t += 0.5e-3 * len(encode) + 2e-3 * sum(images[r] for r in encode)  # the loop took them in
         live = [rid for rid in prompt_len if produced.get(rid, 0) < 30 and rid not in encode]
         decode = live[:8]
         rows = decode + [c[0] for c in chunks]
         context = sum(prompt_len[r] + produced.get(r, 0) for r in rows)
         vision_tokens = sum(prompt_len[r] - 12 for r in encode)
-        x = tick_features(chunks, decode, sum(c[2] for c in chunks) + len(decode), len(encode),
+        x = tick_features(chunks, decode, sum(c[2] for c in chunks) + len(decode), sum(images[r] for r in encode),
                           lambda rid: rid.startswith("m"), vision_tokens, context)
         spike = 3.0 if tick % 30 == 17 else 1.0
         phase = {key: float(sum(x[FEATURES.index(f)] * getattr(true, f) for f in names)) * rng.normal(1, 0.02) * spike
@@ -579,7 +581,9 @@ def test_the_phases_fit_apart_so_rare_encoding_ticks_keep_their_cost():
     for name in ("per_image_encoded", "per_vision_token", "per_context_token", "per_decode_forward"):
         assert getattr(fitted, name) * fitted.slowdown == pytest.approx(getattr(true, name), rel=0.25), name
     assert fitted.r2 > 0.95 and fitted.dropped >= 10  # the 3x ticks were left out of the terms
-    assert fitted.per_media_arrival == pytest.approx(5e-3, rel=0.01) and fitted.overhead == pytest.approx(50e-6)
+    assert fitted.overhead == pytest.approx(50e-6)
+    assert fitted.per_arrival == pytest.approx(0.5e-3, rel=0.02)
+    assert fitted.per_media_arrival == pytest.approx(2e-3, rel=0.02)  # per image: the arrivals carry one or two
     whole = fit_cost_model([{k: v for k, v in e.items()} if e["event"] != "outcome" else
                             {**e, "measure": {k: e["measure"][k] for k in ("t", "tick_start_t", "tick_s")}}
                             for e in events])

@@ -64,7 +64,35 @@ def burst(with_images: bool) -> tuple[list[dict], list[float]]:
     return requests, [0.0] * len(requests)
 
 
-WORKLOADS = {"text": text_workload, "image+text": image_text_workload,
+def image_chat_workload() -> tuple[list[dict], list[float]]:
+    """16 chats of 3 turns, each turn resending the chat so far (its images, questions and a fixed answer) with
+    a new image of one of four sizes, 24 greedy new tokens each: a turn's earlier images are vision-cache hits
+    (the tiny Qwen2-VL keys media per image) and its earlier turns prefix-cache hits. Chats start 20 ms apart,
+    a chat's turns 150 ms apart, so later turns arrive while earlier ones run."""
+    import numpy as np
+    from PIL import Image
+
+    sizes = [(112, 140), (56, 56), (84, 112), (140, 84)]
+    requests, offsets = [], []
+    for chat in range(16):
+        messages: list[dict] = [{"role": "system", "content": "You describe pictures in a few words."}]
+        images = []
+        for turn in range(3):
+            w, h = sizes[(chat + turn) % len(sizes)]
+            images.append(Image.fromarray(np.random.default_rng(100 * chat + turn).integers(0, 256, (h, w, 3),
+                                                                                            dtype=np.uint8)))
+            if turn:
+                messages.append({"role": "assistant", "content": "A picture of coloured noise."})
+            messages.append({"role": "user", "content": [{"type": "image"}, {"type": "text",
+                                                                             "text": f"And picture {turn}?"}]})
+            requests.append(dict(prompt=list(messages), images=list(images), priority=chat % 3,
+                                 sampling=SamplingParams(max_tokens=24)))
+            offsets.append(0.02 * chat + 0.15 * turn)
+    order = sorted(range(len(requests)), key=offsets.__getitem__)
+    return [requests[i] for i in order], [offsets[i] for i in order]
+
+
+WORKLOADS = {"text": text_workload, "image+text": image_text_workload, "image-chat": image_chat_workload,
              "text-burst": lambda: burst(False), "image+text-burst": lambda: burst(True)}
 
 

@@ -65,8 +65,8 @@ class CostModel:
 
     `slowdown` scales the terms so that they also account for the time the fit's outlier ticks took (pauses,
     contention; see `fit_cost_model`). `overhead` is the engine/client time between two busy ticks (outside
-    `tick_s`), added to every simulated tick; `per_arrival` / `per_media_arrival` the loop's time to take an
-    arrival in, added when one comes in while requests are served. `r2`, `mean_rel_error` (the model as used, slowdown included),
+    `tick_s`), added to every simulated tick; `per_arrival` (each arrival) + `per_media_arrival` (each of its
+    media items) the loop's time to take an arrival in, added when one comes in while requests are served. `r2`, `mean_rel_error` (the model as used, slowdown included),
     `typical_rel_error` (median over ticks of the terms alone: how well the shape fits), `n_ticks` and
     `dropped` describe the fit (None when not fitted).
     """
@@ -86,9 +86,11 @@ class CostModel:
     per_join_padded_token: float = 0.0
     slowdown: float = 1.0
     overhead: float = 0.0
-    # time the loop spends taking in an arrival between two ticks (tokenizing; for a media request, the
-    # processor's image preprocessing), which delays the next tick: fitted on the gaps before the ticks that
-    # drained arrivals. Zero where the arrivals come in on another thread (a server) and the gaps show none.
+    # time the loop spends taking in an arrival between two ticks, which delays the next tick: per arrival
+    # (tokenizing) and per media item it carries (the processor's preprocessing and the content keys, which grow
+    # with its images: a chat turn that resends three images takes about three times one's), fitted on the gaps
+    # before the ticks that drained arrivals. Zero where the arrivals come in on another thread (a server) and
+    # the gaps show none.
     per_arrival: float = 0.0
     per_media_arrival: float = 0.0
     r2: float | None = None
@@ -125,9 +127,10 @@ class CostModel:
                 + (self.per_sampling_forward if sampling_forward else 0.0) + self.per_sampling_row * sampling_rows
                 + self.per_join_padded_token * join_padded_tokens) * self.slowdown + self.overhead
 
-    def arrival_seconds(self, has_media: bool) -> float:
-        """Loop time taken by one arrival that comes in while requests are being served."""
-        return self.per_media_arrival if has_media else self.per_arrival
+    def arrival_seconds(self, media_items: int) -> float:
+        """Loop time taken by one arrival (with `media_items` images, videos, clips) that comes in while requests
+        are being served."""
+        return self.per_arrival + self.per_media_arrival * media_items
 
     def plan_seconds(self, plan: TickPlan, images_encoded: int = 0,
                      media: "Callable[[str], bool]" = lambda _rid: False, vision_tokens: int = 0,
@@ -158,8 +161,8 @@ class CostModel:
                  f"{self.overhead * 1e6:.3g} us between ticks"]
         text = "cost model: (" + " + ".join(parts[:-1]) + f") x {self.slowdown:.3g} + {parts[-1]}"
         if self.per_arrival or self.per_media_arrival:
-            text += (f"; {self.per_arrival * 1e3:.3g} ms per text arrival, {self.per_media_arrival * 1e3:.3g} ms "
-                     "per media arrival between ticks")
+            text += (f"; {self.per_arrival * 1e3:.3g} ms per arrival + {self.per_media_arrival * 1e3:.3g} ms per "
+                     "media item it carries, between ticks")
         if self.r2 is not None:
             timed = f", phases timed apart: {'/'.join(self.phases)}" if self.phases else ""
             text += (f"; fit over {self.n_ticks} ticks{timed} ({self.dropped} outliers left out of the terms): "
@@ -391,7 +394,8 @@ def fit_cost_model(trace: "Trace | str | os.PathLike | Iterable[dict]",
 
 def _fit_gaps(rec: Any, images: Mapping[str, int], outlier_mads: float | None) -> tuple[float, float, float]:
     """The time between one busy tick's end and the next one's start: a constant (engine/client time) plus
-    what the arrivals drained at the next tick cost the loop to take in (text, media); robust like the phases."""
+    what the arrivals drained at the next tick cost the loop to take in (per arrival, per media item they carry);
+    robust like the phases."""
     rows, ys = [], []
     ticks = sorted(rec.trace.outcomes)
     for a, b in zip(ticks, ticks[1:]):
@@ -399,8 +403,7 @@ def _fit_gaps(rec: Any, images: Mapping[str, int], outlier_mads: float | None) -
             ma, mb = rec.trace.outcomes[a]["measure"], rec.trace.outcomes[b]["measure"]
             if "tick_start_t" in mb and "t" in ma:
                 arrived = [e["request_id"] for e in rec.trace.arrivals.get(b, ())]
-                media = sum(1 for rid in arrived if images.get(rid, 0) > 0)
-                rows.append([1.0, float(len(arrived) - media), float(media)])
+                rows.append([1.0, float(len(arrived)), float(sum(images.get(rid, 0) for rid in arrived))])
                 ys.append(max(0.0, mb["tick_start_t"] - ma["t"]))
     if not rows:
         return 0.0, 0.0, 0.0

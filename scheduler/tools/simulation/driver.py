@@ -150,7 +150,7 @@ class _Simulation:
                                        media_key=a.media_key, media_marks=a.media_marks,
                                        media_items=a.media_items), tick)
             if busy:
-                self.executor.clock += self.cost_model.arrival_seconds(a.num_images > 0)
+                self.executor.clock += self.cost_model.arrival_seconds(a.num_images)
 
     def abort_due(self, now: float) -> None:
         aborts = self.aborts
