@@ -47,7 +47,7 @@ from caches.vision import VisionCache, content_key
 from scheduler.models import prompt as prompts
 from scheduler.models import library, media_items
 from scheduler.models import positions as position_strategies
-from scheduler.models.families import FamilySpec, Positions, UnsupportedFamily, VisionBatch, family_for
+from scheduler.models.families import FamilySpec, UnsupportedFamily, VisionBatch, family_for
 from scheduler.models.media import (AudioInput, ImageInput, MediaError, MediaLimit, VideoFrames, VideoInput,
                                     load_audio, load_image, load_video, validate_video_sampling)
 
@@ -442,26 +442,37 @@ class VLMAdapter:
         for i in assemble:
             prepared, extra = items[i]
             try:
-                outcomes[i] = self._assemble(prepared, extra, outcomes[i], texts.get(i))
+                text = texts.get(i)
+                if isinstance(text, Exception):
+                    raise text
+                outcomes[i] = self._assemble(prepared, extra, outcomes[i], text)
             except Exception as exc:  # a request whose rows do not fit its prompt fails alone
                 outcomes[i] = exc
         return outcomes  # type: ignore[return-value]
 
     def _text_inputs(self, items: Sequence[tuple[PreparedRequest, Sequence[int]]]
-                     ) -> list[tuple[mx.array, dict[str, mx.array]]]:
+                     ) -> list[tuple[mx.array, dict[str, mx.array]] | Exception]:
         """The text path's embeddings and sequence inputs of each request (its media rows go in after), from
         one call over the prompts side by side: every family's text path embeds token by token (an embedding
         lookup; Gemma 4's per-layer inputs too), so each prompt's slice is what its own call gives
         (tests/models/test_vision_batch.py compares with requests encoded alone), and the call's fixed cost
         (mlx-vlm's Qwen text path also works out positions, which the engine takes from ``self.positions``)
-        is paid once per tick, not once per request."""
+        is paid once per tick, not once per request. A call over several requests that raises is redone one
+        request at a time, so an error is only its own request's (returned in its place)."""
         if not items:
             return []
         ids = [self._ids(prepared, extra) for prepared, extra in items]
         masks = [self._mask(prepared, i) for (prepared, _), i in zip(items, ids)]
-        out = library.input_embeddings(self.model, mx.concatenate(ids, axis=1), {}, mx.concatenate(masks, axis=1))
-        sequence_inputs = {name: getattr(out, name) for name in self.spec.sequence_inputs
-                           if getattr(out, name, None) is not None}
+        try:
+            out = library.input_embeddings(self.model, mx.concatenate(ids, axis=1), {},
+                                           mx.concatenate(masks, axis=1))
+            sequence_inputs = {name: getattr(out, name) for name in self.spec.sequence_inputs
+                               if getattr(out, name, None) is not None}
+            mx.eval(out.inputs_embeds, *sequence_inputs.values())
+        except Exception as exc:
+            if len(items) == 1:
+                return [exc]
+            return [text for item in items for text in self._text_inputs([item])]
         texts, start = [], 0
         for i in ids:
             end = start + i.shape[1]

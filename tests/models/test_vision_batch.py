@@ -284,3 +284,28 @@ def test_a_bad_medium_fails_only_its_own_request(name, tmp_path):
     assert calls[0]["request_ids"] == ["r0", "r1", "r2"] and "error" in calls[0]  # the batched call raised
     assert [(c["request_ids"], "error" in c) for c in calls[1:]] == [(["r0"], False), (["r1"], True),
                                                                      (["r2"], False)]
+
+
+def test_a_text_path_that_raises_fails_only_its_own_request(tmp_path, monkeypatch):
+    """The tick's text embeddings come from one call over the requests' prompts side by side; a call that raises
+    is redone one request at a time, so only the request whose own call raises fails (here: the model refuses a
+    prompt holding one token id), and the others' embeddings equal those of each encoded alone."""
+    import mlx_vlm
+
+    model, processor = mlx_vlm.load(str(build_model("vlm", tmp_path)))
+    adapter = _adapter(model, processor)
+    prepared = [adapter.prepare(user(text, 0)) for text in ("Hello there.", "Tell me a story, please.", "Why?")]
+    alone = [adapter.encode(p) for p in prepared]
+    refused = next(t for t in prepared[1].input_ids if t not in prepared[0].input_ids + prepared[2].input_ids)
+    original = model.get_input_embeddings
+
+    def refusing(input_ids, pixel_values=None, **kwargs):
+        if pixel_values is None and refused in input_ids.tolist()[0]:
+            raise ValueError("refused token")
+        return original(input_ids, pixel_values, **kwargs)
+
+    monkeypatch.setattr(model, "get_input_embeddings", refusing)
+    many = adapter.encode_many([(p, ()) for p in prepared])
+    assert isinstance(many[1], ValueError) and "refused token" in str(many[1])
+    for got, want in ((many[0], alone[0]), (many[2], alone[2])):
+        assert mx.array_equal(got.embeddings, want.embeddings).item()
