@@ -118,8 +118,8 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
     FamilySpec("qwen3_vl", Positions.MROPE, _QWEN_MEDIA, video_block_per_frame=True,
                media_mask_input="visual_pos_masks",
                media_row_inputs=("deepstack_visual_embeds",), vision_batch=_ONE, item_split=_GRID),
-    FamilySpec("qwen3_5", Positions.MROPE, _QWEN_MEDIA, video_block_per_frame=True, vision_batch=_ONE, item_split=_GRID,
-               notes="hybrid: gated-delta (recurrent) layers next to full attention"),
+    FamilySpec("qwen3_5", Positions.MROPE, _QWEN_MEDIA, video_block_per_frame=True, vision_batch=_ONE,
+               item_split=_GRID, notes="hybrid: gated-delta (recurrent) layers next to full attention"),
     FamilySpec("gemma3", placeholder="boi_token", vision_batch=VisionBatch.PER_REQUEST,
                notes=GEMMA3_PER_REQUEST),
     FamilySpec("idefics3", media_axis=1, item_split=ItemSplit.TILES),  # pixel_values (1, views, C, H, W)

@@ -5,9 +5,9 @@ it fills and the tensors its content key hashes, by the layout the family's proc
 ``GRID``         the Qwen processors: every item's patch rows flattened into one ``pixel_values`` (or
                  ``pixel_values_videos``) with one ``*_grid_thw`` row each; an item fills
                  ``prod(grid row) / merge**2`` positions, and a video counts its temporal patches.
-``STACK``        one image per index of ``pixel_values`` axis 0, all of one size (gemma3, llava: the processor
-                 resizes every image to the tower's size), each filling an equal share of the positions (the
-                 merge fills them in stack order).
+``STACK``        one image per index of ``pixel_values`` axis 0, all of one size (llava: the processor resizes
+                 every image to the tower's size), each filling an equal share of the positions (the merge
+                 fills them in stack order).
 ``SIZED_STACK``  ``pixel_values`` (N, C, H, W) padded to the request's largest image, with each image's own
                  ``image_sizes`` row (mistral3, pixtral); an image fills ``(h / patch / merge) x (w / patch / merge)``
                  positions and is cut to its own size, so it hashes and encodes the same whatever images share its
@@ -20,9 +20,9 @@ it fills and the tensors its content key hashes, by the layout the family's proc
 
 A split that does not give the request's items (``num_items``: its images and videos), or does not account for
 exactly the prompt's media positions, or tensors the layout does not name, gives ``None``: the media are then
-keyed and encoded whole, as for ``WHOLE``. An item encoded alone gives the
-rows of its share of a call over the whole request up to the BLAS's rounding on other row counts (bitwise with
-the wheel's BLAS, a few 1e-7 under OpenBLAS: tests/models/test_vision_batch.py).
+keyed and encoded whole, as for ``WHOLE``. An item encoded alone gives the rows of its share of a call over the
+whole request up to the BLAS's rounding on other row counts (bitwise with the wheel's BLAS, a few 1e-7 under
+OpenBLAS: tests/models/test_vision_batch.py).
 """
 
 from __future__ import annotations

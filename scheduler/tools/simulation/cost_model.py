@@ -66,9 +66,9 @@ class CostModel:
     `slowdown` scales the terms so that they also account for the time the fit's outlier ticks took (pauses,
     contention; see `fit_cost_model`). `overhead` is the engine/client time between two busy ticks (outside
     `tick_s`), added to every simulated tick; `per_arrival` (each arrival) + `per_media_arrival` (each of its
-    media items) the loop's time to take an arrival in, added when one comes in while requests are served. `r2`, `mean_rel_error` (the model as used, slowdown included),
-    `typical_rel_error` (median over ticks of the terms alone: how well the shape fits), `n_ticks` and
-    `dropped` describe the fit (None when not fitted).
+    media items) the loop's time to take an arrival in, added when one comes in while requests are served.
+    `r2`, `mean_rel_error` (the model as used, slowdown included), `typical_rel_error` (median over ticks of the
+    terms alone: how well the shape fits), `n_ticks` and `dropped` describe the fit (None when not fitted).
     """
 
     base: float = 0.0
