@@ -52,6 +52,7 @@ class RequestStory:
     prefix_hits: list[tuple[int, int]] = field(default_factory=list)  # (tick, tokens restored)
     vision_cache_hits: int = 0
     vision_encodes: int = 0
+    items_encoded: int | None = None  # media items its encodings put through the encoders (None: not recorded)
     preemptions: list[tuple[int, str | None]] = field(default_factory=list)  # (tick, made room for)
     drafted: int = 0
     draft_accepted: int = 0
@@ -141,8 +142,11 @@ class _StoryBuilder:
                 self.stories[rid].draft_accepted += accepted
         for rid, info in e.get("encoded", {}).items():
             if rid in self.stories:
-                self.stories[rid].vision_encodes += 1
-                self.stories[rid].vision_cache_hits += bool(info.get("vision_cache_hit"))
+                story = self.stories[rid]
+                story.vision_encodes += 1
+                story.vision_cache_hits += bool(info.get("vision_cache_hit"))
+                if "items_encoded" in info:
+                    story.items_encoded = (story.items_encoded or 0) + int(info["items_encoded"])
 
     def _on_prefix_hit(self, e: dict[str, Any], tick: int, measure: dict[str, Any]) -> None:
         if e.get("request_id") in self.stories:
@@ -244,7 +248,9 @@ def format_story(story: RequestStory) -> str:
         lines.append(f"Prompt logprobs asked ({story.prompt_logprobs} alternatives a position): every prompt "
                      "token computed, the prefix cache not looked up.")
     if story.vision_encodes:
-        lines.append(f"Vision cache: {story.vision_cache_hits} of {story.vision_encodes} encoding(s) hit.")
+        items = ("" if story.items_encoded is None else
+                 f"; {story.items_encoded} media item(s) through the encoders, of the {story.num_images} it has")
+        lines.append(f"Vision cache: {story.vision_cache_hits} of {story.vision_encodes} encoding(s) hit{items}.")
     for tick, by in story.preemptions:
         lines.append(f"Preempted at tick {tick}" + (f" to make room for {by}." if by else "."))
     if story.drafted:

@@ -271,6 +271,7 @@ def test_family_chat_turn_adding_an_image_reuses_the_turn_before(family):
     own); elsewhere the media are keyed as a whole: it restores the text before the first image and encodes
     both. Each output equals solo mlx_vlm."""
     from scheduler.models.families import FAMILIES, ItemSplit
+    from scheduler.tools.explain import explain, format_story
 
     name, (model, processor), _, _ = family
     first = [{"role": "system", "content": LONG},
@@ -304,6 +305,8 @@ def test_family_chat_turn_adding_an_image_reuses_the_turn_before(family):
         assert len(items[0]) == 1 and len(items[1]) == 2 and items[1][0] == items[0][0], items
         assert sum(tokens for _, tokens, _ in items[1]) == media_tokens[1]
         assert [(r["items_encoded"], r["media_tokens_encoded"]) for r in recorded] == [(1, items[1][1][1])]
+        (story,) = explain(log.events, [arrivals[1]["request_id"]])  # what `mlxsched explain` tells of it
+        assert "1 media item(s) through the encoders, of the 2 it has" in format_story(story)
     else:
         assert len(marks[1]) == 1, marks
         assert len(hits) == 1 and 0 < hits[0] <= marks[0][0], (hits, marks)  # the text before the image
