@@ -47,10 +47,15 @@ class Timings:
     wall_s: float
     tokens_saved: int = 0
 
+    @property
+    def failed(self) -> int:
+        """Requests that ended without a token (the side's own error: its TTFT is the time it took to fail)."""
+        return sum(1 for out in self.outputs if not out)
+
     def row(self, exact: int) -> str:
         return (f"| {self.side} | {statistics.mean(self.ttft_s) * 1e3:.1f} | {max(self.ttft_s) * 1e3:.1f} | "
                 f"{statistics.mean(self.latency_s) * 1e3:.1f} | {self.wall_s:.3f} | {self.tokens_saved} | "
-                f"{exact}/{len(self.outputs)} |")
+                f"{exact}/{len(self.outputs)} | {self.failed} |")
 
 
 @dataclass(frozen=True)
@@ -249,14 +254,16 @@ def main(argv: list[str] | None = None) -> int:
           f"{shape}; the run with the lowest mean TTFT of {args.repeats} per side; load1 {os.getloadavg()[0]:.1f}; "
           f"solo outputs that stopped before --new-tokens: {early}\n")
     print("| side | mean TTFT ms | max TTFT ms | mean latency ms | wall s | prefill tokens from the prefix cache | "
-          "outputs equal to mlx_vlm.stream_generate alone |")
-    print("|---|---|---|---|---|---|---|")
+          "outputs equal to mlx_vlm.stream_generate alone | failed (no token) |")
+    print("|---|---|---|---|---|---|---|---|")
     for t in best.values():
         print(t.row(sum(got == w for got, w in zip(t.outputs, want))))
     ours = statistics.mean(best["ours"].ttft_s)
     for name, t in best.items():
         if name != "ours":
-            print(f"\n{name} / ours, mean TTFT: **{statistics.mean(t.ttft_s) / ours:.2f}x**")
+            ratio = (f"**{statistics.mean(t.ttft_s) / ours:.2f}x**" if not t.failed else
+                     f"not comparable: {t.failed} of {len(t.outputs)} requests failed")
+            print(f"\n{name} / ours, mean TTFT: {ratio}")
     return 0
 
 
