@@ -1,8 +1,9 @@
 """VisionCache: encoder outputs keyed by image *content*, LRU under a byte budget.
 
-What is stored: the vision tower's output for one image or video (the Qwen families, whose towers attend within
-each item: for Qwen2-VL the merged patch features, shape ``(num_image_tokens, hidden)``), or for one request's
-ordered media list (the other families), not the request's full input embeddings. The features depend only on
+What is stored: the vision tower's output for one image or video (the families whose media the model layer
+splits per item, ``FamilySpec.item_split``: for Qwen2-VL the merged patch features, shape
+``(num_image_tokens, hidden)``), or for one request's ordered media list (the others: gemma3, the audio
+families), not the request's full input embeddings. The features depend only on
 the pixels, the image grid and the model; the embeddings and M-RoPE positions also depend on the prompt text, so
 caching features lets the same image be reused under any prompt (and, per item, in any request that has it)
 while still skipping the expensive part (the vision tower) entirely. Re-merging features into the text embeddings and recomputing positions is
