@@ -436,21 +436,27 @@ class VLMAdapter:
             joined = outcomes[i] = self._joined(media)
             own = [u for u in request_units if first[u.key] is u and u.key in missed]  # what its encoders ran on
             joined.encoded_items, joined.encoded_tokens = sum(u.count for u in own), sum(len(u.positions) for u in own)
-        assemble = [i for i, outcome in enumerate(outcomes) if outcome is None or isinstance(outcome, _Media)]
-        text_path = [i for i in assemble if outcomes[i] is None or outcomes[i].embeds is None]
-        texts = dict(zip(text_path, self._text_inputs([items[i] for i in text_path])))
-        for i in assemble:
-            prepared, extra = items[i]
+        # (ids, mask) of each request to assemble: prompt + re-fed outputs
+        prompts = {i: self._prompt(*items[i]) for i, outcome in enumerate(outcomes)
+                   if outcome is None or isinstance(outcome, _Media)}
+        text_path = [i for i in prompts if outcomes[i] is None or outcomes[i].embeds is None]
+        texts = dict(zip(text_path, self._text_inputs([prompts[i] for i in text_path])))
+        for i, (ids, mask) in prompts.items():
+            text = texts.get(i)
+            if isinstance(text, Exception):
+                outcomes[i] = text
+                continue
             try:
-                text = texts.get(i)
-                if isinstance(text, Exception):
-                    raise text
-                outcomes[i] = self._assemble(prepared, extra, outcomes[i], text)
+                outcomes[i] = self._assemble(items[i][0], ids, mask, outcomes[i], text)
             except Exception as exc:  # a request whose rows do not fit its prompt fails alone
                 outcomes[i] = exc
         return outcomes  # type: ignore[return-value]
 
-    def _text_inputs(self, items: Sequence[tuple[PreparedRequest, Sequence[int]]]
+    def _prompt(self, prepared: PreparedRequest, extra_tokens: Sequence[int]) -> tuple[mx.array, mx.array]:
+        ids = self._ids(prepared, extra_tokens)
+        return ids, self._mask(prepared, ids)
+
+    def _text_inputs(self, prompts: Sequence[tuple[mx.array, mx.array]]
                      ) -> list[tuple[mx.array, dict[str, mx.array]] | Exception]:
         """The text path's embeddings and sequence inputs of each request (its media rows go in after), from
         one call over the prompts side by side: every family's text path embeds token by token (an embedding
@@ -459,10 +465,9 @@ class VLMAdapter:
         (mlx-vlm's Qwen text path also works out positions, which the engine takes from ``self.positions``)
         is paid once per tick, not once per request. A call over several requests that raises is redone one
         request at a time, so an error is only its own request's (returned in its place)."""
-        if not items:
+        if not prompts:
             return []
-        ids = [self._ids(prepared, extra) for prepared, extra in items]
-        masks = [self._mask(prepared, i) for (prepared, _), i in zip(items, ids)]
+        ids, masks = zip(*prompts)
         try:
             out = library.input_embeddings(self.model, mx.concatenate(ids, axis=1), {},
                                            mx.concatenate(masks, axis=1))
@@ -470,9 +475,9 @@ class VLMAdapter:
                                if getattr(out, name, None) is not None}
             mx.eval(out.inputs_embeds, *sequence_inputs.values())
         except Exception as exc:
-            if len(items) == 1:
+            if len(prompts) == 1:
                 return [exc]
-            return [text for item in items for text in self._text_inputs([item])]
+            return [text for prompt in prompts for text in self._text_inputs([prompt])]
         texts, start = [], 0
         for i in ids:
             end = start + i.shape[1]
@@ -488,8 +493,8 @@ class VLMAdapter:
             return [_Unit(index, item.key, mx.array([[item.token] * item.tokens], dtype=mx.int32),
                           mx.ones((1, item.tokens), dtype=mx.int32), item.inputs, tuple(range(item.tokens)),
                           item.count, whole=False) for item in prepared.media_items]
-        ids = self._ids(prepared, extra_tokens)
-        return [_Unit(index, prepared.media_key, ids, self._mask(prepared, ids), prepared.media_inputs,
+        ids, mask = self._prompt(prepared, extra_tokens)
+        return [_Unit(index, prepared.media_key, ids, mask, prepared.media_inputs,
                       prepared.media_positions, prepared.num_media_items, whole=True)]
 
     def _follower(self, key: str, found: dict[str, _Media]) -> _Media:
@@ -606,13 +611,11 @@ class VLMAdapter:
             mask[:, : len(prepared.input_ids)] = prepared.mask.astype(mx.int32)
         return mask
 
-    def _assemble(self, prepared: PreparedRequest, extra_tokens: Sequence[int], media: _Media | None,
+    def _assemble(self, prepared: PreparedRequest, ids: mx.array, mask: mx.array, media: _Media | None,
                   text: tuple[mx.array, dict[str, mx.array]] | None) -> EncodedRequest:
-        """The request's inputs from its media rows: the encoders' own merged embeddings when this request's
-        call made them, else its text embeddings (``text``, from ``_text_inputs``) with the rows put back at
-        the media positions."""
-        ids = self._ids(prepared, extra_tokens)
-        mask = self._mask(prepared, ids)
+        """The request's inputs (``ids``, ``mask``: ``_prompt``) from its media rows: the encoders' own merged
+        embeddings when this request's call made them, else its text embeddings (``text``, from
+        ``_text_inputs``) with the rows put back at the media positions."""
         spec = self.spec
         media_positions = prepared.media_positions  # of the prompt: re-fed outputs are embedded as token ids
         row_inputs: list = [None] * len(spec.media_row_inputs)
