@@ -678,13 +678,14 @@ def _quantizes(layer: Any) -> bool:
 
 def check_quantizable(cache: Cache) -> list[bool]:
     """Which layers of a fresh single-request cache quantize. Raises QuantizationRefused for a layer whose
-    `to_quantized` mlx-lm 0.32 does not implement (RotatingKVCache: sliding windows and max_kv_size)."""
+    `to_quantized` mlx-lm 0.32 / mlx-vlm 0.7 do not implement (RotatingKVCache: sliding windows, max_kv_size)."""
     for layer in cache:
         parts = layer.caches if isinstance(layer, mlx_cache.CacheList) else (layer,)
         for part in parts:
             if isinstance(part, RotatingKV.classes):
-                raise QuantizationRefused(type(part).__name__, "mlx-lm 0.32 cannot quantize a rotating (sliding "
-                                          "window) cache: its to_quantized raises NotImplementedError")
+                raise QuantizationRefused(type(part).__name__, "mlx-lm 0.32 and mlx-vlm 0.7 cannot quantize a "
+                                          "rotating (sliding window) cache: its to_quantized raises "
+                                          "NotImplementedError")
     return [_quantizes(layer) for layer in cache]
 
 

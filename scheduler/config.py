@@ -61,7 +61,9 @@ class EngineConfig:
         the point mlx-lm's generate_step would switch that request alone (caches/kv.py QuantizeRule), so
         batched greedy output equals mlx-lm's with the same three settings; the KV budget counts the
         quantized bytes. Recurrent layers stay as they are (as in mlx-lm); sliding-window layers and
-        max_kv_size are refused (mlx-lm 0.32 cannot quantize a rotating cache), and so is drafting.
+        max_kv_size are refused (mlx-lm 0.32 and mlx-vlm 0.7 cannot quantize a rotating cache), and so is
+        drafting. Vision-language models follow mlx-vlm's generate_step (its uniform scheme, the same rule).
+        The default start is 0; mlx-lm's and mlx-vlm's own default is 5000.
     kv_group_size: values per quantization group along head_dim (32, 64 or 128; must divide head_dim).
     quantized_kv_start: context length (tokens in the cache) from which a request's KV is quantized.
     prefix_cache_bytes: byte budget of the prefix cache (LRU); 0 turns it off.

@@ -237,10 +237,13 @@ class Engine:
         cfg = self.config
         if cfg.kv_bits is None:
             return None
-        if self.vlm is not None:
-            raise UnsupportedFeature(library.model_type_of(model.language_model), "kv_bits",
-                                     "quantized KV caches are not built for vision-language models yet (mlx-vlm's "
-                                     "own generate keeps its last layer unquantized and has its own schedule)")
+        if self.vlm is not None:  # mlx-vlm's conversion (`mlx_vlm.generate_step`), the same rule as mlx-lm's
+            try:
+                rule = self.vlm.quantize_rule(cfg.kv_bits, cfg.kv_group_size, cfg.quantized_kv_start)
+                self.kv_layout = self.vlm.quantized_kv_layout(self.kv_layout, rule)
+            except QuantizationRefused as exc:
+                raise UnsupportedFeature(self.vlm.spec.model_type, "kv_bits", str(exc)) from None
+            return rule
         family = self._runner.family
         if family.mask is not MaskLayout.HEADS:
             raise UnsupportedFeature(family.model_type, "kv_bits", f"its attention needs the {family.mask.value} "

@@ -42,6 +42,7 @@ import mlx.core as mx
 import numpy as np
 
 from caches import layers
+from caches.kv import QuantizeRule
 from caches.vision import VisionCache, content_key
 
 from scheduler.models import prompt as prompts
@@ -745,6 +746,31 @@ class VLMAdapter:
         self.verify(cache, probe, mx.zeros((1,), dtype=mx.int32))
         mx.eval(layers.cache_arrays(cache))
         return layers.probe_layout(cache)
+
+    def quantize_rule(self, bits: int, group_size: int, start: int) -> QuantizeRule:
+        """When a request's cache converts under ``kv_bits``: the text engine's rule with mlx-vlm's prefill step
+        (``library.quantized_kv_schedule``; ``layers.QuantizationRefused`` where mlx-vlm converts elsewhere)."""
+        return QuantizeRule(bits, group_size, start, library.quantized_kv_schedule(self.model))
+
+    def quantized_kv_layout(self, layout: Any, rule: QuantizeRule) -> Any:
+        """``layout`` with each layer's bytes per token once quantized (``EngineConfig.kv_bits``), measured on a
+        one-token probe converted as mlx-vlm converts, then run once more, so a model whose attention cannot read
+        a quantized cache (or whose head_dim the group does not divide) fails here, at configuration, with
+        ``layers.QuantizationRefused``."""
+        cache = self.make_cache()
+        layers.check_quantizable(cache)
+        probe, deltas = mx.array([[0]], dtype=mx.int32), mx.zeros((1,), dtype=mx.int32)
+        self.verify(cache, probe, deltas)
+        mx.eval(layers.cache_arrays(cache))
+        try:
+            quantized = layers.quantized_layout(cache, rule.group_size, rule.bits)
+            mx.eval(self.verify(cache, probe, deltas))
+        except (ValueError, TypeError, NotImplementedError) as exc:  # e.g. head_dim not a multiple of the group
+            raise layers.QuantizationRefused("QuantizedKVCache", f"{type(exc).__name__}: {exc}") from exc
+        if not any(q is not None for q in quantized):
+            raise layers.QuantizationRefused(", ".join(sorted({type(c).__name__ for c in cache})),
+                                             "no layer of this model's cache can be quantized")
+        return layout.quantized(rule, quantized)
 
 
 @dataclass(frozen=True)

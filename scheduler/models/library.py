@@ -15,6 +15,8 @@
 ``make_cache``            the cache ``mlx_vlm.stream_generate`` builds (``make_prompt_cache``), or rotating caches
                           of ``max_kv_size`` tokens.
 ``row_offsets``           tokens each row of a single or batch cache holds.
+``quantized_kv_schedule`` where ``mlx_vlm.generate_step`` checks ``quantized_kv_start`` during a prompt (its
+                          default ``prefill_step_size``), for the engine's ``kv_bits`` on these models.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from caches.layers import QuantizationRefused
 from caches.vision import content_key
 
 
@@ -117,6 +120,34 @@ def make_cache(language_model: Any, max_kv_size: int | None = None) -> list:
         raise ValueError("max_kv_size: this model builds its own caches (e.g. sliding windows); mlx-vlm ignores "
                          "max_kv_size for it and so would the results")
     return [vlm_cache.RotatingKVCache(max_size=max_kv_size, keep=0) for _ in language_model.layers]
+
+
+def quantized_kv_schedule(model: Any) -> int:
+    """The prefill step after which ``mlx_vlm.generate_step`` runs its quantized-KV check during a prompt.
+
+    With integer ``kv_bits`` and its default ``kv_quant_scheme`` ("uniform"), mlx-vlm 0.7 converts exactly as
+    mlx-lm does: after each prefill step of ``prefill_step_size`` tokens (all but the prompt's last token), after
+    the last token and after every decode step, every layer with ``to_quantized`` whose offset has reached
+    ``quantized_kv_start``. A model whose chunked-prefill policy turns chunking off (mlx-vlm's
+    ``_chunked_prefill_enabled``, asked as ``generate_step`` asks it without a drafter) prefills in one piece and
+    checks elsewhere, so it is refused (``QuantizationRefused``), as is a default scheme other than the uniform
+    one (turboquant or mixed key/value bits keep other layers and schedules). The policies mlx-vlm 0.7 ships read
+    the config and the drafter, not the prompt, except Gemma 4's (token types), whose sliding windows the cache
+    check refuses first."""
+    import inspect
+
+    from mlx_vlm.generate import generate_step
+    from mlx_vlm.generate.common import _chunked_prefill_enabled
+
+    parameters = inspect.signature(generate_step).parameters
+    scheme = parameters["kv_quant_scheme"].default
+    if scheme != "uniform":
+        raise QuantizationRefused("QuantizedKVCache", f"mlx-vlm's default kv_quant_scheme is {scheme!r}, not the "
+                                  "uniform one the engine's conversion follows")
+    if not _chunked_prefill_enabled(model):
+        raise QuantizationRefused(type(model).__name__, "mlx-vlm prefills it in one piece (its chunked-prefill "
+                                  "policy), so it checks quantized_kv_start at other points than the engine")
+    return int(parameters["prefill_step_size"].default)
 
 
 def row_offsets(cache: list) -> mx.array:

@@ -411,6 +411,36 @@ def test_pin_caches_merge_into_batch_with_per_row_offsets(adapter):
     assert batch[0].offset.tolist() == [4, 6]
 
 
+def test_pin_mlx_vlm_quantized_kv_schedule(vlm, adapter):
+    """kv_bits on a VLM follows mlx-vlm's generate_step: the uniform scheme by default, its quantized-KV check
+    after each prefill step of its default prefill_step_size, chunked prefill on for this model (no policy turns
+    it off), and each plain KV layer converted by its own ``to_quantized``. A model whose chunked-prefill policy
+    turns chunking off is refused: mlx-vlm would prefill it in one piece and check elsewhere."""
+    import inspect
+
+    from mlx_vlm.generate import generate_step
+    from mlx_vlm.models.cache import KVCache, QuantizedKVCache
+
+    from caches.layers import QuantizationRefused
+    from scheduler.models import library as vlm_library
+
+    model, _ = vlm
+    parameters = inspect.signature(generate_step).parameters
+    assert {"kv_bits", "kv_group_size", "quantized_kv_start", "kv_quant_scheme"} <= set(parameters)
+    assert vlm_library.quantized_kv_schedule(model) == parameters["prefill_step_size"].default == 2048
+    rule = adapter.quantize_rule(4, 32, 24)
+    assert (rule.bits, rule.group_size, rule.start, rule.prefill_step) == (4, 32, 24, 2048)
+    cache = adapter.make_cache()
+    assert all(type(c) is KVCache for c in cache)
+    assert isinstance(cache[0].to_quantized(group_size=32, bits=4), QuantizedKVCache)
+
+    class OnePiece:  # what mlx-vlm's florence2 / falcon_ocr declare
+        no_chunked_prefill = True
+
+    with pytest.raises(QuantizationRefused, match="in one piece"):
+        vlm_library.quantized_kv_schedule(OnePiece())
+
+
 def _layer_arrays(cache):
     return [(layer.keys[..., :layer.offset, :], layer.values[..., :layer.offset, :]) for layer in cache]
 

@@ -15,6 +15,7 @@ The family table is the data a new family needs: its builder and the media its p
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -107,16 +108,16 @@ def workload() -> list[tuple[list[dict], list]]:
     ]
 
 
-def solo(model, processor, messages, images):
+def solo(model, processor, messages, images, **generate_kwargs):
     """mlx_vlm.stream_generate on one chat alone (templated as mlx-vlm templates it): its last response, whose
-    token_ids are the reference."""
+    token_ids are the reference. ``generate_kwargs`` go to mlx-vlm as they are (e.g. ``kv_bits``)."""
     import mlx_vlm
     from mlx_vlm.prompt_utils import apply_chat_template
 
     prompt = apply_chat_template(processor, model.config, messages, num_images=len(images))
     last = None
     for last in mlx_vlm.stream_generate(model, processor, prompt, image=list(images) or None, max_tokens=MAX_TOKENS,
-                                        temperature=0.0):
+                                        temperature=0.0, **generate_kwargs):
         pass
     return last
 
@@ -215,6 +216,71 @@ def test_family_batches_exactly(family, schedule):
         assert drafting["drafted"] > 0 and drafting["verify_forwards"] > 0
         drafted_rows = {e["request_id"] for e in log.of_kind("transition") if e["to"] == "drafting"}
         assert drafted_rows & image_ids, "no image row drafted"
+
+
+# Quantized KV (EngineConfig.kv_bits) per family: batched exactly like mlx-vlm alone with the same settings, or
+# refused at configuration with this reason. The tiny builds with head_dim 16 cannot be quantized in groups of
+# 32 (mx.quantize needs the group to divide head_dim); gemma3's sliding windows are rotating caches, which neither
+# mlx-lm nor mlx-vlm quantizes.
+KV_BITS_REFUSED = {
+    "qwen2_5_vl": "divisible by the quantization group size", "idefics3": "divisible by the quantization group size",
+    "smolvlm": "divisible by the quantization group size", "mistral3": "divisible by the quantization group size",
+    "pixtral": "divisible by the quantization group size", "llava": "divisible by the quantization group size",
+    "gemma3": "RotatingKVCache",
+}
+KV_SETTINGS = [(4, 0), (8, 24)]  # (kv_bits, quantized_kv_start): 24 lies inside some prompts, after others
+
+
+@pytest.mark.parametrize("schedule", ["staggered", "kv-budget"])
+@pytest.mark.parametrize("setting", KV_SETTINGS, ids=lambda s: f"q{s[0]}-start{s[1]}")
+def test_family_batches_exactly_with_quantized_kv(family, setting, schedule, tmp_path):
+    """kv_bits on a vision-language model: each request's cache converts where mlx-vlm's own generate_step would
+    convert it alone (after each 2048-token prefill step, the prompt, each decode step; the uniform scheme), so
+    batched greedy output equals mlx_vlm.stream_generate with the same kv_bits / kv_group_size /
+    quantized_kv_start, with the prefix and vision caches on, and under a KV budget (counted in quantized bytes)
+    that preempts image requests. The trace replays with every conversion. A family whose caches cannot be
+    quantized is refused at configuration, naming why."""
+    from scheduler.families import UnsupportedFeature
+    from scheduler.tools.replay import load_trace, replay
+
+    name, (model, processor), requests, references = family
+    bits, start = setting
+    quantized = dict(kv_bits=bits, kv_group_size=32, quantized_kv_start=start)
+    if name in KV_BITS_REFUSED:
+        with pytest.raises(UnsupportedFeature, match=KV_BITS_REFUSED[name]):
+            Engine(model, processor, EngineConfig(**quantized))
+        return
+    want = [list(solo(model, processor, messages, images, **quantized).token_ids) for messages, images in requests]
+    if bits == 4:  # 4-bit keys and values change mlx-vlm's own greedy output here: equality is not the float one
+        assert want != references
+    spec = SCHEDULES[schedule]
+    config = EngineConfig(**spec["config"], prefix_cache_bytes=8 << 20, prefix_block_size=8, check_invariants=True,
+                          trace_path=str(tmp_path / "t.jsonl"), **quantized)
+    if schedule == "kv-budget":
+        # the least that admits every prompt alone: its float prefill peak (the rows it joins are quantized; a
+        # quantized row grows by a whole allocation step, so rows this short are held back rather than preempted)
+        layout = Engine(model, processor, EngineConfig(**quantized)).kv_layout
+        assert any(layer.quantized_bytes_per_token for layer in layout.layers)  # qwen3_5's recurrent ones: None
+        config = dataclasses.replace(config, kv_memory_bytes=layout.admit_alone_bytes(
+            max(PROMPT_TOKENS[name]), 0, config.prefill_chunk))
+    engine, log = engine_with_log(model, processor, config)
+    arrivals = [((i + 12 * (i >= len(requests) - 2)) * spec["stagger"], {"prompt": messages, "images": images,
+                                       "sampling": SamplingParams(max_tokens=MAX_TOKENS), "request_id": f"q{i}"})
+                for i, (messages, images) in enumerate(requests)]
+    run = drive(engine, arrivals)
+    engine.close()
+    assert not run.errors, run.errors
+    mismatches = [i for i, (got, ref) in enumerate(zip(run.tokens.values(), want)) if got != ref]
+    assert not mismatches, f"{name}/{schedule}/{setting}: requests {mismatches} differ from solo mlx_vlm"
+    assert engine.executor.cache_bytes() == 0
+    conversions = sum(len(e["request_ids"]) for e in log.of_kind("kv_quantize"))
+    assert conversions == engine.kv_cache_stats()["conversions"] > 0
+    if schedule == "kv-budget":
+        assert any(reason == "kv_budget" for p in log.of_kind("plan") for _, reason, *_ in p.get("reasons") or ())
+    else:
+        assert engine.stats().prefix_cache["hits"] >= 1
+    report = replay(load_trace(tmp_path / "t.jsonl"))
+    assert report.identical, report.format()
 
 
 def test_family_shares_the_text_before_its_media(family, tmp_path):
