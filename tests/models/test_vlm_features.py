@@ -131,3 +131,30 @@ def test_mtp_drafting_is_refused_for_vlms(vlm):
     model, processor = vlm
     with pytest.raises(UnsupportedFeature, match="MTP head"):
         Engine(model, processor, EngineConfig(draft_tokens=2, drafter="mtp"))
+
+
+def test_an_image_prompt_past_mlx_vlms_first_prefill_step_converts_inside_its_prefill(vlm, tmp_path):
+    """kv_bits: mlx-vlm alone converts a 2100-token image prompt after its first 2048-token prefill step; the
+    engine's 300-token chunks straddle that point, so the chunk is split there (a `kv_quantize` event at 2048
+    tokens), batched with a short image request; both equal mlx_vlm.stream_generate with the same settings, and
+    the trace replays."""
+    from scheduler.tools.replay import load_trace, replay
+
+    from ..helpers import engine_with_log
+
+    settings = dict(kv_bits=4, kv_group_size=32, quantized_kv_start=0)
+    words = "The old man reads many books in the morning, and the teacher brings a warm coat. "
+    requests = [(user(words * 120, 1), [noise_image(112, 140, seed=1)]), REQUESTS[0]]
+    want = [solo(vlm, m, im, **settings)[0] for m, im in requests]
+    trace = tmp_path / "q.jsonl"
+    engine, log = engine_with_log(*vlm, EngineConfig(max_batched_tokens=700, prefill_chunk=300,
+                                                     trace_path=str(trace), **settings))
+    out = drive(engine, [(0, {"prompt": m, "images": im, "sampling": SamplingParams(max_tokens=MAX_TOKENS),
+                              "request_id": f"r{i}"}) for i, (m, im) in enumerate(requests)])
+    engine.close()
+    assert not out.errors, out.errors
+    assert [out.tokens["r0"], out.tokens["r1"]] == want
+    prompt_len = next(len(e["prompt_tokens"]) for e in log.of_kind("arrival") if e["request_id"] == "r0")
+    assert prompt_len > 2048 + 300
+    assert [e["request_ids"] for e in log.of_kind("kv_quantize") if e.get("tokens") == 2048] == [["r0"]]
+    assert replay(load_trace(trace)).identical
