@@ -351,9 +351,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("make-model", help="build a tiny seeded model (Hugging Face layout) offline")
     p.add_argument("kind", choices=["text", "sliding", "text-medium", "vlm", "audio", "audio-unified",
-                                          "text-mtp", "trained"],
+                                          "text-mtp", "trained", "text-tools"],
                    help="trained: the text shape trained on a generated corpus (about 20 s of CPU with OpenBLAS the "
-                        "first time, then cached under ~/.cache/mlxsched or $MLXSCHED_CACHE)")
+                        "first time, then cached under ~/.cache/mlxsched or $MLXSCHED_CACHE); text-tools: a small "
+                        "model trained (a few seconds) to answer a few tool-calling chats, for the server's tools")
     p.add_argument("dir")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_make_model)

@@ -21,6 +21,8 @@ import binascii
 from dataclasses import dataclass, field
 from typing import Any
 
+from jinja2 import TemplateError
+
 from scheduler.models import library
 from scheduler.request import (InvalidRequest, MediaItemRef, UnreadableMedia, as_token_ids, media_field,
                                validate_prompt_tokens)
@@ -105,25 +107,43 @@ class PromptResolver:
         return as_token_ids(prompt_tokens) if prompt_tokens is not None else None  # lists, tuples, 1-D arrays
 
     def resolve(self, prompt: Any, prompt_tokens: Any, media: MediaInputs,
-                request_id: str | None = None) -> ResolvedPrompt:
+                request_id: str | None = None, tools: Any = None) -> ResolvedPrompt:
         """``prompt`` (a string, chat messages, or for a vision-language model messages with content parts) or
-        ``prompt_tokens``, exactly one, and the media -> the request's ``ResolvedPrompt``."""
+        ``prompt_tokens``, exactly one, and the media -> the request's ``ResolvedPrompt``. ``tools``: function
+        schemas for the chat template (chat messages to a text model only)."""
         prompt_tokens = self._check(prompt, prompt_tokens, media, request_id)
+        if tools is not None:
+            self._check_tools(prompt, tools, request_id)
         prepared = None
         if self.vlm is None:
-            ids = prompt_tokens if prompt_tokens is not None else self._tokenize(prompt)
+            ids = prompt_tokens if prompt_tokens is not None else self._tokenize(prompt, tools, request_id)
         else:
             prepared = self._prepare(prompt, prompt_tokens, media, request_id)
             ids = prepared.input_ids
         return ResolvedPrompt(validate_prompt_tokens(ids, self.vocab_size, self.max_model_len), prepared)
 
-    def _tokenize(self, prompt: Any) -> list[int]:
+    def _check_tools(self, prompt: Any, tools: Any, request_id: str | None) -> None:
+        if not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) for t in tools):
+            raise InvalidRequest("tools", f"must be a list of tool dicts, got {type(tools).__name__}", request_id)
+        if self.vlm is not None:
+            raise InvalidRequest("tools", "not built for vision-language models (mlx-vlm's chat templating takes no "
+                                          "tools)", request_id)
+        if not (isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt)):
+            raise InvalidRequest("tools", "need a prompt of chat messages: they go into the chat template",
+                                 request_id)
+
+    def _tokenize(self, prompt: Any, tools: Any = None, request_id: str | None = None) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequest("prompt", "is empty")
             return list(self.tokenizer.encode(prompt))
         if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
-            return list(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True))
+            try:
+                return list(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True,
+                                                               **({"tools": list(tools)} if tools else {})))
+            except (TemplateError, TypeError, ValueError) as exc:  # its own checks (roles, shapes), its filters
+                raise InvalidRequest("prompt", f"the chat template refused these messages: {exc}",
+                                     request_id) from None
         raise InvalidRequest("prompt", f"must be a string or a list of chat messages, got {type(prompt).__name__}")
 
     def _prepare(self, prompt: Any, prompt_tokens: list[int] | None, media: MediaInputs,

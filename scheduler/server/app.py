@@ -37,6 +37,7 @@ from .messages import convert_messages
 from .metrics import EngineMetrics, engine_snapshot
 from .protocol import MAX_CHOICES, APIError, ChatCompletionRequest, CompletionRequest, usage, validation_error
 from .token_bytes import TokenBytes
+from .tool_calls import ToolCallFormat, ToolCallSplitter
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20  # room for a few large base64 images or a short video
@@ -232,8 +233,30 @@ def _failure(exc: BaseException) -> APIError:
     return APIError(500, f"the request failed: {exc}", None, "server_error")
 
 
+def _tool_finish(reason: str, splitter: ToolCallSplitter) -> str:
+    """A choice that made a tool call and then stopped finishes with "tool_calls" (one cut at max_tokens keeps
+    "length")."""
+    return "tool_calls" if reason == "stop" and splitter.calls_made else reason
+
+
 def _token_text(tokenizer: Any, token: int) -> str:
     return tokenizer.decode([token])
+
+
+def _tool_calling(body: ChatCompletionRequest, engine: Any) -> _ToolCalling | None:
+    """The request's tool calling, or None (no tools, or tool_choice "none"). Refused (400) where the calls could
+    not be returned: a vision-language model (its chat templating takes no tools here), or a model whose
+    tokenizer declares no tool-call format (mlx-lm infers none from its chat template)."""
+    tools = body.tool_list()
+    if tools is None:
+        return None
+    if engine.vlm is not None:
+        raise APIError(400, "tools: not supported for vision-language models", "tools")
+    fmt = ToolCallFormat.of(engine.tokenizer)
+    if fmt is None:
+        raise APIError(400, "tools: this model's chat template declares no tool-call format that mlx-lm can parse, "
+                            "so its calls could not be returned", "tools")
+    return _ToolCalling(fmt, tools, body.parallel_tool_calls is False)
 
 
 def _check_model(state: ServerState, body: Body) -> None:
@@ -242,28 +265,69 @@ def _check_model(state: ServerState, body: Body) -> None:
                             f"{state.model_name!r})", "model", "invalid_request_error", "model_not_found")
 
 
-class _ChatChoices:
-    """How a chat completion renders its choices: a role delta first, content deltas, a message at the end."""
+@dataclass(frozen=True)
+class _ToolCalling:
+    """A chat request's tools and how its model writes calls (`tool_calls.ToolCallFormat`)."""
 
-    def __init__(self, tokenizer: Any, token_bytes: TokenBytes, wants_logprobs: bool, stream: bool):
+    format: ToolCallFormat
+    tools: list[dict[str, Any]]
+    first_call_only: bool  # parallel_tool_calls: false
+
+    def splitter(self) -> ToolCallSplitter:
+        return ToolCallSplitter(self.format, self.tools, self.first_call_only)
+
+
+class _ChatChoices:
+    """How a chat completion renders its choices: a role delta first, content deltas, a message at the end.
+    With tools, each choice's text goes through a `ToolCallSplitter`: calls become `tool_calls` (a delta each
+    when streaming) and a choice that made one and stopped finishes with "tool_calls"."""
+
+    def __init__(self, tokenizer: Any, token_bytes: TokenBytes, wants_logprobs: bool, stream: bool,
+                 tool_calling: _ToolCalling | None = None):
         self.tokenizer = tokenizer
         self.token_bytes = token_bytes
         self.wants_logprobs = wants_logprobs
         self.object = "chat.completion.chunk" if stream else "chat.completion"
+        self.tool_calling = tool_calling
+        self._splitters: dict[int, ToolCallSplitter] = {}  # streaming: each choice's, as its text arrives
 
     def first(self, index: int) -> dict[str, Any] | None:
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                 "finish_reason": None}
 
     def delta(self, index: int, delta: Delta) -> dict[str, Any] | None:
-        if not delta.text and delta.finish_reason is None and not delta.logprobs:
+        text, calls, finish = delta.text, [], delta.finish_reason
+        if self.tool_calling is not None:
+            splitter = self._splitters.setdefault(index, self.tool_calling.splitter())
+            before = splitter.calls_made
+            piece = splitter.feed(delta.text)
+            if finish is not None:
+                tail = splitter.finish()
+                piece.content += tail.content
+                piece.calls += tail.calls
+                finish = _tool_finish(finish, splitter)
+            text = piece.content
+            calls = [{"index": before + k, **call} for k, call in enumerate(piece.calls)]
+        if not text and not calls and finish is None and not delta.logprobs:
             return None
-        return {"index": index, "delta": {"content": delta.text} if delta.text else {},
-                "logprobs": self._logprobs([delta]), "finish_reason": delta.finish_reason}
+        body: dict[str, Any] = {"content": text} if text else {}
+        if calls:
+            body["tool_calls"] = calls
+        return {"index": index, "delta": body, "logprobs": self._logprobs([delta]), "finish_reason": finish}
 
     def final(self, index: int, deltas: list[Delta]) -> dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": "".join(d.text for d in deltas)},
-                "logprobs": self._logprobs(deltas), "finish_reason": deltas[-1].finish_reason if deltas else None}
+        text = "".join(d.text for d in deltas)
+        finish = deltas[-1].finish_reason if deltas else None
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.tool_calling is not None:
+            splitter = self.tool_calling.splitter()
+            piece, tail = splitter.feed(text), splitter.finish()
+            calls = piece.calls + tail.calls
+            content = piece.content + tail.content
+            if calls:
+                message = {"role": "assistant", "content": content or None, "tool_calls": calls}
+            finish = _tool_finish(finish, splitter) if finish is not None else None
+        return {"index": index, "message": message, "logprobs": self._logprobs(deltas), "finish_reason": finish}
 
     def _logprobs(self, deltas: list[Delta]) -> dict[str, Any] | None:
         if not self.wants_logprobs:
@@ -412,12 +476,14 @@ def create_app(state: ServerState) -> Any:
     async def chat_completions(request: Request) -> Response:
         body = await _parse(request, ChatCompletionRequest, state.max_request_bytes)
         _check_model(state, body)
+        tool_calling = _tool_calling(body, engine)
         prompt = await asyncio.to_thread(convert_messages, body.messages, vision, audio_rate, video,
                                          state.local_media_dir)
         call = _Call(state, body, "chatcmpl")
+        tools = {"tools": tool_calling.tools} if tool_calling is not None else {}
         await call.submit([dict(prompt=prompt.messages, images=prompt.images or None, videos=prompt.videos or None,
-                                audio=prompt.audio or None)], prompt.part_of)
-        choices = _ChatChoices(engine.tokenizer, token_bytes, body.wants_logprobs(), body.stream)
+                                audio=prompt.audio or None, **tools)], prompt.part_of)
+        choices = _ChatChoices(engine.tokenizer, token_bytes, body.wants_logprobs(), body.stream, tool_calling)
         return await _respond(request, call, choices)
 
     @app.post("/v1/completions")

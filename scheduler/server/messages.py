@@ -13,6 +13,7 @@ stood, the form the chat templates expand; a text-only model gets the text parts
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,15 +57,41 @@ def _media_source(url: str, kind: str, local_dir: Path | None) -> str:
     return str(resolved)
 
 
+def _message_dict(message: ChatMessage, index: int, multimodal: bool) -> dict[str, Any]:
+    """One message as the chat template takes it. Tool calls sent back in an assistant message get their JSON
+    arguments as objects (what templates render, and what mlx-lm's server hands them); its missing content is
+    empty text."""
+    role = "system" if message.role == "developer" else message.role
+    content = message.content
+    out: dict[str, Any] = {"role": role, "content": "" if content is None else
+                           content if isinstance(content, str) else [p.model_dump() for p in content]}
+    if message.tool_calls or message.tool_call_id is not None:
+        if multimodal:
+            raise APIError(400, f"messages.{index}: tool calls and tool messages are not supported for "
+                                "vision-language models", f"messages.{index}")
+        if message.tool_call_id is not None:
+            out["tool_call_id"] = message.tool_call_id
+    calls = []
+    for j, call in enumerate(message.tool_calls or ()):
+        try:
+            arguments = json.loads(call.function.arguments)
+        except json.JSONDecodeError as exc:
+            where = f"messages.{index}.tool_calls.{j}.function.arguments"
+            raise APIError(400, f"{where}: not valid JSON: {exc}", where) from None
+        calls.append({"id": call.id, "type": "function",
+                      "function": {"name": call.function.name, "arguments": arguments}})
+    if calls:
+        out["tool_calls"] = calls
+    return out
+
+
 def convert_messages(messages: list[ChatMessage], vision: bool, audio_rate: int | None,
                      video: bool = False, local_dir: Path | None = None) -> EnginePrompt:
     """`vision` / `video`: the model takes images / videos; `audio_rate`: its audio sample rate (None: it takes
     no audio); `local_dir`: the directory whose files parts may name (None: data: URLs only). Raises
     APIError(400) naming the part at fault. The content parts are parsed by the engine's own parser
     (`models.prompt.from_openai_messages`); only the decoding happens here, ahead of the engine."""
-    as_dicts = [{"role": "system" if m.role == "developer" else m.role,
-                 "content": m.content if isinstance(m.content, str) else [p.model_dump() for p in m.content]}
-                for m in messages]
+    as_dicts = [_message_dict(m, i, vision or video or audio_rate is not None) for i, m in enumerate(messages)]
     try:
         parsed, media = from_openai_messages(as_dicts)
     except ContentPartError as exc:

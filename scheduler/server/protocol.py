@@ -11,7 +11,8 @@ from typing import Any, Literal, Union
 
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, field_validator,
+                      model_validator)
 
 MAX_STOP_STRINGS = 16
 MAX_N = 16
@@ -170,10 +171,47 @@ class AudioPart(_Strict):
 ContentPart = Annotated[Union[TextPart, ImagePart, VideoPart, AudioPart], Field(discriminator="type")]
 
 
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
+
+
+class FunctionDefinition(_Strict):
+    name: Annotated[str, Field(pattern=FUNCTION_NAME)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; the chat template renders it
+    strict: StrictBool | None = None  # accepted: nothing constrains decoding here, with or without it
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionCall(_Strict):
+    name: Annotated[str, Field(pattern=FUNCTION_NAME)]
+    arguments: str  # JSON, as OpenAI returns it and clients send it back
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant", "developer"]
-    content: Union[str, list[ContentPart]]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: Union[str, list[ContentPart], None] = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant message's calls (a chat sent back with them)
+    tool_call_id: str | None = None  # a tool message's answer to this call
 
     @field_validator("content")
     @classmethod
@@ -182,12 +220,48 @@ class ChatMessage(_Strict):
             raise ValueError("must not be an empty list")
         return v
 
+    @model_validator(mode="after")
+    def _roles(self) -> "ChatMessage":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content: is required (only an assistant message with tool_calls may omit it)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls: only an assistant message makes tool calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("tool_call_id: a tool message answers a call: give its id")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("tool_call_id: only a tool message answers a call")
+        return self
+
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
+    tools: list[Tool] | None = None
+    # "auto" (the default with tools): the model may call them; "none": it is not offered them. "required" and a
+    # named function would need decoding constrained to a call, which this server does not do: refused.
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: StrictBool | None = None  # false: only the first call is returned
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is None or v == "none":
+            return v
+        if not info.data.get("tools"):
+            raise ValueError("is only allowed when tools are given")
+        if v != "auto":
+            raise ValueError("only 'auto' and 'none' are supported: 'required' and a named function need "
+                             "decoding constrained to a tool call, which this server does not do")
+        return v
+
+    def tool_list(self) -> list[dict[str, Any]] | None:
+        """The tools offered to the model (the chat template's `tools`), or None (none given, or tool_choice
+        "none")."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
     @field_validator("messages")
     @classmethod

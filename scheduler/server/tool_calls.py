@@ -1,0 +1,152 @@
+"""Tool calls out of a chat choice's text, safe for streaming.
+
+The model's tokenizer says how it writes a call: mlx-lm infers a parser from the chat template (or vocabulary)
+and gives the markers that open and close a call (`TokenizerWrapper.tool_call_start` / `tool_call_end`, e.g.
+`<tool_call>` ... `</tool_call>` and a JSON parser for Qwen-style templates). Text between the markers is a call,
+parsed when it closes (or when the output ends inside one); the rest is the message's content. Whitespace before
+a call, and after the last one at the end, is not content (a template puts a newline between a message's text
+and its calls, so the content a client sends back renders to what the model wrote). Text that may be the start of a marker, and whitespace that
+may precede a call, are held back until the next piece shows which it is, so a streaming client never gets
+text that the whole output would not also give, however the text was split into pieces.
+
+A call whose text the parser cannot read stays in the content as the model wrote it (markers included): the
+client sees what came out rather than losing it.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class ToolCallFormat:
+    """How a model writes tool calls: the markers around one, and the parser of the text between them."""
+
+    start: str
+    end: str
+    parse: Callable[[str, Any], Any]  # (call text, tools) -> {"name", "arguments"} or a list of them
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> "ToolCallFormat | None":
+        """The format mlx-lm's tokenizer wrapper declares, or None (it infers none for this model)."""
+        if not getattr(tokenizer, "has_tool_calling", False):
+            return None
+        return cls(tokenizer.tool_call_start, tokenizer.tool_call_end, tokenizer.tool_parser)
+
+
+@dataclass
+class ToolCallPiece:
+    """What one piece of text added to a choice: content to emit now and the calls it completed."""
+
+    content: str = ""
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+
+class ToolCallSplitter:
+    """One choice's text -> its content and its tool calls (OpenAI's `{"id", "type", "function": {"name",
+    "arguments"}}`, arguments as a JSON string). `first_call_only` (`parallel_tool_calls: false`): calls after the
+    first are dropped, text and all."""
+
+    def __init__(self, fmt: ToolCallFormat, tools: list[dict] | None, first_call_only: bool = False):
+        self.fmt = fmt
+        self.tools = tools
+        self.first_call_only = first_call_only
+        self.calls_made = 0
+        self._held = ""  # normal text not emitted yet: trailing whitespace, or a possible start marker
+        self._call: str | None = None  # the text of the call being written, once its start marker is seen
+        self._after_call = False  # a call was the last thing written: whitespace now may end the output
+        self._gap = ""  # the whitespace before the open call
+
+    def feed(self, text: str) -> ToolCallPiece:
+        piece = ToolCallPiece()
+        pending = self._held + text
+        self._held = ""
+        while pending:
+            if self._call is not None:
+                end = (self._call + pending).find(self.fmt.end)
+                if end < 0:
+                    self._call += pending
+                    return piece
+                whole = self._call + pending
+                pending = whole[end + len(self.fmt.end):]
+                self._close(whole[:end], piece)
+                continue
+            start = pending.find(self.fmt.start)
+            if start >= 0:
+                before = pending[:start]
+                piece.content += before.rstrip()
+                self._gap = before[len(before.rstrip()):]  # content again if the call does not parse
+                self._call = ""
+                pending = pending[start + len(self.fmt.start):]
+                continue
+            keep = self._undecided_suffix(pending)
+            emitted, self._held = pending[: len(pending) - keep], pending[len(pending) - keep:]
+            piece.content += emitted
+            if emitted.strip():
+                self._after_call = False
+            return piece
+        return piece
+
+    def finish(self) -> ToolCallPiece:
+        """The end of the output: held text is content, and a call still open is parsed as it stands (a
+        `length` cut leaves it unreadable, so it usually goes back to the content)."""
+        # whitespace held after the last call ends the output: not content
+        piece = ToolCallPiece(content="" if self._after_call and not self._held.strip() else self._held)
+        self._held = ""
+        if self._call is not None:
+            text, self._call = self._call, None
+            parsed = self._parse(text)
+            if parsed is None:
+                piece.content += self._gap + self.fmt.start + text
+            else:
+                self._add(parsed, piece)
+        return piece
+
+    def _close(self, text: str, piece: ToolCallPiece) -> None:
+        self._call = None
+        parsed = self._parse(text)
+        if parsed is None:
+            piece.content += self._gap + self.fmt.start + text + self.fmt.end
+            self._after_call = False
+            return
+        self._add(parsed, piece)
+        self._after_call = True
+
+    def _add(self, parsed: list[dict], piece: ToolCallPiece) -> None:
+        for call in parsed:
+            if self.first_call_only and self.calls_made:
+                return
+            self.calls_made += 1
+            piece.calls.append(_openai_call(call))
+
+    def _parse(self, text: str) -> list[dict] | None:
+        try:
+            parsed = self.fmt.parse(text, self.tools)
+        except (ValueError, TypeError, KeyError):  # json.JSONDecodeError is a ValueError
+            return None
+        calls = parsed if isinstance(parsed, list) else [parsed]
+        if not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
+            return None
+        return calls
+
+    def _undecided_suffix(self, text: str) -> int:
+        """Length of the end of `text` not yet known to be content: a proper prefix of the start marker, and any
+        whitespace before it (it is not content if a call follows)."""
+        marker = 0
+        for n in range(min(len(self.fmt.start) - 1, len(text)), 0, -1):
+            if text.endswith(self.fmt.start[:n]):
+                marker = n
+                break
+        body = text[: len(text) - marker]
+        return marker + (len(body) - len(body.rstrip()))
+
+
+def _openai_call(call: dict) -> dict[str, Any]:
+    arguments = call.get("arguments", {})
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return {"id": call.get("id") or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": call["name"], "arguments": arguments}}

@@ -1,0 +1,215 @@
+"""Tool calling through `mlxsched serve`, end to end: the `text-tools` tiny model (scheduler/fixtures/
+tool_calling.py, trained to answer a few tool-calling chats word for word) behind the real server in a
+subprocess, driven with the official `openai` client. Its calls are parsed out of what the model really
+generated (each answer is first checked against `mlx_lm.generate` alone on the same rendered prompt), streamed
+and not, with text before them, two in one answer, a chat sent back with the calls and the tool's result, and
+the refusals (tool_choice "required", a model without a tool-call format, tool messages without an id).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import openai
+import pytest
+
+from scheduler.fixtures.tool_calling import CHATS, TOOLS, template_messages
+
+from .test_serve import _start, _stop, _wait_healthy
+
+CHAT = {chat.name: chat for chat in CHATS}
+
+
+@pytest.fixture(scope="module")
+def tool_model_dir(tmp_path_factory):
+    from scheduler.fixtures.tiny_models import build_model
+
+    return build_model("text-tools", tmp_path_factory.mktemp("tiny-text-tools"))
+
+
+@pytest.fixture(scope="module")
+def server(tool_model_dir, text_model_dir, tmp_path_factory):
+    import time
+
+    tmp = tmp_path_factory.mktemp("serve-tools")
+    tools = _start(tool_model_dir, tmp, "tools")
+    plain = _start(text_model_dir, tmp, "plain")  # the `text` kind: its template has no tool-call format
+    try:
+        for one in (tools, plain):
+            _wait_healthy(one, time.monotonic() + 120)
+        yield tools, plain
+    finally:
+        _stop(tools)
+        _stop(plain)
+
+
+def test_the_model_answers_each_chat_alone_as_trained(tool_model_dir):
+    """The ground truth of the tests below is what the model generates, not the fixture's text: mlx-lm alone on
+    each chat's rendered prompt gives exactly its completion (and its tokenizer declares the JSON tool format)."""
+    from mlx_lm import generate, load
+
+    model, tokenizer = load(str(tool_model_dir))
+    assert tokenizer.has_tool_calling and (tokenizer.tool_call_start, tokenizer.tool_call_end) == (
+        "<tool_call>", "</tool_call>")
+    for chat in CHATS:
+        prompt = tokenizer.apply_chat_template(template_messages(chat.messages), tools=list(chat.tools) or None,
+                                               add_generation_prompt=True)
+        assert generate(model, tokenizer, prompt, max_tokens=256) == chat.completion, chat.name
+
+
+async def _chat(client, chat, **kwargs):
+    return await client.chat.completions.create(model="tiny-vlm", messages=list(chat.messages),
+                                                tools=list(chat.tools) or openai.NOT_GIVEN, max_tokens=256,
+                                                temperature=0, **kwargs)
+
+
+async def _stream(client, chat, **kwargs):
+    """(content, tool calls assembled from their deltas by index, finish reason) of a streamed chat."""
+    stream = await _chat(client, chat, stream=True, **kwargs)
+    content, calls, finish = "", {}, None
+    async for chunk in stream:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for call in choice.delta.tool_calls or ():
+                assert call.index not in calls, "each call arrives whole, in one delta"
+                calls[call.index] = call
+            finish = choice.finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+def _named(calls) -> list[tuple[str, dict]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in calls]
+
+
+def test_a_call_is_returned_as_tool_calls_streamed_or_not(server):
+    tools, _ = server
+
+    async def run():
+        client = tools.client()
+        whole = await _chat(client, CHAT["one-call"])
+        streamed = await _stream(client, CHAT["one-call"])
+        return whole, streamed
+
+    whole, (content, calls, finish) = asyncio.run(run())
+    (choice,) = whole.choices
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    assert _named(choice.message.tool_calls) == [("get_weather", {"city": "Paris"})]
+    assert choice.message.tool_calls[0].type == "function" and choice.message.tool_calls[0].id.startswith("call_")
+    assert (content, _named(calls), finish) == ("", [("get_weather", {"city": "Paris"})], "tool_calls")
+
+
+def test_text_before_two_calls_is_the_content(server):
+    tools, _ = server
+
+    async def run():
+        client = tools.client()
+        return await _chat(client, CHAT["text-and-two-calls"]), await _stream(client, CHAT["text-and-two-calls"])
+
+    whole, (content, calls, finish) = asyncio.run(run())
+    want = [("get_weather", {"city": "Rome"}), ("get_time", {"city": "Rome"})]
+    (choice,) = whole.choices
+    assert (choice.message.content, _named(choice.message.tool_calls), choice.finish_reason) == (
+        "Checking both.", want, "tool_calls")
+    assert (content, _named(calls), finish) == ("Checking both.", want, "tool_calls")
+    assert len({c.id for c in choice.message.tool_calls}) == 2
+
+
+def test_parallel_tool_calls_false_returns_the_first_call_only(server):
+    tools, _ = server
+    whole = asyncio.run(_chat(tools.client(), CHAT["text-and-two-calls"], parallel_tool_calls=False))
+    assert _named(whole.choices[0].message.tool_calls) == [("get_weather", {"city": "Rome"})]
+
+
+def test_a_chat_sent_back_with_the_calls_and_the_result_is_answered_in_text(server):
+    """The client sends the assistant's tool_calls (arguments as a JSON string) and the tool's result: the
+    server renders them through the chat template (the prompt the model was trained on) and the answer is
+    plain content."""
+    tools, _ = server
+    whole = asyncio.run(_chat(tools.client(), CHAT["after-the-result"]))
+    (choice,) = whole.choices
+    assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == (
+        "It is sunny in Paris, 21 C.", None, "stop")
+
+
+def test_tool_choice_none_offers_no_tools(server):
+    """tool_choice "none": the template gets no tools (the `no-tools` chat's prompt), so the answer is text."""
+    tools, _ = server
+    whole = asyncio.run(_chat(tools.client(), CHAT["one-call"], tool_choice="none"))
+    (choice,) = whole.choices
+    assert (choice.message.content, choice.finish_reason) == (CHAT["no-tools"].completion, "stop")
+
+
+def _status(exc: pytest.ExceptionInfo) -> tuple[int, str | None]:
+    return exc.value.status_code, exc.value.body.get("param") if isinstance(exc.value.body, dict) else None
+
+
+def test_what_cannot_be_honoured_is_refused_naming_the_field(server):
+    tools, plain = server
+
+    async def refused(srv, chat, **kwargs):
+        with pytest.raises(openai.BadRequestError) as exc:
+            await _chat(srv.client(), chat, **kwargs)
+        return _status(exc)
+
+    async def run():
+        out = [await refused(tools, CHAT["one-call"], tool_choice="required"),
+               await refused(tools, CHAT["one-call"],
+                             tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+               await refused(plain, CHAT["one-call"])]
+        bad_history = [*CHAT["after-the-result"].messages[:2], {"role": "tool", "content": "sunny"}]
+        with pytest.raises(openai.BadRequestError) as exc:
+            await tools.client().chat.completions.create(model="tiny-vlm", messages=bad_history, max_tokens=4)
+        out.append(_status(exc))
+        return out
+
+    assert asyncio.run(run()) == [(400, "tool_choice"), (400, "tool_choice"), (400, "tools"), (400, "messages.2")]
+    status, body = tools.post("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"})
+    assert (status, body["error"]["param"]) == (400, "tool_choice")  # tool_choice without tools
+    bad_arguments = [CHAT["after-the-result"].messages[0],
+                     {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                                           "function": {"name": "get_weather", "arguments": "{"}}]}]
+    status, body = tools.post("/v1/chat/completions", {"messages": bad_arguments})
+    assert (status, body["error"]["param"]) == (400, "messages.1.tool_calls.0.function.arguments")
+    assert tools.get("/health")[0] == 200
+
+
+def test_the_engine_renders_tools_into_the_chat_template_and_refuses_them_elsewhere(tool_model_dir, vlm_model_dir):
+    """`Engine.add_request(tools=...)`: the prompt is the tokenizer's own rendering with those tools (the trace
+    records it), and the request's greedy output is the trained completion; tools without chat messages, on a
+    vision-language model or of the wrong type are refused naming `tools`; a template that fails on the
+    messages is refused naming `prompt`."""
+    import mlx_vlm
+    from mlx_lm import load
+
+    from scheduler import Engine, EngineConfig, InvalidRequest, SamplingParams
+
+    from ..helpers import drive, engine_with_log
+
+    model, tokenizer = load(str(tool_model_dir))
+    chat = CHAT["text-and-two-calls"]
+    engine, log = engine_with_log(model, tokenizer, EngineConfig())
+    run = drive(engine, [(0, {"prompt": template_messages(chat.messages), "tools": list(chat.tools),
+                              "sampling": SamplingParams(max_tokens=256), "request_id": "r"})])
+    (arrival,) = log.of_kind("arrival")
+    assert arrival["prompt_tokens"] == tokenizer.apply_chat_template(template_messages(chat.messages),
+                                                                     tools=list(chat.tools), add_generation_prompt=True)
+    assert tokenizer.decode(run.tokens["r"][:-1]) == chat.completion and run.tokens["r"][-1] in tokenizer.eos_token_ids
+    for bad in (dict(prompt="a string", tools=TOOLS), dict(prompt=[{"role": "user", "content": "hi"}], tools="x"),
+                dict(prompt_tokens=[1, 2, 3], tools=TOOLS)):
+        with pytest.raises(InvalidRequest) as info:
+            engine.add_request(**bad)
+        assert info.value.field == "tools"
+    with pytest.raises(InvalidRequest) as info:
+        engine.add_request(prompt=[{"role": "assistant", "content": "", "tool_calls": [{"function": {}}]}],
+                           tools=TOOLS)  # a call without a name: the template fails on it
+    assert info.value.field == "prompt" and "chat template" in str(info.value)
+    assert not engine.has_pending()
+    engine.close()
+    vlm = Engine(*mlx_vlm.load(str(vlm_model_dir)), EngineConfig())
+    with pytest.raises(InvalidRequest) as info:
+        vlm.add_request(prompt=[{"role": "user", "content": "hi"}], tools=TOOLS)
+    assert info.value.field == "tools"
+    vlm.close()

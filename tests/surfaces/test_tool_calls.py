@@ -1,0 +1,75 @@
+"""scheduler/server/tool_calls.py: a choice's text split into content and tool calls the same way however it
+arrives in pieces, with mlx-lm's own JSON tool parser (what its tokenizer wrapper infers for `<tool_call>`
+templates). Text processing only; the calls a real model writes are in tests/surfaces/test_serve_tools.py."""
+
+from __future__ import annotations
+
+import json
+
+from hypothesis import given, settings, strategies as st
+from mlx_lm.tool_parsers import json_tools
+
+from scheduler.server.tool_calls import ToolCallFormat, ToolCallSplitter
+
+FORMAT = ToolCallFormat(json_tools.tool_call_start, json_tools.tool_call_end, json_tools.parse_tool_call)
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+TEXTS = [
+    "Plain text, no call at all.  \n",
+    CALL,
+    "Checking.\n" + CALL + "\n" + CALL.replace("Paris", "Rome") + "\n",
+    "Look: <tool_call>not json</tool_call> and <tool but no call",
+    "Before " + CALL + " after.",
+    'Cut short <tool_call>\n{"name": "get_weather", "argu',
+    "<tool_call>\n" + json.dumps([{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"x": 1}}]) + "\n</tool_call>",
+    "ends with a partial marker <tool_ca",
+]
+
+
+def _run(text: str, cuts: list[int], first_call_only: bool = False):
+    splitter = ToolCallSplitter(FORMAT, None, first_call_only)
+    bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
+    content, calls = "", []
+    for a, b in zip(bounds, bounds[1:]):
+        piece = splitter.feed(text[a:b])
+        content += piece.content
+        calls += piece.calls
+    tail = splitter.finish()
+    return content + tail.content, [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                                    for c in calls + tail.calls]
+
+
+def test_what_each_text_splits_into():
+    paris, rome = ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})
+    assert [_run(t, []) for t in TEXTS] == [
+        ("Plain text, no call at all.  \n", []),  # no call: the text as it is, whitespace included
+        ("", [paris]),
+        ("Checking.", [paris, rome]),  # whitespace next to calls is not content
+        ("Look: <tool_call>not json</tool_call> and <tool but no call", []),  # unreadable: kept as written
+        ("Before after.", [paris]),
+        ('Cut short <tool_call>\n{"name": "get_weather", "argu', []),  # an unfinished call stays text
+        ("", [("a", {}), ("b", {"x": 1})]),  # a parser may return several calls from one block
+        ("ends with a partial marker <tool_ca", []),
+    ]
+    assert _run(TEXTS[2], [], first_call_only=True) == ("Checking.", [paris])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(TEXTS), st.lists(st.integers(min_value=0, max_value=200), max_size=12))
+def test_the_split_does_not_depend_on_how_the_text_arrives(text, cuts):
+    assert _run(text, cuts) == _run(text, [])
+
+
+def test_calls_get_openai_ids_and_json_string_arguments():
+    splitter = ToolCallSplitter(FORMAT, None)
+    piece = splitter.feed(CALL + CALL)
+    assert [c["type"] for c in piece.calls] == ["function", "function"]
+    assert all(c["id"].startswith("call_") for c in piece.calls) and piece.calls[0]["id"] != piece.calls[1]["id"]
+    assert piece.calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert splitter.calls_made == 2
+
+
+def test_a_model_without_a_tool_call_format_has_none():
+    class NoTools:
+        has_tool_calling = False
+
+    assert ToolCallFormat.of(NoTools()) is None
