@@ -400,6 +400,9 @@ class Engine:
         bad_stops = [t for t in sampling.stop_token_ids if t >= self.vocab_size]
         if bad_stops:
             raise InvalidRequest("stop_token_ids", f"ids outside the vocabulary [0, {self.vocab_size}): {bad_stops}")
+        bad_bias = [t for t, _ in sampling.logit_bias if t >= self.vocab_size]
+        if bad_bias:
+            raise InvalidRequest("logit_bias", f"ids outside the vocabulary [0, {self.vocab_size}): {bad_bias}")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidRequest("priority", f"must be an integer, got {priority!r}")
         if self.shard is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import math
 import numbers
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -107,6 +107,9 @@ class SamplingParams:
     sampler: Sampler | None = None
     # False keeps this request out of speculative decoding even when the engine drafts (vllm-mlx's mllm_draft)
     allow_drafts: bool = True
+    # added to these tokens' logits before anything else (OpenAI's and mlx-lm's `logit_bias`): a {token id: bias}
+    # mapping or (id, bias) pairs, kept as pairs sorted by id; ids are checked against the vocabulary on arrival
+    logit_bias: Any = ()
 
     def __post_init__(self) -> None:
         # InvalidRequest is a ValueError whose message starts with the field name.
@@ -145,6 +148,7 @@ class SamplingParams:
         _check(self.sampler is None or callable(self.sampler), "sampler",
                "must be None or a callable logprobs (1, V) -> token (1,)")
         _check(isinstance(self.allow_drafts, bool), "allow_drafts", f"must be a bool, got {self.allow_drafts!r}")
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
 
     @property
     def is_greedy(self) -> bool:
@@ -156,13 +160,28 @@ class SamplingParams:
         record["stop_token_ids"] = list(self.stop_token_ids)
         record["num_logits_processors"] = len(self.logits_processors)
         record["custom_sampler"] = self.sampler is not None
+        if self.logit_bias:
+            record["logit_bias"] = [list(pair) for pair in self.logit_bias]
         return record
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> "SamplingParams":
         # a field a trace predates takes its default (top_logprobs came after the first traces)
         return cls(**{f: record[f] for f in _RECORDED_SAMPLING_FIELDS if f in record},
-                   stop_token_ids=tuple(record["stop_token_ids"]))
+                   stop_token_ids=tuple(record["stop_token_ids"]), logit_bias=record.get("logit_bias", ()))
+
+
+def _bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:
+    """`SamplingParams.logit_bias` as (token id, bias) pairs sorted by id; InvalidRequest naming the field for a
+    negative or non-integer id, a bias that is not a finite number, or an id given twice."""
+    pairs = list(value.items()) if isinstance(value, Mapping) else value
+    ok = isinstance(pairs, (list, tuple)) and all(
+        isinstance(p, (list, tuple)) and len(p) == 2 and _is_int(p[0]) and p[0] >= 0 and _is_real(p[1])
+        for p in pairs)
+    _check(ok, "logit_bias", f"must map token ids (integers >= 0) to finite numbers, got {value!r}")
+    ids = [int(i) for i, _ in pairs]
+    _check(len(set(ids)) == len(ids), "logit_bias", "a token id is given twice")
+    return tuple(sorted((int(i), float(b)) for i, b in pairs))
 
 
 _RECORDED_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
@@ -229,9 +248,9 @@ class Request:
     state_entered_time: float = 0.0
     state: RequestState = RequestState.QUEUED
     # May this row propose draft tokens? Not when its next tokens depend on per-position Python or history the
-    # verifier does not replay (logits processors, a custom sampler, penalties, per-token logprobs), nor when it
-    # opted out (allow_drafts). A decision fact, recorded in the trace (processors are code and cannot be), so
-    # replay rebuilds it; None: derived from `sampling`.
+    # verifier does not replay (logits processors, logit bias, a custom sampler, penalties, per-token logprobs),
+    # nor when it opted out (allow_drafts). A decision fact, recorded in the trace (processors are code and cannot
+    # be), so replay rebuilds it; None: derived from `sampling`.
     draft_eligible: bool | None = None
 
     def __post_init__(self) -> None:
@@ -239,7 +258,7 @@ class Request:
             s = self.sampling
             self.draft_eligible = s.allow_drafts and not (
                 s.logits_processors or s.sampler is not None or s.logprobs or s.presence_penalty
-                or s.repetition_penalty != 1)
+                or s.repetition_penalty != 1 or s.logit_bias)
 
     @classmethod
     def from_new_request(cls, new: "NewRequest") -> "Request":

@@ -575,6 +575,7 @@ class MLXExecutor:
             # a bare argmax per row: greedy, no penalty, processor, custom sampler or logprobs anywhere in the batch
             self._argmax_only = (self._params.all_greedy and not self._params.any_penalty and not self.logprob_vectors
                                  and not any(row.request.sampling.logits_processors or row.request.sampling.logprobs
+                                             or row.request.sampling.logit_bias
                                              or row.request.sampling.sampler is not None for row in self._rows))
         return self._params
 
@@ -830,21 +831,30 @@ class MLXExecutor:
         return res.accepted.tolist(), res.emitted.tolist()
 
     def _apply_processors(self, logits: mx.array, result: TickResult) -> mx.array:
-        """User logits processors run per row (they are arbitrary Python); rows without them are untouched.
+        """Logit bias, then user logits processors, per row (processors are arbitrary Python); rows without them
+        are untouched. The bias is mlx-lm's `logit_bias` processor (`logits.at[:, ids].add(biases)`), first as
+        in its `make_logits_processors`.
 
         Like mlx-lm, a processor sees every token so far (prompt + output); with an output-only history (vllm-mlx)
         the generated tokens only. One that raises fails its own request (reported in `result.errors`); its row
         samples from the unprocessed logits and is dropped.
         """
-        rows = [i for i, row in enumerate(self._rows) if row.request.sampling.logits_processors]
+        rows = [i for i, row in enumerate(self._rows)
+                if row.request.sampling.logits_processors or row.request.sampling.logit_bias]
         if not rows:
             return logits
         parts = list(logits)
         for i in rows:
             request = self._rows[i].request
+            row_logits = logits[i : i + 1]
+            bias = request.sampling.logit_bias
+            if bias:
+                row_logits = row_logits.at[:, mx.array([t for t, _ in bias])].add(mx.array([b for _, b in bias]))
+                parts[i] = row_logits[0].astype(logits.dtype)  # (the batch keeps one dtype, as for processors)
+            if not request.sampling.logits_processors:
+                continue
             history = request.output_tokens if self.output_only_history else request.prompt_tokens + request.output_tokens
             context = mx.array(history, dtype=mx.uint32)
-            row_logits = logits[i : i + 1]
             try:
                 for processor in request.sampling.logits_processors:
                     row_logits = processor(context, row_logits)

@@ -93,6 +93,7 @@ def sampling_params(body: Body, index: int, default_max_tokens: int) -> Sampling
         "logprobs": body.wants_logprobs(),
         "top_logprobs": body.alternatives(),
         "prompt_logprobs": body.prompt_alternatives(),
+        "logit_bias": body.bias_by_id(),
     }
     if body.prompt_only():  # the engine decodes the one token a finished prefill brings; the answer drops it
         fields["max_tokens"] = 1

@@ -96,6 +96,7 @@ class _Sampling(_Strict):
     stream_options: StreamOptions | None = None
     priority: StrictInt = 0  # ours: larger is served earlier under --policy priority
     user: str | None = None  # accepted and ignored (OpenAI's end-user id)
+    logit_bias: dict[str, Number] | None = None  # token id (as a string, OpenAI's form) -> bias in [-100, 100]
 
     @field_validator("n")
     @classmethod
@@ -110,6 +111,19 @@ class _Sampling(_Strict):
         if v not in (None, 0, 0.0):
             raise ValueError("is not supported (use presence_penalty or repetition_penalty)")
         return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        for key, bias in (v or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"biases must be in [-100, 100], got {bias!r} for token {key}")
+        return v
+
+    def bias_by_id(self) -> dict[int, float]:
+        return {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
 
     @field_validator("stop")
     @classmethod

@@ -158,3 +158,18 @@ def test_an_image_prompt_past_mlx_vlms_first_prefill_step_converts_inside_its_pr
     assert prompt_len > 2048 + 300
     assert [e["request_ids"] for e in log.of_kind("kv_quantize") if e.get("tokens") == 2048] == [["r0"]]
     assert replay(load_trace(trace)).identical
+
+
+def test_logit_bias_on_image_and_text_rows_equals_mlx_vlm_alone(vlm):
+    """SamplingParams.logit_bias on vision-language rows is mlx-vlm's own `logit_bias` (its generate_step builds
+    mlx-lm's processor from it): each biased row, batched with the others, equals mlx_vlm.stream_generate alone
+    with the same bias, which changes its output."""
+    plain = [solo(vlm, m, im)[0] for m, im in REQUESTS]
+    biases = [{plain[0][0]: -100.0, plain[0][3]: 8.0}, {}, {plain[2][1]: -100.0}, {plain[3][2]: 6.0, 11: 2.5}]
+    want = [solo(vlm, m, im, logit_bias=b or None)[0] for (m, im), b in zip(REQUESTS, biases)]
+    assert all(w != p for w, p, b in zip(want, plain, biases) if b)
+    engine = Engine(*vlm, EngineConfig(max_batched_tokens=40, prefill_chunk=9, check_invariants=True))
+    out = drive(engine, [(i, {"prompt": m, "images": im, "sampling": SamplingParams(max_tokens=MAX_TOKENS, logit_bias=b),
+                              "request_id": f"r{i}"}) for i, ((m, im), b) in enumerate(zip(REQUESTS, biases))])
+    assert not out.errors, out.errors
+    assert [out.tokens[f"r{i}"] for i in range(len(REQUESTS))] == want

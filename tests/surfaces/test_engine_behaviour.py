@@ -199,6 +199,29 @@ def test_penalties_match_mlx_lm_processors(text_model):
         assert list(run.tokens.values()) == want, kwargs
 
 
+def test_logit_bias_matches_mlx_lms_processor_and_bad_ids_are_refused(text_model, reference):
+    """SamplingParams.logit_bias is mlx-lm's `make_logits_processors(logit_bias=...)`: greedy rows with biases
+    (one mixed with a repetition penalty, which mlx-lm applies after the bias) batched with plain rows, under
+    drafting (biased rows do not draft), each equal to mlx-lm alone with that processor; the biases change the
+    output. An id outside the vocabulary or a bad value is refused naming `logit_bias`."""
+    model, tokenizer = text_model
+    boost = {t: 6.0 for t in reference[0][2:5]} | {reference[0][0]: -50.0}
+    cases = [(PROMPTS[0], dict(logit_bias=boost)), (PROMPTS[1], {}),
+             (PROMPTS[2], dict(logit_bias={reference[2][1]: -100.0, 7: 4.5}, repetition_penalty=1.3)),
+             (PROMPTS[3], dict(logit_bias={reference[3][0]: 3.0}))]
+    want = [solo_tokens(model, tokenizer, p, 12, logits_processors=make_logits_processors(**kw)) for p, kw in cases]
+    assert want[0] != reference[0] and want[2] != reference[2]
+    engine = Engine(model, tokenizer, EngineConfig(max_batched_tokens=48, prefill_chunk=11, draft_tokens=2,
+                                                   check_invariants=True))
+    run = drive(engine, [(0, {"prompt_tokens": p, "sampling": SamplingParams(max_tokens=12, **kw)}) for p, kw in cases])
+    assert list(run.tokens.values()) == want
+    for bad in ({engine.vocab_size: 1.0}, {-3: 1.0}, {5: float("inf")}, [(5, 1.0), (5, 2.0)]):
+        with pytest.raises(InvalidRequest) as info:  # (from SamplingParams, or from add_request for the vocabulary)
+            engine.add_request(prompt_tokens=PROMPTS[0], sampling=SamplingParams(logit_bias=bad))
+        assert info.value.field == "logit_bias"
+    assert not engine.has_pending()
+
+
 def test_logits_processors_match_mlx_lm_and_a_raising_one_fails_alone(text_model, reference):
     model, tokenizer = text_model
     banned = reference[0][1]

@@ -272,9 +272,11 @@ def test_stop_strings_stop_ids_n_seed_and_logprobs(server, reference):
             seeded = [await chat.create(model=MODEL_NAME, messages=messages, max_tokens=12, temperature=0.9,
                                         seed=7, n=n, extra_body={"top_k": 50, "min_p": 0.01}) for n in (1, 2)]
             completion = await client.completions.create(model=MODEL_NAME, prompt=text, max_tokens=10, temperature=0)
-            return plain, stopped, streamed_stop, by_id, seeded, completion
+            biased = await chat.create(model=MODEL_NAME, messages=messages, max_tokens=24, temperature=0,
+                                       logit_bias={str(t): -100 for t in ref_ids[:3]} | {str(ref_ids[5]): 5})
+            return plain, stopped, streamed_stop, by_id, seeded, completion, biased
 
-    plain, stopped, streamed_stop, by_id, seeded, completion = asyncio.run(run())
+    plain, stopped, streamed_stop, by_id, seeded, completion, biased = asyncio.run(run())
     assert [c.message.content for c in plain.choices] == [ref_text, ref_text]
     assert plain.usage.completion_tokens == 2 * ref_tokens and plain.usage.prompt_tokens == ref_prompt
     logprobs = plain.choices[0].logprobs.content
@@ -292,6 +294,11 @@ def test_stop_strings_stop_ids_n_seed_and_logprobs(server, reference):
     assert seeded[1].choices[0].message.content == seeded[0].choices[0].message.content
     assert completion.choices[0].text == engine.tokenizer.decode(
         engine.generate([text], [SamplingParams(max_tokens=10)])[0].token_ids)
+    # logit_bias: the engine's SamplingParams.logit_bias (mlx-lm's processor), and it changes the answer
+    bias = {t: -100.0 for t in ref_ids[:3]} | {ref_ids[5]: 5.0}
+    want = engine.generate([messages], [SamplingParams(max_tokens=24, logit_bias=bias)])[0]
+    want_ids = want.token_ids[:-1] if want.finish_reason is FinishReason.STOP else want.token_ids
+    assert biased.choices[0].message.content == engine.tokenizer.decode(want_ids) != ref_text
 
 
 def test_a_list_of_prompts_gets_n_choices_each_in_openais_order(server, reference):
@@ -479,6 +486,13 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[str, bytes | dict, int, str]]:
         (chat, {"messages": ok, "top_logprobs": 2}, 400, "top_logprobs"),  # needs logprobs: true
         (chat, {"messages": ok, "top_logprobs": 21, "logprobs": True}, 400, "top_logprobs"),
         (chat, {"messages": ok, "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+        (chat, {"messages": ok, "logit_bias": {"the": 1}}, 400, "logit_bias"),
+        (chat, {"messages": ok, "logit_bias": {"5": 101}}, 400, "logit_bias"),
+        (cmpl, {"prompt": "hi", "logit_bias": {"999999": 1}}, 400, "logit_bias"),  # outside the vocabulary
+        # the VLM's tokenizer declares no tool-call format; and a tool message needs the call's id
+        (chat, {"messages": ok, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+        (chat, {"messages": ok + [{"role": "tool", "content": "sunny"}]}, 400, "messages.1"),
+        (chat, {"messages": ok, "tool_choice": "required"}, 400, "tool_choice"),
         (cmpl, {"prompt": "hi", "logprobs": 6}, 400, "logprobs"),
         (chat, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": garbage}},
                                                            {"type": "text", "text": "hi"}]}]}, 400,
