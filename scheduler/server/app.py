@@ -243,6 +243,18 @@ def _token_text(tokenizer: Any, token: int) -> str:
     return tokenizer.decode([token])
 
 
+@dataclass(frozen=True)
+class _ToolCalling:
+    """A chat request's tools and how its model writes calls (`tool_calls.ToolCallFormat`)."""
+
+    format: ToolCallFormat
+    tools: list[dict[str, Any]]
+    first_call_only: bool  # parallel_tool_calls: false
+
+    def splitter(self) -> ToolCallSplitter:
+        return ToolCallSplitter(self.format, self.tools, self.first_call_only)
+
+
 def _tool_calling(body: ChatCompletionRequest, engine: Any) -> _ToolCalling | None:
     """The request's tool calling, or None (no tools, or tool_choice "none"). Refused (400) where the calls could
     not be returned: a vision-language model (its chat templating takes no tools here), or a model whose
@@ -263,18 +275,6 @@ def _check_model(state: ServerState, body: Body) -> None:
     if body.model is not None and body.model != state.model_name:
         raise APIError(404, f"model: the model {body.model!r} does not exist here (serving "
                             f"{state.model_name!r})", "model", "invalid_request_error", "model_not_found")
-
-
-@dataclass(frozen=True)
-class _ToolCalling:
-    """A chat request's tools and how its model writes calls (`tool_calls.ToolCallFormat`)."""
-
-    format: ToolCallFormat
-    tools: list[dict[str, Any]]
-    first_call_only: bool  # parallel_tool_calls: false
-
-    def splitter(self) -> ToolCallSplitter:
-        return ToolCallSplitter(self.format, self.tools, self.first_call_only)
 
 
 class _ChatChoices:

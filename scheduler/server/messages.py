@@ -8,7 +8,9 @@ the server allows, `--allowed-local-media-path`) and audio
 (`video_url` parts: `data:video/...;base64,` URLs, or files as for images) are decoded by the engine,
 whose frame sampling (`video_fps`, `video_max_frames`) they need; one it cannot read is a 400 the same way.
 Each media part becomes a `{"type": "image"}` / `{"type": "video"}` / `{"type": "audio"}` marker where it
-stood, the form the chat templates expand; a text-only model gets the text parts joined.
+stood, the form the chat templates expand; a text-only model gets the text parts joined. An assistant message's
+`tool_calls` and a `tool` message's `tool_call_id` go to the template too (the calls' JSON arguments as objects;
+not for vision-language models).
 """
 
 from __future__ import annotations
