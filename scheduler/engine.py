@@ -380,12 +380,14 @@ class Engine:
         videos: Sequence[Any] | None = None,
         audio: Sequence[Any] | None = None,
         tools: Sequence[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """Queue a request; returns its id. Raises InvalidRequest (nothing queued) for bad input.
 
-        `tools` (OpenAI-style function schemas) go into the chat template with chat-message prompts of a text
-        model, as `tokenizer.apply_chat_template(messages, tools=tools)` renders them; parsing the tool calls
-        out of the output is the caller's (the server's) business.
+        `tools` (OpenAI-style function schemas) and `chat_template_kwargs` (e.g. `enable_thinking`) go into the
+        chat template with chat-message prompts of a text model, as `tokenizer.apply_chat_template(messages,
+        tools=tools, **chat_template_kwargs)` renders them; parsing tool calls or reasoning out of the output is
+        the caller's (the server's) business.
 
         Images (PIL images, file paths or bytes), videos (file paths, bytes or frame lists; frames selected at
         `config.video_fps`, at most `config.video_max_frames`) and audio (WAV paths, bytes or
@@ -408,7 +410,7 @@ class Engine:
         if self.shard is not None:
             self.shard.check_request(sampling)
         resolved = self.prompts.resolve(prompt, prompt_tokens, MediaInputs.of(images, videos, audio), request_id,
-                                        tools)
+                                        tools, chat_template_kwargs)
         tokens = resolved.token_ids
         if self.kv_layout is not None and self.config.kv_memory_bytes is not None:
             # what the planner requires to admit it alone (with kv_bits, its float prefill peak included)

@@ -106,41 +106,57 @@ class PromptResolver:
             raise InvalidRequest("prompt", "give exactly one of prompt and prompt_tokens", request_id)
         return as_token_ids(prompt_tokens) if prompt_tokens is not None else None  # lists, tuples, 1-D arrays
 
-    def resolve(self, prompt: Any, prompt_tokens: Any, media: MediaInputs,
-                request_id: str | None = None, tools: Any = None) -> ResolvedPrompt:
+    def resolve(self, prompt: Any, prompt_tokens: Any, media: MediaInputs, request_id: str | None = None,
+                tools: Any = None, chat_template_kwargs: Any = None) -> ResolvedPrompt:
         """``prompt`` (a string, chat messages, or for a vision-language model messages with content parts) or
-        ``prompt_tokens``, exactly one, and the media -> the request's ``ResolvedPrompt``. ``tools``: function
-        schemas for the chat template (chat messages to a text model only)."""
+        ``prompt_tokens``, exactly one, and the media -> the request's ``ResolvedPrompt``. ``tools`` (function
+        schemas) and ``chat_template_kwargs`` (e.g. ``enable_thinking``) go to the chat template (chat messages to
+        a text model only)."""
         prompt_tokens = self._check(prompt, prompt_tokens, media, request_id)
-        if tools is not None:
-            self._check_tools(prompt, tools, request_id)
+        template_kwargs = self._template_kwargs(prompt, tools, chat_template_kwargs, request_id)
         prepared = None
         if self.vlm is None:
-            ids = prompt_tokens if prompt_tokens is not None else self._tokenize(prompt, tools, request_id)
+            ids = prompt_tokens if prompt_tokens is not None else self._tokenize(prompt, template_kwargs, request_id)
         else:
             prepared = self._prepare(prompt, prompt_tokens, media, request_id)
             ids = prepared.input_ids
         return ResolvedPrompt(validate_prompt_tokens(ids, self.vocab_size, self.max_model_len), prepared)
 
-    def _check_tools(self, prompt: Any, tools: Any, request_id: str | None) -> None:
-        if not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) for t in tools):
-            raise InvalidRequest("tools", f"must be a list of tool dicts, got {type(tools).__name__}", request_id)
-        if self.vlm is not None:
-            raise InvalidRequest("tools", "not built for vision-language models (mlx-vlm's chat templating takes no "
-                                          "tools)", request_id)
-        if not (isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt)):
-            raise InvalidRequest("tools", "need a prompt of chat messages: they go into the chat template",
-                                 request_id)
+    _ENGINE_TEMPLATE_ARGS = ("tools", "add_generation_prompt", "tokenize", "conversation", "messages")
 
-    def _tokenize(self, prompt: Any, tools: Any = None, request_id: str | None = None) -> list[int]:
+    def _template_kwargs(self, prompt: Any, tools: Any, kwargs: Any, request_id: str | None) -> dict[str, Any]:
+        """The chat template's extra arguments, checked: ``tools`` a list of dicts, ``chat_template_kwargs`` a dict
+        that sets none of the arguments the engine sets itself; only with chat messages to a text model."""
+        if tools is None and kwargs is None:
+            return {}
+        for name, value in (("tools", tools), ("chat_template_kwargs", kwargs)):
+            if value is None:
+                continue
+            if self.vlm is not None:
+                raise InvalidRequest(name, "not built for vision-language models (their chat templates are called "
+                                           "through mlx-vlm's, which the engine keeps to its own arguments)", request_id)
+            if not (isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt)):
+                raise InvalidRequest(name, "needs a prompt of chat messages: it goes to the chat template", request_id)
+        if tools is not None and not (isinstance(tools, (list, tuple)) and all(isinstance(t, dict) for t in tools)):
+            raise InvalidRequest("tools", f"must be a list of tool dicts, got {type(tools).__name__}", request_id)
+        if kwargs is not None:
+            if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+                raise InvalidRequest("chat_template_kwargs", f"must be a dict with string keys, got {kwargs!r}",
+                                     request_id)
+            taken = sorted(set(kwargs) & set(self._ENGINE_TEMPLATE_ARGS))
+            if taken:
+                raise InvalidRequest("chat_template_kwargs", f"sets {taken}, which the engine sets itself (tools: "
+                                                             "give them as tools)", request_id)
+        return {**(kwargs or {}), **({"tools": list(tools)} if tools else {})}
+
+    def _tokenize(self, prompt: Any, template_kwargs: dict[str, Any], request_id: str | None = None) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequest("prompt", "is empty")
             return list(self.tokenizer.encode(prompt))
         if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
             try:
-                return list(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True,
-                                                               **({"tools": list(tools)} if tools else {})))
+                return list(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, **template_kwargs))
             except (TemplateError, TypeError, ValueError) as exc:  # its own checks (roles, shapes), its filters
                 raise InvalidRequest("prompt", f"the chat template refused these messages: {exc}",
                                      request_id) from None

@@ -20,7 +20,7 @@ import itertools
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
@@ -37,6 +37,7 @@ from .messages import convert_messages
 from .metrics import EngineMetrics, engine_snapshot
 from .protocol import MAX_CHOICES, APIError, ChatCompletionRequest, CompletionRequest, usage, validation_error
 from .token_bytes import TokenBytes
+from .reasoning import ReasoningFormat, ReasoningSplitter
 from .tool_calls import ToolCallFormat, ToolCallSplitter
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
@@ -233,14 +234,14 @@ def _failure(exc: BaseException) -> APIError:
     return APIError(500, f"the request failed: {exc}", None, "server_error")
 
 
-def _tool_finish(reason: str, splitter: ToolCallSplitter) -> str:
-    """A choice that made a tool call and then stopped finishes with "tool_calls" (one cut at max_tokens keeps
-    "length")."""
-    return "tool_calls" if reason == "stop" and splitter.calls_made else reason
-
-
 def _token_text(tokenizer: Any, token: int) -> str:
     return tokenizer.decode([token])
+
+
+def _check_model(state: ServerState, body: Body) -> None:
+    if body.model is not None and body.model != state.model_name:
+        raise APIError(404, f"model: the model {body.model!r} does not exist here (serving "
+                            f"{state.model_name!r})", "model", "invalid_request_error", "model_not_found")
 
 
 @dataclass(frozen=True)
@@ -250,9 +251,6 @@ class _ToolCalling:
     format: ToolCallFormat
     tools: list[dict[str, Any]]
     first_call_only: bool  # parallel_tool_calls: false
-
-    def splitter(self) -> ToolCallSplitter:
-        return ToolCallSplitter(self.format, self.tools, self.first_call_only)
 
 
 def _tool_calling(body: ChatCompletionRequest, engine: Any) -> _ToolCalling | None:
@@ -271,62 +269,115 @@ def _tool_calling(body: ChatCompletionRequest, engine: Any) -> _ToolCalling | No
     return _ToolCalling(fmt, tools, body.parallel_tool_calls is False)
 
 
-def _check_model(state: ServerState, body: Body) -> None:
-    if body.model is not None and body.model != state.model_name:
-        raise APIError(404, f"model: the model {body.model!r} does not exist here (serving "
-                            f"{state.model_name!r})", "model", "invalid_request_error", "model_not_found")
+@dataclass(frozen=True)
+class _ChatParsing:
+    """How a chat choice's text is split: reasoning out first (a thinking model; `in_reasoning`: the prompt left
+    it open), then tool calls out of the rest (a request with tools)."""
+
+    reasoning: ReasoningFormat | None = None
+    in_reasoning: bool = False
+    tool_calling: _ToolCalling | None = None
+
+    def splitter(self) -> "_ChoiceSplitter":
+        tools = self.tool_calling
+        return _ChoiceSplitter(
+            ReasoningSplitter(self.reasoning, self.in_reasoning) if self.reasoning is not None else None,
+            ToolCallSplitter(tools.format, tools.tools, tools.first_call_only) if tools is not None else None)
+
+
+@dataclass
+class _ChoiceText:
+    reasoning: str = ""
+    content: str = ""
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+
+class _ChoiceSplitter:
+    """One choice's text through its splitters, piece by piece (`final`: the last piece)."""
+
+    def __init__(self, reasoning: ReasoningSplitter | None, tools: ToolCallSplitter | None):
+        self.reasoning = reasoning
+        self.tools = tools
+
+    @property
+    def calls_made(self) -> int:
+        return self.tools.calls_made if self.tools is not None else 0
+
+    def feed(self, text: str, final: bool) -> _ChoiceText:
+        out = _ChoiceText(content=text)
+        if self.reasoning is not None:
+            piece = self.reasoning.feed(text)
+            if final:
+                tail = self.reasoning.finish()
+                piece.reasoning += tail.reasoning
+                piece.content += tail.content
+            out.reasoning, out.content = piece.reasoning, piece.content
+        if self.tools is not None:
+            piece = self.tools.feed(out.content)
+            if final:
+                tail = self.tools.finish()
+                piece.content += tail.content
+                piece.calls += tail.calls
+            out.content, out.calls = piece.content, piece.calls
+        return out
+
+    def finish_reason(self, reason: str) -> str:
+        """A choice that made a tool call and then stopped finishes with "tool_calls" (one cut at max_tokens keeps
+        "length")."""
+        return "tool_calls" if reason == "stop" and self.calls_made else reason
 
 
 class _ChatChoices:
     """How a chat completion renders its choices: a role delta first, content deltas, a message at the end.
-    With tools, each choice's text goes through a `ToolCallSplitter`: calls become `tool_calls` (a delta each
-    when streaming) and a choice that made one and stopped finishes with "tool_calls"."""
+    With a `_ChatParsing`, each choice's text goes through its splitters: reasoning becomes `reasoning_content`
+    (vLLM's field), calls become `tool_calls` (a delta each when streaming), and a choice that made a call and
+    stopped finishes with "tool_calls"."""
 
     def __init__(self, tokenizer: Any, token_bytes: TokenBytes, wants_logprobs: bool, stream: bool,
-                 tool_calling: _ToolCalling | None = None):
+                 parsing: _ChatParsing | None = None):
         self.tokenizer = tokenizer
         self.token_bytes = token_bytes
         self.wants_logprobs = wants_logprobs
         self.object = "chat.completion.chunk" if stream else "chat.completion"
-        self.tool_calling = tool_calling
-        self._splitters: dict[int, ToolCallSplitter] = {}  # streaming: each choice's, as its text arrives
+        self.parsing = parsing
+        self._splitters: dict[int, _ChoiceSplitter] = {}  # streaming: each choice's, as its text arrives
 
     def first(self, index: int) -> dict[str, Any] | None:
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                 "finish_reason": None}
 
     def delta(self, index: int, delta: Delta) -> dict[str, Any] | None:
-        text, calls, finish = delta.text, [], delta.finish_reason
-        if self.tool_calling is not None:
-            splitter = self._splitters.setdefault(index, self.tool_calling.splitter())
+        finish = delta.finish_reason
+        split = _ChoiceText(content=delta.text)
+        if self.parsing is not None:
+            splitter = self._splitters.setdefault(index, self.parsing.splitter())
             before = splitter.calls_made
-            piece = splitter.feed(delta.text)
+            split = splitter.feed(delta.text, final=finish is not None)
+            split.calls = [{"index": before + k, **call} for k, call in enumerate(split.calls)]
             if finish is not None:
-                tail = splitter.finish()
-                piece.content += tail.content
-                piece.calls += tail.calls
-                finish = _tool_finish(finish, splitter)
-            text = piece.content
-            calls = [{"index": before + k, **call} for k, call in enumerate(piece.calls)]
-        if not text and not calls and finish is None and not delta.logprobs:
+                finish = splitter.finish_reason(finish)
+        if not split.reasoning and not split.content and not split.calls and finish is None and not delta.logprobs:
             return None
-        body: dict[str, Any] = {"content": text} if text else {}
-        if calls:
-            body["tool_calls"] = calls
+        body: dict[str, Any] = {"reasoning_content": split.reasoning} if split.reasoning else {}
+        if split.content:
+            body["content"] = split.content
+        if split.calls:
+            body["tool_calls"] = split.calls
         return {"index": index, "delta": body, "logprobs": self._logprobs([delta]), "finish_reason": finish}
 
     def final(self, index: int, deltas: list[Delta]) -> dict[str, Any]:
         text = "".join(d.text for d in deltas)
         finish = deltas[-1].finish_reason if deltas else None
         message: dict[str, Any] = {"role": "assistant", "content": text}
-        if self.tool_calling is not None:
-            splitter = self.tool_calling.splitter()
-            piece, tail = splitter.feed(text), splitter.finish()
-            calls = piece.calls + tail.calls
-            content = piece.content + tail.content
-            if calls:
-                message = {"role": "assistant", "content": content or None, "tool_calls": calls}
-            finish = _tool_finish(finish, splitter) if finish is not None else None
+        if self.parsing is not None:
+            splitter = self.parsing.splitter()
+            split = splitter.feed(text, final=True)
+            message = {"role": "assistant", "content": split.content or (None if split.calls else "")}
+            if split.reasoning:
+                message["reasoning_content"] = split.reasoning
+            if split.calls:
+                message["tool_calls"] = split.calls
+            finish = splitter.finish_reason(finish) if finish is not None else None
         return {"index": index, "message": message, "logprobs": self._logprobs(deltas), "finish_reason": finish}
 
     def _logprobs(self, deltas: list[Delta]) -> dict[str, Any] | None:
@@ -461,6 +512,8 @@ def create_app(state: ServerState) -> Any:
     vision, video = "image" in media, "video" in media
     token_bytes = TokenBytes(engine.tokenizer)  # (built once: it reads the tokenizer's decoder)
     audio_rate = getattr(engine.vlm, "sample_rate", None) if engine.vlm is not None else None
+    # a thinking text model's reasoning goes to `reasoning_content` (the markers mlx-lm's tokenizer declares)
+    reasoning = ReasoningFormat.of(engine.tokenizer) if engine.vlm is None else None
 
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
@@ -480,10 +533,21 @@ def create_app(state: ServerState) -> Any:
         prompt = await asyncio.to_thread(convert_messages, body.messages, vision, audio_rate, video,
                                          state.local_media_dir)
         call = _Call(state, body, "chatcmpl")
-        tools = {"tools": tool_calling.tools} if tool_calling is not None else {}
+        template = {"tools": tool_calling.tools} if tool_calling is not None else {}
+        if body.template_kwargs() is not None:
+            template["chat_template_kwargs"] = body.template_kwargs()
         await call.submit([dict(prompt=prompt.messages, images=prompt.images or None, videos=prompt.videos or None,
-                                audio=prompt.audio or None, **tools)], prompt.part_of)
-        choices = _ChatChoices(engine.tokenizer, token_bytes, body.wants_logprobs(), body.stream, tool_calling)
+                                audio=prompt.audio or None, **template)], prompt.part_of)
+        parsing = None
+        if reasoning is not None or tool_calling is not None:
+            # whether the prompt leaves the reasoning open (Qwen3's generation prompt ends with <think>): the
+            # template rendered again, as the engine rendered it (it accepted these arguments)
+            opens = reasoning is not None and reasoning.opens_in(await asyncio.to_thread(
+                engine.tokenizer.apply_chat_template, prompt.messages, add_generation_prompt=True, tokenize=False,
+                **template.get("chat_template_kwargs", {}), **({"tools": template["tools"]} if "tools" in template
+                                                               else {})))
+            parsing = _ChatParsing(reasoning, opens, tool_calling)
+        choices = _ChatChoices(engine.tokenizer, token_bytes, body.wants_logprobs(), body.stream, parsing)
         return await _respond(request, call, choices)
 
     @app.post("/v1/completions")

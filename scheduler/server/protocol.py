@@ -257,6 +257,8 @@ class ChatCompletionRequest(_Sampling):
     # named function would need decoding constrained to a call, which this server does not do: refused.
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: StrictBool | None = None  # false: only the first call is returned
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra arguments of the chat template
+    enable_thinking: StrictBool | None = None  # vllm-mlx's: chat_template_kwargs {"enable_thinking": ...}
 
     @field_validator("tool_choice")
     @classmethod
@@ -269,6 +271,15 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError("only 'auto' and 'none' are supported: 'required' and a named function need "
                              "decoding constrained to a tool call, which this server does not do")
         return v
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The chat template's extra arguments (None: none), `enable_thinking` folded in."""
+        if self.chat_template_kwargs is None and self.enable_thinking is None:
+            return None
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.enable_thinking is not None:
+            kwargs["enable_thinking"] = self.enable_thinking
+        return kwargs
 
     def tool_list(self) -> list[dict[str, Any]] | None:
         """The tools offered to the model (the chat template's `tools`), or None (none given, or tool_choice

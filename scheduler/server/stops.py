@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from .markers import partial_suffix
+
 
 @dataclass
 class StopResult:
@@ -34,7 +36,7 @@ class StopMatcher:
             return StopResult(text, False)
         pending = self._held + text
         match = self._earliest_match(pending)
-        maybe = len(pending) - self._partial_suffix(pending)  # where a stop string may still be beginning
+        maybe = len(pending) - partial_suffix(pending, self.stops)  # where a stop string may still be beginning
         if match is not None and match <= maybe:
             return self._stop(pending[:match])
         self._held = pending[maybe:]
@@ -56,13 +58,3 @@ class StopMatcher:
     def _earliest_match(self, text: str) -> int | None:
         hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
         return min(hits) if hits else None
-
-    def _partial_suffix(self, text: str) -> int:
-        """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
-        longest = 0
-        for stop in self.stops:
-            for n in range(min(len(stop) - 1, len(text)), longest, -1):
-                if text.endswith(stop[:n]):
-                    longest = n
-                    break
-        return longest

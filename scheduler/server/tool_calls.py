@@ -20,6 +20,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .markers import partial_suffix
+
 
 @dataclass(frozen=True)
 class ToolCallFormat:
@@ -135,11 +137,7 @@ class ToolCallSplitter:
     def _undecided_suffix(self, text: str) -> int:
         """Length of the end of `text` not yet known to be content: a proper prefix of the start marker, and any
         whitespace before it (it is not content if a call follows)."""
-        marker = 0
-        for n in range(min(len(self.fmt.start) - 1, len(text)), 0, -1):
-            if text.endswith(self.fmt.start[:n]):
-                marker = n
-                break
+        marker = partial_suffix(text, (self.fmt.start,))
         body = text[: len(text) - marker]
         return marker + (len(body) - len(body.rstrip()))
 

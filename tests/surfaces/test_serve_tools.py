@@ -1,9 +1,11 @@
-"""Tool calling through `mlxsched serve`, end to end: the `text-tools` tiny model (scheduler/fixtures/
-tool_calling.py, trained to answer a few tool-calling chats word for word) behind the real server in a
-subprocess, driven with the official `openai` client. Its calls are parsed out of what the model really
-generated (each answer is first checked against `mlx_lm.generate` alone on the same rendered prompt), streamed
-and not, with text before them, two in one answer, a chat sent back with the calls and the tool's result, and
-the refusals (tool_choice "required", a model without a tool-call format, tool messages without an id).
+"""Tool calling and reasoning through `mlxsched serve`, end to end: the `text-tools` tiny model
+(scheduler/fixtures/tool_calling.py, trained to answer a few chats word for word; a thinking model, whose
+template opens the reasoning in the prompt) behind the real server in a subprocess, driven with the official
+`openai` client. Calls and reasoning are parsed out of what the model really generated (each answer is first
+checked against `mlx_lm.generate` alone on the same rendered prompt), streamed and not: reasoning then a call,
+text before two calls, a chat sent back with the calls and the tool's result, thinking turned off
+(`enable_thinking` / `chat_template_kwargs`), and the refusals (tool_choice "required", a model without a
+tool-call format, tool messages without an id, template arguments the engine sets itself).
 """
 
 from __future__ import annotations
@@ -52,9 +54,10 @@ def test_the_model_answers_each_chat_alone_as_trained(tool_model_dir):
     model, tokenizer = load(str(tool_model_dir))
     assert tokenizer.has_tool_calling and (tokenizer.tool_call_start, tokenizer.tool_call_end) == (
         "<tool_call>", "</tool_call>")
+    assert tokenizer.has_thinking and (tokenizer.think_start, tokenizer.think_end) == ("<think>", "</think>")
     for chat in CHATS:
-        prompt = tokenizer.apply_chat_template(template_messages(chat.messages), tools=list(chat.tools) or None,
-                                               add_generation_prompt=True)
+        prompt = tokenizer.apply_chat_template(template_messages(chat.messages), add_generation_prompt=True,
+                                               **chat.template_args())
         assert generate(model, tokenizer, prompt, max_tokens=256) == chat.completion, chat.name
 
 
@@ -65,24 +68,31 @@ async def _chat(client, chat, **kwargs):
 
 
 async def _stream(client, chat, **kwargs):
-    """(content, tool calls assembled from their deltas by index, finish reason) of a streamed chat."""
+    """(reasoning, content, tool calls assembled from their deltas by index, finish reason) of a streamed chat."""
     stream = await _chat(client, chat, stream=True, **kwargs)
-    content, calls, finish = "", {}, None
+    reasoning, content, calls, finish = "", "", {}, None
     async for chunk in stream:
         for choice in chunk.choices:
+            reasoning += getattr(choice.delta, "reasoning_content", None) or ""
             content += choice.delta.content or ""
             for call in choice.delta.tool_calls or ():
                 assert call.index not in calls, "each call arrives whole, in one delta"
                 calls[call.index] = call
             finish = choice.finish_reason or finish
-    return content, [calls[i] for i in sorted(calls)], finish
+    return reasoning, content, [calls[i] for i in sorted(calls)], finish
 
 
 def _named(calls) -> list[tuple[str, dict]]:
     return [(c.function.name, json.loads(c.function.arguments)) for c in calls]
 
 
-def test_a_call_is_returned_as_tool_calls_streamed_or_not(server):
+def _reasoning(message) -> str | None:
+    return getattr(message, "reasoning_content", None)
+
+
+def test_reasoning_then_a_call_streamed_or_not(server):
+    """The prompt opens the reasoning, so the answer starts in it: the text up to `</think>` is
+    reasoning_content, the call after it tool_calls, with no content."""
     tools, _ = server
 
     async def run():
@@ -91,13 +101,14 @@ def test_a_call_is_returned_as_tool_calls_streamed_or_not(server):
         streamed = await _stream(client, CHAT["one-call"])
         return whole, streamed
 
-    whole, (content, calls, finish) = asyncio.run(run())
+    whole, (reasoning, content, calls, finish) = asyncio.run(run())
     (choice,) = whole.choices
     assert choice.finish_reason == "tool_calls"
-    assert choice.message.content is None
+    assert (_reasoning(choice.message), choice.message.content) == ("The user asks for the weather.\n", None)
     assert _named(choice.message.tool_calls) == [("get_weather", {"city": "Paris"})]
     assert choice.message.tool_calls[0].type == "function" and choice.message.tool_calls[0].id.startswith("call_")
-    assert (content, _named(calls), finish) == ("", [("get_weather", {"city": "Paris"})], "tool_calls")
+    assert (reasoning, content, _named(calls), finish) == (
+        "The user asks for the weather.\n", "", [("get_weather", {"city": "Paris"})], "tool_calls")
 
 
 def test_text_before_two_calls_is_the_content(server):
@@ -107,12 +118,12 @@ def test_text_before_two_calls_is_the_content(server):
         client = tools.client()
         return await _chat(client, CHAT["text-and-two-calls"]), await _stream(client, CHAT["text-and-two-calls"])
 
-    whole, (content, calls, finish) = asyncio.run(run())
+    whole, (reasoning, content, calls, finish) = asyncio.run(run())
     want = [("get_weather", {"city": "Rome"}), ("get_time", {"city": "Rome"})]
     (choice,) = whole.choices
-    assert (choice.message.content, _named(choice.message.tool_calls), choice.finish_reason) == (
-        "Checking both.", want, "tool_calls")
-    assert (content, _named(calls), finish) == ("Checking both.", want, "tool_calls")
+    assert (_reasoning(choice.message), choice.message.content, _named(choice.message.tool_calls),
+            choice.finish_reason) == ("Two tools.\n", "Checking both.", want, "tool_calls")
+    assert (reasoning, content, _named(calls), finish) == ("Two tools.\n", "Checking both.", want, "tool_calls")
     assert len({c.id for c in choice.message.tool_calls}) == 2
 
 
@@ -129,8 +140,8 @@ def test_a_chat_sent_back_with_the_calls_and_the_result_is_answered_in_text(serv
     tools, _ = server
     whole = asyncio.run(_chat(tools.client(), CHAT["after-the-result"]))
     (choice,) = whole.choices
-    assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == (
-        "It is sunny in Paris, 21 C.", None, "stop")
+    assert (_reasoning(choice.message), choice.message.content, choice.message.tool_calls, choice.finish_reason) == (
+        "The tool answered.\n", "It is sunny in Paris, 21 C.", None, "stop")
 
 
 def test_tool_choice_none_offers_no_tools(server):
@@ -138,7 +149,28 @@ def test_tool_choice_none_offers_no_tools(server):
     tools, _ = server
     whole = asyncio.run(_chat(tools.client(), CHAT["one-call"], tool_choice="none"))
     (choice,) = whole.choices
-    assert (choice.message.content, choice.finish_reason) == (CHAT["no-tools"].completion, "stop")
+    assert (_reasoning(choice.message), choice.message.content, choice.finish_reason) == (
+        "No tool to use.\n", "I cannot look that up.", "stop")
+
+
+def test_thinking_turned_off_answers_without_reasoning(server):
+    """enable_thinking false (vllm-mlx's field, or vLLM's chat_template_kwargs) reaches the template, which closes
+    an empty reasoning in the prompt: the answer is content only, streamed or not."""
+    tools, _ = server
+    chat = CHAT["no-thinking"]
+
+    async def run():
+        client = tools.client()
+        return (await _chat(client, chat, extra_body={"enable_thinking": False}),
+                await _chat(client, chat, extra_body={"chat_template_kwargs": {"enable_thinking": False}}),
+                await _stream(client, chat, extra_body={"enable_thinking": False}))
+
+    first, second, streamed = asyncio.run(run())
+    for whole in (first, second):
+        (choice,) = whole.choices
+        assert (_reasoning(choice.message), choice.message.content, choice.finish_reason) == (
+            None, "Paris is in France.", "stop")
+    assert streamed == ("", "Paris is in France.", [], "stop")
 
 
 def _status(exc: pytest.ExceptionInfo) -> tuple[int, str | None]:
@@ -168,6 +200,10 @@ def test_what_cannot_be_honoured_is_refused_naming_the_field(server):
     status, body = tools.post("/v1/chat/completions", {
         "messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"})
     assert (status, body["error"]["param"]) == (400, "tool_choice")  # tool_choice without tools
+    for extra, param in (({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+                         ({"enable_thinking": "yes"}, "enable_thinking")):
+        status, body = tools.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **extra})
+        assert (status, body["error"]["param"]) == (400, param)
     bad_arguments = [CHAT["after-the-result"].messages[0],
                      {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
                                                            "function": {"name": "get_weather", "arguments": "{"}}]}]
@@ -177,10 +213,10 @@ def test_what_cannot_be_honoured_is_refused_naming_the_field(server):
 
 
 def test_the_engine_renders_tools_into_the_chat_template_and_refuses_them_elsewhere(tool_model_dir, vlm_model_dir):
-    """`Engine.add_request(tools=...)`: the prompt is the tokenizer's own rendering with those tools (the trace
-    records it), and the request's greedy output is the trained completion; tools without chat messages, on a
-    vision-language model or of the wrong type are refused naming `tools`; a template that fails on the
-    messages is refused naming `prompt`."""
+    """`Engine.add_request(tools=..., chat_template_kwargs=...)`: the prompt is the tokenizer's own rendering with
+    them (the trace records it), and each request's greedy output is its trained completion; tools or template
+    arguments without chat messages, on a vision-language model, of the wrong type or setting what the engine
+    sets are refused naming the argument; a template that fails on the messages is refused naming `prompt`."""
     import mlx_vlm
     from mlx_lm import load
 
@@ -191,17 +227,30 @@ def test_the_engine_renders_tools_into_the_chat_template_and_refuses_them_elsewh
     model, tokenizer = load(str(tool_model_dir))
     chat = CHAT["text-and-two-calls"]
     engine, log = engine_with_log(model, tokenizer, EngineConfig())
+    off = CHAT["no-thinking"]
     run = drive(engine, [(0, {"prompt": template_messages(chat.messages), "tools": list(chat.tools),
-                              "sampling": SamplingParams(max_tokens=256), "request_id": "r"})])
-    (arrival,) = log.of_kind("arrival")
-    assert arrival["prompt_tokens"] == tokenizer.apply_chat_template(template_messages(chat.messages),
-                                                                     tools=list(chat.tools), add_generation_prompt=True)
-    assert tokenizer.decode(run.tokens["r"][:-1]) == chat.completion and run.tokens["r"][-1] in tokenizer.eos_token_ids
-    for bad in (dict(prompt="a string", tools=TOOLS), dict(prompt=[{"role": "user", "content": "hi"}], tools="x"),
-                dict(prompt_tokens=[1, 2, 3], tools=TOOLS)):
+                              "sampling": SamplingParams(max_tokens=256), "request_id": "r"}),
+                         (0, {"prompt": list(off.messages), "chat_template_kwargs": dict(off.template_kwargs),
+                              "sampling": SamplingParams(max_tokens=256), "request_id": "off"})])
+    arrivals = {e["request_id"]: e["prompt_tokens"] for e in log.of_kind("arrival")}
+    assert arrivals["r"] == tokenizer.apply_chat_template(template_messages(chat.messages), tools=list(chat.tools),
+                                                          add_generation_prompt=True)
+    assert arrivals["off"] == tokenizer.apply_chat_template(list(off.messages), add_generation_prompt=True,
+                                                            enable_thinking=False) != tokenizer.apply_chat_template(
+        list(off.messages), add_generation_prompt=True)
+    for rid, want in (("r", chat.completion), ("off", off.completion)):
+        assert tokenizer.decode(run.tokens[rid][:-1]) == want and run.tokens[rid][-1] in tokenizer.eos_token_ids
+    for bad, name in ((dict(prompt="a string", tools=TOOLS), "tools"),
+                      (dict(prompt=[{"role": "user", "content": "hi"}], tools="x"), "tools"),
+                      (dict(prompt_tokens=[1, 2, 3], tools=TOOLS), "tools"),
+                      (dict(prompt="a string", chat_template_kwargs={"enable_thinking": False}), "chat_template_kwargs"),
+                      (dict(prompt=[{"role": "user", "content": "hi"}], chat_template_kwargs={"tokenize": False}),
+                       "chat_template_kwargs"),
+                      (dict(prompt=[{"role": "user", "content": "hi"}], chat_template_kwargs=["x"]),
+                       "chat_template_kwargs")):
         with pytest.raises(InvalidRequest) as info:
             engine.add_request(**bad)
-        assert info.value.field == "tools"
+        assert info.value.field == name
     with pytest.raises(InvalidRequest) as info:
         engine.add_request(prompt=[{"role": "assistant", "content": "", "tool_calls": [{"function": {}}]}],
                            tools=TOOLS)  # a call without a name: the template fails on it
@@ -209,7 +258,8 @@ def test_the_engine_renders_tools_into_the_chat_template_and_refuses_them_elsewh
     assert not engine.has_pending()
     engine.close()
     vlm = Engine(*mlx_vlm.load(str(vlm_model_dir)), EngineConfig())
-    with pytest.raises(InvalidRequest) as info:
-        vlm.add_request(prompt=[{"role": "user", "content": "hi"}], tools=TOOLS)
-    assert info.value.field == "tools"
+    for kwargs in (dict(tools=TOOLS), dict(chat_template_kwargs={"enable_thinking": True})):
+        with pytest.raises(InvalidRequest) as info:
+            vlm.add_request(prompt=[{"role": "user", "content": "hi"}], **kwargs)
+        assert info.value.field == next(iter(kwargs))
     vlm.close()

@@ -1,6 +1,7 @@
-"""scheduler/server/tool_calls.py: a choice's text split into content and tool calls the same way however it
-arrives in pieces, with mlx-lm's own JSON tool parser (what its tokenizer wrapper infers for `<tool_call>`
-templates). Text processing only; the calls a real model writes are in tests/surfaces/test_serve_tools.py."""
+"""scheduler/server/tool_calls.py and reasoning.py: a chat choice's text split into content and tool calls (with
+mlx-lm's own JSON tool parser, what its tokenizer wrapper infers for `<tool_call>` templates), and into reasoning
+and content, the same way however it arrives in pieces. Text processing only; what a real model writes is in
+tests/surfaces/test_serve_tools.py."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 from hypothesis import given, settings, strategies as st
 from mlx_lm.tool_parsers import json_tools
 
+from scheduler.server.reasoning import ReasoningFormat, ReasoningSplitter
 from scheduler.server.tool_calls import ToolCallFormat, ToolCallSplitter
 
 FORMAT = ToolCallFormat(json_tools.tool_call_start, json_tools.tool_call_end, json_tools.parse_tool_call)
@@ -73,3 +75,44 @@ def test_a_model_without_a_tool_call_format_has_none():
         has_tool_calling = False
 
     assert ToolCallFormat.of(NoTools()) is None
+
+
+THINK = ReasoningFormat("<think>", "</think>")
+REASONING_TEXTS = [  # (text, whether the prompt left the reasoning open)
+    ("Weighing it.\n</think>\n\nThe answer.", True),
+    ("<think>\nThe model opens it itself.\n</think>\nThe answer.", False),
+    ("Cut short while still thinking <", True),
+    ("No reasoning at all, and a partial </thi", False),
+    ("first</think>between<think>second</think>  end", True),
+]
+
+
+def _think(text: str, opened: bool, cuts: list[int]) -> tuple[str, str]:
+    splitter = ReasoningSplitter(THINK, opened)
+    bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
+    reasoning = content = ""
+    for a, b in zip(bounds, bounds[1:]):
+        piece = splitter.feed(text[a:b])
+        reasoning, content = reasoning + piece.reasoning, content + piece.content
+    tail = splitter.finish()
+    return reasoning + tail.reasoning, content + tail.content
+
+
+def test_what_each_reasoning_text_splits_into():
+    assert [_think(t, opened, []) for t, opened in REASONING_TEXTS] == [
+        ("Weighing it.\n", "The answer."),  # whitespace right after the end marker is not content
+        ("\nThe model opens it itself.\n", "The answer."),
+        ("Cut short while still thinking <", ""),  # a reasoning cut short stays reasoning
+        ("", "No reasoning at all, and a partial </thi"),
+        ("firstsecond", "betweenend"),  # (the blank after each end marker is dropped)
+    ]
+    assert THINK.opens_in("<|im_start|>assistant\n<think>\n")
+    assert not THINK.opens_in("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not THINK.opens_in("no markers at all")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(REASONING_TEXTS), st.lists(st.integers(min_value=0, max_value=200), max_size=12))
+def test_the_reasoning_split_does_not_depend_on_how_the_text_arrives(case, cuts):
+    text, opened = case
+    assert _think(text, opened, cuts) == _think(text, opened, [])
