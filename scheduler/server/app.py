@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
+from jinja2 import TemplateError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
@@ -36,8 +37,8 @@ from .generation import Body, ChoiceFailed, Delta, choice_deltas, refusal, sampl
 from .messages import convert_messages
 from .metrics import EngineMetrics, engine_snapshot
 from .protocol import MAX_CHOICES, APIError, ChatCompletionRequest, CompletionRequest, usage, validation_error
-from .token_bytes import TokenBytes
 from .reasoning import ReasoningFormat, ReasoningSplitter
+from .token_bytes import TokenBytes
 from .tool_calls import ToolCallFormat, ToolCallSplitter
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
@@ -267,6 +268,19 @@ def _tool_calling(body: ChatCompletionRequest, engine: Any) -> _ToolCalling | No
         raise APIError(400, "tools: this model's chat template declares no tool-call format that mlx-lm can parse, "
                             "so its calls could not be returned", "tools")
     return _ToolCalling(fmt, tools, body.parallel_tool_calls is False)
+
+
+def _opens_reasoning(tokenizer: Any, reasoning: ReasoningFormat, messages: list[dict], tools: list | None,
+                     template_kwargs: dict | None) -> bool:
+    """Whether the prompt leaves the reasoning open (a Qwen3-thinking generation prompt ends with `<think>`): the
+    chat template rendered as the engine renders it. Arguments it fails on are the engine's to refuse (a 400 when
+    the call is submitted), so they count as not opening it here."""
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                             **(template_kwargs or {}), **({"tools": tools} if tools else {}))
+    except (TemplateError, TypeError, ValueError):
+        return False
+    return reasoning.opens_in(text)
 
 
 @dataclass(frozen=True)
@@ -532,21 +546,17 @@ def create_app(state: ServerState) -> Any:
         tool_calling = _tool_calling(body, engine)
         prompt = await asyncio.to_thread(convert_messages, body.messages, vision, audio_rate, video,
                                          state.local_media_dir)
-        call = _Call(state, body, "chatcmpl")
-        template = {"tools": tool_calling.tools} if tool_calling is not None else {}
-        if body.template_kwargs() is not None:
-            template["chat_template_kwargs"] = body.template_kwargs()
-        await call.submit([dict(prompt=prompt.messages, images=prompt.images or None, videos=prompt.videos or None,
-                                audio=prompt.audio or None, **template)], prompt.part_of)
+        tools = tool_calling.tools if tool_calling is not None else None
+        template_kwargs = body.template_kwargs()
         parsing = None
         if reasoning is not None or tool_calling is not None:
-            # whether the prompt leaves the reasoning open (Qwen3's generation prompt ends with <think>): the
-            # template rendered again, as the engine rendered it (it accepted these arguments)
-            opens = reasoning is not None and reasoning.opens_in(await asyncio.to_thread(
-                engine.tokenizer.apply_chat_template, prompt.messages, add_generation_prompt=True, tokenize=False,
-                **template.get("chat_template_kwargs", {}), **({"tools": template["tools"]} if "tools" in template
-                                                               else {})))
+            opens = reasoning is not None and await asyncio.to_thread(
+                _opens_reasoning, engine.tokenizer, reasoning, prompt.messages, tools, template_kwargs)
             parsing = _ChatParsing(reasoning, opens, tool_calling)
+        call = _Call(state, body, "chatcmpl")
+        await call.submit([dict(prompt=prompt.messages, images=prompt.images or None, videos=prompt.videos or None,
+                                audio=prompt.audio or None, tools=tools, chat_template_kwargs=template_kwargs)],
+                          prompt.part_of)
         choices = _ChatChoices(engine.tokenizer, token_bytes, body.wants_logprobs(), body.stream, parsing)
         return await _respond(request, call, choices)
 
