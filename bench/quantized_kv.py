@@ -2,6 +2,7 @@
 decode throughput at batch 32, at 16 (unquantized), 8 and 4 bits, in one process on one model.
 
     python -m bench.quantized_kv [--batch 32] [--prompt-len 128] [--new-tokens 48] [--json PATH]
+    python -m bench.quantized_kv --vlm     # the tiny Qwen2-VL with image requests: bytes and admission
 
 The model is a seeded llama built here (hidden 256, 4 layers, head_dim 64, float16, so "16 bits" is the
 unquantized cache). Figures:
@@ -104,6 +105,48 @@ def bare_decode_tps(model, bits, prompts: list[list[int]], new_tokens: int) -> f
     return len(prompts) * (new_tokens - 1) / (time.perf_counter() - t0)
 
 
+def vlm_rows(requests: int, base_rows: int, base_len: int) -> tuple[int, list[dict]]:
+    """The tiny Qwen2-VL (head_dim 32, float32, groups of 32): bytes per token, and how many image requests one
+    budget (`base_rows` float rows of `base_len` tokens) holds at once, at float / 8 / 4 bits; outputs checked
+    against mlx_vlm.stream_generate alone with the same settings for the first two."""
+    import mlx_vlm
+    import numpy as np
+    from PIL import Image
+
+    from scheduler.fixtures.tiny_models import build_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model, processor = mlx_vlm.load(str(build_model("vlm", tmp)))
+    images = [Image.fromarray(np.random.default_rng(i).integers(0, 256, (112, 112, 3), dtype=np.uint8))
+              for i in range(requests)]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text",
+                                                                  "text": "Describe the picture in detail. " * 6}]}]
+    prompt = mlx_vlm.prompt_utils.apply_chat_template(processor, model.config, messages, num_images=1)
+    budget = Engine(model, processor).kv_layout.batch_bytes([base_len] * base_rows)
+    rows = []
+    for bits in BITS:
+        settings = {} if bits is None else {"kv_bits": bits, "kv_group_size": 32, "quantized_kv_start": 0}
+        layout = Engine(model, processor, EngineConfig(**settings)).kv_layout
+        sink = MemorySink()
+        engine = Engine(model, processor, EngineConfig(kv_memory_bytes=budget, max_seqs=requests + 1,
+                                                       kv_headroom_tokens=16, **settings), event_sinks=[sink])
+        ids = [engine.add_request(prompt=messages, images=[image], sampling=SamplingParams(max_tokens=8))
+               for image in images]
+        got = {rid: [] for rid in ids}
+        while engine.has_pending():
+            for out in engine.step():
+                got[out.request_id] += out.token_ids
+        solo = [list(r.token_ids) for r in (
+            list(mlx_vlm.stream_generate(model, processor, prompt, image=[image], max_tokens=8, temperature=0.0,
+                                         **settings))[-1] for image in images[:2])]
+        rows.append({"bits": "32 (off)" if bits is None else str(bits),
+                     "bytes_per_token": sum(x.quantized_bytes_per_token or x.bytes_per_token for x in layout.layers),
+                     "admitted": max(p["num_seqs"] for p in sink.events if p["event"] == "plan"),
+                     "prompt_tokens": next(len(e["prompt_tokens"]) for e in sink.events if e["event"] == "arrival"),
+                     "equals_mlx_vlm_alone": [got[rid] for rid in ids[:2]] == solo})
+    return budget, rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=32)
@@ -113,7 +156,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--admit-len", type=int, default=512)
     ap.add_argument("--admit-base", type=int, default=4, help="the budget holds this many unquantized requests")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--vlm", action="store_true", help="the tiny Qwen2-VL with image requests: bytes per token and "
+                    "requests admitted (24 image requests, a budget of 4 float rows of 400 tokens)")
     args = ap.parse_args(argv)
+    if args.vlm:
+        budget, rows = vlm_rows(24, 4, 400)
+        print(f"model: tiny Qwen2-VL (float32, head_dim 32), kv_group_size 32; budget {budget} bytes (4 float rows "
+              f"of 400 tokens); 24 image requests of {rows[0]['prompt_tokens']} prompt tokens, 8 new tokens")
+        print("| kv bits | bytes/token | admitted at once | first two = mlx_vlm alone |")
+        print("|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['bits']} | {r['bytes_per_token']} | {r['admitted']} | {r['equals_mlx_vlm_alone']} |")
+        return 0
 
     with tempfile.TemporaryDirectory() as tmp:
         model, tokenizer = load(str(build_family_model("llama", tmp, seed=0, overrides=BENCH_MODEL)))
