@@ -31,6 +31,7 @@ SCRIPTS: dict[str, tuple[list[str], str]] = {
     "profile_tick": (["--model", "text", "--batch", "2", "--ticks", "5"], "ms/tick under cProfile"),
     "quantized_kv": (["--batch", "2", "--prompt-len", "16", "--new-tokens", "4", "--admit-requests", "2",
                       "--admit-len", "16", "--admit-base", "1"], "|"),
+    "quantized_kv:vlm": (["--vlm"], "|"),
     "scheduler_cost": (["--live", "4"], "|"),
     "vision_batch": (["--repeats", "1"], "|"),
     "vision_peer": (["--requests", "4", "--new-tokens", "4", "--repeats", "1"], "|"),
@@ -49,7 +50,8 @@ SCRIPTS: dict[str, tuple[list[str], str]] = {
 def test_the_bench_script_runs(module, text_model_dir):
     args, marker = SCRIPTS[module]
     args = [str(text_model_dir) if a == "MODEL_DIR" else a for a in args]
-    proc = subprocess.run([sys.executable, "-m", f"bench.{module}", *args], cwd=ROOT, capture_output=True,
+    script = module.split(":")[0]  # "NAME:variant": the same script with other arguments
+    proc = subprocess.run([sys.executable, "-m", f"bench.{script}", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert marker in proc.stdout, proc.stdout[-3000:]

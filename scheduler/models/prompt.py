@@ -134,7 +134,8 @@ class PromptResolver:
                 continue
             if self.vlm is not None:
                 raise InvalidRequest(name, "not built for vision-language models (their chat templates are called "
-                                           "through mlx-vlm's, which the engine keeps to its own arguments)", request_id)
+                                           "through mlx-vlm's, which the engine keeps to its own arguments)",
+                                     request_id)
             if not (isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt)):
                 raise InvalidRequest(name, "needs a prompt of chat messages: it goes to the chat template", request_id)
         if tools is not None and not (isinstance(tools, (list, tuple)) and all(isinstance(t, dict) for t in tools)):

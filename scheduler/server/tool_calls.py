@@ -5,9 +5,10 @@ and gives the markers that open and close a call (`TokenizerWrapper.tool_call_st
 `<tool_call>` ... `</tool_call>` and a JSON parser for Qwen-style templates). Text between the markers is a call,
 parsed when it closes (or when the output ends inside one); the rest is the message's content. Whitespace before
 a call, and after the last one at the end, is not content (a template puts a newline between a message's text
-and its calls, so the content a client sends back renders to what the model wrote). Text that may be the start of a marker, and whitespace that
-may precede a call, are held back until the next piece shows which it is, so a streaming client never gets
-text that the whole output would not also give, however the text was split into pieces.
+and its calls, so the content a client sends back renders to what the model wrote). Text that may be the start
+of a marker, and whitespace that may precede a call, are held back until the next piece shows which it is, so a
+streaming client never gets text that the whole output would not also give, however the text was split into
+pieces.
 
 A call whose text the parser cannot read stays in the content as the model wrote it (markers included): the
 client sees what came out rather than losing it.

@@ -169,7 +169,8 @@ def test_logit_bias_on_image_and_text_rows_equals_mlx_vlm_alone(vlm):
     want = [solo(vlm, m, im, logit_bias=b or None)[0] for (m, im), b in zip(REQUESTS, biases)]
     assert all(w != p for w, p, b in zip(want, plain, biases) if b)
     engine = Engine(*vlm, EngineConfig(max_batched_tokens=40, prefill_chunk=9, check_invariants=True))
-    out = drive(engine, [(i, {"prompt": m, "images": im, "sampling": SamplingParams(max_tokens=MAX_TOKENS, logit_bias=b),
-                              "request_id": f"r{i}"}) for i, ((m, im), b) in enumerate(zip(REQUESTS, biases))])
+    out = drive(engine, [(i, {"prompt": m, "images": im, "request_id": f"r{i}",
+                              "sampling": SamplingParams(max_tokens=MAX_TOKENS, logit_bias=b)})
+                         for i, ((m, im), b) in enumerate(zip(REQUESTS, biases))])
     assert not out.errors, out.errors
     assert [out.tokens[f"r{i}"] for i in range(len(REQUESTS))] == want
