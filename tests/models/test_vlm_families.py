@@ -228,7 +228,7 @@ KV_BITS_REFUSED = {
     "pixtral": "divisible by the quantization group size", "llava": "divisible by the quantization group size",
     "gemma3": "RotatingKVCache",
 }
-KV_SETTINGS = [(4, 0), (8, 24)]  # (kv_bits, quantized_kv_start): 24 lies inside some prompts, after others
+KV_SETTINGS = [(4, 0), (8, 24)]  # (kv_bits, quantized_kv_start): from the first token, or from inside the prompts
 
 
 @pytest.mark.parametrize("schedule", ["staggered", "kv-budget"])
@@ -237,9 +237,9 @@ def test_family_batches_exactly_with_quantized_kv(family, setting, schedule, tmp
     """kv_bits on a vision-language model: each request's cache converts where mlx-vlm's own generate_step would
     convert it alone (after each 2048-token prefill step, the prompt, each decode step; the uniform scheme), so
     batched greedy output equals mlx_vlm.stream_generate with the same kv_bits / kv_group_size /
-    quantized_kv_start, with the prefix and vision caches on, and under a KV budget (counted in quantized bytes)
-    that preempts image requests. The trace replays with every conversion. A family whose caches cannot be
-    quantized is refused at configuration, naming why."""
+    quantized_kv_start, with the prefix and vision caches on, and under a KV budget (counted in quantized bytes,
+    with each prompt's float prefill peak) that holds requests back. The trace replays with every conversion. A
+    family whose caches cannot be quantized is refused at configuration, naming why."""
     from scheduler.families import UnsupportedFeature
     from scheduler.tools.replay import load_trace, replay
 
