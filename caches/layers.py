@@ -711,6 +711,25 @@ def quantized_layout(cache: Cache, group_size: int, bits: int) -> list[int | Non
     return [QuantizedKV.layout(layer).bytes_per_token if flag else None for layer, flag in zip(cache, flags)]
 
 
+def probe_quantized_layout(cache: Cache, forward: Any, group_size: int, bits: int) -> list[int | None]:
+    """`quantized_layout` measured on a fresh single-request cache that `forward(cache)` (a one-token step of
+    the model, returning its logits) has run once; the step then runs again on the converted cache, so a model
+    whose attention cannot read a quantized cache (or whose head_dim the group does not divide) fails here, at
+    configuration, as QuantizationRefused, as does one none of whose layers can be quantized."""
+    check_quantizable(cache)
+    forward(cache)
+    mx.eval(cache_arrays(cache))
+    try:
+        quantized = quantized_layout(cache, group_size, bits)
+        mx.eval(forward(cache))
+    except (ValueError, TypeError, NotImplementedError) as exc:  # e.g. head_dim not a multiple of the group
+        raise QuantizationRefused("QuantizedKVCache", f"{type(exc).__name__}: {exc}") from exc
+    if not any(q is not None for q in quantized):
+        raise QuantizationRefused(", ".join(sorted({type(c).__name__ for c in cache})),
+                                  "no layer of this model's cache can be quantized")
+    return quantized
+
+
 def cache_offset(cache: Cache) -> int:
     """Tokens a single-request cache holds (its first layer with a token count; recurrent layers have none)."""
     for layer in cache:

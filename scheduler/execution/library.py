@@ -128,20 +128,12 @@ def quantize_rule(bits: int, group_size: int, start: int) -> QuantizeRule:
 
 def quantized_kv_layout(model: Any, layout: KVLayout, rule: QuantizeRule) -> KVLayout:
     """`layout` with the bytes per token of each layer once quantized, measured on a one-token probe that is
-    converted the way mlx-lm converts (and then run once more, so a family whose attention cannot read a
-    quantized cache fails here, at configuration, as QuantizationRefused)."""
-    cache = make_request_cache(model)
-    layers.check_quantizable(cache)
-    model(mx.array([[0]]), cache=cache)
-    mx.eval(cache_arrays(cache))
-    try:
-        quantized = layers.quantized_layout(cache, rule.group_size, rule.bits)
-        mx.eval(model(mx.array([[1]]), cache=cache))
-    except (ValueError, TypeError, NotImplementedError) as exc:  # e.g. head_dim not a multiple of the group
-        raise layers.QuantizationRefused("QuantizedKVCache", f"{type(exc).__name__}: {exc}") from exc
-    if not any(q is not None for q in quantized):
-        raise layers.QuantizationRefused(", ".join(sorted({type(c).__name__ for c in cache})),
-                                         "no layer of this model's cache can be quantized")
+    converted the way mlx-lm converts (`layers.probe_quantized_layout`: a family whose attention cannot read a
+    quantized cache fails there, at configuration, as QuantizationRefused)."""
+    def step(cache: Cache) -> mx.array:  # a one-token forward
+        return model(mx.array([[0]]), cache=cache)
+
+    quantized = layers.probe_quantized_layout(make_request_cache(model), step, rule.group_size, rule.bits)
     return layout.quantized(rule, quantized)
 
 

@@ -754,22 +754,12 @@ class VLMAdapter:
 
     def quantized_kv_layout(self, layout: Any, rule: QuantizeRule) -> Any:
         """``layout`` with each layer's bytes per token once quantized (``EngineConfig.kv_bits``), measured on a
-        one-token probe converted as mlx-vlm converts, then run once more, so a model whose attention cannot read
-        a quantized cache (or whose head_dim the group does not divide) fails here, at configuration, with
-        ``layers.QuantizationRefused``."""
-        cache = self.make_cache()
-        layers.check_quantizable(cache)
+        one-token probe converted as mlx-vlm converts (``layers.probe_quantized_layout``: a model whose attention
+        cannot read a quantized cache, or whose head_dim the group does not divide, fails there, at configuration,
+        with ``layers.QuantizationRefused``)."""
         probe, deltas = mx.array([[0]], dtype=mx.int32), mx.zeros((1,), dtype=mx.int32)
-        self.verify(cache, probe, deltas)
-        mx.eval(layers.cache_arrays(cache))
-        try:
-            quantized = layers.quantized_layout(cache, rule.group_size, rule.bits)
-            mx.eval(self.verify(cache, probe, deltas))
-        except (ValueError, TypeError, NotImplementedError) as exc:  # e.g. head_dim not a multiple of the group
-            raise layers.QuantizationRefused("QuantizedKVCache", f"{type(exc).__name__}: {exc}") from exc
-        if not any(q is not None for q in quantized):
-            raise layers.QuantizationRefused(", ".join(sorted({type(c).__name__ for c in cache})),
-                                             "no layer of this model's cache can be quantized")
+        quantized = layers.probe_quantized_layout(self.make_cache(), lambda cache: self.verify(cache, probe, deltas),
+                                                  rule.group_size, rule.bits)
         return layout.quantized(rule, quantized)
 
 
