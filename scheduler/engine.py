@@ -28,6 +28,7 @@ from .plan import ENCODED_RECORD, PLAN_RECORD_GROUPS, PREFILL_PAD_RATIO
 from .events import EventLog, JsonlSink, MemorySink
 from .execution.executor import MLXExecutor
 from .execution.runners import TextRunner, VisionLanguageRunner
+from .execution.structured import GrammarCompiler
 from .families import UnsupportedFeature
 from .lifecycle import RequestState
 from .loop import TickLoop
@@ -165,6 +166,8 @@ class Engine:
         self._runner = family.runner
         self.vlm, self.vision_cache = family.vlm, family.vision_cache
         self.tokenizer, self.vocab_size = family.tokenizer, family.vocab_size
+        # structured outputs: constraints are compiled and checked on arrival, enforced by the executor
+        self.grammars = GrammarCompiler(family.tokenizer, family.vocab_size, family.stop_ids)
         self.max_model_len = self.config.max_model_len or family.max_positions or 1 << 30
         self.prompts = PromptResolver(self.tokenizer, self.vlm, self.vocab_size, self.max_model_len,
                                       self.config.video_fps, self.config.video_max_frames)
@@ -200,7 +203,8 @@ class Engine:
                                                     logprob_vectors=self.config.logprob_vectors,
                                                     drafter=self._make_drafter(draft_model, mtp_head),
                                                     draft_gate=self._make_draft_gate(),
-                                                    on_event=self._executor_event, quantize=self.quantize)
+                                                    on_event=self._executor_event, quantize=self.quantize,
+                                                    grammars=self.grammars)
             if self.shard is not None:
                 self.executor = self.shard.wrap(self.executor)
             self.loop = TickLoop(self.scheduler, self.executor)
@@ -405,6 +409,8 @@ class Engine:
         bad_bias = [t for t, _ in sampling.logit_bias if t >= self.vocab_size]
         if bad_bias:
             raise InvalidRequest("logit_bias", f"ids outside the vocabulary [0, {self.vocab_size}): {bad_bias}")
+        if sampling.structured_output is not None:
+            self.grammars.compile(sampling.structured_output)  # InvalidRequest where it does not compile
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidRequest("priority", f"must be an integer, got {priority!r}")
         if self.shard is not None:

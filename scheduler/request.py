@@ -7,6 +7,7 @@ prefill (chunked or not), and output tokens accumulate during decoding.
 from __future__ import annotations
 
 import enum
+import json
 import math
 import numbers
 from collections.abc import Iterable, Mapping
@@ -78,6 +79,73 @@ def _is_real(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+class StructuredKind(str, enum.Enum):
+    """What a `StructuredOutput` constrains the output to."""
+
+    JSON = "json"  # a JSON value matching a JSON schema (`spec`: the schema, as canonical JSON text)
+    JSON_OBJECT = "json_object"  # any JSON object (OpenAI's `response_format: json_object`; `spec` unused)
+    REGEX = "regex"  # text matching a regular expression (llguidance's syntax, close to Rust's `regex`)
+    CHOICE = "choice"  # exactly one of some strings (`spec`: a JSON list of them)
+    GRAMMAR = "grammar"  # a Lark grammar, as llguidance reads it (`%json {...}` embeds a schema)
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on a request's output (vLLM's `structured_outputs`, OpenAI's `response_format`): before each
+    token is sampled, every token the constraint cannot continue with is masked out (`scheduler.execution.
+    structured`), so greedy or sampled, the text stays within it, and once it is complete only an end-of-sequence
+    token is allowed. A value, so traces record it and the shard wire carries it; build one with the class
+    methods. A spec the engine cannot compile is refused on arrival (`InvalidRequest`, field
+    `structured_output`)."""
+
+    kind: StructuredKind
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.kind, StructuredKind), "structured_output",
+               f"kind must be a StructuredKind, got {self.kind!r}")
+        _check(isinstance(self.spec, str), "structured_output", f"spec must be a str, got {type(self.spec).__name__}")
+        _check(bool(self.spec) or self.kind is StructuredKind.JSON_OBJECT, "structured_output",
+               f"a {self.kind.value} constraint needs a spec")
+
+    @classmethod
+    def json(cls, schema: Mapping[str, Any] | str) -> "StructuredOutput":
+        """A JSON value matching ``schema`` (a dict, or its JSON text)."""
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as exc:
+                raise InvalidRequest("structured_output", f"the JSON schema is not JSON: {exc}") from None
+        _check(isinstance(schema, Mapping), "structured_output",
+               f"a JSON schema must be an object, got {type(schema).__name__}")
+        return cls(StructuredKind.JSON, json.dumps(schema, separators=(",", ":")))  # key order kept: it is the output's
+
+    @classmethod
+    def json_object(cls) -> "StructuredOutput":
+        return cls(StructuredKind.JSON_OBJECT)
+
+    @classmethod
+    def regex(cls, pattern: str) -> "StructuredOutput":
+        return cls(StructuredKind.REGEX, pattern)
+
+    @classmethod
+    def choice(cls, choices: Sequence[str]) -> "StructuredOutput":
+        _check(isinstance(choices, (list, tuple)) and bool(choices) and all(isinstance(c, str) and c for c in choices),
+               "structured_output", f"choices must be a non-empty list of non-empty strings, got {choices!r}")
+        return cls(StructuredKind.CHOICE, json.dumps(list(choices)))
+
+    @classmethod
+    def grammar(cls, lark: str) -> "StructuredOutput":
+        return cls(StructuredKind.GRAMMAR, lark)
+
+    def to_record(self) -> dict[str, str]:
+        return {"kind": self.kind.value, "spec": self.spec}
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, str]) -> "StructuredOutput":
+        return cls(StructuredKind(record["kind"]), record.get("spec", ""))
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples. Defaults are greedy with no filters (temperature 0)."""
@@ -110,6 +178,9 @@ class SamplingParams:
     # added to these tokens' logits before anything else (OpenAI's and mlx-lm's `logit_bias`): a {token id: bias}
     # mapping or (id, bias) pairs, kept as pairs sorted by id; ids are checked against the vocabulary on arrival
     logit_bias: Any = ()
+    # a constraint on the output (JSON schema, regex, choice, grammar): tokens it rules out are masked before
+    # sampling, after the logit bias and any processors; the row never drafts. None: unconstrained.
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # InvalidRequest is a ValueError whose message starts with the field name.
@@ -149,6 +220,8 @@ class SamplingParams:
                "must be None or a callable logprobs (1, V) -> token (1,)")
         _check(isinstance(self.allow_drafts, bool), "allow_drafts", f"must be a bool, got {self.allow_drafts!r}")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        _check(self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
+               "structured_output", f"must be None or a StructuredOutput, got {type(self.structured_output).__name__}")
 
     @property
     def is_greedy(self) -> bool:
@@ -162,13 +235,17 @@ class SamplingParams:
         record["custom_sampler"] = self.sampler is not None
         if self.logit_bias:
             record["logit_bias"] = [list(pair) for pair in self.logit_bias]
+        if self.structured_output is not None:
+            record["structured_output"] = self.structured_output.to_record()
         return record
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> "SamplingParams":
         # a field a trace predates takes its default (top_logprobs came after the first traces)
         return cls(**{f: record[f] for f in _RECORDED_SAMPLING_FIELDS if f in record},
-                   stop_token_ids=tuple(record["stop_token_ids"]), logit_bias=record.get("logit_bias", ()))
+                   stop_token_ids=tuple(record["stop_token_ids"]), logit_bias=record.get("logit_bias", ()),
+                   structured_output=None if record.get("structured_output") is None
+                   else StructuredOutput.from_record(record["structured_output"]))
 
 
 def _bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:
@@ -248,8 +325,8 @@ class Request:
     state_entered_time: float = 0.0
     state: RequestState = RequestState.QUEUED
     # May this row propose draft tokens? Not when its next tokens depend on per-position Python or history the
-    # verifier does not replay (logits processors, logit bias, a custom sampler, penalties, per-token logprobs),
-    # nor when it opted out (allow_drafts). A decision fact, recorded in the trace (processors are code and cannot
+    # verifier does not replay (logits processors, logit bias, a structured output, a custom sampler, penalties,
+    # per-token logprobs), nor when it opted out (allow_drafts). A decision fact, recorded in the trace (processors are code and cannot
     # be), so replay rebuilds it; None: derived from `sampling`.
     draft_eligible: bool | None = None
 
@@ -258,7 +335,7 @@ class Request:
             s = self.sampling
             self.draft_eligible = s.allow_drafts and not (
                 s.logits_processors or s.sampler is not None or s.logprobs or s.presence_penalty
-                or s.repetition_penalty != 1 or s.logit_bias)
+                or s.repetition_penalty != 1 or s.logit_bias or s.structured_output is not None)
 
     @classmethod
     def from_new_request(cls, new: "NewRequest") -> "Request":

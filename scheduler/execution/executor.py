@@ -38,6 +38,7 @@ from scheduler.request import Request
 from scheduler.execution.draft_gate import DraftGate
 from scheduler.execution.drafters import Draft, DraftRequest
 from scheduler.execution.runners import Runner, TextRunner
+from scheduler.execution.structured import GrammarCompiler, GrammarProcessor
 
 
 @dataclass
@@ -163,7 +164,8 @@ class MLXExecutor:
     def __init__(self, runner: Runner | Any, penalty_context: int = 20, prefix_cache: Any = None,
                  logprob_vectors: bool = False, drafter: Any = None, on_event: Any = None,
                  processor_history: str = "prompt+output", quantize: QuantizeRule | None = None,
-                 draft_gate: DraftGate | None = None, pad_ratio: float = PREFILL_PAD_RATIO):
+                 draft_gate: DraftGate | None = None, pad_ratio: float = PREFILL_PAD_RATIO,
+                 grammars: GrammarCompiler | None = None):
         # KV decisions carried out (kv_merge, kv_filter, kv_rollback) are events: (kind, **fields)
         self._on_event = on_event or (lambda kind, **fields: None)
         self.drafter = drafter  # proposes draft tokens for the rows a plan lets draft
@@ -208,6 +210,9 @@ class MLXExecutor:
         # this executor's own copy of each request it works on (from the plan's new_requests), with the tokens
         # it produced appended: what prefill, sampling and drafting read; never the scheduler's objects
         self._requests: dict[str, Request] = {}
+        # structured outputs: the engine's compiler, and each constrained row's matcher (built on its first token)
+        self.grammars = grammars
+        self._grammar_rows: dict[str, GrammarProcessor] = {}
 
     # ---- bookkeeping the scheduler drives -------------------------------------------------------
     def release(self, request_ids: Iterable[str]) -> None:
@@ -224,6 +229,7 @@ class MLXExecutor:
             self._encoded.pop(rid, None)
             self._no_draft.discard(rid)
             self._requests.pop(rid, None)
+            self._grammar_rows.pop(rid, None)
             if rid in self._row_index:
                 self._released.add(rid)
         self._drop_released()
@@ -576,6 +582,7 @@ class MLXExecutor:
             self._argmax_only = (self._params.all_greedy and not self._params.any_penalty and not self.logprob_vectors
                                  and not any(row.request.sampling.logits_processors or row.request.sampling.logprobs
                                              or row.request.sampling.logit_bias
+                                             or row.request.sampling.structured_output is not None
                                              or row.request.sampling.sampler is not None for row in self._rows))
         return self._params
 
@@ -831,16 +838,18 @@ class MLXExecutor:
         return res.accepted.tolist(), res.emitted.tolist()
 
     def _apply_processors(self, logits: mx.array, result: TickResult) -> mx.array:
-        """Logit bias, then user logits processors, per row (processors are arbitrary Python); rows without them
-        are untouched. The bias is mlx-lm's `logit_bias` processor (`logits.at[:, ids].add(biases)`), first as
-        in its `make_logits_processors`.
+        """Logit bias, then user logits processors, then a structured output's mask, per row (processors are
+        arbitrary Python); rows without them are untouched. The bias is mlx-lm's `logit_bias` processor
+        (`logits.at[:, ids].add(biases)`), first as in its `make_logits_processors`; the mask is a
+        `GrammarProcessor`, the processor a solo mlx-lm run is given for the same constraint.
 
         Like mlx-lm, a processor sees every token so far (prompt + output); with an output-only history (vllm-mlx)
         the generated tokens only. One that raises fails its own request (reported in `result.errors`); its row
         samples from the unprocessed logits and is dropped.
         """
         rows = [i for i, row in enumerate(self._rows)
-                if row.request.sampling.logits_processors or row.request.sampling.logit_bias]
+                if row.request.sampling.logits_processors or row.request.sampling.logit_bias
+                or row.request.sampling.structured_output is not None]
         if not rows:
             return logits
         parts = list(logits)
@@ -851,18 +860,37 @@ class MLXExecutor:
             if bias:
                 row_logits = row_logits.at[:, mx.array([t for t, _ in bias])].add(mx.array([b for _, b in bias]))
                 parts[i] = row_logits[0].astype(logits.dtype)  # (the batch keeps one dtype, as for processors)
-            if not request.sampling.logits_processors:
+            structured = request.sampling.structured_output
+            if not request.sampling.logits_processors and structured is None:
                 continue
             history = request.output_tokens if self.output_only_history else request.prompt_tokens + request.output_tokens
             context = mx.array(history, dtype=mx.uint32)
             try:
                 for processor in request.sampling.logits_processors:
                     row_logits = processor(context, row_logits)
-                parts[i] = mx.reshape(row_logits, logits.shape[1:]).astype(logits.dtype)
             except Exception as exc:  # user code: contain it to its own request
                 result.errors[request.request_id] = f"logits processor failed: {type(exc).__name__}: {exc}"
+                continue
+            if structured is not None:
+                try:
+                    row_logits = self._grammar_row(request, len(history) - len(request.output_tokens))(context,
+                                                                                                     row_logits)
+                except Exception as exc:  # a constraint that cannot go on fails its own request
+                    result.errors[request.request_id] = f"structured output failed: {type(exc).__name__}: {exc}"
+                    continue
+            parts[i] = mx.reshape(row_logits, logits.shape[1:]).astype(logits.dtype)
         return mx.stack(parts)
 
+    def _grammar_row(self, request: Request, prompt_len: int) -> GrammarProcessor:
+        """The row's matcher, built on its first constrained token (after a preemption, it reads the outputs
+        so far from the history on its first call)."""
+        processor = self._grammar_rows.get(request.request_id)
+        if processor is None:
+            if self.grammars is None:
+                raise ValueError("this executor has no grammar compiler (MLXExecutor(grammars=...))")
+            processor = self._grammar_rows[request.request_id] = self.grammars.processor(
+                request.sampling.structured_output, prompt_len)
+        return processor
 
     def _apply_samplers(self, tokens: mx.array, logprobs: mx.array, result: TickResult) -> mx.array:
         """Rows with a custom sampler (`SamplingParams.sampler`) take its token, drawn from their log-softmax
