@@ -16,6 +16,7 @@ can choose otherwise with llguidance's own `"x-guidance"` key.
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 from collections import OrderedDict
@@ -51,14 +52,14 @@ def grammar_text(structured: StructuredOutput) -> str:
 
 
 class GrammarCompiler:
-    """Compiles and checks constraints for one model's tokenizer. ``tokenizer``: the Hugging Face fast tokenizer
+    """Compiles and checks constraints for one model's tokenizer. ``tokenizer``: a Hugging Face fast tokenizer
     (or mlx-lm's wrapper around one); ``vocab_size``: the model's logits width; ``eos_token_ids``: what ends a
     request, the only tokens a finished grammar allows. The llguidance tokenizer is built on first use (about a
     second for a 150k vocabulary) and kept. Thread-safe: the engine compiles on the caller's thread
     (`add_request`) while its loop builds matchers."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int]):
-        self._hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's TokenizerWrapper holds the HF one
+        self._tokenizer = tokenizer
         self.vocab_size = int(vocab_size)
         self.eos_token_ids = sorted(int(t) for t in eos_token_ids)
         self._lock = threading.Lock()
@@ -73,17 +74,21 @@ class GrammarCompiler:
             return self._ll_tokenizer
 
     def _build_tokenizer(self) -> Any:
-        import llguidance.hf
+        """llguidance's tokenizer from the fast tokenizer's own serialisation (what ``llguidance.hf`` does, without
+        its type check, which mlx-lm's wrapper would fail: the wrapper forwards ``backend_tokenizer``)."""
+        from llguidance import LLTokenizer
 
         if not self.eos_token_ids:
             raise InvalidRequest(FIELD, "the tokenizer declares no end-of-sequence token, so a finished "
                                         "constraint could not end the output")
-        try:
-            size = len(self._hf)
-            return llguidance.hf.from_tokenizer(self._hf, n_vocab=max(self.vocab_size, size),
-                                                eos_token=self.eos_token_ids)
-        except (ValueError, TypeError, AttributeError) as exc:  # not a fast tokenizer
-            raise InvalidRequest(FIELD, f"needs a Hugging Face fast tokenizer: {exc}") from None
+        backend = getattr(self._tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise InvalidRequest(FIELD, f"needs a Hugging Face fast tokenizer, not {type(self._tokenizer).__name__}")
+        backend = copy.copy(backend)  # (padding and truncation are settings of the copy, not of the model's)
+        backend.no_padding()
+        backend.no_truncation()
+        size = max(self.vocab_size, backend.get_vocab_size(with_added_tokens=True))
+        return LLTokenizer(backend.to_str(), n_vocab=size, eos_token=self.eos_token_ids)
 
     def compile(self, structured: StructuredOutput) -> str:
         """The checked grammar of ``structured``; `InvalidRequest` (field ``structured_output``) with

@@ -3,6 +3,9 @@ per-token logprobs, bounded context (max_kv_size: rotating caches), drafting wit
 and seeded sampling that does not depend on what else is in the batch. The KV budget with preemption, prompt
 lookup drafting and the media-keyed prefix cache are in tests/models/test_vlm_families.py."""
 
+import json
+import re
+
 import numpy as np
 import pytest
 from PIL import Image
@@ -174,3 +177,27 @@ def test_logit_bias_on_image_and_text_rows_equals_mlx_vlm_alone(vlm):
                          for i, ((m, im), b) in enumerate(zip(REQUESTS, biases))])
     assert not out.errors, out.errors
     assert [out.tokens[f"r{i}"] for i in range(len(REQUESTS))] == want
+
+
+def test_structured_outputs_on_image_and_text_rows_equal_mlx_vlm_alone(vlm):
+    """SamplingParams.structured_output on vision-language rows: each constrained row, batched with an
+    unconstrained one, equals mlx_vlm.stream_generate alone given the same `GrammarProcessor`, which changes its
+    output, and keeps to its constraint (a choice and a regex short enough to finish within the tokens)."""
+    from scheduler import StructuredOutput
+
+    engine = Engine(*vlm, EngineConfig(max_batched_tokens=40, prefill_chunk=9, check_invariants=True))
+    choices = ["cat", "two dogs", "none"]
+    constraints = [StructuredOutput.choice(choices), None, StructuredOutput.regex(r"[0-9]-(yes|no)"),
+                   StructuredOutput.json({"type": "object", "required": ["n"], "additionalProperties": False,
+                                          "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}})]
+    want = [solo(vlm, m, im, logits_processors=[engine.grammars.processor(c)] if c else None)[0]
+            for (m, im), c in zip(REQUESTS, constraints)]
+    assert [w != solo(vlm, m, im)[0] for w, (m, im) in zip(want, REQUESTS)] == [c is not None for c in constraints]
+    out = drive(engine, [(i, {"prompt": m, "images": im, "request_id": f"r{i}",
+                              "sampling": SamplingParams(max_tokens=MAX_TOKENS, structured_output=c)})
+                         for i, ((m, im), c) in enumerate(zip(REQUESTS, constraints))])
+    assert not out.errors, out.errors
+    assert [out.tokens[f"r{i}"] for i in range(len(REQUESTS))] == want
+    eos, tokenizer = engine.scheduler.model_stop_ids, vlm[1].tokenizer
+    text = [tokenizer.decode([t for t in out.tokens[f"r{i}"] if t not in eos]) for i in range(len(REQUESTS))]
+    assert text[0] in choices and re.fullmatch(r"[0-9]-(yes|no)", text[2]) and 0 <= json.loads(text[3])["n"] <= 99
