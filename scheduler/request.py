@@ -96,10 +96,15 @@ class StructuredOutput:
     structured`), so greedy or sampled, the text stays within it, and once it is complete only an end-of-sequence
     token is allowed. A value, so traces record it and the shard wire carries it; build one with the class
     methods. A spec the engine cannot compile is refused on arrival (`InvalidRequest`, field
-    `structured_output`)."""
+    `structured_output`).
+
+    ``after``: the constraint starts once the output contains this text (a thinking model's end-of-reasoning
+    marker, e.g. ``</think>``: the reasoning is free, the answer constrained; the server sets it when the prompt
+    opens the reasoning); empty: from the first token."""
 
     kind: StructuredKind
     spec: str = ""
+    after: str = ""
 
     def __post_init__(self) -> None:
         _check(isinstance(self.kind, StructuredKind), "structured_output",
@@ -107,9 +112,10 @@ class StructuredOutput:
         _check(isinstance(self.spec, str), "structured_output", f"spec must be a str, got {type(self.spec).__name__}")
         _check(bool(self.spec) or self.kind is StructuredKind.JSON_OBJECT, "structured_output",
                f"a {self.kind.value} constraint needs a spec")
+        _check(isinstance(self.after, str), "structured_output", f"after must be a str, got {self.after!r}")
 
     @classmethod
-    def json(cls, schema: Mapping[str, Any] | str) -> "StructuredOutput":
+    def json(cls, schema: Mapping[str, Any] | str, after: str = "") -> "StructuredOutput":
         """A JSON value matching ``schema`` (a dict, or its JSON text)."""
         if isinstance(schema, str):
             try:
@@ -118,32 +124,33 @@ class StructuredOutput:
                 raise InvalidRequest("structured_output", f"the JSON schema is not JSON: {exc}") from None
         _check(isinstance(schema, Mapping), "structured_output",
                f"a JSON schema must be an object, got {type(schema).__name__}")
-        return cls(StructuredKind.JSON, json.dumps(schema, separators=(",", ":")))  # key order kept: it is the output's
+        # key order kept: it is the output's
+        return cls(StructuredKind.JSON, json.dumps(schema, separators=(",", ":")), after)
 
     @classmethod
-    def json_object(cls) -> "StructuredOutput":
-        return cls(StructuredKind.JSON_OBJECT)
+    def json_object(cls, after: str = "") -> "StructuredOutput":
+        return cls(StructuredKind.JSON_OBJECT, "", after)
 
     @classmethod
-    def regex(cls, pattern: str) -> "StructuredOutput":
-        return cls(StructuredKind.REGEX, pattern)
+    def regex(cls, pattern: str, after: str = "") -> "StructuredOutput":
+        return cls(StructuredKind.REGEX, pattern, after)
 
     @classmethod
-    def choice(cls, choices: Sequence[str]) -> "StructuredOutput":
+    def choice(cls, choices: Sequence[str], after: str = "") -> "StructuredOutput":
         _check(isinstance(choices, (list, tuple)) and bool(choices) and all(isinstance(c, str) and c for c in choices),
                "structured_output", f"choices must be a non-empty list of non-empty strings, got {choices!r}")
-        return cls(StructuredKind.CHOICE, json.dumps(list(choices)))
+        return cls(StructuredKind.CHOICE, json.dumps(list(choices)), after)
 
     @classmethod
-    def grammar(cls, lark: str) -> "StructuredOutput":
-        return cls(StructuredKind.GRAMMAR, lark)
+    def grammar(cls, lark: str, after: str = "") -> "StructuredOutput":
+        return cls(StructuredKind.GRAMMAR, lark, after)
 
     def to_record(self) -> dict[str, str]:
-        return {"kind": self.kind.value, "spec": self.spec}
+        return {"kind": self.kind.value, "spec": self.spec, **({"after": self.after} if self.after else {})}
 
     @classmethod
     def from_record(cls, record: Mapping[str, str]) -> "StructuredOutput":
-        return cls(StructuredKind(record["kind"]), record.get("spec", ""))
+        return cls(StructuredKind(record["kind"]), record.get("spec", ""), record.get("after", ""))
 
 
 @dataclass(frozen=True)

@@ -113,7 +113,8 @@ class GrammarCompiler:
 
     def processor(self, structured: StructuredOutput, prompt_len: int | None = None) -> "GrammarProcessor":
         """A fresh processor enforcing ``structured`` (see `GrammarProcessor` for ``prompt_len``)."""
-        return GrammarProcessor(self.ll_tokenizer, self.compile(structured), self.eos_token_ids, prompt_len)
+        return GrammarProcessor(self.ll_tokenizer, self.compile(structured), self.eos_token_ids, prompt_len,
+                                structured.after)
 
 
 class GrammarProcessor:
@@ -124,17 +125,24 @@ class GrammarProcessor:
     the grammar rules out are set to -inf. ``prompt_len`` None: the first call's tokens are the prompt (what
     mlx-lm passes first). Once the grammar is complete only the end-of-sequence tokens remain; tokens after one
     (mlx-lm computes a step past the end) are not fed. A token the grammar rejects raises `ValueError`, which
-    fails only that request in the engine."""
+    fails only that request in the engine.
 
-    def __init__(self, ll_tokenizer: Any, grammar: str, eos_token_ids: Sequence[int], prompt_len: int | None = None):
+    ``after``: the grammar starts with the token after the one that completes this text in the output (the end
+    of a thinking model's reasoning); until then the logits pass unchanged."""
+
+    def __init__(self, ll_tokenizer: Any, grammar: str, eos_token_ids: Sequence[int], prompt_len: int | None = None,
+                 after: str = ""):
         from llguidance import LLMatcher
 
         self._matcher = LLMatcher(ll_tokenizer, grammar, log_level=0)
         if self._matcher.is_error():
             raise ValueError(f"grammar rejected: {self._matcher.get_error()}")
+        self._tokenizer = ll_tokenizer
         self._eos = frozenset(eos_token_ids)
         self._seen = prompt_len
         self._ended = False
+        self._after = after.encode("utf-8")
+        self._tail = b""  # the output's last bytes while waiting for `after`
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         history = tokens.tolist() if isinstance(tokens, mx.array) else list(tokens)
@@ -142,6 +150,8 @@ class GrammarProcessor:
             self._seen = len(history)
         self._feed(history[self._seen:])
         self._seen = len(history)
+        if self._after:  # not started yet
+            return logits
         allowed = np.frombuffer(self._matcher.compute_logit_bias(), dtype=np.uint8) > 0
         width = logits.shape[-1]
         if allowed.shape[0] < width:  # logits wider than the tokenizer: the extra ids are never text
@@ -155,13 +165,15 @@ class GrammarProcessor:
         for token in new:
             if self._ended:
                 return
+            if self._after:
+                self._tail += self._tokenizer.decode_bytes([int(token)])
+                if self._after in self._tail:
+                    self._after = b""  # the grammar starts with the next token
+                else:
+                    self._tail = self._tail[-(len(self._after) - 1):] if len(self._after) > 1 else b""
+                continue
             if token in self._eos and (self._matcher.is_accepting() or self._matcher.is_stopped()):
                 self._ended = True  # the output ended here
                 return
             if not self._matcher.consume_token(int(token)):
                 raise ValueError(f"token {token} breaks the constraint: {self._matcher.get_error()}")
-
-    @property
-    def is_complete(self) -> bool:
-        """Whether the output so far is a complete match (it may still continue where the grammar allows)."""
-        return self._matcher.is_accepting()

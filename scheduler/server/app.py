@@ -32,7 +32,8 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..async_engine import AsyncEngine, EngineStopped, RequestStream
-from ..request import InvalidRequest
+from ..request import InvalidRequest, StructuredOutput
+from .constraints import output_constraint
 from .generation import Body, ChoiceFailed, Delta, choice_deltas, refusal, sampling_params
 from .messages import convert_messages
 from .metrics import EngineMetrics, engine_snapshot
@@ -135,11 +136,13 @@ class _Call:
         return len(self.request_ids)
 
     async def submit(self, prompts: list[dict[str, Any]],
-                     part_of: Callable[[str, int | None], str | None] | None = None) -> None:
+                     part_of: Callable[[str, int | None], str | None] | None = None,
+                     structured: StructuredOutput | None = None) -> None:
         """Submit the call's choices: `n` per entry of `prompts` (its engine arguments: prompt or prompt_tokens,
-        media). `part_of` names the content part a refused medium came from."""
+        media), each constrained by `structured`. `part_of` names the content part a refused medium came from."""
         state, body = self.state, self.body
-        samplings = [sampling_params(body, i % body.n, state.engine.max_model_len) for i in range(self.choices)]
+        samplings = [sampling_params(body, i % body.n, state.engine.max_model_len, structured)
+                     for i in range(self.choices)]
         if not state.aengine.running:  # before the queue bound: a dead loop's queue never drains
             raise APIError(503, f"the engine loop is not running: {state.aengine.error!r}", None, "server_error")
         if state.max_queue is not None and self.choices > state.max_queue:  # a retry could never fit: not a 429
@@ -548,15 +551,17 @@ def create_app(state: ServerState) -> Any:
                                          state.local_media_dir)
         tools = tool_calling.tools if tool_calling is not None else None
         template_kwargs = body.template_kwargs()
-        parsing = None
+        parsing, opens = None, False
         if reasoning is not None or tool_calling is not None:
             opens = reasoning is not None and await asyncio.to_thread(
                 _opens_reasoning, engine.tokenizer, reasoning, prompt.messages, tools, template_kwargs)
             parsing = _ChatParsing(reasoning, opens, tool_calling)
+        structured = output_constraint(body, tool_calling.format if tool_calling is not None else None, tools,
+                                       reasoning.end if opens else None)
         call = _Call(state, body, "chatcmpl")
         await call.submit([dict(prompt=prompt.messages, images=prompt.images or None, videos=prompt.videos or None,
                                 audio=prompt.audio or None, tools=tools, chat_template_kwargs=template_kwargs)],
-                          prompt.part_of)
+                          prompt.part_of, structured)
         choices = _ChatChoices(engine.tokenizer, token_bytes, body.wants_logprobs(), body.stream, parsing)
         return await _respond(request, call, choices)
 
@@ -571,7 +576,8 @@ def create_app(state: ServerState) -> Any:
         call = _Call(state, body, "cmpl", len(prompts))
         if body.echo:  # a text prompt as sent; token ids as the tokenizer decodes them
             call.echoes = [p if isinstance(p, str) else engine.tokenizer.decode(p) for p in prompts]
-        await call.submit([dict(prompt=p) if isinstance(p, str) else dict(prompt_tokens=p) for p in prompts])
+        await call.submit([dict(prompt=p) if isinstance(p, str) else dict(prompt_tokens=p) for p in prompts],
+                          structured=output_constraint(body, None, None, None))
         choices = _TextChoices(engine.tokenizer, body.wants_logprobs(), body.alternatives())
         return await _respond(request, call, choices)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from ..async_engine import RequestStream
-from ..request import FinishReason, InvalidRequest, SamplingParams, UnreadableMedia
+from ..request import FinishReason, InvalidRequest, SamplingParams, StructuredOutput, UnreadableMedia
 from .detokenize import IncrementalDetokenizer
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest
 from .stops import StopMatcher
@@ -57,6 +57,10 @@ def engine_field(body: Body, name: str) -> str:
         return body.token_limit()[1]
     if name == "stop_token_ids":
         return "stop_token_ids" if body.stop_token_ids else "stop"
+    if name == "structured_output":  # the field the constraint came from (`constraints.output_constraint`)
+        if isinstance(body, ChatCompletionRequest) and body.forces_tool_call():
+            return "tool_choice"
+        return "structured_outputs" if body.structured_outputs is not None else "response_format"
     return name
 
 
@@ -75,9 +79,11 @@ def refusal(body: Body, exc: InvalidRequest, part_of: Callable[[str, int | None]
     return APIError(400, f"{param}: {message}", param)
 
 
-def sampling_params(body: Body, index: int, default_max_tokens: int) -> SamplingParams:
+def sampling_params(body: Body, index: int, default_max_tokens: int,
+                    structured: StructuredOutput | None = None) -> SamplingParams:
     """Choice `index`'s SamplingParams (a seeded request gives choice i the seed + i, so the n choices differ
-    and each is reproducible). Values the engine refuses raise APIError naming the body's field."""
+    and each is reproducible), with the request's output constraint (`constraints.output_constraint`). Values
+    the engine refuses raise APIError naming the body's field."""
     limit, _ = body.token_limit()
     seed = None if body.seed is None else body.seed + index
     fields: dict[str, Any] = {
@@ -94,6 +100,7 @@ def sampling_params(body: Body, index: int, default_max_tokens: int) -> Sampling
         "top_logprobs": body.alternatives(),
         "prompt_logprobs": body.prompt_alternatives(),
         "logit_bias": body.bias_by_id(),
+        "structured_output": structured,
     }
     if body.prompt_only():  # the engine decodes the one token a finished prefill brings; the answer drops it
         fields["max_tokens"] = 1

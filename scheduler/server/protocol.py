@@ -18,6 +18,7 @@ MAX_STOP_STRINGS = 16
 MAX_N = 16
 MAX_PROMPTS = 64  # prompts of one /v1/completions request
 MAX_CHOICES = 256  # prompts x n: engine requests of one HTTP request
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function (and response format) names
 
 
 class APIError(Exception):
@@ -76,6 +77,51 @@ class StreamOptions(_Strict):
 Number = Union[StrictInt, float]
 
 
+class JsonSchemaFormat(_Strict):
+    """OpenAI's `response_format.json_schema`."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: Annotated[str, Field(pattern=FUNCTION_NAME)]
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")  # (`schema` is a pydantic name)
+    strict: StrictBool | None = None  # accepted: the output always keeps to the schema here
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's `response_format`: "text" (no constraint), "json_object" (any JSON object) or "json_schema"."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema: give it with type 'json_schema', and only then")
+        return self
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs`: exactly one of a JSON schema, a regex, a choice of strings, a Lark grammar or
+    any JSON object."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: Union[dict[str, Any], str, None] = Field(default=None, alias="json")  # (`json` is a pydantic name)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "StructuredOutputs":
+        given = [name for name, value in (("json", self.json_), ("regex", self.regex), ("choice", self.choice),
+                                          ("grammar", self.grammar), ("json_object", self.json_object or None))
+                 if value is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of json, regex, choice, grammar, json_object (got "
+                             f"{', '.join(given) or 'none'})")
+        return self
+
+
 class _Sampling(_Strict):
     """Fields shared by both endpoints."""
 
@@ -97,6 +143,20 @@ class _Sampling(_Strict):
     priority: StrictInt = 0  # ours: larger is served earlier under --policy priority
     user: str | None = None  # accepted and ignored (OpenAI's end-user id)
     logit_bias: dict[str, Number] | None = None  # token id (as a string, OpenAI's form) -> bias in [-100, 100]
+    response_format: ResponseFormat | None = None  # OpenAI's (vLLM takes it on completions too)
+    structured_outputs: StructuredOutputs | None = None  # vLLM's
+
+    @field_validator("structured_outputs")
+    @classmethod
+    def _one_output_format(cls, v: Any, info: ValidationInfo) -> Any:
+        given = info.data.get("response_format")
+        if v is not None and given is not None and given.type != "text":
+            raise ValueError("give it or response_format, not both")
+        return v
+
+    def output_format_given(self) -> bool:
+        """A response_format other than "text"."""
+        return self.response_format is not None and self.response_format.type != "text"
 
     @field_validator("n")
     @classmethod
@@ -185,14 +245,14 @@ class AudioPart(_Strict):
 ContentPart = Annotated[Union[TextPart, ImagePart, VideoPart, AudioPart], Field(discriminator="type")]
 
 
-FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
 
 
 class FunctionDefinition(_Strict):
     name: Annotated[str, Field(pattern=FUNCTION_NAME)]
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; the chat template renders it
-    strict: StrictBool | None = None  # accepted: nothing constrains decoding here, with or without it
+    # accepted: a forced call (tool_choice "required" / named) keeps to `parameters` either way; "auto" calls are free
+    strict: StrictBool | None = None
 
 
 class Tool(_Strict):
@@ -253,8 +313,8 @@ class ChatCompletionRequest(_Sampling):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
     tools: list[Tool] | None = None
-    # "auto" (the default with tools): the model may call them; "none": it is not offered them. "required" and a
-    # named function would need decoding constrained to a call, which this server does not do: refused.
+    # "auto" (the default with tools): the model may call them; "none": it is not offered them; "required": it
+    # calls one or more; a named function: it calls that one, once (the last two constrain decoding to calls)
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: StrictBool | None = None  # false: only the first call is returned
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra arguments of the chat template
@@ -265,12 +325,20 @@ class ChatCompletionRequest(_Sampling):
     def _tool_choice(cls, v: Any, info: ValidationInfo) -> Any:
         if v is None or v == "none":
             return v
-        if not info.data.get("tools"):
+        tools = info.data.get("tools")
+        if not tools:
             raise ValueError("is only allowed when tools are given")
-        if v != "auto":
-            raise ValueError("only 'auto' and 'none' are supported: 'required' and a named function need "
-                             "decoding constrained to a tool call, which this server does not do")
+        if isinstance(v, NamedToolChoice) and v.function.name not in {t.function.name for t in tools}:
+            raise ValueError(f"names {v.function.name!r}, which is not one of the tools")
+        response_format = info.data.get("response_format")
+        if v != "auto" and (info.data.get("structured_outputs") is not None or (
+                response_format is not None and response_format.type != "text")):
+            raise ValueError("a forced tool call and an output format cannot both hold; give one")
         return v
+
+    def forces_tool_call(self) -> bool:
+        """tool_choice "required" or a named function: the output is tool calls."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
 
     def template_kwargs(self) -> dict[str, Any] | None:
         """The chat template's extra arguments (None: none), `enable_thinking` folded in."""

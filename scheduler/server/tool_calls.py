@@ -39,6 +39,17 @@ class ToolCallFormat:
             return None
         return cls(tokenizer.tool_call_start, tokenizer.tool_call_end, tokenizer.tool_parser)
 
+    @property
+    def json_body(self) -> bool:
+        """Whether a call is a JSON object `{"name", "arguments"}` between the markers (mlx-lm's `json_tools`), so
+        that a grammar can write calls the parser reads: asked of the parser itself."""
+        probe = {"name": "f", "arguments": {"x": 1}}
+        try:
+            parsed = self.parse("\n" + json.dumps(probe) + "\n", None)
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return False
+        return parsed == probe or parsed == [probe]
+
 
 @dataclass
 class ToolCallPiece:

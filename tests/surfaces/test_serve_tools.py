@@ -4,15 +4,18 @@ template opens the reasoning in the prompt) behind the real server in a subproce
 `openai` client. Calls and reasoning are parsed out of what the model really generated (each answer is first
 checked against `mlx_lm.generate` alone on the same rendered prompt), streamed and not: reasoning then a call,
 text before two calls, a chat sent back with the calls and the tool's result, thinking turned off
-(`enable_thinking` / `chat_template_kwargs`), and the refusals (tool_choice "required", a model without a
-tool-call format, tool messages without an id, template arguments the engine sets itself).
+(`enable_thinking` / `chat_template_kwargs`), calls forced by tool_choice "required" or a named function, output
+formats (`response_format`, `structured_outputs`) after the reasoning, and the refusals (an unknown named
+function, a forced call with an output format, a model without a tool-call format, tool messages without an id, template arguments the engine sets itself).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 
+import jsonschema
 import openai
 import pytest
 
@@ -186,9 +189,9 @@ def test_what_cannot_be_honoured_is_refused_naming_the_field(server):
         return _status(exc)
 
     async def run():
-        out = [await refused(tools, CHAT["one-call"], tool_choice="required"),
-               await refused(tools, CHAT["one-call"],
-                             tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+        out = [await refused(tools, CHAT["one-call"], tool_choice={"type": "function", "function": {"name": "nope"}}),
+               await refused(tools, CHAT["one-call"], tool_choice="required",
+                             response_format={"type": "json_object"}),
                await refused(plain, CHAT["one-call"])]
         bad_history = [*CHAT["after-the-result"].messages[:2], {"role": "tool", "content": "sunny"}]
         with pytest.raises(openai.BadRequestError) as exc:
@@ -263,3 +266,106 @@ def test_the_engine_renders_tools_into_the_chat_template_and_refuses_them_elsewh
             vlm.add_request(prompt=[{"role": "user", "content": "hi"}], **kwargs)
         assert info.value.field == next(iter(kwargs))
     vlm.close()
+
+
+def _schema_of(name: str) -> dict:
+    return next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
+
+
+def test_tool_choice_required_forces_calls_after_free_reasoning(server):
+    """tool_choice "required": the answer is calls, each to an offered tool with arguments its schema accepts.
+    The reasoning stays free (the constraint starts after `</think>`), so it is the model's own, and where the
+    model calls anyway the forced answer is the one it gives unforced. Streamed equals not streamed."""
+    tools, _ = server
+
+    async def run():
+        client = tools.client()
+        natural = await _chat(client, CHAT["one-call"], tool_choice="required")
+        forced = await _chat(client, CHAT["after-the-result"], tool_choice="required")
+        streamed = await _stream(client, CHAT["after-the-result"], tool_choice="required")
+        return natural, forced, streamed
+
+    natural, forced, (reasoning, content, calls, finish) = asyncio.run(run())
+    (choice,) = natural.choices
+    assert (_reasoning(choice.message), _named(choice.message.tool_calls), choice.finish_reason) == (
+        "The user asks for the weather.\n", [("get_weather", {"city": "Paris"})], "tool_calls")
+    (choice,) = forced.choices  # unforced, this chat is answered in text ("It is sunny in Paris, 21 C.")
+    assert _reasoning(choice.message) == "The tool answered.\n" and not choice.message.content
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    for name, arguments in _named(choice.message.tool_calls):
+        jsonschema.validate(arguments, _schema_of(name))
+    assert (reasoning, content, _named(calls), finish) == (
+        "The tool answered.\n", "", _named(choice.message.tool_calls), "tool_calls")
+
+
+def test_a_named_tool_choice_makes_one_call_of_that_tool(server):
+    tools, _ = server
+    named = {"type": "function", "function": {"name": "get_time"}}
+    whole = asyncio.run(_chat(tools.client(), CHAT["text-and-two-calls"], tool_choice=named))
+    (choice,) = whole.choices
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_time" and choice.finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.function.arguments), _schema_of("get_time"))
+    assert _reasoning(choice.message) == "Two tools.\n" and not choice.message.content
+
+
+SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "sunny": {"type": "boolean"}},
+          "required": ["city", "sunny"], "additionalProperties": False}
+
+
+def test_output_formats_hold_for_chat_and_completions(server):
+    """response_format (json_schema, json_object) and vLLM's structured_outputs (choice, regex) on the plain
+    model, for chat and completions, streamed and not; on the thinking model after its free reasoning."""
+    tools, plain = server
+    schema_format = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA}}
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+    async def run():
+        client, out = plain.client(), {}
+        out["schema"] = await client.chat.completions.create(model="tiny-vlm", messages=ask, max_tokens=64,
+                                                             temperature=0, response_format=schema_format)
+        stream = await client.chat.completions.create(model="tiny-vlm", messages=ask, max_tokens=64, temperature=0,
+                                                      response_format=schema_format, stream=True)
+        out["schema-streamed"] = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        out["object"] = await client.chat.completions.create(model="tiny-vlm", messages=ask, max_tokens=8, temperature=0,
+                                                             response_format={"type": "json_object"})
+        out["choice"] = await client.completions.create(model="tiny-vlm", prompt="The city is", max_tokens=8,
+                                                        temperature=0, extra_body={"structured_outputs": {
+                                                            "choice": ["Paris", "Rome", "New York"]}})
+        out["regex"] = await client.completions.create(model="tiny-vlm", prompt="Code:", max_tokens=12, temperature=0.8,
+                                                       seed=3, n=2, extra_body={"structured_outputs": {
+                                                           "regex": "[A-Z]{2}-[0-9]{3}"}})
+        out["thinking"] = await _chat(tools.client(), CHAT["no-tools"], response_format=schema_format)
+        return out
+
+    out = asyncio.run(run())
+    text = out["schema"].choices[0].message.content
+    jsonschema.validate(json.loads(text), SCHEMA)
+    assert out["schema"].choices[0].finish_reason == "stop" and out["schema-streamed"] == text
+    assert out["object"].choices[0].message.content.startswith("{")
+    assert out["choice"].choices[0].text in ("Paris", "Rome", "New York")
+    assert all(re.fullmatch("[A-Z]{2}-[0-9]{3}", c.text) for c in out["regex"].choices)
+    (choice,) = out["thinking"].choices
+    assert _reasoning(choice.message) == "No tool to use.\n"
+    jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+
+
+def test_output_formats_the_server_cannot_honour_are_refused_naming_the_field(server):
+    tools, plain = server
+    ask = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    for extra, param in (
+            ({"response_format": {"type": "json_schema"}}, "response_format"),
+            ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+             "response_format"),
+            ({"structured_outputs": {"regex": "([", "choice": ["a"]}}, "structured_outputs"),
+            ({"structured_outputs": {"regex": "(["}}, "structured_outputs"),
+            ({"structured_outputs": {"grammar": "start: nope"}}, "structured_outputs"),
+            ({"structured_outputs": {"json": {"type": "object"}}, "response_format": {"type": "json_object"}},
+             "structured_outputs"),
+            ({"tools": TOOLS, "structured_outputs": {"regex": "[a-z]+"}}, "structured_outputs")):
+        status, body = tools.post("/v1/chat/completions", {**ask, **extra})
+        assert (status, body["error"]["param"]) == (400, param), (extra, body)
+    status, body = plain.post("/v1/completions", {"prompt": "hi", "max_tokens": 4,
+                                                  "response_format": {"type": "json_object", "x": 1}})
+    assert (status, body["error"]["param"]) == (400, "response_format.x")
+    assert tools.get("/health")[0] == 200 and plain.get("/health")[0] == 200
