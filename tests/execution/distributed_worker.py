@@ -38,11 +38,13 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from scheduler import AsyncEngine, Engine, EngineConfig, InvalidRequest, SamplingParams  # noqa: E402
+from scheduler import (AsyncEngine, Engine, EngineConfig, InvalidRequest, SamplingParams,  # noqa: E402
+                       StructuredOutput)
 from scheduler.events import read_jsonl  # noqa: E402
 from tests.helpers import mixed_prompts, solo_tokens  # noqa: E402
 
 MAX_TOKENS = 12
+CONSTRAINT = StructuredOutput.regex("[0-9]{2}-(yes|no|later)")  # (the structured-output run below)
 
 
 def _prompts() -> list[list[int]]:
@@ -165,6 +167,16 @@ def equality(model_dir: str, out: Path, group, sharding: str = "tensor_group") -
         engine.close()
     else:
         engine.follow()
+    # structured outputs: the constraint crosses the wire as a value, and every rank masks its logits alike (a
+    # follower that did not would sample other tokens, which the ranks' check of each tick reports)
+    engine = Engine.from_pretrained(model_dir, EngineConfig(prefill_chunk=16), **{sharding: group})
+    grammars = engine.grammars
+    if group.rank() == 0:
+        outs = engine.generate(_prompts()[:3], SamplingParams(max_tokens=10, structured_output=CONSTRAINT))
+        results["structured"] = [o.token_ids for o in outs]
+        engine.close()
+    else:
+        engine.follow()
     # mlx-lm's own sharded generation, each request alone: every rank runs it (its collectives line up)
     solo = {name: {f"r{i}": solo_tokens(engine.model, engine.tokenizer, p, s.max_tokens) for i, p in enumerate(s.prompts)}
             for name, s in schedules.items()}
@@ -175,6 +187,9 @@ def equality(model_dir: str, out: Path, group, sharding: str = "tensor_group") -
     model, tokenizer = mlx_lm.load(model_dir)  # unsharded, on rank 0 alone (no collectives)
     results["sharded_solo"] = solo
     results["unsharded_prompt_logprobs"] = [_forward_logprobs(model, p) for p in _prompts()[:3]]
+    results["unsharded_structured"] = [solo_tokens(model, tokenizer, p, 10,
+                                                   logits_processors=[grammars.processor(CONSTRAINT)])
+                                       for p in _prompts()[:3]]
     results["unsharded_solo"] = {
         name: {f"r{i}": solo_tokens(model, tokenizer, p, s.max_tokens) for i, p in enumerate(s.prompts)}
         for name, s in schedules.items()}

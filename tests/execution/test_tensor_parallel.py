@@ -103,6 +103,15 @@ def test_prompt_logprobs_on_a_sharded_engine_equal_the_unsharded_forward(equalit
         assert tokens == results["sharded_solo"]["all-at-once"][name][:4]  # mlx-lm's own sharded generation
 
 
+@pytest.mark.slow
+def test_structured_outputs_on_a_sharded_engine_equal_the_unsharded_model_alone(equality_run):
+    """The constraint travels in the request's sampling record: each rank builds the same matcher and masks the
+    same tokens, and the outputs are mlx-lm's alone with the same GrammarProcessor (on this model, where sharded
+    and unsharded agree: the test below)."""
+    _, results = equality_run
+    assert results["structured"] == results["unsharded_structured"] and len(results["structured"]) == 3
+
+
 def test_sharded_output_equals_the_unsharded_model_on_this_model(equality_run):
     """Tensor sharding splits each matmul's sum across ranks, so float rounding differs from the unsharded model
     and a near-tie could flip a greedy choice; on these tiny float32 models none does (under both BLAS
