@@ -154,3 +154,25 @@ def test_schema_key_order_is_the_outputs():
     a = StructuredOutput.json({"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "integer"}}})
     assert a.spec.index('"b"') < a.spec.index('"a"')
     assert StructuredOutput.json(a.spec) == a
+
+
+def test_after_leaves_the_text_up_to_the_marker_free(text_model):
+    """`after`: logits pass unchanged until the output contains the marker, however its text is split into
+    tokens, and the grammar applies from the next token on; tokens of the prompt never start it."""
+    model, tokenizer = text_model
+    engine = Engine(model, tokenizer, EngineConfig())
+    marker = "ENDS"
+    prompt = tokenizer.encode("the prompt says ENDS already", add_special_tokens=False)
+    before = [tokenizer.encode(piece, add_special_tokens=False) for piece in ("so E", "N", "D", "S")]
+    processor = engine.grammars.processor(StructuredOutput.choice(["yes", "no"], after=marker), len(prompt))
+    logits = mx.random.normal((1, engine.vocab_size))
+    history = list(prompt)
+    assert mx.array_equal(processor(mx.array(history), logits), logits)  # the prompt's marker does not count
+    for piece in before[:-1]:
+        history += piece
+        assert mx.array_equal(processor(mx.array(history), logits), logits), piece
+    history += before[-1]
+    masked = processor(mx.array(history), logits)
+    allowed = [t for t in range(engine.vocab_size) if masked[0, t].item() != float("-inf")]
+    assert allowed and set(allowed) <= {t for word in ("yes", "no") for t in range(engine.vocab_size)
+                                        if word.startswith(tokenizer.decode([t])) and tokenizer.decode([t])}
