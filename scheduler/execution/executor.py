@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 import mlx.core as mx
+import numpy as np
 
 from caches.kv import KVCacheManager, QuantizeRule
 from kernels.sampling import RowSampling, SamplingArrays, logprobs_from_logits, most_likely, sample_tokens
@@ -852,34 +853,46 @@ class MLXExecutor:
                 or row.request.sampling.structured_output is not None]
         if not rows:
             return logits
-        parts = list(logits)
+        parts, changed = list(logits), False
+        masks: dict[int, Any] = {}  # row -> what its grammar allows (applied to the batch in one op below)
         for i in rows:
             request = self._rows[i].request
             row_logits = logits[i : i + 1]
             bias = request.sampling.logit_bias
             if bias:
                 row_logits = row_logits.at[:, mx.array([t for t, _ in bias])].add(mx.array([b for _, b in bias]))
-                parts[i] = row_logits[0].astype(logits.dtype)  # (the batch keeps one dtype, as for processors)
+                parts[i], changed = row_logits[0].astype(logits.dtype), True  # (the batch keeps one dtype)
             structured = request.sampling.structured_output
             if not request.sampling.logits_processors and structured is None:
                 continue
             history = request.output_tokens if self.output_only_history else request.prompt_tokens + request.output_tokens
-            context = mx.array(history, dtype=mx.uint32)
             try:
-                for processor in request.sampling.logits_processors:
-                    row_logits = processor(context, row_logits)
+                if request.sampling.logits_processors:
+                    context = mx.array(history, dtype=mx.uint32)
+                    for processor in request.sampling.logits_processors:
+                        row_logits = processor(context, row_logits)
+                    parts[i], changed = mx.reshape(row_logits, logits.shape[1:]).astype(logits.dtype), True
             except Exception as exc:  # user code: contain it to its own request
                 result.errors[request.request_id] = f"logits processor failed: {type(exc).__name__}: {exc}"
+                parts[i] = logits[i]
                 continue
             if structured is not None:
-                try:
-                    row_logits = self._grammar_row(request, len(history) - len(request.output_tokens))(context,
-                                                                                                     row_logits)
+                try:  # (the grammar takes the history as a list: no array to build and read back)
+                    allowed = self._grammar_row(request, len(history) - len(request.output_tokens)).allowed(
+                        history, logits.shape[-1])
                 except Exception as exc:  # a constraint that cannot go on fails its own request
                     result.errors[request.request_id] = f"structured output failed: {type(exc).__name__}: {exc}"
+                    parts[i] = logits[i]
                     continue
-            parts[i] = mx.reshape(row_logits, logits.shape[1:]).astype(logits.dtype)
-        return mx.stack(parts)
+                if allowed is not None:
+                    masks[i] = allowed
+        out = mx.stack(parts) if changed else logits
+        if masks:  # GrammarProcessor.__call__'s where, for every constrained row at once
+            allowed = np.ones(logits.shape, dtype=bool)
+            for i, row_allowed in masks.items():
+                allowed[i] = row_allowed
+            out = mx.where(mx.array(allowed), out, mx.array(-mx.inf, dtype=out.dtype))
+        return out
 
     def _grammar_row(self, request: Request, prompt_len: int) -> GrammarProcessor:
         """The row's matcher, built on its first constrained token (after a preemption, it reads the outputs

@@ -145,21 +145,29 @@ class GrammarProcessor:
         self._tail = b""  # the output's last bytes while waiting for `after`
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        allowed = self.allowed(tokens, logits.shape[-1])
+        if allowed is None:
+            return logits
+        return mx.where(mx.array(allowed), logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+    def allowed(self, tokens: mx.array | Sequence[int], width: int) -> np.ndarray | None:
+        """Feed the unseen tokens of ``tokens`` (every token so far), then the (width,) bool mask of the tokens
+        the grammar allows next; None before it starts (``after``). What `__call__` applies; the executor applies
+        the masks of a batch's constrained rows in one op."""
         history = tokens.tolist() if isinstance(tokens, mx.array) else list(tokens)
         if self._seen is None:
             self._seen = len(history)
         self._feed(history[self._seen:])
         self._seen = len(history)
         if self._after:  # not started yet
-            return logits
+            return None
         allowed = np.frombuffer(self._matcher.compute_logit_bias(), dtype=np.uint8) > 0
-        width = logits.shape[-1]
         if allowed.shape[0] < width:  # logits wider than the tokenizer: the extra ids are never text
             allowed = np.concatenate([allowed, np.zeros(width - allowed.shape[0], dtype=bool)])
         allowed = allowed[:width]
         if not allowed.any():
             raise ValueError(f"the constraint allows no token here: {self._matcher.get_error() or 'dead end'}")
-        return mx.where(mx.array(allowed), logits, mx.array(-mx.inf, dtype=logits.dtype))
+        return allowed
 
     def _feed(self, new: list[int]) -> None:
         for token in new:
