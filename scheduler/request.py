@@ -82,7 +82,7 @@ def _is_real(x: Any) -> bool:
 class StructuredKind(str, enum.Enum):
     """What a `StructuredOutput` constrains the output to."""
 
-    JSON = "json"  # a JSON value matching a JSON schema (`spec`: the schema, as canonical JSON text)
+    JSON = "json"  # a JSON value matching a JSON schema (`spec`: the schema as compact JSON text, key order kept)
     JSON_OBJECT = "json_object"  # any JSON object (OpenAI's `response_format: json_object`; `spec` unused)
     REGEX = "regex"  # text matching a regular expression (llguidance's syntax, close to Rust's `regex`)
     CHOICE = "choice"  # exactly one of some strings (`spec`: a JSON list of them)
@@ -333,8 +333,8 @@ class Request:
     state: RequestState = RequestState.QUEUED
     # May this row propose draft tokens? Not when its next tokens depend on per-position Python or history the
     # verifier does not replay (logits processors, logit bias, a structured output, a custom sampler, penalties,
-    # per-token logprobs), nor when it opted out (allow_drafts). A decision fact, recorded in the trace (processors are code and cannot
-    # be), so replay rebuilds it; None: derived from `sampling`.
+    # per-token logprobs), nor when it opted out (allow_drafts). A decision fact, recorded in the trace (processors
+    # are code and cannot be), so replay rebuilds it; None: derived from `sampling`.
     draft_eligible: bool | None = None
 
     def __post_init__(self) -> None:

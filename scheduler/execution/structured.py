@@ -4,10 +4,10 @@ llguidance (Microsoft's grammar engine, also behind vLLM's and llama.cpp's struc
 `GrammarCompiler` turns a constraint into an llguidance grammar once per distinct spec and checks it against the
 model's tokenizer on arrival, so a bad schema or regex is the request's own `InvalidRequest`; `GrammarProcessor`
 is an mlx-lm logits processor (`(tokens so far, logits) -> logits`) that feeds the tokens it has not seen to its
-matcher and masks every token the grammar cannot continue with to -inf. The executor runs one per constrained
-row through the same per-row path as user processors, and the same class passed to `mlx_lm.generate` /
-`mlx_vlm.generate` alone gives the same tokens (tests/surfaces/test_structured_output.py), which is the
-exactness claim.
+matcher and masks every token the grammar cannot continue with to -inf. The executor keeps one per constrained
+row and applies the rows' masks (`GrammarProcessor.allowed`, what its `__call__` applies) to the batch in one op;
+the same class passed to `mlx_lm.generate` / `mlx_vlm.generate` alone gives the same tokens
+(tests/surfaces/test_structured_output.py), which is the exactness claim.
 
 JSON is generated without free whitespace: `", "` between items and `": "` after keys, nothing else (llguidance's
 default allows any run of whitespace, which a model can keep emitting without ever closing the value). A schema
@@ -45,7 +45,8 @@ def grammar_text(structured: StructuredOutput) -> str:
         if kind is StructuredKind.REGEX:
             return LLMatcher.grammar_from_regex(structured.spec)
         if kind is StructuredKind.CHOICE:  # Lark string literals take JSON's escapes
-            return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(structured.spec)))
+            choices = json.loads(structured.spec)
+            return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
         return LLMatcher.grammar_from_lark(structured.spec)
     except ValueError as exc:
         raise InvalidRequest(FIELD, f"cannot read the {kind.value} spec: {exc}") from None

@@ -22,8 +22,6 @@ from ..request import StructuredKind, StructuredOutput
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from .tool_calls import ToolCallFormat
 
-# the blank line a template puts after the reasoning, bounded: a model kept from its answer by the grammar would
-# otherwise write whitespace until max_tokens
 _WS = 'WS: /[ \\t\\r\\n]{1,4}/'
 
 
@@ -36,7 +34,8 @@ def output_constraint(body: ChatCompletionRequest | CompletionRequest, tool_form
     fmt = _output_format(body)
     if forced or (fmt is not None and tools):
         if tool_format is None or not tool_format.json_body:
-            param = "tool_choice" if forced else "response_format" if body.output_format_given() else "structured_outputs"
+            param = ("tool_choice" if forced else "response_format" if body.output_format_given()
+                     else "structured_outputs")
             raise APIError(400, f"{param}: this model's tool calls are not JSON between markers, so calls cannot "
                                 "be constrained here", param)
         calls = _calls_rule(body, tool_format, tools or [])

@@ -80,7 +80,6 @@ Number = Union[StrictInt, float]
 class JsonSchemaFormat(_Strict):
     """OpenAI's `response_format.json_schema`."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
     name: Annotated[str, Field(pattern=FUNCTION_NAME)]
     description: str | None = None
     schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")  # (`schema` is a pydantic name)
@@ -104,7 +103,6 @@ class StructuredOutputs(_Strict):
     """vLLM's `structured_outputs`: exactly one of a JSON schema, a regex, a choice of strings, a Lark grammar or
     any JSON object."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
     json_: Union[dict[str, Any], str, None] = Field(default=None, alias="json")  # (`json` is a pydantic name)
     regex: str | None = None
     choice: list[str] | None = None

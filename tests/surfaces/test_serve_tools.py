@@ -6,7 +6,8 @@ checked against `mlx_lm.generate` alone on the same rendered prompt), streamed a
 text before two calls, a chat sent back with the calls and the tool's result, thinking turned off
 (`enable_thinking` / `chat_template_kwargs`), calls forced by tool_choice "required" or a named function, output
 formats (`response_format`, `structured_outputs`) after the reasoning, and the refusals (an unknown named
-function, a forced call with an output format, a model without a tool-call format, tool messages without an id, template arguments the engine sets itself).
+function, a forced call with an output format, a model without a tool-call format, tool messages without an id,
+template arguments the engine sets itself).
 """
 
 from __future__ import annotations
@@ -327,8 +328,8 @@ def test_output_formats_hold_for_chat_and_completions(server):
         stream = await client.chat.completions.create(model="tiny-vlm", messages=ask, max_tokens=64, temperature=0,
                                                       response_format=schema_format, stream=True)
         out["schema-streamed"] = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
-        out["object"] = await client.chat.completions.create(model="tiny-vlm", messages=ask, max_tokens=8, temperature=0,
-                                                             response_format={"type": "json_object"})
+        out["object"] = await client.chat.completions.create(model="tiny-vlm", messages=ask, max_tokens=8,
+                                                             temperature=0, response_format={"type": "json_object"})
         out["choice"] = await client.completions.create(model="tiny-vlm", prompt="The city is", max_tokens=8,
                                                         temperature=0, extra_body={"structured_outputs": {
                                                             "choice": ["Paris", "Rome", "New York"]}})

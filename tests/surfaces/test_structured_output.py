@@ -138,7 +138,8 @@ def test_a_row_that_breaks_its_constraint_fails_alone(text_model):
 def test_the_constraint_is_recorded_and_replays(text_model, tmp_path):
     model, tokenizer = text_model
     trace = tmp_path / "trace.jsonl"
-    engine = Engine(model, tokenizer, EngineConfig(trace_path=str(trace), max_batched_tokens=32, max_seqs=4, prefill_chunk=8))
+    engine = Engine(model, tokenizer, EngineConfig(trace_path=str(trace), max_batched_tokens=32, max_seqs=4,
+                                                   prefill_chunk=8))
     sampling = SamplingParams(max_tokens=10, structured_output=StructuredOutput.json(SCHEMA))
     drive(engine, [(0, {"prompt_tokens": p, "sampling": sampling}) for p in PROMPTS[:3]])
     engine.close()
