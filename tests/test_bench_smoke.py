@@ -42,6 +42,7 @@ SCRIPTS: dict[str, tuple[list[str], str]] = {
     "shared_prefix": (["--requests", "2", "--turns", "2", "--system-words", "40", "--new-tokens", "4", "--repeats",
                        "1"], "|"),
     "scoring": (["--model", "text", "--n", "3", "--lo", "8", "--hi", "20", "--repeats", "1"], "|"),
+    "structured": (["--model", "text", "--batch", "2", "--new-tokens", "8", "--repeats", "1"], "|"),
 }
 
 
