@@ -261,24 +261,27 @@ def run_ours(model: Any, tokenizer: Any, workload: Workload, config: Any = None,
 
 
 def run_peer(model: Any, workload: Workload, completion_batch_size: int | None = None,
-             prefill_batch_size: int = 8, prefill_step_size: int = 2048) -> RunStats:
-    """One timed run of the workload through a fresh mlx-lm BatchGenerator (greedy, no stop tokens).
+             prefill_batch_size: int = 8, prefill_step_size: int = 2048, stop_tokens: Sequence[int] = (),
+             logits_processors: Callable[[], list] | None = None) -> RunStats:
+    """One timed run of the workload through a fresh mlx-lm BatchGenerator (greedy; no stop tokens unless given).
 
     completion_batch_size defaults to max(32, n) so every request decodes in one batch like ours;
-    prefill_batch_size / prefill_step_size default to mlx-lm's own defaults (8, 2048).
+    prefill_batch_size / prefill_step_size default to mlx-lm's own defaults (8, 2048). `logits_processors`: makes
+    one request's processors (called per request: processors may keep state).
     """
     from mlx_lm.generate import BatchGenerator
 
     prompts = workload.prompt_lists
     gen = BatchGenerator(
-        model, max_tokens=workload.new_tokens, stop_tokens=None,
+        model, max_tokens=workload.new_tokens, stop_tokens=[[t] for t in stop_tokens] or None,
         completion_batch_size=completion_batch_size or max(32, len(prompts)),
         prefill_batch_size=prefill_batch_size, prefill_step_size=prefill_step_size,
     )
     gc.collect()
     try:
         clock = _Clock(len(prompts), workload.new_tokens)
-        uids = gen.insert(prompts, max_tokens=[workload.new_tokens] * len(prompts))
+        processors = {"logits_processors": [logits_processors() for _ in prompts]} if logits_processors else {}
+        uids = gen.insert(prompts, max_tokens=[workload.new_tokens] * len(prompts), **processors)
         index = {u: i for i, u in enumerate(uids)}
         remaining = len(prompts)
         while remaining:

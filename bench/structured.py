@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .compare import RunStats, _Clock
+from .compare import RunStats, _Clock, run_peer
 from .workloads import mixed
 
 SCHEMA = {"type": "object", "properties": {
@@ -45,28 +45,6 @@ def run_ours(engine, prompts, new_tokens: int, constraint) -> RunStats:
             clock.record(index[out.request_id], out.token_ids)
         clock.end_step()
     return clock.stats("ours")
-
-
-def run_peer(model, grammars, prompts, new_tokens: int, constraint) -> RunStats:
-    from mlx_lm.generate import BatchGenerator
-
-    gen = BatchGenerator(model, max_tokens=new_tokens, stop_tokens=[[t] for t in grammars.eos_token_ids],
-                         completion_batch_size=max(32, len(prompts)))
-    try:
-        clock = _Clock(len(prompts), new_tokens)
-        uids = gen.insert(prompts, max_tokens=[new_tokens] * len(prompts),
-                          logits_processors=[[grammars.processor(constraint)] for _ in prompts])
-        index = {u: i for i, u in enumerate(uids)}
-        remaining = len(prompts)
-        while remaining:
-            _, responses = gen.next()
-            for r in responses:
-                clock.record(index[r.uid], (r.token,))
-                remaining -= r.finish_reason is not None
-            clock.end_step()
-        return clock.stats("peer")
-    finally:
-        gen.close()
 
 
 def main(argv=None) -> int:
@@ -91,12 +69,15 @@ def main(argv=None) -> int:
     print("| batch | side | wall s | e2e tok/s | tokens | ratio to ours constrained | outputs equal to ours |")
     print("|---|---|---|---|---|---|---|")
     for batch in args.batch:
-        prompts = mixed(batch, 16, 128, args.new_tokens).prompt_lists
+        workload = mixed(batch, 16, 128, args.new_tokens)
+        prompts = workload.prompt_lists
         engine = Engine(model, tokenizer, EngineConfig())
+        grammars = engine.grammars
         sides = {"ours, constrained": lambda: run_ours(engine, prompts, args.new_tokens, constraint),
                  "ours, plain": lambda: run_ours(engine, prompts, args.new_tokens, None),
-                 "mlx-lm BatchGenerator, constrained": lambda: run_peer(model, engine.grammars, prompts,
-                                                                       args.new_tokens, constraint)}
+                 "mlx-lm BatchGenerator, constrained": lambda: run_peer(
+                     model, workload, stop_tokens=grammars.eos_token_ids,
+                     logits_processors=lambda: [grammars.processor(constraint)])}
         for fn in sides.values():  # warm-up
             fn()
         runs: dict[str, list[RunStats]] = {name: [] for name in sides}

@@ -51,6 +51,15 @@ def kv_budget_forcing_preemption(model, prompts, rows: int = 3) -> tuple[int, bo
     return rows * fixed + fixed // 2, False
 
 
+def preempting_config(model, prompts, rows: int = 3) -> EngineConfig:
+    """A config under which `rows` rows of `prompts` admitted together outgrow the KV budget a few decode steps
+    later (`kv_budget_forcing_preemption`: no admission headroom), invariants checked."""
+    budget, grows = kv_budget_forcing_preemption(model, prompts, rows)
+    assert grows, "this model's caches do not grow with length: nothing outgrows the budget"
+    return EngineConfig(max_batched_tokens=128, max_seqs=8, prefill_chunk=64, kv_memory_bytes=budget,
+                        kv_headroom_tokens=0, check_invariants=True)
+
+
 SCHEDULES = {
     "all-at-once": dict(max_batched_tokens=512, max_seqs=16, prefill_chunk=256),
     "staggered-small-chunks": dict(max_batched_tokens=24, max_seqs=8, prefill_chunk=8),

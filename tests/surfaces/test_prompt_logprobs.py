@@ -12,7 +12,7 @@ from mlx_lm import load
 from scheduler import Engine, EngineConfig, InvalidRequest, SamplingParams
 from scheduler.fixtures.families import build_family_model
 
-from ..execution.test_families import kv_budget_forcing_preemption
+from ..execution.test_families import preempting_config
 from ..helpers import engine_with_log, greedy, mixed_prompts, solo_tokens
 
 MAX_TOKENS = 5
@@ -144,11 +144,7 @@ def test_a_preempted_request_gets_its_prompt_logprobs_once(text_model):
     first token, and they are the prompt's own."""
     model, tokenizer = text_model
     prompts = mixed_prompts(3, 24, 24, seed=9)
-    budget, grows = kv_budget_forcing_preemption(model, prompts, rows=3)
-    assert grows
-    config = EngineConfig(max_batched_tokens=128, max_seqs=8, prefill_chunk=64, kv_memory_bytes=budget,
-                          kv_headroom_tokens=0, check_invariants=True)
-    engine, sink = engine_with_log(model, tokenizer, config)
+    engine, sink = engine_with_log(model, tokenizer, preempting_config(model, prompts))
     tokens, errors, carried = run_collecting(engine, [
         (0, {"prompt_tokens": p, "request_id": f"r{i}", "sampling": SamplingParams(max_tokens=6, prompt_logprobs=2)})
         for i, p in enumerate(prompts)])

@@ -21,7 +21,7 @@ from scheduler import (
 )
 from scheduler.tools.replay import load_trace, replay
 
-from ..execution.test_families import kv_budget_forcing_preemption
+from ..execution.test_families import preempting_config
 from ..helpers import drive, engine_with_log, mixed_prompts, solo_tokens
 
 PROMPTS = mixed_prompts(7, 4, 90, seed=21)
@@ -85,11 +85,7 @@ def test_a_preempted_constrained_row_resumes_its_constraint(text_model):
     far, and the row still equals mlx-lm alone."""
     model, tokenizer = text_model
     prompts = mixed_prompts(3, 24, 24, seed=9)
-    budget, grows = kv_budget_forcing_preemption(model, prompts, rows=3)
-    assert grows
-    config = EngineConfig(max_batched_tokens=128, max_seqs=8, prefill_chunk=64, kv_memory_bytes=budget,
-                          kv_headroom_tokens=0, check_invariants=True)
-    engine, sink = engine_with_log(model, tokenizer, config)
+    engine, sink = engine_with_log(model, tokenizer, preempting_config(model, prompts))
     constraint = StructuredOutput.json(SCHEMA)
     run = drive(engine, [(0, {"prompt_tokens": p, "request_id": f"r{i}",
                               "sampling": SamplingParams(max_tokens=12, structured_output=constraint)})
