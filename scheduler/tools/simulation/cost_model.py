@@ -395,7 +395,10 @@ def fit_cost_model(trace: "Trace | str | os.PathLike | Iterable[dict]",
 def _fit_gaps(rec: Any, images: Mapping[str, int], outlier_mads: float | None) -> tuple[float, float, float]:
     """The time between one busy tick's end and the next one's start: a constant (engine/client time) plus
     what the arrivals drained at the next tick cost the loop to take in (per arrival, per media item they carry);
-    robust like the phases."""
+    robust like the phases, and like them scaled to account for all the recorded gap time, the outliers' too.
+    (Unscaled, the terms missed 20-30% of an image chat's gap time, the long gaps of arrivals carrying several
+    images, and the simulated clock ran ahead where requests queue, which is where a TTFT is most sensitive to
+    it: the recorded config simulated against its own recording gave TTFTs 18-21% short; bench/README.md.)"""
     rows, ys = [], []
     ticks = sorted(rec.trace.outcomes)
     for a, b in zip(ticks, ticks[1:]):
@@ -411,4 +414,7 @@ def _fit_gaps(rec: Any, images: Mapping[str, int], outlier_mads: float | None) -
     cols = [0] + [i for i in (1, 2) if x[:, i].any()]  # a column no gap has would be fitted on nothing
     coef = np.zeros(3)
     coef[cols], _kept = _fit_phase(x[:, cols], y, outlier_mads)
+    predicted = float((x @ coef).sum())
+    if predicted > 0:
+        coef *= float(y.sum()) / predicted
     return float(coef[0]), float(coef[1]), float(coef[2])
