@@ -29,7 +29,7 @@ class Reason(str, Enum):
     PREFILL_FIRST = "prefill_first"  # its decode is paused: mix="prefill-first" gives this tick to prefill
     DRAFT_BUDGET = "draft_budget"  # fewer draft positions than draft_tokens (or none): what the tick's token
     # budget left after the decode rows and the prefill chunks pays for fewer per row of the verify forward
-    DRAFT_INELIGIBLE = "draft_ineligible"  # it never drafts: it asked for logprobs, processors or penalties
+    DRAFT_INELIGIBLE = "draft_ineligible"  # it never drafts: logprobs, processors, a bias, a constraint, penalties
 
 
 #: Reasons of running (decoding) rows rather than of requests waiting to run; recorded since the `row_reasons`

@@ -220,7 +220,8 @@ _PLAIN = {
     Reason.PREEMPTED_BY: "it was preempted to make room",
     Reason.PREFILL_FIRST: "prefill went first (mix=prefill-first)",
     Reason.DRAFT_BUDGET: "the token budget left paid for fewer draft tokens (draft_tokens)",
-    Reason.DRAFT_INELIGIBLE: "it does not draft (logprobs, logits processors or penalties)",
+    Reason.DRAFT_INELIGIBLE: ("it does not draft (logprobs, logits processors, a logit bias, a structured output, a "
+                              "custom sampler, penalties or allow_drafts off)"),
 }
 # what a running row's reason held back: its decode, or its drafts (every other reason holds back a wait)
 _HELD = {Reason.PREFILL_FIRST: "Paused", Reason.DRAFT_BUDGET: "Drafted less", Reason.DRAFT_INELIGIBLE: "No drafts"}
