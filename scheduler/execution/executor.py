@@ -243,7 +243,8 @@ class MLXExecutor:
         return self.drafter.cache_bytes() if hasattr(self.drafter, "cache_bytes") else 0
 
     def live_request_ids(self) -> set[str]:
-        return self.kv.request_ids() | set(self._row_index) | set(self._encoded) | set(self._requests)
+        return (self.kv.request_ids() | set(self._row_index) | set(self._encoded) | set(self._requests)
+                | set(self._grammar_rows))
 
     # ---- one tick ---------------------------------------------------------------------------------
     def execute(self, plan: TickPlan) -> TickResult:
