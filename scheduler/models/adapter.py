@@ -204,7 +204,9 @@ class VLMAdapter:
         except layers.UnsupportedCache as exc:
             raise UnsupportedFamily(f"model_type {self.spec.model_type!r}: its language model's cache cannot be "
                                     f"batched ({exc})") from exc
-        self._fingerprint: str | None = None
+        # model + processor identity in every media key: computed here, on the loading thread, so that no
+        # request pays for it (its first media request did: about a millisecond of weight sampling and hashing)
+        self.fingerprint = library.model_fingerprint(model, processor)
 
     # ---- family facts the engine needs ----------------------------------------------------------------
     @property
@@ -239,13 +241,6 @@ class VLMAdapter:
             elif source is not None:
                 ids.update(int(i) for i in source)
         return frozenset(ids)
-
-    @property
-    def fingerprint(self) -> str:
-        """Model + processor identity that goes into every media key (computed once)."""
-        if self._fingerprint is None:
-            self._fingerprint = library.model_fingerprint(self.model, self.processor)
-        return self._fingerprint
 
     @property
     def media_kinds(self) -> frozenset[str]:
