@@ -863,24 +863,21 @@ class MLXExecutor:
             if bias:
                 row_logits = row_logits.at[:, mx.array([t for t, _ in bias])].add(mx.array([b for _, b in bias]))
                 parts[i], changed = row_logits[0].astype(logits.dtype), True  # (the batch keeps one dtype)
-            structured = request.sampling.structured_output
-            if not request.sampling.logits_processors and structured is None:
-                continue
-            history = request.output_tokens if self.output_only_history else request.prompt_tokens + request.output_tokens
-            try:
-                if request.sampling.logits_processors:
+            if request.sampling.logits_processors:
+                history = (request.output_tokens if self.output_only_history
+                           else request.prompt_tokens + request.output_tokens)
+                try:
                     context = mx.array(history, dtype=mx.uint32)
                     for processor in request.sampling.logits_processors:
                         row_logits = processor(context, row_logits)
                     parts[i], changed = mx.reshape(row_logits, logits.shape[1:]).astype(logits.dtype), True
-            except Exception as exc:  # user code: contain it to its own request
-                result.errors[request.request_id] = f"logits processor failed: {type(exc).__name__}: {exc}"
-                parts[i] = logits[i]
-                continue
-            if structured is not None:
-                try:  # (the grammar takes the history as a list: no array to build and read back)
-                    allowed = self._grammar_row(request, len(history) - len(request.output_tokens)).allowed(
-                        history, logits.shape[-1])
+                except Exception as exc:  # user code: contain it to its own request
+                    result.errors[request.request_id] = f"logits processor failed: {type(exc).__name__}: {exc}"
+                    parts[i] = logits[i]
+                    continue
+            if request.sampling.structured_output is not None:
+                try:  # (a matcher reads only what was generated: it is fed the outputs, whatever the history)
+                    allowed = self._grammar_row(request).allowed(request.output_tokens, logits.shape[-1])
                 except Exception as exc:  # a constraint that cannot go on fails its own request
                     result.errors[request.request_id] = f"structured output failed: {type(exc).__name__}: {exc}"
                     parts[i] = logits[i]
@@ -895,15 +892,15 @@ class MLXExecutor:
             out = mx.where(mx.array(allowed), out, mx.array(-mx.inf, dtype=out.dtype))
         return out
 
-    def _grammar_row(self, request: Request, prompt_len: int) -> GrammarProcessor:
-        """The row's matcher, built on its first constrained token (after a preemption, it reads the outputs
-        so far from the history on its first call)."""
+    def _grammar_row(self, request: Request) -> GrammarProcessor:
+        """The row's matcher, built on its first constrained token; fed the row's outputs (after a preemption,
+        all of them so far on its first call)."""
         processor = self._grammar_rows.get(request.request_id)
         if processor is None:
             if self.grammars is None:
                 raise ValueError("this executor has no grammar compiler (MLXExecutor(grammars=...))")
             processor = self._grammar_rows[request.request_id] = self.grammars.processor(
-                request.sampling.structured_output, prompt_len)
+                request.sampling.structured_output, prompt_len=0)
         return processor
 
     def _apply_samplers(self, tokens: mx.array, logprobs: mx.array, result: TickResult) -> mx.array:
