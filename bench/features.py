@@ -5,7 +5,9 @@
 * vision: tok/s of a 16-request mixed image/text workload on the tiny VLM, with the vision cache cold and warm;
 * trace size: bytes of event log per generated token.
 
-    python -m bench.features [--model text-medium] [--only prefix drafting vision trace]
+    python -m bench.features [--model text-medium] [--only prefix drafting vision trace interleave]
+                             [--prefix-len 1000] [--long-prompt 2000] [--streams 32] [--new-tokens 64]
+                             [--repeats 3]
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ def drafting_figure(model, tokenizer, draft_model=None, mtp_head=None, n=4, new_
     return results
 
 
-def vision_figure(tmp: Path):
+def vision_figure(tmp: Path, new_tokens=32):
     import numpy as np
     from PIL import Image
 
@@ -115,7 +117,7 @@ def vision_figure(tmp: Path):
     out = {}
     for label in ("vision cache cold", "vision cache warm"):
         t0 = time.perf_counter()
-        outs = engine.generate(prompts, SamplingParams(max_tokens=32), images=images)
+        outs = engine.generate(prompts, SamplingParams(max_tokens=new_tokens), images=images)
         wall = time.perf_counter() - t0
         tokens = sum(len(o.token_ids) for o in outs)
         out[label] = {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall}
@@ -157,14 +159,14 @@ def interleave_figure(model, tokenizer, streams=32, long_prompt=2000, chunk=256)
             "stream_tick_during_ms": 1e3 * statistics.median(during), "streams_decoded_every_tick": streams_fed}
 
 
-def trace_figure(model, tokenizer, tmp: Path):
+def trace_figure(model, tokenizer, tmp: Path, new_tokens=64):
     from scheduler import SamplingParams
 
     path = tmp / "trace.jsonl"
     engine = _engine(model, tokenizer, trace_path=str(path), prefix_cache_bytes=64 << 20)
     rng = random.Random(1)
     prompts = [[rng.randrange(7, 512) for _ in range(rng.randint(16, 300))] for _ in range(32)]
-    outs = engine.generate(prompts, SamplingParams(max_tokens=64))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=new_tokens))
     engine.close()
     tokens = sum(len(o.token_ids) for o in outs)
     size = os.path.getsize(path)
@@ -180,6 +182,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.features", description=__doc__)
     ap.add_argument("--model", default="text-medium", choices=["text", "text-medium"])
     ap.add_argument("--only", nargs="+", default=["prefix", "drafting", "vision", "trace", "interleave"])
+    ap.add_argument("--prefix-len", type=int, default=1000, help="the cached prefix of the prefix figure")
+    ap.add_argument("--long-prompt", type=int, default=2000, help="the prompt that arrives among decode streams")
+    ap.add_argument("--streams", type=int, default=32, help="decode streams of the interleave figure")
+    ap.add_argument("--new-tokens", type=int, default=64, help="per request (the vision figure: half of it)")
+    ap.add_argument("--repeats", type=int, default=3, help="of the prefix figure (median)")
     args = ap.parse_args(argv)
     print(describe(detect_blas()))
     with tempfile.TemporaryDirectory() as d:
@@ -187,7 +194,7 @@ def main(argv=None) -> int:
         model, tokenizer = load(str(build_model(args.model, tmp / args.model)))
         mx.eval(model.parameters())
         if "prefix" in args.only:
-            print("prefix cache:", prefix_figure(model, tokenizer))
+            print("prefix cache:", prefix_figure(model, tokenizer, args.repeats, args.prefix_len))
         if "drafting" in args.only:
             small, _ = load(str(build_model("text", tmp / "small", seed=1))) if args.model != "text" else (None, None)
             head = None
@@ -195,15 +202,15 @@ def main(argv=None) -> int:
                 from scheduler.execution.mtp import load_mtp_head
 
                 head = load_mtp_head(build_model("text-mtp", tmp / "text-mtp"))
-            for name, r in drafting_figure(model, tokenizer, small, head).items():
+            for name, r in drafting_figure(model, tokenizer, small, head, new_tokens=args.new_tokens).items():
                 print(f"drafting {name}: {r}")
         if "vision" in args.only:
-            print("vision:", vision_figure(tmp))
+            print("vision:", vision_figure(tmp, max(1, args.new_tokens // 2)))
         if "trace" in args.only:
-            print("trace:", trace_figure(model, tokenizer, tmp))
+            print("trace:", trace_figure(model, tokenizer, tmp, args.new_tokens))
         if "interleave" in args.only:
             for chunk in (256, 32):
-                print("interleave:", interleave_figure(model, tokenizer, chunk=chunk))
+                print("interleave:", interleave_figure(model, tokenizer, args.streams, args.long_prompt, chunk))
     return 0
 
 

@@ -96,16 +96,35 @@ WORKLOADS = {"text": text_workload, "image+text": image_text_workload, "image-ch
              "text-burst": lambda: burst(False), "image+text-burst": lambda: burst(True)}
 
 
+def run_pair(model_dir: Path, kind: str, where: Path, i: int) -> dict:
+    """One check of WORKLOADS[kind] in its own child process pinned to one CPU (traces kept in where/pair{i});
+    its JSON record."""
+    pair_dir = where / f"pair{i}"
+    pair_dir.mkdir(parents=True)
+    done = run_on_one_cpu(["-m", "tests.tools.whatif_reality", str(model_dir), kind, str(pair_dir)], timeout=600)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def run_pairs(model_dir: Path, kind: str, where: Path, pairs: int) -> list[dict]:
-    """`pairs` checks of WORKLOADS[kind], each in its own child process pinned to one CPU (traces kept in
-    where/pair{i}); their JSON records."""
-    checks = []
-    for i in range(pairs):
-        pair_dir = where / f"pair{i}"
-        pair_dir.mkdir(parents=True)
-        done = run_on_one_cpu(["-m", "tests.tools.whatif_reality", str(model_dir), kind, str(pair_dir)], timeout=600)
-        checks.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    return checks
+    """`pairs` checks of WORKLOADS[kind] (`run_pair`)."""
+    return [run_pair(model_dir, kind, where, i) for i in range(pairs)]
+
+
+def median_within_is_decided(checks: list[dict], pairs: int, tolerance: float, part: str = "what_if") -> bool:
+    """Whether the first checks of `pairs` (odd) already decide if every metric's median error over all of them
+    is within `tolerance`: the median is within it exactly when a majority of the errors are <= tolerance and a
+    majority are >= -tolerance, so once both majorities are reached, or one can no longer be, the checks not yet
+    run cannot change the verdict."""
+    assert pairs % 2 == 1, "a median over an odd number of pairs"
+    majority, left = pairs // 2 + 1, pairs - len(checks)
+    within_all = True
+    for m in METRICS:
+        errors = [c[part][m]["error"] for c in checks]
+        below, above = sum(e <= tolerance for e in errors), sum(e >= -tolerance for e in errors)
+        if below + left < majority or above + left < majority:
+            return True  # this metric's median is out of tolerance whatever the rest measure
+        within_all &= below >= majority and above >= majority
+    return within_all
 
 
 def median_errors(checks: list[dict], part: str = "what_if") -> dict[str, float]:
