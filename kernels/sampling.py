@@ -6,8 +6,9 @@ parameters.  Everything here works on whole ``(B, V)`` arrays with per-row
 
 Semantics follow ``mlx_lm.sample_utils`` (mlx-lm 0.32):
 
-* penalties: ``make_repetition_penalty`` then ``make_presence_penalty`` (the
-  order ``make_logits_processors`` builds them in);
+* penalties: ``make_repetition_penalty``, ``make_presence_penalty`` then
+  ``make_frequency_penalty`` (the order ``make_logits_processors`` builds them
+  in);
 * filters: ``apply_top_p``, ``apply_min_p`` (``min_tokens_to_keep=1``),
   ``apply_top_k`` in ``make_sampler`` order, each only where mlx-lm would
   enable it (``0 < top_p < 1``, ``min_p != 0``, ``top_k > 0``);
@@ -77,6 +78,7 @@ class RowSampling:
     min_p: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -90,6 +92,8 @@ class RowSampling:
             raise ValueError(f"min_p must be in [0, 1] (0 => off), got {self.min_p}")
         if not math.isfinite(self.presence_penalty):
             raise ValueError(f"presence_penalty must be finite, got {self.presence_penalty}")
+        if not math.isfinite(self.frequency_penalty):
+            raise ValueError(f"frequency_penalty must be finite, got {self.frequency_penalty}")
         if not (self.repetition_penalty > 0.0) or math.isinf(self.repetition_penalty):
             raise ValueError(
                 f"repetition_penalty must be finite and > 0 (1 => off), got {self.repetition_penalty}"
@@ -101,7 +105,7 @@ class RowSampling:
 
     @property
     def has_penalty(self) -> bool:
-        return self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
+        return self.presence_penalty != 0.0 or self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,7 @@ class SamplingArrays:
     min_p: mx.array  # float32 in [0, 1); 0 => off
     presence_penalty: mx.array  # float32; 0 => off
     repetition_penalty: mx.array  # float32 > 0; 1 => off
+    frequency_penalty: mx.array  # float32; 0 => off
     seed: mx.array  # uint32 per-row seed
     all_greedy: bool  # every row has temperature 0 (fast path: plain argmax)
     any_penalty: bool  # some row has a penalty (skip penalty work otherwise)
@@ -141,6 +146,7 @@ class SamplingArrays:
         min_p = np.array([r.min_p for r in rows], dtype=np.float32)
         pres = np.array([r.presence_penalty for r in rows], dtype=np.float32)
         rep = np.array([r.repetition_penalty for r in rows], dtype=np.float32)
+        freq = np.array([r.frequency_penalty for r in rows], dtype=np.float32)
         seed = np.array([int(r.seed) & _U32 for r in rows], dtype=np.uint32)
         sampled = temp != 0.0
         return cls(
@@ -150,9 +156,10 @@ class SamplingArrays:
             min_p=mx.array(min_p),
             presence_penalty=mx.array(pres),
             repetition_penalty=mx.array(rep),
+            frequency_penalty=mx.array(freq),
             seed=mx.array(seed),
             all_greedy=bool(not sampled.any()),
-            any_penalty=bool(((pres != 0.0) | (rep != 1.0)).any()),
+            any_penalty=bool(((pres != 0.0) | (rep != 1.0) | (freq != 0.0)).any()),
             any_top_p=bool((sampled & (top_p > 0.0) & (top_p < 1.0)).any()),
             any_top_k=bool((sampled & (top_k > 0)).any()),
             any_min_p=bool((sampled & (min_p != 0.0)).any()),
@@ -179,14 +186,16 @@ def _context_mask(context: mx.array, vocab_size: int) -> mx.array:
 def apply_penalties(
     logits: mx.array, context: mx.array, params: SamplingArrays
 ) -> mx.array:
-    """Repetition then presence penalty, per row, on tokens present in ``context``.
+    """Repetition, presence then frequency penalty, per row, on tokens present in ``context``.
 
     logits (B, V); context (B, W) int32 recent token ids per row padded with -1
     (W = penalty window, default 20 like mlx-lm's ``repetition_context_size``).
     Repetition penalty as mlx-lm's ``make_repetition_penalty`` (logit < 0 ->
     logit * p, else logit / p); presence penalty as ``make_presence_penalty``
-    (subtract once per distinct token present). Rows with a penalty off are
-    unchanged bit-for-bit.
+    (subtract once per distinct token present); frequency penalty as
+    ``make_frequency_penalty`` (subtract once per occurrence, one subtraction
+    at a time as its scatter does, so the rounding is the same). Rows with a
+    penalty off are unchanged bit-for-bit.
     """
     if context.ndim != 2 or context.shape[0] != logits.shape[0]:
         raise ValueError(
@@ -206,7 +215,20 @@ def apply_penalties(
     pres = params.presence_penalty[:, None]
     pres_on = present & (pres != 0.0)
     logits = mx.where(pres_on, logits - pres.astype(dtype), logits)
-    return logits
+    return _frequency_penalty(logits, context, params.frequency_penalty)
+
+
+def _frequency_penalty(logits: mx.array, context: mx.array, penalty: mx.array) -> mx.array:
+    """Subtract each row's penalty from a token's logit once per occurrence of it in the row's context (padding
+    ids land in a spare column). A scatter like mlx-lm's: repeated ids subtract one after another, and a row
+    whose penalty is 0 subtracts 0.0, which leaves every logit as it was."""
+    B, V = logits.shape
+    ctx = context.astype(mx.int32)
+    idx = mx.where((ctx >= 0) & (ctx < V), ctx, V)
+    rows = mx.broadcast_to(mx.arange(B, dtype=mx.int32)[:, None], idx.shape)
+    amounts = mx.broadcast_to(penalty.astype(logits.dtype)[:, None], idx.shape)
+    spare = mx.concatenate([logits, mx.zeros((B, 1), dtype=logits.dtype)], axis=1)
+    return spare.at[rows, idx].subtract(amounts)[:, :V]
 
 
 # ---------------------------------------------------------------------------

@@ -164,6 +164,9 @@ class SamplingParams:
     min_p: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # OpenAI's: subtracted from a token's logit once per time it occurs among the last 20 tokens (mlx-lm's
+    # `make_frequency_penalty`, after the repetition and presence penalties)
+    frequency_penalty: float = 0.0
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     logprobs: bool = False
@@ -205,6 +208,8 @@ class SamplingParams:
                f"must be a finite number, got {self.presence_penalty!r}")
         _check(_is_real(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
                f"must be a finite number > 0, got {self.repetition_penalty!r}")
+        _check(_is_real(self.frequency_penalty), "frequency_penalty",
+               f"must be a finite number, got {self.frequency_penalty!r}")
         stops = self.stop_token_ids
         _check(isinstance(stops, (tuple, list)) and all(_is_int(t) and t >= 0 for t in stops),
                "stop_token_ids", f"must be a sequence of non-negative token ids, got {stops!r}")
@@ -233,6 +238,11 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalty(self) -> bool:
+        """Whether a penalty rewrites the logits from the row's recent tokens (presence, repetition, frequency)."""
+        return self.presence_penalty != 0 or self.repetition_penalty != 1 or self.frequency_penalty != 0
 
     def to_record(self) -> dict[str, Any]:
         """JSON-ready fields for the trace. Logits processors are code: only their count is recorded."""
@@ -269,7 +279,8 @@ def _bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:
 
 
 _RECORDED_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                             "repetition_penalty", "seed", "logprobs", "top_logprobs", "prompt_logprobs")
+                             "repetition_penalty", "frequency_penalty", "seed", "logprobs", "top_logprobs",
+                             "prompt_logprobs")
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 
 
@@ -341,8 +352,8 @@ class Request:
         if self.draft_eligible is None:
             s = self.sampling
             self.draft_eligible = s.allow_drafts and not (
-                s.logits_processors or s.sampler is not None or s.logprobs or s.presence_penalty
-                or s.repetition_penalty != 1 or s.logit_bias or s.structured_output is not None)
+                s.logits_processors or s.sampler is not None or s.logprobs or s.has_penalty or s.logit_bias
+                or s.structured_output is not None)
 
     @classmethod
     def from_new_request(cls, new: "NewRequest") -> "Request":

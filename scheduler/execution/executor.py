@@ -152,6 +152,7 @@ def _row_sampling(request: Request) -> RowSampling:
     s = request.sampling
     return RowSampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
                        presence_penalty=s.presence_penalty, repetition_penalty=s.repetition_penalty,
+                       frequency_penalty=s.frequency_penalty,
                        seed=request.seed)
 
 
@@ -552,10 +553,7 @@ class MLXExecutor:
 
     # ---- decode ---------------------------------------------------------------------------------
     def _needs_context(self) -> bool:
-        return any(
-            row.request.sampling.presence_penalty != 0 or row.request.sampling.repetition_penalty != 1
-            for row in self._rows
-        )
+        return any(row.request.sampling.has_penalty for row in self._rows)
 
     def _extend_context(self, request_ids: list[str], requests: Mapping[str, Request]) -> mx.array:
         """Penalty context for new rows: the tail of their prompt, like mlx-lm's processors see it.

@@ -131,7 +131,7 @@ class _Sampling(_Strict):
     min_p: Number | None = None
     presence_penalty: Number | None = None
     repetition_penalty: Number | None = None
-    frequency_penalty: Number | None = None  # only 0: not implemented
+    frequency_penalty: Number | None = None
     stop: Union[str, list[Union[str, StrictInt]], None] = None  # strings, or token ids
     stop_token_ids: list[StrictInt] | None = None  # vLLM's field
     seed: StrictInt | None = None
@@ -161,13 +161,6 @@ class _Sampling(_Strict):
     def _n_range(cls, v: int) -> int:
         if not 1 <= v <= MAX_N:
             raise ValueError(f"must be in [1, {MAX_N}]")
-        return v
-
-    @field_validator("frequency_penalty")
-    @classmethod
-    def _no_frequency_penalty(cls, v: float | None) -> float | None:
-        if v not in (None, 0, 0.0):
-            raise ValueError("is not supported (use presence_penalty or repetition_penalty)")
         return v
 
     @field_validator("logit_bias")

@@ -50,7 +50,8 @@ def samples_tokens(sampling: Mapping[str, Any]) -> bool:
     """Whether a request's recorded sampling (`SamplingParams.to_record()`) goes through the sampler rather
     than the greedy argmax: a temperature, or penalties (which rewrite the logits first)."""
     return (float(sampling.get("temperature", 0.0)) > 0.0 or float(sampling.get("presence_penalty", 0.0)) != 0.0
-            or float(sampling.get("repetition_penalty", 1.0)) != 1.0)
+            or float(sampling.get("repetition_penalty", 1.0)) != 1.0
+            or float(sampling.get("frequency_penalty", 0.0)) != 0.0)
 
 
 @dataclass

@@ -13,6 +13,7 @@ INVALID = [
     ("top_k", -1), ("top_k", 1.5),
     ("min_p", -0.1), ("min_p", 1.0), ("min_p", math.nan),
     ("presence_penalty", math.inf), ("presence_penalty", None),
+    ("frequency_penalty", math.nan), ("frequency_penalty", "often"),
     ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("repetition_penalty", math.nan),
     ("stop_token_ids", (-1,)), ("stop_token_ids", ("a",)), ("stop_token_ids", 5),
     ("seed", -1), ("seed", 2**32), ("seed", 1.5),

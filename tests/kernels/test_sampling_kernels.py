@@ -20,6 +20,7 @@ from mlx_lm.sample_utils import (
     apply_top_k,
     apply_top_p,
     greedy_sampler,
+    make_frequency_penalty,
     make_presence_penalty,
     make_repetition_penalty,
 )
@@ -83,6 +84,10 @@ def ref_penalties_row(logits: np.ndarray, context: list[int], row: RowSampling) 
     if row.presence_penalty != 0.0:
         for t in tokens:
             out[t] = out[t] - np.float32(row.presence_penalty)
+    if row.frequency_penalty != 0.0:
+        for t in context:  # once per occurrence
+            if t >= 0:
+                out[t] = out[t] - np.float32(row.frequency_penalty)
     return out
 
 
@@ -139,6 +144,8 @@ MIXED_ROWS = [
     RowSampling(temperature=0.9, presence_penalty=0.8, seed=7),
     RowSampling(temperature=1.1, repetition_penalty=0.8, presence_penalty=-0.5, top_k=3, seed=8),
     RowSampling(top_p=0.5, top_k=2, min_p=0.2),  # greedy with filters set (ignored by sample)
+    RowSampling(frequency_penalty=0.7),  # greedy with a frequency penalty
+    RowSampling(temperature=0.9, repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=-0.45, seed=9),
     RowSampling(temperature=2.0, top_p=0.95, repetition_penalty=1.1, seed=2**32 - 1),
 ]
 
@@ -153,6 +160,7 @@ def _random_context(B: int, W: int, V: int, seed: int) -> np.ndarray:
     ctx = rng.integers(0, V, size=(B, W), dtype=np.int32)
     # duplicates and -1 padding of varying length (row 0 keeps a full window)
     ctx[:, 1] = ctx[:, 0]
+    ctx[::2, 2] = ctx[::2, 0]  # three of a kind in every other row (the frequency penalty counts them)
     for b in range(1, B):
         pad = rng.integers(0, W + 1)
         ctx[b, W - pad :] = -1
@@ -176,6 +184,7 @@ def test_from_rows_arrays_and_flags():
 
     g = SamplingArrays.from_rows([RowSampling(), RowSampling(top_k=3)])
     assert g.all_greedy and not g.any_penalty
+    assert SamplingArrays.from_rows([RowSampling(), RowSampling(frequency_penalty=0.5)]).any_penalty
     # filters on greedy rows do not count: sample never applies them
     assert not (g.any_top_p or g.any_top_k or g.any_min_p)
 
@@ -193,6 +202,7 @@ def test_from_rows_arrays_and_flags():
         dict(min_p=-0.1),
         dict(repetition_penalty=0.0),
         dict(presence_penalty=float("nan")),
+        dict(frequency_penalty=float("inf")),
     ],
 )
 def test_row_sampling_validation(kwargs):
@@ -240,6 +250,8 @@ def test_penalties_match_mlx_lm_bitwise(dtype):
             ref = make_repetition_penalty(row.repetition_penalty, W)(tok_arr, ref)
         if row.presence_penalty != 0.0:
             ref = make_presence_penalty(row.presence_penalty, W)(tok_arr, ref)
+        if row.frequency_penalty != 0.0:
+            ref = make_frequency_penalty(row.frequency_penalty, W)(tok_arr, ref)
         assert mx.array_equal(out[b], ref[0]).item(), (b, row)
 
 

@@ -190,9 +190,12 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(text_model):
 
 def test_penalties_match_mlx_lm_processors(text_model):
     model, tokenizer = text_model
-    for kwargs in ({"repetition_penalty": 1.3}, {"presence_penalty": 0.8}):
+    plain = [solo_tokens(model, tokenizer, p, 14) for p in PROMPTS[:4]]
+    for kwargs in ({"repetition_penalty": 1.3}, {"presence_penalty": 0.8}, {"frequency_penalty": 0.9},
+                   {"repetition_penalty": 1.1, "presence_penalty": 0.2, "frequency_penalty": 0.5}):
         procs = make_logits_processors(**kwargs)
         want = [solo_tokens(model, tokenizer, p, 14, logits_processors=procs) for p in PROMPTS[:4]]
+        assert want != plain, kwargs  # the penalty changes what the model says
         engine = Engine(model, tokenizer, EngineConfig(max_batched_tokens=48, prefill_chunk=11))
         run = drive(engine, [(0, {"prompt_tokens": p, "sampling": SamplingParams(max_tokens=14, **kwargs)})
                              for p in PROMPTS[:4]])

@@ -274,9 +274,11 @@ def test_stop_strings_stop_ids_n_seed_and_logprobs(server, reference):
             completion = await client.completions.create(model=MODEL_NAME, prompt=text, max_tokens=10, temperature=0)
             biased = await chat.create(model=MODEL_NAME, messages=messages, max_tokens=24, temperature=0,
                                        logit_bias={str(t): -100 for t in ref_ids[:3]} | {str(ref_ids[5]): 5})
-            return plain, stopped, streamed_stop, by_id, seeded, completion, biased
+            penalised = await chat.create(model=MODEL_NAME, messages=messages, max_tokens=24, temperature=0,
+                                          frequency_penalty=1.5, presence_penalty=0.25)
+            return plain, stopped, streamed_stop, by_id, seeded, completion, biased, penalised
 
-    plain, stopped, streamed_stop, by_id, seeded, completion, biased = asyncio.run(run())
+    plain, stopped, streamed_stop, by_id, seeded, completion, biased, penalised = asyncio.run(run())
     assert [c.message.content for c in plain.choices] == [ref_text, ref_text]
     assert plain.usage.completion_tokens == 2 * ref_tokens and plain.usage.prompt_tokens == ref_prompt
     logprobs = plain.choices[0].logprobs.content
@@ -299,6 +301,11 @@ def test_stop_strings_stop_ids_n_seed_and_logprobs(server, reference):
     want = engine.generate([messages], [SamplingParams(max_tokens=24, logit_bias=bias)])[0]
     want_ids = want.token_ids[:-1] if want.finish_reason is FinishReason.STOP else want.token_ids
     assert biased.choices[0].message.content == engine.tokenizer.decode(want_ids) != ref_text
+    # frequency_penalty and presence_penalty: the engine's (mlx-lm's processors), and they change the answer
+    want = engine.generate([messages], [SamplingParams(max_tokens=24, frequency_penalty=1.5,
+                                                       presence_penalty=0.25)])[0]
+    want_ids = want.token_ids[:-1] if want.finish_reason is FinishReason.STOP else want.token_ids
+    assert penalised.choices[0].message.content == engine.tokenizer.decode(want_ids) != ref_text
 
 
 def test_a_list_of_prompts_gets_n_choices_each_in_openais_order(server, reference):
@@ -485,7 +492,8 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[str, bytes | dict, int, str]]:
         (chat, {"messages": ok, "stop": [99999]}, 400, "stop"),
         (chat, {"messages": ok, "top_logprobs": 2}, 400, "top_logprobs"),  # needs logprobs: true
         (chat, {"messages": ok, "top_logprobs": 21, "logprobs": True}, 400, "top_logprobs"),
-        (chat, {"messages": ok, "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+        (chat, b'{"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": Infinity}', 400,
+         "frequency_penalty"),
         (chat, {"messages": ok, "logit_bias": {"the": 1}}, 400, "logit_bias"),
         (chat, {"messages": ok, "logit_bias": {"5": 101}}, 400, "logit_bias"),
         (cmpl, {"prompt": "hi", "logit_bias": {"999999": 1}}, 400, "logit_bias"),  # outside the vocabulary
