@@ -14,6 +14,24 @@ import pytest  # noqa: E402
 # the tiny models' directories, shared with bench/conftest.py (which does not take the suite's settings above)
 from tests.model_dirs import (build_model, medium_model_dir, sliding_model_dir, text_model_dir,  # noqa: E402,F401
                               vlm_model_dir)
+from tests import run_lock  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "exclusive: measures time, so no other test runs meanwhile "
+                                       "(tests/run_lock.py)")
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        # the controller of a run on several workers, before it starts them (they inherit the environment):
+        # one OpenBLAS thread per worker, as many workers as cores. OpenBLAS's idle threads spin, so two
+        # threads in each of two workers on two cores slow every matmul down.
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Setup, call and teardown under the run's lock: shared, or alone for an `exclusive` test."""
+    with run_lock.hold(exclusive=item.get_closest_marker("exclusive") is not None):
+        yield
 
 
 @pytest.fixture(scope="session")

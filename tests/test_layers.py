@@ -125,7 +125,8 @@ def test_the_core_tests_run_without_mlx():
         f"for name in {FORBIDDEN_PREFIXES!r}:\n"
         "    sys.modules[name] = None\n"
         "import pytest\n"
-        f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', {NO_MLX_TESTS!r}]))\n"
+        # in this process (-n 0): workers would be fresh interpreters, where MLX imports
+        f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-n', '0', {NO_MLX_TESTS!r}]))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]

@@ -166,6 +166,7 @@ def _ranks_by_hand(model_dir: Path, tmp_path: Path, scenario: str) -> Iterator[l
 
 
 @pytest.mark.slow
+@pytest.mark.exclusive  # times how long the survivor takes to notice
 @pytest.mark.parametrize("scenario", ["a-rank-dies", "a-rank-dies-mid-forward"], ids=["short-ticks", "mid-forward"])
 @pytest.mark.parametrize("victim", [1, 0], ids=["follower-killed", "rank0-killed"])
 def test_a_killed_rank_fails_the_other_with_a_clear_error_quickly(text_model_dir, tmp_path, victim, scenario):
@@ -201,6 +202,7 @@ def test_a_killed_rank_fails_the_other_with_a_clear_error_quickly(text_model_dir
 
 
 @pytest.mark.slow
+@pytest.mark.exclusive  # a 2 s watchdog
 def test_a_rank_stalled_at_construction_is_ended_by_the_watchdog(text_model_dir, tmp_path):
     """The engine's construction runs probe forwards (its KV layout), collectives like any tick's: with its peer
     not joining them, rank 0 is ended by its stall watchdog (exit SHARD_LOST_EXIT_CODE, a ShardLost naming the

@@ -14,13 +14,15 @@ import pytest
 from tests.tools.whatif_reality import error_table, median_errors, median_within_is_decided, run_pair
 
 TOLERANCE = 0.15
-PAIRS = 3  # recorded/what-if pairs per workload: the median error over them is checked
+# recorded/what-if pairs per workload: the median error over them is checked. Five, of which three usually decide:
+# a noisy spell of this shared VM can spoil two pairs in a row (seen once in CI: -10% then +20% and +15% TTFT p95)
+PAIRS = 5
 
 
 def _pairs(model_dir, kind: str, where) -> list[dict]:
-    """Pairs run until the verdict on the median over PAIRS is decided (usually after two, when both are
-    within the tolerance: a third could not move the median out of it). The verdict is the one all PAIRS
-    would give; a pair costs 8-50 s of CI."""
+    """Pairs run until the verdict on the median over PAIRS is decided (usually after three, when all are
+    within the tolerance: the rest could not move the median out of it). The verdict is the one all PAIRS
+    would give; a pair costs 4-15 s of CI."""
     checks = [run_pair(model_dir, kind, where, 0)]
     while not median_within_is_decided(checks, PAIRS, TOLERANCE):
         checks.append(run_pair(model_dir, kind, where, len(checks)))
@@ -37,12 +39,14 @@ def _assert_within(checks: list[dict]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.exclusive
 def test_whatif_holds_for_an_image_text_workload(vlm_model_dir, tmp_path):
     _assert_within(_pairs(vlm_model_dir, "image+text", tmp_path))
     assert (tmp_path / "pair0" / "what_if.jsonl").exists() and (tmp_path / "pair0" / "recorded.jsonl").exists()
 
 
 @pytest.mark.slow
+@pytest.mark.exclusive
 def test_whatif_holds_for_an_image_chat_workload(vlm_model_dir, tmp_path):
     """Chat turns that resend earlier images: the fit and the simulator count vision work per image (what each
     outcome records as encoded, vision-cache hits by the arrivals' `media_items`) and arrival time per image."""
@@ -50,6 +54,7 @@ def test_whatif_holds_for_an_image_chat_workload(vlm_model_dir, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.exclusive
 def test_whatif_holds_for_a_text_workload(text_model_dir, tmp_path):
     _assert_within(_pairs(text_model_dir, "text", tmp_path))
 
