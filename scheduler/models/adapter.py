@@ -207,6 +207,9 @@ class VLMAdapter:
         # model + processor identity in every media key: computed here, on the loading thread, so that no
         # request pays for it (its first media request did: about a millisecond of weight sampling and hashing)
         self.fingerprint = library.model_fingerprint(model, processor)
+        # how the model writes tool calls (mlx-lm's rule on the chat template), or None: the server parses calls
+        # out of the output with it
+        self.tool_calling = library.tool_call_markup(processor)
 
     # ---- family facts the engine needs ----------------------------------------------------------------
     @property
@@ -278,12 +281,14 @@ class VLMAdapter:
     # ---- CPU side -------------------------------------------------------------------------------------
     def prepare(self, prompt: str | list[dict], images: Sequence[ImageInput] | None = (),
                 videos: Sequence[VideoInput] | None = (), audio: Sequence[AudioInput] | None = (),
-                fps: float | None = None, max_frames: int | None = None) -> PreparedRequest:
+                fps: float | None = None, max_frames: int | None = None,
+                template_kwargs: dict[str, Any] | None = None) -> PreparedRequest:
         """CPU-side preprocessing of one request. ``prompt``: templated text, or chat messages (rendered as
         ``mlx_vlm.generate`` renders them; see ``prompt.render``), whose media may also come as OpenAI-style
         content parts (``image_url`` / ``video_url`` / ``input_audio``; ``prompt.from_openai_messages``). An
         unusable medium raises ``MediaError`` naming it (``RemoteMedia`` for an http(s) URL); too many images
-        ``MediaLimit``; a bad prompt, mismatched placeholders or media the family does not take ``ValueError``."""
+        ``MediaLimit``; a bad prompt, mismatched placeholders or media the family does not take ``ValueError``.
+        ``template_kwargs`` (``tools``, ``chat_template_kwargs``) go to the chat template of chat messages."""
         images = list(images) if images is not None else []
         videos = list(videos) if videos is not None else []
         clips_in = list(audio) if audio is not None else []
@@ -311,7 +316,8 @@ class VLMAdapter:
         if isinstance(prompt, str):
             text = prompt  # already templated
         elif isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt):
-            text = prompts.render(self.processor, self.model.config, list(prompt), len(pil), len(clips), len(waves))
+            text = prompts.render(self.processor, self.model.config, list(prompt), len(pil), len(clips), len(waves),
+                                  template_kwargs)
         else:
             raise TypeError(f"prompt must be a templated str or a list of chat messages, got {type(prompt).__name__}")
         if not text:

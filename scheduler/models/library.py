@@ -7,6 +7,7 @@
 ``chat_template``         mlx-vlm's ``apply_chat_template`` (the family's placeholders + generation prompt), with
                           the template called without kwargs it does not read (no per-request warning);
                           ``own_chat_template``: the model's own template (messages with videos).
+``tool_call_markup``      mlx-lm's tool-parser inference (``_infer_tool_parser``) on a processor's chat template.
 ``input_embeddings``      ``Model.get_input_embeddings``: the encoder(s) and the merge, as ``mlx_vlm.generate``
                           calls it; also with no media (the text path).
 ``mrope_tokens``          what the M-RoPE families' ``get_rope_index`` reads from the config (media token ids, patch
@@ -23,7 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import mlx.core as mx
 
@@ -49,12 +51,14 @@ def prepare_inputs(model: Any, processor: Any, prompt: str, images: list | None,
 
 
 def chat_template(processor: Any, config: Any, messages: list[dict], num_images: int = 0,
-                  num_audios: int = 0) -> str:
+                  num_audios: int = 0, template_kwargs: dict[str, Any] | None = None) -> str:
     """Chat messages -> prompt text exactly as mlx-vlm's ``apply_chat_template`` renders them (its per-family
     messages with placeholders, then the chat template with the generation prompt), but calling the template
     the way transformers wants: mlx-vlm passes ``enable_thinking=False`` to every template, and a processor
     whose template does not use it prints a "processor_kwargs" warning per request; we pass it only to a
-    template that reads it (what it renders is the same either way)."""
+    template that reads it (what it renders is the same either way). ``template_kwargs`` (``tools``, a
+    request's ``chat_template_kwargs``) go to the template after that default, so they can turn thinking on;
+    a model without a chat template cannot take them (ValueError)."""
     from mlx_vlm.prompt_utils import apply_chat_template
 
     rendered = apply_chat_template(processor, config, messages, return_messages=True, num_images=num_images,
@@ -64,14 +68,60 @@ def chat_template(processor: Any, config: Any, messages: list[dict], num_images:
             getattr(processor, "tokenizer", None), "chat_template", None) is not None:
         template_processor = processor.tokenizer
     if getattr(template_processor, "chat_template", None) is None:  # no template: mlx-vlm's own rendering
+        if template_kwargs:
+            raise ValueError(f"this model has no chat template to pass {sorted(template_kwargs)} to")
         return apply_chat_template(processor, config, messages, num_images=num_images, num_audios=num_audios)
     kwargs = {"enable_thinking": False} if _template_mentions(template_processor, "enable_thinking") else {}
-    return template_processor.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True, **kwargs)
+    return template_processor.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True,
+                                                  **{**kwargs, **_as_mlx_vlm_passes(template_kwargs)})
 
 
-def own_chat_template(processor: Any, messages: list[dict]) -> str:
+def own_chat_template(processor: Any, messages: list[dict], template_kwargs: dict[str, Any] | None = None) -> str:
     """The model's own chat template on messages holding media parts (each placeholder where its part is)."""
-    return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                         **_as_mlx_vlm_passes(template_kwargs))
+
+
+def _as_mlx_vlm_passes(template_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """Template arguments as mlx-vlm's ``get_chat_template`` passes them: each tool schema with its keys sorted
+    (so that equal schemas render equal prompts)."""
+    kwargs = dict(template_kwargs or {})
+    if "tools" in kwargs:
+        from mlx_vlm.prompt_utils import _sort_tool_schema_keys
+
+        kwargs["tools"] = _sort_tool_schema_keys(kwargs["tools"])
+    return kwargs
+
+
+@dataclass(frozen=True)
+class ToolCallMarkup:
+    """How a model writes tool calls, as mlx-lm's tokenizer loader infers it from the chat template: the
+    attributes mlx-lm's ``TokenizerWrapper`` carries (``has_tool_calling``, ``tool_call_start``,
+    ``tool_call_end``, ``tool_parser``), for a vision-language model's processor, which mlx-lm never wraps."""
+
+    tool_call_start: str
+    tool_call_end: str
+    tool_parser: Callable[..., Any]
+    has_tool_calling: bool = True
+
+
+def tool_call_markup(processor: Any) -> ToolCallMarkup | None:
+    """The tool-call markup of this processor's chat template by mlx-lm's own rule (``_infer_tool_parser``, the
+    function its ``load`` calls; private, so tests/models/test_vlm_tools.py fails loudly if it moves), or None
+    when it declares none."""
+    import importlib
+    from types import SimpleNamespace
+
+    from mlx_lm.tokenizer_utils import _infer_tool_parser
+
+    tokenizer = getattr(processor, "tokenizer", processor)
+    template = getattr(processor, "chat_template", None) or getattr(tokenizer, "chat_template", None)
+    # what it reads of a tokenizer: the template (a VLM's may be the processor's alone) and the vocabulary
+    name = _infer_tool_parser(SimpleNamespace(chat_template=template, get_vocab=tokenizer.get_vocab))
+    if name is None:
+        return None
+    module = importlib.import_module(f"mlx_lm.tool_parsers.{name}")
+    return ToolCallMarkup(module.tool_call_start, module.tool_call_end, module.parse_tool_call)
 
 
 def _template_mentions(template_processor: Any, name: str) -> bool:

@@ -110,15 +110,15 @@ class PromptResolver:
                 tools: Any = None, chat_template_kwargs: Any = None) -> ResolvedPrompt:
         """``prompt`` (a string, chat messages, or for a vision-language model messages with content parts) or
         ``prompt_tokens``, exactly one, and the media -> the request's ``ResolvedPrompt``. ``tools`` (function
-        schemas) and ``chat_template_kwargs`` (e.g. ``enable_thinking``) go to the chat template (chat messages to
-        a text model only)."""
+        schemas) and ``chat_template_kwargs`` (e.g. ``enable_thinking``) go to the chat template (chat messages
+        only)."""
         prompt_tokens = self._check(prompt, prompt_tokens, media, request_id)
         template_kwargs = self._template_kwargs(prompt, tools, chat_template_kwargs, request_id)
         prepared = None
         if self.vlm is None:
             ids = prompt_tokens if prompt_tokens is not None else self._tokenize(prompt, template_kwargs, request_id)
         else:
-            prepared = self._prepare(prompt, prompt_tokens, media, request_id)
+            prepared = self._prepare(prompt, prompt_tokens, media, request_id, template_kwargs)
             ids = prepared.input_ids
         return ResolvedPrompt(validate_prompt_tokens(ids, self.vocab_size, self.max_model_len), prepared)
 
@@ -126,16 +126,12 @@ class PromptResolver:
 
     def _template_kwargs(self, prompt: Any, tools: Any, kwargs: Any, request_id: str | None) -> dict[str, Any]:
         """The chat template's extra arguments, checked: ``tools`` a list of dicts, ``chat_template_kwargs`` a dict
-        that sets none of the arguments the engine sets itself; only with chat messages to a text model."""
+        that sets none of the arguments the engine sets itself; only with chat messages."""
         if tools is None and kwargs is None:
             return {}
         for name, value in (("tools", tools), ("chat_template_kwargs", kwargs)):
             if value is None:
                 continue
-            if self.vlm is not None:
-                raise InvalidRequest(name, "not built for vision-language models (their chat templates are called "
-                                           "through mlx-vlm's, which the engine keeps to its own arguments)",
-                                     request_id)
             if not (isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt)):
                 raise InvalidRequest(name, "needs a prompt of chat messages: it goes to the chat template", request_id)
         if tools is not None and not (isinstance(tools, (list, tuple)) and all(isinstance(t, dict) for t in tools)):
@@ -164,7 +160,7 @@ class PromptResolver:
         raise InvalidRequest("prompt", f"must be a string or a list of chat messages, got {type(prompt).__name__}")
 
     def _prepare(self, prompt: Any, prompt_tokens: list[int] | None, media: MediaInputs,
-                 request_id: str | None) -> Any:
+                 request_id: str | None, template_kwargs: dict[str, Any] | None = None) -> Any:
         """The vision-language model's CPU preprocessing, on the caller's thread: the adapter's prepared inputs."""
         from scheduler.models.media import MediaError, MediaLimit
 
@@ -172,7 +168,7 @@ class PromptResolver:
             return self.vlm.text_request(prompt_tokens)
         if isinstance(prompt, str) and not prompt:
             raise InvalidRequest("prompt", "is empty")
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = {"template_kwargs": template_kwargs} if template_kwargs else {}
         if media.videos:
             kwargs.update(videos=media.videos, fps=self.video_fps, max_frames=self.video_max_frames)
         if media.audio:
@@ -183,7 +179,7 @@ class PromptResolver:
             raise InvalidRequest(media_field(exc.kind), str(exc), request_id) from None
         except MediaError as exc:  # it does not decode, is remote, or the processor refuses it
             raise UnreadableMedia(exc.kind, exc.index, exc.reason, request_id) from None
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, TemplateError) as exc:  # TemplateError: a chat template's own checks
             raise InvalidRequest("prompt", str(exc), request_id) from None
 
 
@@ -269,7 +265,7 @@ def from_openai_messages(messages: list[dict]) -> tuple[list[dict], MediaInputs]
 
 
 def render(processor: Any, config: Any, messages: list[dict], num_images: int, num_videos: int,
-           num_audio: int) -> str:
+           num_audio: int, template_kwargs: dict[str, Any] | None = None) -> str:
     if not messages:
         raise ValueError("no messages")
     if num_videos:
@@ -277,6 +273,6 @@ def render(processor: Any, config: Any, messages: list[dict], num_images: int, n
         if render_own is None or not (getattr(processor, "chat_template", None)
                                       or getattr(getattr(processor, "tokenizer", None), "chat_template", None)):
             raise ValueError("this model has no chat template for video messages; pass a templated prompt string")
-        return library.own_chat_template(processor, messages)
+        return library.own_chat_template(processor, messages, template_kwargs)
     return library.chat_template(processor, config, messages, num_images=num_images,
-                              num_audios=num_audio)
+                                 num_audios=num_audio, template_kwargs=template_kwargs)

@@ -259,14 +259,12 @@ class _ToolCalling:
 
 def _tool_calling(body: ChatCompletionRequest, engine: Any) -> _ToolCalling | None:
     """The request's tool calling, or None (no tools, or tool_choice "none"). Refused (400) where the calls could
-    not be returned: a vision-language model (its chat templating takes no tools here), or a model whose
-    tokenizer declares no tool-call format (mlx-lm infers none from its chat template)."""
+    not be returned: a model whose chat template declares no tool-call format (mlx-lm infers none from it; a
+    vision-language model's is inferred by the same rule, `VisionLanguageAdapter.tool_calling`)."""
     tools = body.tool_list()
     if tools is None:
         return None
-    if engine.vlm is not None:
-        raise APIError(400, "tools: not supported for vision-language models", "tools")
-    fmt = ToolCallFormat.of(engine.tokenizer)
+    fmt = ToolCallFormat.of(engine.tokenizer if engine.vlm is None else engine.vlm.tool_calling)
     if fmt is None:
         raise APIError(400, "tools: this model's chat template declares no tool-call format that mlx-lm can parse, "
                             "so its calls could not be returned", "tools")

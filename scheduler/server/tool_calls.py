@@ -34,7 +34,8 @@ class ToolCallFormat:
 
     @classmethod
     def of(cls, tokenizer: Any) -> "ToolCallFormat | None":
-        """The format mlx-lm's tokenizer wrapper declares, or None (it infers none for this model)."""
+        """The format mlx-lm's tokenizer wrapper declares (or a vision-language model's `ToolCallMarkup`, the
+        same attributes), or None (it infers none for this model)."""
         if not getattr(tokenizer, "has_tool_calling", False):
             return None
         return cls(tokenizer.tool_call_start, tokenizer.tool_call_end, tokenizer.tool_parser)

@@ -216,12 +216,12 @@ def test_what_cannot_be_honoured_is_refused_naming_the_field(server):
     assert tools.get("/health")[0] == 200
 
 
-def test_the_engine_renders_tools_into_the_chat_template_and_refuses_them_elsewhere(tool_model_dir, vlm_model_dir):
+def test_the_engine_renders_tools_into_the_chat_template_and_refuses_them_elsewhere(tool_model_dir):
     """`Engine.add_request(tools=..., chat_template_kwargs=...)`: the prompt is the tokenizer's own rendering with
     them (the trace records it), and each request's greedy output is its trained completion; tools or template
-    arguments without chat messages, on a vision-language model, of the wrong type or setting what the engine
-    sets are refused naming the argument; a template that fails on the messages is refused naming `prompt`."""
-    import mlx_vlm
+    arguments without chat messages, of the wrong type or setting what the engine sets are refused naming the
+    argument; a template that fails on the messages is refused naming `prompt`. (A vision-language model's:
+    tests/models/test_vlm_tools.py.)"""
     from mlx_lm import load
 
     from scheduler import Engine, EngineConfig, InvalidRequest, SamplingParams
@@ -261,12 +261,6 @@ def test_the_engine_renders_tools_into_the_chat_template_and_refuses_them_elsewh
     assert info.value.field == "prompt" and "chat template" in str(info.value)
     assert not engine.has_pending()
     engine.close()
-    vlm = Engine(*mlx_vlm.load(str(vlm_model_dir)), EngineConfig())
-    for kwargs in (dict(tools=TOOLS), dict(chat_template_kwargs={"enable_thinking": True})):
-        with pytest.raises(InvalidRequest) as info:
-            vlm.add_request(prompt=[{"role": "user", "content": "hi"}], **kwargs)
-        assert info.value.field == next(iter(kwargs))
-    vlm.close()
 
 
 def _schema_of(name: str) -> dict:

@@ -37,6 +37,11 @@ PROMPTS = mixed_prompts(24, 1, 90, seed=5)
 ABORTED, FAILING = "r3", "r9"
 
 
+# The tests on `trace_path` fit a cost model to the recorded run's tick times (and the fixture records it within
+# the first of them): they run with no other test running, whose load would bend those times
+RECORDED_TIMINGS = pytest.mark.exclusive
+
+
 @pytest.fixture(scope="module")
 def trace_path(text_model, tmp_path_factory):
     """A real run on the tiny model: staggered arrivals, chunked prefill, an abort, a failing request."""
@@ -257,6 +262,7 @@ def test_compare_table_and_overrides():
 # ---- on a real run's trace -------------------------------------------------------------------------------
 
 
+@RECORDED_TIMINGS
 def test_arrivals_from_trace(trace_path):
     arrivals = {a.request_id: a for a in arrivals_from_trace(trace_path)}
     assert list(arrivals) == [f"r{i}" for i in range(len(PROMPTS))]
@@ -273,6 +279,7 @@ def test_arrivals_from_trace(trace_path):
     assert [a.prompt_tokens for a in arrivals.values()] == PROMPTS
 
 
+@RECORDED_TIMINGS
 def test_fitted_cost_model_is_non_negative_and_predicts_tick_times(trace_path):
     cost = fit_cost_model(trace_path)
     assert all(c >= 0 for c in cost.coefficients) and cost.slowdown > 0  # NNLS: no negative term
@@ -364,6 +371,7 @@ def _row(plan):
     return prefill_tokens, decode_rows, chunks, done
 
 
+@RECORDED_TIMINGS
 def test_simulating_the_recorded_run_reproduces_it(trace_path):
     rec = load_recorded(trace_path)
     config = dataclasses.replace(rec.trace.config, trace_path=None, check_invariants=True)
@@ -390,6 +398,7 @@ def test_simulating_the_recorded_run_reproduces_it(trace_path):
     # cost prediction on known costs (test_a_fitted_model_predicts_ticks_it_was_not_fitted_on).
 
 
+@RECORDED_TIMINGS
 def test_another_config_gives_a_different_plausible_result(trace_path):
     rec = load_recorded(trace_path)
     cost = fit_cost_model(rec)
@@ -406,6 +415,7 @@ def test_another_config_gives_a_different_plausible_result(trace_path):
     assert alone["finished"] == base["finished"]
 
 
+@RECORDED_TIMINGS
 def test_what_if_table(trace_path):
     text = what_if(trace_path, overrides={"max_seqs": "1"})
     assert text.startswith("cost model:")
