@@ -63,7 +63,9 @@ class ToolCallPiece:
 class ToolCallSplitter:
     """One choice's text -> its content and its tool calls (OpenAI's `{"id", "type", "function": {"name",
     "arguments"}}`, arguments as a JSON string). `first_call_only` (`parallel_tool_calls: false`): calls after the
-    first are dropped, text and all."""
+    first are dropped, text and all. A format without an end marker (mlx-lm's `mistral`: `[TOOL_CALLS]` then
+    `name[ARGS]{...}` or a JSON list) has each call run to the next start marker or to the end of the output, so
+    its calls come out when the output ends."""
 
     def __init__(self, fmt: ToolCallFormat, tools: list[dict] | None, first_call_only: bool = False):
         self.fmt = fmt
@@ -81,12 +83,16 @@ class ToolCallSplitter:
         self._held = ""
         while pending:
             if self._call is not None:
-                end = (self._call + pending).find(self.fmt.end)
-                if end < 0:
-                    self._call += pending
-                    return piece
                 whole = self._call + pending
-                pending = whole[end + len(self.fmt.end):]
+                if self.fmt.end:
+                    end = whole.find(self.fmt.end)
+                    rest = end + len(self.fmt.end)
+                else:  # a format with no end marker (Mistral's `[TOOL_CALLS]`): a call runs to the next call
+                    end = rest = whole.find(self.fmt.start)  # or to the end of the output (`finish`)
+                if end < 0:
+                    self._call = whole
+                    return piece
+                pending = whole[rest:]
                 self._close(whole[:end], piece)
                 continue
             start = pending.find(self.fmt.start)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 from hypothesis import given, settings, strategies as st
-from mlx_lm.tool_parsers import json_tools
+from mlx_lm.tool_parsers import json_tools, mistral
 
 from scheduler.server.reasoning import ReasoningFormat, ReasoningSplitter
 from scheduler.server.tool_calls import ToolCallFormat, ToolCallSplitter
@@ -27,8 +27,19 @@ TEXTS = [
 ]
 
 
-def _run(text: str, cuts: list[int], first_call_only: bool = False):
-    splitter = ToolCallSplitter(FORMAT, None, first_call_only)
+# mlx-lm's `mistral` parser: a start marker and no end marker (Mistral's templates); a call runs to the next one
+MISTRAL = ToolCallFormat(mistral.tool_call_start, mistral.tool_call_end, mistral.parse_tool_call)
+MISTRAL_TEXTS = [
+    'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',
+    '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}',
+    '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome"}}]',
+    "No call here, only [TOOL_CALL",
+    'Cut [TOOL_CALLS]get_weather[ARGS]{"ci',
+]
+
+
+def _run(text: str, cuts: list[int], first_call_only: bool = False, fmt: ToolCallFormat = FORMAT):
+    splitter = ToolCallSplitter(fmt, None, first_call_only)
     bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
     content, calls = "", []
     for a, b in zip(bounds, bounds[1:]):
@@ -59,6 +70,22 @@ def test_what_each_text_splits_into():
 @given(st.sampled_from(TEXTS), st.lists(st.integers(min_value=0, max_value=200), max_size=12))
 def test_the_split_does_not_depend_on_how_the_text_arrives(text, cuts):
     assert _run(text, cuts) == _run(text, [])
+
+
+def test_a_format_without_an_end_marker_runs_each_call_to_the_next_or_to_the_end():
+    """Mistral's calls (`[TOOL_CALLS]name[ARGS]{...}`, or a JSON list after the marker) are calls, not content,
+    however the text arrives; an unfinished one stays text."""
+    paris, rome = ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})
+    want = [("Sure.", [paris]), ("", [paris, ("get_time", {})]), ("", [rome]),
+            ("No call here, only [TOOL_CALL", []), ('Cut [TOOL_CALLS]get_weather[ARGS]{"ci', [])]
+    assert [_run(t, [], fmt=MISTRAL) for t in MISTRAL_TEXTS] == want
+    assert _run(MISTRAL_TEXTS[1], [], first_call_only=True, fmt=MISTRAL) == ("", [paris])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(MISTRAL_TEXTS), st.lists(st.integers(min_value=0, max_value=200), max_size=12))
+def test_an_end_less_split_does_not_depend_on_how_the_text_arrives(text, cuts):
+    assert _run(text, cuts, fmt=MISTRAL) == _run(text, [], fmt=MISTRAL)
 
 
 def test_calls_get_openai_ids_and_json_string_arguments():
