@@ -1,11 +1,12 @@
 """A request's output constraint: OpenAI's `response_format`, vLLM's `structured_outputs` and a forced tool call
 (`tool_choice` "required" or a named function), as the engine's `StructuredOutput`.
 
-A forced call is a Lark grammar over the model's own call markup: its markers around a JSON body `{"name": ...,
-"arguments": ...}` with each offered tool's parameters as the arguments' schema (llguidance embeds a JSON schema
-in Lark with `%json`), one call, or several on lines of their own. That needs a model whose calls are JSON between
-markers (mlx-lm's `json_tools` parser, Qwen-style templates): `ToolCallFormat.json_body`. With tools offered on
-"auto" and an output format, the answer is either calls or that format.
+A forced call is a Lark grammar over the model's own call markup, with each offered tool's parameters as the
+arguments' schema (llguidance embeds a JSON schema in Lark with `%json`), one call or several, in the shape its
+parser reads (`ToolCallFormat.shape`): a JSON body `{"name": ..., "arguments": ...}` between the markers, on
+lines of their own (mlx-lm's `json_tools`, Qwen-style templates), or `name[ARGS]{...}` after the start marker
+(mlx-lm's `mistral`, `[TOOL_CALLS]`). With tools offered on "auto" and an output format, the answer is either
+calls or that format.
 
 A thinking model whose prompt opens the reasoning reasons freely: the constraint starts after its end marker
 (`StructuredOutput.after`), and may follow the blank line the model writes there (up to 4 whitespace characters:
@@ -20,7 +21,7 @@ from typing import Any
 from ..execution.structured import JSON_OPTIONS
 from ..request import StructuredKind, StructuredOutput
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, NamedToolChoice
-from .tool_calls import ToolCallFormat
+from .tool_calls import CallShape, ToolCallFormat
 
 _WS = 'WS: /[ \\t\\r\\n]{1,4}/'
 
@@ -33,11 +34,11 @@ def output_constraint(body: ChatCompletionRequest | CompletionRequest, tool_form
     forced = isinstance(body, ChatCompletionRequest) and body.forces_tool_call()
     fmt = _output_format(body)
     if forced or (fmt is not None and tools):
-        if tool_format is None or not tool_format.json_body:
+        if tool_format is None or tool_format.shape is None:
             param = ("tool_choice" if forced else "response_format" if body.output_format_given()
                      else "structured_outputs")
-            raise APIError(400, f"{param}: this model's tool calls are not JSON between markers, so calls cannot "
-                                "be constrained here", param)
+            raise APIError(400, f"{param}: this model's tool calls are neither JSON between markers nor "
+                                "name[ARGS]{...}, so calls cannot be constrained here", param)
         calls = _calls_rule(body, tool_format, tools or [])
         if forced:
             return StructuredOutput.grammar(f"start: WS? calls\n{calls}\n{_WS}", reasoning_end or "")
@@ -85,11 +86,20 @@ def _calls_rule(body: Any, fmt: ToolCallFormat, tools: list[dict[str, Any]]) -> 
     choice = getattr(body, "tool_choice", None)
     if isinstance(choice, NamedToolChoice):
         tools = [t for t in tools if t["function"]["name"] == choice.function.name]
+    single = isinstance(choice, NamedToolChoice) or getattr(body, "parallel_tool_calls", None) is False
+    if fmt.shape is CallShape.NAME_ARGS:  # `[TOOL_CALLS]name[ARGS]{...}`, one after another
+        names = " | ".join(f"{json.dumps(t['function']['name'] + '[ARGS]')} %json {_arguments_schema(t)}"
+                           for t in tools)
+        end = f" {json.dumps(fmt.end)}" if fmt.end else ""
+        return f"calls: call{'' if single else '+'}\ncall: {json.dumps(fmt.start)} ({names}){end}"
     bodies = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
                "properties": {"name": {"const": t["function"]["name"]},
                               "arguments": t["function"].get("parameters") or {"type": "object"}}} for t in tools]
     schema = json.dumps({"x-guidance": JSON_OPTIONS, "anyOf": bodies})
-    single = isinstance(choice, NamedToolChoice) or getattr(body, "parallel_tool_calls", None) is False
     return (f"calls: call{'' if single else ' (NL call)*'}\n"
             f"call: {json.dumps(fmt.start + chr(10))} %json {schema} {json.dumps(chr(10) + fmt.end)}\n"
             'NL: "\\n"')
+
+
+def _arguments_schema(tool: dict[str, Any]) -> str:
+    return json.dumps({"x-guidance": JSON_OPTIONS, **(tool["function"].get("parameters") or {"type": "object"})})

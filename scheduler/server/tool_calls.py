@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Callable
 
 from .markers import partial_suffix
@@ -41,15 +42,30 @@ class ToolCallFormat:
         return cls(tokenizer.tool_call_start, tokenizer.tool_call_end, tokenizer.tool_parser)
 
     @property
-    def json_body(self) -> bool:
-        """Whether a call is a JSON object `{"name", "arguments"}` between the markers (mlx-lm's `json_tools`), so
-        that a grammar can write calls the parser reads: asked of the parser itself."""
+    def shape(self) -> "CallShape | None":
+        """The shape of one call after the start marker that the parser reads, so that a grammar can write calls
+        it reads back (forced tool calls): asked of the parser itself; None when it reads neither shape."""
         probe = {"name": "f", "arguments": {"x": 1}}
-        try:
-            parsed = self.parse("\n" + json.dumps(probe) + "\n", None)
-        except (ValueError, TypeError, KeyError, AttributeError):
-            return False
-        return parsed == probe or parsed == [probe]
+        for shape in CallShape:
+            try:
+                parsed = self.parse(shape.example(probe), None)
+            except (ValueError, TypeError, KeyError, AttributeError):
+                continue
+            if parsed == probe or parsed == [probe]:
+                return shape
+        return None
+
+
+class CallShape(Enum):
+    """What a format writes for one call after its start marker (and before its end marker, if it has one)."""
+
+    JSON_OBJECT = "json_object"  # `{"name": ..., "arguments": {...}}` on its own line (mlx-lm's `json_tools`)
+    NAME_ARGS = "name_args"  # `name[ARGS]{...}` (mlx-lm's `mistral`)
+
+    def example(self, call: dict[str, Any]) -> str:
+        if self is CallShape.JSON_OBJECT:
+            return "\n" + json.dumps(call) + "\n"
+        return call["name"] + "[ARGS]" + json.dumps(call["arguments"])
 
 
 @dataclass

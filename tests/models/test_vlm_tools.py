@@ -66,12 +66,12 @@ def _solo(model, processor, messages, images, **template_kwargs) -> list[int]:
 def test_the_tool_markup_is_mlx_lms_rule_on_the_vlm_chat_template(loaded, vlm_model_dir):
     import mlx_vlm
 
-    from scheduler.server.tool_calls import ToolCallFormat
+    from scheduler.server.tool_calls import CallShape, ToolCallFormat
 
     engine = Engine(*loaded)
     markup = engine.vlm.tool_calling
     assert (markup.tool_call_start, markup.tool_call_end) == ("<tool_call>", "</tool_call>")
-    assert ToolCallFormat.of(markup).json_body  # its parser reads the JSON body the grammar writes
+    assert ToolCallFormat.of(markup).shape is CallShape.JSON_OBJECT  # its parser reads what a grammar writes
     plain = Engine(*mlx_vlm.load(str(vlm_model_dir)))  # ChatML without tools: no call markup
     assert plain.vlm.tool_calling is None and ToolCallFormat.of(plain.vlm.tool_calling) is None
     engine.close()

@@ -364,3 +364,86 @@ def test_output_formats_the_server_cannot_honour_are_refused_naming_the_field(se
                                                   "response_format": {"type": "json_object", "x": 1}})
     assert (status, body["error"]["param"]) == (400, "response_format.x")
     assert tools.get("/health")[0] == 200 and plain.get("/health")[0] == 200
+
+
+# Mistral's call markup: `[TOOL_CALLS]name[ARGS]{...}`, no end marker (mlx-lm infers its `mistral` parser from the
+# `[TOOL_CALLS]` in the template); a minimal template of that shape on the tiny text model
+MISTRAL_TEMPLATE = (
+    "{%- if tools -%}[AVAILABLE_TOOLS]{{- tools | map(attribute='function.name') | join(',') -}}"
+    "[/AVAILABLE_TOOLS]{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'user' -%}[INST]{{- message['content'] -}}[/INST]"
+    "{%- elif message['role'] == 'assistant' -%}{{- message['content'] or '' -}}"
+    "{%- for call in message['tool_calls'] or [] -%}"
+    "[TOOL_CALLS]{{- call.function.name -}}[ARGS]{{- call.function.arguments | tojson -}}"
+    "{%- endfor -%}<|im_end|>"
+    "{%- elif message['role'] == 'tool' -%}[TOOL_RESULTS]{{- message['content'] -}}[/TOOL_RESULTS]"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+)
+
+
+@pytest.fixture(scope="module")
+def mistral_model_dir(text_model_dir, tmp_path_factory):
+    """The tiny text model's weights with a Mistral-style tool template."""
+    import shutil
+
+    from scheduler.fixtures.tiny_models import build_tokenizer
+
+    out = tmp_path_factory.mktemp("mistral-tools")
+    for name in ("config.json", "model.safetensors", "model.safetensors.index.json"):
+        if (text_model_dir / name).exists():
+            shutil.copy(text_model_dir / name, out / name)
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = MISTRAL_TEMPLATE
+    tokenizer.save_pretrained(str(out))
+    return out
+
+
+def test_forced_calls_in_mistrals_markup_are_written_and_parsed(mistral_model_dir, tmp_path):
+    """tool_choice "required" (one call) and a named function on a model whose calls are `[TOOL_CALLS]name[ARGS]
+    {...}`: the grammar writes that markup with the offered tool's arguments, the server parses the calls out
+    (a format with no end marker), streamed equal to not streamed; the format is mlx-lm's `mistral` parser."""
+    import time
+
+    from mlx_lm import load
+
+    from scheduler.server.tool_calls import CallShape, ToolCallFormat
+
+    _, tokenizer = load(str(mistral_model_dir))
+    fmt = ToolCallFormat.of(tokenizer)
+    assert (fmt.start, fmt.end, fmt.shape) == ("[TOOL_CALLS]", "", CallShape.NAME_ARGS)
+    tools = [{"type": "function", "function": {"name": name, "description": "a lookup", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+        "required": ["city"], "additionalProperties": False}}} for name in ("get_weather", "get_time")]
+    server = _start(mistral_model_dir, tmp_path, "mistral")
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    try:
+        _wait_healthy(server, time.monotonic() + 120)
+
+        async def run():
+            client = server.client()
+            args = dict(model="tiny-vlm", messages=messages, tools=tools, max_tokens=64, temperature=0)
+            forced = await client.chat.completions.create(tool_choice="required", parallel_tool_calls=False, **args)
+            named = await client.chat.completions.create(
+                tool_choice={"type": "function", "function": {"name": "get_time"}}, **args)
+            calls, finish = {}, None
+            async for chunk in await client.chat.completions.create(tool_choice="required", stream=True,
+                                                                    parallel_tool_calls=False, **args):
+                finish = chunk.choices[0].finish_reason or finish
+                for delta in chunk.choices[0].delta.tool_calls or []:
+                    calls[delta.index] = (delta.function.name, json.loads(delta.function.arguments))
+            await client.close()
+            return forced, named, (list(calls.values()), finish)
+
+        forced, named, streamed = asyncio.run(run())
+    finally:
+        _stop(server)
+    (choice,) = forced.choices
+    got = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+    assert choice.finish_reason == "tool_calls" and len(got) == 1 and got[0][0] in ("get_weather", "get_time")
+    assert got[0][1]["city"] in ("Paris", "Rome") and choice.message.content is None
+    assert streamed == (got, "tool_calls")
+    (named_choice,) = named.choices
+    assert [c.function.name for c in named_choice.message.tool_calls] == ["get_time"]
+    assert named_choice.finish_reason == "tool_calls"
