@@ -210,6 +210,7 @@ class VLMAdapter:
         # how the model writes tool calls (mlx-lm's rule on the chat template), or None: the server parses calls
         # out of the output with it
         self.tool_calling = library.tool_call_markup(processor)
+        self.thinking = library.thinking_markup(processor)  # its reasoning markers, or None: likewise
 
     # ---- family facts the engine needs ----------------------------------------------------------------
     @property
@@ -279,6 +280,12 @@ class VLMAdapter:
         return tuple(marks), tuple(items)
 
     # ---- CPU side -------------------------------------------------------------------------------------
+    def render_chat(self, messages: list[dict], num_images: int = 0, num_videos: int = 0, num_audio: int = 0,
+                    template_kwargs: dict[str, Any] | None = None) -> str:
+        """Chat messages (media as placeholder parts) -> the prompt text `prepare` renders for them."""
+        return prompts.render(self.processor, self.model.config, list(messages), num_images, num_videos, num_audio,
+                              template_kwargs)
+
     def prepare(self, prompt: str | list[dict], images: Sequence[ImageInput] | None = (),
                 videos: Sequence[VideoInput] | None = (), audio: Sequence[AudioInput] | None = (),
                 fps: float | None = None, max_frames: int | None = None,
@@ -316,8 +323,7 @@ class VLMAdapter:
         if isinstance(prompt, str):
             text = prompt  # already templated
         elif isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt):
-            text = prompts.render(self.processor, self.model.config, list(prompt), len(pil), len(clips), len(waves),
-                                  template_kwargs)
+            text = self.render_chat(list(prompt), len(pil), len(clips), len(waves), template_kwargs)
         else:
             raise TypeError(f"prompt must be a templated str or a list of chat messages, got {type(prompt).__name__}")
         if not text:

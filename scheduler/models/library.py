@@ -7,7 +7,8 @@
 ``chat_template``         mlx-vlm's ``apply_chat_template`` (the family's placeholders + generation prompt), with
                           the template called without kwargs it does not read (no per-request warning);
                           ``own_chat_template``: the model's own template (messages with videos).
-``tool_call_markup``      mlx-lm's tool-parser inference (``_infer_tool_parser``) on a processor's chat template.
+``tool_call_markup``      mlx-lm's tool-parser inference (``_infer_tool_parser``) on a processor's chat template;
+                          ``thinking_markup``: its reasoning markers (``_infer_thinking``) in the vocabulary.
 ``input_embeddings``      ``Model.get_input_embeddings``: the encoder(s) and the merge, as ``mlx_vlm.generate``
                           calls it; also with no media (the text path).
 ``mrope_tokens``          what the M-RoPE families' ``get_rope_index`` reads from the config (media token ids, patch
@@ -103,6 +104,25 @@ class ToolCallMarkup:
     tool_call_end: str
     tool_parser: Callable[..., Any]
     has_tool_calling: bool = True
+
+
+@dataclass(frozen=True)
+class ThinkingMarkup:
+    """The reasoning markers mlx-lm's ``TokenizerWrapper`` declares (``has_thinking``, ``think_start``,
+    ``think_end``), for a vision-language model's processor."""
+
+    think_start: str
+    think_end: str
+    has_thinking: bool = True
+
+
+def thinking_markup(processor: Any) -> ThinkingMarkup | None:
+    """The reasoning markers of this processor's tokenizer by mlx-lm's own rule (``_infer_thinking``, private:
+    tests/models/test_vlm_tools.py fails loudly if it moves), or None (not a thinking model)."""
+    from mlx_lm.tokenizer_utils import _infer_thinking
+
+    start, end, *_ = _infer_thinking(getattr(processor, "tokenizer", processor))
+    return None if start is None else ThinkingMarkup(start, end)
 
 
 def tool_call_markup(processor: Any) -> ToolCallMarkup | None:

@@ -35,7 +35,7 @@ from ..async_engine import AsyncEngine, EngineStopped, RequestStream
 from ..request import InvalidRequest, StructuredOutput
 from .constraints import output_constraint
 from .generation import Body, ChoiceFailed, Delta, choice_deltas, refusal, sampling_params
-from .messages import convert_messages
+from .messages import EnginePrompt, convert_messages
 from .metrics import EngineMetrics, engine_snapshot
 from .protocol import MAX_CHOICES, APIError, ChatCompletionRequest, CompletionRequest, usage, validation_error
 from .reasoning import ReasoningFormat, ReasoningSplitter
@@ -271,14 +271,20 @@ def _tool_calling(body: ChatCompletionRequest, engine: Any) -> _ToolCalling | No
     return _ToolCalling(fmt, tools, body.parallel_tool_calls is False)
 
 
-def _opens_reasoning(tokenizer: Any, reasoning: ReasoningFormat, messages: list[dict], tools: list | None,
+def _opens_reasoning(engine: Any, reasoning: ReasoningFormat, prompt: EnginePrompt, tools: list | None,
                      template_kwargs: dict | None) -> bool:
     """Whether the prompt leaves the reasoning open (a Qwen3-thinking generation prompt ends with `<think>`): the
-    chat template rendered as the engine renders it. Arguments it fails on are the engine's to refuse (a 400 when
-    the call is submitted), so they count as not opening it here."""
+    chat template rendered as the engine renders it (a vision-language model's as mlx-vlm renders it). Arguments
+    it fails on are the engine's to refuse (a 400 when the call is submitted), so they count as not opening it
+    here."""
+    kwargs = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                             **(template_kwargs or {}), **({"tools": tools} if tools else {}))
+        if engine.vlm is None:
+            text = engine.tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=False,
+                                                        **kwargs)
+        else:
+            text = engine.vlm.render_chat(prompt.messages, len(prompt.images), len(prompt.videos), len(prompt.audio),
+                                          kwargs)
     except (TemplateError, TypeError, ValueError):
         return False
     return reasoning.opens_in(text)
@@ -387,7 +393,10 @@ class _ChatChoices:
         if self.parsing is not None:
             splitter = self.parsing.splitter()
             split = splitter.feed(text, final=True)
-            message = {"role": "assistant", "content": split.content or (None if split.calls else "")}
+            # null when the answer is calls or reasoning alone (a model cut off or stopping inside its reasoning),
+            # as vLLM's reasoning parsers answer; "" for an answer that is empty
+            message = {"role": "assistant",
+                       "content": split.content or (None if split.calls or split.reasoning else "")}
             if split.reasoning:
                 message["reasoning_content"] = split.reasoning
             if split.calls:
@@ -527,8 +536,9 @@ def create_app(state: ServerState) -> Any:
     vision, video = "image" in media, "video" in media
     token_bytes = TokenBytes(engine.tokenizer)  # (built once: it reads the tokenizer's decoder)
     audio_rate = getattr(engine.vlm, "sample_rate", None) if engine.vlm is not None else None
-    # a thinking text model's reasoning goes to `reasoning_content` (the markers mlx-lm's tokenizer declares)
-    reasoning = ReasoningFormat.of(engine.tokenizer) if engine.vlm is None else None
+    # a thinking model's reasoning goes to `reasoning_content` (the markers mlx-lm's tokenizer declares; a
+    # vision-language model's by mlx-lm's same rule, `VLMAdapter.thinking`)
+    reasoning = ReasoningFormat.of(engine.tokenizer if engine.vlm is None else engine.vlm.thinking)
 
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
@@ -552,7 +562,7 @@ def create_app(state: ServerState) -> Any:
         parsing, opens = None, False
         if reasoning is not None or tool_calling is not None:
             opens = reasoning is not None and await asyncio.to_thread(
-                _opens_reasoning, engine.tokenizer, reasoning, prompt.messages, tools, template_kwargs)
+                _opens_reasoning, engine, reasoning, prompt, tools, template_kwargs)
             parsing = _ChatParsing(reasoning, opens, tool_calling)
         structured = output_constraint(body, tool_calling.format if tool_calling is not None else None, tools,
                                        reasoning.end if opens else None)

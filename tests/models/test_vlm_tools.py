@@ -173,3 +173,52 @@ def test_the_server_returns_forced_calls_of_a_vlm_streamed_or_not(vlm_tools_dir,
     (named_choice,) = named.choices
     assert [c.function.name for c in named_choice.message.tool_calls] == ["get_time"]
     jsonschema.validate(json.loads(named_choice.message.tool_calls[0].function.arguments), schemas["get_time"])
+
+
+def test_a_thinking_vlms_reasoning_is_split_out_when_its_template_opens_it(loaded, vlm_tools_dir, tmp_path):
+    """The vlm-tools tokenizer has `<think>` / `</think>` (mlx-lm's rule finds them); its template opens the
+    reasoning only with `enable_thinking` (mlx-vlm renders with it off). Served: with `chat_template_kwargs`
+    turning it on, the answer (cut by max_tokens inside the reasoning: the random model never closes it) is all
+    `reasoning_content`; without, all `content`; each the engine's own text for that request."""
+    import time
+
+    import openai
+
+    from scheduler.models.library import ThinkingMarkup
+
+    from ..surfaces.test_serve import _start, _stop, _wait_healthy
+
+    model, processor = loaded
+    engine = Engine(model, processor)
+    assert engine.vlm.thinking == ThinkingMarkup("<think>", "</think>")
+    run = drive(engine, [(0, dict(prompt=ASK, images=[IMAGE], sampling=SamplingParams(max_tokens=MAX_TOKENS),
+                                  request_id=name, **kwargs))
+                         for name, kwargs in (("thinking", {"chat_template_kwargs": {"enable_thinking": True}}),
+                                              ("plain", {}))])
+    wanted = {name: engine.tokenizer.decode(tokens) for name, tokens in run.tokens.items()}
+    engine.close()
+    assert "</think>" not in wanted["thinking"] and wanted["thinking"] != wanted["plain"]
+
+    server = _start(vlm_tools_dir, tmp_path, "vlm-thinking")
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(IMAGE)}},
+                                             {"type": "text", "text": "What is the weather there?"}]}]
+    try:
+        _wait_healthy(server, time.monotonic() + 120)
+
+        async def run():
+            client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0,
+                                        timeout=120)
+            args = dict(model="tiny-vlm", messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+            thinking = await client.chat.completions.create(extra_body={"chat_template_kwargs": {
+                "enable_thinking": True}}, **args)
+            plain = await client.chat.completions.create(**args)
+            await client.close()
+            return thinking, plain
+
+        thinking, plain = asyncio.run(run())
+    finally:
+        _stop(server)
+    message = thinking.choices[0].message
+    assert (message.reasoning_content, message.content) == (wanted["thinking"], None)
+    assert getattr(plain.choices[0].message, "reasoning_content", None) is None
+    assert plain.choices[0].message.content == wanted["plain"]
