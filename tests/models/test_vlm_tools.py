@@ -124,44 +124,50 @@ def _data_url(image: Image.Image) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-def test_the_server_returns_forced_calls_of_a_vlm_streamed_or_not(vlm_tools_dir, tmp_path):
-    """An image chat with tools and tool_choice "required" (one call: parallel_tool_calls false) on the VLM
-    server: the answer is a call of an offered tool, its arguments valid against the tool's schema, finish
-    reason `tool_calls`; streamed equals not streamed; a named tool_choice calls that tool."""
-    import time
+# the image question as a client sends it
+SERVED_ASK = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(IMAGE)}},
+                                           {"type": "text", "text": "What is the weather there?"}]}]
 
-    import openai
+
+@pytest.fixture(scope="module")
+def server(vlm_tools_dir, tmp_path_factory):
+    """The vlm-tools model behind the real server (a subprocess), driven with the official `openai` client."""
+    import time
 
     from ..surfaces.test_serve import _start, _stop, _wait_healthy
 
-    server = _start(vlm_tools_dir, tmp_path, "vlm-tools")
-    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(IMAGE)}},
-                                             {"type": "text", "text": "What is the weather there?"}]}]
+    started = _start(vlm_tools_dir, tmp_path_factory.mktemp("serve-vlm-tools"), "vlm-tools")
     try:
-        _wait_healthy(server, time.monotonic() + 120)
-
-        async def run():
-            client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0,
-                                        timeout=120)
-            args = dict(model="tiny-vlm", messages=messages, tools=TOOLS, max_tokens=96, temperature=0,
-                        parallel_tool_calls=False)
-            forced = await client.chat.completions.create(tool_choice="required", **args)
-            calls, finish = {}, None
-            async for chunk in await client.chat.completions.create(tool_choice="required", stream=True, **args):
-                choice = chunk.choices[0]
-                finish = choice.finish_reason or finish
-                for delta in choice.delta.tool_calls or []:
-                    call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
-                    call["name"] += delta.function.name or ""
-                    call["arguments"] += delta.function.arguments or ""
-            named = await client.chat.completions.create(
-                tool_choice={"type": "function", "function": {"name": "get_time"}}, **args)
-            await client.close()
-            return forced, (calls, finish), named
-
-        forced, (streamed, streamed_finish), named = asyncio.run(run())
+        _wait_healthy(started, time.monotonic() + 120)
+        yield started
     finally:
-        _stop(server)
+        _stop(started)
+
+
+def test_the_server_returns_forced_calls_of_a_vlm_streamed_or_not(server):
+    """An image chat with tools and tool_choice "required" (one call: parallel_tool_calls false) on the VLM
+    server: the answer is a call of an offered tool, its arguments valid against the tool's schema, finish
+    reason `tool_calls`; streamed equals not streamed; a named tool_choice calls that tool."""
+
+    async def run():
+        client = server.client()
+        args = dict(model="tiny-vlm", messages=SERVED_ASK, tools=TOOLS, max_tokens=96, temperature=0,
+                    parallel_tool_calls=False)
+        forced = await client.chat.completions.create(tool_choice="required", **args)
+        calls, finish = {}, None
+        async for chunk in await client.chat.completions.create(tool_choice="required", stream=True, **args):
+            choice = chunk.choices[0]
+            finish = choice.finish_reason or finish
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                call["name"] += delta.function.name or ""
+                call["arguments"] += delta.function.arguments or ""
+        named = await client.chat.completions.create(
+            tool_choice={"type": "function", "function": {"name": "get_time"}}, **args)
+        await client.close()
+        return forced, (calls, finish), named
+
+    forced, (streamed, streamed_finish), named = asyncio.run(run())
     (choice,) = forced.choices
     assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
@@ -175,18 +181,12 @@ def test_the_server_returns_forced_calls_of_a_vlm_streamed_or_not(vlm_tools_dir,
     jsonschema.validate(json.loads(named_choice.message.tool_calls[0].function.arguments), schemas["get_time"])
 
 
-def test_a_thinking_vlms_reasoning_is_split_out_when_its_template_opens_it(loaded, vlm_tools_dir, tmp_path):
+def test_a_thinking_vlms_reasoning_is_split_out_when_its_template_opens_it(loaded, server):
     """The vlm-tools tokenizer has `<think>` / `</think>` (mlx-lm's rule finds them); its template opens the
     reasoning only with `enable_thinking` (mlx-vlm renders with it off). Served: with `chat_template_kwargs`
     turning it on, the answer (cut by max_tokens inside the reasoning: the random model never closes it) is all
     `reasoning_content`; without, all `content`; each the engine's own text for that request."""
-    import time
-
-    import openai
-
     from scheduler.models.library import ThinkingMarkup
-
-    from ..surfaces.test_serve import _start, _stop, _wait_healthy
 
     model, processor = loaded
     engine = Engine(model, processor)
@@ -199,25 +199,16 @@ def test_a_thinking_vlms_reasoning_is_split_out_when_its_template_opens_it(loade
     engine.close()
     assert "</think>" not in wanted["thinking"] and wanted["thinking"] != wanted["plain"]
 
-    server = _start(vlm_tools_dir, tmp_path, "vlm-thinking")
-    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(IMAGE)}},
-                                             {"type": "text", "text": "What is the weather there?"}]}]
-    try:
-        _wait_healthy(server, time.monotonic() + 120)
+    async def run():
+        client = server.client()
+        args = dict(model="tiny-vlm", messages=SERVED_ASK, max_tokens=MAX_TOKENS, temperature=0)
+        thinking = await client.chat.completions.create(extra_body={"chat_template_kwargs": {
+            "enable_thinking": True}}, **args)
+        plain = await client.chat.completions.create(**args)
+        await client.close()
+        return thinking, plain
 
-        async def run():
-            client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0,
-                                        timeout=120)
-            args = dict(model="tiny-vlm", messages=messages, max_tokens=MAX_TOKENS, temperature=0)
-            thinking = await client.chat.completions.create(extra_body={"chat_template_kwargs": {
-                "enable_thinking": True}}, **args)
-            plain = await client.chat.completions.create(**args)
-            await client.close()
-            return thinking, plain
-
-        thinking, plain = asyncio.run(run())
-    finally:
-        _stop(server)
+    thinking, plain = asyncio.run(run())
     message = thinking.choices[0].message
     assert (message.reasoning_content, message.content) == (wanted["thinking"], None)
     assert getattr(plain.choices[0].message, "reasoning_content", None) is None
