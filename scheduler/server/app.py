@@ -260,7 +260,7 @@ class _ToolCalling:
 def _tool_calling(body: ChatCompletionRequest, engine: Any) -> _ToolCalling | None:
     """The request's tool calling, or None (no tools, or tool_choice "none"). Refused (400) where the calls could
     not be returned: a model whose chat template declares no tool-call format (mlx-lm infers none from it; a
-    vision-language model's is inferred by the same rule, `VisionLanguageAdapter.tool_calling`)."""
+    vision-language model's is inferred by the same rule, `VLMAdapter.tool_calling`)."""
     tools = body.tool_list()
     if tools is None:
         return None
