@@ -5,8 +5,10 @@ workload.
 
 Both real runs are served side by side in a child process pinned to one CPU (`scheduler.tools.whatif_check`
 says why: on two cores the OS's thread placement moved the same run's decode ticks between 1.3 and 2.1 ms).
-Measured on this project's 2-core VM, every pair landed within 7% under both BLAS libraries
-(bench/README.md, "Issue 16: what-if, side by side on one core").
+Measured on this project's 2-core VM, pairs land within 7% under both BLAS libraries (bench/README.md, "Issue
+16: what-if, side by side on one core"), though a noisy spell of the shared machine can spoil two in a row:
+hence the median over PAIRS. The suite runs on several workers; these tests are `exclusive` (tests/run_lock.py),
+so nothing else runs while they measure.
 """
 
 import pytest
