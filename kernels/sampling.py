@@ -128,6 +128,8 @@ class SamplingArrays:
     any_top_p: bool = True
     any_top_k: bool = True
     any_min_p: bool = True
+    # some row has a frequency penalty (its scatter is skipped otherwise); True = "maybe", as above
+    any_frequency_penalty: bool = True
     # Largest top_k among sampled rows (-1 = unknown). When no sampled row uses
     # top_p, the sampled path then uses mx.topk(bucket >= max_top_k) instead of a
     # full-vocabulary sort (~10x cheaper on CPU at V=32000).
@@ -163,6 +165,7 @@ class SamplingArrays:
             any_top_p=bool((sampled & (top_p > 0.0) & (top_p < 1.0)).any()),
             any_top_k=bool((sampled & (top_k > 0)).any()),
             any_min_p=bool((sampled & (min_p != 0.0)).any()),
+            any_frequency_penalty=bool((freq != 0.0).any()),
             max_top_k=int(np.where(sampled, top_k, 0).max(initial=0)),
         )
 
@@ -215,7 +218,9 @@ def apply_penalties(
     pres = params.presence_penalty[:, None]
     pres_on = present & (pres != 0.0)
     logits = mx.where(pres_on, logits - pres.astype(dtype), logits)
-    return _frequency_penalty(logits, context, params.frequency_penalty)
+    if params.any_frequency_penalty:
+        logits = _frequency_penalty(logits, context, params.frequency_penalty)
+    return logits
 
 
 def _frequency_penalty(logits: mx.array, context: mx.array, penalty: mx.array) -> mx.array:

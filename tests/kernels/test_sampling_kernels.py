@@ -184,7 +184,9 @@ def test_from_rows_arrays_and_flags():
 
     g = SamplingArrays.from_rows([RowSampling(), RowSampling(top_k=3)])
     assert g.all_greedy and not g.any_penalty
-    assert SamplingArrays.from_rows([RowSampling(), RowSampling(frequency_penalty=0.5)]).any_penalty
+    with_frequency = SamplingArrays.from_rows([RowSampling(), RowSampling(frequency_penalty=0.5)])
+    assert with_frequency.any_penalty and with_frequency.any_frequency_penalty
+    assert not SamplingArrays.from_rows([RowSampling(presence_penalty=0.5)]).any_frequency_penalty
     # filters on greedy rows do not count: sample never applies them
     assert not (g.any_top_p or g.any_top_k or g.any_min_p)
 
