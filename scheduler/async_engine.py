@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable, Sequence
 
-from .engine import Engine, RequestOutput
+from .engine import Engine, RequestOutput, prompt_scores
 from .request import InvalidRequest, SamplingParams, UnknownRequest
 from .scheduler import StepOutput
 
@@ -229,8 +229,7 @@ class AsyncEngine:
             last = out
         return RequestOutput(last.request_id, tokens, self.engine.tokenizer.decode(tokens), last.finish_reason,
                              last.error, logprobs, top_logprobs,
-                             prompt_logprobs=getattr(with_prompt_logprobs, "prompt_logprobs", None),
-                             prompt_top_logprobs=getattr(with_prompt_logprobs, "prompt_top_logprobs", None))
+                             **prompt_scores(with_prompt_logprobs))
 
     def close(self, drain_s: float = 0.0) -> None:
         """Stop the loop after the tick in progress; streams still waiting end with EngineStopped.

@@ -57,9 +57,21 @@ class RequestOutput:
     error: str | None = None
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # SamplingParams.top_logprobs
-    # SamplingParams.prompt_logprobs: each prompt token's logprob (None for the first), and its alternatives
+    # SamplingParams.prompt_logprobs: each prompt token's logprob (None for the first), its alternatives, and its
+    # rank (StepOutput.prompt_logprob_ranks)
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None
+    prompt_token_ids: list[int] | None = None  # the prompt those are of (set with them)
+
+
+def prompt_scores(out: StepOutput | None) -> dict[str, Any]:
+    """A RequestOutput's prompt-logprob fields, from the output that brought them (None: the request did not
+    ask)."""
+    if out is None:
+        return {}
+    return {"prompt_logprobs": out.prompt_logprobs, "prompt_top_logprobs": out.prompt_top_logprobs,
+            "prompt_logprob_ranks": out.prompt_logprob_ranks, "prompt_token_ids": out.prompt_token_ids}
 
 
 class Throughput:
@@ -678,7 +690,7 @@ class Engine:
         tokens: dict[str, list[int]] = {i: [] for i in ids}
         logprobs: dict[str, list[float]] = {i: [] for i in ids}
         top_logprobs: dict[str, list[list[tuple[int, float]]]] = {i: [] for i in ids}
-        prompt_logprobs: dict[str, tuple[Any, Any]] = {}
+        prompt_logprobs: dict[str, StepOutput] = {}  # the output that brought a request's prompt logprobs
         results: dict[str, RequestOutput] = {}
         while len(results) < len(ids):
             for out in self.step():
@@ -688,7 +700,7 @@ class Engine:
                 logprobs[out.request_id].extend(out.logprobs)
                 top_logprobs[out.request_id].extend(out.top_logprobs)
                 if out.prompt_logprobs is not None:
-                    prompt_logprobs[out.request_id] = (out.prompt_logprobs, out.prompt_top_logprobs)
+                    prompt_logprobs[out.request_id] = out
                 if out.finished:
                     toks = tokens[out.request_id]
                     # the text leaves out the stop token that ended it (as mlx-lm's generate does); token_ids keep it
@@ -698,8 +710,7 @@ class Engine:
                         text=self._text(shown),
                         finish_reason=out.finish_reason, error=out.error, logprobs=logprobs[out.request_id],
                         top_logprobs=top_logprobs[out.request_id],
-                        prompt_logprobs=prompt_logprobs.get(out.request_id, (None, None))[0],
-                        prompt_top_logprobs=prompt_logprobs.get(out.request_id, (None, None))[1],
+                        **prompt_scores(prompt_logprobs.get(out.request_id)),
                     )
                     if progress is not None:
                         progress(out)

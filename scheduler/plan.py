@@ -241,12 +241,14 @@ class PrefillFallback:
 @dataclass
 class PromptLogprobs:
     """Prompt-token logprobs one prefill feed computed: `logprobs[j]` is prompt token `first + j`'s, given the
-    tokens before it; `top[j]` its position's most likely (token, logprob), most likely first (empty lists when
+    tokens before it; `ranks[j]` its rank there (how many vocabulary entries score at least as high, itself
+    included: vLLM's); `top[j]` its position's most likely (token, logprob), most likely first (empty lists when
     `SamplingParams.prompt_logprobs` is 0)."""
 
     first: int
     logprobs: list[float]
     top: list[list[tuple[int, float]]]
+    ranks: list[int] = field(default_factory=list)
 
 
 @dataclass

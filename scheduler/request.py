@@ -334,6 +334,7 @@ class Request:
     # alternatives; filled as prefill computes them (a recompute after a preemption adds nothing new)
     prompt_logprobs: list[float | None] = field(default_factory=list)
     prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_logprob_ranks: list[int | None] = field(default_factory=list)  # each one's rank (PromptLogprobs.ranks)
     finish_reason: FinishReason | None = None
     error: str | None = None
     num_preemptions: int = 0

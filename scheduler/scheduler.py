@@ -37,9 +37,11 @@ class StepOutput:
     logprob_vectors: list = field(default_factory=list)  # (V,) log-softmax per token (EngineConfig.logprob_vectors)
     num_drafted: int = 0  # speculative decoding: draft tokens proposed for this request this tick
     # with the request's first token, when it asked for them (SamplingParams.prompt_logprobs): each prompt
-    # token's logprob (None for the first) and its position's most likely (token, logprob)s
+    # token's logprob (None for the first), its position's most likely (token, logprob)s, and its rank there
+    # (how many vocabulary entries score at least as high, itself included; None for the first)
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None
     prompt_token_ids: list[int] | None = None  # the prompt those are of (set with them)
 
 
@@ -379,6 +381,7 @@ class Scheduler:
         if with_prompt:  # the first token brings the prompt's logprobs (its prefill computed every position)
             output.prompt_logprobs = list(request.prompt_logprobs) or [None]
             output.prompt_top_logprobs = list(request.prompt_top_logprobs) or [[]]
+            output.prompt_logprob_ranks = list(request.prompt_logprob_ranks) or [None]
             output.prompt_token_ids = list(request.prompt_tokens)
         return output
 
@@ -509,6 +512,7 @@ def _add_prompt_logprobs(request: Request, piece: PromptLogprobs) -> None:
     if not request.prompt_logprobs:
         request.prompt_logprobs.append(None)  # the first token has nothing before it
         request.prompt_top_logprobs.append([])
+        request.prompt_logprob_ranks.append(None)
     have = len(request.prompt_logprobs)
     if piece.first > have:
         raise InvariantViolation(f"request {request.request_id}: prompt logprobs from token {piece.first}, but "
@@ -516,3 +520,4 @@ def _add_prompt_logprobs(request: Request, piece: PromptLogprobs) -> None:
     skip = have - piece.first
     request.prompt_logprobs.extend(piece.logprobs[skip:])
     request.prompt_top_logprobs.extend(piece.top[skip:])
+    request.prompt_logprob_ranks.extend(piece.ranks[skip:])

@@ -137,13 +137,17 @@ def _prompt_logprobs(request: Request, start: int, logits: Any) -> PromptLogprob
         logprobs = logprobs_from_logits(logits[0, a:b].astype(mx.float32))
         targets = mx.array(request.prompt_tokens[start + 1 + a: start + 1 + b], dtype=mx.int32)
         picked = mx.take_along_axis(logprobs, targets[:, None], axis=1)[:, 0]
+        ranks = (logprobs >= picked[:, None]).sum(axis=1)  # vLLM's rank: ties with the token count before it
         if not k:
+            mx.eval(picked, ranks)
             piece.logprobs += picked.tolist()
+            piece.ranks += ranks.tolist()
             piece.top += [[] for _ in range(b - a)]
             continue
         ids, values = most_likely(logprobs, min(k, logprobs.shape[-1]))
-        mx.eval(picked, ids, values)
+        mx.eval(picked, ranks, ids, values)
         piece.logprobs += picked.tolist()
+        piece.ranks += ranks.tolist()
         piece.top += [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
     return piece
 

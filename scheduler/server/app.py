@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..async_engine import AsyncEngine, EngineStopped, RequestStream
 from ..request import InvalidRequest, StructuredOutput
 from .constraints import output_constraint
-from .generation import Body, ChoiceFailed, Delta, choice_deltas, refusal, sampling_params
+from .generation import Body, ChoiceFailed, Delta, PromptScores, choice_deltas, refusal, sampling_params
 from .messages import EnginePrompt, convert_messages
 from .metrics import EngineMetrics, engine_snapshot
 from .protocol import MAX_CHOICES, APIError, ChatCompletionRequest, CompletionRequest, usage, validation_error
@@ -177,8 +177,10 @@ class _Call:
 
         async def pump(index: int, stream: RequestStream) -> None:
             echo = self.echoes[index // self.body.n] if self.echoes is not None else None
+            scores_prompt = self.body.prompt_logprobs is not None and index % self.body.n == 0
             try:
-                async for delta in choice_deltas(stream, tokenizer, stops, logprobs, echo, self.body.prompt_only()):
+                async for delta in choice_deltas(stream, tokenizer, stops, logprobs, echo, self.body.prompt_only(),
+                                                 scores_prompt):
                     queue.put_nowait((index, delta))
                 queue.put_nowait((index, None))
             except asyncio.CancelledError:
@@ -240,6 +242,24 @@ def _failure(exc: BaseException) -> APIError:
 
 def _token_text(tokenizer: Any, token: int) -> str:
     return tokenizer.decode([token])
+
+
+def prompt_logprobs_field(tokenizer: Any, scores: PromptScores, k: int) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: null for the first prompt token, then per token {token id: {logprob, rank,
+    decoded_token}} for the token itself (its rank among the whole vocabulary) and its position's `k` most likely
+    (ranks 1..k, most likely first). A prompt token among those k is listed once, first, with the rank of its
+    place there, as vLLM's dictionary keeps it."""
+    def entry(token: int, logprob: float, rank: int) -> dict[str, Any]:
+        return {"logprob": logprob, "rank": rank, "decoded_token": _token_text(tokenizer, token)}
+
+    field: list[dict[str, Any] | None] = [None]
+    for token, logprob, rank, top in zip(scores.token_ids[1:], scores.logprobs[1:], scores.ranks[1:],
+                                         scores.top_logprobs[1:]):
+        entries = {str(token): entry(token, logprob, rank)}
+        for place, (t, lp) in enumerate(top[:k], 1):
+            entries[str(t)] = entry(t, lp, place)
+        field.append(entries)
+    return field
 
 
 def _check_model(state: ServerState, body: Body) -> None:
@@ -467,7 +487,9 @@ class _TextChoices:
                         alternatives.append(None)
                         continue
                     listed: dict[str, float] = {}
-                    for t, lp in (top[i] if i < len(top) else ()):  # one text shares a key: the likelier keeps it
+                    # (an echo's alternatives may be more: the engine scored the prompt for `prompt_logprobs` too)
+                    for t, lp in (top[i][: self.alternatives] if i < len(top) else ()):  # one text shares a key:
+                        # the likelier keeps it
                         listed.setdefault(_token_text(self.tokenizer, t), lp)
                     alternatives.append(listed)
         offsets = list(itertools.accumulate((len(t) for t in tokens), initial=0))[:-1]
@@ -503,6 +525,15 @@ async def _respond(request: Request, call: _Call, choices: "_ChatChoices | _Text
             raise _failure(exc) from None
         out = {"id": call.id, "object": choices.object, "created": call.created, "model": call.state.model_name,
                "choices": [choices.final(i, pieces[i]) for i in range(call.choices)], "usage": call.usage()}
+        if body.prompt_logprobs is not None:
+            # each prompt's first choice scored it (`engine_prompt_logprobs`)
+            rendered = {i: prompt_logprobs_field(choices.tokenizer, next(d.prompt for d in pieces[i] if d.prompt),
+                                                 body.prompt_logprobs) for i in range(0, call.choices, body.n)}
+            if isinstance(choices, _ChatChoices):  # one prompt: the request's
+                out["prompt_logprobs"] = rendered[0]
+            else:  # each choice its prompt's
+                for choice in out["choices"]:
+                    choice["prompt_logprobs"] = rendered[choice["index"] - choice["index"] % body.n]
         return JSONResponse(out)
 
     async def events() -> AsyncIterator[str]:

@@ -30,6 +30,7 @@ class Delta:
     # per emitted token, its most likely alternatives (token id, logprob), most likely first (top_logprobs)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     echo: "EchoedPrompt | None" = None  # the first delta of a choice that echoes its prompt
+    prompt: "PromptScores | None" = None  # a delta of its own, for a choice that scores its prompt
 
 
 @dataclass
@@ -40,6 +41,18 @@ class EchoedPrompt:
     text: str
     logprobs: list[tuple[int, float | None]] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+
+
+@dataclass
+class PromptScores:
+    """A prompt's scores (`prompt_logprobs` of the request body), from the engine's first output: per prompt token
+    its id, its logprob given the tokens before it, its rank there, and its position's most likely (token,
+    logprob)s; the first token's logprob and rank are None."""
+
+    token_ids: list[int]
+    logprobs: list[float | None]
+    ranks: list[int | None]
+    top_logprobs: list[list[tuple[int, float]]]
 
 
 class ChoiceFailed(Exception):
@@ -99,7 +112,7 @@ def sampling_params(body: Body, index: int, default_max_tokens: int,
         "seed": seed,
         "logprobs": body.wants_logprobs(),
         "top_logprobs": body.alternatives(),
-        "prompt_logprobs": body.prompt_alternatives(),
+        "prompt_logprobs": body.engine_prompt_logprobs(first_choice=index == 0),
         "logit_bias": body.bias_by_id(),
         "structured_output": structured,
     }
@@ -112,8 +125,8 @@ def sampling_params(body: Body, index: int, default_max_tokens: int,
 
 
 async def choice_deltas(stream: RequestStream, tokenizer: Any, stop_strings: list[str],
-                        wants_logprobs: bool, echo: str | None = None, prompt_only: bool = False
-                        ) -> AsyncIterator[Delta]:
+                        wants_logprobs: bool, echo: str | None = None, prompt_only: bool = False,
+                        scores_prompt: bool = False) -> AsyncIterator[Delta]:
     """The deltas of one choice until it ends. Raises ChoiceFailed if the engine failed it. Closing the
     iterator early (the client went away) closes the stream, which aborts the request.
 
@@ -123,7 +136,10 @@ async def choice_deltas(stream: RequestStream, tokenizer: Any, stop_strings: lis
     completion, which is what lm-eval's `token_logprobs[ctxlen:-1]` slicing expects.
 
     `prompt_only` (`max_tokens: 0`): the choice ends at its first output with "length" and no completion: the
-    token that output brings (the engine decodes one, `sampling_params`) is neither shown nor counted."""
+    token that output brings (the engine decodes one, `sampling_params`) is neither shown nor counted.
+
+    `scores_prompt`: the choice's engine request computes its prompt's scores (`sampling_params`, the first
+    choice of a prompt that asked `prompt_logprobs`): after the echo, a delta of its own carries them."""
     detok = IncrementalDetokenizer(tokenizer)
     stops = StopMatcher(stop_strings)
     with_stop_token = echo is not None
@@ -134,6 +150,10 @@ async def choice_deltas(stream: RequestStream, tokenizer: Any, stop_strings: lis
             if echo is not None:
                 yield Delta("", [], echo=_echoed(echo, out))
                 echo = None
+            if scores_prompt and out.prompt_logprobs is not None:
+                yield Delta("", [], prompt=PromptScores(list(out.prompt_token_ids), list(out.prompt_logprobs),
+                                                        list(out.prompt_logprob_ranks), list(out.prompt_top_logprobs)))
+                scores_prompt = False
             if prompt_only:
                 yield Delta("", [], finish_reason="length")
                 return

@@ -143,6 +143,26 @@ class _Sampling(_Strict):
     logit_bias: dict[str, Number] | None = None  # token id (as a string, OpenAI's form) -> bias in [-100, 100]
     response_format: ResponseFormat | None = None  # OpenAI's (vLLM takes it on completions too)
     structured_outputs: StructuredOutputs | None = None  # vLLM's
+    # vLLM's: each prompt token's logprob and rank, and this many most likely tokens at its position (0..20), in
+    # the answer's `prompt_logprobs` (each choice's on /v1/completions, the request's on chat); not when streaming
+    prompt_logprobs: StrictInt | None = None
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None:
+            if not 0 <= v <= 20:
+                raise ValueError("must be in [0, 20]")
+            if info.data.get("stream"):
+                raise ValueError("is not available with stream: true (the answer's prompt_logprobs is not streamed)")
+        return v
+
+    def engine_prompt_logprobs(self, first_choice: bool) -> int | None:
+        """A choice's `SamplingParams.prompt_logprobs`: what its echo reads (`prompt_alternatives`) and, for the
+        first choice of a prompt, what `prompt_logprobs` asks (a prompt's choices share its scores); None: neither."""
+        asked = [k for k in (self.prompt_alternatives(), self.prompt_logprobs if first_choice else None)
+                 if k is not None]
+        return max(asked) if asked else None
 
     @field_validator("structured_outputs")
     @classmethod

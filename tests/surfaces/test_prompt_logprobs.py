@@ -31,10 +31,11 @@ def alone(model, prompt: list[int]) -> tuple[list, list]:
     return forward_logprobs(model(mx.array(prompt)[None])[0], prompt)
 
 
-def assert_prompt_logprobs(got_values, got_top, want_values, want_vectors, k):
-    assert len(got_values) == len(want_values) == len(got_top)
-    assert got_values[0] is None and got_top[0] == []
+def assert_prompt_logprobs(got_values, got_top, want_values, want_vectors, k, got_ranks):
+    assert len(got_values) == len(want_values) == len(got_top) == len(got_ranks)
+    assert got_values[0] is None and got_top[0] == [] and got_ranks[0] is None
     assert got_values[1:] == pytest.approx(want_values[1:], abs=TOLERANCE)
+    assert_ranks(got_ranks[1:], want_values[1:], want_vectors[1:])
     for alternatives, vector in zip(got_top[1:], want_vectors[1:]):
         assert len(alternatives) == k
         # the k largest in order, each with the value the forward gives it (a tie may list either token)
@@ -44,9 +45,19 @@ def assert_prompt_logprobs(got_values, got_top, want_values, want_vectors, k):
             assert vector[token] == pytest.approx(lp, abs=TOLERANCE)
 
 
+def assert_ranks(got_ranks, want_values, want_vectors):
+    """Each token's rank is how many entries of its position's log-softmax score at least as high as it, itself
+    included (vLLM's): within the BLAS tolerance, between the count of entries clearly above it (+ 1) and the
+    count of those not clearly below it."""
+    for rank, value, vector in zip(got_ranks, want_values, want_vectors):
+        assert isinstance(rank, int)
+        assert int((vector > value + TOLERANCE).sum()) + 1 <= rank <= int((vector >= value - TOLERANCE).sum())
+
+
 def run_collecting(engine, arrivals):
     """Step `engine` with `(tick, add_request kwargs)` arrivals until it drains. Returns (tokens, errors, carried):
-    per request id its tokens, its error, and every (prompt_logprobs, prompt_top_logprobs) an output carried."""
+    per request id its tokens, its error, and every (prompt_logprobs, prompt_top_logprobs, prompt_logprob_ranks)
+    an output carried."""
     tokens, errors, carried, pending = {}, {}, {}, sorted(arrivals, key=lambda a: a[0])
     while pending or engine.has_pending():
         while pending and pending[0][0] <= engine.tick:
@@ -56,7 +67,8 @@ def run_collecting(engine, arrivals):
             if out.error:
                 errors[out.request_id] = out.error
             if out.prompt_logprobs is not None:
-                carried.setdefault(out.request_id, []).append((out.prompt_logprobs, out.prompt_top_logprobs))
+                carried.setdefault(out.request_id, []).append((out.prompt_logprobs, out.prompt_top_logprobs,
+                                                               out.prompt_logprob_ranks))
     return tokens, errors, carried
 
 
@@ -76,9 +88,9 @@ def test_prompt_logprobs_equal_one_forward_of_the_prompt_alone(text_model, chunk
     assert not errors
     assert set(carried) == {f"r{i}" for i in asks}
     for i, k in asks.items():
-        (values, top), = carried[f"r{i}"]
+        (values, top, ranks), = carried[f"r{i}"]
         want, vectors = alone(model, prompts[i])
-        assert_prompt_logprobs(values, top, want, vectors, k)
+        assert_prompt_logprobs(values, top, want, vectors, k, ranks)
     for i, p in enumerate(prompts):
         assert tokens[f"r{i}"] == solo_tokens(model, tokenizer, p, MAX_TOKENS)
 
@@ -95,7 +107,8 @@ def test_rows_of_a_shared_prefill_forward_read_their_own_positions(text_model):
     stats = engine.executor.prefill_stats
     assert stats.batched_rows >= len(prompts) and stats.padded_tokens > 0
     for out, prompt in zip(outs, prompts):
-        assert_prompt_logprobs(out.prompt_logprobs, out.prompt_top_logprobs, *alone(model, prompt), 2)
+        assert_prompt_logprobs(out.prompt_logprobs, out.prompt_top_logprobs, *alone(model, prompt), 2,
+                           out.prompt_logprob_ranks)
         assert out.token_ids == solo_tokens(model, tokenizer, prompt, 2)
 
 
@@ -108,7 +121,8 @@ def test_a_feed_longer_than_one_log_softmax_block(text_model):
     assert len(prompt) - 1 > PROMPT_LOGPROB_BLOCK
     engine = Engine(model, tokenizer, EngineConfig(max_batched_tokens=512, prefill_chunk=512))
     (out,) = engine.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=3))
-    assert_prompt_logprobs(out.prompt_logprobs, out.prompt_top_logprobs, *alone(model, prompt), 3)
+    assert_prompt_logprobs(out.prompt_logprobs, out.prompt_top_logprobs, *alone(model, prompt), 3,
+                           out.prompt_logprob_ranks)
 
 
 def test_generate_and_a_one_token_prompt(text_model):
@@ -118,9 +132,9 @@ def test_generate_and_a_one_token_prompt(text_model):
                                       [SamplingParams(max_tokens=2, prompt_logprobs=2),
                                        SamplingParams(max_tokens=2, prompt_logprobs=0),
                                        SamplingParams(max_tokens=2)])
-    assert one.prompt_logprobs == [None] and one.prompt_top_logprobs == [[]]
+    assert one.prompt_logprobs == [None] and one.prompt_top_logprobs == [[]] and one.prompt_logprob_ranks == [None]
     assert many.prompt_logprobs[1:] == pytest.approx(alone(model, [7, 8, 9, 10])[0][1:], abs=TOLERANCE)
-    assert none.prompt_logprobs is None and none.prompt_top_logprobs is None
+    assert none.prompt_logprobs is None and none.prompt_top_logprobs is None and none.prompt_logprob_ranks is None
 
 
 def test_the_prefix_cache_is_not_looked_up_for_a_request_that_asks(text_model):
@@ -152,8 +166,8 @@ def test_a_preempted_request_gets_its_prompt_logprobs_once(text_model):
     assert engine.scheduler.requests == {} and any(
         e["trigger"] == "preempt" for e in sink.of_kind("transition")), "the budget preempted a row"
     for i, p in enumerate(prompts):
-        (values, top), = carried[f"r{i}"]
-        assert_prompt_logprobs(values, top, *alone(model, p), 2)
+        (values, top, ranks), = carried[f"r{i}"]
+        assert_prompt_logprobs(values, top, *alone(model, p), 2, ranks)
         assert tokens[f"r{i}"] == solo_tokens(model, tokenizer, p, 6)
 
 
@@ -165,7 +179,8 @@ def test_a_recurrent_models_checkpointed_prefill(tmp_path):
     engine = Engine(model, tokenizer, EngineConfig(prefill_chunk=20, prefix_cache_bytes=1 << 24,
                                                    prefix_block_size=8))
     (out,) = engine.generate([prompt], SamplingParams(max_tokens=3, prompt_logprobs=1))
-    assert_prompt_logprobs(out.prompt_logprobs, out.prompt_top_logprobs, *alone(model, prompt), 1)
+    assert_prompt_logprobs(out.prompt_logprobs, out.prompt_top_logprobs, *alone(model, prompt), 1,
+                           out.prompt_logprob_ranks)
     assert out.token_ids == solo_tokens(model, tokenizer, prompt, 3)
 
 
@@ -178,7 +193,8 @@ def test_with_kv_bits_the_prompt_is_scored_on_the_float_cache_as_mlx_lm_keeps_it
     quantized = dict(kv_bits=8, kv_group_size=64, quantized_kv_start=16)
     engine = Engine(model, tokenizer, EngineConfig(prefill_chunk=12, **quantized))
     (out,) = engine.generate([prompt], SamplingParams(max_tokens=6, prompt_logprobs=1))
-    assert_prompt_logprobs(out.prompt_logprobs, out.prompt_top_logprobs, *alone(model, prompt), 1)
+    assert_prompt_logprobs(out.prompt_logprobs, out.prompt_top_logprobs, *alone(model, prompt), 1,
+                           out.prompt_logprob_ranks)
     assert out.token_ids == solo_tokens(model, tokenizer, prompt, 6, **quantized)
 
 

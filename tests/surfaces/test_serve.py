@@ -454,6 +454,76 @@ def test_echo_with_logprobs_answers_lm_evals_loglikelihood_request(server, refer
     assert entries.token_logprobs[-1] is not None and entries.tokens[-1] == engine.tokenizer.decode([stop_id])
 
 
+def _expected_prompt_logprobs(engine, out, k: int) -> list:
+    """What vLLM's `prompt_logprobs` field holds for the engine's output `out` (the server renders the same
+    numbers): per prompt token after the first, its own entry (logprob, rank) then its position's k most likely
+    (ranks 1..k), one entry per token id."""
+    field = [None]
+    for token, lp, rank, top in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:], out.prompt_logprob_ranks[1:],
+                                    out.prompt_top_logprobs[1:]):
+        entries = {str(token): (lp, rank)}
+        for place, (t, value) in enumerate(top[:k], 1):
+            entries[str(t)] = (value, place)
+        field.append(entries)
+    return field
+
+
+def _assert_prompt_logprobs_field(engine, got: list, want: list) -> None:
+    """The server's field against the in-process engine's. Their forwards may batch differently (under OpenBLAS
+    the values then differ in the last bits): a rank is exact where the values are, else within one (a
+    vocabulary entry that close to the token's value can land on either side of it)."""
+    assert len(got) == len(want) and got[0] is None
+    for entries, wanted in zip(got[1:], want[1:]):
+        assert list(entries) == list(wanted)  # the prompt token first, then the most likely in order
+        for token, (value, rank) in wanted.items():
+            assert entries[token]["logprob"] == pytest.approx(value, abs=1e-5)
+            assert abs(entries[token]["rank"] - rank) <= (entries[token]["logprob"] != value)
+            assert entries[token]["decoded_token"] == engine.tokenizer.decode([int(token)])
+
+
+def test_prompt_logprobs_are_vllms_field(server, reference):
+    """vLLM's `prompt_logprobs` request field and answer: on /v1/completions each choice carries its own prompt's
+    (computed once per prompt, shared by its n choices), on chat the request carries its rendered prompt's; each
+    prompt token's logprob, its rank among the whole vocabulary and its position's k most likely tokens are the
+    engine's own (`SamplingParams.prompt_logprobs`, tested against a forward of the prompt alone in
+    test_prompt_logprobs.py). `max_tokens: 0` scores the prompt alone; beside `echo` + `logprobs: 1` the echo still
+    lists one alternative a token. Streaming and out-of-range values are refused in
+    test_every_bad_input_is_refused_naming_the_field_and_nothing_is_queued."""
+    engine = reference[0]
+    prompts = [[7, 8, 9, 10, 11, 12], [21, 22, 23]]
+    want = engine.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=3))
+    status, body = server.post("/v1/completions", {"model": MODEL_NAME, "prompt": prompts, "max_tokens": 1,
+                                                   "temperature": 0, "prompt_logprobs": 3, "n": 2})
+    assert status == 200, body
+    choices = sorted(body["choices"], key=lambda c: c["index"])
+    assert len(choices) == 4 and all(c["logprobs"] is None for c in choices)
+    for choice in choices:
+        out = want[choice["index"] // 2]
+        assert out.prompt_token_ids == prompts[choice["index"] // 2]
+        _assert_prompt_logprobs_field(engine, choice["prompt_logprobs"], _expected_prompt_logprobs(engine, out, 3))
+    assert choices[0]["prompt_logprobs"] == choices[1]["prompt_logprobs"]
+    assert "prompt_logprobs" not in body  # completions: per choice
+
+    status, scored = server.post("/v1/completions", {"model": MODEL_NAME, "prompt": prompts[0], "max_tokens": 0,
+                                                     "prompt_logprobs": 0, "echo": True, "logprobs": 1})
+    assert status == 200, scored
+    (choice,) = scored["choices"]
+    assert choice["text"] == engine.tokenizer.decode(prompts[0]) and scored["usage"]["completion_tokens"] == 0
+    _assert_prompt_logprobs_field(engine, choice["prompt_logprobs"], _expected_prompt_logprobs(engine, want[0], 0))
+    assert all(top is None or len(top) == 1 for top in choice["logprobs"]["top_logprobs"])
+
+    messages = [{"role": "user", "content": "Tell me about the river and a garden"}]
+    (chat_want,) = engine.generate([messages], SamplingParams(max_tokens=4, prompt_logprobs=2))
+    status, chat = server.post("/v1/chat/completions", {"model": MODEL_NAME, "messages": messages, "max_tokens": 4,
+                                                        "temperature": 0, "prompt_logprobs": 2})
+    assert status == 200, chat
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"] == len(chat_want.prompt_token_ids)
+    _assert_prompt_logprobs_field(engine, chat["prompt_logprobs"], _expected_prompt_logprobs(engine, chat_want, 2))
+    assert "prompt_logprobs" not in chat["choices"][0]
+    status, plain = server.post("/v1/chat/completions", {"model": MODEL_NAME, "messages": messages, "max_tokens": 4})
+    assert status == 200 and "prompt_logprobs" not in plain
+
+
 def _png_file(tmp_path: Path) -> Path:
     path = tmp_path / "real.png"
     _picture(5, (56, 56))[0].save(path)
@@ -502,6 +572,9 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[str, bytes | dict, int, str]]:
         (chat, {"messages": ok + [{"role": "tool", "content": "sunny"}]}, 400, "messages.1"),
         (chat, {"messages": ok, "tool_choice": "required"}, 400, "tool_choice"),
         (cmpl, {"prompt": "hi", "logprobs": 6}, 400, "logprobs"),
+        (cmpl, {"prompt": "hi", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+        (cmpl, {"prompt": "hi", "prompt_logprobs": -1}, 400, "prompt_logprobs"),  # vLLM's whole vocabulary: not here
+        (chat, {"messages": ok, "prompt_logprobs": 0, "stream": True}, 400, "prompt_logprobs"),
         (chat, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": garbage}},
                                                            {"type": "text", "text": "hi"}]}]}, 400,
          "messages.0.content.0"),
