@@ -2,9 +2,11 @@
 same model, batch and cache length, in one process: what the scheduler, the cache-layer protocol and the
 executor's bookkeeping add to a decode step.
 
-    python -m bench.decode_overhead [--model text-medium | qwen3_next-medium] [--batch 32] [--steps 32]
+    python -m bench.decode_overhead [--model text-medium | qwen3_next-medium | vlm] [--batch 32] [--steps 32]
 
-`qwen3_next-medium` is a hybrid of about text-medium's size (hidden 512 x 8 layers: gated delta-net
+`vlm` is the tiny Qwen2-VL of the image benchmarks (`bench.vision_peer`), its rows text-only: its bare loop calls
+mlx-vlm's language model with each row's M-RoPE positions, as the engine's decode does. On a model this small
+the tick's fixed costs (planning, bookkeeping, events) weigh most. `qwen3_next-medium` is a hybrid of about text-medium's size (hidden 512 x 8 layers: gated delta-net
 linear-attention layers, whose recurrent state is an `ArraysCache`, alternating with attention layers; MoE
 MLPs), built from the conformance suite's tiny qwen3_next config with larger dimensions.
 """
@@ -38,6 +40,36 @@ def build(kind: str, out: Path) -> Path:
         model_type, overrides = MEDIUM_FAMILIES[kind]
         return build_family_model(model_type, out, overrides=overrides)
     return build_model(kind, out)
+
+
+def bare_loop_vlm(model, prompts, steps):
+    """The VLM's bare loop: each prompt prefilled alone through the language model (positions 0..n-1 on the three
+    M-RoPE axes, as a text prompt's are), one merged batch cache, then forward + argmax per step, each row at
+    its own next position."""
+    from mlx_lm.models.cache import BatchKVCache
+    from mlx_vlm.models.cache import make_prompt_cache
+
+    lm = model.language_model
+    caches = []
+    for p in prompts:
+        cache = make_prompt_cache(lm)
+        n = len(p) - 1
+        lm(mx.array(p[:-1])[None], cache=cache, position_ids=mx.broadcast_to(mx.arange(n)[None, None], (3, 1, n)))
+        mx.eval([a for layer in cache for a in layer.state])
+        caches.append(cache)
+    batch = [BatchKVCache.merge([c[i] for c in caches]) for i in range(len(caches[0]))]
+    y = mx.array([p[-1] for p in prompts])
+    next_position = mx.array([len(p) - 1 for p in prompts])
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        positions = mx.broadcast_to(next_position[None, :, None], (3, len(prompts), 1))
+        out = lm(y[:, None], cache=batch, position_ids=positions)
+        y = mx.argmax(getattr(out, "logits", out)[:, -1, :], axis=-1)
+        next_position = next_position + 1
+        mx.eval(y)
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def bare_loop(model, prompts, steps):
@@ -84,7 +116,7 @@ def main(argv=None) -> int:
     from bench.blas import describe, detect_blas
 
     ap = argparse.ArgumentParser(prog="python -m bench.decode_overhead", description=__doc__)
-    ap.add_argument("--model", default="text-medium", choices=["text", "text-medium", *MEDIUM_FAMILIES])
+    ap.add_argument("--model", default="text-medium", choices=["text", "text-medium", "vlm", *MEDIUM_FAMILIES])
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=32)
@@ -92,12 +124,19 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     print(describe(detect_blas()))
     with tempfile.TemporaryDirectory() as d:
-        model, tokenizer = load(str(build(args.model, Path(d) / args.model)))
+        if args.model == "vlm":
+            import mlx_vlm
+
+            model, tokenizer = mlx_vlm.load(str(build(args.model, Path(d) / args.model)))
+            loop = bare_loop_vlm
+        else:
+            model, tokenizer = load(str(build(args.model, Path(d) / args.model)))
+            loop = bare_loop
         rng = random.Random(0)
         prompts = [[rng.randrange(7, 512) for _ in range(args.prompt_len)] for _ in range(args.batch)]
         bare, ours = [], []
         for _ in range(args.repeats):  # alternate, median of steps, best of repeats
-            bare.append(statistics.median(bare_loop(model, prompts, args.steps)))
+            bare.append(statistics.median(loop(model, prompts, args.steps)))
             ours.append(statistics.median(engine_loop(model, tokenizer, prompts, args.steps)))
     b, o = min(bare), min(ours)
     print(f"{args.model}, batch {args.batch}, prompt {args.prompt_len}: bare forward+argmax {b * 1e3:.2f} ms/step, "
