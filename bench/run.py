@@ -36,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 8, 32],
                     help="number of concurrent requests per comparison (default: 1 8 32)")
     ap.add_argument("--workload", choices=("uniform", "mixed"), default="uniform")
+    ap.add_argument("--vocab-size", type=int, default=None,
+                    help="build the model with this vocabulary size (a real model's, e.g. Qwen's 151936) instead "
+                         "of the tokenizer's 512: the ids past 512 are never generated, but every forward and "
+                         "every log-softmax computes them")
     ap.add_argument("--prompt-len", type=int, default=128, help="uniform: prompt length (default 128)")
     ap.add_argument("--lo", type=int, default=16, help="mixed: shortest prompt (default 16)")
     ap.add_argument("--hi", type=int, default=300, help="mixed: longest prompt (default 300)")
@@ -123,11 +127,13 @@ def run_here(args: argparse.Namespace, log) -> dict[str, Any]:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="mlxsched-bench-") as tmp:
         for kind in args.model:
-            model, tokenizer = load(str(build_model(kind, Path(tmp) / kind)))
+            model, tokenizer = load(str(build_model(kind, Path(tmp) / kind, vocab_size=args.vocab_size)))
             for wl in _workloads(args):
                 log(f"{kind}: {wl.describe()}")
                 comparisons.extend(compare_peers(
-                    model, tokenizer, wl, peers=args.peer, model_name=kind, repeats=args.repeats,
+                    model, tokenizer, wl, peers=args.peer,
+                    model_name=kind if args.vocab_size is None else f"{kind} (vocab {args.vocab_size})",
+                    repeats=args.repeats,
                     warmup_tokens=args.warmup_tokens, config=config, ignore_eos=not args.stop_on_eos,
                     peer_prefill_batch=args.peer_prefill_batch, peer_completion_batch=args.peer_completion_batch,
                     blas=info["name"], stat=args.stat, log=log,

@@ -21,7 +21,8 @@ import mlx.core as mx
 import numpy as np
 
 from caches.kv import KVCacheManager, QuantizeRule
-from kernels.sampling import RowSampling, SamplingArrays, logprobs_from_logits, most_likely, sample_tokens
+from kernels.sampling import (RowSampling, SamplingArrays, greedy_pick, logprobs_from_logits, most_likely,
+                              sample_tokens)
 from caches.layers import restore_batch, rollback_reads, rollback_rows, snapshot_batch
 from caches.prefix import checkpoint_position
 from kernels.speculative import (
@@ -624,9 +625,15 @@ class MLXExecutor:
             logits = all_logits[:, 0, :]
         logits = self._apply_processors(logits, result)
         params = self._sampling_arrays()
-        top = self._greedy_top(all_logits) if width and self._argmax_only else None
-        if top is not None:  # every row's token is its argmax at position 0 (`sample_tokens` would agree)
-            tokens, logprobs = top[:, 0], None
+        # a batch that only needs argmaxes reads back every row's greedy choice at every position it computed (the
+        # tokens, and a verify tick's verdict, are decided from it on the host): `greedy_pick`, which skips the
+        # log-softmax wherever that provably gives the same token (`sample_tokens` would agree)
+        pick = greedy_pick(logits if all_logits is None else all_logits) if self._argmax_only else None
+        top_rows = None
+        if pick is not None:
+            tokens, logprobs = None, None
+            mx.eval(*pick.arrays(), *(rollback_reads(self.kv.batch) if width else ()))  # one sync for both
+            top_rows = pick.tokens()
         else:
             tokens, logprobs = self._sample(inputs, logits, params, result)
         want_logprobs = [i for i, row in enumerate(self._rows) if row.request.sampling.logprobs]
@@ -638,14 +645,17 @@ class MLXExecutor:
         emitted: dict[int, list[int]] = {}
         if width:  # (the sampled tokens are evaluated with the verdict: one sync for both)
             emitted = self._verify(all_logits, draft_tokens, draft_lens, drafts, width, result,
-                                   tokens if picked is None else (tokens, picked),
-                                   None if snapshot is None else (snapshot, verify_inputs), top)
+                                   () if tokens is None else tokens if picked is None else (tokens, picked),
+                                   None if snapshot is None else (snapshot, verify_inputs), top_rows)
         if all_hidden is not None:  # each row's hidden state at the last position it kept
             kept = mx.array([len(emitted[i]) - 1 if i in emitted else 0 for i in range(len(self._rows))])
             self._last_hidden = all_hidden[mx.arange(len(self._rows)), kept]
             self._has_hidden = [True] * len(self._rows)
-        mx.eval(tokens, *(() if picked is None else (picked,)), *(() if alternatives is None else alternatives[1:]))
-        token_list = tokens.tolist()
+        if top_rows is not None:  # read back already: each row's choice at position 0
+            token_list = [row_top[0] for row_top in top_rows] if all_logits is not None else top_rows
+        else:
+            mx.eval(tokens, *(() if picked is None else (picked,)), *(() if alternatives is None else alternatives[1:]))
+            token_list = tokens.tolist()
         for i, (row, token) in enumerate(zip(self._rows, token_list)):
             out = emitted.get(i)
             if out is not None:  # a drafting row: accepted drafts, then the target's own token
@@ -655,7 +665,8 @@ class MLXExecutor:
                 token_list[i] = token
             result.sampled[row.request.request_id] = token
             row.step += 1 + len(result.accepted_drafts.get(row.request.request_id, ()))
-        self._next_inputs = mx.array(token_list, dtype=mx.uint32) if emitted else tokens.astype(mx.uint32)
+        self._next_inputs = (mx.array(token_list, dtype=mx.uint32) if emitted or tokens is None
+                             else tokens.astype(mx.uint32))
         if picked is not None:
             for i, lp in zip(want_logprobs, picked.tolist()):
                 result.logprobs[self._rows[i].request.request_id] = lp
@@ -696,14 +707,6 @@ class MLXExecutor:
         steps = mx.array([row.step for row in self._rows], dtype=mx.uint32)
         tokens, logprobs = sample_tokens(logits, params, steps, context)
         return self._apply_samplers(tokens, logprobs, result), logprobs
-
-    @staticmethod
-    def _greedy_top(all_logits: mx.array) -> mx.array:
-        """(B, n, V) verify logits -> (B, n) argmax of the log-softmax at every position: the target's greedy
-        choice, taken exactly as `sample_tokens` and mlx-lm's greedy sampler take it. For a batch that only
-        needs argmaxes (`_argmax_only`), this is all a verify tick reads back: the tokens and the verdict
-        (`greedy_accept_rows`) come from it, instead of sampling ops and a dozen acceptance ops."""
-        return mx.argmax(all_logits - mx.logsumexp(all_logits, axis=-1, keepdims=True), axis=-1)
 
     def _decode_groups(self, inputs: mx.array) -> mx.array:
         """The one-token forward of every row. Under kv_bits, rows whose context has not reached their
@@ -775,7 +778,7 @@ class MLXExecutor:
                 for rid, d in drafts.items()}
 
     def _verify(self, all_logits, draft_tokens, draft_lens, drafts, width, result, sampled=(),
-                refeed: tuple[Any, mx.array] | None = None, top: mx.array | None = None) -> dict[int, list[int]]:
+                refeed: tuple[Any, mx.array] | None = None, top_rows: list | None = None) -> dict[int, list[int]]:
         """Accept per row (greedy: longest matching prefix; sampled: exact min(1, p/q) rule with residual
         resampling), roll every row's cache back to what it accepted, and return each drafting row's emitted
         tokens by row index.
@@ -786,12 +789,11 @@ class MLXExecutor:
         by the sampling rule), and unless a is every draft, the cache is restored and `[input, d_1..d_a]`
         fed again, one forward of a + 1 positions for all rows.
 
-        `top` (every row's argmax at every position, `_greedy_top`) decides on the host; either way the verdict,
-        the sampled tokens and the lengths the rollback reads are evaluated together: one sync per verify tick."""
+        `top_rows` (every row's greedy choice at every position, read back with the lengths the rollback reads:
+        `greedy_pick`) decides on the host; otherwise the verdict, the sampled tokens and those lengths are
+        evaluated together: one sync per verify tick either way."""
         index = [i for i, row in enumerate(self._rows) if row.request.request_id in drafts]
-        if top is not None:
-            mx.eval(top, *rollback_reads(self.kv.batch))
-            top_rows = top.tolist()
+        if top_rows is not None:
             accepted, emitted_rows = greedy_accept_rows([top_rows[i] for i in index],
                                                         [drafts[self._rows[i].request.request_id].tokens for i in index])
         else:

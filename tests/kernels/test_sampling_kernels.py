@@ -599,3 +599,59 @@ def test_partial_topk_path_matches_full_sort():
     for step in range(4):
         s = mx.full((B,), step, dtype=mx.uint32)
         assert mx.array_equal(sample(lp, params, s), sample(lp, full, s)).item()
+
+
+# ---------------------------------------------------------------------------
+# greedy tokens without the log-softmax (GreedyPick)
+# ---------------------------------------------------------------------------
+
+
+def _exact_greedy(logits: mx.array) -> list:
+    """mlx-lm's greedy token: the argmax of the log-softmax (what `sample` takes for a greedy row)."""
+    return mx.argmax(logprobs_from_logits(logits), axis=-1).tolist()
+
+
+def _picked(logits: mx.array) -> tuple[list, int]:
+    pick = ks.greedy_pick(logits)
+    mx.eval(*pick.arrays())
+    unsure = ~ks.separated(np.array(pick.best), np.array(pick.runner_up), logits.dtype, logits.shape[-1])
+    return pick.tokens(), int(unsure.sum())
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=st.integers(1, 6), V=st.sampled_from([2, 7, 512, 4099]), scale=st.sampled_from([0.01, 1.0, 8.0, 60.0]),
+       dtype=st.sampled_from(["float32", "bfloat16", "float16"]), ties=st.integers(0, 3), data=st.data())
+def test_greedy_pick_equals_the_argmax_of_the_log_softmax(rows, V, scale, dtype, ties, data):
+    """Random logits with near-ties planted at the top (the runner-up one ulp or a few below the best, equal
+    values, a best value repeated later in the row, -inf entries): the pick is the log-softmax's argmax in every
+    dtype, bitwise the token mlx-lm's greedy sampler takes."""
+    seed = data.draw(st.integers(0, 2**31 - 1))
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((rows, V)) * scale).astype(np.float32)
+    for r in range(rows):
+        best = int(np.argmax(x[r]))
+        for _ in range(ties if V > 1 else 0):
+            j = int(rng.integers(V))
+            x[r, j] = np.nextafter(x[r, best], -np.inf, dtype=np.float32) if rng.random() < 0.5 else x[r, best]
+        if rng.random() < 0.2:
+            x[r, int(rng.integers(V))] = -np.inf
+    logits = mx.array(x).astype(getattr(mx, dtype))
+    assert _picked(logits)[0] == _exact_greedy(logits)
+
+
+def test_greedy_pick_takes_the_log_softmax_where_rounding_could_merge_the_top():
+    """Where the best and the runner-up are closer than the rounding of `x - c` could tell apart, the pick computes
+    those rows' log-softmax (and only those); a clear winner never does. In bfloat16 a gap of one of its own ulps at
+    the top is within that margin; a row of only -inf or with NaN is never trusted."""
+    x = np.array([[0.0, 5.0, 1.0, -3.0],  # clear: gap 4
+                  [2.0, np.nextafter(np.float32(2.0), np.float32(3.0)), 0.0, -1.0],  # one float32 ulp
+                  [-np.inf, -np.inf, -np.inf, -np.inf],
+                  [0.0, np.nan, 1.0, 2.0]], dtype=np.float32)
+    tokens, unsure = _picked(mx.array(x))
+    assert tokens == _exact_greedy(mx.array(x)) and unsure == 3
+    bf16 = mx.array([[10.0, 10.0625, -2.0], [10.0, 30.0, -2.0]]).astype(mx.bfloat16)  # 10.0625: one ulp above 10
+    tokens, unsure = _picked(bf16)
+    assert tokens == _exact_greedy(bf16) and unsure == 1
+    # a batch of shape (B, n, V), as a verify tick's logits are
+    three = mx.array(np.random.default_rng(3).standard_normal((2, 3, 50)).astype(np.float32))
+    assert _picked(three)[0] == _exact_greedy(three)
