@@ -652,6 +652,12 @@ def test_greedy_pick_takes_the_log_softmax_where_rounding_could_merge_the_top():
     bf16 = mx.array([[10.0, 10.0625, -2.0], [10.0, 30.0, -2.0]]).astype(mx.bfloat16)  # 10.0625: one ulp above 10
     tokens, unsure = _picked(bf16)
     assert tokens == _exact_greedy(bf16) and unsure == 1
+    # a NaN anywhere in a long row: MLX's argmax lands on it, so the row is never trusted (this fails loudly if
+    # MLX's argmax stops treating NaN as the largest)
+    long = np.random.default_rng(5).standard_normal((2, 5000)).astype(np.float32)
+    long[1, 4000] = np.nan
+    tokens, unsure = _picked(mx.array(long))
+    assert tokens == _exact_greedy(mx.array(long)) and unsure == 1
     # a batch of shape (B, n, V), as a verify tick's logits are
     three = mx.array(np.random.default_rng(3).standard_normal((2, 3, 50)).astype(np.float32))
     assert _picked(three)[0] == _exact_greedy(three)
