@@ -505,9 +505,10 @@ class GreedyPick:
     def arrays(self) -> tuple[mx.array, mx.array, mx.array]:
         return self.argmax, self.best, self.runner_up
 
-    def tokens(self) -> list:
-        """The tokens as nested lists shaped like `argmax` (call after evaluating `arrays()`): the argmax where the
-        gap is provably wide enough, the log-softmax's argmax (one more evaluation) where it is not."""
+    def tokens(self) -> tuple[list, int]:
+        """(the tokens as nested lists shaped like `argmax`, how many positions took their log-softmax); call after
+        evaluating `arrays()`. The argmax where the gap is provably wide enough, the log-softmax's argmax (one more
+        evaluation, of those positions only) where it is not."""
         picked = np.array(self.argmax)
         unsure = ~separated(np.array(self.best), np.array(self.runner_up), self.logits.dtype, self.logits.shape[-1])
         if unsure.any():
@@ -515,7 +516,7 @@ class GreedyPick:
             rows = np.flatnonzero(unsure.reshape(-1))
             exact = mx.argmax(logprobs_from_logits(flat[mx.array(rows)]), axis=-1)
             picked.reshape(-1)[rows] = np.array(exact)
-        return picked.tolist()
+        return picked.tolist(), int(unsure.sum())
 
 
 def separated(best: np.ndarray, runner_up: np.ndarray, dtype: mx.Dtype, vocab_size: int) -> np.ndarray:

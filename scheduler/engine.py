@@ -342,6 +342,11 @@ class Engine:
         whose batched forward raised and were prefilled one by one; each is also in its tick's outcome event)."""
         return self.executor.prefill_stats.as_dict()
 
+    def greedy_stats(self) -> dict[str, int]:
+        """Greedy batches' picks (`kernels.sampling.GreedyPick`): positions read back, and how many of them took
+        their log-softmax because rounding could have decided a near-tie at the top (ARCHITECTURE.md, "Sampling")."""
+        return self.executor.greedy_stats.as_dict()
+
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, config: EngineConfig | None = None, *,
                         tensor_group: Any = None, pipeline_group: Any = None, **kwargs: Any) -> "Engine":

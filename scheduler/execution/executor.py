@@ -97,6 +97,19 @@ class PrefillStats:
                 "cached_rows": self.cached_rows, "padded_tokens": self.padded_tokens, "fallbacks": self.fallbacks}
 
 
+@dataclass
+class GreedyStats:
+    """Greedy picks (`kernels.sampling.GreedyPick`: batches that only need argmaxes), all ticks together: the
+    positions read back, and how many of them took their log-softmax (a near-tie at the top that rounding could
+    have decided: rare in float32, frequent in bfloat16)."""
+
+    positions: int = 0
+    recomputed: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"positions": self.positions, "recomputed": self.recomputed}
+
+
 # prompt positions whose float32 log-softmax is computed at once (`_prompt_logprobs`)
 PROMPT_LOGPROB_BLOCK = 256
 
@@ -180,6 +193,7 @@ class MLXExecutor:
         self.draft_gate = draft_gate
         self.draft_stats = DraftStats()
         self.prefill_stats = PrefillStats()
+        self.greedy_stats = GreedyStats()
         # batched prefill pads a group by at most this fraction of its real tokens (0: equal lengths only).
         # The engine checks PREFILL_PAD_RATIO; a larger ratio is for probes (bench/prefill_mix.py) only.
         if pad_ratio < 0:
@@ -633,7 +647,9 @@ class MLXExecutor:
         if pick is not None:
             tokens, logprobs = None, None
             mx.eval(*pick.arrays(), *(rollback_reads(self.kv.batch) if width else ()))  # one sync for both
-            top_rows = pick.tokens()
+            top_rows, recomputed = pick.tokens()
+            self.greedy_stats.positions += pick.argmax.size
+            self.greedy_stats.recomputed += recomputed
         else:
             tokens, logprobs = self._sample(inputs, logits, params, result)
         want_logprobs = [i for i, row in enumerate(self._rows) if row.request.sampling.logprobs]

@@ -4,7 +4,7 @@ requests), on a plain-KV model and on a sliding-window (rotating cache) model.""
 
 import pytest
 
-from scheduler import EngineConfig, FinishReason
+from scheduler import Engine, EngineConfig, FinishReason
 
 from ..helpers import drive, engine_with_log, greedy, mixed_prompts, solo_tokens
 
@@ -132,3 +132,23 @@ def test_a_failing_batched_prefill_falls_back_as_an_event_and_a_counter(text_mod
     fallbacks = [f for e in log.of_kind("outcome") for f in e.get("prefill_fallbacks", [])]
     assert sorted((len(ids), n) for ids, n, _ in fallbacks) == [(3, 10 - 1), (8, 40 - 1)]  # ids, group width
     assert all("batched prefill is broken" in error for _, _, error in fallbacks)
+
+
+def test_a_bfloat16_model_is_exact_where_the_greedy_pick_needs_the_log_softmax(text_model_dir):
+    """In bfloat16 the logits are coarse: the best and the runner-up are often closer than rounding `logits -
+    logsumexp` could tell apart, so the greedy pick (`kernels.sampling.GreedyPick`) takes those positions'
+    log-softmax (counted in `greedy_stats`), and the plain argmax elsewhere. Batched under chunked prefill, every
+    request still equals mlx-lm alone on the same bfloat16 model, token for token."""
+    import mlx.core as mx
+    from mlx_lm import load
+
+    model, tokenizer = load(str(text_model_dir))  # its own instance: the session's float32 one stays as it is
+    model.set_dtype(mx.bfloat16)
+    prompts = mixed_prompts(6, 4, 60, seed=7)
+    engine = Engine(model, tokenizer, EngineConfig(max_batched_tokens=48, max_seqs=6, prefill_chunk=16,
+                                                   check_invariants=True))
+    outs = engine.generate(prompts, greedy(24))
+    stats = engine.greedy_stats()
+    assert stats["positions"] >= 6 * 23 and 0 < stats["recomputed"] < stats["positions"]
+    for out, prompt in zip(outs, prompts):
+        assert out.token_ids == solo_tokens(model, tokenizer, prompt, 24)
