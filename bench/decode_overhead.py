@@ -32,14 +32,14 @@ MEDIUM_FAMILIES = {
 }
 
 
-def build(kind: str, out: Path) -> Path:
+def build(kind: str, out: Path, vocab_size: int | None = None) -> Path:
     from scheduler.fixtures.families import build_family_model
     from scheduler.fixtures.tiny_models import build_model
 
     if kind in MEDIUM_FAMILIES:
         model_type, overrides = MEDIUM_FAMILIES[kind]
         return build_family_model(model_type, out, overrides=overrides)
-    return build_model(kind, out)
+    return build_model(kind, out, vocab_size=vocab_size)
 
 
 def bare_loop_vlm(model, prompts, steps):
@@ -118,6 +118,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.decode_overhead", description=__doc__)
     ap.add_argument("--model", default="text-medium", choices=["text", "text-medium", "vlm", *MEDIUM_FAMILIES])
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--vocab-size", type=int, default=None,
+                    help="text kinds: build the model with this vocabulary size (a real model's, e.g. 151936)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
@@ -130,7 +132,7 @@ def main(argv=None) -> int:
             model, tokenizer = mlx_vlm.load(str(build(args.model, Path(d) / args.model)))
             loop = bare_loop_vlm
         else:
-            model, tokenizer = load(str(build(args.model, Path(d) / args.model)))
+            model, tokenizer = load(str(build(args.model, Path(d) / args.model, args.vocab_size)))
             loop = bare_loop
         rng = random.Random(0)
         prompts = [[rng.randrange(7, 512) for _ in range(args.prompt_len)] for _ in range(args.batch)]
@@ -139,7 +141,8 @@ def main(argv=None) -> int:
             bare.append(statistics.median(loop(model, prompts, args.steps)))
             ours.append(statistics.median(engine_loop(model, tokenizer, prompts, args.steps)))
     b, o = min(bare), min(ours)
-    print(f"{args.model}, batch {args.batch}, prompt {args.prompt_len}: bare forward+argmax {b * 1e3:.2f} ms/step, "
+    vocab = "" if args.vocab_size is None else f" (vocab {args.vocab_size})"
+    print(f"{args.model}{vocab}, batch {args.batch}, prompt {args.prompt_len}: bare forward+argmax {b * 1e3:.2f} ms/step, "
           f"engine tick {o * 1e3:.2f} ms/step, overhead {100 * (o / b - 1):+.1f}%")
     return 0
 

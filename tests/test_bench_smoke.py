@@ -25,6 +25,8 @@ SCRIPTS: dict[str, tuple[list[str], str]] = {
     "decode_overhead:vlm": (["--model", "vlm", "--batch", "2", "--prompt-len", "8", "--steps", "4", "--repeats", "1"],
                             "overhead"),
     "async_overlap": (["--dim", "32", "--depth", "5", "--repeats", "1"], "|"),
+    "run:vocab": (["--model", "text", "--vocab-size", "2048", "--workload", "mixed", "--batch", "2", "--lo", "8",
+                   "--hi", "20", "--new-tokens", "4", "--repeats", "1", "--peer", "mlx-lm"], "|"),
     "drafting": (["--model-dir", "MODEL_DIR", "--batch", "1", "--new-tokens", "16", "--repeats", "1"], "|"),
     "verify_tick": (["--model-dir", "MODEL_DIR", "--batch", "1", "2", "--width", "1", "3", "--context", "32", "--iters",
                      "5", "--repeats", "1", "--new-tokens", "8"], "|"),
