@@ -3,10 +3,13 @@ same model, batch and cache length, in one process: what the scheduler, the cach
 executor's bookkeeping add to a decode step.
 
     python -m bench.decode_overhead [--model text-medium | qwen3_next-medium | vlm] [--batch 32] [--steps 32]
+        [--vocab-size N]
 
 `vlm` is the tiny Qwen2-VL of the image benchmarks (`bench.vision_peer`), its rows text-only: its bare loop calls
 mlx-vlm's language model with each row's M-RoPE positions, as the engine's decode does. On a model this small
-the tick's fixed costs (planning, bookkeeping, events) weigh most. `qwen3_next-medium` is a hybrid of about text-medium's size (hidden 512 x 8 layers: gated delta-net
+the tick's fixed costs (planning, bookkeeping, events) weigh most.
+
+`qwen3_next-medium` is a hybrid of about text-medium's size (hidden 512 x 8 layers: gated delta-net
 linear-attention layers, whose recurrent state is an `ArraysCache`, alternating with attention layers; MoE
 MLPs), built from the conformance suite's tiny qwen3_next config with larger dimensions.
 """
@@ -142,7 +145,8 @@ def main(argv=None) -> int:
             ours.append(statistics.median(engine_loop(model, tokenizer, prompts, args.steps)))
     b, o = min(bare), min(ours)
     vocab = "" if args.vocab_size is None else f" (vocab {args.vocab_size})"
-    print(f"{args.model}{vocab}, batch {args.batch}, prompt {args.prompt_len}: bare forward+argmax {b * 1e3:.2f} ms/step, "
+    print(f"{args.model}{vocab}, batch {args.batch}, prompt {args.prompt_len}: "
+          f"bare forward+argmax {b * 1e3:.2f} ms/step, "
           f"engine tick {o * 1e3:.2f} ms/step, overhead {100 * (o / b - 1):+.1f}%")
     return 0
 

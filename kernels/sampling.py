@@ -479,8 +479,8 @@ def logprobs_from_logits(logits: mx.array) -> mx.array:
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
-# Unit roundoff of the dtypes logits come in: a log-softmax computed in one of them rounds each value to within
-# `eps` of its magnitude (relative), twice at most (the subtraction, and a float32 intermediate rounded again).
+# Machine epsilon of the dtypes logits come in: one rounding is off by at most half of it, relative to the value;
+# `logits - c` rounds at most twice (a float32 intermediate, then the dtype), so by at most `eps` (`separated`).
 _EPS = {mx.float32: 2.0 ** -23, mx.bfloat16: 2.0 ** -7, mx.float16: 2.0 ** -10}
 
 

@@ -487,9 +487,9 @@ class _TextChoices:
                         alternatives.append(None)
                         continue
                     listed: dict[str, float] = {}
-                    # (an echo's alternatives may be more: the engine scored the prompt for `prompt_logprobs` too)
-                    for t, lp in (top[i][: self.alternatives] if i < len(top) else ()):  # one text shares a key:
-                        # the likelier keeps it
+                    # one text shares a key: the likelier keeps it. (An echo may carry more alternatives than
+                    # asked here: the engine scored the prompt for `prompt_logprobs` too.)
+                    for t, lp in (top[i][: self.alternatives] if i < len(top) else ()):
                         listed.setdefault(_token_text(self.tokenizer, t), lp)
                     alternatives.append(listed)
         offsets = list(itertools.accumulate((len(t) for t in tokens), initial=0))[:-1]
