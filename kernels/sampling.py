@@ -14,7 +14,10 @@ Semantics follow ``mlx_lm.sample_utils`` (mlx-lm 0.32):
   enable it (``0 < top_p < 1``, ``min_p != 0``, ``top_k > 0``);
 * greedy rows (temperature 0): ``mx.argmax`` of the unfiltered log-probs,
   exactly ``greedy_sampler``;
-* sampled rows: ``filtered * (1 / temperature)`` then a categorical draw.
+* sampled rows: ``filtered * (1 / temperature)`` then a categorical draw (in a batch of sampled rows with no
+  filter, from the logits: the log-sum-exp shift changes no draw; ``SamplingArrays.shift_free``);
+* a batch that only needs argmaxes may skip the log-softmax where it cannot change the token
+  (``GreedyPick``).
 
 The categorical draw is Gumbel-max with noise from a counter-based hash of
 ``(seed[row], step[row], vocab index)`` built from MLX ``uint32`` ops -- the
@@ -124,6 +127,8 @@ class SamplingArrays:
     seed: mx.array  # uint32 per-row seed
     all_greedy: bool  # every row has temperature 0 (fast path: plain argmax)
     any_penalty: bool  # some row has a penalty (skip penalty work otherwise)
+    # some row is greedy (temperature 0); True = "maybe", as the flags below
+    any_greedy: bool = True
     # Optional python flags (default True = "maybe"): let the sampled path skip
     # the sort / min-p work when no *sampled* row uses that filter. from_rows
     # sets them exactly; leaving them True is always correct, just slower.
@@ -140,6 +145,12 @@ class SamplingArrays:
     @property
     def batch_size(self) -> int:
         return int(self.temperature.shape[0])
+
+    @property
+    def shift_free(self) -> bool:
+        """Every row is sampled with no filter: a per-row shift of its values (the log-sum-exp) changes neither
+        its temperature-scaled draw nor anything else `sample` computes, so it may draw from the logits."""
+        return not (self.any_greedy or self.any_top_p or self.any_min_p or self.any_top_k)
 
     @classmethod
     def from_rows(cls, rows: Sequence[RowSampling]) -> "SamplingArrays":
@@ -163,6 +174,7 @@ class SamplingArrays:
             frequency_penalty=mx.array(freq),
             seed=mx.array(seed),
             all_greedy=bool(not sampled.any()),
+            any_greedy=bool((~sampled).any()),
             any_penalty=bool(((pres != 0.0) | (rep != 1.0) | (freq != 0.0)).any()),
             any_top_p=bool((sampled & (top_p > 0.0) & (top_p < 1.0)).any()),
             any_top_k=bool((sampled & (top_k > 0)).any()),
@@ -375,16 +387,18 @@ def _sampled_impl(
     use_min_p: bool,
     use_top_k: bool,
     kmax: int = -1,
+    use_greedy: bool = True,
 ) -> mx.array:
     V = logprobs.shape[-1]
-    greedy_tok = mx.argmax(logprobs, axis=-1)
     filtered = _filter(logprobs, top_p, top_k, min_p, use_top_p, use_min_p, use_top_k, kmax)
     t = temperature[:, None]
     greedy = t == 0.0
     inv_t = 1.0 / mx.where(greedy, 1.0, t)
     scores = filtered.astype(mx.float32) * inv_t + _gumbel(seed, step, V)
     sampled_tok = mx.argmax(scores, axis=-1)
-    return mx.where(temperature == 0.0, greedy_tok, sampled_tok)
+    if not use_greedy:  # no greedy row: its argmax would be one more pass over the vocabulary for nothing
+        return sampled_tok
+    return mx.where(temperature == 0.0, mx.argmax(logprobs, axis=-1), sampled_tok)
 
 
 # mx.compile for the sampled path. Measured on the CPU backend (2 shared cores, B=32, median,
@@ -413,7 +427,7 @@ def _compile_enabled() -> bool:
 
 @lru_cache(maxsize=None)
 def _sampled_fn(
-    use_top_p: bool, use_min_p: bool, use_top_k: bool, compiled: bool, kmax: int = -1
+    use_top_p: bool, use_min_p: bool, use_top_k: bool, compiled: bool, kmax: int = -1, use_greedy: bool = True
 ):
     def fn(logprobs, temperature, top_p, top_k, min_p, seed, step):
         return _sampled_impl(
@@ -428,6 +442,7 @@ def _sampled_fn(
             use_min_p=use_min_p,
             use_top_k=use_top_k,
             kmax=kmax,
+            use_greedy=use_greedy,
         )
 
     return mx.compile(fn) if compiled else fn
@@ -443,7 +458,7 @@ def _kmax_bucket(max_top_k: int, vocab_size: int) -> int:
 
 
 def sample(logprobs: mx.array, params: SamplingArrays, step: mx.array) -> mx.array:
-    """(B, V) normalised log-probs -> (B,) uint32 token ids.
+    """(B, V) normalised log-probs -> (B,) uint32 token ids; for a `params.shift_free` batch the logits will do.
 
     Greedy rows (temperature 0) take the argmax of the *unfiltered* logprobs,
     like mlx-lm's ``greedy_sampler``. Sampled rows: filter (top_p, min_p,
@@ -462,6 +477,7 @@ def sample(logprobs: mx.array, params: SamplingArrays, step: mx.array) -> mx.arr
         params.any_top_k,
         _compile_enabled(),
         _kmax_bucket(params.max_top_k, logprobs.shape[-1]) if params.any_top_k else -1,
+        params.any_greedy,
     )
     return fn(
         logprobs,
@@ -564,8 +580,14 @@ def sample_tokens(
 
     Returns (tokens (B,), logprobs (B, V)); logprobs are the log-softmax of the
     processed (penalised) logits, before filtering and temperature, like mlx-lm.
+
+    A shift-free batch (every row sampled, no filter: `SamplingArrays.shift_free`) draws from the logits: the
+    log-sum-exp shifts a row's scores alike, so the draw has the same distribution, and the log-softmax (lazy,
+    an exponential per vocabulary entry: a third of this kernel's time with a 152k vocabulary on the CPU) is
+    computed only if the caller reads it. The token can differ from the log-prob draw's only where rounding
+    the shifted scores reorders two of them (as rare as exact ties of the noise).
     """
     if params.any_penalty and context is not None:
         logits = apply_penalties(logits, context, params)
     logprobs = logprobs_from_logits(logits)
-    return sample(logprobs, params, step), logprobs
+    return sample(logits if params.shift_free else logprobs, params, step), logprobs

@@ -660,3 +660,29 @@ def test_greedy_pick_takes_the_log_softmax_where_rounding_could_merge_the_top():
     # a batch of shape (B, n, V), as a verify tick's logits are
     three = mx.array(np.random.default_rng(3).standard_normal((2, 3, 50)).astype(np.float32))
     assert _picked(three)[0] == _exact_greedy(three)
+
+
+def test_a_shift_free_batch_draws_from_the_logits():
+    """Every row sampled with no filter: `sample_tokens` draws from the logits (the log-sum-exp shifts a row's
+    scores alike), here the very tokens the log-prob draw gives (they could differ only where rounding the
+    shifted scores reorders two of them), and still returns the log-softmax; a greedy row or any filter keeps
+    the log-prob draw. The draws follow the softmax of logits / temperature."""
+    rng = np.random.default_rng(11)
+    B, V = 64, 3000
+    logits = mx.array((rng.standard_normal((B, V)) * 4 + 20).astype(np.float32))  # log-sum-exp far from 0
+    rows = [RowSampling(temperature=float(t), seed=s) for s, t in enumerate(rng.uniform(0.3, 2.0, B))]
+    params = SamplingArrays.from_rows(rows)
+    assert params.shift_free
+    steps = mx.arange(B, dtype=mx.uint32)
+    tokens, logprobs = sample_tokens(logits, params, steps)
+    assert np.array(tokens).tolist() == np.array(sample(logprobs_from_logits(logits), params, steps)).tolist()
+    assert np.allclose(np.array(logprobs), np.array(logprobs_from_logits(logits)))
+    for other in (RowSampling(), RowSampling(temperature=1.0, top_p=0.9), RowSampling(temperature=1.0, min_p=0.1),
+                  RowSampling(temperature=1.0, top_k=5)):
+        assert not SamplingArrays.from_rows(rows[:3] + [other]).shift_free
+    n = 20000  # one row's logits, many seeds: the softmax at temperature 0.7
+    row = mx.broadcast_to(mx.array(LOGITS8[None] + 50.0), (n, 8))
+    many = SamplingArrays.from_rows([RowSampling(temperature=0.7, seed=s) for s in range(n)])
+    drawn = np.array(sample_tokens(row, many, mx.zeros((n,), dtype=mx.uint32))[0])
+    target = np.exp(_log_softmax_np(LOGITS8 / 0.7))
+    assert 0.5 * np.abs(np.bincount(drawn, minlength=8) / n - target).sum() < 0.02
