@@ -584,8 +584,8 @@ def sample_tokens(
     A shift-free batch (every row sampled, no filter: `SamplingArrays.shift_free`) draws from the logits: the
     log-sum-exp shifts a row's scores alike, so the draw has the same distribution, and the log-softmax (lazy,
     an exponential per vocabulary entry: a third of this kernel's time with a 152k vocabulary on the CPU) is
-    computed only if the caller reads it. The token can differ from the log-prob draw's only where rounding
-    the shifted scores reorders two of them (as rare as exact ties of the noise).
+    computed only if the caller reads it. The token can differ from the log-prob draw's only where the two best
+    scores lie within a few units of rounding of each other (rounding the shifted ones may reorder them).
     """
     if params.any_penalty and context is not None:
         logits = apply_penalties(logits, context, params)
