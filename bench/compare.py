@@ -18,7 +18,10 @@ or as the median (`stat="median"`); `Comparison.to_dict()` carries both and ever
 Equal work: BatchGenerator gets no stop tokens; our engine gets the tokenizer through a proxy that declares
 no eos ids (`ignore_eos=True`, the default), so both produce exactly `new_tokens` tokens per request. With
 `ignore_eos=False` the engine stops on `<|im_end|>` and the run reports how many requests stopped early.
-Greedy outputs are compared token by token per request (they should be identical).
+Greedy outputs are compared token by token per request (they should be identical). A workload with sampled
+requests (`Workload.with_sampling`) gives each side its own sampler for them (ours: seeded `SamplingParams`;
+mlx-lm: `make_sampler` per request; the reference: its per-request temperature and top-p); their outputs differ by
+random stream, so only the greedy requests are compared.
 """
 
 from __future__ import annotations
@@ -91,6 +94,11 @@ class Comparison:
     blas: str = ""
     stat: str = "best"  # how repeats are summarised: "best" (best of N per figure) or "median"
     peer_name: str = "mlx-lm"  # which peer: "mlx-lm" (BatchGenerator) or "vllm-mlx" (MLLMBatchGenerator)
+    compared: int = -1  # requests whose outputs were compared (the greedy ones); -1: all n
+
+    def __post_init__(self) -> None:
+        if self.compared < 0:
+            self.compared = self.n
 
     def figure(self, side: str, attr: str, stat: str | None = None) -> float:
         """A figure of one side over its repeats.
@@ -145,6 +153,7 @@ class Comparison:
             "peer_short": max(r.short_requests for r in self.peer),
             "max_load1": max(r.load1 for r in self.ours + self.peer),
             "mismatches": len(self.mismatches),
+            "compared": self.compared,
             "blas": self.blas,
         }
 
@@ -246,11 +255,13 @@ def run_ours(model: Any, tokenizer: Any, workload: Workload, config: Any = None,
 
     engine = Engine(model, _NoEosTokenizer(tokenizer) if ignore_eos else tokenizer,
                     config or default_engine_config())
-    sampling = SamplingParams(max_tokens=workload.new_tokens)
+    greedy = SamplingParams(max_tokens=workload.new_tokens)
     prompts = workload.prompt_lists
     gc.collect()
     clock = _Clock(len(prompts), workload.new_tokens)
-    index = {engine.add_request(prompt_tokens=p, sampling=sampling): i for i, p in enumerate(prompts)}
+    index = {engine.add_request(prompt_tokens=p, sampling=SamplingParams(
+        max_tokens=workload.new_tokens, temperature=workload.temperature, top_p=workload.top_p, seed=i)
+        if workload.sampled(i) else greedy): i for i, p in enumerate(prompts)}
     while engine.has_pending():
         for out in engine.step():
             clock.record(index[out.request_id], out.token_ids)
@@ -270,6 +281,7 @@ def run_peer(model: Any, workload: Workload, completion_batch_size: int | None =
     one request's processors (called per request: processors may keep state).
     """
     from mlx_lm.generate import BatchGenerator
+    from mlx_lm.sample_utils import make_sampler
 
     prompts = workload.prompt_lists
     gen = BatchGenerator(
@@ -281,6 +293,9 @@ def run_peer(model: Any, workload: Workload, completion_batch_size: int | None =
     try:
         clock = _Clock(len(prompts), workload.new_tokens)
         processors = {"logits_processors": [logits_processors() for _ in prompts]} if logits_processors else {}
+        if workload.sampled_every:  # greedy requests take the generator's own (argmax) sampler
+            processors["samplers"] = [make_sampler(temp=workload.temperature, top_p=workload.top_p)
+                                      if workload.sampled(i) else None for i in range(len(prompts))]
         uids = gen.insert(prompts, max_tokens=[workload.new_tokens] * len(prompts), **processors)
         index = {u: i for i, u in enumerate(uids)}
         remaining = len(prompts)
@@ -296,9 +311,13 @@ def run_peer(model: Any, workload: Workload, completion_batch_size: int | None =
         gen.close()
 
 
-def compare_outputs(ours: list[list[int]], peer: list[list[int]]) -> list[Mismatch]:
+def compare_outputs(ours: list[list[int]], peer: list[list[int]], only: Sequence[int] | None = None
+                    ) -> list[Mismatch]:
+    """Requests whose outputs differ (among `only`, the greedy ones of a workload with sampled requests)."""
     out = []
     for i, (a, b) in enumerate(zip(ours, peer)):
+        if only is not None and i not in only:
+            continue
         if a != b:
             pos = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
             out.append(Mismatch(i, pos, a, b))
@@ -370,8 +389,9 @@ def compare_peers(
         Comparison(
             model=model_name, workload=workload.name, n=len(workload), prompt_tokens=workload.prompt_tokens,
             new_tokens=workload.new_tokens, ours=runs["ours"], peer=runs[p],
-            mismatches=compare_outputs(runs["ours"][0].outputs, runs[p][0].outputs), blas=blas, stat=stat,
-            peer_name=p,
+            mismatches=compare_outputs(runs["ours"][0].outputs, runs[p][0].outputs,
+                                       workload.greedy_indices if workload.sampled_every else None),
+            blas=blas, stat=stat, peer_name=p, compared=len(workload.greedy_indices),
         )
         for p in peers
     ]
@@ -385,7 +405,9 @@ def markdown_table(comparisons: Sequence[Comparison], stat: str | None = None) -
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for c in comparisons:
         r = c.row(stat)
-        ident = "yes" if c.identical else f"NO ({r['mismatches']}/{c.n})"
+        ident = "yes" if c.identical else f"NO ({r['mismatches']}/{c.compared})"
+        if c.compared != c.n:
+            ident += f" ({c.compared} greedy of {c.n})"
         if r["ours_short"] or r["peer_short"]:
             ident += f"; short: ours {r['ours_short']} peer {r['peer_short']}"
         lines.append(

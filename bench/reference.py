@@ -90,8 +90,10 @@ def run_reference(model: Any, tokenizer: Any, workload: Workload, completion_bat
     try:
         requests = []
         for i, p in enumerate(prompts):
+            sampled = workload.sampled(i)
             req = MLLMBatchRequest(uid=0, request_id=f"r{i}", prompt="", max_tokens=workload.new_tokens,
-                                   temperature=0.0, top_p=1.0)
+                                   temperature=workload.temperature if sampled else 0.0,
+                                   top_p=workload.top_p if sampled else 1.0)
             req.input_ids = mx.array(p)[None, :]
             req.is_text_only = True
             requests.append(req)

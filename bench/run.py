@@ -45,6 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--hi", type=int, default=300, help="mixed: longest prompt (default 300)")
     ap.add_argument("--new-tokens", type=int, default=64, help="tokens generated per request (default 64)")
     ap.add_argument("--seed", type=int, default=0, help="workload seed")
+    ap.add_argument("--sampled-every", type=int, default=0, metavar="N",
+                    help="every Nth request (from the first) sampled at --temperature / --top-p, seeded; the rest "
+                         "greedy, and only they are compared across sides (default 0: all greedy)")
+    ap.add_argument("--temperature", type=float, default=1.0, help="sampled requests' temperature (default 1.0)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="sampled requests' top-p (default 1.0: off)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per side, order alternating (default 3)")
     ap.add_argument("--stat", choices=("best", "median"), default="best",
                     help="summary over repeats in the table: best of N (default) or median; JSON has both")
@@ -106,8 +111,10 @@ def machine_info() -> dict[str, Any]:
 
 def _workloads(args: argparse.Namespace) -> list:
     if args.workload == "uniform":
-        return [uniform(n, args.prompt_len, args.new_tokens, args.seed) for n in args.batch]
-    return [mixed(n, args.lo, args.hi, args.new_tokens, args.seed) for n in args.batch]
+        made = [uniform(n, args.prompt_len, args.new_tokens, args.seed) for n in args.batch]
+    else:
+        made = [mixed(n, args.lo, args.hi, args.new_tokens, args.seed) for n in args.batch]
+    return [wl.with_sampling(args.sampled_every, args.temperature, args.top_p) for wl in made]
 
 
 def run_here(args: argparse.Namespace, log) -> dict[str, Any]:

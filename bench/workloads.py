@@ -8,7 +8,7 @@ The same (arguments, seed) always give the same prompts.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 TOKEN_LO = 7  # first non-special id of the tiny tokenizer
@@ -27,6 +27,11 @@ class Workload:
     prompts: tuple[tuple[int, ...], ...]
     new_tokens: int
     seed: int
+    # sampled requests (`with_sampling`): every `sampled_every`-th request, from the first, is drawn at this
+    # temperature and top-p with its index as seed; the rest are greedy. 0: every request greedy
+    sampled_every: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -50,13 +55,28 @@ class Workload:
         return self.new_tokens * len(self.prompts)
 
     def with_new_tokens(self, new_tokens: int) -> "Workload":
-        """Same prompts, a different generation length (used for warm-up runs)."""
-        return Workload(self.name, self.prompts, new_tokens, self.seed)
+        """Same prompts and sampling, a different generation length (used for warm-up runs)."""
+        return replace(self, new_tokens=new_tokens)
+
+    def with_sampling(self, every: int, temperature: float = 1.0, top_p: float = 1.0) -> "Workload":
+        """Every `every`-th request (from the first) sampled at `temperature` / `top_p`; 0: all greedy."""
+        if every < 0 or (every and not temperature > 0) or not 0 < top_p <= 1:
+            raise ValueError(f"need every >= 0, temperature > 0, 0 < top_p <= 1; got {every}, {temperature}, {top_p}")
+        return replace(self, sampled_every=every, temperature=temperature, top_p=top_p)
+
+    def sampled(self, i: int) -> bool:
+        return bool(self.sampled_every) and i % self.sampled_every == 0
+
+    @property
+    def greedy_indices(self) -> list[int]:
+        return [i for i in range(len(self.prompts)) if not self.sampled(i)]
 
     def describe(self) -> str:
         lens = [len(p) for p in self.prompts]
+        sampling = (f"; every {self.sampled_every}. request sampled (temperature {self.temperature}, top-p "
+                    f"{self.top_p}), {len(self.greedy_indices)} greedy" if self.sampled_every else "")
         return (f"{self.name}: {len(lens)} prompts, {min(lens)}-{max(lens)} tokens "
-                f"(total {sum(lens)}), {self.new_tokens} new tokens each")
+                f"(total {sum(lens)}), {self.new_tokens} new tokens each{sampling}")
 
 
 def _check(n: int, new_tokens: int) -> None:

@@ -14,10 +14,11 @@ Semantics follow ``mlx_lm.sample_utils`` (mlx-lm 0.32):
   enable it (``0 < top_p < 1``, ``min_p != 0``, ``top_k > 0``);
 * greedy rows (temperature 0): ``mx.argmax`` of the unfiltered log-probs,
   exactly ``greedy_sampler``;
-* sampled rows: ``filtered * (1 / temperature)`` then a categorical draw (in a batch of sampled rows with no
-  filter, from the logits: the log-sum-exp shift changes no draw; ``SamplingArrays.shift_free``);
-* a batch that only needs argmaxes may skip the log-softmax where it cannot change the token
-  (``GreedyPick``).
+* sampled rows: ``filtered * (1 / temperature)`` then a categorical draw (a row with no filter draws from its
+  logits: the log-sum-exp shift changes no draw; ``sample``);
+* where only tokens are wanted, greedy rows may skip the log-softmax where it cannot change the token
+  (``GreedyPick``), and a batch of greedy and sampled rows splits so that each group computes only what its
+  tokens need (``draw_tokens``).
 
 The categorical draw is Gumbel-max with noise from a counter-based hash of
 ``(seed[row], step[row], vocab index)`` built from MLX ``uint32`` ops -- the
@@ -56,6 +57,9 @@ __all__ = [
     "logprobs_from_logits",
     "GreedyPick",
     "greedy_pick",
+    "DrawGroups",
+    "TokenDraw",
+    "draw_tokens",
     "most_likely",
     "sample_tokens",
     "DEFAULT_PENALTY_CONTEXT",
@@ -112,6 +116,12 @@ class RowSampling:
     def has_penalty(self) -> bool:
         return self.presence_penalty != 0.0 or self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
 
+    @property
+    def filtered(self) -> bool:
+        """A sampled row with a filter set (top_p in (0, 1), min_p != 0, top_k > 0): it draws from its filtered
+        log-softmax; a sampled row without one draws from its logits (`sample`)."""
+        return not self.greedy and (0.0 < self.top_p < 1.0 or self.min_p != 0.0 or self.top_k > 0)
+
 
 @dataclass(frozen=True)
 class SamplingArrays:
@@ -147,10 +157,9 @@ class SamplingArrays:
         return int(self.temperature.shape[0])
 
     @property
-    def shift_free(self) -> bool:
-        """Every row is sampled with no filter: a per-row shift of its values (the log-sum-exp) changes neither
-        its temperature-scaled draw nor anything else `sample` computes, so it may draw from the logits."""
-        return not (self.any_greedy or self.any_top_p or self.any_min_p or self.any_top_k)
+    def needs_logprobs(self) -> bool:
+        """Some row's token reads the log-softmax: a greedy row (its argmax), or a sampled row with a filter."""
+        return self.any_greedy or self.any_top_p or self.any_min_p or self.any_top_k
 
     @classmethod
     def from_rows(cls, rows: Sequence[RowSampling]) -> "SamplingArrays":
@@ -374,8 +383,14 @@ def _gumbel(seed: mx.array, step: mx.array, vocab_size: int) -> mx.array:
 # ---------------------------------------------------------------------------
 
 
+def _row_has_filter(top_p: mx.array, top_k: mx.array, min_p: mx.array) -> mx.array:
+    """(B, 1) whether each row has a filter set: `RowSampling.filtered` (for a sampled row) on the device."""
+    return (((top_p > 0.0) & (top_p < 1.0)) | (min_p != 0.0) | (top_k > 0))[:, None]
+
+
 def _sampled_impl(
     logprobs: mx.array,
+    logits: mx.array,
     temperature: mx.array,
     top_p: mx.array,
     top_k: mx.array,
@@ -390,11 +405,15 @@ def _sampled_impl(
     use_greedy: bool = True,
 ) -> mx.array:
     V = logprobs.shape[-1]
-    filtered = _filter(logprobs, top_p, top_k, min_p, use_top_p, use_min_p, use_top_k, kmax)
+    if use_top_p or use_min_p or use_top_k:  # filtered rows draw from their filtered log-softmax, the rest from logits
+        filtered = _filter(logprobs, top_p, top_k, min_p, use_top_p, use_min_p, use_top_k, kmax)
+        base = mx.where(_row_has_filter(top_p, top_k, min_p), filtered, logits)
+    else:  # no filter anywhere: the log-softmax is not read here (a greedy row's argmax below aside)
+        base = logits
     t = temperature[:, None]
     greedy = t == 0.0
     inv_t = 1.0 / mx.where(greedy, 1.0, t)
-    scores = filtered.astype(mx.float32) * inv_t + _gumbel(seed, step, V)
+    scores = base.astype(mx.float32) * inv_t + _gumbel(seed, step, V)
     sampled_tok = mx.argmax(scores, axis=-1)
     if not use_greedy:  # no greedy row: its argmax would be one more pass over the vocabulary for nothing
         return sampled_tok
@@ -429,9 +448,10 @@ def _compile_enabled() -> bool:
 def _sampled_fn(
     use_top_p: bool, use_min_p: bool, use_top_k: bool, compiled: bool, kmax: int = -1, use_greedy: bool = True
 ):
-    def fn(logprobs, temperature, top_p, top_k, min_p, seed, step):
+    def fn(logprobs, logits, temperature, top_p, top_k, min_p, seed, step):
         return _sampled_impl(
             logprobs,
+            logits,
             temperature,
             top_p,
             top_k,
@@ -457,14 +477,20 @@ def _kmax_bucket(max_top_k: int, vocab_size: int) -> int:
     return b if b < vocab_size else -1
 
 
-def sample(logprobs: mx.array, params: SamplingArrays, step: mx.array) -> mx.array:
-    """(B, V) normalised log-probs -> (B,) uint32 token ids; for a `params.shift_free` batch the logits will do.
+def sample(logprobs: mx.array, params: SamplingArrays, step: mx.array, logits: mx.array | None = None) -> mx.array:
+    """(B, V) normalised log-probs -> (B,) uint32 token ids.
 
     Greedy rows (temperature 0) take the argmax of the *unfiltered* logprobs,
     like mlx-lm's ``greedy_sampler``. Sampled rows: filter (top_p, min_p,
     top_k), multiply by 1/temperature, Gumbel-max with noise hashed from
     (seed[row], step[row], vocab index). ``step`` is (B,) uint32: the row's
     output-token index.
+
+    A sampled row with no filter (`RowSampling.filtered`) draws from ``logits`` (the log-probs before the
+    log-sum-exp shift: the shift moves all of a row's scores alike, so the draw has the same distribution, and a
+    batch where no row reads the log-softmax never computes it); omitted, the log-probs serve. Which values a row
+    draws from depends on its own parameters only, so a seeded row draws the same token alone and in any batch.
+    The two can give different tokens only where a row's two best scores lie within a few units of rounding.
     """
     if params.all_greedy:
         return mx.argmax(logprobs, axis=-1)
@@ -481,6 +507,7 @@ def sample(logprobs: mx.array, params: SamplingArrays, step: mx.array) -> mx.arr
     )
     return fn(
         logprobs,
+        logprobs if logits is None else logits,
         params.temperature,
         params.top_p,
         params.top_k,
@@ -561,6 +588,77 @@ def greedy_pick(logits: mx.array) -> GreedyPick:
     return GreedyPick(logits, argmax[..., 0], best, runner_up)
 
 
+@dataclass(frozen=True)
+class DrawGroups:
+    """A batch's rows split for `draw_tokens`: the greedy rows and the sampled rows (by index, in batch order),
+    and the sampled rows' own parameters. Made once per batch composition."""
+
+    greedy: tuple[int, ...]
+    sampled: tuple[int, ...]
+    sampled_params: SamplingArrays | None  # None when no row is sampled
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[RowSampling]) -> "DrawGroups":
+        rows = list(rows)
+        sampled = tuple(i for i, row in enumerate(rows) if not row.greedy)
+        return cls(greedy=tuple(i for i, row in enumerate(rows) if row.greedy), sampled=sampled,
+                   sampled_params=SamplingArrays.from_rows([rows[i] for i in sampled]) if sampled else None)
+
+
+@dataclass(frozen=True)
+class TokenDraw:
+    """Every row's token where nothing reads the log-probs (`draw_tokens`): the greedy rows' `GreedyPick` and the
+    sampled rows' draws, evaluated together (`arrays()`), then put back in batch order on the host (`tokens()`)."""
+
+    groups: DrawGroups
+    pick: GreedyPick | None
+    drawn: mx.array | None  # (len(groups.sampled),)
+
+    def arrays(self) -> tuple[mx.array, ...]:
+        return (*(self.pick.arrays() if self.pick is not None else ()), *(() if self.drawn is None else (self.drawn,)))
+
+    def tokens(self) -> tuple[list[int], int]:
+        """(every row's token, how many greedy rows took their log-softmax); call after evaluating `arrays()`."""
+        out = [0] * (len(self.groups.greedy) + len(self.groups.sampled))
+        recomputed = 0
+        if self.pick is not None:
+            picked, recomputed = self.pick.tokens()
+            for i, token in zip(self.groups.greedy, picked):
+                out[i] = token
+        if self.drawn is not None:
+            for i, token in zip(self.groups.sampled, self.drawn.tolist()):
+                out[i] = token
+        return out, recomputed
+
+
+def draw_tokens(logits: mx.array, params: SamplingArrays, groups: DrawGroups, step: mx.array,
+                context: Optional[mx.array] = None) -> TokenDraw:
+    """The tokens `sample_tokens` gives, where nobody reads the log-probs: penalties as there, then the greedy rows
+    by `greedy_pick` and the sampled rows by `sample` on their own rows, so the log-softmax is computed only for
+    sampled rows with a filter (and for a greedy row only where rounding could change its argmax). A mixed batch
+    otherwise pays the log-softmax of every row, and the sampled rows' noise is not computed for greedy rows.
+
+    Each row's token is the one `sample_tokens` gives it: a greedy row's pick is its log-softmax's argmax by
+    construction, and a sampled row's draw is row-wise (its log-softmax, filter and noise do not depend on the
+    other rows)."""
+    if params.any_penalty and context is not None:
+        logits = apply_penalties(logits, context, params)
+    whole = len(groups.greedy) + len(groups.sampled) == logits.shape[0]
+    if not whole:
+        raise ValueError(f"draw groups of {len(groups.greedy) + len(groups.sampled)} rows for {logits.shape[0]}")
+
+    def rows(index: tuple[int, ...]) -> mx.array:
+        return logits if len(index) == logits.shape[0] else logits[mx.array(index)]
+
+    pick = greedy_pick(rows(groups.greedy)) if groups.greedy else None
+    drawn = None
+    if groups.sampled:
+        own = rows(groups.sampled)
+        steps = step if len(groups.sampled) == logits.shape[0] else step[mx.array(groups.sampled)]
+        drawn = sample(logprobs_from_logits(own), groups.sampled_params, steps, logits=own)
+    return TokenDraw(groups, pick, drawn)
+
+
 def most_likely(logprobs: mx.array, k: int) -> tuple[mx.array, mx.array]:
     """(ids, values) of each row's k largest logprobs (k <= vocabulary), most likely first: a partition, then a
     sort of the k only."""
@@ -581,13 +679,11 @@ def sample_tokens(
     Returns (tokens (B,), logprobs (B, V)); logprobs are the log-softmax of the
     processed (penalised) logits, before filtering and temperature, like mlx-lm.
 
-    A shift-free batch (every row sampled, no filter: `SamplingArrays.shift_free`) draws from the logits: the
-    log-sum-exp shifts a row's scores alike, so the draw has the same distribution, and the log-softmax (lazy,
-    an exponential per vocabulary entry: a third of this kernel's time with a 152k vocabulary on the CPU) is
-    computed only if the caller reads it. The token can differ from the log-prob draw's only where the two best
-    scores lie within a few units of rounding of each other (rounding the shifted ones may reorder them).
+    Sampled rows without a filter draw from the (penalised) logits (`sample`), so where no row's token reads the
+    log-softmax (`SamplingArrays.needs_logprobs`) it stays lazy: an exponential per vocabulary entry, a third of
+    this kernel's time with a 152k vocabulary on the CPU, computed only if the caller reads it.
     """
     if params.any_penalty and context is not None:
         logits = apply_penalties(logits, context, params)
     logprobs = logprobs_from_logits(logits)
-    return sample(logits if params.shift_free else logprobs, params, step), logprobs
+    return sample(logprobs, params, step, logits=logits), logprobs

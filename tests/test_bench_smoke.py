@@ -21,6 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS: dict[str, tuple[list[str], str]] = {
     "run": (["--model", "text", "--workload", "mixed", "--batch", "4", "--lo", "8", "--hi", "40", "--new-tokens", "8",
              "--repeats", "1", "--peer", "mlx-lm", "vllm-mlx"], "|"),
+    "run:sampled": (["--model", "text", "--batch", "3", "--new-tokens", "4", "--prompt-len", "8", "--repeats", "1",
+                     "--sampled-every", "2", "--top-p", "0.9", "--peer", "mlx-lm", "vllm-mlx"], "(1 greedy of 3)"),
     "decode_overhead": (["--model", "text", "--batch", "4", "--steps", "4", "--repeats", "1"], "overhead"),
     "decode_overhead:vlm": (["--model", "vlm", "--batch", "2", "--prompt-len", "8", "--steps", "4", "--repeats", "1"],
                             "overhead"),

@@ -21,8 +21,8 @@ import mlx.core as mx
 import numpy as np
 
 from caches.kv import KVCacheManager, QuantizeRule
-from kernels.sampling import (RowSampling, SamplingArrays, greedy_pick, logprobs_from_logits, most_likely,
-                              sample_tokens)
+from kernels.sampling import (DrawGroups, RowSampling, SamplingArrays, TokenDraw, draw_tokens, greedy_pick,
+                              logprobs_from_logits, most_likely, sample_tokens)
 from caches.layers import restore_batch, rollback_reads, rollback_rows, snapshot_batch
 from caches.prefix import checkpoint_position
 from kernels.speculative import (
@@ -225,6 +225,7 @@ class MLXExecutor:
         self._rope_deltas: mx.array | None = None  # (B,) VLM position offsets (0 for text rows)
         self._params: SamplingArrays | None = None
         self._argmax_only = False  # every row samples by a bare argmax (set with _params: `_sampling_arrays`)
+        self._draw_groups: DrawGroups | None = None  # set with _params where a plain tick needs only tokens
         self._context: mx.array | None = None  # (B, W) recent tokens for penalties, -1 padded
         self._released: set[str] = set()
         self._no_draft: set[str] = set()  # rows the draft model could not take: they decode plainly
@@ -596,13 +597,20 @@ class MLXExecutor:
 
     def _sampling_arrays(self) -> SamplingArrays:
         if self._params is None:
-            self._params = SamplingArrays.from_rows([_row_sampling(row.request) for row in self._rows])
-            # a bare argmax per row: greedy, no penalty, processor, custom sampler or logprobs anywhere in the batch
-            self._argmax_only = (self._params.all_greedy and not self._params.any_penalty and not self.logprob_vectors
-                                 and not any(row.request.sampling.logits_processors or row.request.sampling.logprobs
-                                             or row.request.sampling.logit_bias
+            rows = [_row_sampling(row.request) for row in self._rows]
+            self._params = SamplingArrays.from_rows(rows)
+            # nothing but each row's token is read: no logprobs, custom samplers or logprob vectors anywhere
+            tokens_only = not self.logprob_vectors and not any(
+                row.request.sampling.logprobs or row.request.sampling.sampler is not None for row in self._rows)
+            # a plain tick then draws greedy and sampled rows apart (`draw_tokens`): processors, biases and
+            # grammars act on the logits before it, penalties inside it
+            self._draw_groups = DrawGroups.from_rows(rows) if tokens_only else None
+            # a bare argmax per row, at every position a verify tick computes: greedy, no penalty, and nothing
+            # that changes position 0's logits only (processors, biases, grammars)
+            self._argmax_only = (tokens_only and self._params.all_greedy and not self._params.any_penalty
+                                 and not any(row.request.sampling.logits_processors or row.request.sampling.logit_bias
                                              or row.request.sampling.structured_output is not None
-                                             or row.request.sampling.sampler is not None for row in self._rows))
+                                             for row in self._rows))
         return self._params
 
     def _decode(self, result: TickResult, draft_k: dict[str, int]) -> None:
@@ -643,12 +651,20 @@ class MLXExecutor:
         # tokens, and a verify tick's verdict, are decided from it on the host): `greedy_pick`, which skips the
         # log-softmax wherever that provably gives the same token (`sample_tokens` would agree)
         pick = greedy_pick(logits if all_logits is None else all_logits) if self._argmax_only else None
+        # a plain tick where only tokens are read: greedy rows picked, sampled rows drawn, each group apart
+        draw = self._draw(inputs, logits, params) if pick is None and not width and self._draw_groups else None
         top_rows = None
         if pick is not None:
             tokens, logprobs = None, None
             mx.eval(*pick.arrays(), *(rollback_reads(self.kv.batch) if width else ()))  # one sync for both
             top_rows, recomputed = pick.tokens()
             self.greedy_stats.positions += pick.argmax.size
+            self.greedy_stats.recomputed += recomputed
+        elif draw is not None:
+            tokens, logprobs = None, None
+            mx.eval(*draw.arrays())
+            drawn, recomputed = draw.tokens()
+            self.greedy_stats.positions += len(self._draw_groups.greedy)
             self.greedy_stats.recomputed += recomputed
         else:
             tokens, logprobs = self._sample(inputs, logits, params, result)
@@ -669,6 +685,8 @@ class MLXExecutor:
             self._has_hidden = [True] * len(self._rows)
         if top_rows is not None:  # read back already: each row's choice at position 0
             token_list = [row_top[0] for row_top in top_rows] if all_logits is not None else top_rows
+        elif draw is not None:
+            token_list = drawn
         else:
             mx.eval(tokens, *(() if picked is None else (picked,)), *(() if alternatives is None else alternatives[1:]))
             token_list = tokens.tolist()
@@ -713,16 +731,25 @@ class MLXExecutor:
                 result: TickResult) -> tuple[mx.array, mx.array]:
         """Every row's token from its position-0 logits: penalties (with each row's recent tokens), the vectorised
         sampler, then custom samplers. Returns (tokens, log-probs)."""
-        context = None
-        if params.any_penalty:
-            fed = inputs.astype(mx.int32)
-            if self.output_only_history:  # a fresh row's first input is its last prompt token: not history here
-                fed = mx.where(mx.array([row.step > 0 for row in self._rows]), fed, -1)
-            self._context = mx.concatenate([self._context[:, 1:], fed[:, None]], axis=1)
-            context = self._context
-        steps = mx.array([row.step for row in self._rows], dtype=mx.uint32)
-        tokens, logprobs = sample_tokens(logits, params, steps, context)
+        tokens, logprobs = sample_tokens(logits, params, self._steps(), self._penalty_context(inputs, params))
         return self._apply_samplers(tokens, logprobs, result), logprobs
+
+    def _draw(self, inputs: mx.array, logits: mx.array, params: SamplingArrays) -> TokenDraw:
+        """`_sample`'s tokens where nothing else is read (`draw_tokens`: no log-softmax where no token needs it)."""
+        return draw_tokens(logits, params, self._draw_groups, self._steps(), self._penalty_context(inputs, params))
+
+    def _steps(self) -> mx.array:
+        return mx.array([row.step for row in self._rows], dtype=mx.uint32)
+
+    def _penalty_context(self, inputs: mx.array, params: SamplingArrays) -> mx.array | None:
+        """Each row's recent tokens with this tick's inputs appended, where some row has a penalty."""
+        if not params.any_penalty:
+            return None
+        fed = inputs.astype(mx.int32)
+        if self.output_only_history:  # a fresh row's first input is its last prompt token: not history here
+            fed = mx.where(mx.array([row.step > 0 for row in self._rows]), fed, -1)
+        self._context = mx.concatenate([self._context[:, 1:], fed[:, None]], axis=1)
+        return self._context
 
     def _decode_groups(self, inputs: mx.array) -> mx.array:
         """The one-token forward of every row. Under kv_bits, rows whose context has not reached their

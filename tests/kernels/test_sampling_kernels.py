@@ -514,7 +514,7 @@ def test_compiled_path_agrees_with_eager(rows, compiled_mode):
     for step in range(3):
         lp = logprobs_from_logits(mx.array(_random_logits(B, V, 80 + step)))
         steps = mx.arange(B, dtype=mx.uint32) * 3 + step
-        args = (lp, params.temperature, params.top_p, params.top_k, params.min_p, params.seed, steps)
+        args = (lp, lp, params.temperature, params.top_p, params.top_k, params.min_p, params.seed, steps)
         comp = comp_fn(*args)
         assert mx.array_equal(comp, eager_fn(*args)).item()
         ks.set_compile(True)
@@ -662,27 +662,106 @@ def test_greedy_pick_takes_the_log_softmax_where_rounding_could_merge_the_top():
     assert _picked(three)[0] == _exact_greedy(three)
 
 
-def test_a_shift_free_batch_draws_from_the_logits():
-    """Every row sampled with no filter: `sample_tokens` draws from the logits (the log-sum-exp shifts a row's
-    scores alike), here the very tokens the log-prob draw gives (they could differ only where rounding the
-    shifted scores reorders two of them), and still returns the log-softmax; a greedy row or any filter keeps
-    the log-prob draw. The draws follow the softmax of logits / temperature."""
+def test_sampled_rows_without_a_filter_draw_from_the_logits():
+    """A sampled row with no filter draws from its logits (the log-sum-exp shifts a row's scores alike), here the
+    very tokens the log-prob draw gives (they could differ only where rounding the shifted scores reorders two of
+    them); `sample_tokens` still returns the log-softmax. Where no row reads the log-softmax (no greedy row, no
+    filter) it is never computed; a greedy row or a filter reads it. The draws follow the softmax of
+    logits / temperature."""
     rng = np.random.default_rng(11)
     B, V = 64, 3000
     logits = mx.array((rng.standard_normal((B, V)) * 4 + 20).astype(np.float32))  # log-sum-exp far from 0
     rows = [RowSampling(temperature=float(t), seed=s) for s, t in enumerate(rng.uniform(0.3, 2.0, B))]
     params = SamplingArrays.from_rows(rows)
-    assert params.shift_free
+    assert not params.needs_logprobs and not any(row.filtered for row in rows)
     steps = mx.arange(B, dtype=mx.uint32)
     tokens, logprobs = sample_tokens(logits, params, steps)
     assert np.array(tokens).tolist() == np.array(sample(logprobs_from_logits(logits), params, steps)).tolist()
     assert np.allclose(np.array(logprobs), np.array(logprobs_from_logits(logits)))
     for other in (RowSampling(), RowSampling(temperature=1.0, top_p=0.9), RowSampling(temperature=1.0, min_p=0.1),
                   RowSampling(temperature=1.0, top_k=5)):
-        assert not SamplingArrays.from_rows(rows[:3] + [other]).shift_free
+        assert SamplingArrays.from_rows(rows[:3] + [other]).needs_logprobs
+        assert other.filtered == (not other.greedy)
     n = 20000  # one row's logits, many seeds: the softmax at temperature 0.7
     row = mx.broadcast_to(mx.array(LOGITS8[None] + 50.0), (n, 8))
     many = SamplingArrays.from_rows([RowSampling(temperature=0.7, seed=s) for s in range(n)])
     drawn = np.array(sample_tokens(row, many, mx.zeros((n,), dtype=mx.uint32))[0])
     target = np.exp(_log_softmax_np(LOGITS8 / 0.7))
     assert 0.5 * np.abs(np.bincount(drawn, minlength=8) / n - target).sum() < 0.02
+
+
+# ---------------------------------------------------------------------------
+# tokens without the log-probs: greedy and sampled rows apart (draw_tokens)
+# ---------------------------------------------------------------------------
+
+_draw_row = st.builds(
+    RowSampling,
+    temperature=st.sampled_from([0.0, 0.0, 0.7, 1.0, 1.8]),
+    top_p=st.sampled_from([1.0, 1.0, 0.9, 0.3]),
+    top_k=st.sampled_from([0, 0, 0, 5, 40]),
+    min_p=st.sampled_from([0.0, 0.0, 0.0, 0.1]),
+    repetition_penalty=st.sampled_from([1.0, 1.0, 1.3]),
+    seed=st.integers(0, 2**32 - 1),
+)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=st.lists(_draw_row, min_size=1, max_size=7), V=st.sampled_from([7, 512, 4099]),
+       dtype=st.sampled_from(["float32", "bfloat16"]), data=st.data())
+def test_draw_tokens_are_the_tokens_sample_tokens_gives(rows, V, dtype, data):
+    """Greedy rows picked and sampled rows drawn on their own rows (`draw_tokens`) give every row the token
+    `sample_tokens` gives it in the whole batch, penalties, filters, near-ties at the top and bfloat16 included;
+    and a row's token is the one it gets alone (a seeded row draws the same token in any batch)."""
+    B = len(rows)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31 - 1)))
+    x = (rng.standard_normal((B, V)) * rng.choice([0.05, 3.0, 20.0]) + rng.uniform(-30, 30)).astype(np.float32)
+    for r in range(B):
+        if rng.random() < 0.4:  # a near-tie at the top: one float32 ulp below the best
+            x[r, int(rng.integers(V))] = np.nextafter(x[r].max(), -np.inf, dtype=np.float32)
+    logits = mx.array(x).astype(getattr(mx, dtype))
+    context = mx.array(_random_context(B, 6, V, int(rng.integers(1 << 30))))
+    steps = mx.array(rng.integers(0, 1 << 20, B), dtype=mx.uint32)
+    params = SamplingArrays.from_rows(rows)
+    whole, _ = sample_tokens(logits, params, steps, context)
+    draw = ks.draw_tokens(logits, params, ks.DrawGroups.from_rows(rows), steps, context)
+    mx.eval(*draw.arrays())
+    tokens, recomputed = draw.tokens()
+    assert tokens == np.array(whole).tolist()
+    assert 0 <= recomputed <= sum(row.greedy for row in rows)
+    for i, row in enumerate(rows):
+        alone, _ = sample_tokens(logits[i : i + 1], SamplingArrays.from_rows([row]), steps[i : i + 1],
+                                 context[i : i + 1])
+        assert alone.item() == tokens[i], (i, row)
+
+
+def _graph_ops(*arrays: mx.array) -> set[str]:
+    """The primitives the (unevaluated) arrays' graph holds."""
+    import io
+    import re
+
+    dot = io.StringIO()
+    mx.export_to_dot(dot, *arrays)
+    return set(re.findall(r'label ="(\w+)"', dot.getvalue()))
+
+
+def test_draw_tokens_skips_the_log_softmax_where_no_token_reads_it():
+    """Greedy rows and sampled rows without a filter: the pick and the logits draw put no log-softmax in the graph
+    (the whole batch's `sample_tokens` tokens do, for the greedy rows' argmax); a filtered row brings it back, for
+    the sampled rows only."""
+    rows = [RowSampling(), RowSampling(temperature=1.0, seed=3), RowSampling(), RowSampling(temperature=0.5, seed=9)]
+    logits = mx.array(_random_logits(4, 300, 5))
+    params = SamplingArrays.from_rows(rows)
+    groups = ks.DrawGroups.from_rows(rows)
+    assert groups.greedy == (0, 2) and groups.sampled == (1, 3) and not groups.sampled_params.needs_logprobs
+    steps = mx.arange(4, dtype=mx.uint32)
+    draw = ks.draw_tokens(logits, params, groups, steps)
+    assert "LogSumExp" not in _graph_ops(*draw.arrays())
+    assert "LogSumExp" in _graph_ops(sample_tokens(logits, params, steps)[0])
+    mx.eval(*draw.arrays())
+    tokens, recomputed = draw.tokens()
+    assert recomputed == 0 and tokens == np.array(sample_tokens(logits, params, steps)[0]).tolist()
+    filtered = rows[:3] + [RowSampling(temperature=0.5, top_p=0.9, seed=9)]
+    assert "LogSumExp" in _graph_ops(*ks.draw_tokens(logits, SamplingArrays.from_rows(filtered),
+                                                     ks.DrawGroups.from_rows(filtered), steps).arrays())
+    with pytest.raises(ValueError, match="draw groups of 4 rows for 3"):
+        ks.draw_tokens(logits[:3], SamplingArrays.from_rows(rows[:3]), groups, steps[:3])

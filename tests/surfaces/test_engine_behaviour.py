@@ -188,6 +188,30 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(text_model):
     assert list(other_seed.tokens.values())[0] != alone
 
 
+def test_asking_for_logprobs_changes_no_token_of_a_mixed_batch(text_model, reference):
+    """Greedy rows beside sampled ones (with and without filters, one with a penalty) draw apart when only tokens
+    are read (`kernels.sampling.draw_tokens`: no log-softmax for the greedy rows and the unfiltered sampled
+    ones) and in one batch when log-probs are asked for; every token is the same either way, and the greedy rows
+    are mlx-lm's own."""
+    model, tokenizer = text_model
+    kinds = [dict(), dict(temperature=1.0, seed=5), dict(temperature=0.8, top_p=0.9, seed=6), dict(),
+             dict(temperature=1.3, repetition_penalty=1.2, seed=7), dict(temperature=0.6, min_p=0.05, seed=8)]
+
+    def run(logprobs: bool):
+        engine = Engine(model, tokenizer, EngineConfig(max_batched_tokens=64, prefill_chunk=16))
+        out = drive(engine, [(0, {"prompt_tokens": p, "sampling": SamplingParams(max_tokens=12, logprobs=logprobs,
+                                                                                  **kw)})
+                             for p, kw in zip(PROMPTS, kinds)])
+        return list(out.tokens.values()), engine.greedy_stats()
+
+    drawn, stats = run(False)
+    scored, scored_stats = run(True)
+    assert drawn == scored
+    assert drawn[0] == reference[0] and drawn[3] == reference[3]
+    assert stats["positions"] > 0 and scored_stats["positions"] == 0  # the split ran only where nothing read scores
+    assert len({t for row in drawn[1:3] for t in row}) > 1
+
+
 def test_penalties_match_mlx_lm_processors(text_model):
     model, tokenizer = text_model
     plain = [solo_tokens(model, tokenizer, p, 14) for p in PROMPTS[:4]]
