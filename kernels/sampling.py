@@ -570,10 +570,12 @@ def separated(best: np.ndarray, runner_up: np.ndarray, dtype: mx.Dtype, vocab_si
     far a computed one may be off (a summation error far beyond what V float32 terms make), and |best| eps its
     rounding in `dtype`. The threshold is twice that, to spare. False for non-finite values (never assumed)."""
     eps = _EPS.get(dtype, 2.0 ** -7)  # an unknown float type: bfloat16's, the coarsest
-    best, runner_up = best.astype(np.float64), runner_up.astype(np.float64)
+    finite = np.isfinite(best)
+    # a non-finite best is never trusted; replacing it by 0 keeps `best - runner_up` free of inf - inf (the
+    # runner-up is below the best, so it is finite or -inf)
+    best = np.where(finite, best, 0.0).astype(np.float64)
     distance = math.log(vocab_size) + 1 + np.abs(best) * eps  # bounds |best - c|
-    with np.errstate(invalid="ignore"):
-        return np.isfinite(best) & (best - runner_up > 2 * (2 * eps * distance / (1 - eps)))
+    return finite & (best - runner_up > (4 * eps / (1 - eps)) * distance)
 
 
 def greedy_pick(logits: mx.array) -> GreedyPick:
