@@ -808,6 +808,8 @@ def _shape_but(value: Any, axis: int) -> tuple:
 def _deltas(rope_deltas: Any, rows: int) -> mx.array:
     if rope_deltas is None:
         return mx.zeros((rows,), dtype=mx.int32)
+    if isinstance(rope_deltas, mx.array) and rope_deltas.ndim == 1 and rope_deltas.dtype == mx.int32:
+        return rope_deltas  # the executor's (B,) int32 deltas: no copy each decode tick
     return mx.array(rope_deltas).reshape(-1).astype(mx.int32)
 
 

@@ -225,8 +225,8 @@ def row_offsets(cache: list) -> mx.array:
     ``BatchKVCache.offset`` is an array of real (non-padding) tokens per row."""
     layer = next(c for c in cache if hasattr(c, "offset"))  # hybrids: the first attention layer (recurrent
     offset = layer.offset                                   # state has no length)
-    if isinstance(offset, mx.array):
-        return offset.reshape(-1).astype(mx.int32)
+    if isinstance(offset, mx.array):  # (a batch's is (B,) int32 already: no op then, as a decode tick adds each)
+        return offset if offset.ndim == 1 and offset.dtype == mx.int32 else offset.reshape(-1).astype(mx.int32)
     return mx.array([int(offset)], dtype=mx.int32)
 
 

@@ -137,10 +137,14 @@ class MRopePositions:
         """(3, B, width) positions of the next ``width`` tokens of every row (computed before the forward
         moves the offsets)."""
         offsets = library.row_offsets(cache)
-        deltas = mx.array(rope_deltas).reshape(-1).astype(mx.int32)
+        deltas = rope_deltas if isinstance(rope_deltas, mx.array) and rope_deltas.dtype == mx.int32 \
+            else mx.array(rope_deltas).astype(mx.int32)
+        deltas = deltas.reshape(-1) if deltas.ndim != 1 else deltas
         if deltas.shape[0] != offsets.shape[0]:
             raise ValueError(f"{deltas.shape[0]} rope deltas for a batch of {offsets.shape[0]} rows")
-        positions = (offsets + deltas)[:, None] + mx.arange(width, dtype=mx.int32)[None]
+        positions = (offsets + deltas)[:, None]
+        if width > 1:  # (a plain decode step's one position needs no range: fewer ops on a tick of a tiny model)
+            positions = positions + mx.arange(width, dtype=mx.int32)[None]
         return {"position_ids": mx.broadcast_to(positions[None], (3, *positions.shape))}
 
 
