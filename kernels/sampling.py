@@ -609,12 +609,14 @@ class DrawGroups:
 
 @dataclass(frozen=True)
 class TokenDraw:
-    """Every row's token where nothing reads the log-probs (`draw_tokens`): the greedy rows' `GreedyPick` and the
-    sampled rows' draws, evaluated together (`arrays()`), then put back in batch order on the host (`tokens()`)."""
+    """Every row's token without the batch's log-softmax (`draw_tokens`): the greedy rows' `GreedyPick` and the
+    sampled rows' draws, evaluated together (`arrays()`), then put back in batch order on the host (`tokens()`).
+    A caller that wants some rows' log-probs takes them of `logits`, those rows only."""
 
     groups: DrawGroups
     pick: GreedyPick | None
     drawn: mx.array | None  # (len(groups.sampled),)
+    logits: mx.array  # (B, V) what the tokens were chosen from: the logits, penalised (for rows' log-probs)
 
     def arrays(self) -> tuple[mx.array, ...]:
         return (*(self.pick.arrays() if self.pick is not None else ()), *(() if self.drawn is None else (self.drawn,)))
@@ -635,7 +637,7 @@ class TokenDraw:
 
 def draw_tokens(logits: mx.array, params: SamplingArrays, groups: DrawGroups, step: mx.array,
                 context: Optional[mx.array] = None) -> TokenDraw:
-    """The tokens `sample_tokens` gives, where nobody reads the log-probs: penalties as there, then the greedy rows
+    """The tokens `sample_tokens` gives, without the whole batch's log-probs: penalties as there, then the greedy rows
     by `greedy_pick` and the sampled rows by `sample` on their own rows, so the log-softmax is computed only for
     sampled rows with a filter (and for a greedy row only where rounding could change its argmax). A mixed batch
     otherwise pays the log-softmax of every row, and the sampled rows' noise is not computed for greedy rows.
@@ -658,7 +660,7 @@ def draw_tokens(logits: mx.array, params: SamplingArrays, groups: DrawGroups, st
         own = rows(groups.sampled)
         steps = step if len(groups.sampled) == logits.shape[0] else step[mx.array(groups.sampled)]
         drawn = sample(logprobs_from_logits(own), groups.sampled_params, steps, logits=own)
-    return TokenDraw(groups, pick, drawn)
+    return TokenDraw(groups, pick, drawn, logits)
 
 
 def most_likely(logprobs: mx.array, k: int) -> tuple[mx.array, mx.array]:

@@ -599,16 +599,17 @@ class MLXExecutor:
         if self._params is None:
             rows = [_row_sampling(row.request) for row in self._rows]
             self._params = SamplingArrays.from_rows(rows)
-            # nothing but each row's token is read: no logprobs, custom samplers or logprob vectors anywhere
-            tokens_only = not self.logprob_vectors and not any(
-                row.request.sampling.logprobs or row.request.sampling.sampler is not None for row in self._rows)
-            # a plain tick then draws greedy and sampled rows apart (`draw_tokens`): processors, biases and
-            # grammars act on the logits before it, penalties inside it
-            self._draw_groups = DrawGroups.from_rows(rows) if tokens_only else None
-            # a bare argmax per row, at every position a verify tick computes: greedy, no penalty, and nothing
-            # that changes position 0's logits only (processors, biases, grammars)
-            self._argmax_only = (tokens_only and self._params.all_greedy and not self._params.any_penalty
+            # no custom sampler (it reads a row's log-softmax vector) and no logprob vectors anywhere: a plain tick
+            # then draws greedy and sampled rows apart (`draw_tokens`; processors, biases and grammars act on the
+            # logits before it, penalties inside it), and takes the log-softmax only of the rows asking for logprobs
+            drawable = not self.logprob_vectors and not any(row.request.sampling.sampler is not None
+                                                            for row in self._rows)
+            self._draw_groups = DrawGroups.from_rows(rows) if drawable else None
+            # a bare argmax per row, at every position a verify tick computes: greedy, no penalty, no logprobs, and
+            # nothing that changes position 0's logits only (processors, biases, grammars)
+            self._argmax_only = (drawable and self._params.all_greedy and not self._params.any_penalty
                                  and not any(row.request.sampling.logits_processors or row.request.sampling.logit_bias
+                                             or row.request.sampling.logprobs
                                              or row.request.sampling.structured_output is not None
                                              for row in self._rows))
         return self._params
@@ -669,11 +670,16 @@ class MLXExecutor:
         else:
             tokens, logprobs = self._sample(inputs, logits, params, result)
         want_logprobs = [i for i, row in enumerate(self._rows) if row.request.sampling.logprobs]
-        picked = None
-        if want_logprobs:
+        picked = alternatives = None
+        if want_logprobs:  # (top_logprobs needs logprobs)
             idx = mx.array(want_logprobs)
-            picked = mx.take_along_axis(logprobs[idx], tokens[idx][:, None].astype(mx.int32), axis=1)[:, 0]
-        alternatives = self._top_logprobs(logprobs) if want_logprobs else None  # (top_logprobs needs logprobs)
+            if draw is not None:  # only these rows' log-softmax, of the (penalised) logits the tokens came from
+                tokens = mx.array(drawn, dtype=mx.uint32)
+                scored = logprobs_from_logits(draw.logits[idx])
+            else:
+                scored = logprobs[idx]
+            picked = mx.take_along_axis(scored, tokens[idx][:, None].astype(mx.int32), axis=1)[:, 0]
+            alternatives = self._top_logprobs(want_logprobs, scored)
         emitted: dict[int, list[int]] = {}
         if width:  # (the sampled tokens are evaluated with the verdict: one sync for both)
             emitted = self._verify(all_logits, draft_tokens, draft_lens, drafts, width, result,
@@ -687,6 +693,8 @@ class MLXExecutor:
             token_list = [row_top[0] for row_top in top_rows] if all_logits is not None else top_rows
         elif draw is not None:
             token_list = drawn
+            if picked is not None:
+                mx.eval(picked, *(() if alternatives is None else alternatives[1:]))
         else:
             mx.eval(tokens, *(() if picked is None else (picked,)), *(() if alternatives is None else alternatives[1:]))
             token_list = tokens.tolist()
@@ -717,13 +725,15 @@ class MLXExecutor:
                 result.logprob_vectors[row.request.request_id] = (
                     [verified[i, j] for j in range(n)] if n else [logprobs[i]])
 
-    def _top_logprobs(self, logprobs: mx.array) -> tuple[list[int], mx.array, mx.array] | None:
+    def _top_logprobs(self, want: list[int], scored: mx.array) -> tuple[list[int], mx.array, mx.array] | None:
         """(rows, ids, values) of the most likely tokens of the rows that asked for `top_logprobs`, as many as
-        the most any of them asked for, most likely first; None when no row asked."""
-        rows = [i for i, row in enumerate(self._rows) if row.request.sampling.top_logprobs]
-        if not rows:
+        the most any of them asked for, most likely first; None when no row asked. `scored`: the log-softmax of
+        the rows `want` (those asking for logprobs), in that order."""
+        asked = [j for j, i in enumerate(want) if self._rows[i].request.sampling.top_logprobs]
+        if not asked:
             return None
-        lp = logprobs[mx.array(rows)]
+        rows = [want[j] for j in asked]
+        lp = scored[mx.array(asked)]
         k = min(max(self._rows[i].request.sampling.top_logprobs for i in rows), lp.shape[-1])
         return (rows, *most_likely(lp, k))
 

@@ -188,27 +188,46 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(text_model):
     assert list(other_seed.tokens.values())[0] != alone
 
 
-def test_asking_for_logprobs_changes_no_token_of_a_mixed_batch(text_model, reference):
-    """Greedy rows beside sampled ones (with and without filters, one with a penalty) draw apart when only tokens
-    are read (`kernels.sampling.draw_tokens`: no log-softmax for the greedy rows and the unfiltered sampled
-    ones) and in one batch when log-probs are asked for; every token is the same either way, and the greedy rows
-    are mlx-lm's own."""
+def test_a_mixed_batch_drawn_apart_gives_the_whole_batch_kernels_tokens_and_logprobs(text_model, reference):
+    """Greedy rows beside sampled ones (with and without filters, one with a penalty), some asking for logprobs
+    and top logprobs: a plain tick draws them apart (`kernels.sampling.draw_tokens`: no log-softmax for the greedy
+    rows and the unfiltered sampled ones, and one only of the rows asking for logprobs). A row with a custom
+    sampler sends the batch through the whole-batch kernel instead; every other row's tokens, logprobs and top
+    logprobs are the same either way, and the greedy rows are mlx-lm's own."""
+    from mlx_lm.sample_utils import make_sampler
+
     model, tokenizer = text_model
-    kinds = [dict(), dict(temperature=1.0, seed=5), dict(temperature=0.8, top_p=0.9, seed=6), dict(),
-             dict(temperature=1.3, repetition_penalty=1.2, seed=7), dict(temperature=0.6, min_p=0.05, seed=8)]
+    kinds = [dict(logprobs=True, top_logprobs=3), dict(temperature=1.0, seed=5),
+             dict(temperature=0.8, top_p=0.9, seed=6, logprobs=True), dict(),
+             dict(temperature=1.3, repetition_penalty=1.2, seed=7, logprobs=True, top_logprobs=2),
+             dict(temperature=0.6, min_p=0.05, seed=8)]
 
-    def run(logprobs: bool):
-        engine = Engine(model, tokenizer, EngineConfig(max_batched_tokens=64, prefill_chunk=16))
-        out = drive(engine, [(0, {"prompt_tokens": p, "sampling": SamplingParams(max_tokens=12, logprobs=logprobs,
-                                                                                  **kw)})
-                             for p, kw in zip(PROMPTS, kinds)])
-        return list(out.tokens.values()), engine.greedy_stats()
+    def run(custom: bool):
+        arrivals = [(0, {"prompt_tokens": p, "sampling": SamplingParams(max_tokens=12, **kw), "request_id": f"r{i}"})
+                    for i, (p, kw) in enumerate(zip(PROMPTS, kinds))]
+        if custom:  # mlx-lm's own greedy sampler as a custom one: the batch is no longer drawn apart
+            arrivals.append((0, {"prompt_tokens": PROMPTS[5], "request_id": "custom",
+                                 "sampling": SamplingParams(max_tokens=12, sampler=make_sampler(temp=0.0))}))
+        engine = Engine(model, tokenizer, EngineConfig(max_batched_tokens=96, prefill_chunk=16))
+        for _, kwargs in arrivals:
+            engine.add_request(**kwargs)
+        tokens, scores, top = {}, {}, {}
+        while engine.has_pending():
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.token_ids)
+                scores.setdefault(out.request_id, []).extend(out.logprobs)
+                top.setdefault(out.request_id, []).extend(out.top_logprobs)
+        rids = [f"r{i}" for i in range(6)]
+        return [tokens[r] for r in rids], [scores[r] for r in rids], [top[r] for r in rids], engine.greedy_stats()
 
-    drawn, stats = run(False)
-    scored, scored_stats = run(True)
-    assert drawn == scored
+    drawn, logprobs, top, stats = run(False)
+    whole, whole_logprobs, whole_top, whole_stats = run(True)
+    assert drawn == whole and logprobs == whole_logprobs and top == whole_top
     assert drawn[0] == reference[0] and drawn[3] == reference[3]
-    assert stats["positions"] > 0 and scored_stats["positions"] == 0  # the split ran only where nothing read scores
+    # the split ran in every tick of the first run, and in the second only in ticks without the custom row
+    assert stats["positions"] > whole_stats["positions"]
+    assert all(len(logprobs[i]) == 12 for i in (0, 2, 4)) and not logprobs[1]
+    assert len(top[0][0]) == 3 and len(top[4][0]) == 2
     assert len({t for row in drawn[1:3] for t in row}) > 1
 
 
