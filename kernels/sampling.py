@@ -551,31 +551,40 @@ class GreedyPick:
     def tokens(self) -> tuple[list, int]:
         """(the tokens as nested lists shaped like `argmax`, how many positions took their log-softmax); call after
         evaluating `arrays()`. The argmax where the gap is provably wide enough, the log-softmax's argmax (one more
-        evaluation, of those positions only) where it is not."""
-        picked = np.array(self.argmax)
-        unsure = ~separated(np.array(self.best), np.array(self.runner_up), self.logits.dtype, self.logits.shape[-1])
-        if unsure.any():
+        evaluation, of those positions only) where it is not. Decided in plain Python: a tick holds a few dozen
+        positions, where numpy's per-call costs came to more than the arithmetic (50 us a tick)."""
+        picked, best, runner_up = _flat(self.argmax), _flat(self.best), _flat(self.runner_up)
+        eps = _EPS.get(self.logits.dtype, 2.0 ** -7)  # an unknown float type: bfloat16's, the coarsest
+        log_v = math.log(self.logits.shape[-1]) + 1
+        unsure = [i for i, (b, r) in enumerate(zip(best, runner_up)) if not separated(b, r, eps, log_v)]
+        if unsure:
             flat = self.logits.reshape(-1, self.logits.shape[-1])
-            rows = np.flatnonzero(unsure.reshape(-1))
-            exact = mx.argmax(logprobs_from_logits(flat[mx.array(rows)]), axis=-1)
-            picked.reshape(-1)[rows] = np.array(exact)
-        return picked.tolist(), int(unsure.sum())
+            exact = mx.argmax(logprobs_from_logits(flat[mx.array(unsure)]), axis=-1).tolist()
+            for i, token in zip(unsure, exact):
+                picked[i] = token
+        if self.argmax.ndim == 2:  # (B, w): back to one list per row
+            w = self.argmax.shape[-1]
+            picked = [picked[i:i + w] for i in range(0, len(picked), w)]
+        return picked[0] if self.argmax.ndim == 0 else picked, len(unsure)
 
 
-def separated(best: np.ndarray, runner_up: np.ndarray, dtype: mx.Dtype, vocab_size: int) -> np.ndarray:
-    """Per row, whether rounding `logits - c` (c the row's log-sum-exp as computed, rounded in `dtype`) cannot
-    bring the runner-up level with the best. Each rounded difference is off by at most `eps` times its magnitude
-    (two roundings of eps / 2), and a value g below the best sits at |best - c| + g from c, so the two stay apart
-    when g (1 - eps) > 2 eps |best - c|. |best - c| is at most log V for the exact log-sum-exp; 1 more covers how
-    far a computed one may be off (a summation error far beyond what V float32 terms make), and |best| eps its
-    rounding in `dtype`. The threshold is twice that, to spare. False for non-finite values (never assumed)."""
-    eps = _EPS.get(dtype, 2.0 ** -7)  # an unknown float type: bfloat16's, the coarsest
-    finite = np.isfinite(best)
-    # a non-finite best is never trusted; replacing it by 0 keeps `best - runner_up` free of inf - inf (the
-    # runner-up is below the best, so it is finite or -inf)
-    best = np.where(finite, best, 0.0).astype(np.float64)
-    distance = math.log(vocab_size) + 1 + np.abs(best) * eps  # bounds |best - c|
-    return finite & (best - runner_up > (4 * eps / (1 - eps)) * distance)
+def _flat(x: mx.array) -> list:
+    """An evaluated (B,) or (B, w) array's values as one flat list, row by row."""
+    if x.ndim > 2:
+        raise ValueError(f"greedy picks are (B,) or (B, w), got shape {x.shape}")
+    values = x.tolist()
+    return [values] if x.ndim == 0 else values if x.ndim == 1 else [v for row in values for v in row]
+
+
+def separated(best: float, runner_up: float, eps: float, log_v: float) -> bool:
+    """Whether rounding `logits - c` (c the row's log-sum-exp as computed, rounded in a dtype of machine epsilon
+    `eps`) cannot bring the runner-up level with the best. Each rounded difference is off by at most `eps` times
+    its magnitude (two roundings of eps / 2), and a value g below the best sits at |best - c| + g from c, so the two
+    stay apart when g (1 - eps) > 2 eps |best - c|. |best - c| is at most log V for the exact log-sum-exp; 1 more
+    (in `log_v`: log V + 1) covers how far a computed one may be off (a summation error far beyond what V float32
+    terms make), and |best| eps its rounding in the dtype. The threshold is twice that, to spare. False for a
+    non-finite best (never assumed); the runner-up is below the best, so finite or -inf."""
+    return math.isfinite(best) and best - runner_up > (4 * eps / (1 - eps)) * (log_v + abs(best) * eps)
 
 
 def greedy_pick(logits: mx.array) -> GreedyPick:
