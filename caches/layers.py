@@ -769,23 +769,27 @@ def _shift_rows(x: mx.array, shift: np.ndarray) -> mx.array:
     return y
 
 
-def _drop_into_holes(layers: list[Any], d: np.ndarray, new_len: np.ndarray) -> None:
+def _drop_into_holes(layers: list[Any], d: list[int], new_len: list[int]) -> None:
     """`rollback_rows` without moving a row: the positions every row drops are trimmed, the rest (row b's
     last d[b] - min(d)) become holes (`_HoleBatchKVCache`). No copy; the holes are squeezed out once they take
     more than HOLE_LIMIT positions."""
     first = layers[0]
-    idx, shared = first._idx, int(d.min())
+    idx, shared = first._idx, min(d)
     new_idx = idx - shared
-    holes = np.zeros((d.shape[0], first.keys.shape[2]), dtype=bool) if first.holes is None else first.holes.copy()
-    holes[:, new_idx:] = False
-    for b in np.flatnonzero(d > shared):
-        holes[b, idx - d[b] : new_idx] = True
-    offset, before = mx.array(new_len.astype(np.int32)), first.holes
+    before = first.holes
     for layer in layers:
         if layer._idx != idx or layer.holes is not before:
             raise ValueError("all layers of a batch cache must have the same rows, length and holes")
+    # the layers' one holes array is updated in place (a new one only when there was none): no copy a tick
+    holes = np.zeros((len(d), first.keys.shape[2]), dtype=bool) if before is None else before
+    holes[:, new_idx:] = False
+    dropping = [b for b, n in enumerate(d) if n > shared]
+    for b in dropping:
+        holes[b, idx - d[b] : new_idx] = True
+    offset = mx.array(new_len, dtype=mx.int32)
+    for layer in layers:
         layer._idx, layer.offset = new_idx, offset
-        layer.holes = holes if holes.any() else None
+        layer.holes = holes if dropping or (before is not None and holes[:, :new_idx].any()) else None
     if first.spare() > HOLE_LIMIT:
         for layer in layers:
             layer.compact()
@@ -827,21 +831,24 @@ def rollback_rows(batch_cache_layers: Sequence[Any], drop: Sequence[int] | mx.ar
             raise TypeError(f"rollback_rows: {type(layer).__name__} {why}")
     if not layers:
         return []
-    d = np.asarray(drop.tolist() if isinstance(drop, mx.array) else drop, dtype=np.int64).reshape(-1)
+    # plain lists: a tick's few rows, where numpy's per-call costs dominated the rollback (bench/README.md)
+    d = [int(n) for n in np.asarray(drop.tolist() if isinstance(drop, mx.array) else drop).reshape(-1)]
     first = layers[0]
-    lengths = np.asarray(first.offset.tolist(), dtype=np.int64).reshape(-1)
-    if d.shape[0] != lengths.shape[0]:
-        raise ValueError(f"drop has {d.shape[0]} rows, the cache has {lengths.shape[0]}")
-    if (d < 0).any():
-        raise ValueError(f"drop must be >= 0, got {d.tolist()}")
-    if (d > lengths).any():
-        raise ValueError(f"cannot drop more positions than a row holds: drop {d.tolist()}, lengths {lengths.tolist()}")
-    new_len = lengths - d
-    if not d.any():
-        return new_len.tolist()
+    offset = first.offset.tolist()
+    lengths = offset if isinstance(offset, list) else [offset]
+    if len(d) != len(lengths):
+        raise ValueError(f"drop has {len(d)} rows, the cache has {len(lengths)}")
+    if any(n < 0 for n in d):
+        raise ValueError(f"drop must be >= 0, got {d}")
+    if any(n > length for n, length in zip(d, lengths)):
+        raise ValueError(f"cannot drop more positions than a row holds: drop {d}, lengths {lengths}")
+    new_len = [length - n for length, n in zip(lengths, d)]
+    if not any(d):
+        return new_len
     if all(isinstance(layer, _HoleBatchKVCache) for layer in layers):
         _drop_into_holes(layers, d, new_len)
-        return new_len.tolist()
+        return new_len
+    d, new_len = np.array(d, dtype=np.int64), np.array(new_len, dtype=np.int64)
     idx = first._idx
     new_idx = int(new_len.max()) if new_len.size else 0
     shift = d - (idx - new_idx)  # >0: move right (row dropped more than the shared trim); <0: move left

@@ -167,10 +167,9 @@ def pad_drafts(drafts: Sequence[Sequence[int]], k: Optional[int] = None) -> tupl
     k = max(lens, default=0) if k is None else k
     if any(n > k for n in lens):
         raise ValueError(f"a draft is longer than k={k}: {max(lens)}")
-    out = np.zeros((len(drafts), k), dtype=np.int32)
-    for b, d in enumerate(drafts):
-        out[b, : len(d)] = d
-    return mx.array(out), mx.array(np.array(lens, dtype=np.int32))
+    # (plain lists: a verify tick pads a handful of short drafts, where numpy's per-call costs dominate)
+    return (mx.array([[*d, *([0] * (k - len(d)))] for d in drafts] if k else [[] for _ in drafts], dtype=mx.int32),
+            mx.array(lens, dtype=mx.int32))
 
 
 def stack_draft_logprobs(
