@@ -178,6 +178,11 @@ def _row_sampling(request: Request) -> RowSampling:
 class _Row:
     request: Request
     step: int  # output tokens already produced
+    sampling: RowSampling | None = None  # its parameters as the kernels take them (made once, at the join)
+
+    def __post_init__(self) -> None:
+        if self.sampling is None:
+            self.sampling = _row_sampling(self.request)
 
 
 class MLXExecutor:
@@ -597,7 +602,7 @@ class MLXExecutor:
 
     def _sampling_arrays(self) -> SamplingArrays:
         if self._params is None:
-            rows = [_row_sampling(row.request) for row in self._rows]
+            rows = [row.sampling for row in self._rows]
             self._params = SamplingArrays.from_rows(rows)
             # no custom sampler (it reads a row's log-softmax vector) and no logprob vectors anywhere: a plain tick
             # then draws greedy and sampled rows apart (`draw_tokens`; processors, biases and grammars act on the
@@ -790,7 +795,7 @@ class MLXExecutor:
         rows = [
             DraftRequest(row.request.request_id, row.request.prompt_tokens + row.request.output_tokens,
                          max_tokens=draft_k[row.request.request_id],
-                         sampling=_row_sampling(row.request), step=row.step,
+                         sampling=row.sampling, step=row.step,
                          hidden=self._last_hidden[i] if self._keeps_hidden and self._has_hidden[i] else None)
             for i, row in enumerate(self._rows)
             if row.request.request_id in draft_k and row.request.request_id not in self._no_draft
@@ -886,7 +891,7 @@ class MLXExecutor:
         if all(row.request.sampling.is_greedy for row in rows):
             res = greedy_accept(target, draft_tokens[idx], draft_lens[idx])
         else:
-            params = SamplingArrays.from_rows([_row_sampling(row.request) for row in rows])
+            params = SamplingArrays.from_rows([row.sampling for row in rows])
             target_lp = target - mx.logsumexp(target, axis=-1, keepdims=True)
             draft_lp = stack_draft_logprobs([drafts[r.request.request_id].tokens for r in rows],
                                             [drafts[r.request.request_id].logprobs for r in rows], width,
