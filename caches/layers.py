@@ -832,7 +832,7 @@ def rollback_rows(batch_cache_layers: Sequence[Any], drop: Sequence[int] | mx.ar
     if not layers:
         return []
     # plain lists: a tick's few rows, where numpy's per-call costs dominated the rollback (bench/README.md)
-    d = [int(n) for n in np.asarray(drop.tolist() if isinstance(drop, mx.array) else drop).reshape(-1)]
+    d = [int(n) for n in (drop.tolist() if isinstance(drop, (mx.array, np.ndarray)) else drop)]
     first = layers[0]
     offset = first.offset.tolist()
     lengths = offset if isinstance(offset, list) else [offset]

@@ -167,9 +167,10 @@ def pad_drafts(drafts: Sequence[Sequence[int]], k: Optional[int] = None) -> tupl
     k = max(lens, default=0) if k is None else k
     if any(n > k for n in lens):
         raise ValueError(f"a draft is longer than k={k}: {max(lens)}")
+    if not drafts:
+        return mx.zeros((0, k), dtype=mx.int32), mx.zeros((0,), dtype=mx.int32)
     # (plain lists: a verify tick pads a handful of short drafts, where numpy's per-call costs dominate)
-    return (mx.array([[*d, *([0] * (k - len(d)))] for d in drafts] if k else [[] for _ in drafts], dtype=mx.int32),
-            mx.array(lens, dtype=mx.int32))
+    return mx.array([[*d, *([0] * (k - len(d)))] for d in drafts], dtype=mx.int32), mx.array(lens, dtype=mx.int32)
 
 
 def stack_draft_logprobs(

@@ -186,6 +186,8 @@ def test_pad_drafts():
     assert tokens.tolist() == [[5, 6, 0, 0], [0, 0, 0, 0], [7, 8, 9, 0]]
     assert lens.tolist() == [2, 0, 3]
     assert pad_drafts([[1], [2, 3]])[0].shape == (2, 2)
+    assert pad_drafts([[], []])[0].shape == (2, 0) and pad_drafts([], k=3)[0].shape == (0, 3)
+    assert pad_drafts([])[1].shape == (0,) and pad_drafts([[], []], k=2)[0].tolist() == [[0, 0], [0, 0]]
     with pytest.raises(ValueError):
         pad_drafts([[1, 2, 3]], k=2)
 
