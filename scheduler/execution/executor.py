@@ -230,7 +230,7 @@ class MLXExecutor:
         self._rope_deltas: mx.array | None = None  # (B,) VLM position offsets (0 for text rows)
         self._params: SamplingArrays | None = None
         self._argmax_only = False  # every row samples by a bare argmax (set with _params: `_sampling_arrays`)
-        self._draw_groups: DrawGroups | None = None  # set with _params where a plain tick needs only tokens
+        self._draw_groups: DrawGroups | None = None  # set with _params: None where a plain tick cannot draw apart
         self._context: mx.array | None = None  # (B, W) recent tokens for penalties, -1 padded
         self._released: set[str] = set()
         self._no_draft: set[str] = set()  # rows the draft model could not take: they decode plainly
@@ -657,7 +657,7 @@ class MLXExecutor:
         # tokens, and a verify tick's verdict, are decided from it on the host): `greedy_pick`, which skips the
         # log-softmax wherever that provably gives the same token (`sample_tokens` would agree)
         pick = greedy_pick(logits if all_logits is None else all_logits) if self._argmax_only else None
-        # a plain tick where only tokens are read: greedy rows picked, sampled rows drawn, each group apart
+        # any other plain tick that can: greedy rows picked, sampled rows drawn, each group apart (`draw_tokens`)
         draw = self._draw(inputs, logits, params) if pick is None and not width and self._draw_groups else None
         top_rows = None
         if pick is not None:
@@ -750,7 +750,7 @@ class MLXExecutor:
         return self._apply_samplers(tokens, logprobs, result), logprobs
 
     def _draw(self, inputs: mx.array, logits: mx.array, params: SamplingArrays) -> TokenDraw:
-        """`_sample`'s tokens where nothing else is read (`draw_tokens`: no log-softmax where no token needs it)."""
+        """`_sample`'s tokens without the batch's log-softmax (`draw_tokens`: none where no token needs it)."""
         return draw_tokens(logits, params, self._draw_groups, self._steps(), self._penalty_context(inputs, params))
 
     def _steps(self) -> mx.array:
