@@ -343,8 +343,8 @@ class Engine:
         return self.executor.prefill_stats.as_dict()
 
     def greedy_stats(self) -> dict[str, int]:
-        """Greedy rows' picks (`kernels.sampling.GreedyPick`, in all-greedy batches and in the greedy rows of a
-        batch that reads only tokens): positions read back, and how many of them took their log-softmax because
+        """Greedy rows' picks (`kernels.sampling.GreedyPick`: the greedy rows of plain ticks, every position of
+        all-greedy verify ticks): positions read back, and how many of them took their log-softmax because
         rounding could have decided a near-tie at the top (ARCHITECTURE.md, "Sampling")."""
         return self.executor.greedy_stats.as_dict()
 

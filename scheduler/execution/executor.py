@@ -99,9 +99,9 @@ class PrefillStats:
 
 @dataclass
 class GreedyStats:
-    """Greedy picks (`kernels.sampling.GreedyPick`: batches that only need argmaxes), all ticks together: the
-    positions read back, and how many of them took their log-softmax (a near-tie at the top that rounding could
-    have decided: rare in float32, frequent in bfloat16)."""
+    """Greedy picks (`kernels.sampling.GreedyPick`: the greedy rows of plain ticks, every position of all-greedy
+    verify ticks), all ticks together: the positions read back, and how many of them took their log-softmax (a
+    near-tie at the top that rounding could have decided: rare in float32, frequent in bfloat16)."""
 
     positions: int = 0
     recomputed: int = 0
@@ -229,7 +229,7 @@ class MLXExecutor:
         self._next_inputs: mx.array | None = None  # (B,) token fed to each row next
         self._rope_deltas: mx.array | None = None  # (B,) VLM position offsets (0 for text rows)
         self._params: SamplingArrays | None = None
-        self._argmax_only = False  # every row samples by a bare argmax (set with _params: `_sampling_arrays`)
+        self._argmax_only = False  # a verify tick takes a bare argmax per row (set with _params)
         self._draw_groups: DrawGroups | None = None  # set with _params: None where a plain tick cannot draw apart
         self._context: mx.array | None = None  # (B, W) recent tokens for penalties, -1 padded
         self._released: set[str] = set()
@@ -610,8 +610,8 @@ class MLXExecutor:
             drawable = not self.logprob_vectors and not any(row.request.sampling.sampler is not None
                                                             for row in self._rows)
             self._draw_groups = DrawGroups.from_rows(rows) if drawable else None
-            # a bare argmax per row, at every position a verify tick computes: greedy, no penalty, no logprobs, and
-            # nothing that changes position 0's logits only (processors, biases, grammars)
+            # a verify tick's bare argmax per row at every position: greedy, no penalty, no logprobs, and nothing
+            # that changes position 0's logits only (processors, biases, grammars)
             self._argmax_only = (drawable and self._params.all_greedy and not self._params.any_penalty
                                  and not any(row.request.sampling.logits_processors or row.request.sampling.logit_bias
                                              or row.request.sampling.logprobs
@@ -653,16 +653,16 @@ class MLXExecutor:
             logits = all_logits[:, 0, :]
         logits = self._apply_processors(logits, result)
         params = self._sampling_arrays()
-        # a batch that only needs argmaxes reads back every row's greedy choice at every position it computed (the
-        # tokens, and a verify tick's verdict, are decided from it on the host): `greedy_pick`, which skips the
-        # log-softmax wherever that provably gives the same token (`sample_tokens` would agree)
-        pick = greedy_pick(logits if all_logits is None else all_logits) if self._argmax_only else None
-        # any other plain tick that can: greedy rows picked, sampled rows drawn, each group apart (`draw_tokens`)
-        draw = self._draw(inputs, logits, params) if pick is None and not width and self._draw_groups else None
+        # a verify tick whose rows only need argmaxes reads back every row's greedy choice at every position (the
+        # tokens and the verdict are decided from it on the host): `greedy_pick`, which skips the log-softmax
+        # wherever that provably gives the same token (`sample_tokens` would agree)
+        pick = greedy_pick(all_logits) if width and self._argmax_only else None
+        # a plain tick that can: greedy rows picked, sampled rows drawn, each group apart (`draw_tokens`)
+        draw = self._draw(inputs, logits, params) if not width and self._draw_groups else None
         top_rows = None
         if pick is not None:
             tokens, logprobs = None, None
-            mx.eval(*pick.arrays(), *(rollback_reads(self.kv.batch) if width else ()))  # one sync for both
+            mx.eval(*pick.arrays(), *rollback_reads(self.kv.batch))  # one sync for both
             top_rows, recomputed = pick.tokens()
             self.greedy_stats.positions += pick.argmax.size
             self.greedy_stats.recomputed += recomputed
@@ -695,7 +695,7 @@ class MLXExecutor:
             self._last_hidden = all_hidden[mx.arange(len(self._rows)), kept]
             self._has_hidden = [True] * len(self._rows)
         if top_rows is not None:  # read back already: each row's choice at position 0
-            token_list = [row_top[0] for row_top in top_rows] if all_logits is not None else top_rows
+            token_list = [row_top[0] for row_top in top_rows]
         elif draw is not None:
             token_list = drawn
             if picked is not None:
