@@ -108,9 +108,10 @@ class VisionCache:
     measured when that entry was stored.
 
     ``on_event(kind, key, info)`` is called with kind ``"hit"``, ``"miss"``, ``"store"`` or ``"evict"``; info
-    holds ``bytes`` and, per kind, ``encode_time_s`` (hit, store), ``reason`` (evict: ``"lru"`` or
-    ``"too_large"``), ``entries`` and ``total_bytes`` after the change. A callback that raises is reported with a
-    warning and does not affect the cache.
+    holds ``bytes`` and, per kind, ``encode_time_s`` (hit, store), ``reason`` (evict: ``"lru"``, ``"too_large"``,
+    or ``"removed"`` / ``"cleared"`` from ``remove`` / ``clear``), ``entries`` and ``total_bytes`` after the
+    change. So the stores and evictions tell which keys the cache holds at any point (replay follows them). A
+    callback that raises is reported with a warning and does not affect the cache.
     """
 
     def __init__(self, max_bytes: int, on_event: EventCallback | None = None):
@@ -209,19 +210,28 @@ class VisionCache:
         return value, False
 
     def remove(self, key: str) -> bool:
-        """Drop one entry (no event, not an eviction). Returns whether it was there."""
+        """Drop one entry (an ``"evict"`` event with reason ``"removed"``, not counted as an eviction). Returns
+        whether it was there."""
         with self._lock:
             entry = self._entries.pop(key, None)
             if entry is None:
                 return False
             self._bytes -= entry.nbytes
-            return True
+            event = ("evict", key, {"bytes": entry.nbytes, "reason": "removed", "entries": len(self._entries),
+                                    "total_bytes": self._bytes})
+        self._emit([event])
+        return True
 
     def clear(self) -> None:
-        """Drop every entry (no events, not counted as evictions). Counters are kept; see ``reset_stats``."""
+        """Drop every entry (an ``"evict"`` event each, reason ``"cleared"``, not counted as evictions: whoever
+        follows the cache's contents from its events, as replay does, sees them go). Counters are kept; see
+        ``reset_stats``."""
         with self._lock:
+            events = [("evict", key, {"bytes": entry.nbytes, "reason": "cleared", "entries": 0, "total_bytes": 0})
+                      for key, entry in self._entries.items()]
             self._entries.clear()
             self._bytes = 0
+        self._emit(events)
 
     def reset_stats(self) -> None:
         with self._lock:

@@ -43,7 +43,8 @@ class EngineConfig:
     vision_token_budget: media tokens (the prompt positions the encoders fill) encoded per tick, next to
         vision_budget: encoder work grows with an image's size, which an item count does not see (a 56x56
         image is 4 tokens of Qwen2-VL, a 896x896 one 1024). A tick takes a request's media while both budgets
-        hold; a request over either alone is encoded alone in a tick. None: items only.
+        hold; a request over either alone is encoded alone in a tick. None: items only. Both count encoder
+        work only: media the vision cache holds, or that another request of the tick brings too, is free.
     video_fps: frames sampled per second of video, by timestamp (scheduler/models/media.py).
     video_max_frames: at most this many frames per video, spread evenly over the clip when fps would give more.
     vision_cache_bytes: byte budget of the vision-encoder output cache (VLMs; 0 turns it off).

@@ -24,7 +24,7 @@ from caches.layers import MaskLayout, QuantizationRefused, capabilities as cache
 from .execution import library
 from .calibration import Calibration, calibrate
 from .config import EngineConfig
-from .plan import ENCODED_RECORD, PLAN_RECORD_GROUPS, PREFILL_PAD_RATIO
+from .plan import ENCODED_RECORD, PLAN_RECORD_GROUPS, PREFILL_PAD_RATIO, VISION_BUDGET_COUNTS
 from .events import EventLog, JsonlSink, MemorySink
 from .execution.executor import MLXExecutor
 from .execution.runners import TextRunner, VisionLanguageRunner
@@ -204,7 +204,9 @@ class Engine:
                 self.kv_layout = self.kv_layout.combined(library.kv_layout(draft_model))
             budget_layout = self.kv_layout if self.config.kv_memory_bytes is not None else None
             self.scheduler = Scheduler(self.config, self.events, family.stop_ids, policy, budget_layout,
-                                       max_model_len=self.max_model_len)
+                                       max_model_len=self.max_model_len,
+                                       vision_cached=None if family.vision_cache is None
+                                       else family.vision_cache.__contains__)
             # A model sharded across processes (tensor_group / pipeline_group in from_pretrained): rank 0 runs this
             # engine, the other ranks `follow()` it (scheduler/execution/distributed.py).
             self.shard = _Shard.create(shard_group, self, watchdog) if sharded else None
@@ -242,6 +244,9 @@ class Engine:
             # prefix-cache entries are exact checkpoints (a what-if simulation stores them the same way)
             prefix_checkpoints=bool(getattr(family.runner, "prefix_checkpoints", False)),
             plan_records=list(PLAN_RECORD_GROUPS),  # the optional plan-record keys this engine writes
+            # the vision budget pays for the media units the encoders run on (not the vision cache's, nor a
+            # tick's repeats): replay follows the cache from its vision_store / vision_evict events
+            vision_budget_counts=VISION_BUDGET_COUNTS,
             # the prompt tokens that stand for media (a what-if's cost model counts them: the vision encoder's
             # cost grows with them)
             media_token_ids=sorted(self.vlm.media_token_ids) if self.vlm is not None else [],

@@ -133,6 +133,12 @@ PLAN_RECORD_GROUPS: dict[str, tuple[str, ...]] = {
 }
 
 
+#: What the vision budget pays for, as `engine_start.vision_budget_counts` records it: the media units the
+#: encoders run on, not those in the vision cache nor a tick's repeats (`planner._VisionBudget`). A trace without
+#: it (older mlxsched) counted every unit of every request, and replay plans it that way.
+VISION_BUDGET_COUNTS = "uncached"
+
+
 @dataclass(frozen=True)
 class TickPlan:
     tick: int

@@ -36,6 +36,10 @@ class SchedulerView:
     # cache summary: the prefix-cache entry (id, tokens) a waiting request would start from, or None
     prefix_match: Callable[[Request], tuple[int, int] | None] = lambda _request: None
     kv_layout: KVLayout | None = None  # per-token KV cost, for the kv_memory_bytes budget
+    # cache summary: whether the vision cache holds a media unit's rows, by its key (`Request.media_units`). A
+    # unit it holds, or one another request encodes this tick, costs no vision budget: the executor does not
+    # encode it again. None: every unit counts, as in engines before this rule (the replay of their traces).
+    vision_cached: Callable[[str], bool] | None = lambda _key: False  # (default: nothing is cached)
 
     def cached_prefix(self, request: Request) -> int:
         match = self.prefix_match(request)
@@ -139,23 +143,46 @@ class _KVTracker:
 
 class _VisionBudget:
     """Media encoded per tick: items (`vision_budget`) and media tokens (`vision_token_budget`, None: no token
-    bound). A request over either whole budget is encoded alone in a tick rather than never."""
+    bound). A request pays for the units the encoders will run on for it: not those in the vision cache, nor
+    those an earlier request of the tick pays for (`SchedulerView.vision_cached`). A request over either whole
+    budget is encoded alone (the only encoder work of its tick) rather than never; one with nothing to encode
+    is always taken."""
 
-    def __init__(self, items: int, tokens: int | None):
+    def __init__(self, items: int, tokens: int | None, cached: Callable[[str], bool] | None):
         self.items_left = items
         self.tokens_left = tokens
+        self.cached = cached
+        self.paid: set[str] = set()  # unit keys the encoders run on this tick
+        self.spent = False  # whether any encoder work is taken this tick
         self.chosen: list[str] = []
+
+    def _cost(self, request: Request) -> tuple[int, int, set[str]]:
+        """(media items, media tokens, unit keys) that encoding `request` this tick adds."""
+        if self.cached is None:
+            return request.num_images, request.num_media_tokens, set()
+        items = tokens = 0
+        keys: set[str] = set()
+        for key, count, unit_tokens in request.media_units():
+            if key is not None and (key in self.paid or key in keys or self.cached(key)):
+                continue
+            items, tokens = items + count, tokens + unit_tokens
+            if key is not None:
+                keys.add(key)
+        return items, tokens, keys
 
     def take(self, request: Request) -> bool:
         """Whether `request`'s media is encoded this tick."""
-        fits = request.num_images <= self.items_left and (
-            self.tokens_left is None or request.num_media_tokens <= self.tokens_left)
-        if not (fits or not self.chosen):
-            return False
+        items, tokens, keys = self._cost(request)
+        if items or tokens:
+            fits = items <= self.items_left and (self.tokens_left is None or tokens <= self.tokens_left)
+            if not fits and self.spent:
+                return False
+            self.spent = True
+            self.items_left -= items
+            if self.tokens_left is not None:
+                self.tokens_left -= tokens
+        self.paid |= keys
         self.chosen.append(request.request_id)
-        self.items_left -= request.num_images
-        if self.tokens_left is not None:
-            self.tokens_left -= request.num_media_tokens
         return True
 
 
@@ -233,7 +260,7 @@ class _TickBuilder:
         self.tick_budget = 0  # max_batched_tokens after decode: prefill and then drafts draw from it
         self.draft_budget_used = 0
         self.seqs = 0  # sequences holding a slot
-        self.vision = _VisionBudget(config.vision_budget, config.vision_token_budget)
+        self.vision = _VisionBudget(config.vision_budget, config.vision_token_budget, view.vision_cached)
         self.prefill: list[PrefillChunk] = []
         self.prefix_hits: list[PrefixHit] = []
         self.admitted: list[str] = []

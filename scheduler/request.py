@@ -414,6 +414,13 @@ class Request:
             return self.sampling.max_tokens
         return min(self.sampling.max_tokens, self.max_model_len - self.prompt_len)
 
+    def media_units(self) -> tuple[tuple[str | None, int, int], ...]:
+        """Its encoder units, as the vision cache and the encoders see them: (key, media items, media tokens) per
+        item where the model layer keys media per item, else one unit for all of its media (its media key)."""
+        if self.media_items:
+            return tuple((item.key, item.count, item.tokens) for item in self.media_items)
+        return ((self.media_key, self.num_images, self.num_media_tokens),) if self.num_images else ()
+
     # guards named by the transition table
     def has_media(self) -> bool:
         return self.num_images > 0

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 from caches.kv import KVLayout
 from caches.prefix import PrefixCache
@@ -62,6 +61,8 @@ class Scheduler:
         max_model_len: int | None = None,
         record_plans: bool | None = None,
         record_row_reasons: bool = True,
+        vision_cached: Callable[[str], bool] | None = None,
+        count_cached_media: bool = False,
     ):
         self.config = config
         # The context limit of every request (prompt + outputs): the engine passes the resolved one (config or
@@ -96,6 +97,10 @@ class Scheduler:
         self.last_plan_record: dict[str, Any] | None = None
         self._recorded_reasons: dict[str, WaitReason] = {}
         self._ended_since_plan: list[str] = []
+        # Whether the vision cache holds a media unit (by key): the engine's cache, replay's model of it, a
+        # simulation's. Units it holds cost no vision budget. None: nothing is cached; `count_cached_media`:
+        # every unit counts, as in engines before that rule (only the replay of their traces sets it).
+        self._vision_cached = None if count_cached_media else vision_cached or _nothing_cached
 
     @property
     def record_plans(self) -> bool:
@@ -156,6 +161,7 @@ class Scheduler:
             encoding=tuple(self.encoding.values()),
             prefix_match=self._prefix_match if self.prefix_cache is not None else (lambda _r: None),
             kv_layout=self.kv_layout,
+            vision_cached=self._vision_cached,
         )
 
     def _prefix_match(self, request: Request) -> tuple[int, int] | None:
@@ -489,6 +495,10 @@ class Scheduler:
 
 class InvariantViolation(RuntimeError):
     """The engine's bookkeeping broke one of its invariants (a bug, never bad input)."""
+
+
+def _nothing_cached(_key: str) -> bool:
+    return False
 
 
 def require(condition: bool, what: str, context: Any = None) -> None:

@@ -7,7 +7,9 @@ tick it arrived at (in traces of engines that accepted unreadable media, an arri
 error), every caller abort, and every executor outcome (`outcome`: the sampled token, logprobs and top_logprobs, errors,
 prefix stores, drafts per request). `ReplayExecutor` hands those outcomes back in place of a model and keeps a model of the
 batch's rows, so the scheduler's own bookkeeping (admission, chunking, finish detection, prefix-cache hits,
-stores and evictions) and the KV merges, filters and rollbacks it implies are re-derived. Each tick's plan is
+stores and evictions) and the KV merges, filters and rollbacks it implies are re-derived. The vision cache
+lives below the scheduler, with the model: its contents are followed from the recorded `vision_store` /
+`vision_evict` events, since the vision budget pays only for what it does not hold. Each tick's plan is
 compared with the recorded `plan` event, then the tick's decision events (`COMPARED_KINDS`) with the
 recorded ones.
 """
@@ -26,7 +28,8 @@ from scheduler.calibration import CALIBRATION_EVENT
 from scheduler.config import EngineConfig
 from scheduler.loop import TickLoop
 from scheduler.events import SCHEMA_VERSION, EventLog, MemorySink, _jsonable, decision_fields
-from scheduler.plan import DECODE_FAILED, PLAN_RECORD_GROUPS, PREFILL_FAILED, PrefixStore, TickPlan, TickResult
+from scheduler.plan import (DECODE_FAILED, PLAN_RECORD_GROUPS, PREFILL_FAILED, VISION_BUDGET_COUNTS, PrefixStore,
+                            TickPlan, TickResult)
 from scheduler.policy import Policy, make_policy
 from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import Scheduler
@@ -50,6 +53,9 @@ class Trace:
     # requests of Engine.calibrate() (scheduler/calibration.py): replayed like any others, left out of the
     # recorded metrics and of a simulation's arrivals
     calibration_ids: set[str] = field(default_factory=set)
+    # the vision cache's stores and evictions ("store" / "evict", key), in order, by the tick of the first plan
+    # after them: what the cache holds when that tick is planned
+    vision_changes: dict[int, list[tuple[str, str]]] = field(default_factory=dict)
 
     @property
     def policy_record(self) -> dict[str, Any]:
@@ -109,8 +115,11 @@ def load_trace(source: str | os.PathLike | Iterable[dict[str, Any]]) -> Trace:
         raise TraceError("trace does not start with an engine_start event")
     header = events[0]
     trace = Trace(header=header, config=_config_from(header["config"]))
+    vision_changes: list[tuple[str, str]] = []  # since the last plan
     for event in events[1:]:
         kind, tick = event["event"], event["tick"]
+        if kind in ("vision_store", "vision_evict"):
+            vision_changes.append((kind.removeprefix("vision_"), event["key"]))
         if kind == "arrival":
             trace.arrivals.setdefault(tick, []).append(event)
         elif kind == "transition" and event.get("trigger") == "abort":
@@ -121,6 +130,8 @@ def load_trace(source: str | os.PathLike | Iterable[dict[str, Any]]) -> Trace:
             if tick in trace.plans:
                 raise TraceError(f"trace has two plans for tick {tick}")
             trace.plans[tick] = decision_fields(event)
+            if vision_changes:
+                trace.vision_changes[tick], vision_changes = vision_changes, []
         elif kind == "outcome":
             trace.outcomes[tick] = event
         elif kind == CALIBRATION_EVENT:
@@ -363,9 +374,12 @@ def replay(trace: Trace, policy: str | Policy | None = None) -> ReplayReport:
         policy = make_policy(trace.policy_record)  # PolicyUnavailable: a custom policy that was not passed
     sink = MemorySink()
     events = EventLog([sink])
+    vision_cache: set[str] = set()  # the keys the recorded engine's vision cache holds (`Trace.vision_changes`)
     scheduler = Scheduler(trace.config, events, trace.stop_token_ids, policy, kv_layout,
                           max_model_len=trace.header.get("max_model_len"), record_plans=True,
-                          record_row_reasons="row_reasons" in trace.header.get("plan_records", ()))
+                          record_row_reasons="row_reasons" in trace.header.get("plan_records", ()),
+                          vision_cached=vision_cache.__contains__,
+                          count_cached_media=trace.header.get("vision_budget_counts") != VISION_BUDGET_COUNTS)
     unrecorded = _unrecorded_keys(trace)
     executor = ReplayExecutor(trace, events)
     loop = TickLoop(scheduler, executor)
@@ -390,6 +404,8 @@ def replay(trace: Trace, policy: str | Policy | None = None) -> ReplayReport:
         loop.release(ended)
         if tick in trace.prefix_clears:
             scheduler.clear_prefix_cache(tick)
+        for change, key in trace.vision_changes.get(tick, ()):
+            (vision_cache.add if change == "store" else vision_cache.discard)(key)
         plan = loop.plan(tick)
         replayed = _plan_record(scheduler.last_plan_record, tick, unrecorded)
         recorded = trace.plans.get(tick)

@@ -81,13 +81,20 @@ def test_replacing_a_key_keeps_byte_accounting():
 
 
 def test_clear_and_remove():
-    cache = VisionCache(max_bytes=10_000)
+    """Both drop entries without counting evictions, and say so in events: whoever follows the cache's keys from
+    its stores and evictions (replay) sees them go."""
+    events = []
+    cache = VisionCache(max_bytes=10_000, on_event=lambda kind, key, info: events.append((kind, key, info["reason"]
+                                                                                          if kind == "evict" else None)))
     cache.put("a", feats(1))
     cache.put("b", feats(1))
+    cache.put("c", feats(1))
     assert cache.remove("a") and not cache.remove("a")
     cache.clear()
     stats = cache.stats()
-    assert stats["entries"] == 0 and stats["bytes"] == 0 and stats["stores"] == 2
+    assert stats["entries"] == 0 and stats["bytes"] == 0 and stats["stores"] == 3 and stats["evictions"] == 0
+    assert [e for e in events if e[0] == "evict"] == [("evict", "a", "removed"), ("evict", "b", "cleared"),
+                                                      ("evict", "c", "cleared")]
     cache.reset_stats()
     assert cache.stats()["stores"] == 0
 

@@ -8,18 +8,18 @@ from scheduler.events import EventLog, MemorySink
 from scheduler.plan import PLAN_RECORD_GROUPS, Reason, TickResult
 from scheduler.fixtures.executors import FixedTokenExecutor
 from scheduler.loop import TickLoop
-from scheduler.request import Request, SamplingParams
+from scheduler.request import MediaItemRef, Request, SamplingParams
 from scheduler.scheduler import Scheduler
 from scheduler.tools.explain import explain
 
 TOKEN = 100  # an ordinary token (no stop ids in these schedulers)
 
 
-def _scheduler(config, layout=None):
+def _scheduler(config, layout=None, **kwargs):
     sink = MemorySink()
     events = EventLog([sink])
     events.emit("engine_start", 0, config={}, plan_records=list(PLAN_RECORD_GROUPS))
-    return Scheduler(config, events, kv_layout=layout), sink
+    return Scheduler(config, events, kv_layout=layout, **kwargs), sink
 
 
 def _run(sched, ticks, arrivals=()):
@@ -41,7 +41,7 @@ def _run(sched, ticks, arrivals=()):
 
 def _req(rid, n=10, images=0, max_tokens=1000):
     return Request(rid, [TOKEN] * n, SamplingParams(max_tokens=max_tokens), num_images=images,
-                   media_key="img" if images else None)
+                   media_key=f"img-{rid}" if images else None)
 
 
 def _reasons_of(plan):
@@ -131,6 +131,40 @@ def test_the_vision_token_budget_bounds_encoder_work_by_size():
     sched, _ = _scheduler(EngineConfig(**config, vision_token_budget=None))
     plans = _run(sched, 1, [(0, media(r, 300)) for r in "abc"])
     assert plans[0].encode == ("a", "b", "c")
+
+
+def test_the_vision_budget_pays_only_for_what_the_encoders_run_on():
+    """A media unit the vision cache holds, or one an earlier request of the tick pays for, costs no budget (the
+    executor does not encode it again); a request with nothing left to encode neither waits nor keeps an
+    over-budget one from going alone; per-item units are counted each on its own; an engine before the rule
+    (`count_cached_media`, the replay of its traces) counted every unit."""
+    def media(rid, key, tokens=40, items=()):
+        return Request(rid, [TOKEN] * (tokens + 4), SamplingParams(max_tokens=1000), num_images=max(1, len(items)),
+                       num_media_tokens=tokens, media_key=key,
+                       media_items=tuple(MediaItemRef(k, tokens // len(items), 1) for k in items))
+
+    config = EngineConfig(max_seqs=8, max_batched_tokens=4096, prefill_chunk=64, vision_budget=2,
+                          vision_token_budget=100)
+    cached = {"seen", "seen-2"}
+    arrivals = [(0, media("a", "new-1")), (0, media("b", "new-1")), (0, media("c", "seen", tokens=300)),
+                (0, media("d", "new-2")), (0, media("e", "big", tokens=300)),
+                (0, media("f", "k", tokens=80, items=("seen", "new-3"))),  # half cached: pays 40 tokens
+                (0, media("g", "k2", tokens=80, items=("seen-2", "new-1")))]  # nothing left to encode
+    sched, _ = _scheduler(config, vision_cached=cached.__contains__)
+    plans = _run(sched, 2, arrivals)
+    # a pays 40 and 1 item; b repeats a's image; c is cached (300 tokens, free); d pays the second item; e
+    # (300 > 100) waits while the tick has encoder work; f's new item would be a third item; g is all paid for
+    assert plans[0].encode == ("a", "b", "c", "d", "g")
+    assert _reasons_of(plans[0])["e"] == (Reason.VISION_BUDGET, ())
+    assert _reasons_of(plans[0])["f"] == (Reason.VISION_BUDGET, ())
+    assert plans[1].encode == ("e",)  # alone: over the whole token budget
+    # the tick's only encoder work is what makes an over-budget request go alone, not a free request before it
+    sched, _ = _scheduler(config, vision_cached=cached.__contains__)
+    assert _run(sched, 1, [(0, media("c", "seen", tokens=300)), (0, media("e", "big", tokens=300))])[0].encode \
+        == ("c", "e")
+    sched, _ = _scheduler(config, vision_cached=cached.__contains__, count_cached_media=True)
+    plans = _run(sched, 1, arrivals)
+    assert plans[0].encode == ("a", "b")  # 2 items: every unit counted, the repeat too
 
 
 def test_prefill_first_pauses_the_running_rows():

@@ -191,6 +191,40 @@ def test_vision_cache_hits_are_not_encoded_again(name, tmp_path):
     assert hits == dict(zip(run.tokens, [True, True, False, True]))
 
 
+def test_cached_and_repeated_images_cost_no_vision_budget(tmp_path):
+    """With room for one image a tick, a tick's requests whose images are in the vision cache, or repeat the one
+    image the tick encodes, are encoded with it (nothing of theirs goes through the encoders), and their
+    outputs equal solo mlx_vlm. The trace replays identically, following the vision cache from its
+    store / evict events; without those events (or read as an engine before the rule, which counted every
+    image) replay plans otherwise, so the rule is what the engine ran."""
+    import mlx_vlm
+
+    from scheduler.tools.replay import load_trace, replay
+
+    model, processor = mlx_vlm.load(str(build_model("vlm", tmp_path)))
+    (seen_msgs, seen), (new_msgs, new) = image_requests()[:2]
+    engine, log = engine_with_log(model, processor, EngineConfig(vision_budget=1, check_invariants=True))
+    sampling = SamplingParams(max_tokens=MAX_TOKENS)
+    drive(engine, [(0, {"prompt": seen_msgs, "images": seen, "sampling": sampling})])
+    before = len(log.of_kind("vision_encode"))
+    turn = [(user("Once more, what is it?", 1), seen), (new_msgs, new), (user("The new one, again?", 1), new),
+            (user("And the first one?", 1), seen)]
+    run = drive(engine, [(engine.tick, {"prompt": m, "images": im, "sampling": sampling}) for m, im in turn])
+    assert not run.errors
+    ids = list(run.tokens)
+    encoding = [p for p in log.of_kind("plan") if set(p["encode"]) & set(ids)]
+    assert len(encoding) == 1 and sorted(encoding[0]["encode"]) == sorted(ids)
+    assert [(c["request_ids"], c["images"]) for c in log.of_kind("vision_encode")[before:]] == [([ids[1]], 1)]
+    assert list(run.tokens.values()) == [_solo(model, processor, m, im) for m, im in turn]
+
+    events = list(log.events)
+    assert replay(load_trace(events)).identical
+    blind = [e for e in events if e["event"] != "vision_store"]
+    assert not replay(load_trace(blind)).identical  # the first image no longer cached: its repeat waits
+    older = [dict(events[0], vision_budget_counts=None), *events[1:]]
+    assert not replay(load_trace(older)).identical
+
+
 @pytest.mark.parametrize("name", ["qwen2_vl", "llava", "mistral3", "idefics3"])
 def test_images_are_encoded_once_whatever_request_holds_them(name, tmp_path):
     """The families that key media per item (``FamilySpec.item_split``: one of each layout, GRID, STACK,

@@ -641,6 +641,25 @@ def test_the_sim_executor_counts_vision_hits_per_media_item():
     assert again.encoded["t2"]["vision_cache_hit"] is True and again.encoded["t2"]["items_encoded"] == 0
 
 
+def test_a_simulation_s_vision_budget_pays_only_for_what_its_cache_lacks():
+    """The simulated scheduler sees the simulated vision cache, as the engine's sees its own: with room for one
+    image a tick, three requests showing the same image are encoded in one tick (one encoder unit) and get
+    their first tokens together; three different images take a tick each."""
+    from scheduler.request import MediaItemRef
+
+    cost = CostModel(overhead=1e-3, per_image_encoded=1e-3, media_token_ids=frozenset({5}))
+    config = EngineConfig(vision_budget=1, max_seqs=8)
+
+    def first_tokens(keys):
+        arrivals = [SimArrival(f"r{i}", 0.0, [1, 5, 5, 5, 1], 2, 2, num_images=1, num_media_tokens=3,
+                               media_key=key, media_items=(MediaItemRef(key, 3, 1),)) for i, key in enumerate(keys)]
+        return [r.first_token for r in simulate(arrivals, config, cost).requests]
+
+    same = first_tokens(["a", "a", "a"])
+    assert len(set(same)) == 1
+    assert len(set(first_tokens(["a", "b", "c"]))) == 3
+
+
 def test_the_fit_counts_the_items_an_outcome_says_were_encoded():
     """The vision terms are fitted on what each outcome records as encoded (`items_encoded`,
     `media_tokens_encoded`); a trace from before those fields counts every media item of a request that was

@@ -102,14 +102,16 @@ class _Simulation:
         self.clears = sorted(prefix_clear_times)
         self.next_clear = 0
         extra = {"kv_layout": kv_layout} if kv_layout is not None else {}
-        self.scheduler = Scheduler(config, EventLog(), stop_token_ids=[stop_token_id], policy=policy, **extra)
         if kv_bytes_per_token is None:
             kv_bytes_per_token = kv_layout.bytes_per_token if kv_layout is not None else 0
-        self.prefix_cache = getattr(self.scheduler, "prefix_cache", None)
         self.executor = SimExecutor(cost_model, arrivals, stop_token_ids=[stop_token_id],
-                                    prefix_block_size=config.prefix_block_size if self.prefix_cache is not None
+                                    prefix_block_size=config.prefix_block_size if config.prefix_cache_bytes
                                     else None, kv_bytes_per_token=kv_bytes_per_token,
                                     prefix_checkpoints=prefix_checkpoints)
+        # the vision budget pays for what the simulated vision cache does not hold, as the engine's does
+        self.scheduler = Scheduler(config, EventLog(), stop_token_ids=[stop_token_id], policy=policy,
+                                   vision_cached=self.executor.vision_cached, **extra)
+        self.prefix_cache = getattr(self.scheduler, "prefix_cache", None)
         self.loop = TickLoop(self.scheduler, self.executor)
         self.budget = getattr(config, "kv_memory_bytes", None)
         self.pending = sorted(arrivals, key=lambda a: a.arrival_time)  # stable: ties keep the given order

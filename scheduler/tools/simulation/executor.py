@@ -64,6 +64,10 @@ class SimExecutor:
                     (a.media_key, a.num_images, sum(1 for t in a.prompt_tokens if t in cost_model.media_token_ids)),)
         self._produced: dict[str, int] = {}
 
+    def vision_cached(self, key: str) -> bool:
+        """Whether a media unit was encoded before: a vision-cache hit (the cache is unbounded here)."""
+        return key in self._vision_seen
+
     def execute(self, plan: TickPlan) -> TickResult:
         for new in plan.new_requests:
             self._prefill_len[new.request_id] = len(new.prompt_tokens) + new.recompute_tokens
