@@ -1,7 +1,9 @@
 """Second turns of image chats: what the vision budget costs when the images are already in the vision cache.
 
-``--chats`` chats on the tiny Qwen2-VL, each with its own ``--size`` x ``--size`` image (448: 256 media tokens
-each, so the default ``vision_token_budget`` of 1024 takes four a tick), all arriving at once. Their first
+``--chats`` chats on the tiny Qwen2-VL, each with its own 224 x 224 image, all arriving at once. The tiny model's
+processor caps an image at 224 x 224 pixels, 64 media tokens, where a real Qwen2-VL photo is about 1,000: so
+``--vision-token-budget 64`` gives the tiny model what the default budget of 1024 gives a real one, one image a
+tick (the default here takes 16). Their first
 turns run to the end; then every chat's second turn arrives at once: the first turn's messages, the answer, a
 new question, and the same image, which the vision cache holds (and the prefix cache the first turn's KV).
 Reported per turn: the ticks that encoded media, the ticks until every request had its first token, time to
@@ -12,7 +14,7 @@ Since the vision budget pays only for media the encoders run on (ARCHITECTURE.md
 cached image costs nothing: all of them are taken in one tick. Run the same script on a tree from before that
 rule to see what counting every image cost.
 
-    python -m bench.image_chats [--chats 16] [--size 448] [--new-tokens 8] [--repeats 3]
+    python -m bench.image_chats [--chats 16] [--vision-token-budget 64] [--new-tokens 8] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -64,15 +66,16 @@ def _encode_ticks(sink, start: int, end: int) -> int:
                   and start <= e["tick"] < end})
 
 
-def run(model, processor, chats: int, size: int, new_tokens: int) -> tuple[dict, dict, list]:
+def run(model, processor, chats: int, new_tokens: int, vision_token_budget: int | None) -> tuple[dict, dict, list]:
     from scheduler import Engine, EngineConfig
     from scheduler.events import MemorySink
 
-    images = [[_image(100 + i, size)] for i in range(chats)]
+    images = [[_image(100 + i, 224)] for i in range(chats)]
     first_msgs = [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"What is in picture {i}?"}]}]
                   for i in range(chats)]
     sink = MemorySink()
-    engine = Engine(model, processor, EngineConfig(), event_sinks=[sink])
+    budget = {} if vision_token_budget is None else {"vision_token_budget": vision_token_budget}
+    engine = Engine(model, processor, EngineConfig(**budget), event_sinks=[sink])
     try:
         one = _turn(engine, list(zip(first_msgs, images)), new_tokens)
         answers = [processor.tokenizer.decode(t) for t in one["tokens"]]
@@ -105,7 +108,8 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog="python -m bench.image_chats", description=__doc__.split("\n")[0])
     ap.add_argument("--chats", type=int, default=16)
-    ap.add_argument("--size", type=int, default=448, help="image side in pixels (448: 256 media tokens)")
+    ap.add_argument("--vision-token-budget", type=int, default=None,
+                    help="EngineConfig.vision_token_budget (default: the engine's)")
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
@@ -116,10 +120,10 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="mlxsched-image-chats-") as d:
         model, processor = mlx_vlm.load(str(build_model("vlm", Path(d) / "vlm")))
-        run(model, processor, 2, args.size, 2)  # warm-up
+        run(model, processor, 2, 2, args.vision_token_budget)  # warm-up
         runs = []
         for rep in range(args.repeats):
-            runs.append(run(model, processor, args.chats, args.size, args.new_tokens))
+            runs.append(run(model, processor, args.chats, args.new_tokens, args.vision_token_budget))
             one, two, _ = runs[-1]
             print(f"  rep {rep}: turn 1 {one['wall_s']:.3f}s, turn 2 {two['wall_s']:.3f}s", file=sys.stderr)
         second = runs[0][2]
