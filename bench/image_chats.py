@@ -92,18 +92,6 @@ def run(model, processor, chats: int, new_tokens: int, vision_token_budget: int 
     return one, two, list(zip(second_msgs, images))
 
 
-def _solo(model, processor, messages, images, new_tokens: int) -> list[int]:
-    import mlx_vlm
-    from mlx_vlm.prompt_utils import apply_chat_template
-
-    prompt = apply_chat_template(processor, model.config, messages, num_images=len(images))
-    last = None
-    for last in mlx_vlm.stream_generate(model, processor, prompt, image=images, max_tokens=new_tokens,
-                                        temperature=0.0):
-        pass
-    return list(last.token_ids)
-
-
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog="python -m bench.image_chats", description=__doc__.split("\n")[0])
@@ -118,6 +106,8 @@ def main(argv=None) -> int:
 
     from scheduler.fixtures.tiny_models import build_model
 
+    from .vision_peer import solo
+
     with tempfile.TemporaryDirectory(prefix="mlxsched-image-chats-") as d:
         model, processor = mlx_vlm.load(str(build_model("vlm", Path(d) / "vlm")))
         run(model, processor, 2, 2, args.vision_token_budget)  # warm-up
@@ -126,8 +116,11 @@ def main(argv=None) -> int:
             runs.append(run(model, processor, args.chats, args.new_tokens, args.vision_token_budget))
             one, two, _ = runs[-1]
             print(f"  rep {rep}: turn 1 {one['wall_s']:.3f}s, turn 2 {two['wall_s']:.3f}s", file=sys.stderr)
+        from mlx_vlm.prompt_utils import apply_chat_template
+
         second = runs[0][2]
-        truth = [_solo(model, processor, m, im, args.new_tokens) for m, im in second]
+        truth = solo(model, processor, [apply_chat_template(processor, model.config, m, num_images=len(im))
+                                        for m, im in second], [im for _, im in second], args.new_tokens)
     load = os.getloadavg()[0]
     print(f"Command: `python -m bench.image_chats {shlex.join(argv)}`; best of {args.repeats} by wall time; "
           f"load1 {load:.1f} on {os.cpu_count()} CPUs\n")

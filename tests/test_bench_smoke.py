@@ -44,6 +44,8 @@ SCRIPTS: dict[str, tuple[list[str], str]] = {
     "scheduler_cost": (["--live", "4"], "|"),
     "vision_batch": (["--repeats", "1", "--counts", "1", "2"], "|"),
     "vision_peer": (["--requests", "4", "--new-tokens", "4", "--repeats", "1"], "|"),
+    "image_chats": (["--chats", "2", "--vision-token-budget", "64", "--new-tokens", "2", "--repeats", "1"],
+                    "| 2: the same images again | 1 |"),
     "prefill_mix": (["--model", "text", "--n", "4", "--lo", "8", "--hi", "40", "--repeats", "1", "--ratios", "0.0625",
                      "--split-ratios", "1"], "|"),
     "op_floor": (["--model", "text", "--batch", "2", "--iters", "3", "--prefill-len", "16", "--widths", "1", "3"], "|"),
