@@ -24,6 +24,11 @@ from .policy import Policy
 from .request import Request
 
 
+def nothing_cached(_key: str) -> bool:
+    """The vision cache's membership where there is none (a text model, a model-free run): it holds nothing."""
+    return False
+
+
 @dataclass(frozen=True)
 class SchedulerView:
     """What the planner may look at. Request objects are read, never written."""
@@ -39,7 +44,7 @@ class SchedulerView:
     # cache summary: whether the vision cache holds a media unit's rows, by its key (`Request.media_units`). A
     # unit it holds, or one another request encodes this tick, costs no vision budget: the executor does not
     # encode it again. None: every unit counts, as in engines before this rule (the replay of their traces).
-    vision_cached: Callable[[str], bool] | None = lambda _key: False  # (default: nothing is cached)
+    vision_cached: Callable[[str], bool] | None = nothing_cached
 
     def cached_prefix(self, request: Request) -> int:
         match = self.prefix_match(request)

@@ -15,7 +15,7 @@ from .config import EngineConfig
 from .events import EventLog
 from .lifecycle import Lifecycle, RequestState, Trigger
 from .plan import ROW_REASONS, NewRequest, PromptLogprobs, TickPlan, TickResult, WaitReason
-from .planner import SchedulerView, plan_tick
+from .planner import SchedulerView, nothing_cached, plan_tick
 from .policy import Policy, make_policy
 from .request import FinishReason, Request
 
@@ -100,7 +100,7 @@ class Scheduler:
         # Whether the vision cache holds a media unit (by key): the engine's cache, replay's model of it, a
         # simulation's. Units it holds cost no vision budget. None: nothing is cached; `count_cached_media`:
         # every unit counts, as in engines before that rule (only the replay of their traces sets it).
-        self._vision_cached = None if count_cached_media else vision_cached or _nothing_cached
+        self._vision_cached = None if count_cached_media else vision_cached or nothing_cached
 
     @property
     def record_plans(self) -> bool:
@@ -495,10 +495,6 @@ class Scheduler:
 
 class InvariantViolation(RuntimeError):
     """The engine's bookkeeping broke one of its invariants (a bug, never bad input)."""
-
-
-def _nothing_cached(_key: str) -> bool:
-    return False
 
 
 def require(condition: bool, what: str, context: Any = None) -> None:
