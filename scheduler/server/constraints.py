@@ -4,8 +4,12 @@
 A forced call is a Lark grammar over the model's own call markup, with each offered tool's parameters as the
 arguments' schema (llguidance embeds a JSON schema in Lark with `%json`), one call or several, in the shape its
 parser reads (`ToolCallFormat.shape`): a JSON body `{"name": ..., "arguments": ...}` between the markers, on
-lines of their own (mlx-lm's `json_tools`, Qwen-style templates), or `name[ARGS]{...}` after the start marker
-(mlx-lm's `mistral`, `[TOOL_CALLS]`). With tools offered on "auto" and an output format, the answer is either
+lines of their own (mlx-lm's `json_tools`, Qwen-style templates); `name[ARGS]{...}` after the start marker
+(mlx-lm's `mistral`, `[TOOL_CALLS]`); `[name(x=..., y=...)]` between one pair of markers, each keyword's value
+JSON of its parameter's schema (mlx-lm's `pythonic` reads JSON's true / false / null as Python's); or
+`<function=name>` then a `<parameter=x>` / value / `</parameter>` block per argument (mlx-lm's `qwen3_coder`),
+each value written as that parser converts its parameter's declared type back. A parameter a markup cannot
+write back exactly is refused by name. With tools offered on "auto" and an output format, the answer is either
 calls or that format.
 
 A thinking model whose prompt opens the reasoning reasons freely: the constraint starts after its end marker
@@ -24,6 +28,7 @@ from .protocol import APIError, ChatCompletionRequest, CompletionRequest, NamedT
 from .tool_calls import CallShape, ToolCallFormat
 
 _WS = 'WS: /[ \\t\\r\\n]{1,4}/'
+_COMMA, _CLOSE = json.dumps(", "), json.dumps(")")
 
 
 def output_constraint(body: ChatCompletionRequest | CompletionRequest, tool_format: ToolCallFormat | None,
@@ -34,12 +39,13 @@ def output_constraint(body: ChatCompletionRequest | CompletionRequest, tool_form
     forced = isinstance(body, ChatCompletionRequest) and body.forces_tool_call()
     fmt = _output_format(body)
     if forced or (fmt is not None and tools):
+        param = ("tool_choice" if forced else "response_format" if body.output_format_given()
+                 else "structured_outputs")
         if tool_format is None or tool_format.shape is None:
-            param = ("tool_choice" if forced else "response_format" if body.output_format_given()
-                     else "structured_outputs")
-            raise APIError(400, f"{param}: this model's tool calls are neither JSON between markers nor "
-                                "name[ARGS]{...}, so calls cannot be constrained here", param)
-        calls = _calls_rule(body, tool_format, tools or [])
+            raise APIError(400, f"{param}: this model's tool calls are none of JSON between markers, "
+                                "name[ARGS]{...}, [name(x=...)] or <function=name> with <parameter=x> lines, so "
+                                "calls cannot be constrained here", param)
+        calls = _calls_rule(body, tool_format, tools or [], param)
         if forced:
             return StructuredOutput.grammar(f"start: WS? calls\n{calls}\n{_WS}", reasoning_end or "")
         if fmt.kind not in (StructuredKind.JSON, StructuredKind.JSON_OBJECT):
@@ -81,17 +87,28 @@ def _schema_text(fmt: StructuredOutput) -> str:
     return json.dumps({"x-guidance": JSON_OPTIONS, **schema})
 
 
-def _calls_rule(body: Any, fmt: ToolCallFormat, tools: list[dict[str, Any]]) -> str:
-    """The `calls` rule: one call of the named tool, one call of any (parallel_tool_calls false), or several."""
+def _calls_rule(body: Any, fmt: ToolCallFormat, tools: list[dict[str, Any]], param: str) -> str:
+    """The `calls` rule: one call of the named tool, one call of any (parallel_tool_calls false), or several, in
+    the model's markup (`ToolCallFormat.shape`). ``param``: the request field an unwritable tool is refused in."""
     choice = getattr(body, "tool_choice", None)
     if isinstance(choice, NamedToolChoice):
         tools = [t for t in tools if t["function"]["name"] == choice.function.name]
     single = isinstance(choice, NamedToolChoice) or getattr(body, "parallel_tool_calls", None) is False
+    end = f" {json.dumps(fmt.end)}" if fmt.end else ""
     if fmt.shape is CallShape.NAME_ARGS:  # `[TOOL_CALLS]name[ARGS]{...}`, one after another
         names = " | ".join(f"{json.dumps(t['function']['name'] + '[ARGS]')} %json {_arguments_schema(t)}"
                            for t in tools)
-        end = f" {json.dumps(fmt.end)}" if fmt.end else ""
         return f"calls: call{'' if single else '+'}\ncall: {json.dumps(fmt.start)} ({names}){end}"
+    if fmt.shape is CallShape.PYTHONIC:  # `[a(x=1), b(y="z")]` between one pair of markers
+        calls = " | ".join(f"{json.dumps(t['function']['name'] + '(')} {_pythonic_arguments(t, param)} {_CLOSE}"
+                           for t in tools)
+        more = "" if single else f" ({_COMMA} call)*"
+        return f"calls: {json.dumps(fmt.start + '[')} call{more} {json.dumps(']')}{end}\ncall: {calls}"
+    if fmt.shape is CallShape.XML_PARAMETERS:  # one `<tool_call>` block per call
+        calls = " | ".join(f"{json.dumps(fmt.start + chr(10) + '<function=' + t['function']['name'] + '>' + chr(10))} "
+                           f"{_xml_parameters(t, param)} {json.dumps('</function>' + chr(10) + fmt.end)}"
+                           for t in tools)
+        return f"calls: call{'' if single else ' (NL call)*'}\ncall: {calls}\n" + 'NL: "\\n"'
     bodies = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
                "properties": {"name": {"const": t["function"]["name"]},
                               "arguments": t["function"].get("parameters") or {"type": "object"}}} for t in tools]
@@ -101,5 +118,103 @@ def _calls_rule(body: Any, fmt: ToolCallFormat, tools: list[dict[str, Any]]) -> 
             'NL: "\\n"')
 
 
+def _parameters(tool: dict[str, Any]) -> tuple[list[tuple[str, dict, bool]], bool]:
+    """A tool's parameters as (name, schema, required) in the schema's order (required ones it does not list
+    last, any value), and whether its schema lists none at all (no `properties`: any names). A tool with empty
+    `properties` takes no arguments."""
+    schema = tool["function"].get("parameters") or {"type": "object"}
+    properties = schema.get("properties") or {}
+    required = set(schema.get("required") or ())
+    listed = [(name, sub if isinstance(sub, dict) else {}, name in required) for name, sub in properties.items()]
+    listed += [(name, {}, True) for name in schema.get("required") or () if name not in properties]
+    return listed, not listed and "properties" not in schema
+
+
+def _sequence(items: list[tuple[str, bool]], separator: str) -> str:
+    """Lark for the present items in order, each required one always and each optional one or not, joined by
+    ``separator`` (a Lark literal or ""): the first present item decides where the separators start."""
+    def tail(rest):
+        return " ".join(f"({separator} {item})" + ("" if required else "?") if separator
+                        else item + ("" if required else "?") for item, required in rest)
+
+    starts = []
+    for i, (item, required) in enumerate(items):
+        starts.append(f"{item} {tail(items[i + 1:])}".strip())
+        if required:
+            break
+    return f"({' | '.join(starts)})" + ("" if any(required for _, required in items) else "?")
+
+
+def _refuse(param: str, tool: dict[str, Any], name: str, why: str) -> APIError:
+    return APIError(400, f"{param}: parameter {name!r} of tool {tool['function']['name']!r} {why}", param)
+
+
+def _pythonic_arguments(tool: dict[str, Any], param: str) -> str:
+    """Keyword arguments, each value JSON of its parameter's schema (the parser reads JSON's true / false / null
+    as Python's)."""
+    listed, free = _parameters(tool)
+    if free:
+        pair = f'/[A-Za-z_][A-Za-z0-9_]*/ "=" %json {_json_schema({})}'
+        return f"({pair} ({_COMMA} {pair})*)?"
+    items = []
+    for name, schema, required in listed:
+        if not name.isidentifier():
+            raise _refuse(param, tool, name, "is not a Python identifier, which [name(x=...)] calls cannot write")
+        items.append((f"{json.dumps(name + '=')} %json {_json_schema(schema)}", required))
+    return _sequence(items, _COMMA) if items else ""
+
+
+def _xml_parameters(tool: dict[str, Any], param: str) -> str:
+    """`<parameter=x>` / value / `</parameter>` lines, each value written as the parser reads its declared type."""
+    listed, free = _parameters(tool)
+    if free:
+        return f'("<parameter=" /[^\\s<>]+/ ">\\n" {_XML_TEXT} "\\n</parameter>\\n")*'
+    items = []
+    for name, schema, required in listed:
+        if not name or any(c.isspace() or c in "<>" for c in name):
+            raise _refuse(param, tool, name, "has whitespace or < > in its name, which <parameter=x> cannot write")
+        value = _xml_value(schema)
+        if value is None:
+            raise _refuse(param, tool, name, "has a schema the <parameter=x> markup cannot write back exactly "
+                                             "(its type must be one of string, integer, number, boolean, object, "
+                                             "array, null, or absent; an enum's values strings or of that type)")
+        items.append((f"{json.dumps(f'<parameter={name}>' + chr(10))} {value} "
+                      f"{json.dumps(chr(10) + '</parameter>' + chr(10))}", required))
+    return _sequence(items, "") if items else ""
+
+
+# A string parameter's value: free text without "<" (the parser ends a value at the first `</parameter>`, and a
+# newline before the closing one is the markup's); pattern, format and length keywords are not enforced
+_XML_TEXT = r"/([^<\n]|\n[^<])*/"
+
+
+def _xml_value(schema: dict[str, Any]) -> str | None:
+    """The Lark of one parameter's value as mlx-lm's `qwen3_coder` parser reads it: a string is the raw text, a
+    boolean `true` / `false`, other types JSON; None for a schema it cannot read back exactly."""
+    kind = schema.get("type")
+    if kind is not None and not isinstance(kind, str):
+        return None
+    if "enum" in schema:
+        values = schema["enum"]
+        if kind in (None, "string") and all(isinstance(v, str) for v in values) and values:
+            return "(" + " | ".join(json.dumps(v) for v in values) + ")"
+        if kind in ("integer", "number", "boolean") and values:
+            return "(" + " | ".join(json.dumps(json.dumps(v)) for v in values) + ")"
+        return None
+    if kind in (None, "string"):
+        return _XML_TEXT
+    if kind == "boolean":
+        return '("true" | "false")'
+    if kind == "null":
+        return '"null"'
+    if kind in ("integer", "number", "object", "array"):
+        return f"%json {_json_schema(schema)}"
+    return None
+
+
+def _json_schema(schema: dict[str, Any]) -> str:
+    return json.dumps({"x-guidance": JSON_OPTIONS, **schema})
+
+
 def _arguments_schema(tool: dict[str, Any]) -> str:
-    return json.dumps({"x-guidance": JSON_OPTIONS, **(tool["function"].get("parameters") or {"type": "object"})})
+    return _json_schema(tool["function"].get("parameters") or {"type": "object"})

@@ -44,12 +44,15 @@ class ToolCallFormat:
     @property
     def shape(self) -> "CallShape | None":
         """The shape of one call after the start marker that the parser reads, so that a grammar can write calls
-        it reads back (forced tool calls): asked of the parser itself; None when it reads neither shape."""
+        it reads back (forced tool calls): asked of the parser itself, with a tool that declares its parameter's
+        type (the XML parser converts values by it); None when it reads none of the shapes."""
         probe = {"name": "f", "arguments": {"x": 1}}
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"x": {"type": "integer"}}}}}]
         for shape in CallShape:
             try:
-                parsed = self.parse(shape.example(probe), None)
-            except (ValueError, TypeError, KeyError, AttributeError):
+                parsed = self.parse(shape.example(probe), tools)
+            except (ValueError, TypeError, KeyError, AttributeError, SyntaxError):
                 continue
             if parsed == probe or parsed == [probe]:
                 return shape
@@ -61,11 +64,21 @@ class CallShape(Enum):
 
     JSON_OBJECT = "json_object"  # `{"name": ..., "arguments": {...}}` on its own line (mlx-lm's `json_tools`)
     NAME_ARGS = "name_args"  # `name[ARGS]{...}` (mlx-lm's `mistral`)
+    PYTHONIC = "pythonic"  # `[name(x=1, y="a")]`, several calls in one list (mlx-lm's `pythonic`: LFM2, Llama)
+    # `<function=name>` then `<parameter=x>` / value / `</parameter>` lines (mlx-lm's `qwen3_coder`), each value
+    # read by its parameter's declared type
+    XML_PARAMETERS = "xml_parameters"
 
     def example(self, call: dict[str, Any]) -> str:
+        name, arguments = call["name"], call["arguments"]
         if self is CallShape.JSON_OBJECT:
             return "\n" + json.dumps(call) + "\n"
-        return call["name"] + "[ARGS]" + json.dumps(call["arguments"])
+        if self is CallShape.NAME_ARGS:
+            return name + "[ARGS]" + json.dumps(arguments)
+        if self is CallShape.PYTHONIC:
+            return f"[{name}(" + ", ".join(f"{k}={json.dumps(v)}" for k, v in arguments.items()) + ")]"
+        return (f"\n<function={name}>\n" + "".join(f"<parameter={k}>\n{json.dumps(v)}\n</parameter>\n"
+                                                  for k, v in arguments.items()) + "</function>\n")
 
 
 @dataclass

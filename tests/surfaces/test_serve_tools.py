@@ -22,6 +22,8 @@ import pytest
 
 from scheduler.fixtures.tool_calling import CHATS, TOOLS, template_messages
 
+from scheduler.server.tool_calls import CallShape, ToolCallFormat
+
 from .test_serve import _start, _stop, _wait_healthy
 
 CHAT = {chat.name: chat for chat in CHATS}
@@ -366,64 +368,85 @@ def test_output_formats_the_server_cannot_honour_are_refused_naming_the_field(se
     assert tools.get("/health")[0] == 200 and plain.get("/health")[0] == 200
 
 
-# Mistral's call markup: `[TOOL_CALLS]name[ARGS]{...}`, no end marker (mlx-lm infers its `mistral` parser from the
-# `[TOOL_CALLS]` in the template); a minimal template of that shape on the tiny text model
-MISTRAL_TEMPLATE = (
-    "{%- if tools -%}[AVAILABLE_TOOLS]{{- tools | map(attribute='function.name') | join(',') -}}"
-    "[/AVAILABLE_TOOLS]{%- endif -%}"
-    "{%- for message in messages -%}"
-    "{%- if message['role'] == 'user' -%}[INST]{{- message['content'] -}}[/INST]"
-    "{%- elif message['role'] == 'assistant' -%}{{- message['content'] or '' -}}"
-    "{%- for call in message['tool_calls'] or [] -%}"
-    "[TOOL_CALLS]{{- call.function.name -}}[ARGS]{{- call.function.arguments | tojson -}}"
-    "{%- endfor -%}<|im_end|>"
-    "{%- elif message['role'] == 'tool' -%}[TOOL_RESULTS]{{- message['content'] -}}[/TOOL_RESULTS]"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-)
+# Call markups other than JSON between markers, each a minimal template of its shape on the tiny text model's
+# weights, from which mlx-lm infers its parser: Mistral's `[TOOL_CALLS]name[ARGS]{...}` (no end marker; `mistral`),
+# the pythonic `<|tool_call_start|>[name(x=...)]<|tool_call_end|>` (`pythonic`: LFM2, Llama), and Qwen3-Coder's
+# `<tool_call>` / `<function=name>` / `<parameter=x>` lines (`qwen3_coder`)
+_TURNS = ("{%- for message in messages -%}"
+          "{%- if message['role'] == 'user' -%}[INST]{{- message['content'] -}}[/INST]"
+          "{%- elif message['role'] == 'assistant' -%}{{- message['content'] or '' -}}CALLS<|im_end|>"
+          "{%- elif message['role'] == 'tool' -%}[TOOL_RESULTS]{{- message['content'] -}}[/TOOL_RESULTS]"
+          "{%- endif -%}"
+          "{%- endfor -%}")
+_LISTED = "{{- tools | map(attribute='function.name') | join(',') -}}"
+MARKUPS = {
+    "mistral": (
+        "{%- if tools -%}[AVAILABLE_TOOLS]" + _LISTED + "[/AVAILABLE_TOOLS]{%- endif -%}" + _TURNS.replace(
+            "CALLS", "{%- for call in message['tool_calls'] or [] -%}"
+                     "[TOOL_CALLS]{{- call.function.name -}}[ARGS]{{- call.function.arguments | tojson -}}"
+                     "{%- endfor -%}"),
+        ("[TOOL_CALLS]", "", CallShape.NAME_ARGS)),
+    "pythonic": (
+        "{%- if tools -%}<|tool_list_start|>" + _LISTED + "<|tool_list_end|>{%- endif -%}" + _TURNS.replace(
+            "CALLS", "{%- if message['tool_calls'] -%}<|tool_call_start|>["
+                     "{%- for call in message['tool_calls'] -%}{{- call.function.name -}}()"
+                     "{%- endfor -%}]<|tool_call_end|>{%- endif -%}"),
+        ("<|tool_call_start|>", "<|tool_call_end|>", CallShape.PYTHONIC)),
+    "qwen3_coder": (
+        "{%- if tools -%}<tools>" + _LISTED + "</tools>{%- endif -%}" + _TURNS.replace(
+            "CALLS", "{%- for call in message['tool_calls'] or [] -%}<tool_call>\n<function="
+                     "{{- call.function.name -}}>\n</function>\n</tool_call>{%- endfor -%}"),
+        ("<tool_call>", "</tool_call>", CallShape.XML_PARAMETERS)),
+}
 
 
 @pytest.fixture(scope="module")
-def mistral_model_dir(text_model_dir, tmp_path_factory):
-    """The tiny text model's weights with a Mistral-style tool template."""
+def markup_model_dirs(text_model_dir, tmp_path_factory):
+    """The tiny text model's weights with each markup's template."""
     import shutil
 
     from scheduler.fixtures.tiny_models import build_tokenizer
 
-    out = tmp_path_factory.mktemp("mistral-tools")
-    for name in ("config.json", "model.safetensors", "model.safetensors.index.json"):
-        if (text_model_dir / name).exists():
-            shutil.copy(text_model_dir / name, out / name)
-    tokenizer = build_tokenizer()
-    tokenizer.chat_template = MISTRAL_TEMPLATE
-    tokenizer.save_pretrained(str(out))
-    return out
+    dirs = {}
+    for name, (template, _) in MARKUPS.items():
+        out = dirs[name] = tmp_path_factory.mktemp(f"{name}-tools")
+        for file in ("config.json", "model.safetensors", "model.safetensors.index.json"):
+            if (text_model_dir / file).exists():
+                shutil.copy(text_model_dir / file, out / file)
+        tokenizer = build_tokenizer()
+        tokenizer.chat_template = template
+        tokenizer.save_pretrained(str(out))
+    return dirs
 
 
-def test_forced_calls_in_mistrals_markup_are_written_and_parsed(mistral_model_dir, tmp_path):
-    """tool_choice "required" (one call) and a named function on a model whose calls are `[TOOL_CALLS]name[ARGS]
-    {...}`: the grammar writes that markup with the offered tool's arguments, the server parses the calls out
-    (a format with no end marker), streamed equal to not streamed; the format is mlx-lm's `mistral` parser."""
+MARKUP_TOOLS = [{"type": "function", "function": {"name": name, "description": "a lookup", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+    "required": ["city"], "additionalProperties": False}}} for name in ("get_weather", "get_time")]
+
+
+@pytest.mark.parametrize("markup", sorted(MARKUPS))
+def test_forced_calls_in_each_markup_are_written_and_parsed(markup, markup_model_dirs, tmp_path):
+    """tool_choice "required" (one call) and a named function on a model whose calls are written in another
+    markup than JSON between markers: the grammar writes that markup with the offered tool's arguments (an enum
+    and an optional bounded integer), the server parses the calls out with mlx-lm's parser for it, the
+    arguments hold to the tool's schema, streamed equal to not streamed."""
     import time
 
     from mlx_lm import load
 
-    from scheduler.server.tool_calls import CallShape, ToolCallFormat
-
-    _, tokenizer = load(str(mistral_model_dir))
+    model_dir = markup_model_dirs[markup]
+    _, tokenizer = load(str(model_dir))
     fmt = ToolCallFormat.of(tokenizer)
-    assert (fmt.start, fmt.end, fmt.shape) == ("[TOOL_CALLS]", "", CallShape.NAME_ARGS)
-    tools = [{"type": "function", "function": {"name": name, "description": "a lookup", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
-        "required": ["city"], "additionalProperties": False}}} for name in ("get_weather", "get_time")]
-    server = _start(mistral_model_dir, tmp_path, "mistral")
+    assert (fmt.start, fmt.end, fmt.shape) == MARKUPS[markup][1]
+    server = _start(model_dir, tmp_path, markup)
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     try:
         _wait_healthy(server, time.monotonic() + 120)
 
         async def run():
             client = server.client()
-            args = dict(model="tiny-vlm", messages=messages, tools=tools, max_tokens=64, temperature=0)
+            args = dict(model="tiny-vlm", messages=messages, tools=MARKUP_TOOLS, max_tokens=200, temperature=0)
             forced = await client.chat.completions.create(tool_choice="required", parallel_tool_calls=False, **args)
             named = await client.chat.completions.create(
                 tool_choice={"type": "function", "function": {"name": "get_time"}}, **args)
@@ -439,11 +462,42 @@ def test_forced_calls_in_mistrals_markup_are_written_and_parsed(mistral_model_di
         forced, named, streamed = asyncio.run(run())
     finally:
         _stop(server)
+    schema = MARKUP_TOOLS[0]["function"]["parameters"]
     (choice,) = forced.choices
+    assert choice.message.tool_calls, choice.message.content
     got = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
     assert choice.finish_reason == "tool_calls" and len(got) == 1 and got[0][0] in ("get_weather", "get_time")
-    assert got[0][1]["city"] in ("Paris", "Rome") and choice.message.content is None
+    jsonschema.validate(got[0][1], schema)
+    assert choice.message.content is None
     assert streamed == (got, "tool_calls")
     (named_choice,) = named.choices
     assert [c.function.name for c in named_choice.message.tool_calls] == ["get_time"]
     assert named_choice.finish_reason == "tool_calls"
+    for call in named_choice.message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+def test_a_tool_the_markup_cannot_write_is_refused_by_name():
+    """A forced call whose tool the model's markup cannot write back (a parameter name that is not a Python
+    identifier in `[name(x=...)]`; a parameter whose type is a list of types in `<parameter=x>` lines) is
+    refused with a 400 naming the parameter and the tool, before anything runs."""
+    from types import SimpleNamespace
+
+    from mlx_lm.tool_parsers import pythonic, qwen3_coder
+
+    from scheduler.server.constraints import _calls_rule
+    from scheduler.server.protocol import APIError
+
+    def tool(name, schema):
+        return [{"type": "function", "function": {"name": "lookup", "parameters": {
+            "type": "object", "properties": {name: schema}}}}]
+
+    body = SimpleNamespace(tool_choice="required", parallel_tool_calls=None)
+    cases = [(pythonic, tool("user-id", {"type": "string"}), "not a Python identifier"),
+             (qwen3_coder, tool("when", {"type": ["string", "null"]}), "cannot write back exactly")]
+    for module, tools, why in cases:
+        fmt = ToolCallFormat(module.tool_call_start, module.tool_call_end, module.parse_tool_call)
+        with pytest.raises(APIError) as info:
+            _calls_rule(body, fmt, tools, "tool_choice")
+        assert info.value.status == 400 and info.value.param == "tool_choice"
+        assert why in str(info.value) and "'lookup'" in str(info.value)
