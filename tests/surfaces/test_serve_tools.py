@@ -481,23 +481,82 @@ def test_a_tool_the_markup_cannot_write_is_refused_by_name():
     """A forced call whose tool the model's markup cannot write back (a parameter name that is not a Python
     identifier in `[name(x=...)]`; a parameter whose type is a list of types in `<parameter=x>` lines) is
     refused with a 400 naming the parameter and the tool, before anything runs."""
-    from types import SimpleNamespace
-
     from mlx_lm.tool_parsers import pythonic, qwen3_coder
 
-    from scheduler.server.constraints import _calls_rule
-    from scheduler.server.protocol import APIError
+    from scheduler.server.constraints import output_constraint
+    from scheduler.server.protocol import APIError, ChatCompletionRequest
 
     def tool(name, schema):
         return [{"type": "function", "function": {"name": "lookup", "parameters": {
             "type": "object", "properties": {name: schema}}}}]
 
-    body = SimpleNamespace(tool_choice="required", parallel_tool_calls=None)
     cases = [(pythonic, tool("user-id", {"type": "string"}), "not a Python identifier"),
              (qwen3_coder, tool("when", {"type": ["string", "null"]}), "cannot write back exactly")]
     for module, tools, why in cases:
         fmt = ToolCallFormat(module.tool_call_start, module.tool_call_end, module.parse_tool_call)
+        body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "look it up"}], tools=tools,
+                                     tool_choice="required")
         with pytest.raises(APIError) as info:
-            _calls_rule(body, fmt, tools, "tool_choice")
+            output_constraint(body, fmt, tools, None)
         assert info.value.status == 400 and info.value.param == "tool_choice"
         assert why in str(info.value) and "'lookup'" in str(info.value)
+
+
+TYPED_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1, "maximum": 9},
+        "metric": {"type": "boolean"}, "ratio": {"type": "number", "minimum": 0, "maximum": 1},
+        "opts": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                 "additionalProperties": False}},
+        "required": ["city"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}},
+    {"type": "function", "function": {"name": "set_level", "parameters": {"type": "object", "properties": {
+        "level": {"type": "integer", "enum": [1, 2, 3]},
+        "tags": {"type": "array", "items": {"type": "string", "enum": ["x", "y"]}, "maxItems": 2}},
+        "required": ["level", "tags"], "additionalProperties": False}}},
+]
+
+
+@pytest.mark.parametrize("markup", ["pythonic", "qwen3_coder"])
+def test_forced_calls_hold_to_every_parameter_type(markup, text_model_dir):
+    """Sampled at temperature 1 under the forced-call grammar of each markup, every output parses back (mlx-lm's
+    own parser) into calls of the offered tools whose arguments hold to their schemas: enums of strings and
+    integers, bounded integers and numbers, booleans, nested objects, arrays, optional parameters left out or
+    given, a tool with no parameters."""
+    import importlib
+
+    from mlx_lm import load
+
+    from scheduler import Engine, EngineConfig, SamplingParams
+    from scheduler.server.constraints import output_constraint
+    from scheduler.server.protocol import ChatCompletionRequest
+    from scheduler.server.tool_calls import ToolCallSplitter
+
+    parser = importlib.import_module(f"mlx_lm.tool_parsers.{markup}")
+    fmt = ToolCallFormat(parser.tool_call_start, parser.tool_call_end, parser.parse_tool_call)
+    body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "call"}], tools=TYPED_TOOLS,
+                                 tool_choice="required")
+    constraint = output_constraint(body, fmt, TYPED_TOOLS, None)
+    model, tokenizer = load(str(text_model_dir))
+    engine = Engine(model, tokenizer, EngineConfig())
+    outputs = {engine.add_request(prompt="call", sampling=SamplingParams(
+        max_tokens=240, temperature=1.0, seed=seed, structured_output=constraint)): []
+        for seed in range(8)}
+    while engine.has_pending():
+        for out in engine.step():
+            outputs[out.request_id].extend(out.token_ids)
+    engine.close()
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TYPED_TOOLS}
+    given = set()
+    for tokens in outputs.values():
+        text = tokenizer.decode([t for t in tokens if t not in tokenizer.eos_token_ids])  # the stop token
+        splitter = ToolCallSplitter(fmt, TYPED_TOOLS)
+        first, last = splitter.feed(text), splitter.finish()
+        assert not (first.content + last.content).strip(), text
+        calls = first.calls + last.calls
+        assert calls, text
+        for call in calls:
+            arguments = json.loads(call["function"]["arguments"])
+            jsonschema.validate(arguments, schemas[call["function"]["name"]])
+            given |= {(call["function"]["name"], name) for name in arguments}
+    assert ("get_weather", "city") in given and len(given) >= 4, given  # the sampling reached several parameters
