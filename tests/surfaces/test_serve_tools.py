@@ -378,25 +378,27 @@ _TURNS = ("{%- for message in messages -%}"
           "{%- elif message['role'] == 'tool' -%}[TOOL_RESULTS]{{- message['content'] -}}[/TOOL_RESULTS]"
           "{%- endif -%}"
           "{%- endfor -%}")
-_LISTED = "{{- tools | map(attribute='function.name') | join(',') -}}"
-MARKUPS = {
-    "mistral": (
-        "{%- if tools -%}[AVAILABLE_TOOLS]" + _LISTED + "[/AVAILABLE_TOOLS]{%- endif -%}" + _TURNS.replace(
-            "CALLS", "{%- for call in message['tool_calls'] or [] -%}"
-                     "[TOOL_CALLS]{{- call.function.name -}}[ARGS]{{- call.function.arguments | tojson -}}"
-                     "{%- endfor -%}"),
-        ("[TOOL_CALLS]", "", CallShape.NAME_ARGS)),
-    "pythonic": (
-        "{%- if tools -%}<|tool_list_start|>" + _LISTED + "<|tool_list_end|>{%- endif -%}" + _TURNS.replace(
-            "CALLS", "{%- if message['tool_calls'] -%}<|tool_call_start|>["
-                     "{%- for call in message['tool_calls'] -%}{{- call.function.name -}}()"
-                     "{%- endfor -%}]<|tool_call_end|>{%- endif -%}"),
-        ("<|tool_call_start|>", "<|tool_call_end|>", CallShape.PYTHONIC)),
-    "qwen3_coder": (
-        "{%- if tools -%}<tools>" + _LISTED + "</tools>{%- endif -%}" + _TURNS.replace(
-            "CALLS", "{%- for call in message['tool_calls'] or [] -%}<tool_call>\n<function="
-                     "{{- call.function.name -}}>\n</function>\n</tool_call>{%- endfor -%}"),
-        ("<tool_call>", "</tool_call>", CallShape.XML_PARAMETERS)),
+
+
+def _template(tools_open: str, tools_close: str, calls: str) -> str:
+    """A template that lists the tools' names between the two markers and writes an assistant's calls so."""
+    listed = "{{- tools | map(attribute='function.name') | join(',') -}}"
+    return "{%- if tools -%}" + tools_open + listed + tools_close + "{%- endif -%}" + _TURNS.replace("CALLS", calls)
+
+
+MARKUPS = {  # name -> (template, (start marker, end marker, shape) mlx-lm's parser for it declares)
+    "mistral": (_template("[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+                          "{%- for call in message['tool_calls'] or [] -%}[TOOL_CALLS]{{- call.function.name -}}"
+                          "[ARGS]{{- call.function.arguments | tojson -}}{%- endfor -%}"),
+                ("[TOOL_CALLS]", "", CallShape.NAME_ARGS)),
+    "pythonic": (_template("<|tool_list_start|>", "<|tool_list_end|>",
+                           "{%- if message['tool_calls'] -%}<|tool_call_start|>[{%- for call in message['tool_calls']"
+                           " -%}{{- call.function.name -}}(){%- endfor -%}]<|tool_call_end|>{%- endif -%}"),
+                 ("<|tool_call_start|>", "<|tool_call_end|>", CallShape.PYTHONIC)),
+    "qwen3_coder": (_template("<tools>", "</tools>",
+                              "{%- for call in message['tool_calls'] or [] -%}<tool_call>\n<function="
+                              "{{- call.function.name -}}>\n</function>\n</tool_call>{%- endfor -%}"),
+                    ("<tool_call>", "</tool_call>", CallShape.XML_PARAMETERS)),
 }
 
 
