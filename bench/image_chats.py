@@ -71,7 +71,8 @@ def run(model, processor, chats: int, new_tokens: int, vision_token_budget: int 
     from scheduler.events import MemorySink
 
     images = [[_image(100 + i, 224)] for i in range(chats)]
-    first_msgs = [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"What is in picture {i}?"}]}]
+    first_msgs = [[{"role": "user", "content": [{"type": "image"},
+                                                {"type": "text", "text": f"What is in picture {i}?"}]}]
                   for i in range(chats)]
     sink = MemorySink()
     budget = {} if vision_token_budget is None else {"vision_token_budget": vision_token_budget}

@@ -8,9 +8,10 @@ lines of their own (mlx-lm's `json_tools`, Qwen-style templates); `name[ARGS]{..
 (mlx-lm's `mistral`, `[TOOL_CALLS]`); `[name(x=..., y=...)]` between one pair of markers, each keyword's value
 JSON of its parameter's schema (mlx-lm's `pythonic` reads JSON's true / false / null as Python's); or
 `<function=name>` then a `<parameter=x>` / value / `</parameter>` block per argument (mlx-lm's `qwen3_coder`),
-each value written as that parser converts its parameter's declared type back. A parameter a markup cannot
-write back exactly is refused by name. With tools offered on "auto" and an output format, the answer is either
-calls or that format.
+each value written as that parser converts its parameter's declared type back; or
+`call:name{x:1,s:<escape>a<escape>}` (mlx-lm's `function_gemma`; `gemma4` with `<|"|>` around strings): bare
+keys, scalar values. A parameter a markup cannot write back exactly is refused by name. With tools offered on
+"auto" and an output format, the answer is either calls or that format.
 
 A thinking model whose prompt opens the reasoning reasons freely: the constraint starts after its end marker
 (`StructuredOutput.after`), and may follow the blank line the model writes there (up to 4 whitespace characters:
@@ -20,6 +21,7 @@ unbounded, a model the grammar keeps from its own answer would write whitespace 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from ..execution.structured import JSON_OPTIONS
@@ -43,8 +45,8 @@ def output_constraint(body: ChatCompletionRequest | CompletionRequest, tool_form
                  else "structured_outputs")
         if tool_format is None or tool_format.shape is None:
             raise APIError(400, f"{param}: this model's tool calls are none of JSON between markers, "
-                                "name[ARGS]{...}, [name(x=...)] or <function=name> with <parameter=x> lines, so "
-                                "calls cannot be constrained here", param)
+                                "name[ARGS]{...}, [name(x=...)], <function=name> with <parameter=x> lines or "
+                                "call:name{key:...}, so calls cannot be constrained here", param)
         calls = _calls_rule(body, tool_format, tools or [], param)
         if forced:
             return StructuredOutput.grammar(f"start: WS? calls\n{calls}\n{_WS}", reasoning_end or "")
@@ -104,6 +106,11 @@ def _calls_rule(body: Any, fmt: ToolCallFormat, tools: list[dict[str, Any]], par
                            for t in tools)
         more = "" if single else f" ({_COMMA} call)*"
         return f"calls: {json.dumps(fmt.start + '[')} call{more} {json.dumps(']')}{end}\ncall: {calls}"
+    if fmt.shape.string_delimiter is not None:  # `call:name{x:1,s:<escape>a<escape>}`, one per pair of markers
+        calls = " | ".join(f"{json.dumps(f'call:{_braced_name(t, fmt.shape, param)}' + '{')} "
+                           f"{_braced_arguments(t, fmt.shape.string_delimiter, param)} {json.dumps('}')}"
+                           for t in tools)
+        return f"calls: call{'' if single else '+'}\ncall: {json.dumps(fmt.start)} ({calls}){end}"
     if fmt.shape is CallShape.XML_PARAMETERS:  # one `<tool_call>` block per call
         calls = " | ".join(f"{json.dumps(fmt.start + chr(10) + '<function=' + t['function']['name'] + '>' + chr(10))} "
                            f"{_xml_parameters(t, param)} {json.dumps('</function>' + chr(10) + fmt.end)}"
@@ -134,8 +141,8 @@ def _sequence(items: list[tuple[str, bool]], separator: str) -> str:
     """Lark for the present items in order, each required one always and each optional one or not, joined by
     ``separator`` (a Lark literal or ""): the first present item decides where the separators start."""
     def tail(rest):
-        return " ".join(f"({separator} {item})" + ("" if required else "?") if separator
-                        else item + ("" if required else "?") for item, required in rest)
+        return " ".join(f"({separator} {item})".replace("( ", "(") + ("" if required else "?")
+                        for item, required in rest)
 
     starts = []
     for i, (item, required) in enumerate(items):
@@ -181,6 +188,60 @@ def _xml_parameters(tool: dict[str, Any], param: str) -> str:
         items.append((f"{json.dumps(f'<parameter={name}>' + chr(10))} {value} "
                       f"{json.dumps(chr(10) + '</parameter>' + chr(10))}", required))
     return _sequence(items, "") if items else ""
+
+
+def _braced_name(tool: dict[str, Any], shape: CallShape, param: str) -> str:
+    name = tool["function"]["name"]
+    allowed = r"[\w-]+" if shape is CallShape.GEMMA4 else r"\w+"
+    if not re.fullmatch(allowed, name):
+        raise APIError(400, f"{param}: tool {name!r} has a name that call:name{{...}} cannot write", param)
+    return name
+
+
+def _braced_arguments(tool: dict[str, Any], quote: str, param: str) -> str:
+    """`x:1,s:<escape>text<escape>`: bare word keys, strings between ``quote``, other values JSON scalars (both
+    parsers cut the arguments at commas or braces outside strings: no objects or arrays)."""
+    listed, free = _parameters(tool)
+    if free:
+        pair = f'/[A-Za-z0-9_]+/ ":" {_braced_value({}, quote)}'
+        return f"({pair} ({json.dumps(',')} {pair})*)?"
+    items = []
+    for name, schema, required in listed:
+        if not re.fullmatch(r"\w+", name):
+            raise _refuse(param, tool, name, "is not a bare word, which call:name{key:...} cannot write")
+        value = _braced_value(schema, quote)
+        if value is None:
+            raise _refuse(param, tool, name, "has a schema call:name{key:...} cannot write back (its type must be "
+                                             "one of string, integer, number, boolean, null, or absent; an enum's "
+                                             "values of that type)")
+        items.append((f"{json.dumps(name + ':')} {value}", required))
+    return _sequence(items, json.dumps(",")) if items else ""
+
+
+def _braced_value(schema: dict[str, Any], quote: str) -> str | None:
+    """One value in `call:name{...}`: a string between ``quote`` (text without "<", "{" or "}"), a number, boolean
+    or null as JSON; None for what the parsers cannot read back (objects, arrays, lists of types)."""
+    kind = schema.get("type")
+    if kind is not None and not isinstance(kind, str):
+        return None
+    text = f"{json.dumps(quote)} /[^<{{}}]*/ {json.dumps(quote)}"
+    if "enum" in schema:
+        values = schema["enum"]
+        if not values or not all(isinstance(v, (str, int, float, bool)) for v in values):
+            return None
+        if any(isinstance(v, str) and re.search(r"[<{}]", v) for v in values):
+            return None
+        return "(" + " | ".join(json.dumps(quote + v + quote if isinstance(v, str) else json.dumps(v))
+                                for v in values) + ")"
+    if kind in (None, "string"):
+        return text
+    if kind == "boolean":
+        return '("true" | "false")'
+    if kind == "null":
+        return '"null"'
+    if kind in ("integer", "number"):
+        return f"%json {_json_schema(schema)}"
+    return None
 
 
 # A string parameter's value: free text without "<" (the parser ends a value at the first `</parameter>`, and a

@@ -46,9 +46,9 @@ class ToolCallFormat:
         """The shape of one call after the start marker that the parser reads, so that a grammar can write calls
         it reads back (forced tool calls): asked of the parser itself, with a tool that declares its parameter's
         type (the XML parser converts values by it); None when it reads none of the shapes."""
-        probe = {"name": "f", "arguments": {"x": 1}}
+        probe = {"name": "f", "arguments": {"x": 1, "s": "a"}}
         tools = [{"type": "function", "function": {"name": "f", "parameters": {
-            "type": "object", "properties": {"x": {"type": "integer"}}}}}]
+            "type": "object", "properties": {"x": {"type": "integer"}, "s": {"type": "string"}}}}}]
         for shape in CallShape:
             try:
                 parsed = self.parse(shape.example(probe), tools)
@@ -68,6 +68,15 @@ class CallShape(Enum):
     # `<function=name>` then `<parameter=x>` / value / `</parameter>` lines (mlx-lm's `qwen3_coder`), each value
     # read by its parameter's declared type
     XML_PARAMETERS = "xml_parameters"
+    # `call:name{x:1,s:<escape>text<escape>}`: bare keys, strings between a delimiter, scalars as JSON (mlx-lm's
+    # `function_gemma`: FunctionGemma; `gemma4`: Gemma 4, whose strings are between `<|"|>`)
+    FUNCTION_GEMMA = "function_gemma"
+    GEMMA4 = "gemma4"
+
+    @property
+    def string_delimiter(self) -> str | None:
+        """What a `call:name{...}` shape puts around a string value (None: not such a shape)."""
+        return {CallShape.FUNCTION_GEMMA: "<escape>", CallShape.GEMMA4: '<|"|>'}.get(self)
 
     def example(self, call: dict[str, Any]) -> str:
         name, arguments = call["name"], call["arguments"]
@@ -77,8 +86,13 @@ class CallShape(Enum):
             return name + "[ARGS]" + json.dumps(arguments)
         if self is CallShape.PYTHONIC:
             return f"[{name}(" + ", ".join(f"{k}={json.dumps(v)}" for k, v in arguments.items()) + ")]"
-        return (f"\n<function={name}>\n" + "".join(f"<parameter={k}>\n{json.dumps(v)}\n</parameter>\n"
-                                                  for k, v in arguments.items()) + "</function>\n")
+        if self is CallShape.XML_PARAMETERS:
+            return (f"\n<function={name}>\n" + "".join(
+                f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
+                for k, v in arguments.items()) + "</function>\n")
+        quote = self.string_delimiter
+        return f"call:{name}{{" + ",".join(
+            f"{k}:{quote + v + quote if isinstance(v, str) else json.dumps(v)}" for k, v in arguments.items()) + "}"
 
 
 @dataclass

@@ -84,8 +84,7 @@ def test_clear_and_remove():
     """Both drop entries without counting evictions, and say so in events: whoever follows the cache's keys from
     its stores and evictions (replay) sees them go."""
     events = []
-    cache = VisionCache(max_bytes=10_000, on_event=lambda kind, key, info: events.append((kind, key, info["reason"]
-                                                                                          if kind == "evict" else None)))
+    cache = VisionCache(max_bytes=10_000, on_event=lambda kind, key, info: events.append((kind, key, info.get("reason"))))
     cache.put("a", feats(1))
     cache.put("b", feats(1))
     cache.put("c", feats(1))
