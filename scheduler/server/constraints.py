@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from ..execution.structured import JSON_OPTIONS
@@ -91,38 +92,73 @@ def _schema_text(fmt: StructuredOutput) -> str:
 
 def _calls_rule(body: Any, fmt: ToolCallFormat, tools: list[dict[str, Any]], param: str) -> str:
     """The `calls` rule: one call of the named tool, one call of any (parallel_tool_calls false), or several, in
-    the model's markup (`ToolCallFormat.shape`). ``param``: the request field an unwritable tool is refused in."""
+    the model's markup (`ToolCallFormat.shape`, written by its `_CALL_WRITERS` entry). ``param``: the request
+    field an unwritable tool is refused in."""
     choice = getattr(body, "tool_choice", None)
     if isinstance(choice, NamedToolChoice):
         tools = [t for t in tools if t["function"]["name"] == choice.function.name]
     single = isinstance(choice, NamedToolChoice) or getattr(body, "parallel_tool_calls", None) is False
-    end = f" {json.dumps(fmt.end)}" if fmt.end else ""
-    if fmt.shape is CallShape.NAME_ARGS:  # `[TOOL_CALLS]name[ARGS]{...}`, one after another
-        names = " | ".join(f"{json.dumps(t['function']['name'] + '[ARGS]')} %json {_arguments_schema(t)}"
-                           for t in tools)
-        return f"calls: call{'' if single else '+'}\ncall: {json.dumps(fmt.start)} ({names}){end}"
-    if fmt.shape is CallShape.PYTHONIC:  # `[a(x=1), b(y="z")]` between one pair of markers
-        calls = " | ".join(f"{json.dumps(t['function']['name'] + '(')} {_pythonic_arguments(t, param)} {_CLOSE}"
-                           for t in tools)
-        more = "" if single else f" ({_COMMA} call)*"
-        return f"calls: {json.dumps(fmt.start + '[')} call{more} {json.dumps(']')}{end}\ncall: {calls}"
-    if fmt.shape.string_delimiter is not None:  # `call:name{x:1,s:<escape>a<escape>}`, one per pair of markers
-        calls = " | ".join(f"{json.dumps(f'call:{_braced_name(t, fmt.shape, param)}' + '{')} "
-                           f"{_braced_arguments(t, fmt.shape.string_delimiter, param)} {json.dumps('}')}"
-                           for t in tools)
-        return f"calls: call{'' if single else '+'}\ncall: {json.dumps(fmt.start)} ({calls}){end}"
-    if fmt.shape is CallShape.XML_PARAMETERS:  # one `<tool_call>` block per call
-        calls = " | ".join(f"{json.dumps(fmt.start + chr(10) + '<function=' + t['function']['name'] + '>' + chr(10))} "
-                           f"{_xml_parameters(t, param)} {json.dumps('</function>' + chr(10) + fmt.end)}"
-                           for t in tools)
-        return f"calls: call{'' if single else ' (NL call)*'}\ncall: {calls}\n" + 'NL: "\\n"'
+    calls = _CALL_WRITERS[fmt.shape](fmt, tools, param)
+    more = "" if single else f" ({calls.between} call)*"
+    rules = f"calls: {calls.before}call{more}{calls.after}\ncall: {calls.call}"
+    return rules + ('\nNL: "\\n"' if calls.between == "NL" else "")
+
+
+@dataclass(frozen=True)
+class _Calls:
+    """One markup's calls in Lark: the alternatives of one call, what goes between two calls, and what goes
+    around them all (the pythonic list, inside one pair of markers)."""
+
+    call: str
+    between: str = ""
+    before: str = ""
+    after: str = ""
+
+
+def _marker(text: str) -> str:
+    return f" {json.dumps(text)}" if text else ""
+
+
+def _json_calls(fmt: ToolCallFormat, tools: list[dict[str, Any]], param: str) -> _Calls:
+    """`<tool_call>` / `{"name": ..., "arguments": ...}` / `</tool_call>` lines, the arguments JSON of the schema."""
     bodies = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
                "properties": {"name": {"const": t["function"]["name"]},
                               "arguments": t["function"].get("parameters") or {"type": "object"}}} for t in tools]
     schema = json.dumps({"x-guidance": JSON_OPTIONS, "anyOf": bodies})
-    return (f"calls: call{'' if single else ' (NL call)*'}\n"
-            f"call: {json.dumps(fmt.start + chr(10))} %json {schema} {json.dumps(chr(10) + fmt.end)}\n"
-            'NL: "\\n"')
+    return _Calls(f"{json.dumps(fmt.start + chr(10))} %json {schema} {json.dumps(chr(10) + fmt.end)}", "NL")
+
+
+def _name_args_calls(fmt: ToolCallFormat, tools: list[dict[str, Any]], param: str) -> _Calls:
+    """`[TOOL_CALLS]name[ARGS]{...}`, one after another."""
+    names = " | ".join(f"{json.dumps(t['function']['name'] + '[ARGS]')} %json {_arguments_schema(t)}" for t in tools)
+    return _Calls(f"{json.dumps(fmt.start)} ({names}){_marker(fmt.end)}")
+
+
+def _pythonic_calls(fmt: ToolCallFormat, tools: list[dict[str, Any]], param: str) -> _Calls:
+    """`[a(x=1), b(y="z")]` between one pair of markers."""
+    calls = " | ".join(f"{json.dumps(t['function']['name'] + '(')} {_pythonic_arguments(t, param)} {_CLOSE}"
+                       for t in tools)
+    return _Calls(calls, _COMMA, f"{json.dumps(fmt.start + '[')} ", f" {json.dumps(']')}{_marker(fmt.end)}")
+
+
+def _xml_calls(fmt: ToolCallFormat, tools: list[dict[str, Any]], param: str) -> _Calls:
+    """One `<tool_call>` / `<function=name>` block per call."""
+    calls = " | ".join(f"{json.dumps(fmt.start + chr(10) + '<function=' + t['function']['name'] + '>' + chr(10))} "
+                       f"{_xml_parameters(t, param)} {json.dumps('</function>' + chr(10) + fmt.end)}" for t in tools)
+    return _Calls(calls, "NL")
+
+
+def _braced_calls(fmt: ToolCallFormat, tools: list[dict[str, Any]], param: str) -> _Calls:
+    """`call:name{x:1,s:<escape>a<escape>}`, one per pair of markers."""
+    quote = fmt.shape.string_delimiter
+    calls = " | ".join(f"{json.dumps(f'call:{_braced_name(t, fmt.shape, param)}' + '{')} "
+                       f"{_braced_arguments(t, quote, param)} {json.dumps('}')}" for t in tools)
+    return _Calls(f"{json.dumps(fmt.start)} ({calls}){_marker(fmt.end)}")
+
+
+_CALL_WRITERS = {CallShape.JSON_OBJECT: _json_calls, CallShape.NAME_ARGS: _name_args_calls,
+                 CallShape.PYTHONIC: _pythonic_calls, CallShape.XML_PARAMETERS: _xml_calls,
+                 CallShape.FUNCTION_GEMMA: _braced_calls, CallShape.GEMMA4: _braced_calls}
 
 
 def _parameters(tool: dict[str, Any]) -> tuple[list[tuple[str, dict, bool]], bool]:
@@ -141,8 +177,7 @@ def _sequence(items: list[tuple[str, bool]], separator: str) -> str:
     """Lark for the present items in order, each required one always and each optional one or not, joined by
     ``separator`` (a Lark literal or ""): the first present item decides where the separators start."""
     def tail(rest):
-        return " ".join(f"({separator} {item})".replace("( ", "(") + ("" if required else "?")
-                        for item, required in rest)
+        return " ".join(f"({separator} {item})" + ("" if required else "?") for item, required in rest)
 
     starts = []
     for i, (item, required) in enumerate(items):
