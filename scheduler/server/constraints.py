@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from ..execution.structured import JSON_OPTIONS
 from ..request import StructuredKind, StructuredOutput
@@ -136,7 +136,7 @@ def _name_args_calls(fmt: ToolCallFormat, tools: list[dict[str, Any]], param: st
 
 def _pythonic_calls(fmt: ToolCallFormat, tools: list[dict[str, Any]], param: str) -> _Calls:
     """`[a(x=1), b(y="z")]` between one pair of markers."""
-    calls = " | ".join(f"{json.dumps(t['function']['name'] + '(')} {_pythonic_arguments(t, param)} {_CLOSE}"
+    calls = " | ".join(f"{json.dumps(t['function']['name'] + '(')} {_arguments(t, param, _PYTHONIC_ARGUMENTS)} {_CLOSE}"
                        for t in tools)
     return _Calls(calls, _COMMA, f"{json.dumps(fmt.start + '[')} ", f" {json.dumps(']')}{_marker(fmt.end)}")
 
@@ -144,7 +144,7 @@ def _pythonic_calls(fmt: ToolCallFormat, tools: list[dict[str, Any]], param: str
 def _xml_calls(fmt: ToolCallFormat, tools: list[dict[str, Any]], param: str) -> _Calls:
     """One `<tool_call>` / `<function=name>` block per call."""
     calls = " | ".join(f"{json.dumps(fmt.start + chr(10) + '<function=' + t['function']['name'] + '>' + chr(10))} "
-                       f"{_xml_parameters(t, param)} {json.dumps('</function>' + chr(10) + fmt.end)}" for t in tools)
+                       f"{_arguments(t, param, _XML_ARGUMENTS)} {json.dumps('</function>' + chr(10) + fmt.end)}" for t in tools)
     return _Calls(calls, "NL")
 
 
@@ -152,7 +152,7 @@ def _braced_calls(fmt: ToolCallFormat, tools: list[dict[str, Any]], param: str) 
     """`call:name{x:1,s:<escape>a<escape>}`, one per pair of markers."""
     quote = fmt.shape.string_delimiter
     calls = " | ".join(f"{json.dumps(f'call:{_braced_name(t, fmt.shape, param)}' + '{')} "
-                       f"{_braced_arguments(t, quote, param)} {json.dumps('}')}" for t in tools)
+                       f"{_arguments(t, param, _braced_arguments(quote))} {json.dumps('}')}" for t in tools)
     return _Calls(f"{json.dumps(fmt.start)} ({calls}){_marker(fmt.end)}")
 
 
@@ -191,38 +191,81 @@ def _refuse(param: str, tool: dict[str, Any], name: str, why: str) -> APIError:
     return APIError(400, f"{param}: parameter {name!r} of tool {tool['function']['name']!r} {why}", param)
 
 
-def _pythonic_arguments(tool: dict[str, Any], param: str) -> str:
-    """Keyword arguments, each value JSON of its parameter's schema (the parser reads JSON's true / false / null
-    as Python's)."""
-    listed, free = _parameters(tool)
-    if free:
-        pair = f'/[A-Za-z_][A-Za-z0-9_]*/ "=" %json {_json_schema({})}'
-        return f"({pair} ({_COMMA} {pair})*)?"
-    items = []
-    for name, schema, required in listed:
-        if not name.isidentifier():
-            raise _refuse(param, tool, name, "is not a Python identifier, which [name(x=...)] calls cannot write")
-        items.append((f"{json.dumps(name + '=')} %json {_json_schema(schema)}", required))
-    return _sequence(items, _COMMA) if items else ""
+@dataclass(frozen=True)
+class _Arguments:
+    """How a markup writes a call's arguments (`_arguments`): the names it can write, one argument's Lark from
+    its name's and value's, a value's Lark from its parameter's schema (None: the parser cannot read it back
+    exactly), and what goes between two arguments."""
+
+    names: str  # a regex every parameter name must match
+    name_rule: str  # the Lark regex of a name, where the schema lists none
+    cannot_name: str  # why a name outside `names` is refused
+    item: Callable[[str, str], str]  # (name's Lark, value's Lark) -> one argument's Lark
+    value: Callable[[dict[str, Any]], str | None]
+    cannot_write: str  # why a schema `value` gives None for is refused
+    separator: str = ""
 
 
-def _xml_parameters(tool: dict[str, Any], param: str) -> str:
-    """`<parameter=x>` / value / `</parameter>` lines, each value written as the parser reads its declared type."""
+def _arguments(tool: dict[str, Any], param: str, how: _Arguments) -> str:
+    """A call's arguments in a markup: the listed parameters in order (optional ones may be left out), or any
+    names where the schema lists none."""
     listed, free = _parameters(tool)
     if free:
-        return f'("<parameter=" /[^\\s<>]+/ ">\\n" {_XML_TEXT} "\\n</parameter>\\n")*'
+        pair = how.item(how.name_rule, how.value({}))
+        return f"({pair} ({how.separator} {pair})*)?"
     items = []
     for name, schema, required in listed:
-        if not name or any(c.isspace() or c in "<>" for c in name):
-            raise _refuse(param, tool, name, "has whitespace or < > in its name, which <parameter=x> cannot write")
-        value = _xml_value(schema)
+        if not re.fullmatch(how.names, name):
+            raise _refuse(param, tool, name, how.cannot_name)
+        value = how.value(schema)
         if value is None:
-            raise _refuse(param, tool, name, "has a schema the <parameter=x> markup cannot write back exactly "
-                                             "(its type must be one of string, integer, number, boolean, object, "
-                                             "array, null, or absent; an enum's values strings or of that type)")
-        items.append((f"{json.dumps(f'<parameter={name}>' + chr(10))} {value} "
-                      f"{json.dumps(chr(10) + '</parameter>' + chr(10))}", required))
-    return _sequence(items, "") if items else ""
+            raise _refuse(param, tool, name, how.cannot_write)
+        items.append((how.item(json.dumps(name), value), required))
+    return _sequence(items, how.separator) if items else ""
+
+
+_PYTHONIC_ARGUMENTS = _Arguments(  # `x=1, y="a"`: the parser reads JSON's true / false / null as Python's
+    names=r"[A-Za-z_][A-Za-z0-9_]*", name_rule="/[A-Za-z_][A-Za-z0-9_]*/",
+    cannot_name="is not an ASCII Python identifier, which [name(x=...)] calls cannot write",
+    item=lambda name, value: f'{name} "=" {value}', value=lambda schema: f"%json {_json_schema(schema)}",
+    cannot_write="", separator=_COMMA)
+
+
+def _xml_value(schema: dict[str, Any]) -> str | None:
+    """The Lark of one parameter's value as mlx-lm's `qwen3_coder` parser reads it: a string is the raw text, a
+    boolean `true` / `false`, other types JSON; None for a schema it cannot read back exactly."""
+    kind = schema.get("type")
+    if kind is not None and not isinstance(kind, str):
+        return None
+    if "enum" in schema:
+        values = schema["enum"]
+        if kind in (None, "string") and all(isinstance(v, str) for v in values) and values:
+            return "(" + " | ".join(json.dumps(v) for v in values) + ")"
+        if kind in ("integer", "number", "boolean") and values:
+            return "(" + " | ".join(json.dumps(json.dumps(v)) for v in values) + ")"
+        return None
+    if kind in (None, "string"):
+        return _XML_TEXT
+    if kind == "boolean":
+        return '("true" | "false")'
+    if kind == "null":
+        return '"null"'
+    if kind in ("integer", "number", "object", "array"):
+        return f"%json {_json_schema(schema)}"
+    return None
+
+
+# A string parameter's value: free text without "<" (the parser ends a value at the first `</parameter>`, and a
+# newline before the closing one is the markup's); pattern, format and length keywords are not enforced
+_XML_TEXT = r"/([^<\n]|\n[^<])*/"
+
+_XML_ARGUMENTS = _Arguments(  # `<parameter=x>` / value / `</parameter>` lines
+    names=r"[^\s<>]+", name_rule=r"/[^\s<>]+/",
+    cannot_name="has whitespace or < > in its name (or none), which <parameter=x> cannot write",
+    item=lambda name, value: f'"<parameter=" {name} ">\\n" {value} "\\n</parameter>\\n"', value=_xml_value,
+    cannot_write="has a schema the <parameter=x> markup cannot write back exactly (its type must be one of string, "
+                 "integer, number, boolean, object, array, null, or absent; an enum's values strings or of that "
+                 "type)")
 
 
 def _braced_name(tool: dict[str, Any], shape: CallShape, param: str) -> str:
@@ -233,24 +276,15 @@ def _braced_name(tool: dict[str, Any], shape: CallShape, param: str) -> str:
     return name
 
 
-def _braced_arguments(tool: dict[str, Any], quote: str, param: str) -> str:
+def _braced_arguments(quote: str) -> _Arguments:
     """`x:1,s:<escape>text<escape>`: bare word keys, strings between ``quote``, other values JSON scalars (both
     parsers cut the arguments at commas or braces outside strings: no objects or arrays)."""
-    listed, free = _parameters(tool)
-    if free:
-        pair = f'/[A-Za-z0-9_]+/ ":" {_braced_value({}, quote)}'
-        return f"({pair} ({json.dumps(',')} {pair})*)?"
-    items = []
-    for name, schema, required in listed:
-        if not re.fullmatch(r"\w+", name):
-            raise _refuse(param, tool, name, "is not a bare word, which call:name{key:...} cannot write")
-        value = _braced_value(schema, quote)
-        if value is None:
-            raise _refuse(param, tool, name, "has a schema call:name{key:...} cannot write back (its type must be "
-                                             "one of string, integer, number, boolean, null, or absent; an enum's "
-                                             "values of that type)")
-        items.append((f"{json.dumps(name + ':')} {value}", required))
-    return _sequence(items, json.dumps(",")) if items else ""
+    return _Arguments(
+        names=r"\w+", name_rule="/[A-Za-z0-9_]+/",
+        cannot_name="is not a bare word, which call:name{key:...} cannot write",
+        item=lambda name, value: f'{name} ":" {value}', value=lambda schema: _braced_value(schema, quote),
+        cannot_write="has a schema call:name{key:...} cannot write back (its type must be one of string, integer, "
+                     "number, boolean, null, or absent; an enum's values of that type)", separator=json.dumps(","))
 
 
 def _braced_value(schema: dict[str, Any], quote: str) -> str | None:
@@ -275,35 +309,6 @@ def _braced_value(schema: dict[str, Any], quote: str) -> str | None:
     if kind == "null":
         return '"null"'
     if kind in ("integer", "number"):
-        return f"%json {_json_schema(schema)}"
-    return None
-
-
-# A string parameter's value: free text without "<" (the parser ends a value at the first `</parameter>`, and a
-# newline before the closing one is the markup's); pattern, format and length keywords are not enforced
-_XML_TEXT = r"/([^<\n]|\n[^<])*/"
-
-
-def _xml_value(schema: dict[str, Any]) -> str | None:
-    """The Lark of one parameter's value as mlx-lm's `qwen3_coder` parser reads it: a string is the raw text, a
-    boolean `true` / `false`, other types JSON; None for a schema it cannot read back exactly."""
-    kind = schema.get("type")
-    if kind is not None and not isinstance(kind, str):
-        return None
-    if "enum" in schema:
-        values = schema["enum"]
-        if kind in (None, "string") and all(isinstance(v, str) for v in values) and values:
-            return "(" + " | ".join(json.dumps(v) for v in values) + ")"
-        if kind in ("integer", "number", "boolean") and values:
-            return "(" + " | ".join(json.dumps(json.dumps(v)) for v in values) + ")"
-        return None
-    if kind in (None, "string"):
-        return _XML_TEXT
-    if kind == "boolean":
-        return '("true" | "false")'
-    if kind == "null":
-        return '"null"'
-    if kind in ("integer", "number", "object", "array"):
         return f"%json {_json_schema(schema)}"
     return None
 

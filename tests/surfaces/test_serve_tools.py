@@ -500,7 +500,7 @@ def test_a_tool_the_markup_cannot_write_is_refused_by_name():
         return [{"type": "function", "function": {"name": "lookup", "parameters": {
             "type": "object", "properties": {name: schema}}}}]
 
-    cases = [(pythonic, tool("user-id", {"type": "string"}), "not a Python identifier"),
+    cases = [(pythonic, tool("user-id", {"type": "string"}), "not an ASCII Python identifier"),
              (qwen3_coder, tool("when", {"type": ["string", "null"]}), "cannot write back exactly"),
              (function_gemma, tool("where", {"type": "object"}), "cannot write back")]
     for module, tools, why in cases:
