@@ -9,8 +9,8 @@ lines of their own (mlx-lm's `json_tools`, Qwen-style templates); `name[ARGS]{..
 JSON of its parameter's schema (mlx-lm's `pythonic` reads JSON's true / false / null as Python's); or
 `<function=name>` then a `<parameter=x>` / value / `</parameter>` block per argument (mlx-lm's `qwen3_coder`),
 each value written as that parser converts its parameter's declared type back; or
-`call:name{x:1,s:<escape>a<escape>}` (mlx-lm's `function_gemma`; `gemma4` with `<|"|>` around strings): bare
-keys, scalar values. A parameter a markup cannot write back exactly is refused by name. With tools offered on
+`call:name{x:1,s:<escape>a<escape>}` (mlx-lm's `function_gemma`: bare keys, scalar values; `gemma4`: `<|"|>`
+around strings, and nested objects and arrays). A parameter a markup cannot write back exactly is refused by name. With tools offered on
 "auto" and an output format, the answer is either calls or that format.
 
 A thinking model whose prompt opens the reasoning reasons freely: the constraint starts after its end marker
@@ -150,9 +150,9 @@ def _xml_calls(fmt: ToolCallFormat, tools: list[dict[str, Any]], param: str) -> 
 
 def _braced_calls(fmt: ToolCallFormat, tools: list[dict[str, Any]], param: str) -> _Calls:
     """`call:name{x:1,s:<escape>a<escape>}`, one per pair of markers."""
-    quote = fmt.shape.string_delimiter
+    how = _braced_arguments(fmt.shape.string_delimiter, nested=fmt.shape is CallShape.GEMMA4)
     calls = " | ".join(f"{json.dumps(f'call:{_braced_name(t, fmt.shape, param)}' + '{')} "
-                       f"{_arguments(t, param, _braced_arguments(quote))} {json.dumps('}')}" for t in tools)
+                       f"{_arguments(t, param, how)} {json.dumps('}')}" for t in tools)
     return _Calls(f"{json.dumps(fmt.start)} ({calls}){_marker(fmt.end)}")
 
 
@@ -162,10 +162,14 @@ _CALL_WRITERS = {CallShape.JSON_OBJECT: _json_calls, CallShape.NAME_ARGS: _name_
 
 
 def _parameters(tool: dict[str, Any]) -> tuple[list[tuple[str, dict, bool]], bool]:
-    """A tool's parameters as (name, schema, required) in the schema's order (required ones it does not list
-    last, any value), and whether its schema lists none at all (no `properties`: any names). A tool with empty
-    `properties` takes no arguments."""
-    schema = tool["function"].get("parameters") or {"type": "object"}
+    """A tool's parameters: `_properties` of its `parameters` schema."""
+    return _properties(tool["function"].get("parameters") or {"type": "object"})
+
+
+def _properties(schema: dict[str, Any]) -> tuple[list[tuple[str, dict, bool]], bool]:
+    """An object schema's properties as (name, schema, required) in the schema's order (required ones it does not
+    list last, any value), and whether it lists none at all (no `properties`: any names). An object with empty
+    `properties` has none."""
     properties = schema.get("properties") or {}
     required = set(schema.get("required") or ())
     listed = [(name, sub if isinstance(sub, dict) else {}, name in required) for name, sub in properties.items()]
@@ -276,24 +280,30 @@ def _braced_name(tool: dict[str, Any], shape: CallShape, param: str) -> str:
     return name
 
 
-def _braced_arguments(quote: str) -> _Arguments:
-    """`x:1,s:<escape>text<escape>`: bare word keys, strings between ``quote``, other values JSON scalars (both
-    parsers cut the arguments at commas or braces outside strings: no objects or arrays)."""
+def _braced_arguments(quote: str, nested: bool) -> _Arguments:
+    """`x:1,s:<escape>text<escape>`: bare word keys, strings between ``quote``, numbers, booleans and null as
+    JSON, and with ``nested`` (Gemma 4, whose parser matches braces) objects `{k:...}` and arrays `[...]` of the
+    same; FunctionGemma's parser cuts the arguments at the first comma or closing brace, so scalars only."""
+    shapes = "string, integer, number, boolean, null" + (", object, array" if nested else "")
     return _Arguments(
         names=r"\w+", name_rule="/[A-Za-z0-9_]+/",
         cannot_name="is not a bare word, which call:name{key:...} cannot write",
-        item=lambda name, value: f'{name} ":" {value}', value=lambda schema: _braced_value(schema, quote),
-        cannot_write="has a schema call:name{key:...} cannot write back (its type must be one of string, integer, "
-                     "number, boolean, null, or absent; an enum's values of that type)", separator=json.dumps(","))
+        item=lambda name, value: f'{name} ":" {value}', value=lambda schema: _braced_value(schema, quote, nested),
+        cannot_write=f"has a schema call:name{{key:...}} cannot write back (its type, and its items' and "
+                     f"properties', must be one of {shapes}, or absent; an enum's values of that type; keys bare "
+                     f"words)", separator=_COMMA_BARE)
 
 
-def _braced_value(schema: dict[str, Any], quote: str) -> str | None:
+_COMMA_BARE = json.dumps(",")
+
+
+def _braced_value(schema: dict[str, Any], quote: str, nested: bool) -> str | None:
     """One value in `call:name{...}`: a string between ``quote`` (text without "<", "{" or "}"), a number, boolean
-    or null as JSON; None for what the parsers cannot read back (objects, arrays, lists of types)."""
+    or null as JSON, with ``nested`` an object or array of such values; None for what the parser cannot read
+    back."""
     kind = schema.get("type")
     if kind is not None and not isinstance(kind, str):
         return None
-    text = f"{json.dumps(quote)} /[^<{{}}]*/ {json.dumps(quote)}"
     if "enum" in schema:
         values = schema["enum"]
         if not values or not all(isinstance(v, (str, int, float, bool)) for v in values):
@@ -303,14 +313,49 @@ def _braced_value(schema: dict[str, Any], quote: str) -> str | None:
         return "(" + " | ".join(json.dumps(quote + v + quote if isinstance(v, str) else json.dumps(v))
                                 for v in values) + ")"
     if kind in (None, "string"):
-        return text
+        return f"{json.dumps(quote)} /[^<{{}}]*/ {json.dumps(quote)}"
     if kind == "boolean":
         return '("true" | "false")'
     if kind == "null":
         return '"null"'
     if kind in ("integer", "number"):
         return f"%json {_json_schema(schema)}"
+    if nested and kind == "object":
+        fields = _braced_fields(schema, quote)
+        return None if fields is None else f"{json.dumps('{')} {fields} {json.dumps('}')}"
+    if nested and kind == "array":
+        item = _braced_value(schema.get("items") if isinstance(schema.get("items"), dict) else {}, quote, nested)
+        return None if item is None else _bounded_list(item, schema.get("minItems", 0), schema.get("maxItems"))
     return None
+
+
+def _braced_fields(schema: dict[str, Any], quote: str) -> str | None:
+    """A nested object's `k:v,...` (its listed properties in order, optional ones may be left out; any bare-word
+    keys where it lists none), or None where one of them cannot be written."""
+    listed, free = _properties(schema)
+    if free:
+        pair = f'/[A-Za-z0-9_]+/ ":" {_braced_value({}, quote, True)}'
+        return f"({pair} ({_COMMA_BARE} {pair})*)?"
+    items = []
+    for name, sub, required in listed:
+        value = _braced_value(sub, quote, True)
+        if value is None or not re.fullmatch(r"\w+", name):
+            return None
+        items.append((f'{json.dumps(name)} ":" {value}', required))
+    return _sequence(items, _COMMA_BARE) if items else ""
+
+
+def _bounded_list(item: str, least: int, most: int | None) -> str | None:
+    """`[item,item,...]` with ``least`` to ``most`` (None: any number of) items."""
+    if most is not None and most < least:
+        return None
+    if most == 0:
+        return f"{json.dumps('[')} {json.dumps(']')}"
+    more = f"({_COMMA_BARE} {item})"
+    head = " ".join([item] + [more] * (max(least, 1) - 1))
+    tail = f"{more}*" if most is None else " ".join([f"{more}?"] * (most - max(least, 1)))
+    body = f"({head} {tail})" + ("?" if least == 0 else "")
+    return f"{json.dumps('[')} {body} {json.dumps(']')}"
 
 
 def _json_schema(schema: dict[str, Any]) -> str:

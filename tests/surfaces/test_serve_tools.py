@@ -524,13 +524,13 @@ TYPED_TOOLS = [
     {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}},
     {"type": "function", "function": {"name": "set_level", "parameters": {"type": "object", "properties": {
         "level": {"type": "integer", "enum": [1, 2, 3]},
-        "tags": {"type": "array", "items": {"type": "string", "enum": ["x", "y"]}, "maxItems": 2}},
+        "tags": {"type": "array", "items": {"type": "string", "enum": ["x", "y"]}, "minItems": 1, "maxItems": 2}},
         "required": ["level", "tags"], "additionalProperties": False}}},
 ]
 
 
-#: the markups that write objects and arrays; `call:name{...}` takes scalars only (its parsers cut at commas)
-NESTED_MARKUPS = {"pythonic", "qwen3_coder"}
+#: the markups that write objects and arrays (FunctionGemma's parser cuts the arguments at commas: scalars only)
+NESTED_MARKUPS = {"pythonic", "qwen3_coder", "gemma4"}
 
 
 @pytest.mark.parametrize("markup", ["pythonic", "qwen3_coder", "function_gemma", "gemma4"])
