@@ -10,8 +10,8 @@ JSON of its parameter's schema (mlx-lm's `pythonic` reads JSON's true / false / 
 `<function=name>` then a `<parameter=x>` / value / `</parameter>` block per argument (mlx-lm's `qwen3_coder`),
 each value written as that parser converts its parameter's declared type back; or
 `call:name{x:1,s:<escape>a<escape>}` (mlx-lm's `function_gemma`: bare keys, scalar values; `gemma4`: `<|"|>`
-around strings, and nested objects and arrays). A parameter a markup cannot write back exactly is refused by name. With tools offered on
-"auto" and an output format, the answer is either calls or that format.
+around strings, and nested objects and arrays). A parameter a markup cannot write back exactly is refused by
+name. With tools offered on "auto" and an output format, the answer is either calls or that format.
 
 A thinking model whose prompt opens the reasoning reasons freely: the constraint starts after its end marker
 (`StructuredOutput.after`), and may follow the blank line the model writes there (up to 4 whitespace characters:
@@ -144,7 +144,8 @@ def _pythonic_calls(fmt: ToolCallFormat, tools: list[dict[str, Any]], param: str
 def _xml_calls(fmt: ToolCallFormat, tools: list[dict[str, Any]], param: str) -> _Calls:
     """One `<tool_call>` / `<function=name>` block per call."""
     calls = " | ".join(f"{json.dumps(fmt.start + chr(10) + '<function=' + t['function']['name'] + '>' + chr(10))} "
-                       f"{_arguments(t, param, _XML_ARGUMENTS)} {json.dumps('</function>' + chr(10) + fmt.end)}" for t in tools)
+                       f"{_arguments(t, param, _XML_ARGUMENTS)} {json.dumps('</function>' + chr(10) + fmt.end)}"
+                       for t in tools)
     return _Calls(calls, "NL")
 
 
