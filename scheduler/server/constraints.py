@@ -136,24 +136,28 @@ def _name_args_calls(fmt: ToolCallFormat, tools: list[dict[str, Any]], param: st
 
 def _pythonic_calls(fmt: ToolCallFormat, tools: list[dict[str, Any]], param: str) -> _Calls:
     """`[a(x=1), b(y="z")]` between one pair of markers."""
-    calls = " | ".join(f"{json.dumps(t['function']['name'] + '(')} {_arguments(t, param, _PYTHONIC_ARGUMENTS)} {_CLOSE}"
-                       for t in tools)
+    names = [_tool_name(t, r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", "[name(x=...)]", param) for t in tools]
+    calls = " | ".join(f"{json.dumps(name + '(')} {_arguments(t, param, _PYTHONIC_ARGUMENTS)} {_CLOSE}"
+                       for name, t in zip(names, tools))
     return _Calls(calls, _COMMA, f"{json.dumps(fmt.start + '[')} ", f" {json.dumps(']')}{_marker(fmt.end)}")
 
 
 def _xml_calls(fmt: ToolCallFormat, tools: list[dict[str, Any]], param: str) -> _Calls:
     """One `<tool_call>` / `<function=name>` block per call."""
-    calls = " | ".join(f"{json.dumps(fmt.start + chr(10) + '<function=' + t['function']['name'] + '>' + chr(10))} "
+    names = [_tool_name(t, r"[^\s<>]+", "<function=name>", param) for t in tools]
+    calls = " | ".join(f"{json.dumps(fmt.start + chr(10) + '<function=' + name + '>' + chr(10))} "
                        f"{_arguments(t, param, _XML_ARGUMENTS)} {json.dumps('</function>' + chr(10) + fmt.end)}"
-                       for t in tools)
+                       for name, t in zip(names, tools))
     return _Calls(calls, "NL")
 
 
 def _braced_calls(fmt: ToolCallFormat, tools: list[dict[str, Any]], param: str) -> _Calls:
     """`call:name{x:1,s:<escape>a<escape>}`, one per pair of markers."""
-    how = _braced_arguments(fmt.shape.string_delimiter, nested=fmt.shape is CallShape.GEMMA4)
-    calls = " | ".join(f"{json.dumps(f'call:{_braced_name(t, fmt.shape, param)}' + '{')} "
-                       f"{_arguments(t, param, how)} {json.dumps('}')}" for t in tools)
+    gemma4 = fmt.shape is CallShape.GEMMA4
+    how = _braced_arguments(fmt.shape.string_delimiter, nested=gemma4)
+    names = [_tool_name(t, r"[\w-]+" if gemma4 else r"\w+", "call:name{...}", param) for t in tools]
+    calls = " | ".join(f"{json.dumps(f'call:{name}' + '{')} {_arguments(t, param, how)} {json.dumps('}')}"
+                       for name, t in zip(names, tools))
     return _Calls(f"{json.dumps(fmt.start)} ({calls}){_marker(fmt.end)}")
 
 
@@ -273,11 +277,11 @@ _XML_ARGUMENTS = _Arguments(  # `<parameter=x>` / value / `</parameter>` lines
                  "type)")
 
 
-def _braced_name(tool: dict[str, Any], shape: CallShape, param: str) -> str:
+def _tool_name(tool: dict[str, Any], allowed: str, markup: str, param: str) -> str:
+    """The tool's name where the markup's parser reads back names matching ``allowed``, else refused."""
     name = tool["function"]["name"]
-    allowed = r"[\w-]+" if shape is CallShape.GEMMA4 else r"\w+"
     if not re.fullmatch(allowed, name):
-        raise APIError(400, f"{param}: tool {name!r} has a name that call:name{{...}} cannot write", param)
+        raise APIError(400, f"{param}: tool {name!r} has a name that {markup} cannot write", param)
     return name
 
 

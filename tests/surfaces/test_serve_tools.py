@@ -490,7 +490,8 @@ def test_forced_calls_in_each_markup_are_written_and_parsed(markup, markup_model
 def test_a_tool_the_markup_cannot_write_is_refused_by_name():
     """A forced call whose tool the model's markup cannot write back (a parameter name that is not a Python
     identifier in `[name(x=...)]`; a parameter whose type is a list of types in `<parameter=x>` lines; an object
-    in `call:name{...}`) is refused with a 400 naming the parameter and the tool, before anything runs."""
+    in FunctionGemma's `call:name{...}`; a tool name that is not a Python name in `[name(...)]`) is refused with a
+    400 naming the parameter and the tool, before anything runs."""
     from mlx_lm.tool_parsers import function_gemma, pythonic, qwen3_coder
 
     from scheduler.server.constraints import output_constraint
@@ -503,6 +504,8 @@ def test_a_tool_the_markup_cannot_write_is_refused_by_name():
     cases = [(pythonic, tool("user-id", {"type": "string"}), "not an ASCII Python identifier"),
              (qwen3_coder, tool("when", {"type": ["string", "null"]}), "cannot write back exactly"),
              (function_gemma, tool("where", {"type": "object"}), "cannot write back")]
+    renamed = [{"type": "function", "function": {**tool("x", {})[0]["function"], "name": "look-up"}}]
+    cases.append((pythonic, renamed, "a name that [name(x=...)] cannot write"))
     for module, tools, why in cases:
         fmt = ToolCallFormat(module.tool_call_start, module.tool_call_end, module.parse_tool_call)
         body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "look it up"}], tools=tools,
@@ -510,7 +513,7 @@ def test_a_tool_the_markup_cannot_write_is_refused_by_name():
         with pytest.raises(APIError) as info:
             output_constraint(body, fmt, tools, None)
         assert info.value.status == 400 and info.value.param == "tool_choice"
-        assert why in str(info.value) and "'lookup'" in str(info.value)
+        assert why in str(info.value) and tools[0]["function"]["name"] in str(info.value)
 
 
 TYPED_TOOLS = [
