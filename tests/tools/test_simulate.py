@@ -660,6 +660,72 @@ def test_a_simulation_s_vision_budget_pays_only_for_what_its_cache_lacks():
     assert len(set(first_tokens(["a", "b", "c"]))) == 3
 
 
+def test_the_sim_executor_s_vision_cache_holds_what_the_engine_s_would():
+    """`vision_cache_bytes` bounds the simulated vision cache as it bounds the engine's: units sized by the
+    recording's stores, the least recently used evicted first, one larger than the whole cache never stored, 0
+    no cache at all (a tick still encodes a repeated unit once), None (a synthetic workload's) unbounded."""
+    from scheduler.request import MediaItemRef
+
+    cost = CostModel(per_image_encoded=1e-3, media_token_ids=frozenset({5}))
+    arrivals = [SimArrival(rid, 0.0, [1, 5, 5, 1], 4, 4, num_images=1, media_key=key,
+                           media_items=(MediaItemRef(key, 2, 1),))
+                for rid, key in (("a1", "a"), ("b1", "b"), ("a2", "a"), ("a3", "a"))]
+
+    def encoded(capacity, sizes=None):
+        ex = SimExecutor(cost, arrivals, vision_cache_bytes=capacity, vision_unit_bytes=sizes or {"a": 100, "b": 100})
+        out = [ex.execute(TickPlan(t, admitted=(rid,), encode=(rid,))).encoded[rid]["items_encoded"]
+               for t, rid in enumerate(("a1", "b1", "a2", "a3"))]
+        assert ex.media_items_encoded == sum(out)
+        return out
+
+    assert encoded(None) == encoded(250) == [1, 1, 0, 0]
+    assert encoded(150) == [1, 1, 1, 0]  # b's store evicted a; a's store then evicted b
+    assert encoded(0) == encoded(50) == encoded(150, {"a": 200, "b": 100}) == [1, 1, 1, 1]
+    ex = SimExecutor(cost, arrivals, vision_cache_bytes=0)
+    result = ex.execute(TickPlan(0, admitted=("a1", "a2"), encode=("a1", "a2")))
+    assert [result.encoded[r]["items_encoded"] for r in ("a1", "a2")] == [1, 0]
+
+
+def test_a_what_if_of_the_vision_cache_size_follows_the_engine_s_evictions(tmp_path):
+    """On a recording of the tiny Qwen2-VL with a vision cache that holds one image (images A, B, then A again,
+    one request at a time), the engine encoded A twice; the what-if with the recorded settings (units sized by
+    the trace's stores) encodes as many, and with a cache of room for both, A once."""
+    import mlx_vlm
+
+    from scheduler.events import MemorySink
+    from scheduler.fixtures.tiny_models import build_model
+
+    from ..models.test_vision_batch import image_requests
+
+    model, processor = mlx_vlm.load(str(build_model("vlm", tmp_path / "vlm")))
+    (a_msgs, a), (b_msgs, b) = image_requests()[:2]  # two images of one size
+    sink = MemorySink()  # a cache of 1 byte stores nothing: an image's size is in its rejection
+    engine = Engine(model, processor, EngineConfig(vision_cache_bytes=1), event_sinks=[sink])
+    engine.add_request(prompt=a_msgs, images=a, sampling=SamplingParams(max_tokens=2))
+    while engine.has_pending():
+        engine.step()
+    engine.close()
+    size = next(e["bytes"] for e in sink.events if e["event"] == "vision_evict")
+    sink = MemorySink()
+    engine = Engine(model, processor, EngineConfig(vision_cache_bytes=size + size // 2), event_sinks=[sink])
+    for messages, images in ((a_msgs, a), (b_msgs, b), (a_msgs, a)):
+        engine.add_request(prompt=messages, images=images, sampling=SamplingParams(max_tokens=2))
+        while engine.has_pending():
+            engine.step()
+    engine.close()
+    recorded = sum(c["images"] for c in sink.of_kind("vision_encode"))
+    assert recorded == 3  # A, B, A again: B's store evicted A
+    rec = load_recorded(list(sink.events))
+    settings = rec.simulation_settings()
+    assert set(settings["vision_unit_bytes"].values()) == {size}
+    config = dataclasses.replace(rec.trace.config, trace_path=None)
+    cost = fit_cost_model(rec)
+    arrivals = arrivals_from_trace(rec)
+    assert simulate(arrivals, config, cost, **settings).media_items_encoded == recorded
+    roomy = dataclasses.replace(config, vision_cache_bytes=3 * size)
+    assert simulate(arrivals, roomy, cost, **settings).media_items_encoded == 2
+
+
 def test_the_fit_counts_the_items_an_outcome_says_were_encoded():
     """The vision terms are fitted on what each outcome records as encoded (`items_encoded`,
     `media_tokens_encoded`); a trace from before those fields counts every media item of a request that was

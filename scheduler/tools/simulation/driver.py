@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from scheduler.config import EngineConfig
 from scheduler.events import EventLog
@@ -32,6 +32,7 @@ class SimResult:
     prefix_tokens_saved: int | None = None
     config: EngineConfig | None = None
     policy: str | None = None
+    media_items_encoded: int = 0  # media items that went through the encoders (vision-cache misses)
 
     def summary(self) -> dict[str, Any]:
         return summarize(self.requests, self.ticks, self.request_ticks, self.preemptions, self.cache_hit_rate,
@@ -58,6 +59,7 @@ def simulate(
     max_ticks: int | None = None,
     prefix_checkpoints: bool = False,
     prefix_clear_times: Sequence[float] = (),
+    vision_unit_bytes: Mapping[str, int] | None = None,
 ) -> SimResult:
     """Drive the real Scheduler over `arrivals` in virtual time; see the module docstring.
 
@@ -69,14 +71,16 @@ def simulate(
     per token (default: the layout's, else 0); `prefix_checkpoints` stores them as a model whose caches cannot
     be trimmed does (exact checkpoints, see SimExecutor). `prefix_clear_times` empty the prefix cache as
     `Engine.clear_prefix_cache()` did in the recording: at the start of the first tick at or after each time,
-    after that tick's arrivals and aborts. `config.check_invariants` checks the bookkeeping every tick.
+    after that tick's arrivals and aborts. `config.check_invariants` checks the bookkeeping every tick. The vision
+    cache holds `config.vision_cache_bytes` (0: none), each media unit sized as `vision_unit_bytes` says (the
+    recording's stores; 0 where unknown), least recently used out first, as the engine's does.
     """
     ids = [a.request_id for a in arrivals]
     if len(set(ids)) != len(ids):
         raise ValueError("simulate: request ids must be unique")
     wall0 = time.perf_counter()
     run = _Simulation(arrivals, config, cost_model, policy, stop_token_id, kv_layout, kv_bytes_per_token,
-                      prefix_checkpoints, prefix_clear_times)
+                      prefix_checkpoints, prefix_clear_times, vision_unit_bytes)
     limit = max_ticks if max_ticks is not None else math.inf
     while run.next_arrival < len(run.pending) or run.live:
         now = run.advance_clock()
@@ -97,7 +101,8 @@ class _Simulation:
 
     def __init__(self, arrivals: Sequence[SimArrival], config: EngineConfig, cost_model: CostModel,
                  policy: str | Policy | None, stop_token_id: int, kv_layout: Any, kv_bytes_per_token: int | None,
-                 prefix_checkpoints: bool = False, prefix_clear_times: Sequence[float] = ()):
+                 prefix_checkpoints: bool = False, prefix_clear_times: Sequence[float] = (),
+                 vision_unit_bytes: Mapping[str, int] | None = None):
         self.config, self.kv_layout, self.cost_model = config, kv_layout, cost_model
         self.clears = sorted(prefix_clear_times)
         self.next_clear = 0
@@ -107,7 +112,8 @@ class _Simulation:
         self.executor = SimExecutor(cost_model, arrivals, stop_token_ids=[stop_token_id],
                                     prefix_block_size=config.prefix_block_size if config.prefix_cache_bytes
                                     else None, kv_bytes_per_token=kv_bytes_per_token,
-                                    prefix_checkpoints=prefix_checkpoints)
+                                    prefix_checkpoints=prefix_checkpoints,
+                                    vision_cache_bytes=config.vision_cache_bytes, vision_unit_bytes=vision_unit_bytes)
         # the vision budget pays for what the simulated vision cache does not hold, as the engine's does
         self.scheduler = Scheduler(config, EventLog(), stop_token_ids=[stop_token_id], policy=policy,
                                    vision_cached=self.executor.vision_cached, **extra)
@@ -214,5 +220,5 @@ class _Simulation:
             requests=list(self.records.values()), ticks=self.ticks, request_ticks=self.request_ticks,
             row_ticks=self.row_ticks, clock=self.executor.clock, wall_s=wall_s, preemptions=self.preemptions,
             cache_hit_rate=hit_rate, prefix_tokens_saved=saved, config=self.config,
-            policy=self.scheduler.policy.name,
+            policy=self.scheduler.policy.name, media_items_encoded=self.executor.media_items_encoded,
         )

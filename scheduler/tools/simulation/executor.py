@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections import OrderedDict
+from typing import Iterable, Mapping, Sequence
 
 from scheduler.plan import TickPlan, TickResult
 from scheduler.tools.simulation.cost_model import CostModel, context_features
@@ -26,7 +27,8 @@ class SimExecutor:
     def __init__(self, cost_model: CostModel, arrivals: Iterable[SimArrival],
                  stop_token_ids: Sequence[int] = (0,), ordinary_token: int | None = None,
                  prefix_block_size: int | None = None, kv_bytes_per_token: int = 0,
-                 prefix_checkpoints: bool = False):
+                 prefix_checkpoints: bool = False, vision_cache_bytes: int | None = None,
+                 vision_unit_bytes: Mapping[str, int] | None = None):
         self.cost_model = cost_model
         self.prefix_checkpoints = prefix_checkpoints
         self._prefill_len: dict[str, int] = {}  # prompt + outputs re-fed after a preemption
@@ -49,7 +51,13 @@ class SimExecutor:
         # else one unit (its media key, all its items and media tokens)
         self._media: dict[str, tuple[tuple[str | None, int, int], ...]] = {}
         self._media_offset: dict[str, int] = {}  # id -> its first media position (where it checkpoints)
-        self._vision_seen: set[str] = set()  # unit keys encoded before: a vision-cache hit (unbounded cache)
+        # The vision cache as the engine's holds it: unit key -> bytes, least recently used first, under
+        # `vision_cache_bytes` (0: no cache; None: unbounded). A unit's bytes are what the recording stored for
+        # it (`vision_unit_bytes`), 0 where unknown (a synthetic workload's: those never fill the cache).
+        self._vision: OrderedDict[str, int] = OrderedDict()
+        self._vision_capacity = vision_cache_bytes
+        self._vision_unit_bytes = dict(vision_unit_bytes or {})
+        self.media_items_encoded = 0  # over the run: the vision-cache misses the encoders ran on
         self._samples: set[str] = set()  # requests that go through the sampler (their decode rows cost more)
         for a in arrivals:
             self._stop_at[a.request_id] = a.output_len - 1 if a.output_len < a.max_tokens else -1
@@ -65,24 +73,51 @@ class SimExecutor:
         self._produced: dict[str, int] = {}
 
     def vision_cached(self, key: str) -> bool:
-        """Whether a media unit was encoded before: a vision-cache hit (the cache is unbounded here)."""
-        return key in self._vision_seen
+        """Whether the simulated vision cache holds a media unit (no LRU touch: the planner's look)."""
+        return key in self._vision
+
+    def _encode(self, plan: TickPlan) -> tuple[dict[str, dict], int, int]:
+        """The tick's vision work as `VLMAdapter.encode_many` does it: every unit looked up first (a hit is used
+        again), a unit an earlier request of the tick has is not encoded twice, then the misses stored in order,
+        evicting the least recently used. Returns the outcome's `encoded` records, the media items and the media
+        tokens that went through the encoders."""
+        encoded: dict[str, dict] = {}
+        images = vision_tokens = 0
+        misses: list[str] = []
+        for rid in plan.encode:
+            items = tokens = 0
+            for key, count, unit_tokens in self._media.get(rid, ((None, 1, 0),)):
+                if key is not None and (key in misses or self._vision_hit(key)):
+                    continue
+                items, tokens = items + count, tokens + unit_tokens
+                if key is not None:
+                    misses.append(key)
+            images, vision_tokens = images + items, vision_tokens + tokens
+            encoded[rid] = {"rope_delta": 0, "vision_cache_hit": items == 0, "items_encoded": items,
+                            "media_tokens_encoded": tokens}
+        for key in misses:
+            self._vision_store(key)
+        self.media_items_encoded += images
+        return encoded, images, vision_tokens
+
+    def _vision_hit(self, key: str) -> bool:
+        if key not in self._vision:
+            return False
+        self._vision.move_to_end(key)
+        return True
+
+    def _vision_store(self, key: str) -> None:
+        capacity, size = self._vision_capacity, self._vision_unit_bytes.get(key, 0)
+        if capacity == 0 or (capacity is not None and size > capacity):
+            return  # no cache, or an entry larger than all of it (the engine's cache rejects it)
+        while capacity is not None and self._vision and sum(self._vision.values()) + size > capacity:
+            self._vision.popitem(last=False)
+        self._vision[key] = size
 
     def execute(self, plan: TickPlan) -> TickResult:
         for new in plan.new_requests:
             self._prefill_len[new.request_id] = len(new.prompt_tokens) + new.recompute_tokens
-        encoded: dict[str, dict] = {}
-        images = vision_tokens = 0
-        for rid in plan.encode:
-            items = tokens = 0
-            for key, count, unit_tokens in self._media.get(rid, ((None, 1, 0),)):
-                if key is None or key not in self._vision_seen:
-                    items, tokens = items + count, tokens + unit_tokens
-                if key is not None:
-                    self._vision_seen.add(key)
-            images, vision_tokens = images + items, vision_tokens + tokens
-            encoded[rid] = {"rope_delta": 0, "vision_cache_hit": items == 0, "items_encoded": items,
-                            "media_tokens_encoded": tokens}
+        encoded, images, vision_tokens = self._encode(plan)
         # a decode row attends over its prompt and what it produced (as the fit counts it from a trace)
         completing = [c.request_id for c in plan.prefill if c.completes]
         context, merged = context_features([self._prompt_len[rid] + self._produced.get(rid, 0)

@@ -34,6 +34,7 @@ class Recorded:
     prefix_tokens_saved: int = 0
     prefix_bytes_per_token: float | None = None  # from prefix_store events (nbytes / tokens)
     prefix_clear_times: list[float] = field(default_factory=list)  # Engine.clear_prefix_cache(), relative to t0
+    vision_unit_bytes: dict[str, int] = field(default_factory=dict)  # media unit key -> bytes its store took
 
     @property
     def cache_hit_rate(self) -> float | None:
@@ -56,12 +57,14 @@ class Recorded:
     def simulation_settings(self, kv_layout: Any = None) -> dict[str, Any]:
         """What `simulate` takes from the recording besides arrivals, config and cost (as keyword arguments):
         its stop token, the model's KV layout (`kv_layout` when given, else the recorded one), the prefix-cache
-        bytes per token its entries held, whether they are checkpoints, and when the cache was cleared."""
+        bytes per token its entries held, whether they are checkpoints, when the cache was cleared, and the
+        bytes of each media unit the vision cache stored."""
         per_token = self.prefix_bytes_per_token
         return dict(stop_token_id=self.trace.stop_token_ids[0] if self.trace.stop_token_ids else 0,
                     kv_layout=kv_layout if kv_layout is not None else self.kv_layout(),
                     kv_bytes_per_token=int(round(per_token)) if per_token else None,
-                    prefix_checkpoints=self.prefix_checkpoints, prefix_clear_times=list(self.prefix_clear_times))
+                    prefix_checkpoints=self.prefix_checkpoints, prefix_clear_times=list(self.prefix_clear_times),
+                    vision_unit_bytes=dict(self.vision_unit_bytes))
 
     def kv_layout(self) -> Any:
         """The engine's KV layout (`caches.kv.KVLayout`) if the trace recorded one, else None."""
@@ -130,6 +133,8 @@ def load_recorded(source: "Recorded | Trace | str | os.PathLike | Iterable[dict]
             elif kind == "prefix_store":
                 stored_tokens += int(e.get("tokens", 0))
                 stored_bytes += int(e.get("nbytes", 0))
+            elif kind in ("vision_store", "vision_evict"):  # each carries the unit's own size (a unit too large
+                rec.vision_unit_bytes[e["key"]] = int(e.get("bytes", 0))  # for the cache has an eviction only)
             if kind != "transition":
                 continue
             trigger = e.get("trigger")
