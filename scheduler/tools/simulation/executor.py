@@ -57,6 +57,7 @@ class SimExecutor:
         self._vision: OrderedDict[str, int] = OrderedDict()
         self._vision_capacity = vision_cache_bytes
         self._vision_unit_bytes = dict(vision_unit_bytes or {})
+        self._vision_used = 0  # bytes the simulated cache holds
         self.media_items_encoded = 0  # over the run: the vision-cache misses the encoders ran on
         self._samples: set[str] = set()  # requests that go through the sampler (their decode rows cost more)
         for a in arrivals:
@@ -110,9 +111,10 @@ class SimExecutor:
         capacity, size = self._vision_capacity, self._vision_unit_bytes.get(key, 0)
         if capacity == 0 or (capacity is not None and size > capacity):
             return  # no cache, or an entry larger than all of it (the engine's cache rejects it)
-        while capacity is not None and self._vision and sum(self._vision.values()) + size > capacity:
-            self._vision.popitem(last=False)
+        while capacity is not None and self._vision and self._vision_used + size > capacity:
+            self._vision_used -= self._vision.popitem(last=False)[1]
         self._vision[key] = size
+        self._vision_used += size
 
     def execute(self, plan: TickPlan) -> TickResult:
         for new in plan.new_requests:
