@@ -68,12 +68,26 @@ class LayerCapabilities:
     trimmable: bool  # a stored prefix can be cut to a shorter one (otherwise reusable only whole)
     rollback: bool  # batch rows can drop their last tokens in place (speculative decoding)
     splittable: bool  # a batch row can become a single-request cache again (batched first prefill chunks)
+    # the same for a batch with no padding anywhere: fresh rows that each took a chunk of one length (a rotating
+    # window or a recurrent state would take in right pads, but a batch of equal rows has none)
+    splittable_aligned: bool = True
 
     def __and__(self, other: "LayerCapabilities") -> "LayerCapabilities":
         order = (Growth.FIXED, Growth.WINDOW, Growth.PER_TOKEN)
         return LayerCapabilities(f"{self.kind}+{other.kind}", max(self.growth, other.growth, key=order.index),
                                  self.trimmable and other.trimmable, self.rollback and other.rollback,
-                                 self.splittable and other.splittable)
+                                 self.splittable and other.splittable,
+                                 self.splittable_aligned and other.splittable_aligned)
+
+
+class PrefillSharing(Enum):
+    """Which prefill chunks of several requests may share one forward, by what their caches split back from."""
+
+    ANY = "any"  # any mix, padded: plain KV rows split back and the right pads are cut off
+    # fresh first chunks of one length only, with no pads anywhere: a rotating window or a recurrent state would
+    # take in pads, and a later chunk's merge left-pads rows of different lengths
+    ALIGNED = "aligned"
+    NONE = "none"  # one request per forward
 
 
 @dataclass(frozen=True)
@@ -97,6 +111,16 @@ class CacheCapabilities:
     @property
     def splittable(self) -> bool:
         return all(layer.splittable for layer in self.layers)
+
+    @property
+    def splittable_aligned(self) -> bool:
+        return all(layer.splittable_aligned for layer in self.layers)
+
+    @property
+    def prefill_sharing(self) -> PrefillSharing:
+        if self.splittable:
+            return PrefillSharing.ANY
+        return PrefillSharing.ALIGNED if self.splittable_aligned else PrefillSharing.NONE
 
     @property
     def has_fixed_state(self) -> bool:
@@ -481,7 +505,8 @@ def layer_capabilities(layer: Any) -> LayerCapabilities:
         out = caps[0]
         for c in caps[1:]:
             out = out & c
-        return LayerCapabilities(f"CacheList[{out.kind}]", out.growth, out.trimmable, out.rollback, out.splittable)
+        return LayerCapabilities(f"CacheList[{out.kind}]", out.growth, out.trimmable, out.rollback, out.splittable,
+                                 out.splittable_aligned)
     return _kind_of(layer).caps
 
 
@@ -563,7 +588,8 @@ def splittable(cache: Cache) -> bool:
 
 
 def split_batch(batch: Cache, rows: int, trailing: Sequence[int] | None = None) -> list[Cache]:
-    """One single-request cache per row of a splittable batch cache (mlx-lm's `extract`, which copies).
+    """One single-request cache per row of a batch cache (mlx-lm's `extract`, which copies): a splittable one,
+    or, with no `trailing`, an unpadded batch of fresh rows of any `splittable_aligned` kind.
 
     `trailing[i]`: positions at the end of row i that are right padding (a batched prefill of chunks of
     different lengths): they are cut off, so the request's cache holds exactly its own tokens and bytes."""

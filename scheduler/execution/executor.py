@@ -23,7 +23,7 @@ import numpy as np
 from caches.kv import KVCacheManager, QuantizeRule
 from kernels.sampling import (DrawGroups, RowSampling, SamplingArrays, TokenDraw, draw_tokens, greedy_pick,
                               logprobs_from_logits, most_likely, sample_tokens)
-from caches.layers import restore_batch, rollback_reads, rollback_rows, snapshot_batch
+from caches.layers import PrefillSharing, restore_batch, rollback_reads, rollback_rows, snapshot_batch
 from caches.prefix import checkpoint_position
 from kernels.speculative import (
     greedy_accept,
@@ -372,22 +372,25 @@ class MLXExecutor:
         Grouping is this executor's decision, never the planner's: chunks sorted longest first, a group grows
         while its pad positions stay within `pad_ratio` of its real tokens (`PREFILL_PAD_RATIO`, the bound the
         engine checks); pads are counted in the tick's result and in `prefill_stats`. Returns the request ids
-        prefilled here; the rest go the one-request way: a cache kind that cannot be split back out of a batch
-        (rotating windows, recurrent state: declared by the cache-layer capabilities), quantized caches, a
+        prefilled here; the rest go the one-request way: for a cache kind whose rows split back out of a batch
+        only when nothing in it is padded (rotating windows, recurrent state: `PrefillSharing.ALIGNED`, declared
+        by the cache-layer capabilities), every chunk but fresh first chunks of one length; quantized caches, a
         chunk inside which kv_bits converts, a chunk the runner keeps alone (`shares_prefill`: a VLM chunk
         holding media rows its language model reads per chunk, e.g. Qwen3-VL's deepstack), a family whose
         per-chunk inputs have no batched form (Gemma 4's per-layer inputs), and any group whose forward raised
         (a `PrefillFallback` in the tick's result, counted, never silent)."""
-        if not getattr(self.runner, "batched_prefill", False):
+        sharing = getattr(self.runner, "prefill_sharing", PrefillSharing.NONE)
+        if sharing is PrefillSharing.NONE:
             return set()
         eligible = []
         for c in chunks:
             request = requests[c.request_id]
             n = (c.end - 1 if c.completes else c.end) - c.start
-            if self._groupable(request, c.start, n):
+            if (sharing is PrefillSharing.ANY or c.start == 0) and self._groupable(request, c.start, n):
                 eligible.append((c.request_id, c.start, n))
         done: set[str] = set()
-        for group, width, padded in _pad_groups(eligible, self.pad_ratio):
+        # ALIGNED: no pads, so a group is chunks of one length (`_pad_groups` at ratio 0)
+        for group, width, padded in _pad_groups(eligible, self.pad_ratio if sharing is PrefillSharing.ANY else 0.0):
             rows = [(requests[rid], self._encoded[rid], self.kv.request_cache(rid) if start else None, start, n)
                     for rid, start, n in group]
             try:

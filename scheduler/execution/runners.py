@@ -33,9 +33,10 @@ class Runner(Protocol):
         """Feed prefill positions [start, end) into `cache` (evaluated). Returns the chunk's (1, end - start, V)
         logits unevaluated: nothing computes the vocabulary projection unless a caller reads them."""
 
-    # Runners with `batched_prefill` true also have `shares_prefill(encoded, start, n)` (may this chunk join a
-    # shared forward) and `prefill_many([(request, encoded, cache, start, n), ...])` (one cache per chunk back,
-    # and the forward's (B, width, V) logits unevaluated: row i's first n are its chunk's).
+    # Runners whose `prefill_sharing` (`caches.layers.PrefillSharing`) is not NONE also have
+    # `shares_prefill(encoded, start, n)` (may this chunk join a shared forward) and
+    # `prefill_many([(request, encoded, cache, start, n), ...])` (one cache per chunk back, and the forward's
+    # (B, width, V) logits unevaluated: row i's first n are its chunk's).
 
     def decode(self, batch_cache: library.Cache, inputs: mx.array, rope_deltas: mx.array | None) -> mx.array: ...
 
@@ -51,10 +52,10 @@ class TextRunner:
         self.max_kv_size = max_kv_size
         self.family = library.model_family(model)  # raises UnsupportedModel for a family that cannot batch
         self.capabilities = layers.capabilities(self.make_cache())
-        # Prefill chunks can share one forward when a row of a batch cache can be split back into a request's
-        # own cache (plain and quantized KV). A rotating window or recurrent state cannot: the batch form of a
-        # window has no per-row split, and a recurrent state would integrate the right padding.
-        self.batched_prefill = self.capabilities.splittable
+        # Prefill chunks share one forward where the rows of a batch cache split back into each request's own:
+        # any mix for plain and quantized KV (the right pads are cut off); for a rotating window or recurrent
+        # state, which would take the pads in, only fresh first chunks of one length (no pads at all).
+        self.prefill_sharing = self.capabilities.prefill_sharing
         # A cache that cannot be trimmed (recurrent state, a rotating window) goes into the prefix cache as exact
         # checkpoints, stored at the block boundaries its prefill passes.
         self.prefix_checkpoints = not self.capabilities.trimmable
@@ -138,8 +139,8 @@ class VisionLanguageRunner:
                                         on_call)
 
     @property
-    def batched_prefill(self) -> bool:
-        return self.adapter.batched_prefill
+    def prefill_sharing(self) -> layers.PrefillSharing:
+        return self.adapter.prefill_sharing
 
     def shares_prefill(self, encoded, start: int, n: int) -> bool:
         return self.adapter.shares_prefill(encoded, start, start + n)

@@ -685,11 +685,12 @@ class VLMAdapter:
         return logits
 
     @property
-    def batched_prefill(self) -> bool:
-        """Whether chunks of several requests can share one prefill forward: the cache rows split back out of a
-        batch (plain KV, not windows or recurrent state), and no per-chunk input other than positions has a
-        batched form here (Gemma 4's ``per_layer_inputs``)."""
-        return self.capabilities.splittable and not self.spec.sequence_inputs
+    def prefill_sharing(self) -> layers.PrefillSharing:
+        """Which chunks of several requests can share one prefill forward: what the caches split back from
+        (`CacheCapabilities.prefill_sharing`: any mix for plain KV, fresh first chunks of one length for windows
+        and recurrent state), and none where a per-chunk input other than positions has no batched form here
+        (Gemma 4's ``per_layer_inputs``)."""
+        return layers.PrefillSharing.NONE if self.spec.sequence_inputs else self.capabilities.prefill_sharing
 
     def shares_prefill(self, encoded: EncodedRequest | None, start: int, end: int) -> bool:
         """Whether this chunk may go into a shared forward: it has been encoded, and it holds no media rows the

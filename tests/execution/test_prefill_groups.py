@@ -110,11 +110,14 @@ def test_pad_groups_stay_within_their_ratio_and_take_each_chunk_once(lengths, ra
         assert len(groups) == 1 and groups[0][2] == 0
 
 
-def test_a_recurrent_or_rotating_cache_is_never_grouped(sliding_model):
-    """The sliding-window model's rotating caches cannot be split back out of a batch: its chunks stay one
-    by one (declared by the cache-layer capabilities), and outputs are exact as before."""
+def test_a_rotating_cache_groups_only_fresh_chunks_of_one_length(sliding_model):
+    """The sliding-window model's rotating caches would take right pads into their windows
+    (`PrefillSharing.ALIGNED`, declared by the cache-layer capabilities): of four fresh prompts, the two of one
+    length share a forward with nothing padded, the others go one by one, and outputs are exact as before
+    (hybrids and gemma3_text: tests/execution/test_hybrids.py)."""
     model, tokenizer = sliding_model
-    prompts = mixed_prompts(4, 30, 34, seed=24)
+    prompts = mixed_prompts(2, 30, 30, seed=24) + mixed_prompts(2, 33, 34, seed=25)
     engine, _, outputs = _run(model, tokenizer, EngineConfig(), prompts)
-    assert engine.prefill_stats()["batched_groups"] == 0
+    stats = engine.prefill_stats()
+    assert (stats["batched_groups"], stats["batched_rows"], stats["padded_tokens"]) == (1, 2, 0), stats
     assert outputs == [solo_tokens(model, tokenizer, p, MAX_TOKENS) for p in prompts]

@@ -13,6 +13,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from PIL import Image  # noqa: E402
 
+from caches.layers import PrefillSharing  # noqa: E402
 from scheduler.execution import library  # noqa: E402
 from scheduler.models.adapter import EncodedRequest, MediaError, PreparedRequest, VLMAdapter, adapter_for  # noqa: E402
 
@@ -453,7 +454,7 @@ def test_prefill_many_equals_each_chunk_alone(adapter):
     later = adapter.make_cache()
     adapter.prefill(later, encoded[1], 0, 5)
     rows = [(None, encoded[0], 0, 20), (later, encoded[1], 5, 18), (None, encoded[2], 0, 13)]
-    assert adapter.batched_prefill
+    assert adapter.prefill_sharing is PrefillSharing.ANY
     got, logits = adapter.prefill_many(rows)
     assert logits.shape[:2] == (3, 20)
     for (cache, enc, start, n), batched in zip(rows, got):
