@@ -1,7 +1,7 @@
 """Batched prefill for a mix of chunks: prefill tokens/s of one forward per chunk, of the executor's grouping
 (right padding within a pad ratio), and of a bare batched forward over the same tokens.
 
-    python -m bench.prefill_mix [--model text-medium] [--n 32 --lo 16 --hi 300] [--ratios 0 0.125 0.25 0.5]
+    python -m bench.prefill_mix [--model text-medium | --family NAME] [--n 32 --lo 16 --hi 300] [--ratios 0 0.125 0.25 0.5]
 
 The chunks are the engine's own: the workload runs once through an Engine with the default budget
 (EngineConfig()) and every tick's prefill chunks are read from its plan events. Then each scheme replays those
@@ -157,6 +157,10 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m bench.prefill_mix", description=__doc__)
     ap.add_argument("--model", default="text-medium", choices=["text", "text-medium"])
+    ap.add_argument("--family", default=None,
+                    help="a tiny mlx-lm family build instead (scheduler/fixtures/families.py, e.g. qwen3_next, "
+                         "gemma3_text); one whose caches split only unpadded (PrefillSharing.ALIGNED) takes "
+                         "--ratios 0 --split-ratios and prompts that fit one chunk")
     ap.add_argument("--n", type=int, default=32)
     ap.add_argument("--lo", type=int, default=16)
     ap.add_argument("--hi", type=int, default=300)
@@ -170,7 +174,12 @@ def main(argv=None) -> int:
     print(f"load1 before: {os.getloadavg()[0]:.2f}")
     workload = mixed(args.n, args.lo, args.hi, args.new_tokens)
     with tempfile.TemporaryDirectory() as d:
-        model, tokenizer = load(str(build(args.model, Path(d) / args.model)))
+        if args.family:
+            from scheduler.fixtures.families import build_family_model
+
+            model, tokenizer = load(str(build_family_model(args.family, Path(d) / args.family)))
+        else:
+            model, tokenizer = load(str(build(args.model, Path(d) / args.model)))
         ticks, stats = _ticks(model, tokenizer, workload.prompt_lists, args.new_tokens)
         runner = TextRunner(model)
         prompts = [_Prompt(p) for p in workload.prompt_lists]

@@ -48,6 +48,8 @@ SCRIPTS: dict[str, tuple[list[str], str]] = {
                     "| 2: the same images again | 1 |"),
     "prefill_mix": (["--model", "text", "--n", "4", "--lo", "8", "--hi", "40", "--repeats", "1", "--ratios", "0.0625",
                      "--split-ratios", "1"], "|"),
+    "prefill_mix:family": (["--family", "qwen3_next", "--n", "3", "--lo", "20", "--hi", "20", "--new-tokens", "2",
+                            "--repeats", "1", "--ratios", "0", "--split-ratios"], "| grouped r=0 |"),
     "op_floor": (["--model", "text", "--batch", "2", "--iters", "3", "--prefill-len", "16", "--widths", "1", "3"], "|"),
     "code_shape": ([], "longest functions"),
     "shared_prefix": (["--requests", "2", "--turns", "2", "--system-words", "40", "--new-tokens", "4", "--repeats",
