@@ -70,7 +70,7 @@ class LayerCapabilities:
     splittable: bool  # a batch row can become a single-request cache again (batched first prefill chunks)
     # the same for a batch with no padding anywhere: fresh rows that each took a chunk of one length (a rotating
     # window or a recurrent state would take in right pads, but a batch of equal rows has none)
-    splittable_aligned: bool = True
+    splittable_aligned: bool
 
     def __and__(self, other: "LayerCapabilities") -> "LayerCapabilities":
         order = (Growth.FIXED, Growth.WINDOW, Growth.PER_TOKEN)
@@ -262,7 +262,8 @@ class _GroupedMaskBatchKVCache(_HoleBatchKVCache):
 class PlainKV:
     classes = _PLAIN_KV
     batch_classes = _PLAIN_BATCH_KV
-    caps = LayerCapabilities("KVCache", Growth.PER_TOKEN, trimmable=True, rollback=True, splittable=True)
+    caps = LayerCapabilities("KVCache", Growth.PER_TOKEN, trimmable=True, rollback=True, splittable=True,
+                             splittable_aligned=True)
 
     @staticmethod
     def merge(layers: Sequence[Any], mask: MaskLayout) -> Any:
@@ -309,7 +310,8 @@ class RotatingKV:
     classes = (mlx_cache.RotatingKVCache, *_VLM_ROTATING)
     batch_classes = (mlx_cache.BatchRotatingKVCache, *_VLM_BATCH_ROTATING)
     # A window that has wrapped has overwritten what a trim or a rollback would have to bring back.
-    caps = LayerCapabilities("RotatingKVCache", Growth.WINDOW, trimmable=False, rollback=False, splittable=False)
+    caps = LayerCapabilities("RotatingKVCache", Growth.WINDOW, trimmable=False, rollback=False, splittable=False,
+                             splittable_aligned=True)
 
     @staticmethod
     def merge(layers: Sequence[Any], mask: MaskLayout) -> Any:
@@ -354,7 +356,8 @@ class Arrays:
 
     classes = _arrays_classes()
     batch_classes = classes
-    caps = LayerCapabilities("ArraysCache", Growth.FIXED, trimmable=False, rollback=False, splittable=False)
+    caps = LayerCapabilities("ArraysCache", Growth.FIXED, trimmable=False, rollback=False, splittable=False,
+                             splittable_aligned=True)
 
     @staticmethod
     def merge(layers: Sequence[Any], mask: MaskLayout) -> Any:
@@ -424,7 +427,8 @@ class QuantizedKV:
 
     classes = _quantized_classes()
     batch_classes = _vlm_batch_quantized()
-    caps = LayerCapabilities("QuantizedKVCache", Growth.PER_TOKEN, trimmable=True, rollback=False, splittable=True)
+    caps = LayerCapabilities("QuantizedKVCache", Growth.PER_TOKEN, trimmable=True, rollback=False, splittable=True,
+                             splittable_aligned=True)
 
     @staticmethod
     def merge(layers: Sequence[Any], mask: MaskLayout) -> Any:

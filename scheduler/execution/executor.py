@@ -389,8 +389,8 @@ class MLXExecutor:
             if (sharing is PrefillSharing.ANY or c.start == 0) and self._groupable(request, c.start, n):
                 eligible.append((c.request_id, c.start, n))
         done: set[str] = set()
-        # ALIGNED: no pads, so a group is chunks of one length (`_pad_groups` at ratio 0)
-        for group, width, padded in _pad_groups(eligible, self.pad_ratio if sharing is PrefillSharing.ANY else 0.0):
+        pad_ratio = self.pad_ratio if sharing is PrefillSharing.ANY else 0.0  # ALIGNED: chunks of one length
+        for group, width, padded in _pad_groups(eligible, pad_ratio):
             rows = [(requests[rid], self._encoded[rid], self.kv.request_cache(rid) if start else None, start, n)
                     for rid, start, n in group]
             try:
