@@ -8,7 +8,8 @@ The chunks are the engine's own: the workload runs once through an Engine with t
 ticks at the runner level, no engine around it (so only the prefill forwards and their cache moves differ):
 
 * ``solo``: one `TextRunner.prefill` per chunk, each request's own cache carried from tick to tick;
-* ``grouped r``: the executor's grouping (`_pad_groups` with pad ratio r, then `TextRunner.prefill_many`
+* ``grouped r``: the executor's grouping (`prefill_groups`: at pad ratio r, or for a family whose caches
+  split back only unpadded chunks at one start of one length; then `TextRunner.prefill_many`
   on the requests' caches, which merges, pads, splits), the ungrouped chunks one by one;
 * ``split r``: the no-pad alternative on the same groups: the group's shortest length batched, each row's
   remainder in a forward of its own;
@@ -77,13 +78,13 @@ def _solo(runner, prompts, ticks):
 
 
 def _grouped(runner, prompts, ticks, ratio):
-    from scheduler.execution.executor import _pad_groups
+    from scheduler.execution.executor import prefill_groups
 
     caches, forwards, pads = {}, 0, 0
     t0 = time.perf_counter()
     for chunks in ticks:
         grouped = set()
-        for group, _, padded in _pad_groups(chunks, ratio):
+        for group, _, padded in prefill_groups(chunks, runner.prefill_sharing, ratio):
             rows = [(prompts[i], None, caches.get(i) if start else None, start, n) for i, start, n in group]
             for (i, _, _), cache in zip(group, runner.prefill_many(rows)[0]):
                 caches[i] = cache

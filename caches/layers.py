@@ -68,8 +68,8 @@ class LayerCapabilities:
     trimmable: bool  # a stored prefix can be cut to a shorter one (otherwise reusable only whole)
     rollback: bool  # batch rows can drop their last tokens in place (speculative decoding)
     splittable: bool  # a batch row can become a single-request cache again (batched first prefill chunks)
-    # the same for a batch with no padding anywhere: fresh rows that each took a chunk of one length (a rotating
-    # window or a recurrent state would take in right pads, but a batch of equal rows has none)
+    # the same for a batch with no padding anywhere: rows that held as many tokens and each took a chunk of one
+    # length (a rotating window or a recurrent state would take in pads, but a batch of equal rows has none)
     splittable_aligned: bool
 
     def __and__(self, other: "LayerCapabilities") -> "LayerCapabilities":
@@ -84,8 +84,8 @@ class PrefillSharing(Enum):
     """Which prefill chunks of several requests may share one forward, by what their caches split back from."""
 
     ANY = "any"  # any mix, padded: plain KV rows split back and the right pads are cut off
-    # fresh first chunks of one length only, with no pads anywhere: a rotating window or a recurrent state would
-    # take in pads, and a later chunk's merge left-pads rows of different lengths
+    # chunks that start at the same position and have one length, with no pads anywhere: a rotating window or a
+    # recurrent state would take in right pads, and merging rows of different lengths left-pads them
     ALIGNED = "aligned"
     NONE = "none"  # one request per forward
 
@@ -593,7 +593,7 @@ def splittable(cache: Cache) -> bool:
 
 def split_batch(batch: Cache, rows: int, trailing: Sequence[int] | None = None) -> list[Cache]:
     """One single-request cache per row of a batch cache (mlx-lm's `extract`, which copies): a splittable one,
-    or, with no `trailing`, an unpadded batch of fresh rows of any `splittable_aligned` kind.
+    or, with no `trailing`, an unpadded batch (rows of one length) of any `splittable_aligned` kind.
 
     `trailing[i]`: positions at the end of row i that are right padding (a batched prefill of chunks of
     different lengths): they are cut off, so the request's cache holds exactly its own tokens and bytes."""

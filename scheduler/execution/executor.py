@@ -132,6 +132,21 @@ def _pad_groups(chunks: list[tuple[str, int, int]], pad_ratio: float) -> list[tu
     return groups
 
 
+def prefill_groups(chunks: list[tuple[str, int, int]], sharing: PrefillSharing,
+                   pad_ratio: float) -> list[tuple[list, int, int]]:
+    """The forwards (request id, start, n) chunks share under a runner's `PrefillSharing`: ANY, `_pad_groups` at
+    `pad_ratio`; ALIGNED, chunks at one start of one length (rows holding as many tokens: nothing is padded);
+    NONE, none."""
+    if sharing is PrefillSharing.ANY:
+        return _pad_groups(chunks, pad_ratio)
+    if sharing is PrefillSharing.NONE:
+        return []
+    by_start: dict[int, list] = {}
+    for chunk in chunks:
+        by_start.setdefault(chunk[1], []).append(chunk)
+    return [group for same in by_start.values() for group in _pad_groups(same, 0.0)]
+
+
 def _prompt_logprobs(request: Request, start: int, logits: Any) -> PromptLogprobs | None:
     """For a request that asked (`SamplingParams.prompt_logprobs`): the logprobs of the prompt tokens a feed from
     `start` predicts, from its (1, n, V) logits; None when it did not ask or the feed predicts no prompt token.
@@ -374,7 +389,8 @@ class MLXExecutor:
         engine checks); pads are counted in the tick's result and in `prefill_stats`. Returns the request ids
         prefilled here; the rest go the one-request way: for a cache kind whose rows split back out of a batch
         only when nothing in it is padded (rotating windows, recurrent state: `PrefillSharing.ALIGNED`, declared
-        by the cache-layer capabilities), every chunk but fresh first chunks of one length; quantized caches, a
+        by the cache-layer capabilities), every chunk but those that start at the same position with one length;
+        quantized caches, a
         chunk inside which kv_bits converts, a chunk the runner keeps alone (`shares_prefill`: a VLM chunk
         holding media rows its language model reads per chunk, e.g. Qwen3-VL's deepstack), a family whose
         per-chunk inputs have no batched form (Gemma 4's per-layer inputs), and any group whose forward raised
@@ -386,11 +402,10 @@ class MLXExecutor:
         for c in chunks:
             request = requests[c.request_id]
             n = (c.end - 1 if c.completes else c.end) - c.start
-            if (sharing is PrefillSharing.ANY or c.start == 0) and self._groupable(request, c.start, n):
+            if self._groupable(request, c.start, n):
                 eligible.append((c.request_id, c.start, n))
         done: set[str] = set()
-        pad_ratio = self.pad_ratio if sharing is PrefillSharing.ANY else 0.0  # ALIGNED: chunks of one length
-        for group, width, padded in _pad_groups(eligible, pad_ratio):
+        for group, width, padded in prefill_groups(eligible, sharing, self.pad_ratio):
             rows = [(requests[rid], self._encoded[rid], self.kv.request_cache(rid) if start else None, start, n)
                     for rid, start, n in group]
             try:

@@ -54,7 +54,7 @@ class TextRunner:
         self.capabilities = layers.capabilities(self.make_cache())
         # Prefill chunks share one forward where the rows of a batch cache split back into each request's own:
         # any mix for plain and quantized KV (the right pads are cut off); for a rotating window or recurrent
-        # state, which would take the pads in, only fresh first chunks of one length (no pads at all).
+        # state, which would take the pads in, only chunks at one position of one length (no pads at all).
         self.prefill_sharing = self.capabilities.prefill_sharing
         # A cache that cannot be trimmed (recurrent state, a rotating window) goes into the prefix cache as exact
         # checkpoints, stored at the block boundaries its prefill passes.

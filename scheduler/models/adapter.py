@@ -687,8 +687,8 @@ class VLMAdapter:
     @property
     def prefill_sharing(self) -> layers.PrefillSharing:
         """Which chunks of several requests can share one prefill forward: what the caches split back from
-        (`CacheCapabilities.prefill_sharing`: any mix for plain KV, fresh first chunks of one length for windows
-        and recurrent state), and none where a per-chunk input other than positions has no batched form here
+        (`CacheCapabilities.prefill_sharing`: any mix for plain KV, chunks at one position of one length for
+        windows and recurrent state), and none where a per-chunk input other than positions has no batched form here
         (Gemma 4's ``per_layer_inputs``)."""
         return layers.PrefillSharing.NONE if self.spec.sequence_inputs else self.capabilities.prefill_sharing
 

@@ -140,14 +140,14 @@ def test_a_family_mlx_lm_cannot_batch_is_refused_at_load(tmp_path):
 
 
 @pytest.mark.parametrize("model_type", [*HYBRIDS, "gemma3_text"])
-def test_fresh_chunks_of_one_length_share_a_forward_exactly(model_type, tmp_path):
-    """Recurrent state and sliding windows take no padded chunk (`PrefillSharing.ALIGNED`), but fresh first chunks
-    of one length need no pads: prompts of one length arriving together share their prefill forwards (longer
-    than the window for gemma3_text's 16), later chunks and the prompt of another length go one by one, and every
-    output equals `mlx_lm.generate` alone."""
+def test_chunks_at_one_position_of_one_length_share_a_forward_exactly(model_type, tmp_path):
+    """Recurrent state and sliding windows take no padded chunk (`PrefillSharing.ALIGNED`), but rows that hold as
+    many tokens and take chunks of one length need no pads: prompts of one length arriving together share every
+    prefill forward, first and later chunks (past gemma3_text's window of 16), the prompt of another length goes
+    alone, and every output equals `mlx_lm.generate` alone."""
     model, tokenizer = load(str(build_family_model(model_type, tmp_path)))
     prompts = mixed_prompts(3, 40, 40, seed=7) + mixed_prompts(2, 20, 20, seed=8)[:1]
-    engine, _ = engine_with_log(model, tokenizer, EngineConfig(max_batched_tokens=512, prefill_chunk=24,
+    engine, _ = engine_with_log(model, tokenizer, EngineConfig(max_batched_tokens=512, prefill_chunk=16,
                                                                check_invariants=True))
     assert engine._runner.prefill_sharing is layers.PrefillSharing.ALIGNED
     run = drive(engine, [(0, {"prompt_tokens": p, "sampling": greedy(MAX_TOKENS), "request_id": f"r{i}"})
@@ -156,7 +156,8 @@ def test_fresh_chunks_of_one_length_share_a_forward_exactly(model_type, tmp_path
     assert [run.tokens[f"r{i}"] for i in range(len(prompts))] == [
         solo_tokens(model, tokenizer, p, MAX_TOKENS) for p in prompts]
     stats = engine.prefill_stats()
-    # the three 40-token prompts' first chunks (24 each) in one forward; nothing cached, nothing padded
-    assert (stats["batched_groups"], stats["batched_rows"]) == (1, 3), stats
-    assert stats["cached_rows"] == stats["padded_tokens"] == stats["fallbacks"] == 0, stats
+    # the three 40-token prompts' chunks [0, 16), [16, 32), [32, 39) each in one forward of three rows, the
+    # last two on caches of 16 and 32 tokens; the 20-token prompt's [0, 16) joins the first; nothing padded
+    assert (stats["batched_groups"], stats["batched_rows"], stats["cached_rows"]) == (3, 10, 6), stats
+    assert stats["padded_tokens"] == stats["fallbacks"] == 0, stats
     engine.close()
