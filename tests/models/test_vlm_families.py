@@ -575,3 +575,25 @@ def test_family_prompt_logprobs_equal_mlx_vlms_own_prefill(family):
         assert len(out.prompt_logprobs) == len(tokens) and out.prompt_logprobs[0] is None, name
         assert out.prompt_logprobs[1:] == pytest.approx(want, abs=1e-4), f"{name}: request {i}"
         assert out.token_ids == references[i], f"{name}: request {i}"
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen3_5"])
+def test_windows_and_recurrent_state_share_chunks_at_one_position(name, tmp_path):
+    """Gemma 3's sliding windows and Qwen3.5's recurrent layers take no padded chunk (`PrefillSharing.ALIGNED`):
+    three chats arriving together, in chunks of 9, share the forwards whose chunks start at one position with one
+    length, first and later ones, with nothing padded, and each answer equals mlx_vlm alone."""
+    import mlx_vlm
+
+    from caches.layers import PrefillSharing
+
+    model, processor = mlx_vlm.load(str(FAMILY_CASES[name].build(tmp_path)))
+    chats = [[{"role": "user", "content": text}] for text in
+             ("alpha beta gamma delta one", "omega theta kappa zeta two", "red green blue cyan three")]
+    engine = Engine(model, processor, EngineConfig(max_batched_tokens=200, prefill_chunk=9))
+    assert engine._runner.prefill_sharing is PrefillSharing.ALIGNED
+    run = drive(engine, [(0, {"prompt": chat, "sampling": SamplingParams(max_tokens=MAX_TOKENS)}) for chat in chats])
+    assert not run.errors, run.errors
+    assert list(run.tokens.values()) == [list(solo(model, processor, chat, ()).token_ids) for chat in chats]
+    stats = engine.prefill_stats()
+    assert stats["cached_rows"] > 0 and stats["padded_tokens"] == stats["fallbacks"] == 0, stats
+    engine.close()
