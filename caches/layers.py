@@ -924,6 +924,8 @@ class BatchSnapshot:
 def _hold(value: Any) -> Any:
     if isinstance(value, mx.array):
         return value[...]  # a new array over the same buffer: no copy now, and immune to in-place updates
+    if isinstance(value, np.ndarray):  # host arrays are updated in place (a hole batch's `holes`): a copy
+        return value.copy()
     if isinstance(value, (list, tuple)):
         return type(value)(_hold(v) for v in value)
     if hasattr(value, "update_and_fetch"):  # a layer inside a CacheList

@@ -14,7 +14,7 @@ batch membership changes.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 import mlx.core as mx
@@ -193,11 +193,10 @@ def _row_sampling(request: Request) -> RowSampling:
 class _Row:
     request: Request
     step: int  # output tokens already produced
-    sampling: RowSampling | None = None  # its parameters as the kernels take them (made once, at the join)
+    sampling: RowSampling = field(init=False)  # its parameters as the kernels take them (made once, at the join)
 
     def __post_init__(self) -> None:
-        if self.sampling is None:
-            self.sampling = _row_sampling(self.request)
+        self.sampling = _row_sampling(self.request)
 
 
 class MLXExecutor:
