@@ -67,23 +67,35 @@ class LayerCapabilities:
     growth: Growth
     trimmable: bool  # a stored prefix can be cut to a shorter one (otherwise reusable only whole)
     rollback: bool  # batch rows can drop their last tokens in place (speculative decoding)
-    splittable: bool  # a batch row can become a single-request cache again (batched first prefill chunks)
+    # a batch row can become a single-request cache again after a batched prefill forward of chunks of any
+    # lengths, on its own: causal attention keeps every real position from the right pads, which are cut off
+    splittable: bool
     # the same for a batch with no padding anywhere: rows that held as many tokens and each took a chunk of one
     # length (a rotating window or a recurrent state would take in pads, but a batch of equal rows has none)
     splittable_aligned: bool
+    # the same for chunks of any lengths when the batch is first prepared with each row's length (mlx-lm's
+    # padded-batch contract, what its BatchGenerator does for prompts of different lengths: `prepare(lengths=,
+    # right_padding=)`, then `finalize()`, which rolls the pads into the row's left padding), provided the
+    # model's forward honors it (a family fact: `scheduler.families.Family.honors_lengths`): windows take their
+    # masks from the cache, recurrent layers read its mask and lengths, so the pads change no row's state
+    splittable_prepared: bool
 
     def __and__(self, other: "LayerCapabilities") -> "LayerCapabilities":
         order = (Growth.FIXED, Growth.WINDOW, Growth.PER_TOKEN)
         return LayerCapabilities(f"{self.kind}+{other.kind}", max(self.growth, other.growth, key=order.index),
                                  self.trimmable and other.trimmable, self.rollback and other.rollback,
                                  self.splittable and other.splittable,
-                                 self.splittable_aligned and other.splittable_aligned)
+                                 self.splittable_aligned and other.splittable_aligned,
+                                 self.splittable_prepared and other.splittable_prepared)
 
 
 class PrefillSharing(Enum):
     """Which prefill chunks of several requests may share one forward, by what their caches split back from."""
 
-    ANY = "any"  # any mix, padded: plain KV rows split back and the right pads are cut off
+    # any mix, right-padded: plain KV rows split back and the pads are cut off; windows and recurrent state
+    # (of a family whose forward honors the lengths its batch cache is prepared with) skip the pads, which
+    # `finalize` rolls into their left padding
+    ANY = "any"
     # chunks that start at the same position and have one length, with no pads anywhere: a rotating window or a
     # recurrent state would take in right pads, and merging rows of different lengths left-pads them
     ALIGNED = "aligned"
@@ -117,8 +129,13 @@ class CacheCapabilities:
         return all(layer.splittable_aligned for layer in self.layers)
 
     @property
-    def prefill_sharing(self) -> PrefillSharing:
-        if self.splittable:
+    def splittable_prepared(self) -> bool:
+        return all(layer.splittable_prepared for layer in self.layers)
+
+    def prefill_sharing(self, honors_lengths: bool) -> PrefillSharing:
+        """What chunks share a forward, for a model whose forward does (``honors_lengths``) or does not honor the
+        lengths a prepared batch cache carries (a family fact)."""
+        if self.splittable or (honors_lengths and self.splittable_prepared):
             return PrefillSharing.ANY
         return PrefillSharing.ALIGNED if self.splittable_aligned else PrefillSharing.NONE
 
@@ -263,7 +280,8 @@ class PlainKV:
     classes = _PLAIN_KV
     batch_classes = _PLAIN_BATCH_KV
     caps = LayerCapabilities("KVCache", Growth.PER_TOKEN, trimmable=True, rollback=True, splittable=True,
-                             splittable_aligned=True)
+                             splittable_aligned=True, splittable_prepared=True)
+    prepared_for_pads = False  # its right pads are cut off the extracted row (`_cut_tail`)
 
     @staticmethod
     def merge(layers: Sequence[Any], mask: MaskLayout) -> Any:
@@ -311,7 +329,11 @@ class RotatingKV:
     batch_classes = (mlx_cache.BatchRotatingKVCache, *_VLM_BATCH_ROTATING)
     # A window that has wrapped has overwritten what a trim or a rollback would have to bring back.
     caps = LayerCapabilities("RotatingKVCache", Growth.WINDOW, trimmable=False, rollback=False, splittable=False,
-                             splittable_aligned=True)
+                             splittable_aligned=True, splittable_prepared=True)
+    # a padded forward is prepared with the rows' lengths (`prepare_padded`): `finalize` rolls the pads into the
+    # row's left padding, so `extract` returns the window of its real tokens (its offset and buffer are not one
+    # count, so a cut at the end would be the window's own bookkeeping, which mlx-lm keeps)
+    prepared_for_pads = True
 
     @staticmethod
     def merge(layers: Sequence[Any], mask: MaskLayout) -> Any:
@@ -357,7 +379,8 @@ class Arrays:
     classes = _arrays_classes()
     batch_classes = classes
     caps = LayerCapabilities("ArraysCache", Growth.FIXED, trimmable=False, rollback=False, splittable=False,
-                             splittable_aligned=True)
+                             splittable_aligned=True, splittable_prepared=True)
+    prepared_for_pads = True  # the model's recurrent layers skip the positions past each row's length
 
     @staticmethod
     def merge(layers: Sequence[Any], mask: MaskLayout) -> Any:
@@ -428,7 +451,8 @@ class QuantizedKV:
     classes = _quantized_classes()
     batch_classes = _vlm_batch_quantized()
     caps = LayerCapabilities("QuantizedKVCache", Growth.PER_TOKEN, trimmable=True, rollback=False, splittable=True,
-                             splittable_aligned=True)
+                             splittable_aligned=True, splittable_prepared=True)
+    prepared_for_pads = False
 
     @staticmethod
     def merge(layers: Sequence[Any], mask: MaskLayout) -> Any:
@@ -510,7 +534,7 @@ def layer_capabilities(layer: Any) -> LayerCapabilities:
         for c in caps[1:]:
             out = out & c
         return LayerCapabilities(f"CacheList[{out.kind}]", out.growth, out.trimmable, out.rollback, out.splittable,
-                                 out.splittable_aligned)
+                                 out.splittable_aligned, out.splittable_prepared)
     return _kind_of(layer).caps
 
 
@@ -587,16 +611,43 @@ def filter_batch(batch: Cache, keep: list[int]) -> Cache:
     return batch
 
 
-def splittable(cache: Cache) -> bool:
-    return capabilities(cache).splittable
+def prepare_padded(batch: Cache, lengths: Sequence[int], width: int) -> None:
+    """Before a batched prefill forward of chunks of `lengths` right-padded to `width`: prepare each layer whose
+    kind keeps its rows' pads out only when told the rows' lengths (rotating windows, recurrent state:
+    mlx-lm's `prepare(lengths=, right_padding=)`); plain and quantized KV are left as they are (their pads are
+    cut off the extracted rows). Nothing to do when no chunk is padded. `finalize_padded` after the forward."""
+    padding = [width - n for n in lengths]
+    if max(padding, default=0) == 0:
+        return
+    for layer in batch:
+        _prepare_layer(layer, list(lengths), padding)
+
+
+def _prepare_layer(layer: Any, lengths: list[int], padding: list[int]) -> None:
+    if isinstance(layer, mlx_cache.CacheList):
+        for part in layer.caches:
+            _prepare_layer(part, lengths, padding)
+    elif _kind_of(layer).prepared_for_pads:
+        layer.prepare(lengths=lengths, right_padding=padding)
+
+
+def finalize_padded(batch: Cache) -> None:
+    """After the forward `prepare_padded` prepared for: the prepared layers roll each row's pads into its left
+    padding (mlx-lm's `finalize`), so `split_batch` extracts exactly the row's tokens and state."""
+    for layer in batch:
+        parts = layer.caches if isinstance(layer, mlx_cache.CacheList) else (layer,)
+        for part in parts:
+            if _kind_of(part).prepared_for_pads:
+                part.finalize()
 
 
 def split_batch(batch: Cache, rows: int, trailing: Sequence[int] | None = None) -> list[Cache]:
-    """One single-request cache per row of a batch cache (mlx-lm's `extract`, which copies): a splittable one,
-    or, with no `trailing`, an unpadded batch (rows of one length) of any `splittable_aligned` kind.
+    """One single-request cache per row of a batch cache (mlx-lm's `extract`, which copies).
 
     `trailing[i]`: positions at the end of row i that are right padding (a batched prefill of chunks of
-    different lengths): they are cut off, so the request's cache holds exactly its own tokens and bytes."""
+    different lengths). Plain and quantized KV rows have them cut off; rotating and recurrent layers must have
+    been through `prepare_padded` / `finalize_padded`, which moved them out already. So the request's cache
+    holds exactly its own tokens and bytes."""
     trailing = trailing or [0] * rows
     return [[_extract_row(layer, i, t) for layer in batch] for i, t in zip(range(rows), trailing)]
 
@@ -605,9 +656,7 @@ def _extract_row(layer: Any, i: int, trailing: int) -> Any:
     if isinstance(layer, mlx_cache.CacheList):
         return mlx_cache.CacheList(*(_extract_row(c, i, trailing) for c in layer.caches))
     row = layer.extract(i)
-    if trailing:
-        if not _kind_of(layer).caps.splittable:
-            raise TypeError(f"split_batch: {type(layer).__name__} rows cannot be split")
+    if trailing and not _kind_of(layer).prepared_for_pads:
         _cut_tail(row, trailing)
     return row
 

@@ -16,7 +16,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-from caches.layers import KIND_CAPABILITIES, CacheCapabilities, MaskLayout
+from caches.layers import KIND_CAPABILITIES, CacheCapabilities, MaskLayout, PrefillSharing
 
 
 class UnsupportedModel(TypeError):
@@ -44,6 +44,13 @@ class Family:
     cache_kinds: tuple[str, ...]  # the cache classes its make_cache builds (checked against real builds)
     mask: MaskLayout = MaskLayout.HEADS  # the shape its attention wants the batch mask in
     refused: str | None = None  # why the engine (and mlx-lm's BatchGenerator) cannot batch it
+    # Its forward honors mlx-lm's padded-batch contract (the lengths `prepare` gives a batch cache): sliding-window
+    # masks come from the cache, recurrent layers take the cache's mask and lengths (conv state from each row's
+    # last real positions). Then rotating windows and recurrent state share prefill forwards of chunks of any
+    # lengths (`caches.layers.PrefillSharing.ANY`); otherwise only chunks at one position of one length. Read
+    # from mlx-lm's model code and proven per family by tests/execution/test_hybrids.py (and test_rotating.py for
+    # max_kv_size); an undeclared family does not get it.
+    honors_lengths: bool = False
     note: str = ""
 
     @property
@@ -56,7 +63,7 @@ _KV, _ROT, _ARR = ("KVCache",), ("KVCache", "RotatingKVCache"), ("ArraysCache", 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", _KV),
     Family("qwen2", _KV),
-    Family("qwen3", _KV),
+    Family("qwen3", _KV, honors_lengths=True),
     Family("phi3", _KV),
     Family("olmo2", _KV),
     Family("mixtral", _KV, note="mixture of experts"),
@@ -64,13 +71,15 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # gemma2 reshapes queries to (B, kv_heads, repeats, L, D): its scores are 5-D and mlx-lm's batch mask
     # (B, 1, L, S) does not broadcast against them (mlx-lm's own BatchGenerator fails the same way).
     Family("gemma2", _KV, mask=MaskLayout.GROUPED, note="grouped-query scores, logit soft-capping"),
-    Family("gemma3_text", _ROT, note="sliding-window layers"),
-    Family("gpt_oss", _ROT, note="attention sinks, sliding-window layers, mixture of experts"),
-    Family("lfm2", _ARR, note="hybrid: short-conv layers + attention"),
-    Family("qwen3_next", _ARR, note="hybrid: gated delta-net linear attention + attention, mixture of experts"),
-    Family("granitemoehybrid", _ARR, note="hybrid: Mamba-2 layers + attention, mixture of experts"),
+    Family("gemma3_text", _ROT, honors_lengths=True, note="sliding-window layers"),
+    Family("gpt_oss", _ROT, honors_lengths=True, note="attention sinks, sliding-window layers, mixture of experts"),
+    Family("lfm2", _ARR, honors_lengths=True, note="hybrid: short-conv layers + attention"),
+    Family("qwen3_next", _ARR, honors_lengths=True, note="hybrid: gated delta-net linear attention + attention, mixture of experts"),
+    Family("granitemoehybrid", _ARR, honors_lengths=True, note="hybrid: Mamba-2 layers + attention, mixture of experts"),
+    # its Mamba-2 mixer gives `ssm_update` the padding mask but not the lengths: a padded row's state would lose
+    # its chunk (tests/execution/test_hybrids.py shows it), so it shares only unpadded chunks
     Family("nemotron_h", _ARR, note="hybrid: Mamba-2 layers + attention + MLP"),
-    Family("mamba2", ("ArraysCache",), note="state-space model, no attention"),
+    Family("mamba2", ("ArraysCache",), honors_lengths=True, note="state-space model, no attention"),
     Family("llama4", ("ChunkedKVCache", "KVCache"),
            refused="its chunked-attention layers (ChunkedKVCache) have no batch form in mlx-lm"),
 )}
@@ -92,17 +101,25 @@ def builds_own_caches(model_type: str) -> bool:
     return hasattr(importlib.import_module(f"mlx_lm.models.{model_type}").Model, "make_cache")
 
 
+_BATCHED_PREFILL = {
+    PrefillSharing.ANY: "any mix of chunks",
+    PrefillSharing.ALIGNED: "chunks at one position of one length",
+    PrefillSharing.NONE: "one request per forward",
+}
+
+
 def support_row(family: Family) -> dict[str, str]:
     """What the engine supports for a family, from its declared caches' capabilities (the README table)."""
     if family.refused:
         return {"model type": family.model_type, "caches": ", ".join(family.cache_kinds),
-                "prefix cache": "-", "drafting": "-", "max_kv_size": "-", "KV budget": "-",
+                "prefix cache": "-", "batched prefill": "-", "drafting": "-", "max_kv_size": "-", "KV budget": "-",
                 "status": f"refused at load: {family.refused}"}
     caps = family.capabilities
     return {
         "model type": family.model_type,
         "caches": ", ".join(family.cache_kinds),
         "prefix cache": "any shared prefix" if caps.trimmable else "exact checkpoints at the block boundaries a prefill passed",
+        "batched prefill": _BATCHED_PREFILL[caps.prefill_sharing(family.honors_lengths)],
         "drafting": "yes" if caps.rollback else "yes (re-fed: k // 2 drafts per verify, no MTP)",
         "max_kv_size": "no (builds its own caches)" if builds_own_caches(family.model_type) else "yes",
         "KV budget": "yes (fixed state counted)" if caps.has_fixed_state else "yes",

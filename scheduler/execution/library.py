@@ -30,8 +30,9 @@ from caches.layers import (  # noqa: F401  (re-exported)
     merge_caches,
     restore_cache,
     snapshot_cache,
+    finalize_padded,
+    prepare_padded,
     split_batch,
-    splittable,
 )
 
 from scheduler.families import Family, UnsupportedModel, family_of, model_type_of

@@ -53,9 +53,10 @@ class TextRunner:
         self.family = library.model_family(model)  # raises UnsupportedModel for a family that cannot batch
         self.capabilities = layers.capabilities(self.make_cache())
         # Prefill chunks share one forward where the rows of a batch cache split back into each request's own:
-        # any mix for plain and quantized KV (the right pads are cut off); for a rotating window or recurrent
-        # state, which would take the pads in, only chunks at one position of one length (no pads at all).
-        self.prefill_sharing = self.capabilities.prefill_sharing
+        # any mix for plain and quantized KV (the right pads are cut off), and for rotating windows and recurrent
+        # state where the family's forward keeps the pads out of them (`Family.honors_lengths`); otherwise, for
+        # those, only chunks at one position of one length (no pads at all).
+        self.prefill_sharing = self.capabilities.prefill_sharing(self.family.honors_lengths)
         # A cache that cannot be trimmed (recurrent state, a rotating window) goes into the prefix cache as exact
         # checkpoints, stored at the block boundaries its prefill passes.
         self.prefix_checkpoints = not self.capabilities.trimmable
@@ -88,13 +89,16 @@ class TextRunner:
         `cache` holds (None: a fresh request). The caches are merged left-padded (mlx-lm's BatchKVCache: each
         row keeps its own RoPE offset and the mask hides the padding), and chunks shorter than the widest are
         padded on the right: causal attention keeps every real position from seeing a pad, and the pads are cut
-        from the caches after, so each row computes what its own forward would. Returns (caches, the forward's
-        (B, width, V) logits unevaluated: row i's first n positions are its chunk's)."""
+        from the caches after; windows and recurrent state are told each row's length (`prepare_padded`) and
+        skip them. So each row computes what its own forward would. Returns (caches, the forward's (B, width, V)
+        logits unevaluated: row i's first n positions are its chunk's)."""
         width = max(n for *_, n in chunks)
         batch = self.merge([cache if cache is not None else self.make_cache() for _, _, cache, _, _ in chunks])
         tokens = [request.prefill_tokens(start, start + n) + [0] * (width - n)
                   for request, _, _, start, n in chunks]
+        library.prepare_padded(batch, [n for *_, n in chunks], width)
         logits = self.model(mx.array(tokens), cache=batch)
+        library.finalize_padded(batch)
         mx.eval(library.cache_arrays(batch))
         return library.split_batch(batch, len(chunks), [width - n for *_, n in chunks]), logits
 

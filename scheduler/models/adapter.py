@@ -687,10 +687,13 @@ class VLMAdapter:
     @property
     def prefill_sharing(self) -> layers.PrefillSharing:
         """Which chunks of several requests can share one prefill forward: what the caches split back from
-        (`CacheCapabilities.prefill_sharing`: any mix for plain KV, chunks at one position of one length for
-        windows and recurrent state), and none where a per-chunk input other than positions has no batched form here
-        (Gemma 4's ``per_layer_inputs``)."""
-        return layers.PrefillSharing.NONE if self.spec.sequence_inputs else self.capabilities.prefill_sharing
+        (`CacheCapabilities.prefill_sharing`: any mix for plain KV, and for windows and recurrent state where the
+        language model honors the lengths a prepared batch cache carries (``FamilySpec.honors_lengths``), else
+        chunks at one position of one length), and none where a per-chunk input other than positions has no
+        batched form here (Gemma 4's ``per_layer_inputs``)."""
+        if self.spec.sequence_inputs:
+            return layers.PrefillSharing.NONE
+        return self.capabilities.prefill_sharing(self.spec.honors_lengths)
 
     def shares_prefill(self, encoded: EncodedRequest | None, start: int, end: int) -> bool:
         """Whether this chunk may go into a shared forward: it has been encoded, and it holds no media rows the
@@ -708,8 +711,8 @@ class VLMAdapter:
 
         The same layout as the text runner's: caches merged left-padded (each row keeps its own offset, and its
         mask hides the padding), chunks shorter than the widest padded on the right with zero embeddings, and
-        the pads cut from the caches after. Causal attention keeps every real position from seeing a pad, and
-        each row gets its own positions (M-RoPE: its slice of the prompt's positions; 1-D RoPE: its cache
+        the pads cut from the caches after (windows and recurrent state skip them: ``prepare_padded``). Causal
+        attention keeps every real position from seeing a pad, and each row gets its own positions (M-RoPE: its slice of the prompt's positions; 1-D RoPE: its cache
         row's offset), so each row computes what its own forward would."""
         width = max(n for *_, n in rows)
         batch = layers.merge_caches([cache if cache is not None else self.make_cache() for cache, *_ in rows])
@@ -723,8 +726,10 @@ class VLMAdapter:
             if "position_ids" in kwargs:  # pads sit at position 0: no real position attends to them
                 positions.append(mx.pad(kwargs["position_ids"], [(0, 0), (0, 0), (0, pad)]))
         kwargs = {"position_ids": mx.concatenate(positions, axis=1)} if positions else {}
+        layers.prepare_padded(batch, [n for *_, n in rows], width)
         logits = library.lm_forward(self.language_model, mx.concatenate(ids, axis=0), batch,
                                     inputs_embeds=mx.concatenate(embeds, axis=0), **kwargs)
+        layers.finalize_padded(batch)
         mx.eval(layers.cache_arrays(batch))
         return layers.split_batch(batch, len(rows), [width - n for *_, n in rows]), logits
 

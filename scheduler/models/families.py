@@ -21,6 +21,11 @@ between families is declared here, and nothing else:
 ``audio_encoder``  the model attribute that turns audio features into embeddings (a checkpoint without it is
                    refused for an audio family): Gemma 4's Conformer ``audio_tower``; Gemma 4 unified has no
                    encoder, its ``embed_audio`` projects raw 40 ms frames.
+``honors_lengths`` whether the language model keeps right pads out of its sliding windows and recurrent state when
+                   its batch cache is prepared with each row's length (mlx-lm's padded-batch contract; as
+                   ``scheduler.families.Family.honors_lengths``): then its windows and recurrent layers share
+                   prefill forwards of chunks of any lengths. gemma3 and qwen3_5, shown by
+                   tests/models/test_vlm_families.py; plain-KV families do not need it.
 ``item_split``     how the media tensors split into items, each keyed and encoded on its own (``ItemSplit``,
                    ``media_items.py``): a chat turn that adds an image then restores the turns before it from the
                    prefix cache, images included, and encodes only the new image. ``GRID`` for the Qwen families,
@@ -90,6 +95,7 @@ class FamilySpec:
     media_axis: int = 0
     item_split: ItemSplit = ItemSplit.WHOLE
     audio_encoder: str = "audio_tower"
+    honors_lengths: bool = False  # as `scheduler.families.Family.honors_lengths`, for the language model
     refused: str | None = None  # why mlx-vlm's model cannot be batched here (refused at load)
     notes: str = field(default="", compare=False)
 
@@ -119,8 +125,8 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
                media_mask_input="visual_pos_masks",
                media_row_inputs=("deepstack_visual_embeds",), vision_batch=_ONE, item_split=_GRID),
     FamilySpec("qwen3_5", Positions.MROPE, _QWEN_MEDIA, video_block_per_frame=True, vision_batch=_ONE,
-               item_split=_GRID, notes="hybrid: gated-delta (recurrent) layers next to full attention"),
-    FamilySpec("gemma3", placeholder="boi_token", vision_batch=VisionBatch.PER_REQUEST,
+               item_split=_GRID, honors_lengths=True, notes="hybrid: gated-delta (recurrent) layers next to full attention"),
+    FamilySpec("gemma3", placeholder="boi_token", vision_batch=VisionBatch.PER_REQUEST, honors_lengths=True,
                notes=GEMMA3_PER_REQUEST),
     FamilySpec("idefics3", media_axis=1, item_split=ItemSplit.TILES),  # pixel_values (1, views, C, H, W)
     FamilySpec("smolvlm", media_axis=1, item_split=ItemSplit.TILES,

@@ -110,14 +110,15 @@ def test_pad_groups_stay_within_their_ratio_and_take_each_chunk_once(lengths, ra
         assert len(groups) == 1 and groups[0][2] == 0
 
 
-def test_a_rotating_cache_groups_only_fresh_chunks_of_one_length(sliding_model):
-    """The sliding-window model's rotating caches would take right pads into their windows
-    (`PrefillSharing.ALIGNED`, declared by the cache-layer capabilities): of four fresh prompts, the two of one
-    length share a forward with nothing padded, the others go one by one, and outputs are exact as before
-    (hybrids and gemma3_text: tests/execution/test_hybrids.py)."""
+def test_a_rotating_cache_shares_padded_chunks(sliding_model):
+    """The sliding-window model's rotating caches keep right pads out of their windows when the batch is prepared
+    with each row's length (its family honors them: `Family.honors_lengths`), so they group as plain KV does: of
+    four fresh prompts (chunks of 29, 29, 32, 33), the three that fit the pad ratio share one forward with 5
+    pads, the fourth goes alone, and outputs are exact (hybrids, gemma3_text and gpt_oss, with later chunks and
+    the caches compared: tests/execution/test_hybrids.py)."""
     model, tokenizer = sliding_model
     prompts = mixed_prompts(2, 30, 30, seed=24) + mixed_prompts(2, 33, 34, seed=25)
     engine, _, outputs = _run(model, tokenizer, EngineConfig(), prompts)
     stats = engine.prefill_stats()
-    assert (stats["batched_groups"], stats["batched_rows"], stats["padded_tokens"]) == (1, 2, 0), stats
+    assert (stats["batched_groups"], stats["batched_rows"], stats["padded_tokens"]) == (1, 3, 5), stats
     assert outputs == [solo_tokens(model, tokenizer, p, MAX_TOKENS) for p in prompts]
