@@ -151,6 +151,13 @@ class CacheCapabilities:
 # ---- the kinds ---------------------------------------------------------------------------------------------
 
 
+def _library_extract(layer: Any, i: int) -> Any:
+    """Row i of a batch layer as its own cache: mlx-lm's (or mlx-vlm's) `extract`, which copies the row's
+    keys and values out of the batch."""
+    return layer.extract(i)
+
+
+
 def _plain_kv_classes() -> tuple[tuple[type, ...], tuple[type, ...]]:
     """mlx-lm's KVCache and BatchKVCache, and mlx-vlm's copies of them (same fields: keys, values, offset;
     the batch class also left_padding and _idx)."""
@@ -282,6 +289,7 @@ class PlainKV:
     caps = LayerCapabilities("KVCache", Growth.PER_TOKEN, trimmable=True, rollback=True, splittable=True,
                              splittable_aligned=True, splittable_prepared=True)
     prepared_for_pads = False  # its right pads are cut off the extracted row (`_cut_tail`)
+    extract = staticmethod(_library_extract)
 
     @staticmethod
     def merge(layers: Sequence[Any], mask: MaskLayout) -> Any:
@@ -334,6 +342,7 @@ class RotatingKV:
     # row's left padding, so `extract` returns the window of its real tokens (its offset and buffer are not one
     # count, so a cut at the end would be the window's own bookkeeping, which mlx-lm keeps)
     prepared_for_pads = True
+    extract = staticmethod(_library_extract)
 
     @staticmethod
     def merge(layers: Sequence[Any], mask: MaskLayout) -> Any:
@@ -385,6 +394,14 @@ class Arrays:
     @staticmethod
     def merge(layers: Sequence[Any], mask: MaskLayout) -> Any:
         return type(layers[0]).merge(layers)
+
+    @staticmethod
+    def extract(layer: Any, i: int) -> Any:
+        """Row i as its own cache, copied: mlx-lm's and mlx-vlm's `extract` slice the batch's arrays, and a slice
+        keeps the whole batch buffer alive as long as the row lives (B rows' state for one row's bytes)."""
+        row = layer.extract(i)
+        row.cache = [mx.contiguous(a) if a is not None else None for a in row.cache]
+        return row
 
     @staticmethod
     def snapshot(layer: Any) -> tuple[tuple, list[mx.array]]:
@@ -453,6 +470,7 @@ class QuantizedKV:
     caps = LayerCapabilities("QuantizedKVCache", Growth.PER_TOKEN, trimmable=True, rollback=False, splittable=True,
                              splittable_aligned=True, splittable_prepared=True)
     prepared_for_pads = False
+    extract = staticmethod(_library_extract)
 
     @staticmethod
     def merge(layers: Sequence[Any], mask: MaskLayout) -> Any:
@@ -655,8 +673,9 @@ def split_batch(batch: Cache, rows: int, trailing: Sequence[int] | None = None) 
 def _extract_row(layer: Any, i: int, trailing: int) -> Any:
     if isinstance(layer, mlx_cache.CacheList):
         return mlx_cache.CacheList(*(_extract_row(c, i, trailing) for c in layer.caches))
-    row = layer.extract(i)
-    if trailing and not _kind_of(layer).prepared_for_pads:
+    kind = _kind_of(layer)
+    row = kind.extract(layer, i)
+    if trailing and not kind.prepared_for_pads:
         _cut_tail(row, trailing)
     return row
 
@@ -822,7 +841,7 @@ def cache_offset(cache: Cache) -> int:
 
 def take_rows(batch: Cache, rows: Sequence[int]) -> list[Cache]:
     """Single-request caches of some rows of a splittable batch cache (copies; the batch is unchanged)."""
-    return [[layer.extract(i) for layer in batch] for i in rows]
+    return [[_extract_row(layer, i, 0) for layer in batch] for i in rows]
 
 
 # ---- per-row rollback (speculative decoding) --------------------------------------------------------------

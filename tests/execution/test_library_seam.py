@@ -108,3 +108,28 @@ def test_materialize_evaluates_what_the_parameters_leave_out():
     assert "There is no Stream" in lazy, lazy
     assert ready == "ok"
     assert count == "4"  # linear.weight, linear.bias, table.freqs, _hidden
+
+
+def test_a_recurrent_row_split_from_a_batch_does_not_keep_the_batch_alive():
+    """mlx-lm's `ArraysCache.extract` slices the batch's state, and a slice keeps the whole buffer alive; the
+    split (`split_batch`, after a shared prefill forward) copies the row, so a request holds its own state's
+    bytes only, which is what the KV budget counts."""
+    import gc
+
+    from mlx_lm.models.cache import ArraysCache
+
+    from caches import layers
+
+    rows, shape = 8, (1, 256, 1024)  # 1 MiB of float32 state per row
+    batch = ArraysCache(2)
+    batch.cache = [mx.random.normal((rows, *shape[1:])), mx.random.normal((rows, *shape[1:]))]
+    mx.eval(batch.cache)
+    gc.collect()
+    before = mx.get_active_memory()
+    row = layers.split_batch([batch], rows)[0]
+    mx.eval(layers.cache_arrays(row))
+    del batch
+    gc.collect()
+    held = mx.get_active_memory() - before + 2 * rows * (1 << 20)  # the batch's 16 MiB are gone
+    assert layers.cache_nbytes(row) == 2 * (1 << 20)
+    assert held <= 2 * layers.cache_nbytes(row), held
