@@ -1,7 +1,8 @@
 """Batched prefill for a mix of chunks: prefill tokens/s of one forward per chunk, of the executor's grouping
 (right padding within a pad ratio), and of a bare batched forward over the same tokens.
 
-    python -m bench.prefill_mix [--model text-medium | --family NAME] [--n 32 --lo 16 --hi 300] [--ratios 0 0.125 0.25 0.5]
+    python -m bench.prefill_mix [--model text-medium | --family NAME [--override FIELD=JSON ...]] [--n 32 --lo 16 --hi 300]
+        [--ratios 0 0.125 0.25 0.5]
 
 The chunks are the engine's own: the workload runs once through an Engine with the default budget
 (EngineConfig()) and every tick's prefill chunks are read from its plan events. Then each scheme replays those
@@ -28,6 +29,7 @@ tokens only (pads are work, not output).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import tempfile
 import time
@@ -162,6 +164,9 @@ def main(argv=None) -> int:
                     help="a tiny mlx-lm family build instead (scheduler/fixtures/families.py, e.g. qwen3_next, "
                          "gemma3_text); one whose caches split only unpadded (PrefillSharing.ALIGNED) takes "
                          "--ratios 0 --split-ratios and prompts that fit one chunk")
+    ap.add_argument("--override", nargs="*", default=[], metavar="FIELD=JSON",
+                    help="with --family: config fields of the build (e.g. hidden_size=512 num_hidden_layers=8), "
+                         "to measure a larger model than the tiny test build")
     ap.add_argument("--n", type=int, default=32)
     ap.add_argument("--lo", type=int, default=16)
     ap.add_argument("--hi", type=int, default=300)
@@ -178,7 +183,9 @@ def main(argv=None) -> int:
         if args.family:
             from scheduler.fixtures.families import build_family_model
 
-            model, tokenizer = load(str(build_family_model(args.family, Path(d) / args.family)))
+            overrides = {k: json.loads(v) for k, v in (o.split("=", 1) for o in args.override)}
+            model, tokenizer = load(str(build_family_model(args.family, Path(d) / args.family,
+                                                           overrides=overrides)))
         else:
             model, tokenizer = load(str(build(args.model, Path(d) / args.model)))
         ticks, stats = _ticks(model, tokenizer, workload.prompt_lists, args.new_tokens)
