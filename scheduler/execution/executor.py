@@ -181,6 +181,23 @@ def _prompt_logprobs(request: Request, start: int, logits: Any) -> PromptLogprob
     return piece
 
 
+def _fed(chunk: Any) -> int:
+    """Prompt positions a planned chunk feeds: a chunk that completes the prefill keeps its last token back (it is
+    the first decode step's input)."""
+    return (chunk.end - 1 if chunk.completes else chunk.end) - chunk.start
+
+
+@dataclass(frozen=True)
+class _Feed:
+    """Prefill positions [start, end) of one request, fed in one forward (its own or a shared one); `checkpoint`:
+    the cache after it is offered to the prefix cache."""
+
+    request_id: str
+    start: int
+    end: int
+    checkpoint: bool = False
+
+
 def _row_sampling(request: Request) -> RowSampling:
     s = request.sampling
     return RowSampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
@@ -235,7 +252,7 @@ class MLXExecutor:
         self.quantize = quantize
         self.kv = KVCacheManager(self.runner.make_cache, getattr(self.runner, "merge", None), quantize)
         # A cache that cannot be trimmed (recurrent state, a rotating window) is reusable only as an exact
-        # checkpoint: its prefill stores one at the block boundaries it passes (`_prefill_chunk`).
+        # checkpoint: its prefill stores one at the block boundaries it passes (`_feeds`).
         self._checkpoints = prefix_cache is not None and getattr(self.runner, "prefix_checkpoints", False)
         self._encoded: dict[str, Any] = {}  # request id -> model inputs prepared for prefill (VLM embeddings)
         self._rows: list[_Row] = []
@@ -311,18 +328,21 @@ class MLXExecutor:
             self._quantize_if_due(requests[rid], length)
             restored[rid] = length
         joining: list[str] = []
-        grouped = self._prefill_groups(plan.prefill, requests, result)
+        # each chunk as one or two feeds (two around the prefix checkpoint it stores); the first feeds of every
+        # chunk, then the second ones, each round in as few forwards as `_prefill_groups` finds
+        feeds = [self._feeds(requests[c.request_id], c.start, c.start + _fed(c)) for c in plan.prefill]
+        checkpoints: dict[str, PrefixStore] = {}
+        for step in range(2):
+            self._feed([f[step] for f in feeds if len(f) > step and f[step].request_id not in result.errors],
+                       requests, result, checkpoints)
         for chunk in plan.prefill:
             request = requests[chunk.request_id]
-            fed = (chunk.end - 1 if chunk.completes else chunk.end) - chunk.start
+            fed = _fed(chunk)
             result.prefill_tokens += fed
-            if chunk.request_id not in grouped:
-                try:
-                    self._prefill_chunk(request, chunk.start, chunk.start + fed, result)
-                except Exception as exc:  # a failing request fails alone; others continue
-                    self.kv.drop_request(chunk.request_id)
-                    result.errors[chunk.request_id] = f"{PREFILL_FAILED}: {type(exc).__name__}: {exc}"
-                    continue
+            if chunk.request_id in result.errors:
+                continue
+            if chunk.request_id in checkpoints:  # stored in chunk order, before the prefill end's offer
+                result.prefix_stores.append(checkpoints[chunk.request_id])
             result.computed_tokens += fed
             if chunk.completes:
                 joining.append(chunk.request_id)
@@ -377,32 +397,59 @@ class MLXExecutor:
         self._has_hidden = []
         self._released.clear()
 
-    def _prefill_groups(self, chunks, requests: Mapping[str, Request], result: TickResult) -> set[str]:
-        """Prefill chunks that can share a forward do: first and later chunks, fresh prompts and prefix-cache
-        hits, of any lengths. The same computation row by row (each row's cache is merged left-padded and split
-        back; a shorter chunk is right-padded to the group's width, which no real position attends to), but
-        bigger matrices for the BLAS than one forward per request.
+    def _feeds(self, request: Request, start: int, end: int) -> list[_Feed]:
+        """A chunk's feeds: one, or, for a cache that cannot be trimmed, two around the block boundary where it
+        offers its state to the prefix cache (a checkpoint: a later prompt that shares those blocks restores it
+        exactly). At most one checkpoint per chunk, so small chunks checkpoint every block and large ones cost one
+        extra split. The prefill end is offered whole at completion (`_offer_prefix`), so it is not a checkpoint
+        here."""
+        rid = request.request_id
+        at = self._checkpoint_at(request, start, end)
+        if at is None:
+            return [_Feed(rid, start, end)]
+        return [_Feed(rid, start, at, checkpoint=True), _Feed(rid, at, end)]
 
-        Grouping is this executor's decision, never the planner's: chunks sorted longest first, a group grows
+    def _feed(self, feeds: list[_Feed], requests: Mapping[str, Request], result: TickResult,
+              checkpoints: dict[str, PrefixStore]) -> None:
+        """Run one round of feeds (at most one per request): those that can share a forward in groups, the rest
+        one by one; a feed that ends at a checkpoint snapshots the request's cache into `checkpoints`. A failing
+        request fails alone (its error in the result, its cache dropped); the others continue."""
+        grouped = self._prefill_groups(feeds, requests, result)
+        for feed in feeds:
+            rid = feed.request_id
+            try:
+                if rid not in grouped:
+                    self._prefill(requests[rid], feed.start, feed.end, result)
+                if feed.checkpoint:
+                    payload, nbytes, whole_only = self.kv.snapshot(rid)
+                    checkpoints[rid] = PrefixStore(rid, feed.end, nbytes, whole_only, payload)
+            except Exception as exc:
+                self.kv.drop_request(rid)
+                checkpoints.pop(rid, None)
+                result.errors[rid] = f"{PREFILL_FAILED}: {type(exc).__name__}: {exc}"
+
+    def _prefill_groups(self, feeds: list[_Feed], requests: Mapping[str, Request], result: TickResult) -> set[str]:
+        """Prefill feeds that can share a forward do: first and later chunks, fresh prompts and prefix-cache
+        hits, the pieces of chunks split at a prefix checkpoint, of any lengths. The same computation row by row
+        (each row's cache is merged left-padded and split back; a shorter feed is right-padded to the group's
+        width, which no real position attends to, and windows and recurrent state are told each row's length),
+        but bigger matrices for the BLAS than one forward per request.
+
+        Grouping is this executor's decision, never the planner's: feeds sorted longest first, a group grows
         while its pad positions stay within `pad_ratio` of its real tokens (`PREFILL_PAD_RATIO`, the bound the
         engine checks); pads are counted in the tick's result and in `prefill_stats`. Returns the request ids
-        prefilled here; the rest go the one-request way: for a cache kind whose rows split back out of a batch
-        only when nothing in it is padded (rotating windows, recurrent state: `PrefillSharing.ALIGNED`, declared
-        by the cache-layer capabilities), every chunk but those that start at the same position with one length;
-        quantized caches, a
-        chunk inside which kv_bits converts, a chunk the runner keeps alone (`shares_prefill`: a VLM chunk
-        holding media rows its language model reads per chunk, e.g. Qwen3-VL's deepstack), a family whose
-        per-chunk inputs have no batched form (Gemma 4's per-layer inputs), and any group whose forward raised
-        (a `PrefillFallback` in the tick's result, counted, never silent)."""
+        prefilled here; the rest go the one-request way: for a family whose windows or recurrent state would take
+        pads in (`PrefillSharing.ALIGNED`: its forward is not declared to honor the lengths), every feed but those
+        that start at the same position with one length; quantized caches, a feed inside which kv_bits converts,
+        a feed the runner keeps alone (`shares_prefill`: a VLM chunk holding media rows its language model reads
+        per chunk, e.g. Qwen3-VL's deepstack), a family whose per-chunk inputs have no batched form (Gemma 4's
+        per-layer inputs), and any group whose forward raised (a `PrefillFallback` in the tick's result, counted,
+        never silent)."""
         sharing = getattr(self.runner, "prefill_sharing", PrefillSharing.NONE)
         if sharing is PrefillSharing.NONE:
             return set()
-        eligible = []
-        for c in chunks:
-            request = requests[c.request_id]
-            n = (c.end - 1 if c.completes else c.end) - c.start
-            if self._groupable(request, c.start, n):
-                eligible.append((c.request_id, c.start, n))
+        eligible = [(f.request_id, f.start, f.end - f.start) for f in feeds
+                    if self._groupable(requests[f.request_id], f.start, f.end - f.start)]
         done: set[str] = set()
         for group, width, padded in prefill_groups(eligible, sharing, self.pad_ratio):
             rows = [(requests[rid], self._encoded[rid], self.kv.request_cache(rid) if start else None, start, n)
@@ -437,28 +484,11 @@ class MLXExecutor:
             return False  # a quantized row would need a batch of quantized rows only: kept one by one
         if self.quantize is not None and start <= self.quantize.point(request.prompt_len) < start + n:
             return False  # it converts inside this chunk: its forward is split, one request at a time
-        if self._checkpoint_at(request, start, start + n) is not None:
-            return False
         try:
             encoded = self._encoded_input(request)
         except Exception:  # fed alone, where its error is its own
             return False
         return self.runner.shares_prefill(encoded, start, n)
-
-    def _prefill_chunk(self, request: Request, start: int, end: int, result: TickResult) -> None:
-        """Feed prompt tokens [start, end). For a cache that cannot be trimmed, the feed stops at the last block
-        boundary inside the chunk and offers the state there to the prefix cache (a checkpoint: a later prompt
-        that shares those blocks restores it exactly), then goes on: at most one checkpoint per chunk, so small
-        chunks checkpoint every block and large ones cost one extra split. The prefill end is offered whole at
-        completion (`_offer_prefix`), so it is not a checkpoint here."""
-        at = self._checkpoint_at(request, start, end)
-        if at is None:
-            self._prefill(request, start, end, result)
-            return
-        self._prefill(request, start, at, result)
-        payload, nbytes, whole_only = self.kv.snapshot(request.request_id)
-        result.prefix_stores.append(PrefixStore(request.request_id, at, nbytes, whole_only, payload))
-        self._prefill(request, at, end, result)
 
     def _checkpoint_at(self, request: Request, start: int, end: int) -> int | None:
         if not self._checkpoints:

@@ -266,3 +266,36 @@ def test_nemotron_h_is_not_declared_to_honor_lengths_because_its_state_takes_the
     assert not FAMILIES["nemotron_h"].honors_lengths
     diffs = _shared_forward_against_solo("nemotron_h", tmp_path)
     assert diffs[0] < 1e-4 and min(diffs[1:]) > 1e-2, diffs  # the unpadded row is right, the padded ones not
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "gemma3_text", "nemotron_h"])
+def test_chunks_that_store_prefix_checkpoints_share_forwards(model_type, tmp_path):
+    """With the prefix cache on, a cache that cannot be trimmed stores a checkpoint in each chunk that passes a
+    block boundary, so the chunk is fed in two pieces around it; the pieces of several requests share forwards as
+    any chunks do (the first pieces of the tick, then the second ones): chunks of 20 on blocks of 16 give pieces
+    [0, 16) [16, 20) [20, 32) [32, 40) ... Padded where the family honors the lengths (qwen3_next, gemma3_text),
+    at one length otherwise (nemotron_h: the first wave's prompts are of one length there). The checkpoints are
+    stored as before (one entry per prefix) and a second wave restores them; every output equals `mlx_lm.generate` alone."""
+    model, tokenizer = load(str(build_family_model(model_type, tmp_path)))
+    shared = mixed_prompts(1, 40, 40, seed=41)[0]
+    aligned = not FAMILIES[model_type].honors_lengths
+    first = [shared + tail for tail in mixed_prompts(3, 5, 5 if aligned else 7, seed=42)]
+    second = [shared + tail for tail in mixed_prompts(2, 3, 3, seed=43)]
+    prompts = first + second
+    config = EngineConfig(max_batched_tokens=128, prefill_chunk=20, prefix_cache_bytes=1 << 26,
+                          prefix_block_size=BLOCK, check_invariants=True)
+    engine, sink = engine_with_log(model, tokenizer, config)
+    run = drive(engine, [(0 if i < len(first) else 30, {"prompt_tokens": p, "sampling": greedy(MAX_TOKENS),
+                                                        "request_id": f"r{i}"}) for i, p in enumerate(prompts)])
+    assert not run.errors, run.errors
+    assert [run.tokens[f"r{i}"] for i in range(len(prompts))] == [
+        solo_tokens(model, tokenizer, p, MAX_TOKENS) for p in prompts], model_type
+    stats = engine.prefill_stats()
+    # every piece of the first wave in a shared forward: [0, 16) [16, 20) [20, 32) [32, 40) [40, n - 1)
+    assert stats["batched_groups"] >= 5 and stats["batched_rows"] >= 15 and stats["fallbacks"] == 0, stats
+    stores = {(e["request_id"], e["tokens"]) for e in sink.of_kind("prefix_store")}
+    assert {("r0", 16), ("r0", 32)} <= stores, stores  # r1's and r2's equal checkpoints are the same entries
+    hits = {e["request_id"]: (e["length"], e["reuse"]) for e in sink.of_kind("prefix_hit")}
+    assert hits == {"r3": (32, "checkpoint"), "r4": (32, "checkpoint")}, hits
+    engine.close()
+    assert engine.executor.cache_bytes() == 0
