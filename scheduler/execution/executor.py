@@ -441,9 +441,8 @@ class MLXExecutor:
         prefilled here; the rest go the one-request way: for a family whose windows or recurrent state would take
         pads in (`PrefillSharing.ALIGNED`: its forward is not declared to honor the lengths), every feed but those
         that start at the same position with one length; quantized caches, a feed inside which kv_bits converts,
-        a feed the runner keeps alone (`shares_prefill`: a VLM chunk holding media rows its language model reads
-        per chunk, e.g. Qwen3-VL's deepstack), a family whose per-chunk inputs have no batched form (Gemma 4's
-        per-layer inputs), and any group whose forward raised (a `PrefillFallback` in the tick's result, counted,
+        a request whose model inputs fail to build (fed alone, where the error is its own), a family whose
+        per-chunk inputs have no batched form (Gemma 4's per-layer inputs), and any group whose forward raised (a `PrefillFallback` in the tick's result, counted,
         never silent)."""
         sharing = getattr(self.runner, "prefill_sharing", PrefillSharing.NONE)
         if sharing is PrefillSharing.NONE:
@@ -485,10 +484,10 @@ class MLXExecutor:
         if self.quantize is not None and start <= self.quantize.point(request.prompt_len) < start + n:
             return False  # it converts inside this chunk: its forward is split, one request at a time
         try:
-            encoded = self._encoded_input(request)
+            self._encoded_input(request)
         except Exception:  # fed alone, where its error is its own
             return False
-        return self.runner.shares_prefill(encoded, start, n)
+        return True
 
     def _checkpoint_at(self, request: Request, start: int, end: int) -> int | None:
         if not self._checkpoints:

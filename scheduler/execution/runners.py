@@ -34,7 +34,6 @@ class Runner(Protocol):
         logits unevaluated: nothing computes the vocabulary projection unless a caller reads them."""
 
     # Runners whose `prefill_sharing` (`caches.layers.PrefillSharing`) is not NONE also have
-    # `shares_prefill(encoded, start, n)` (may this chunk join a shared forward) and
     # `prefill_many([(request, encoded, cache, start, n), ...])` (one cache per chunk back, and the forward's
     # (B, width, V) logits unevaluated: row i's first n are its chunk's).
 
@@ -78,9 +77,6 @@ class TextRunner:
         logits = self.model(mx.array(request.prefill_tokens(start, end))[None], cache=cache)
         mx.eval(library.cache_arrays(cache))
         return logits
-
-    def shares_prefill(self, encoded, start: int, n: int) -> bool:
-        return True  # token ids: any chunk can share a forward
 
     def prefill_many(self, chunks):
         """Several requests' chunks in one forward; one cache per request back.
@@ -145,9 +141,6 @@ class VisionLanguageRunner:
     @property
     def prefill_sharing(self) -> layers.PrefillSharing:
         return self.adapter.prefill_sharing
-
-    def shares_prefill(self, encoded, start: int, n: int) -> bool:
-        return self.adapter.shares_prefill(encoded, start, start + n)
 
     def prefill(self, cache, request, encoded, start, end):
         return self.adapter.prefill(cache, encoded, start, end)

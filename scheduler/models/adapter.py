@@ -671,14 +671,10 @@ class VLMAdapter:
             raise ValueError(f"prefill from {start} but the cache holds {held} tokens")
         kwargs = self.positions.prefill_kwargs(encoded.position_ids, start, end)
         kwargs.update({name: value[:, start:end] for name, value in encoded.sequence_inputs.items()})
-        if encoded.media_mask is not None:
-            chunk_mask = encoded.media_mask[:, start:end]
-            before = int(encoded.media_mask[:, :start].sum().item())
-            inside = int(chunk_mask.sum().item())
-            if inside:  # media rows of this chunk only (the language model adds them at the chunk's media positions)
-                kwargs[self.spec.media_mask_input] = chunk_mask
-                for name, rows in encoded.media_rows.items():
-                    kwargs[name] = rows[:, before: before + inside]
+        chunk_mask, chunk_rows = self._chunk_media(encoded, start, end)
+        if chunk_mask is not None:  # the language model adds the chunk's media rows at its media positions
+            kwargs[self.spec.media_mask_input] = chunk_mask
+            kwargs.update(chunk_rows)
         logits = library.lm_forward(self.language_model, encoded.input_ids[:, start:end], cache,
                                     inputs_embeds=encoded.embeddings[:, start:end], **kwargs)
         mx.eval([c.state for c in cache])
@@ -695,13 +691,19 @@ class VLMAdapter:
             return layers.PrefillSharing.NONE
         return self.capabilities.prefill_sharing(self.spec.honors_lengths)
 
-    def shares_prefill(self, encoded: EncodedRequest | None, start: int, end: int) -> bool:
-        """Whether this chunk may go into a shared forward: it has been encoded, and it holds no media rows the
-        language model reads per chunk (Qwen3-VL's ``visual_pos_masks`` with its deepstack rows, which it
-        scatters by mask position: kept one request per forward)."""
-        if encoded is None:
-            return False
-        return encoded.media_mask is None or not bool(encoded.media_mask[:, start:end].any().item())
+    @staticmethod
+    def _chunk_media(encoded: EncodedRequest, start: int, end: int) -> tuple[mx.array | None, dict[str, Any]]:
+        """For a family whose language model reads media rows per chunk (``FamilySpec.media_mask_input``, Qwen3-VL's
+        ``visual_pos_masks`` and deepstack rows): the chunk's (1, end - start) media mask and its media rows (the
+        rows of the media positions inside it, in order); (None, {}) when the chunk holds no media position."""
+        if encoded.media_mask is None:
+            return None, {}
+        chunk_mask = encoded.media_mask[:, start:end]
+        inside = int(chunk_mask.sum().item())
+        if not inside:
+            return None, {}
+        before = int(encoded.media_mask[:, :start].sum().item())
+        return chunk_mask, {name: rows[:, before: before + inside] for name, rows in encoded.media_rows.items()}
 
     def prefill_many(self, rows: Sequence[tuple[list | None, EncodedRequest, int, int]]
                      ) -> tuple[list[list], mx.array]:
@@ -716,7 +718,7 @@ class VLMAdapter:
         row's offset), so each row computes what its own forward would."""
         width = max(n for *_, n in rows)
         batch = layers.merge_caches([cache if cache is not None else self.make_cache() for cache, *_ in rows])
-        ids, embeds, positions = [], [], []
+        ids, embeds, positions, masks, media_rows = [], [], [], [], {}
         for _, encoded, start, n in rows:
             self._check_range(encoded, start, start + n)
             pad = width - n
@@ -725,7 +727,16 @@ class VLMAdapter:
             kwargs = self.positions.prefill_kwargs(encoded.position_ids, start, start + n)
             if "position_ids" in kwargs:  # pads sit at position 0: no real position attends to them
                 positions.append(mx.pad(kwargs["position_ids"], [(0, 0), (0, 0), (0, pad)]))
+            chunk_mask, chunk_rows = self._chunk_media(encoded, start, start + n)
+            masks.append(mx.zeros((1, width), dtype=mx.bool_) if chunk_mask is None
+                         else mx.pad(chunk_mask.astype(mx.bool_), [(0, 0), (0, pad)]))
+            for name, part in chunk_rows.items():
+                media_rows.setdefault(name, []).append(part)
         kwargs = {"position_ids": mx.concatenate(positions, axis=1)} if positions else {}
+        if media_rows:  # per row, its chunk's media positions (pads: none) and, in row order, their rows: the
+            # language model scatters each row's rows at its own positions (Qwen3-VL's `_deepstack_process`)
+            kwargs[self.spec.media_mask_input] = mx.concatenate(masks, axis=0)
+            kwargs.update({name: mx.concatenate(parts, axis=1) for name, parts in media_rows.items()})
         layers.prepare_padded(batch, [n for *_, n in rows], width)
         logits = library.lm_forward(self.language_model, mx.concatenate(ids, axis=0), batch,
                                     inputs_embeds=mx.concatenate(embeds, axis=0), **kwargs)

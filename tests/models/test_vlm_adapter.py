@@ -466,17 +466,43 @@ def test_prefill_many_equals_each_chunk_alone(adapter):
             assert mx.allclose(k, k0, atol=1e-5).item() and mx.allclose(v, v0, atol=1e-5).item()
 
 
-def test_a_chunk_with_per_chunk_media_rows_is_kept_alone(adapter):
-    """Qwen3-VL's language model scatters deepstack rows by its media mask: a chunk that holds media positions
-    is fed alone, a chunk of the same prompt without them may share a forward."""
-    encoded = adapter.encode(adapter.prepare(*REQUESTS[0]))
-    mask = mx.zeros((1, encoded.num_tokens), dtype=mx.bool_)
-    mask[:, 4:10] = True
-    with_mask = dataclasses.replace(encoded, media_mask=mask)
-    assert not adapter.shares_prefill(with_mask, 0, 6)
-    assert adapter.shares_prefill(with_mask, 10, 20)
-    assert adapter.shares_prefill(encoded, 0, 6)
-    assert not adapter.shares_prefill(None, 0, 6)
+def test_chunks_with_per_chunk_media_rows_share_a_forward(tmp_path):
+    """Qwen3-VL's language model reads media rows per chunk: a (B, L) media mask and deepstack rows it adds at
+    each row's masked positions in order (`_deepstack_process`). Chunks that cut through images at different
+    points, a later chunk and a text chunk share one forward (each row's mask slice, pads unmasked, the rows'
+    media rows concatenated in row order), and each request gets the cache and logits of its own forward, to
+    float rounding (other matrix shapes)."""
+    import mlx_vlm
+
+    from scheduler.fixtures.vlm_families import build_tiny_vlm
+
+    model, processor = mlx_vlm.load(str(build_tiny_vlm("qwen3_vl", tmp_path / "qwen3_vl")))
+    qwen3 = VLMAdapter(model, processor)
+    assert qwen3.spec.media_mask_input and qwen3.spec.media_row_inputs
+    encoded = [qwen3.encode(qwen3.prepare(*REQUESTS[i])) for i in (0, 1, 5)]
+    media = [np.flatnonzero(np.array(e.media_mask[0])) for e in encoded[:2]]
+    assert all(len(m) for m in media)
+    # request 0: [0, its 3rd media position) (a chunk ending inside its image); request 1: after 2 of its media
+    # positions, 11 more (starting inside its image); request 5: text only
+    cut0, cut1 = int(media[0][2]), int(media[1][2])
+    later = qwen3.make_cache()
+    qwen3.prefill(later, encoded[1], 0, cut1)
+    rows = [(None, encoded[0], 0, cut0), (later, encoded[1], cut1, 11), (None, encoded[2], 0, 9)]
+    got, logits = qwen3.prefill_many(rows)
+    for i, ((_, enc, start, n), batched) in enumerate(zip(rows, got)):
+        alone = qwen3.make_cache()
+        if start:
+            qwen3.prefill(alone, enc, 0, start)
+        alone_logits = qwen3.prefill(alone, enc, start, start + n)
+        assert mx.allclose(logits[i, :n], alone_logits[0], atol=1e-4).item(), i
+        assert [layer.offset for layer in batched] == [start + n] * len(alone)
+        for (k, v), (k0, v0) in zip(_layer_arrays(batched), _layer_arrays(alone)):
+            assert mx.allclose(k, k0, atol=1e-5).item() and mx.allclose(v, v0, atol=1e-5).item(), i
+    # the deepstack rows count: without them the image rows' logits differ (so the check above has teeth)
+    bare = dataclasses.replace(encoded[0], media_rows={})
+    without, _ = qwen3.prefill_many([(None, bare, 0, cut0), (None, encoded[2], 0, 9)])
+    keys = _layer_arrays(without[0])[-1][0]
+    assert not mx.allclose(keys, _layer_arrays(got[0])[-1][0], atol=1e-3).item()
 
 
 def test_prefill_checks_the_range_and_the_cache(adapter):
