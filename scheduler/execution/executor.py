@@ -441,9 +441,8 @@ class MLXExecutor:
         prefilled here; the rest go the one-request way: for a family whose windows or recurrent state would take
         pads in (`PrefillSharing.ALIGNED`: its forward is not declared to honor the lengths), every feed but those
         that start at the same position with one length; quantized caches, a feed inside which kv_bits converts,
-        a request whose model inputs fail to build (fed alone, where the error is its own), a family whose
-        per-chunk inputs have no batched form (Gemma 4's per-layer inputs), and any group whose forward raised (a `PrefillFallback` in the tick's result, counted,
-        never silent)."""
+        a request whose model inputs fail to build (fed alone, where the error is its own), and any group whose
+        forward raised (a `PrefillFallback` in the tick's result, counted, never silent)."""
         sharing = getattr(self.runner, "prefill_sharing", PrefillSharing.NONE)
         if sharing is PrefillSharing.NONE:
             return set()

@@ -685,10 +685,7 @@ class VLMAdapter:
         """Which chunks of several requests can share one prefill forward: what the caches split back from
         (`CacheCapabilities.prefill_sharing`: any mix for plain KV, and for windows and recurrent state where the
         language model honors the lengths a prepared batch cache carries (``FamilySpec.honors_lengths``), else
-        chunks at one position of one length), and none where a per-chunk input other than positions has no
-        batched form here (Gemma 4's ``per_layer_inputs``)."""
-        if self.spec.sequence_inputs:
-            return layers.PrefillSharing.NONE
+        chunks at one position of one length)."""
         return self.capabilities.prefill_sharing(self.spec.honors_lengths)
 
     @staticmethod
@@ -718,7 +715,7 @@ class VLMAdapter:
         row's offset), so each row computes what its own forward would."""
         width = max(n for *_, n in rows)
         batch = layers.merge_caches([cache if cache is not None else self.make_cache() for cache, *_ in rows])
-        ids, embeds, positions, masks, media_rows = [], [], [], [], {}
+        ids, embeds, positions, masks, media_rows, sequences = [], [], [], [], {}, {}
         for _, encoded, start, n in rows:
             self._check_range(encoded, start, start + n)
             pad = width - n
@@ -727,12 +724,16 @@ class VLMAdapter:
             kwargs = self.positions.prefill_kwargs(encoded.position_ids, start, start + n)
             if "position_ids" in kwargs:  # pads sit at position 0: no real position attends to them
                 positions.append(mx.pad(kwargs["position_ids"], [(0, 0), (0, 0), (0, pad)]))
+            for name, value in encoded.sequence_inputs.items():  # (1, L, ...) inputs: each row's slice, padded
+                sequences.setdefault(name, []).append(
+                    mx.pad(value[:, start:start + n], [(0, 0), (0, pad)] + [(0, 0)] * (value.ndim - 2)))
             chunk_mask, chunk_rows = self._chunk_media(encoded, start, start + n)
             masks.append(mx.zeros((1, width), dtype=mx.bool_) if chunk_mask is None
                          else mx.pad(chunk_mask.astype(mx.bool_), [(0, 0), (0, pad)]))
             for name, part in chunk_rows.items():
                 media_rows.setdefault(name, []).append(part)
         kwargs = {"position_ids": mx.concatenate(positions, axis=1)} if positions else {}
+        kwargs.update({name: mx.concatenate(parts, axis=0) for name, parts in sequences.items()})
         if media_rows:  # per row, its chunk's media positions (pads: none) and, in row order, their rows: the
             # language model scatters each row's rows at its own positions (Qwen3-VL's `_deepstack_process`)
             kwargs[self.spec.media_mask_input] = mx.concatenate(masks, axis=0)

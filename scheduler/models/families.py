@@ -136,11 +136,11 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
                notes="mistral3's tower and language model without its patch merger"),
     FamilySpec("llava", item_split=ItemSplit.STACK, notes="CLIP tower, every image resized and cropped to one size"),
     FamilySpec("gemma4", media=frozenset({"audio"}), sequence_inputs=("per_layer_inputs",),
-               vision_batch=VisionBatch.PER_REQUEST,
+               vision_batch=VisionBatch.PER_REQUEST, honors_lengths=True,
                notes="audio only: images not attempted (checkpoints with use_bidirectional_attention "
                "'vision' attend bidirectionally inside each image's tokens; the batched prefill is causal)"),
     FamilySpec("gemma4_unified", media=frozenset({"audio"}), sequence_inputs=("per_layer_inputs",),
-               audio_encoder="embed_audio", vision_batch=VisionBatch.PER_REQUEST,
+               audio_encoder="embed_audio", vision_batch=VisionBatch.PER_REQUEST, honors_lengths=True,
                notes="audio only: Gemma 4's language model with an encoder-free audio path (each 40 ms of samples "
                "projected into the embedding space); images not attempted, as for gemma4 (its vision patches are "
                "embedded the same way, and use_bidirectional_attention 'vision' attends bidirectionally inside "

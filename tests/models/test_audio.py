@@ -16,6 +16,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from caches.layers import PrefillSharing  # noqa: E402
 from caches.vision import VisionCache  # noqa: E402
 from scheduler.execution import library  # noqa: E402
 from scheduler.models.media import load_audio  # noqa: E402
@@ -232,6 +233,32 @@ def test_batched_equals_each_alone(adapter, mixed):
             assert got == want, f"request {i} (joins at {join_at[i]}): batched {got} != solo {want}"
 
 
+def test_prefill_many_with_per_layer_inputs_equals_each_alone(adapter, mixed):
+    """Gemma 4 feeds per-layer inputs with each chunk (``per_layer_inputs``, a (1, L, ...) sequence input): a
+    shared forward gets each row's slice, right-padded. Chunks of different lengths (two fresh ones, one with
+    its audio, and a later one on a cache of 30 tokens that passes the 64-token sliding window) give each
+    request its own forward's logits, and caches that continue as its own do (the next 3 positions fed alone
+    on each), to float rounding."""
+    prepared, _ = mixed
+    assert adapter.prefill_sharing is PrefillSharing.ANY
+    encoded = [adapter.encode(prepared[i]) for i in (0, 1, 7)]
+    assert all("per_layer_inputs" in e.sequence_inputs for e in encoded)
+    later = adapter.make_cache()
+    adapter.prefill(later, encoded[1], 0, 30)
+    rows = [(None, encoded[0], 0, 20), (later, encoded[1], 30, encoded[1].num_tokens - 34),
+            (None, encoded[2], 0, 26)]
+    assert rows[1][2] + rows[1][3] > 64  # past the window
+    got, logits = adapter.prefill_many(rows)
+    for i, ((_, enc, start, n), batched) in enumerate(zip(rows, got)):
+        alone = adapter.make_cache()
+        if start:
+            adapter.prefill(alone, enc, 0, start)
+        want = adapter.prefill(alone, enc, start, start + n)
+        assert mx.allclose(logits[i, :n], want[0], atol=1e-4).item(), i
+        after = adapter.prefill(batched, enc, start + n, start + n + 3)
+        assert mx.allclose(after, adapter.prefill(alone, enc, start + n, start + n + 3), atol=1e-4).item(), i
+
+
 def test_merge_equals_mlx_vlm_get_input_embeddings(gemma, adapter, mixed):
     """Pinned: our split (tower alone, then masked_scatter) gives mlx-vlm's own merged embeddings."""
     model, _ = gemma
@@ -350,6 +377,8 @@ def test_engine_audio_and_text_match_solo(gemma, mixed, clips, budgets):
     run = drive(engine, [(t, {"prompt": p.prompt, "audio": a, "sampling": SamplingParams(max_tokens=MAX_TOKENS)})
                          for t, (p, a) in enumerate(zip(prepared, audio))])
     assert list(run.tokens.values()) == references
+    if budgets:  # chunks of 7 from several requests at once: they share forwards (per-layer inputs included)
+        assert engine.prefill_stats()["batched_groups"] > 0 and engine.prefill_stats()["fallbacks"] == 0
     assert engine.stats().num_images_processed == 7  # media items: one per clip
     assert engine.executor.cache_bytes() == 0 and not engine.executor.live_request_ids()
 
