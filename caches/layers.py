@@ -157,7 +157,6 @@ def _library_extract(layer: Any, i: int) -> Any:
     return layer.extract(i)
 
 
-
 def _plain_kv_classes() -> tuple[tuple[type, ...], tuple[type, ...]]:
     """mlx-lm's KVCache and BatchKVCache, and mlx-vlm's copies of them (same fields: keys, values, offset;
     the batch class also left_padding and _idx)."""
@@ -646,6 +645,12 @@ def _prepare_layer(layer: Any, lengths: list[int], padding: list[int]) -> None:
         for part in layer.caches:
             _prepare_layer(part, lengths, padding)
     elif _kind_of(layer).prepared_for_pads:
+        if isinstance(layer, Arrays.classes) and layer.left_padding is not None and not bool(
+                mx.any(layer.left_padding).item()):
+            # A merge of fresh recurrent caches sets a left padding of zeros. No padding at all says the same,
+            # and mlx-vlm 0.7's Qwen3.5 reads a zero left padding as "no mask" even when lengths are set (its
+            # `_create_qwen3_5_ssm_mask`), so the right pads would enter the state.
+            layer.left_padding = None
         layer.prepare(lengths=lengths, right_padding=padding)
 
 

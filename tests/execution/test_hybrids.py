@@ -217,15 +217,16 @@ def _layer_arrays(layer) -> list:
     return [layer.keys[..., : layer.offset, :], layer.values[..., : layer.offset, :]]
 
 
-def _shared_forward_against_solo(model_type, tmp_path):
-    """Three requests in one `prefill_many` forward: a fresh one taking 21 tokens, and two whose caches hold 9
-    and 30 tokens taking 14 and 6 (right pads 7 and 15; the 30-token one past the windows of 16). Returns, per
-    row, the largest difference of its logits and of each cache array from the same chunks fed alone."""
+def _shared_forward_against_solo(model_type, tmp_path, held=(0, 9, 30)):
+    """Three requests in one `prefill_many` forward taking 21, 14 and 6 tokens (right pads 7 and 15), on caches
+    that hold `held` tokens (by default a fresh one and two holding 9 and 30: the 30-token one past the windows
+    of 16). Returns, per row, the largest difference of its logits and of each cache array from the same chunks
+    fed alone."""
     model, _ = load(str(build_family_model(model_type, tmp_path)))
     runner = TextRunner(model)
     prompts = [mixed_prompts(1, n, n, seed=31 + n)[0] for n in (21, 23, 36)]
-    rows = [(Request(f"r{i}", p, SamplingParams()), held, n)
-            for i, (p, held, n) in enumerate(zip(prompts, (0, 9, 30), (21, 14, 6)))]
+    rows = [(Request(f"r{i}", p, SamplingParams()), h, n)
+            for i, (p, h, n) in enumerate(zip(prompts, held, (21, 14, 6)))]
     caches = []
     for request, held, _ in rows:
         cache = None
@@ -256,6 +257,8 @@ def test_a_padded_shared_forward_leaves_each_row_what_its_own_forward_would(mode
     wrong state for a few steps): each row of a shared, right-padded forward gets the logits, keys, values,
     window and recurrent state of its own forward, to float rounding (other matrix shapes)."""
     assert max(_shared_forward_against_solo(model_type, tmp_path)) < 1e-4
+    # fresh rows only: their merged recurrent caches start empty (a left padding of zeros in mlx-lm's merge)
+    assert max(_shared_forward_against_solo(model_type, tmp_path / "fresh", held=(0, 0, 0))) < 1e-4
 
 
 def test_nemotron_h_is_not_declared_to_honor_lengths_because_its_state_takes_the_pads(tmp_path):

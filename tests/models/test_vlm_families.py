@@ -609,3 +609,39 @@ def test_windows_and_recurrent_state_share_padded_chunks(name, tmp_path):
         else:
             assert stats["batched_rows"] == 3 and stats["padded_tokens"] > 0, stats
         engine.close()
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen3_5", "qwen3_vl"])
+def test_a_padded_shared_forward_leaves_each_row_what_its_own_forward_would(name, tmp_path):
+    """Under the greedy-token tests above, the state check (a tiny model's greedy tokens can survive a wrong
+    state: they did while mlx-vlm's Qwen3.5 took right pads into its delta-rule state, `caches.layers.
+    _prepare_layer`). One shared forward of three chunks: an image prompt and a text prompt fresh, and a later
+    chunk of an image prompt on a cache of 7 tokens, right-padded to the widest; each row's logits are its own
+    forward's, and its cache continues as its own does (the next 2 positions fed alone on both), to float
+    rounding. Gemma 3 past its sliding window, Qwen3.5's recurrent layers, Qwen3-VL's deepstack rows."""
+    import mlx.core as mx
+    import mlx_vlm
+
+    from scheduler.models.adapter import VLMAdapter
+
+    model, processor = mlx_vlm.load(str(FAMILY_CASES[name].build(tmp_path)))
+    adapter = VLMAdapter(model, processor)
+    assert adapter.prefill_sharing is PrefillSharing.ANY
+    requests = workload()
+    encoded = [adapter.encode(adapter.prepare(*requests[i])) for i in (0, 6, 3)]
+    later = adapter.make_cache()
+    adapter.prefill(later, encoded[2], 0, 7)
+    fresh = [(None, encoded[0], 0, encoded[0].num_tokens - 3), (None, encoded[1], 0, encoded[1].num_tokens - 9)]
+    # fresh rows only (their merged recurrent caches are empty), then with a row whose cache holds tokens
+    for rows in (fresh, fresh + [(later, encoded[2], 7, encoded[2].num_tokens - 12)]):
+        assert len({n for *_, n in rows}) == len(rows)
+        got, logits = adapter.prefill_many(rows)
+        for i, ((_, enc, start, n), batched) in enumerate(zip(rows, got)):
+            alone = adapter.make_cache()
+            if start:
+                adapter.prefill(alone, enc, 0, start)
+            want = adapter.prefill(alone, enc, start, start + n)
+            assert mx.allclose(logits[i, :n], want[0], atol=1e-4).item(), (name, i)
+            after = adapter.prefill(batched, enc, start + n, start + n + 2)
+            alone_after = adapter.prefill(alone, enc, start + n, start + n + 2)
+            assert mx.allclose(after, alone_after, atol=1e-4).item(), (name, len(rows), i)
