@@ -435,12 +435,13 @@ class MLXExecutor:
         width, which no real position attends to, and windows and recurrent state are told each row's length),
         but bigger matrices for the BLAS than one forward per request.
 
-        Grouping is this executor's decision, never the planner's: feeds sorted longest first, a group grows
+        Grouping is this executor's decision, never the planner's: float and quantized rows apart (a batch cache
+        holds one storage), feeds sorted longest first, a group grows
         while its pad positions stay within `pad_ratio` of its real tokens (`PREFILL_PAD_RATIO`, the bound the
         engine checks); pads are counted in the tick's result and in `prefill_stats`. Returns the request ids
         prefilled here; the rest go the one-request way: for a family whose windows or recurrent state would take
         pads in (`PrefillSharing.ALIGNED`: its forward is not declared to honor the lengths), every feed but those
-        that start at the same position with one length; quantized caches, a feed inside which kv_bits converts,
+        that start at the same position with one length; a feed inside which kv_bits converts,
         a request whose model inputs fail to build (fed alone, where the error is its own), and any group whose
         forward raised (a `PrefillFallback` in the tick's result, counted, never silent)."""
         sharing = getattr(self.runner, "prefill_sharing", PrefillSharing.NONE)
@@ -448,8 +449,13 @@ class MLXExecutor:
             return set()
         eligible = [(f.request_id, f.start, f.end - f.start) for f in feeds
                     if self._groupable(requests[f.request_id], f.start, f.end - f.start)]
+        # rows of one storage per forward: a batch cache is float or quantized (mlx-vlm's BatchQuantizedKVCache)
+        by_storage: dict[bool, list] = {}
+        for feed in eligible:
+            by_storage.setdefault(feed[1] > 0 and self.kv.is_quantized(feed[0]), []).append(feed)
+        groups = [g for part in by_storage.values() for g in prefill_groups(part, sharing, self.pad_ratio)]
         done: set[str] = set()
-        for group, width, padded in prefill_groups(eligible, sharing, self.pad_ratio):
+        for group, width, padded in groups:
             rows = [(requests[rid], self._encoded[rid], self.kv.request_cache(rid) if start else None, start, n)
                     for rid, start, n in group]
             try:
@@ -478,8 +484,6 @@ class MLXExecutor:
         rid = request.request_id
         if n <= 0 or (start > 0) != self.kv.has_request(rid):  # a later chunk has its cache (restored or fed)
             return False
-        if start > 0 and self.kv.is_quantized(rid):
-            return False  # a quantized row would need a batch of quantized rows only: kept one by one
         if self.quantize is not None and start <= self.quantize.point(request.prompt_len) < start + n:
             return False  # it converts inside this chunk: its forward is split, one request at a time
         try:

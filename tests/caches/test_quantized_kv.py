@@ -324,3 +324,27 @@ def test_vision_language_models_are_refused_with_kv_bits(vlm_model_dir):
     model, processor = mlx_vlm.load(str(vlm_model_dir))
     with pytest.raises(UnsupportedFeature, match="kv_bits"):
         Engine(model, processor, EngineConfig(kv_bits=8))
+
+
+def test_later_chunks_of_quantized_rows_share_forwards(family):
+    """Two prompts past mlx-lm's first 2048-token prefill step convert inside their prefills (the chunk that holds
+    2048 is split there, one request at a time); their later chunks are quantized rows, which share forwards with
+    each other (a batch of quantized rows: mlx-vlm's BatchQuantizedKVCache, the right pads cut from the packed
+    keys and values), as their float chunks before did. Outputs equal mlx-lm alone with the same kv_bits."""
+    _, model, tokenizer, _, _, _ = family
+    prompts = [mixed_prompts(1, n, n, seed=7 + n)[0] for n in (2700, 2710)]
+    settings = _quantized(4, 0)
+    reference = [solo_tokens(model, tokenizer, p, 4, **settings) for p in prompts]
+    engine, sink = engine_with_log(model, tokenizer, EngineConfig(max_batched_tokens=1024, prefill_chunk=300,
+                                                                  check_invariants=True, **settings))
+    run = drive(engine, [(0, {"prompt_tokens": p, "sampling": greedy(4), "request_id": f"r{i}"})
+                         for i, p in enumerate(prompts)])
+    engine.close()
+    assert [run.tokens["r0"], run.tokens["r1"]] == reference
+    assert sorted(e["request_ids"][0] for e in sink.of_kind("kv_quantize") if e.get("tokens") == 2048) == ["r0", "r1"]
+    # chunks of 300 at one start each tick: [0, 300) .. [1500, 1800) float, in 6 shared forwards; [1800, 2100)
+    # converts inside (alone); [2100, 2400) and [2400, 2700) quantized, in 2 more, the last with one pad (r0's
+    # prefill end keeps its last token back: it feeds 299); r1's [2700, 2709) goes alone
+    stats = engine.prefill_stats()
+    assert (stats["batched_groups"], stats["batched_rows"], stats["padded_tokens"], stats["fallbacks"]) == (
+        8, 16, 1, 0), stats
