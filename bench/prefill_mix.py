@@ -1,8 +1,8 @@
 """Batched prefill for a mix of chunks: prefill tokens/s of one forward per chunk, of the executor's grouping
 (right padding within a pad ratio), and of a bare batched forward over the same tokens.
 
-    python -m bench.prefill_mix [--model text-medium | --family NAME [--override FIELD=JSON ...]] [--n 32 --lo 16 --hi 300]
-        [--ratios 0 0.125 0.25 0.5]
+    python -m bench.prefill_mix [--model text-medium | --family NAME [--override FIELD=JSON ...]]
+        [--n 32 --lo 16 --hi 300] [--ratios 0 0.125 0.25 0.5]
 
 The chunks are the engine's own: the workload runs once through an Engine with the default budget
 (EngineConfig()) and every tick's prefill chunks are read from its plan events. Then each scheme replays those

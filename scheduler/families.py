@@ -74,8 +74,10 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("gemma3_text", _ROT, honors_lengths=True, note="sliding-window layers"),
     Family("gpt_oss", _ROT, honors_lengths=True, note="attention sinks, sliding-window layers, mixture of experts"),
     Family("lfm2", _ARR, honors_lengths=True, note="hybrid: short-conv layers + attention"),
-    Family("qwen3_next", _ARR, honors_lengths=True, note="hybrid: gated delta-net linear attention + attention, mixture of experts"),
-    Family("granitemoehybrid", _ARR, honors_lengths=True, note="hybrid: Mamba-2 layers + attention, mixture of experts"),
+    Family("qwen3_next", _ARR, honors_lengths=True,
+           note="hybrid: gated delta-net linear attention + attention, mixture of experts"),
+    Family("granitemoehybrid", _ARR, honors_lengths=True,
+           note="hybrid: Mamba-2 layers + attention, mixture of experts"),
     # its Mamba-2 mixer gives `ssm_update` the padding mask but not the lengths: a padded row's state would lose
     # its chunk (tests/execution/test_hybrids.py shows it), so it shares only unpadded chunks
     Family("nemotron_h", _ARR, note="hybrid: Mamba-2 layers + attention + MLP"),

@@ -25,13 +25,13 @@ from caches.layers import (  # noqa: F401  (re-exported)
     cache_arrays,
     cache_nbytes,
     extend_batch,
-    join_rows,
     filter_batch,
+    finalize_padded,
+    join_rows,
     merge_caches,
+    prepare_padded,
     restore_cache,
     snapshot_cache,
-    finalize_padded,
-    prepare_padded,
     split_batch,
 )
 

@@ -711,8 +711,9 @@ class VLMAdapter:
         The same layout as the text runner's: caches merged left-padded (each row keeps its own offset, and its
         mask hides the padding), chunks shorter than the widest padded on the right with zero embeddings, and
         the pads cut from the caches after (windows and recurrent state skip them: ``prepare_padded``). Causal
-        attention keeps every real position from seeing a pad, and each row gets its own positions (M-RoPE: its slice of the prompt's positions; 1-D RoPE: its cache
-        row's offset), so each row computes what its own forward would."""
+        attention keeps every real position from seeing a pad, and each row gets its own positions (M-RoPE: its
+        slice of the prompt's positions; 1-D RoPE: its cache row's offset), its per-chunk sequence inputs and
+        media rows, so each row computes what its own forward would."""
         width = max(n for *_, n in rows)
         batch = layers.merge_caches([cache if cache is not None else self.make_cache() for cache, *_ in rows])
         ids, embeds, positions, masks, media_rows, sequences = [], [], [], [], {}, {}

@@ -24,8 +24,9 @@ between families is declared here, and nothing else:
 ``honors_lengths`` whether the language model keeps right pads out of its sliding windows and recurrent state when
                    its batch cache is prepared with each row's length (mlx-lm's padded-batch contract; as
                    ``scheduler.families.Family.honors_lengths``): then its windows and recurrent layers share
-                   prefill forwards of chunks of any lengths. gemma3 and qwen3_5, shown by
-                   tests/models/test_vlm_families.py; plain-KV families do not need it.
+                   prefill forwards of chunks of any lengths. gemma3 and qwen3_5 (shown by
+                   tests/models/test_vlm_families.py), gemma4 and gemma4_unified (tests/models/test_audio.py);
+                   plain-KV families do not need it.
 ``item_split``     how the media tensors split into items, each keyed and encoded on its own (``ItemSplit``,
                    ``media_items.py``): a chat turn that adds an image then restores the turns before it from the
                    prefix cache, images included, and encodes only the new image. ``GRID`` for the Qwen families,
@@ -125,7 +126,8 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
                media_mask_input="visual_pos_masks",
                media_row_inputs=("deepstack_visual_embeds",), vision_batch=_ONE, item_split=_GRID),
     FamilySpec("qwen3_5", Positions.MROPE, _QWEN_MEDIA, video_block_per_frame=True, vision_batch=_ONE,
-               item_split=_GRID, honors_lengths=True, notes="hybrid: gated-delta (recurrent) layers next to full attention"),
+               item_split=_GRID, honors_lengths=True,
+               notes="hybrid: gated-delta (recurrent) layers next to full attention"),
     FamilySpec("gemma3", placeholder="boi_token", vision_batch=VisionBatch.PER_REQUEST, honors_lengths=True,
                notes=GEMMA3_PER_REQUEST),
     FamilySpec("idefics3", media_axis=1, item_split=ItemSplit.TILES),  # pixel_values (1, views, C, H, W)

@@ -34,6 +34,10 @@ def test_max_kv_size_matches_single_request_rotating_generation(text_model, refe
     run = drive(engine, arrivals)
     outputs = list(run.tokens.values())
     assert outputs[: len(PROMPTS)] == reference
+    # qwen3 honors the lengths a prepared batch cache carries (`Family.honors_lengths`): its rotating rows share
+    # prefill forwards, padded chunks included
+    stats = engine.prefill_stats()
+    assert stats["batched_groups"] > 0 and stats["padded_tokens"] > 0 and stats["fallbacks"] == 0, stats
     if prefix_cache_bytes:
         extra = [solo_tokens(model, tokenizer, PROMPTS[1] + [7, 8], 40,
                              prompt_cache=[RotatingKVCache(max_size=MAX_KV, keep=0) for _ in model.layers]),
