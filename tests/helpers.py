@@ -39,6 +39,30 @@ class Run:
     ticks: int = 0
 
 
+def prefill_many_against_alone(adapter, rows, follow: int = 0, atol: float = 1e-4
+                               ) -> list[tuple[list, list]]:
+    """A VLM adapter's shared prefill forward (`prefill_many(rows)`) against each row's chunks fed alone: every
+    row's logits within `atol` (the matrices have other shapes, so rounding differs), and with `follow`, its cache
+    continued by the next `follow` positions on both sides, within `atol` too (the state check: a wrong window
+    or recurrent state shows there). Returns (shared cache, alone cache) per row."""
+    import mlx.core as mx  # here, not at the top: the core tests import this module without MLX
+
+    got, logits = adapter.prefill_many(rows)
+    pairs = []
+    for i, ((_, encoded, start, n), shared) in enumerate(zip(rows, got)):
+        alone = adapter.make_cache()
+        if start:
+            adapter.prefill(alone, encoded, 0, start)
+        want = adapter.prefill(alone, encoded, start, start + n)
+        assert mx.allclose(logits[i, :n], want[0], atol=atol).item(), f"row {i}: logits"
+        if follow:
+            after = adapter.prefill(shared, encoded, start + n, start + n + follow)
+            alone_after = adapter.prefill(alone, encoded, start + n, start + n + follow)
+            assert mx.allclose(after, alone_after, atol=atol).item(), f"row {i}: the next {follow} positions"
+        pairs.append((shared, alone))
+    return pairs
+
+
 def drive(engine: "Engine", arrivals: list[tuple[int, dict]], max_ticks: int = 100_000) -> Run:
     """Step `engine`, adding each `(tick, add_request kwargs)` at its tick; check the output contract."""
     run = Run()

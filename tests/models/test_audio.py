@@ -239,6 +239,8 @@ def test_prefill_many_with_per_layer_inputs_equals_each_alone(adapter, mixed):
     its audio, and a later one on a cache of 30 tokens that passes the 64-token sliding window) give each
     request its own forward's logits, and caches that continue as its own do (the next 3 positions fed alone
     on each), to float rounding."""
+    from ..helpers import prefill_many_against_alone
+
     prepared, _ = mixed
     assert adapter.prefill_sharing is PrefillSharing.ANY
     encoded = [adapter.encode(prepared[i]) for i in (0, 1, 7)]
@@ -248,15 +250,7 @@ def test_prefill_many_with_per_layer_inputs_equals_each_alone(adapter, mixed):
     rows = [(None, encoded[0], 0, 20), (later, encoded[1], 30, encoded[1].num_tokens - 34),
             (None, encoded[2], 0, 26)]
     assert rows[1][2] + rows[1][3] > 64  # past the window
-    got, logits = adapter.prefill_many(rows)
-    for i, ((_, enc, start, n), batched) in enumerate(zip(rows, got)):
-        alone = adapter.make_cache()
-        if start:
-            adapter.prefill(alone, enc, 0, start)
-        want = adapter.prefill(alone, enc, start, start + n)
-        assert mx.allclose(logits[i, :n], want[0], atol=1e-4).item(), i
-        after = adapter.prefill(batched, enc, start + n, start + n + 3)
-        assert mx.allclose(after, adapter.prefill(alone, enc, start + n, start + n + 3), atol=1e-4).item(), i
+    prefill_many_against_alone(adapter, rows, follow=3)
 
 
 def test_merge_equals_mlx_vlm_get_input_embeddings(gemma, adapter, mixed):

@@ -619,10 +619,11 @@ def test_a_padded_shared_forward_leaves_each_row_what_its_own_forward_would(name
     chunk of an image prompt on a cache of 7 tokens, right-padded to the widest; each row's logits are its own
     forward's, and its cache continues as its own does (the next 2 positions fed alone on both), to float
     rounding. Gemma 3 past its sliding window, Qwen3.5's recurrent layers, Qwen3-VL's deepstack rows."""
-    import mlx.core as mx
     import mlx_vlm
 
     from scheduler.models.adapter import VLMAdapter
+
+    from ..helpers import prefill_many_against_alone
 
     model, processor = mlx_vlm.load(str(FAMILY_CASES[name].build(tmp_path)))
     adapter = VLMAdapter(model, processor)
@@ -635,13 +636,4 @@ def test_a_padded_shared_forward_leaves_each_row_what_its_own_forward_would(name
     # fresh rows only (their merged recurrent caches are empty), then with a row whose cache holds tokens
     for rows in (fresh, fresh + [(later, encoded[2], 7, encoded[2].num_tokens - 12)]):
         assert len({n for *_, n in rows}) == len(rows)
-        got, logits = adapter.prefill_many(rows)
-        for i, ((_, enc, start, n), batched) in enumerate(zip(rows, got)):
-            alone = adapter.make_cache()
-            if start:
-                adapter.prefill(alone, enc, 0, start)
-            want = adapter.prefill(alone, enc, start, start + n)
-            assert mx.allclose(logits[i, :n], want[0], atol=1e-4).item(), (name, i)
-            after = adapter.prefill(batched, enc, start + n, start + n + 2)
-            alone_after = adapter.prefill(alone, enc, start + n, start + n + 2)
-            assert mx.allclose(after, alone_after, atol=1e-4).item(), (name, len(rows), i)
+        prefill_many_against_alone(adapter, rows, follow=2)
