@@ -228,19 +228,19 @@ def _shared_forward_against_solo(model_type, tmp_path, held=(0, 9, 30)):
     rows = [(Request(f"r{i}", p, SamplingParams()), h, n)
             for i, (p, h, n) in enumerate(zip(prompts, held, (21, 14, 6)))]
     caches = []
-    for request, held, _ in rows:
+    for request, start, _ in rows:
         cache = None
-        if held:
+        if start:
             cache = runner.make_cache()
-            runner.prefill(cache, request, None, 0, held)
+            runner.prefill(cache, request, None, 0, start)
         caches.append(cache)
-    shared, logits = runner.prefill_many([(r, None, c, held, n) for (r, held, n), c in zip(rows, caches)])
+    shared, logits = runner.prefill_many([(r, None, c, start, n) for (r, start, n), c in zip(rows, caches)])
     diffs = []
-    for (request, held, n), row_cache, i in zip(rows, shared, range(len(rows))):
+    for i, ((request, start, n), row_cache) in enumerate(zip(rows, shared)):
         solo = runner.make_cache()
-        if held:
-            runner.prefill(solo, request, None, 0, held)
-        solo_logits = runner.prefill(solo, request, None, held, held + n)
+        if start:
+            runner.prefill(solo, request, None, 0, start)
+        solo_logits = runner.prefill(solo, request, None, start, start + n)
         worst = float(mx.abs(logits[i, :n] - solo_logits[0]).max())
         for got, want in zip(row_cache, solo):
             for a, b in zip(_layer_arrays(got), _layer_arrays(want)):
@@ -278,7 +278,8 @@ def test_chunks_that_store_prefix_checkpoints_share_forwards(model_type, tmp_pat
     any chunks do (the first pieces of the tick, then the second ones): chunks of 20 on blocks of 16 give pieces
     [0, 16) [16, 20) [20, 32) [32, 40) ... Padded where the family honors the lengths (qwen3_next, gemma3_text),
     at one length otherwise (nemotron_h: the first wave's prompts are of one length there). The checkpoints are
-    stored as before (one entry per prefix) and a second wave restores them; every output equals `mlx_lm.generate` alone."""
+    stored as before (one entry per prefix) and a second wave restores them; every output equals
+    `mlx_lm.generate` alone."""
     model, tokenizer = load(str(build_family_model(model_type, tmp_path)))
     shared = mixed_prompts(1, 40, 40, seed=41)[0]
     aligned = not FAMILIES[model_type].honors_lengths
