@@ -303,3 +303,40 @@ def test_chunks_that_store_prefix_checkpoints_share_forwards(model_type, tmp_pat
     assert hits == {"r3": (32, "checkpoint"), "r4": (32, "checkpoint")}, hits
     engine.close()
     assert engine.executor.cache_bytes() == 0
+
+
+@pytest.mark.parametrize("model_type,seed", [(m, s) for m in ("qwen3_next", "gemma3_text", "nemotron_h")
+                                             for s in range(1, 5)])
+def test_random_schedules_with_shared_prefill_stay_exact_and_replay(model_type, seed, tmp_path):
+    """Random arrivals, budgets and chunk sizes, prompts that share a prefix, the prefix cache (checkpoint pieces)
+    and a KV budget that preempts, on a recurrent hybrid, a windowed family (both sharing padded chunks) and
+    nemotron_h (chunks at one position of one length): every output equals `mlx_lm.generate` alone, nothing is
+    left in the caches, and the trace replays."""
+    import random
+
+    rng = random.Random(seed)
+    model, tokenizer = load(str(build_family_model(model_type, tmp_path)))
+    shared = mixed_prompts(1, 24, 24, seed=seed)[0]
+    # bodies of near-equal lengths, so that padded groups fit the pad ratio, and a few short ones
+    prompts = [(shared if rng.random() < 0.5 else []) + mixed_prompts(1, *rng.choice([(30, 33), (30, 33), (1, 12)]),
+                                                                     seed=100 * seed + i)[0]
+               for i in range(12)]
+    budget, _ = kv_budget_forcing_preemption(model, prompts, rows=4)
+    trace = tmp_path / "trace.jsonl"
+    config = EngineConfig(max_batched_tokens=rng.choice([24, 64, 128]), max_seqs=rng.randint(3, 8),
+                          prefill_chunk=rng.choice([7, 16, 24]), prefix_cache_bytes=rng.choice([0, 1 << 26]),
+                          prefix_block_size=8, kv_memory_bytes=rng.choice([None, budget]), kv_headroom_tokens=0,
+                          mix=rng.choice(["decode-first", "prefill-first"]), trace_path=str(trace),
+                          check_invariants=True)
+    engine, _ = engine_with_log(model, tokenizer, config)
+    ticks = sorted(rng.randint(0, 6) for _ in prompts)
+    run = drive(engine, [(t, {"prompt_tokens": p, "sampling": greedy(MAX_TOKENS), "request_id": f"r{i}"})
+                         for i, (t, p) in enumerate(zip(ticks, prompts))])
+    engine.close()
+    assert not run.errors, run.errors
+    assert [run.tokens[f"r{i}"] for i in range(len(prompts))] == [
+        solo_tokens(model, tokenizer, p, MAX_TOKENS) for p in prompts], (model_type, config)
+    assert engine.prefill_stats()["fallbacks"] == 0
+    assert engine.executor.cache_bytes() == 0
+    report = replay(load_trace(trace))
+    assert report.identical, report.format()
