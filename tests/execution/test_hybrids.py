@@ -309,7 +309,7 @@ def test_chunks_that_store_prefix_checkpoints_share_forwards(model_type, tmp_pat
                                              for s in range(1, 5)])
 def test_random_schedules_with_shared_prefill_stay_exact_and_replay(model_type, seed, tmp_path):
     """Random arrivals, budgets and chunk sizes, prompts that share a prefix, the prefix cache (checkpoint pieces)
-    and a KV budget that preempts, on a recurrent hybrid, a windowed family (both sharing padded chunks) and
+    and a KV budget that preempts, on a recurrent hybrid, a windowed family (both may pad shared chunks) and
     nemotron_h (chunks at one position of one length): every output equals `mlx_lm.generate` alone, nothing is
     left in the caches, and the trace replays."""
     import random
