@@ -435,6 +435,9 @@ class MLXExecutor:
         width, which no real position attends to, and windows and recurrent state are told each row's length),
         but bigger matrices for the BLAS than one forward per request.
 
+        Each shared forward is a `prefill_forward` event (its rows, their starts and lengths, the width and pads;
+        its seconds under `measure`): an execution detail, like `vision_encode`, that replay does not compare.
+
         Grouping is this executor's decision, never the planner's: float and quantized rows apart (a batch cache
         holds one storage), feeds sorted longest first, a group grows
         while its pad positions stay within `pad_ratio` of its real tokens (`PREFILL_PAD_RATIO`, the bound the
@@ -458,6 +461,7 @@ class MLXExecutor:
         for group, width, padded in groups:
             rows = [(requests[rid], self._encoded[rid], self.kv.request_cache(rid) if start else None, start, n)
                     for rid, start, n in group]
+            t0 = time.perf_counter()
             try:
                 caches, logits = self.runner.prefill_many(rows)
                 # rows that asked read their own positions (kept only if the whole group succeeds: a row retried
@@ -474,6 +478,9 @@ class MLXExecutor:
                     result.prompt_logprobs.setdefault(rid, []).append(piece)
             self.prefill_stats.record(len(group), sum(start > 0 for _, start, _ in group), padded)
             result.padded_tokens += padded
+            self._on_event("prefill_forward", request_ids=[rid for rid, _, _ in group],
+                           starts=[start for _, start, _ in group], lengths=[n for *_, n in group], width=width,
+                           padded_tokens=padded, measure={"seconds": time.perf_counter() - t0})
             for (rid, start, n), cache in zip(group, caches):
                 self.kv.adopt(rid, cache)
                 self._quantize_if_due(requests[rid], start + n)

@@ -52,6 +52,7 @@ class RequestStory:
     prefix_hits: list[tuple[int, int]] = field(default_factory=list)  # (tick, tokens restored)
     vision_cache_hits: int = 0
     vision_encodes: int = 0
+    shared_prefill: list[int] = field(default_factory=list)  # rows of each shared prefill forward it was in
     items_encoded: int | None = None  # media items its encodings put through the encoders (None: not recorded)
     preemptions: list[tuple[int, str | None]] = field(default_factory=list)  # (tick, made room for)
     drafted: int = 0
@@ -93,6 +94,7 @@ class _StoryBuilder:
         self.calibration: set[str] = set()  # Engine.calibrate()'s synthetic requests
         self._handlers = {"arrival": self._on_arrival, CALIBRATION_EVENT: self._on_calibration,
                           "plan": self._on_plan, "outcome": self._on_outcome, "prefix_hit": self._on_prefix_hit,
+                          "prefill_forward": self._on_prefill_forward,
                           "transition": self._on_transition}
 
     def read(self, event: dict[str, Any]) -> None:
@@ -147,6 +149,12 @@ class _StoryBuilder:
                 story.vision_cache_hits += bool(info.get("vision_cache_hit"))
                 if "items_encoded" in info:
                     story.items_encoded = (story.items_encoded or 0) + int(info["items_encoded"])
+
+    def _on_prefill_forward(self, e: dict[str, Any], tick: int, measure: dict[str, Any]) -> None:
+        rows = e.get("request_ids", [])
+        for rid in rows:
+            if rid in self.stories:
+                self.stories[rid].shared_prefill.append(len(rows))
 
     def _on_prefix_hit(self, e: dict[str, Any], tick: int, measure: dict[str, Any]) -> None:
         if e.get("request_id") in self.stories:
@@ -245,6 +253,9 @@ def format_story(story: RequestStory) -> str:
     if story.prefix_hits:
         lines.append(f"Prefix cache: {len(story.prefix_hits)} hit(s), {story.prefix_tokens_saved} prompt tokens "
                      "not recomputed.")
+    if story.shared_prefill:
+        lines.append(f"Prefill: {len(story.shared_prefill)} chunk(s) fed in forwards shared with other requests "
+                     f"(up to {max(story.shared_prefill)} rows).")
     if story.prompt_logprobs is not None:
         lines.append(f"Prompt logprobs asked ({story.prompt_logprobs} alternatives a position): every prompt "
                      "token computed, the prefix cache not looked up.")

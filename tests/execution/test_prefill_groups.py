@@ -38,6 +38,11 @@ def test_first_chunks_of_different_lengths_share_forwards_and_stay_exact(text_mo
     assert stats == {"batched_groups": 1, "batched_rows": len(prompts), "cached_rows": 0, "fallbacks": 0,
                      "padded_tokens": sum(46 - (len(p) - 1) for p in prompts)}
     assert sum(o.get("padded_tokens", 0) for o in log.of_kind("outcome")) == stats["padded_tokens"]
+    # the shared forward is in the log: its rows, where each starts, how many positions each feeds, the pads
+    [forward] = log.of_kind("prefill_forward")
+    assert len(forward["request_ids"]) == len(prompts) and forward["starts"] == [0] * len(prompts)
+    assert sorted(forward["lengths"]) == sorted(len(p) - 1 for p in prompts) and forward["width"] == 46
+    assert forward["padded_tokens"] == stats["padded_tokens"] and forward["measure"]["seconds"] > 0
     _pads_within_bound(log)
     assert outputs == [solo_tokens(model, tokenizer, p, MAX_TOKENS) for p in prompts]
 
@@ -122,3 +127,23 @@ def test_a_rotating_cache_shares_padded_chunks(sliding_model):
     stats = engine.prefill_stats()
     assert (stats["batched_groups"], stats["batched_rows"], stats["padded_tokens"]) == (1, 3, 5), stats
     assert outputs == [solo_tokens(model, tokenizer, p, MAX_TOKENS) for p in prompts]
+
+
+def test_explain_tells_which_chunks_shared_a_forward(text_model, tmp_path):
+    """`explain` reads the `prefill_forward` events of a trace: a request fed in a shared forward says so, one fed
+    alone says nothing about it."""
+    from scheduler.tools.explain import explain, format_story
+
+    model, tokenizer = text_model
+    trace = tmp_path / "trace.jsonl"
+    together = mixed_prompts(3, 45, 47, seed=21)
+    engine = Engine(model, tokenizer, EngineConfig(trace_path=str(trace)))
+    run = drive(engine, [(0, {"prompt_tokens": p, "sampling": greedy(2), "request_id": f"r{i}"})
+                         for i, p in enumerate(together)]
+                + [(20, {"prompt_tokens": together[0][:30], "sampling": greedy(2), "request_id": "alone"})])
+    engine.close()
+    assert not run.errors
+    stories = {s.request_id: format_story(s) for s in explain(str(trace))}
+    assert all("Prefill: 1 chunk(s) fed in forwards shared with other requests (up to 3 rows)." in stories[f"r{i}"]
+               for i in range(3)), stories
+    assert "Prefill:" not in stories["alone"]
