@@ -287,7 +287,6 @@ class PlainKV:
     batch_classes = _PLAIN_BATCH_KV
     caps = LayerCapabilities("KVCache", Growth.PER_TOKEN, trimmable=True, rollback=True, splittable=True,
                              splittable_aligned=True, splittable_prepared=True)
-    prepared_for_pads = False  # its right pads are cut off the extracted row (`_cut_tail`)
     extract = staticmethod(_library_extract)
 
     @staticmethod
@@ -337,10 +336,10 @@ class RotatingKV:
     # A window that has wrapped has overwritten what a trim or a rollback would have to bring back.
     caps = LayerCapabilities("RotatingKVCache", Growth.WINDOW, trimmable=False, rollback=False, splittable=False,
                              splittable_aligned=True, splittable_prepared=True)
-    # a padded forward is prepared with the rows' lengths (`prepare_padded`): `finalize` rolls the pads into the
-    # row's left padding, so `extract` returns the window of its real tokens (its offset and buffer are not one
-    # count, so a cut at the end would be the window's own bookkeeping, which mlx-lm keeps)
-    prepared_for_pads = True
+    # Not splittable on its own: a padded forward is prepared with the rows' lengths (`prepare_padded`), and
+    # `finalize` rolls the pads into the row's left padding, so `extract` returns the window of its real tokens
+    # (its offset and buffer are not one count, so a cut at the end would be the window's own bookkeeping, which
+    # mlx-lm keeps).
     extract = staticmethod(_library_extract)
 
     @staticmethod
@@ -388,7 +387,6 @@ class Arrays:
     batch_classes = classes
     caps = LayerCapabilities("ArraysCache", Growth.FIXED, trimmable=False, rollback=False, splittable=False,
                              splittable_aligned=True, splittable_prepared=True)
-    prepared_for_pads = True  # the model's recurrent layers skip the positions past each row's length
 
     @staticmethod
     def merge(layers: Sequence[Any], mask: MaskLayout) -> Any:
@@ -468,7 +466,6 @@ class QuantizedKV:
     batch_classes = _vlm_batch_quantized()
     caps = LayerCapabilities("QuantizedKVCache", Growth.PER_TOKEN, trimmable=True, rollback=False, splittable=True,
                              splittable_aligned=True, splittable_prepared=True)
-    prepared_for_pads = False
     extract = staticmethod(_library_extract)
 
     @staticmethod
@@ -628,6 +625,12 @@ def filter_batch(batch: Cache, keep: list[int]) -> Cache:
     return batch
 
 
+def _prepared_for_pads(layer: Any) -> bool:
+    """Whether a batch layer is told its rows' lengths around a padded forward: a kind whose rows do not split
+    back on their own (rotating windows, recurrent state); plain and quantized KV have their pads cut off."""
+    return not _kind_of(layer).caps.splittable
+
+
 def prepare_padded(batch: Cache, lengths: Sequence[int], width: int) -> None:
     """Before a batched prefill forward of chunks of `lengths` right-padded to `width`: prepare each layer whose
     kind keeps its rows' pads out only when told the rows' lengths (rotating windows, recurrent state:
@@ -644,7 +647,7 @@ def _prepare_layer(layer: Any, lengths: list[int], padding: list[int]) -> None:
     if isinstance(layer, mlx_cache.CacheList):
         for part in layer.caches:
             _prepare_layer(part, lengths, padding)
-    elif _kind_of(layer).prepared_for_pads:
+    elif _prepared_for_pads(layer):
         if isinstance(layer, Arrays.classes) and layer.left_padding is not None and not bool(
                 mx.any(layer.left_padding).item()):
             # A merge of fresh recurrent caches sets a left padding of zeros. No padding at all says the same,
@@ -660,7 +663,7 @@ def finalize_padded(batch: Cache) -> None:
     for layer in batch:
         parts = layer.caches if isinstance(layer, mlx_cache.CacheList) else (layer,)
         for part in parts:
-            if _kind_of(part).prepared_for_pads:
+            if _prepared_for_pads(part):
                 part.finalize()
 
 
@@ -680,7 +683,7 @@ def _extract_row(layer: Any, i: int, trailing: int) -> Any:
         return mlx_cache.CacheList(*(_extract_row(c, i, trailing) for c in layer.caches))
     kind = _kind_of(layer)
     row = kind.extract(layer, i)
-    if trailing and not kind.prepared_for_pads:
+    if trailing and kind.caps.splittable:  # the others were prepared: `finalize` moved their pads out already
         _cut_tail(row, trailing)
     return row
 
