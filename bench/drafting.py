@@ -9,8 +9,9 @@ built once, then cached). Workloads, token prompts for the trained tokenizer:
 * non-repetitive: random token ids in [7, 512) (no n-gram structure for lookup to find).
 
 Sides, order rotating per repeat: plain decoding (draft_tokens=0), adaptive prompt lookup (the default: per-row
-pacing and the tick-level draft gate), adaptive without the gate (`draft_gate=False`) and fixed-k prompt
-lookup (`adaptive_drafting=False`), k = `--k`. Greedy outputs of every side are compared with
+pacing, the tick-level draft gate, matches in the batch's histories), the same matching each request's own
+history only (`prompt_lookup_scope="request"`), adaptive without the gate (`draft_gate=False`) and fixed-k
+prompt lookup (`adaptive_drafting=False`), k = `--k`. Greedy outputs of every side are compared with
 plain decoding token by token; figures are the best of `--repeats` per side. Ticks (engine steps) do not
 depend on the machine's load: plain ticks / drafting ticks is the speed-up if a verify tick cost what a plain
 one does.
@@ -53,11 +54,20 @@ def random_prompts(n: int, length: int = 64, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(7, 512) for _ in range(length)] for _ in range(n)]
 
 
-def run_side(model, tokenizer, prompts, new_tokens: int, k: int, adaptive: bool,
-             gate: bool = True) -> tuple[RunStats, dict]:
+# name -> the EngineConfig fields of that side (draft_tokens: --k unless the side is plain)
+SIDES: dict[str, dict[str, Any]] = {
+    "plain": {"draft_tokens": 0},
+    "adaptive": {},
+    "adaptive, own history": {"prompt_lookup_scope": "request"},
+    "adaptive, no gate": {"draft_gate": False},
+    "fixed": {"adaptive_drafting": False},
+}
+
+
+def run_side(model, tokenizer, prompts, new_tokens: int, k: int, side: str = "adaptive") -> tuple[RunStats, dict]:
     from scheduler import Engine, EngineConfig, SamplingParams
 
-    config = EngineConfig(max_batched_tokens=2048, draft_tokens=k, adaptive_drafting=adaptive, draft_gate=gate)
+    config = EngineConfig(max_batched_tokens=2048, **{"draft_tokens": k, **SIDES[side]})
     engine = Engine(model, _NoEosTokenizer(tokenizer), config)
     sampling = SamplingParams(max_tokens=new_tokens)
     clock = _Clock(len(prompts), new_tokens)
@@ -68,7 +78,7 @@ def run_side(model, tokenizer, prompts, new_tokens: int, k: int, adaptive: bool,
             clock.record(index[out.request_id], out.token_ids)
         clock.end_step()
         ticks += 1
-    stats = clock.stats("plain" if not k else ("fixed" if not adaptive else "adaptive" if gate else "ungated"))
+    stats = clock.stats(side)
     draft = {**engine.draft_stats(), "ticks": ticks}
     engine.close()
     return stats, draft
@@ -105,16 +115,15 @@ def main(argv=None) -> int:
     for kind in ("repetitive", "non-repetitive"):
         for n in args.batch:
             prompts = repetitive_prompts(tokenizer, n) if kind == "repetitive" else random_prompts(n)
-            sides = [("plain", 0, True, True), ("adaptive", args.k, True, True),
-                     ("adaptive, no gate", args.k, True, False), ("fixed", args.k, False, False)]
-            for _, k, adaptive, gate in sides:  # warm-up
-                run_side(model, tokenizer, prompts, 4, k, adaptive, gate)
-            runs: dict[str, list[RunStats]] = {s[0]: [] for s in sides}
+            sides = list(SIDES)
+            for name in sides:  # warm-up
+                run_side(model, tokenizer, prompts, 4, args.k, name)
+            runs: dict[str, list[RunStats]] = {name: [] for name in sides}
             drafts: dict[str, dict] = {}
             for rep in range(args.repeats):
                 shift = rep % len(sides)
-                for name, k, adaptive, gate in sides[shift:] + sides[:shift]:
-                    r, ds = run_side(model, tokenizer, prompts, args.new_tokens, k, adaptive, gate)
+                for name in sides[shift:] + sides[:shift]:
+                    r, ds = run_side(model, tokenizer, prompts, args.new_tokens, args.k, name)
                     runs[name].append(r)
                     drafts[name] = ds
                     print(f"  {kind} n={n} rep {rep} {name}: wall {r.wall_s:.3f}s cpu {r.cpu_s:.2f}s "
@@ -122,7 +131,7 @@ def main(argv=None) -> int:
             plain = runs["plain"]
             ticks_plain = drafts["plain"]["ticks"]
             best_plain = min(x.wall_s for x in plain)
-            for name in ("adaptive", "adaptive, no gate", "fixed"):
+            for name in sides[1:]:
                 best = min(x.wall_s for x in runs[name])
                 rows.append({
                     "kind": kind, "n": n, "side": name,

@@ -30,6 +30,10 @@ class EngineConfig:
         tokens count against max_batched_tokens, after prefill.
     drafter: "prompt-lookup" (n-gram match in the request's own history, no model), "draft-model" (a smaller
         model with the same vocabulary) or "mtp" (a multi-token-prediction head on the target's hidden states).
+    prompt_lookup_scope: whose histories prompt lookup matches in. "batch": the request's own, and where another
+        live request's holds a longer match (a template, schema or code the batch shares), that one. "request":
+        its own only, so one request's context never shapes another's drafts; greedy output is the same
+        either way, what differs is how many drafts are accepted, hence speed.
     adaptive_drafting: each row's draft length follows its recent acceptance and a row whose drafts keep
         being rejected pauses until its context changes (prompt lookup, draft model; see
         `scheduler/execution/drafters.py`). False: every drafting row proposes up to draft_tokens each tick.
@@ -101,6 +105,7 @@ class EngineConfig:
     mix: str = "decode-first"  # or "prefill-first"
     draft_tokens: int = 0  # speculative decoding: draft tokens per row per tick (0 = off)
     drafter: str = "prompt-lookup"  # or "draft-model" (Engine(draft_model=...)) or "mtp" (Engine(mtp_head=...))
+    prompt_lookup_scope: str = "batch"  # or "request"
     adaptive_drafting: bool = True
     draft_gate: bool = True
     vision_budget: int = 16  # media items encoded per tick
@@ -154,6 +159,8 @@ class EngineConfig:
             raise ValueError(f"processor_history: must be 'prompt+output' or 'output', got {self.processor_history!r}")
         if self.drafter not in ("prompt-lookup", "draft-model", "mtp"):
             raise ValueError(f"drafter: must be 'prompt-lookup', 'draft-model' or 'mtp', got {self.drafter!r}")
+        if self.prompt_lookup_scope not in ("batch", "request"):
+            raise ValueError(f"prompt_lookup_scope: must be 'batch' or 'request', got {self.prompt_lookup_scope!r}")
         if self.max_kv_size is not None and (not isinstance(self.max_kv_size, int) or self.max_kv_size < 2):
             raise ValueError(f"max_kv_size: must be an integer >= 2 or None, got {self.max_kv_size!r}")
         if self.kv_memory_bytes is not None and (not isinstance(self.kv_memory_bytes, int) or self.kv_memory_bytes < 1):

@@ -324,7 +324,8 @@ class Engine:
                 raise ValueError("the draft model must share the target's vocabulary")
             return DraftModelDrafter(draft_model, adaptive=cfg.adaptive_drafting)
         # lookup proposals cost nothing, so under the draft gate (which picks the width) rows propose all of k
-        return PromptLookupDrafter(adaptive=cfg.adaptive_drafting, cap_k=not cfg.draft_gate)
+        return PromptLookupDrafter(adaptive=cfg.adaptive_drafting, cap_k=not cfg.draft_gate,
+                                   scope=cfg.prompt_lookup_scope)
 
     def _make_draft_gate(self) -> Any:
         """Adaptive drafting judges each tick's width for the whole batch (`execution/draft_gate.py`); fixed-k
@@ -337,10 +338,13 @@ class Engine:
 
     def draft_stats(self) -> dict[str, Any]:
         """Speculative decoding: drafted, accepted, rejected, acceptance rate, verify forwards and tokens per
-        row per verify forward (zeros when drafting is off), and the draft gate's counts (`gate`: ticks judged,
-        declined, narrowed; None without a gate)."""
+        row per verify forward (zeros when drafting is off), the draft gate's counts (`gate`: ticks judged,
+        declined, narrowed; None without a gate) and the drafter's own (`drafter`: for prompt lookup its scope,
+        matches by n-gram length, matches taken from another request's history, pauses; None when off)."""
         gate = getattr(self.executor, "draft_gate", None)
-        return {**self.executor.draft_stats.as_dict(), "gate": gate.stats() if gate is not None else None}
+        drafter = getattr(self.executor, "drafter", None)
+        return {**self.executor.draft_stats.as_dict(), "gate": gate.stats() if gate is not None else None,
+                "drafter": drafter.stats() if drafter is not None else None}
 
     def prefill_stats(self) -> dict[str, int]:
         """Batched first-chunk prefill: groups and rows that took the one-forward path, and fallbacks (groups

@@ -684,7 +684,7 @@ class MLXExecutor:
         if draft_k and not self._rolls_back:
             draft_k = self._refeed_grants(draft_k)
         drafts = self._propose(draft_k, result) if draft_k else None
-        if drafts and self.draft_gate is not None:
+        if drafts:
             drafts = self._gate(drafts)
         if drafts and not self._rolls_back:
             drafts = self._refeed_drafts(drafts)
@@ -883,12 +883,19 @@ class MLXExecutor:
     def _gate(self, drafts: dict[str, Draft]) -> dict[str, Draft]:
         """Cut every draft to the width the gate chose for this tick (`draft_gate.py`). Rows keep their entry
         (a row cut to nothing verifies nothing, as when its drafter proposed nothing); a declined tick has no
-        drafts, so it is a plain step."""
-        cut = self.draft_gate.apply(len(self._rows), {rid: len(d.tokens) for rid, d in drafts.items()})
+        drafts, so it is a plain step. A draft that rides along (`Draft.rides_along`: a paused row's) is not
+        judged: it is cut to the width the others chose, and dropped in a plain tick (or with no gate)."""
+        judged = {rid: 0 if d.rides_along else len(d.tokens) for rid, d in drafts.items()}
+        if self.draft_gate is None:
+            cut = {rid: n for rid, n in judged.items() if n}
+        else:
+            cut = self.draft_gate.apply(len(self._rows), judged)
         if not cut:
             return {}
-        return {rid: d if len(d.tokens) == cut.get(rid, 0) else
-                Draft(rid, d.tokens[: cut.get(rid, 0)], None if d.logprobs is None else d.logprobs[: cut.get(rid, 0)])
+        keep = max(cut.values())  # the chosen width - 1: the widest judged draft is cut to it
+        lengths = {rid: min(len(d.tokens), keep) if d.rides_along else cut.get(rid, 0) for rid, d in drafts.items()}
+        return {rid: d if len(d.tokens) == lengths[rid] and not d.rides_along else
+                Draft(rid, d.tokens[: lengths[rid]], None if d.logprobs is None else d.logprobs[: lengths[rid]])
                 for rid, d in drafts.items()}
 
     def _verify(self, all_logits, draft_tokens, draft_lens, drafts, width, result, sampled=(),

@@ -56,7 +56,7 @@ def test_valid_prompt_is_copied():
     assert out == src and out is not src
 
 
-def test_custom_sampler_opt_out_and_processor_history_are_validated():
+def test_custom_sampler_opt_out_processor_history_and_lookup_scope_are_validated():
     from scheduler.config import EngineConfig
     from scheduler.request import InvalidRequest, Request, SamplingParams
 
@@ -66,6 +66,8 @@ def test_custom_sampler_opt_out_and_processor_history_are_validated():
         SamplingParams(allow_drafts=1)
     with pytest.raises(ValueError, match="processor_history"):
         EngineConfig(processor_history="all")
+    with pytest.raises(ValueError, match="prompt_lookup_scope"):
+        EngineConfig(prompt_lookup_scope="everyone")
     # a custom sampler or an opt-out keeps the request out of drafting; the trace records that it had a sampler
     assert not Request("a", [1], SamplingParams(sampler=lambda lp: lp)).draft_eligible
     assert not Request("b", [1], SamplingParams(allow_drafts=False)).draft_eligible

@@ -108,6 +108,32 @@ def test_prompt_lookup_stops_proposing_drafts_that_are_rejected():
     assert adaptive.stats()["adaptive"]["pauses"] >= 1
 
 
+def test_a_paused_row_under_the_gate_proposes_a_draft_that_rides_along():
+    """cap_k=False (under the draft gate): a paused row still proposes its whole draft, marked as riding along
+    (the gate never lets it widen a tick, `MLXExecutor._gate`); a riding draft that pays ends the pause, and
+    with the cap (no gate) a paused row proposes nothing."""
+    phrase = list(range(100, 110))
+    gated, capped = PromptLookupDrafter(cap_k=False), PromptLookupDrafter()
+    history = phrase * 2 + [7]
+    seen = {"gated": [], "capped": []}
+    for step in range(3):
+        history = history + phrase[:3]
+        for name, d in (("gated", gated), ("capped", capped)):
+            [draft] = d.propose([DraftRequest("r", history)], 4)
+            seen[name].append((len(draft.tokens), draft.rides_along))
+            d.accept("r", 0, [7])
+        history = history + [7]
+    assert seen["gated"] == [(4, False), (4, False), (4, True)]  # paused after two misses: rides along
+    assert seen["capped"][2] == (0, False)
+    history = history + phrase[:3]
+    [draft] = gated.propose([DraftRequest("r", history)], 4)
+    assert draft.rides_along
+    gated.accept("r", 2, phrase[3:6])  # the riding draft paid: the pause is over
+    [draft] = gated.propose([DraftRequest("r", history + phrase[3:6])], 4)
+    assert draft.tokens and not draft.rides_along
+    assert gated.stats()["riding_drafts"] == {"proposed": 2, "verified": 2, "accepted_tokens": 2}
+
+
 # ---------------------------------------------------------------------------------------------- trained model
 @pytest.fixture(scope="module")
 def trained_model(tmp_path_factory):
@@ -161,6 +187,7 @@ def test_drafting_on_the_trained_model_is_exact_and_accepted(trained_model):
     solo = [solo_tokens(model, tokenizer, p, new) for p in prompts]
     outputs, stats = {}, {}
     for name, cfg in (("plain", dict()), ("adaptive", dict(draft_tokens=4)),
+                      ("own history", dict(draft_tokens=4, prompt_lookup_scope="request")),
                       ("ungated", dict(draft_tokens=4, draft_gate=False)),
                       ("fixed", dict(draft_tokens=4, adaptive_drafting=False))):
         engine = Engine(model, tokenizer, EngineConfig(max_batched_tokens=1024, **cfg))
@@ -170,12 +197,35 @@ def test_drafting_on_the_trained_model_is_exact_and_accepted(trained_model):
         engine.close()
     assert outputs["plain"] == solo
     assert outputs["adaptive"] == solo
+    assert outputs["own history"] == solo
     assert outputs["fixed"] == solo
     assert outputs["ungated"] == solo
     assert stats["adaptive"]["gate"]["judged_ticks"] > 0 and stats["ungated"]["gate"] is None
     # the drafts are accepted: more than one token per row per verify forward on this workload
     assert stats["adaptive"]["accepted"] > 0
     assert stats["adaptive"]["tokens_per_row_forward"] > 1.5
+    # the batch's records share their templates: some drafts came from another request's history
+    assert stats["adaptive"]["drafter"]["shared_matches"] > 0
+    assert stats["own history"]["drafter"]["shared_matches"] == 0
+
+
+def test_a_riding_draft_is_verified_only_where_other_rows_draft(trained_model):
+    """Random prompts pause their rows (nothing they draft is accepted at first); alone, a paused row's
+    riding draft never makes a tick verify, so every one of them is dropped; next to a repetitive row whose
+    drafts pay, riding drafts are verified in its ticks. Greedy output is mlx-lm's either way."""
+    model, tokenizer = trained_model[:2]
+    rng = random.Random(3)
+    noise = [[rng.randrange(7, 512) for _ in range(40)] for _ in range(3)]
+    new = 32
+    riding = {}
+    for name, prompts in (("alone", noise[:1]), ("batch", _repetitive(tokenizer, 1) + noise)):
+        engine = Engine(model, tokenizer, EngineConfig(max_batched_tokens=1024, draft_tokens=4))
+        outs = engine.generate(prompts, SamplingParams(max_tokens=new))
+        assert [o.token_ids for o in outs] == [solo_tokens(model, tokenizer, p, new) for p in prompts]
+        riding[name] = engine.draft_stats()["drafter"]["riding_drafts"]
+        engine.close()
+    assert riding["alone"]["proposed"] > 0 and riding["alone"]["verified"] == 0
+    assert riding["batch"]["verified"] > 0
 
 
 def test_the_gate_keeps_greedy_output_and_declines_drafts_that_do_not_pay(trained_model):

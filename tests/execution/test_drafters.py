@@ -133,6 +133,66 @@ def test_prompt_lookup_accept_release_stats():
         d.propose([_req("e", [])], 2)
 
 
+def test_batch_lookup_takes_a_longer_match_from_another_live_request():
+    """A row whose own history has no earlier occurrence of its suffix drafts what followed it in another
+    row's history (as far as that history goes); `scope="request"` never does."""
+    template = [40, 41, 42, 43, 44, 45, 46, 47]
+    a = [9, 8] + template  # a has written the template
+    b = [7, 6, 40, 41, 42]  # b is starting it
+    batch, own = PromptLookupDrafter(scope="batch"), PromptLookupDrafter(scope="request")
+    drafts = batch.propose([_req("a", a), _req("b", b)], 4)
+    assert drafts[1].tokens == [43, 44, 45, 46]
+    assert batch.stats()["shared_matches"] == 1 and batch.stats()["scope"] == "batch"
+    assert own.propose([_req("a", a), _req("b", b)], 4)[1].tokens == []
+    assert own.stats()["shared_matches"] == 0
+    # the copy stops where the other history ends (no periodic continuation of someone else's text)
+    assert batch.propose([_req("a", a), _req("c", [1, 45, 46])], 4)[1].tokens == [47]
+
+
+def test_batch_lookup_keeps_a_rows_own_match_unless_another_is_longer():
+    mine = [1, 2, 3, 60, 1, 2, 3, 61, 5, 3]  # own 1-gram match of 3 (-> 61), 2-gram 5 3 unseen
+    other = [70, 5, 3, 80, 81]  # holds the 2-gram 5 3 -> 80 81
+    d = PromptLookupDrafter(scope="batch")
+    assert d.propose([_req("m", mine), _req("o", other)], 2)[0].tokens == [80, 81]
+    same = [50, 51, 52, 50, 51, 52]  # own 3-gram match: another row's equal-length match does not replace it
+    d2 = PromptLookupDrafter(scope="batch")
+    out = d2.propose([_req("s", same), _req("o", [50, 51, 52, 99])], 2)
+    assert out[0].tokens == [50, 51] and d2.stats()["shared_matches"] == 0
+
+
+def test_batch_lookup_sees_every_row_of_the_same_call_and_the_most_recent_holder():
+    d = PromptLookupDrafter(scope="batch")
+    # the row that asks first sees the later row's history of this very call
+    out = d.propose([_req("b", [5, 20, 21]), _req("a", [20, 21, 22, 23])], 2)
+    assert out[0].tokens == [22, 23]
+    d.propose([_req("c", [20, 21, 30, 31])], 2)  # c indexed 20 21 after a: it is the most recent holder
+    assert d.propose([_req("b", [5, 20, 21])], 2)[0].tokens == [30, 31]
+
+
+def test_released_and_rebuilt_histories_leave_no_shared_entries():
+    d = PromptLookupDrafter(scope="batch")
+    d.propose([_req("a", [1, 2, 3, 4, 5]), _req("b", [6, 7, 8, 9])], 3)
+    d.propose([_req("a", [11, 12, 13])], 3)  # a's history changed under its id: rebuilt
+    assert d.rebuilds == 1
+    # nothing of a's old history is found any more, from b's side
+    assert d.propose([_req("b", [6, 7, 8, 9, 2, 3])], 3)[0].tokens == []
+    d.release(["a", "b"])
+    assert all(not table for table in d._shared.maps.values())  # no entry outlives its request
+
+
+def test_a_copy_continued_from_another_history_keeps_its_pace_source():
+    """A paused row resumes early only on a match from a new source; a copy continued from another row's
+    history keeps its source (the other request, at the same offset from the row's own position), so it
+    does not look new."""
+    other = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49]
+    d = PromptLookupDrafter(scope="batch")
+    sources = []
+    for n in (3, 4, 5):  # the row copies `other` one token further each tick
+        d.propose([_req("o", other), _req("r", [1] + other[:n])], 2)
+        sources.append(d.pace._rows["r"].distance)
+    assert sources[0] == sources[1] == sources[2] == ("o", 1)  # r's last token sits 1 past o's 42, 43, 44
+
+
 # ---------------------------------------------------------------------------
 # Draft model
 # ---------------------------------------------------------------------------

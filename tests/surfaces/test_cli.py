@@ -109,6 +109,7 @@ def test_every_engine_config_field_is_a_serve_flag_or_says_why_not():
                "processor_history": ("--processor-history", "output", "output"), "seed": ("--seed", "7", 7),
                "policy": ("--policy", "priority", "priority"), "mix": ("--mix", "prefill-first", "prefill-first"),
                "draft_tokens": ("--draft-tokens", "2", 2), "drafter": ("--drafter", "mtp", "mtp"),
+               "prompt_lookup_scope": ("--prompt-lookup-scope", "request", "request"),
                "adaptive_drafting": ("--no-adaptive-drafting", None, False),
                "draft_gate": ("--no-draft-gate", None, False), "vision_budget": ("--vision-budget", "2", 2),
                "vision_token_budget": ("--vision-token-budget", "300", 300),
