@@ -40,6 +40,7 @@ Differences from mlx-lm, both deliberate:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -156,6 +157,11 @@ class SamplingArrays:
     def batch_size(self) -> int:
         return int(self.temperature.shape[0])
 
+    def repeated(self, n: int) -> "SamplingArrays":
+        """Each row's parameters n times in a row: the rows of a (B * n, V) reshape of (B, n, V) logits."""
+        arrays = {name: mx.repeat(getattr(self, name), n, axis=0) for name in _PER_ROW}
+        return dataclasses.replace(self, **arrays)
+
     @property
     def needs_logprobs(self) -> bool:
         """Some row's token reads the log-softmax: a greedy row (its argmax), or a sampled row with a filter."""
@@ -191,6 +197,10 @@ class SamplingArrays:
             any_frequency_penalty=bool((freq != 0.0).any()),
             max_top_k=int(np.where(sampled, top_k, 0).max(initial=0)),
         )
+
+
+_PER_ROW = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "repetition_penalty", "frequency_penalty",
+            "seed")
 
 
 # ---------------------------------------------------------------------------

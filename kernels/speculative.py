@@ -13,11 +13,18 @@ One verification step, per row ``b`` of a batch:
 
 Every function works on whole ``(B, ...)`` arrays: no Python loop over rows.
 
-Two acceptance rules:
+Three acceptance rules:
 
 * :func:`greedy_accept` -- greedy target: ``a`` = longest draft prefix equal to the target argmax at the
   same positions; the emitted token after it is the argmax at position ``a``. The output is exactly the
   target's greedy output, token for token.
+* :func:`sampled_accept` -- deterministic drafts (prompt lookup, a greedy draft model, an MTP head: ``q``
+  one-hot) for rows that may sample: the same rule with the target's *sampled* token at every position
+  (``kernels.sampling.sample`` with the row's seed at that output index) in place of its argmax. That is
+  exact speculative sampling for one-hot ``q`` (a draft ``d`` is accepted with probability ``p(d)``, and the
+  token drawn at a rejection, being a draw from ``p`` that is not ``d``, is distributed as the residual),
+  with the acceptance test coupled to the draw, and the tokens are the very ones decoding without drafts
+  draws with the same seed: drafts change how many tokens a tick emits, never which.
 * :func:`stochastic_accept` -- sampled target: the exact speculative-sampling rule (Leviathan et al. 2023,
   Chen et al. 2023). Draft ``i`` is accepted with probability ``min(1, p_i(d_i) / q_i(d_i))``; at the
   first rejection the emitted token is drawn from ``normalize(max(p_i - q_i, 0))``; if all drafts are
@@ -25,7 +32,9 @@ Two acceptance rules:
   sampled one by one from ``p`` (they are *not* the same tokens a non-speculative seeded run draws: the
   random stream is consumed differently). ``draft_logprobs=None`` means the drafter is deterministic
   (prompt lookup, or a greedy draft model): ``q_i`` is one-hot on ``d_i``, so a draft is accepted with
-  probability ``p_i(d_i)`` and the residual is ``p_i`` without ``d_i``, renormalised -- also exact.
+  probability ``p_i(d_i)`` and the residual is ``p_i`` without ``d_i``, renormalised -- also exact. The
+  engine verifies deterministic drafts with :func:`sampled_accept` (the same distribution, and the tokens
+  of decoding without drafts); this rule is for drafts drawn from a ``q`` (a sampling draft model).
 
 **p and q must be the processed distributions**: what the row would actually sample from, after penalties,
 top-p / min-p / top-k filtering and temperature (greedy rows: one-hot on the argmax). The drafter's ``q``
@@ -62,12 +71,13 @@ import mlx.core as mx
 import numpy as np
 from caches.layers import rollback_rows  # noqa: F401  (re-exported)
 
-from .sampling import SamplingArrays, _filter, _fmix32, _row_keys
+from .sampling import SamplingArrays, _filter, _fmix32, _row_keys, logprobs_from_logits, sample
 
 __all__ = [
     "AcceptResult",
     "greedy_accept",
     "greedy_accept_rows",
+    "sampled_accept",
     "stochastic_accept",
     "stochastic_accept_from_uniforms",
     "speculative_uniforms",
@@ -230,8 +240,31 @@ def greedy_accept(target_logits: mx.array, draft_tokens: mx.array, draft_lens: m
     ``accepted[b]`` = longest prefix of row b's draft equal to the target argmax at the same positions;
     the row emits those drafts and then the argmax at position ``accepted[b]`` (correction or bonus).
     """
+    _check(target_logits, draft_tokens, draft_lens)
+    return _accept_matching(mx.argmax(target_logits, axis=-1).astype(mx.int32), draft_tokens, draft_lens)
+
+
+def sampled_accept(target_logits: mx.array, draft_tokens: mx.array, draft_lens: mx.array, params: SamplingArrays,
+                   steps: mx.array) -> AcceptResult:
+    """Verification of deterministic drafts for rows that may sample (module docstring).
+
+    target_logits (B, k+1, V): the target's logits at ``[last, d_1..d_k]`` (no penalties: rows with penalties do
+    not draft); params: the rows' :class:`~kernels.sampling.SamplingArrays`; steps (B,): each row's output index
+    of position 0. Every position's token is what ``kernels.sampling.sample_tokens`` draws from that position's
+    logits at output index ``steps[b] + i`` (greedy rows: the argmax); ``accepted[b]`` is the longest draft prefix
+    equal to those tokens, and the row emits them up to and including position ``accepted[b]``."""
     B, k, V = _check(target_logits, draft_tokens, draft_lens)
-    top = mx.argmax(target_logits, axis=-1).astype(mx.int32)  # (B, k+1)
+    n = k + 1
+    flat = target_logits.reshape(B * n, V)
+    flat_steps = (steps.astype(mx.uint32)[:, None] + mx.arange(n, dtype=mx.uint32)[None, :]).reshape(-1)
+    top = sample(logprobs_from_logits(flat), params.repeated(n), flat_steps, logits=flat)
+    return _accept_matching(top.reshape(B, n).astype(mx.int32), draft_tokens, draft_lens)
+
+
+def _accept_matching(top: mx.array, draft_tokens: mx.array, draft_lens: mx.array) -> AcceptResult:
+    """Accept each row's longest draft prefix equal to ``top`` (B, k+1), the target's token at every position,
+    then emit ``top`` at the first position that differs (or after the last draft)."""
+    B, k = draft_tokens.shape
     match = (draft_tokens.astype(mx.int32) == top[:, :k]) & _valid_mask(draft_lens, k)
     accepted = mx.cumprod(match.astype(mx.int32), axis=1).sum(axis=1).astype(mx.int32) if k else mx.zeros((B,), mx.int32)
     last = mx.take_along_axis(top, accepted[:, None], axis=1)[:, 0]

@@ -26,8 +26,9 @@ class EngineConfig:
         `max_position_embeddings`. max_kv_size does not lift it.
     seed: engine seed; a request without its own seed samples with one derived from this and its id.
     draft_tokens: with k > 0, decoding rows may propose up to k draft tokens per tick, verified in the same
-        batched forward (exact: greedy output is unchanged, sampled output keeps its distribution). Draft
-        tokens count against max_batched_tokens, after prefill.
+        batched forward (exact: greedy output is unchanged; a sampled row draws the tokens it draws without
+        drafting, except from a sampling draft model, whose drafts keep the distribution only). Draft tokens
+        count against max_batched_tokens, after prefill.
     drafter: "prompt-lookup" (n-gram match in the request's own history, no model), "draft-model" (a smaller
         model with the same vocabulary) or "mtp" (a multi-token-prediction head on the target's hidden states).
     prompt_lookup_scope: whose histories prompt lookup matches in. "batch": the request's own, and where another

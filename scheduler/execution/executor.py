@@ -30,6 +30,7 @@ from kernels.speculative import (
     greedy_accept_rows,
     pad_drafts,
     processed_logprobs,
+    sampled_accept,
     stack_draft_logprobs,
     stochastic_accept,
 )
@@ -946,13 +947,19 @@ class MLXExecutor:
         return out
 
     def _accept(self, all_logits, draft_tokens, draft_lens, drafts, width, index, sampled) -> tuple[list, list]:
-        """Acceptance on the device for the drafting rows `index` (greedy: longest matching prefix; sampled: the
-        exact min(1, p/q) rule): (accepted, emitted tokens) per drafting row, read back with `sampled`."""
+        """Acceptance on the device for the drafting rows `index` (greedy: longest matching prefix; deterministic
+        drafts for sampled rows: the longest prefix matching what the row's seed draws at each position, so the
+        tokens are those of decoding without drafts; drafts drawn from a q: the exact min(1, p/q) rule):
+        (accepted, emitted tokens) per drafting row, read back with `sampled`."""
         idx = mx.array(index)
         rows = [self._rows[i] for i in index]
         target = all_logits[idx]
         if all(row.request.sampling.is_greedy for row in rows):
             res = greedy_accept(target, draft_tokens[idx], draft_lens[idx])
+        elif all(drafts[row.request.request_id].logprobs is None for row in rows):
+            res = sampled_accept(target, draft_tokens[idx], draft_lens[idx],
+                                 SamplingArrays.from_rows([row.sampling for row in rows]),
+                                 mx.array([r.step for r in rows], dtype=mx.uint32))
         else:
             params = SamplingArrays.from_rows([row.sampling for row in rows])
             target_lp = target - mx.logsumexp(target, axis=-1, keepdims=True)

@@ -209,6 +209,30 @@ def test_drafting_on_the_trained_model_is_exact_and_accepted(trained_model):
     assert stats["own history"]["drafter"]["shared_matches"] == 0
 
 
+def test_sampled_rows_draw_the_tokens_of_decoding_without_drafts(trained_model):
+    """Seeded sampled rows (plain, top-p, top-k) next to greedy ones on the trained model, whose drafts are
+    accepted: with prompt lookup every row's tokens are the ones the engine draws without drafting, at batch 4
+    and alone (`kernels.speculative.sampled_accept`)."""
+    model, tokenizer = trained_model[:2]
+    prompts = _repetitive(tokenizer, 4)
+    kinds = [dict(temperature=0.7, seed=1), dict(temperature=1.0, top_p=0.9, seed=2), dict(),
+             dict(temperature=0.8, top_k=20, seed=3)]
+    params = [SamplingParams(max_tokens=40, **kind) for kind in kinds]
+
+    def run(draft_tokens, which):
+        engine = Engine(model, tokenizer, EngineConfig(max_batched_tokens=1024, draft_tokens=draft_tokens))
+        outs = engine.generate([prompts[i] for i in which], [params[i] for i in which])
+        stats = engine.draft_stats()
+        engine.close()
+        return [o.token_ids for o in outs], stats
+
+    plain, _ = run(0, range(4))
+    drafted, stats = run(4, range(4))
+    assert drafted == plain
+    assert stats["accepted"] > 0 and stats["verify_forwards"] > 0
+    assert run(4, [1])[0] == [plain[1]]
+
+
 def test_a_riding_draft_is_verified_only_where_other_rows_draft(trained_model):
     """Random prompts pause their rows (nothing they draft is accepted at first); alone, a paused row's
     riding draft never makes a tick verify, so every one of them is dropped; next to a repetitive row whose

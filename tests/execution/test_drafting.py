@@ -1,6 +1,8 @@
 """Speculative decoding in the engine: drafting as a declared state, exact greedy output with every drafter
 and draft length, reproducible seeded sampling, aborts in the drafting state, replayable traces."""
 
+import dataclasses
+
 import pytest
 from mlx_lm import stream_generate
 
@@ -101,12 +103,14 @@ def test_prompt_lookup_accepts_on_a_repetitive_workload(text_model):
 
 
 def test_seeded_sampling_with_drafting_is_reproducible_alone_and_in_a_batch(text_model):
+    """A seeded sampled row draws the same tokens with drafting as without (`kernels.speculative.sampled_accept`),
+    alone or next to other requests whose histories its lookup reads."""
     model, tokenizer = text_model
     sampled = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=7)
     config = EngineConfig(draft_tokens=3, max_batched_tokens=128)
 
-    def run(with_crowd):
-        engine = Engine(model, tokenizer, config)
+    def run(with_crowd, draft_tokens=3):
+        engine = Engine(model, tokenizer, dataclasses.replace(config, draft_tokens=draft_tokens))
         arrivals = [(0, {"prompt_tokens": REPETITIVE[0], "sampling": sampled, "request_id": "x"})]
         if with_crowd:
             arrivals += [(0, {"prompt_tokens": p, "sampling": SamplingParams(max_tokens=10, temperature=1.0, seed=i)})
@@ -114,7 +118,7 @@ def test_seeded_sampling_with_drafting_is_reproducible_alone_and_in_a_batch(text
         return drive(engine, arrivals).tokens["x"]
 
     alone = run(False)
-    assert alone == run(False) == run(True)
+    assert alone == run(False) == run(True) == run(False, draft_tokens=0)
     assert len(alone) == 24
 
 

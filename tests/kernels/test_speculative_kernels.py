@@ -25,6 +25,7 @@ from kernels.speculative import (
     pad_drafts,
     processed_logprobs,
     rollback_rows,
+    sampled_accept,
     speculative_uniforms,
     stochastic_accept,
     stack_draft_logprobs,
@@ -389,6 +390,68 @@ def test_acceptance_rate_is_sum_of_min_p_q():
     # one-hot q: accept with probability p(d), averaged over the drafts
     _, n1, d1 = _spec_trial(False, seed=2)
     assert abs((n1 >= 2).mean() - P[0][d1[:, 0]].mean()) < 0.015
+
+
+# ---------------------------------------------------------------------------
+# Deterministic drafts for sampled rows: the plain sampler's tokens
+# ---------------------------------------------------------------------------
+
+
+def _rows_sampling(B: int) -> list[RowSampling]:
+    """Greedy, plain, top-p, top-k and min-p rows in turn, each with its own seed."""
+    kinds = [dict(), dict(temperature=0.8), dict(temperature=1.0, top_p=0.9), dict(temperature=0.7, top_k=5),
+             dict(temperature=1.2, min_p=0.05)]
+    return [RowSampling(seed=100 + b, **kinds[b % len(kinds)]) for b in range(B)]
+
+
+def test_sampled_accept_emits_what_the_plain_sampler_draws_at_each_position():
+    """Each position's token is `sample_tokens` on that position's logits at output index steps + i; a row
+    accepts its longest draft prefix equal to them. Drafts: the plain tokens themselves (all accepted, then
+    the bonus), the plain tokens with one changed (a correction there) and none."""
+    B, k, V = 15, 4, 48
+    rng = np.random.default_rng(5)
+    logits = (rng.normal(size=(B, k + 1, V)) * 2.0).astype(np.float32)
+    rows = _rows_sampling(B)
+    params = SamplingArrays.from_rows(rows)
+    steps = np.arange(B, dtype=np.uint32) * 7 + 3
+    plain = np.stack([np.array(ks.sample_tokens(mx.array(logits[:, i]), params, mx.array(steps + i))[0])
+                      for i in range(k + 1)], axis=1)
+    drafts = plain[:, :k].astype(np.int32).copy()
+    lens = np.full(B, k, dtype=np.int32)
+    wrong_at = {b: b % k for b in range(B) if b % 3 == 1}
+    for b, i in wrong_at.items():
+        drafts[b, i] = (drafts[b, i] + 1) % V
+    for b in range(B):
+        if b % 3 == 2:
+            lens[b] = 0
+    res = sampled_accept(mx.array(logits), mx.array(drafts), mx.array(lens), params, mx.array(steps))
+    for b, emitted in enumerate(rows_of(res)):
+        n = wrong_at.get(b, k) if lens[b] else 0
+        assert emitted == plain[b, : n + 1].tolist(), b
+
+
+def test_sampled_accept_is_exact_speculative_sampling_for_one_hot_drafts():
+    """A one-hot draft d is accepted with probability p(d), and a rejected position's token is distributed as
+    p without d, renormalised (the residual): 20000 seeded rows of `_spec_trial`'s deterministic drafter."""
+    B, k = 20000, 2
+    rng = np.random.default_rng(3)
+    p = np.log(np.stack(P)).astype(np.float32)
+    good = rng.random((B, k)) < 0.7
+    drafts = np.where(good, np.stack([P[i] for i in range(k)]).argmax(-1)[None, :],
+                      rng.integers(0, V_SMALL, size=(B, k))).astype(np.int32)
+    params = SamplingArrays.from_rows([RowSampling(temperature=1.0, seed=s) for s in range(B)])
+    res = sampled_accept(mx.array(np.broadcast_to(p, (B, k + 1, V_SMALL)).copy()), mx.array(drafts),
+                         mx.full((B,), k, mx.int32), params, mx.array((np.arange(B) % 13).astype(np.uint32)))
+    emitted, n = np.array(res.emitted), np.array(res.num_emitted)
+    _check_matches(emitted[:, 0], P[0])
+    assert abs((n >= 2).mean() - P[0][drafts[:, 0]].mean()) < 0.015
+    rejected = (n == 1) & (drafts[:, 0] == 0)  # d = 0 rejected: the residual is P[0] without token 0
+    residual = P[0].copy()
+    residual[0] = 0.0
+    assert (emitted[rejected, 0] != 0).all()
+    _check_matches(emitted[rejected, 0], np.where(residual > 0, residual, 1e-12) / residual.sum())
+    more = n >= 2
+    _check_matches(emitted[more, 1], P[1])
 
 
 # ---------------------------------------------------------------------------
