@@ -48,14 +48,17 @@ class VerifyCost:
       and, every HOLE_LIMIT positions, one compaction (a per-row copy of every layer before 2026-12-05: 0.45).
 
     Defaults: the trained tiny model under OpenBLAS (bench/README.md, "A cheaper verify tick";
-    `bench/verify_tick.py`: whole batch-4 ticks at w = 2..5 cost 1.22-1.57x a plain one). Another model's
-    figures come from running that probe on it."""
+    `bench/verify_tick.py`: whole batch-4 ticks at w = 2..5 cost 1.22-1.57x a plain one; "Drafting from the
+    batch's histories": the bare forward at w = 5 costs 1.72x a w = 1 one at batch 4 and 2.51x at batch 16).
+    Another model's figures come from running that probe on it."""
 
     verify: float = 0.10
     width: float = 0.09
-    # the extra cost of width measured about the same for one row and four on the tiny model (overhead-bound);
-    # > 0 for a model whose forward is compute-bound
-    rows: float = 0.0
+    # once the verify tick's fixed costs were cut, its forward is what grows with width, and on this CPU it is
+    # compute-bound: each position costs more with more rows (per position, 0.18 of a plain tick at batch 4
+    # and 0.38 at batch 16, against 0.09-0.12 at batch 1). 0.25 fits both within 10%; it was 0 while the fixed
+    # costs dominated
+    rows: float = 0.25
     shift: float = 0.05
 
     def __post_init__(self) -> None:
