@@ -29,12 +29,13 @@ class EngineConfig:
         batched forward (exact: greedy output is unchanged; a sampled row draws the tokens it draws without
         drafting, except from a sampling draft model, whose drafts keep the distribution only). Draft tokens
         count against max_batched_tokens, after prefill.
-    drafter: "prompt-lookup" (n-gram match in the request's own history, no model), "draft-model" (a smaller
-        model with the same vocabulary) or "mtp" (a multi-token-prediction head on the target's hidden states).
+    drafter: "prompt-lookup" (n-gram match in the request's history, or the batch's: prompt_lookup_scope; no
+        model), "draft-model" (a smaller model with the same vocabulary) or "mtp" (a multi-token-prediction
+        head on the target's hidden states).
     prompt_lookup_scope: whose histories prompt lookup matches in. "batch": the request's own, and where another
         live request's holds a longer match (a template, schema or code the batch shares), that one. "request":
-        its own only, so one request's context never shapes another's drafts; greedy output is the same
-        either way, what differs is how many drafts are accepted, hence speed.
+        its own only, so one request's context never shapes another's drafts; the output is the same either
+        way, what differs is how many drafts are accepted, hence speed.
     adaptive_drafting: each row's draft length follows its recent acceptance and a row whose drafts keep
         being rejected pauses until its context changes (prompt lookup, draft model; see
         `scheduler/execution/drafters.py`). False: every drafting row proposes up to draft_tokens each tick.

@@ -7,7 +7,8 @@ the target's KV rollback is ``kernels.speculative.rollback_rows``.
 * :class:`PromptLookupDrafter` -- no model: match the last n tokens against the request's own history and
   propose what followed the most recent earlier occurrence; with ``LookupScope.BATCH`` (the engine's default)
   a longer match in another live request's history is taken where the row's own is shorter. Deterministic, so
-  ``Draft.logprobs`` is ``None`` (``q`` one-hot on the draft: ``stochastic_accept(draft_logprobs=None)``).
+  ``Draft.logprobs`` is ``None`` (``q`` one-hot on the draft: a sampled row verifies it with
+  ``kernels.speculative.sampled_accept``, and keeps the tokens it draws without drafts).
 * :class:`DraftModelDrafter` -- a smaller mlx-lm model with the target's vocabulary. One left-padded batch
   cache (mlx-lm ``BatchKVCache``) for all its rows, so drafting k tokens for B rows is k batched forwards,
   not k x B. The cache is kept in sync with the *history passed to* :meth:`propose` (longest common prefix
@@ -326,8 +327,8 @@ class LookupScope(str, Enum):
 
     REQUEST = "request"  # each request's own history only
     # its own history first; another live request's history where that holds a longer match (the same
-    # template, schema or code a batch shares). Greedy output is unchanged; what one request's context can
-    # reveal of another's is the acceptance, hence the speed, of its drafts
+    # template, schema or code a batch shares). Greedy and seeded sampled output are unchanged; what one
+    # request's context can reveal of another's is the acceptance, hence the speed, of its drafts
     BATCH = "batch"
 
 

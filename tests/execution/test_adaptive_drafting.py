@@ -116,7 +116,7 @@ def test_a_paused_row_under_the_gate_proposes_a_draft_that_rides_along():
     gated, capped = PromptLookupDrafter(cap_k=False), PromptLookupDrafter()
     history = phrase * 2 + [7]
     seen = {"gated": [], "capped": []}
-    for step in range(3):
+    for _ in range(3):
         history = history + phrase[:3]
         for name, d in (("gated", gated), ("capped", capped)):
             [draft] = d.propose([DraftRequest("r", history)], 4)
