@@ -16,7 +16,11 @@ plain decoding token by token; figures are the best of `--repeats` per side. Tic
 depend on the machine's load: plain ticks / drafting ticks is the speed-up if a verify tick cost what a plain
 one does.
 
-    python -m bench.drafting [--batch 1 4] [--new-tokens 64] [--k 4] [--repeats 3] [--steps N]
+`--sequential N` runs instead N repetitive prompts one after another through one engine per side (each
+arrives when the one before has finished), with the side `prompt_lookup_scope="recent"` next to the others:
+there later requests can draft from the histories of earlier ones.
+
+    python -m bench.drafting [--batch 1 4] [--new-tokens 64] [--k 4] [--repeats 3] [--steps N] [--sequential N]
 """
 
 from __future__ import annotations
@@ -62,6 +66,13 @@ SIDES: dict[str, dict[str, Any]] = {
     "adaptive, no gate": {"draft_gate": False},
     "fixed": {"adaptive_drafting": False},
 }
+# the sides of --sequential
+SEQUENTIAL_SIDES: dict[str, dict[str, Any]] = {
+    "plain": {"draft_tokens": 0},
+    "adaptive": {},
+    "adaptive, recent": {"prompt_lookup_scope": "recent"},
+    "adaptive, own history": {"prompt_lookup_scope": "request"},
+}
 
 
 def run_side(model, tokenizer, prompts, new_tokens: int, k: int, side: str = "adaptive") -> tuple[RunStats, dict]:
@@ -84,6 +95,59 @@ def run_side(model, tokenizer, prompts, new_tokens: int, k: int, side: str = "ad
     return stats, draft
 
 
+def run_sequential(model, tokenizer, prompts, new_tokens: int, k: int, side: str) -> tuple[float, int, list, dict]:
+    """The prompts one after another through one engine: (wall s, ticks, outputs, the drafter's stats)."""
+    import time
+
+    from scheduler import Engine, EngineConfig, SamplingParams
+
+    engine = Engine(model, _NoEosTokenizer(tokenizer),
+                    EngineConfig(max_batched_tokens=2048, **{"draft_tokens": k, **SEQUENTIAL_SIDES[side]}))
+    sampling = SamplingParams(max_tokens=new_tokens)
+    outputs, ticks = [], 0
+    t0 = time.perf_counter()
+    for prompt in prompts:
+        rid = engine.add_request(prompt_tokens=prompt, sampling=sampling)
+        tokens: list[int] = []
+        while engine.has_pending():
+            for out in engine.step():
+                if out.request_id == rid:
+                    tokens += out.token_ids
+            ticks += 1
+        outputs.append(tokens)
+    wall = time.perf_counter() - t0
+    drafter = engine.draft_stats()["drafter"] or {}
+    engine.close()
+    return wall, ticks, outputs, drafter
+
+
+def sequential(model, tokenizer, args, argv) -> int:
+    prompts = repetitive_prompts(tokenizer, args.sequential)
+    sides = list(SEQUENTIAL_SIDES)
+    for name in sides:  # warm-up
+        run_sequential(model, tokenizer, prompts[:1], 4, args.k, name)
+    runs: dict[str, list] = {name: [] for name in sides}
+    for rep in range(args.repeats):
+        shift = rep % len(sides)
+        for name in sides[shift:] + sides[:shift]:
+            runs[name].append(run_sequential(model, tokenizer, prompts, args.new_tokens, args.k, name))
+            print(f"  sequential rep {rep} {name}: wall {runs[name][-1][0]:.3f}s", file=sys.stderr)
+    best_plain = min(r[0] for r in runs["plain"])
+    print(f"Command: `python -m bench.drafting {shlex.join(argv)}`; {args.sequential} repetitive prompts one after "
+          f"another, best of {args.repeats} per side, order rotating; k={args.k}, {args.new_tokens} new tokens per "
+          f"request; {os.cpu_count()} CPUs\n")
+    print("| drafting | wall s | speed-up | ticks | drafts from other requests | greedy output identical |")
+    print("|---|---|---|---|---|---|")
+    identical = True
+    for name in sides:
+        best = min(runs[name], key=lambda r: r[0])
+        same = all(r[2] == runs["plain"][0][2] for r in runs[name])
+        identical &= same
+        print(f"| {name} | {best[0]:.3f} | **{best_plain / best[0]:.2f}x** | {best[1]} | "
+              f"{best[3].get('shared_matches', 0)} | {'yes' if same else 'NO'} |")
+    return 0 if identical else 1
+
+
 def _gate_cell(gate: dict | None) -> str:
     if not gate:
         return "off"
@@ -99,6 +163,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=None, help="training steps of the model (default: the kind's)")
     ap.add_argument("--model-dir", default=None, help="use this trained model instead of building one")
+    ap.add_argument("--sequential", type=int, default=0,
+                    help="N repetitive prompts one after another instead of the batch tables")
     args = ap.parse_args(argv)
 
     from mlx_lm import load
@@ -111,6 +177,8 @@ def main(argv=None) -> int:
             log=lambda m: print(m, file=sys.stderr))
         model, tokenizer = load(str(model_dir))
         record = (Path(model_dir) / "training.json").read_text() if (Path(model_dir) / "training.json").exists() else ""
+    if args.sequential:
+        return sequential(model, tokenizer, args, argv)
     rows: list[dict[str, Any]] = []
     for kind in ("repetitive", "non-repetitive"):
         for n in args.batch:

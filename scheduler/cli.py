@@ -270,8 +270,11 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mix", choices=["decode-first", "prefill-first"])
     g.add_argument("--draft-tokens", type=int, help="speculative decoding: draft tokens per row (0: off)")
     g.add_argument("--drafter", choices=["prompt-lookup", "mtp"])
-    g.add_argument("--prompt-lookup-scope", choices=["batch", "request"],
-                   help="prompt lookup matches in the batch's histories (batch) or each request's own (request)")
+    g.add_argument("--prompt-lookup-scope", choices=["batch", "recent", "request"],
+                   help="prompt lookup matches in the batch's histories (batch), those and recently finished "
+                        "requests' (recent), or each request's own (request)")
+    g.add_argument("--prompt-lookup-pool-tokens", type=int,
+                   help="with --prompt-lookup-scope recent: tokens of finished histories kept (32768)")
     g.add_argument("--no-adaptive-drafting", dest="adaptive_drafting", action="store_false", default=None,
                    help="every drafting row proposes up to --draft-tokens each tick")
     g.add_argument("--no-draft-gate", dest="draft_gate", action="store_false", default=None,

@@ -33,9 +33,12 @@ class EngineConfig:
         model), "draft-model" (a smaller model with the same vocabulary) or "mtp" (a multi-token-prediction
         head on the target's hidden states).
     prompt_lookup_scope: whose histories prompt lookup matches in. "batch": the request's own, and where another
-        live request's holds a longer match (a template, schema or code the batch shares), that one. "request":
-        its own only, so one request's context never shapes another's drafts; the output is the same either
-        way, what differs is how many drafts are accepted, hence speed.
+        live request's holds a longer match (a template, schema or code the batch shares), that one. "recent":
+        "batch", and the histories of the requests that finished last, up to prompt_lookup_pool_tokens tokens
+        (requests one after another that share a template). "request": its own only, so one request's context
+        never shapes another's drafts. The output is the same in every scope; what differs is how many drafts
+        are accepted, hence speed, which is also all one request's context can reveal to another.
+    prompt_lookup_pool_tokens: with "recent": how many tokens of finished requests' histories stay indexed.
     adaptive_drafting: each row's draft length follows its recent acceptance and a row whose drafts keep
         being rejected pauses until its context changes (prompt lookup, draft model; see
         `scheduler/execution/drafters.py`). False: every drafting row proposes up to draft_tokens each tick.
@@ -107,7 +110,8 @@ class EngineConfig:
     mix: str = "decode-first"  # or "prefill-first"
     draft_tokens: int = 0  # speculative decoding: draft tokens per row per tick (0 = off)
     drafter: str = "prompt-lookup"  # or "draft-model" (Engine(draft_model=...)) or "mtp" (Engine(mtp_head=...))
-    prompt_lookup_scope: str = "batch"  # or "request"
+    prompt_lookup_scope: str = "batch"  # or "recent", "request"
+    prompt_lookup_pool_tokens: int = 32768
     adaptive_drafting: bool = True
     draft_gate: bool = True
     vision_budget: int = 16  # media items encoded per tick
@@ -161,8 +165,12 @@ class EngineConfig:
             raise ValueError(f"processor_history: must be 'prompt+output' or 'output', got {self.processor_history!r}")
         if self.drafter not in ("prompt-lookup", "draft-model", "mtp"):
             raise ValueError(f"drafter: must be 'prompt-lookup', 'draft-model' or 'mtp', got {self.drafter!r}")
-        if self.prompt_lookup_scope not in ("batch", "request"):
-            raise ValueError(f"prompt_lookup_scope: must be 'batch' or 'request', got {self.prompt_lookup_scope!r}")
+        if self.prompt_lookup_scope not in ("batch", "recent", "request"):
+            raise ValueError("prompt_lookup_scope: must be 'batch', 'recent' or 'request', got "
+                             f"{self.prompt_lookup_scope!r}")
+        if not isinstance(self.prompt_lookup_pool_tokens, int) or self.prompt_lookup_pool_tokens < 0:
+            raise ValueError("prompt_lookup_pool_tokens: must be an integer >= 0, got "
+                             f"{self.prompt_lookup_pool_tokens!r}")
         if self.max_kv_size is not None and (not isinstance(self.max_kv_size, int) or self.max_kv_size < 2):
             raise ValueError(f"max_kv_size: must be an integer >= 2 or None, got {self.max_kv_size!r}")
         if self.kv_memory_bytes is not None and (not isinstance(self.kv_memory_bytes, int) or self.kv_memory_bytes < 1):

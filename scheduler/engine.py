@@ -325,7 +325,7 @@ class Engine:
             return DraftModelDrafter(draft_model, adaptive=cfg.adaptive_drafting)
         # lookup proposals cost nothing, so under the draft gate (which picks the width) rows propose all of k
         return PromptLookupDrafter(adaptive=cfg.adaptive_drafting, cap_k=not cfg.draft_gate,
-                                   scope=cfg.prompt_lookup_scope)
+                                   scope=cfg.prompt_lookup_scope, pool_tokens=cfg.prompt_lookup_pool_tokens)
 
     def _make_draft_gate(self) -> Any:
         """Adaptive drafting judges each tick's width for the whole batch (`execution/draft_gate.py`); fixed-k

@@ -34,6 +34,7 @@ Protocol::
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Hashable, Iterable, Optional, Protocol, Sequence
@@ -330,12 +331,16 @@ class LookupScope(str, Enum):
     # template, schema or code a batch shares). Greedy and seeded sampled output are unchanged; what one
     # request's context can reveal of another's is the acceptance, hence the speed, of its drafts
     BATCH = "batch"
+    # BATCH, and the histories of the requests that finished most recently, up to a token budget (requests
+    # one after another that share a template: an agent's tool calls, a client's JSON answers)
+    RECENT = "recent"
 
 
 class SharedNgrams:
     """The n-grams of several requests' histories: ``find`` gives, for a suffix, the request (other than the
     asking one) whose :class:`NgramIndex` indexed it most recently and where. Each request's entries are added
-    as its index grows and removed with the index (``drop``), so every entry points into a live history.
+    as its index grows and removed with the index (``drop``), so every entry points into a history the drafter
+    holds (a live request's, or a pooled finished one's).
     Costs what the per-request indexes cost: one dict write per n-gram, one lookup per n."""
 
     def __init__(self, ngram_min: int, ngram_max: int):
@@ -381,16 +386,23 @@ class PromptLookupDrafter:
     suffix n-gram of its own history that occurred before; with ``scope=LookupScope.BATCH`` a longer match in
     another live request's history (the requests this drafter holds an index of) wins over it, and is copied
     as far as that history goes. Measured on the trained model's batch-4 prompts (bench/README.md):
-    2.3 -> 2.7 tokens per verify forward at k = 4.
+    2.3 -> 2.7 tokens per verify forward at k = 4. With ``scope=LookupScope.RECENT`` a released request's index
+    stays in a pool of finished histories, the most recent first, up to ``pool_tokens`` tokens in all.
     """
 
     def __init__(self, ngram_max: int = 3, ngram_min: int = 1, adaptive: bool = True, cap_k: bool = True,
-                 scope: LookupScope | str = LookupScope.REQUEST):
+                 scope: LookupScope | str = LookupScope.REQUEST, pool_tokens: int = 0):
         if not 1 <= ngram_min <= ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}")
+        if pool_tokens < 0:
+            raise ValueError(f"pool_tokens must be >= 0, got {pool_tokens}")
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
         self.scope = LookupScope(scope)
-        self._shared = SharedNgrams(ngram_min, ngram_max) if self.scope is LookupScope.BATCH else None
+        self._shared = None if self.scope is LookupScope.REQUEST else SharedNgrams(ngram_min, ngram_max)
+        # finished requests' indexes (RECENT), oldest first, and the tokens they hold
+        self.pool_tokens = pool_tokens if self.scope is LookupScope.RECENT else 0
+        self._pool: OrderedDict[str, NgramIndex] = OrderedDict()
+        self._pooled = 0
         self.shared_matches = 0  # drafts taken from another request's history
         self._riding: set[str] = set()  # rows whose latest draft rides along (paused rows, under the gate)
         self.riding = {"proposed": 0, "verified": 0, "accepted_tokens": 0}
@@ -421,10 +433,33 @@ class PromptLookupDrafter:
             self.rebuilds += 1
             if self._shared is not None:
                 self._shared.drop(rid, index)
+        self._unpool(rid)  # a request that comes back under a finished one's id replaces its history
         index = self._index[rid] = NgramIndex(self.ngram_min, self.ngram_max, tokens)
         if self._shared is not None:
             self._shared.add(rid, index, index.indexed)
         return index
+
+    def _pool_history(self, request_id: str, index: NgramIndex) -> None:
+        """Keep a finished request's index for later lookups (RECENT), evicting the oldest over the budget."""
+        self._unpool(request_id)
+        if len(index.tokens) > self.pool_tokens:
+            self._shared.drop(request_id, index)
+            return
+        self._pool[request_id] = index
+        self._pooled += len(index.tokens)
+        while self._pooled > self.pool_tokens:
+            self._unpool(next(iter(self._pool)))
+
+    def _unpool(self, request_id: str) -> None:
+        index = self._pool.pop(request_id, None)
+        if index is not None:
+            self._pooled -= len(index.tokens)
+            self._shared.drop(request_id, index)
+
+    def _history(self, request_id: str) -> list[int]:
+        """A live or pooled request's indexed tokens."""
+        index = self._index.get(request_id)
+        return (index if index is not None else self._pool[request_id]).tokens
 
     def _match(self, request_id: str, index: NgramIndex, k: int) -> tuple[list[int], int, Hashable]:
         """The row's draft, the n that matched and the match's source (``AdaptivePace``'s distance)."""
@@ -436,7 +471,7 @@ class PromptLookupDrafter:
             found = self._shared.find(own[len(own) - m:], request_id)
             if found is not None:
                 holder, e = found
-                source = self._index[holder].tokens
+                source = self._history(holder)
                 self.shared_matches += 1
                 # where the source sits against the row's own position: a continued copy keeps it
                 return source[e + 1 : e + 1 + k], m, (holder, len(own) - 1 - e)
@@ -483,7 +518,10 @@ class PromptLookupDrafter:
         for rid in request_ids:
             index = self._index.pop(rid, None)
             if index is not None and self._shared is not None:
-                self._shared.drop(rid, index)
+                if self.pool_tokens:
+                    self._pool_history(rid, index)
+                else:
+                    self._shared.drop(rid, index)
             self._riding.discard(rid)
             self._stats.last.pop(rid, None)
             self._k.pop(rid, None)
@@ -494,7 +532,8 @@ class PromptLookupDrafter:
         out = self._stats.as_dict()
         out.update(kind="prompt_lookup", scope=self.scope.value, live_requests=len(self._index),
                    matches_by_n={str(n): c for n, c in self.matches_by_n.items()},  # JSON-ready keys
-                   shared_matches=self.shared_matches,
+                   shared_matches=self.shared_matches, pooled_requests=len(self._pool),
+                   pooled_tokens=self._pooled,
                    riding_drafts=dict(self.riding),
                    rebuilds=self.rebuilds, adaptive=self.pace.stats() if self.pace is not None else None)
         return out

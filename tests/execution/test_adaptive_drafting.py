@@ -209,6 +209,26 @@ def test_drafting_on_the_trained_model_is_exact_and_accepted(trained_model):
     assert stats["own history"]["drafter"]["shared_matches"] == 0
 
 
+def test_recent_scope_drafts_from_requests_that_finished_before(trained_model):
+    """Requests one after another: with `prompt_lookup_scope="recent"` the later ones draft from the earlier
+    ones' histories (the same record template), with the batch scope they cannot (nothing else is live). Greedy
+    output is mlx-lm's either way."""
+    model, tokenizer = trained_model[:2]
+    prompts = [_repetitive(tokenizer, 3)[i] for i in (0, 2)]  # two runs of records
+    new = 32
+    solo = [solo_tokens(model, tokenizer, p, new) for p in prompts]
+    stats = {}
+    for scope in ("recent", "batch"):
+        engine = Engine(model, tokenizer, EngineConfig(max_batched_tokens=1024, draft_tokens=4,
+                                                       prompt_lookup_scope=scope))
+        outs = [engine.generate([p], SamplingParams(max_tokens=new))[0].token_ids for p in prompts]
+        assert outs == solo
+        stats[scope] = engine.draft_stats()["drafter"]
+        engine.close()
+    assert stats["recent"]["shared_matches"] > 0 and stats["recent"]["pooled_requests"] == 2
+    assert stats["batch"]["shared_matches"] == 0 and stats["batch"]["pooled_requests"] == 0
+
+
 def test_sampled_rows_draw_the_tokens_of_decoding_without_drafts(trained_model):
     """Seeded sampled rows (plain, top-p, top-k) next to greedy ones on the trained model, whose drafts are
     accepted: with prompt lookup every row's tokens are the ones the engine draws without drafting, at batch 4

@@ -180,6 +180,39 @@ def test_released_and_rebuilt_histories_leave_no_shared_entries():
     assert all(not table for table in d._shared.maps.values())  # no entry outlives its request
 
 
+def test_recent_scope_drafts_from_finished_requests_within_its_token_budget():
+    """`scope="recent"`: a finished request's history stays for later requests to match, the oldest leaving
+    first once the pool holds more than `pool_tokens`; `"batch"` forgets it at release."""
+    template = [40, 41, 42, 43, 44, 45]
+    recent = PromptLookupDrafter(scope="recent", pool_tokens=20)
+    batch = PromptLookupDrafter(scope="batch", pool_tokens=20)  # (the budget applies to "recent" only)
+    for d in (recent, batch):
+        d.propose([_req("done", [1, 2] + template)], 2)
+        d.release(["done"])
+    assert recent.propose([_req("next", [9, 40, 41])], 3)[0].tokens == [42, 43, 44]
+    assert batch.propose([_req("next", [9, 40, 41])], 3)[0].tokens == []
+    assert recent.stats()["pooled_requests"] == 1 and recent.stats()["pooled_tokens"] == 8
+    assert batch.stats()["pooled_requests"] == 0
+    assert not any("done" in holders for table in batch._shared.maps.values() for holders in table.values())
+    # two more finished histories of 8 tokens: 24 > 20, so the oldest ("done") leaves, with its n-grams
+    for rid, base in (("b", 60), ("c", 80)):
+        recent.propose([_req(rid, list(range(base, base + 8)))], 2)
+        recent.release([rid])
+    assert recent.stats()["pooled_requests"] == 2 and recent.stats()["pooled_tokens"] == 16
+    assert recent.propose([_req("late", [9, 40, 41])], 3)[0].tokens == []
+    assert recent.propose([_req("late2", [5, 61, 62])], 2)[0].tokens == [63, 64]
+    # a request back under a pooled id replaces that history; a history above the budget is not kept
+    recent.propose([_req("b", [7, 7, 7])], 2)
+    assert "b" not in recent._pool
+    recent.propose([_req("long", list(range(200, 230)))], 2)
+    recent.release(["long", "b", "next", "late", "late2"])
+    assert "long" not in recent._pool and recent.stats()["pooled_tokens"] <= 20
+    held = {rid for table in recent._shared.maps.values() for holders in table.values() for rid in holders}
+    assert held <= set(recent._pool)  # every shared entry belongs to a pooled history
+    with pytest.raises(ValueError):
+        PromptLookupDrafter(scope="recent", pool_tokens=-1)
+
+
 def test_a_copy_continued_from_another_history_keeps_its_pace_source():
     """A paused row resumes early only on a match from a new source; a copy continued from another row's
     history keeps its source (the other request, at the same offset from the row's own position), so it

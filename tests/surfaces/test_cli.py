@@ -110,6 +110,7 @@ def test_every_engine_config_field_is_a_serve_flag_or_says_why_not():
                "policy": ("--policy", "priority", "priority"), "mix": ("--mix", "prefill-first", "prefill-first"),
                "draft_tokens": ("--draft-tokens", "2", 2), "drafter": ("--drafter", "mtp", "mtp"),
                "prompt_lookup_scope": ("--prompt-lookup-scope", "request", "request"),
+               "prompt_lookup_pool_tokens": ("--prompt-lookup-pool-tokens", "100", 100),
                "adaptive_drafting": ("--no-adaptive-drafting", None, False),
                "draft_gate": ("--no-draft-gate", None, False), "vision_budget": ("--vision-budget", "2", 2),
                "vision_token_budget": ("--vision-token-budget", "300", 300),
