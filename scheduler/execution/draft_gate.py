@@ -49,16 +49,17 @@ class VerifyCost:
 
     Defaults: the trained tiny model under OpenBLAS (bench/README.md, "A cheaper verify tick";
     `bench/verify_tick.py`: whole batch-4 ticks at w = 2..5 cost 1.22-1.57x a plain one; "Drafting from the
-    batch's histories": the bare forward at w = 5 costs 1.72x a w = 1 one at batch 4 and 2.51x at batch 16).
+    batch's histories": the bare forward at w = 5 costs 1.46-1.72x a w = 1 one at batch 4 and 2.5-2.6x at
+    batch 16).
     Another model's figures come from running that probe on it."""
 
     verify: float = 0.10
     width: float = 0.09
     # once the verify tick's fixed costs were cut, its forward is what grows with width, and on this CPU it is
-    # compute-bound: each position costs more with more rows (per position, 0.18 of a plain tick at batch 4
-    # and 0.38 at batch 16, against 0.09-0.12 at batch 1). 0.25 fits both within 10%; it was 0 while the fixed
-    # costs dominated
-    rows: float = 0.25
+    # compute-bound: each position costs more with more rows. The bare forward at w = 5 is 1.46-1.72x a w = 1
+    # one at batch 4 and 2.5-2.6x at batch 16; with the ~0.3 ms of engine work every tick has, whole ticks
+    # come to about 1.5-1.6x and 2.1-2.3x, which 0.1 fits (1.62x, 2.05x). It was 0 while fixed costs dominated
+    rows: float = 0.1
     shift: float = 0.05
 
     def __post_init__(self) -> None:

@@ -193,7 +193,7 @@ def test_recent_scope_drafts_from_finished_requests_within_its_token_budget():
     assert batch.propose([_req("next", [9, 40, 41])], 3)[0].tokens == []
     assert recent.stats()["pooled_requests"] == 1 and recent.stats()["pooled_tokens"] == 8
     assert batch.stats()["pooled_requests"] == 0
-    assert not any("done" in holders for table in batch._shared.maps.values() for holders in table.values())
+    assert not any(holder[0] == "done" for table in batch._shared.maps.values() for holder in table.values())
     # two more finished histories of 8 tokens: 24 > 20, so the oldest ("done") leaves, with its n-grams
     for rid, base in (("b", 60), ("c", 80)):
         recent.propose([_req(rid, list(range(base, base + 8)))], 2)
@@ -207,7 +207,7 @@ def test_recent_scope_drafts_from_finished_requests_within_its_token_budget():
     recent.propose([_req("long", list(range(200, 230)))], 2)
     recent.release(["long", "b", "next", "late", "late2"])
     assert "long" not in recent._pool and recent.stats()["pooled_tokens"] <= 20
-    held = {rid for table in recent._shared.maps.values() for holders in table.values() for rid in holders}
+    held = {holder[0] for table in recent._shared.maps.values() for holder in table.values()}
     assert held <= set(recent._pool)  # every shared entry belongs to a pooled history
     with pytest.raises(ValueError):
         PromptLookupDrafter(scope="recent", pool_tokens=-1)
