@@ -4,7 +4,8 @@ step) against width w = k + 1 (the last token and k drafts), for batch 1 and 4, 
 executor's batch cache, no copy, until they are squeezed out: `caches.layers._HoleBatchKVCache`; a per-row
 shift copy before 2026-12-05),
 and the greedy acceptance that reads the verdict back. The draft gate's cost model
-(`scheduler/execution/draft_gate.py`, `VerifyCost`) comes from these figures.
+(`scheduler/execution/draft_gate.py`, `VerifyCost`) comes from these figures; the probe prints the fit for the
+model and machine it ran on (`VerifyCost.fit`), to pass as `EngineConfig(draft_cost=...)`.
 
 Each figure is the 10th percentile of ``--iters`` timed repetitions (after warm-up) of: one forward over a left-padded
 batch cache holding ``--context`` tokens per row, ``mx.eval`` of its logits, then the rollback that restores the
@@ -184,6 +185,16 @@ def main(argv=None) -> int:
     print("|---|" + "---|" * len(widths))
     for b, t in ticks.items():
         print(f"| {b} | " + " | ".join(f"{t[w]:.3f} ({t[w] / t[1]:.2f})" for w in widths) + " |")
+    if len(widths) > 1:
+        from scheduler.execution.draft_gate import VerifyCost
+
+        # what a plain engine tick costs beyond its bare forward, the same at every width
+        overhead = sum(max(0.0, ticks[r["batch"]][1] - r["forward_ms"][1]) for r in rows) / len(rows)
+        fit = VerifyCost.fit({r["batch"]: r["forward_ms"] for r in rows}, overhead)
+        print()
+        print(f"The gate's cost model fitted to these forwards (engine work per tick {overhead:.3f} ms): {fit}; "
+              f"EngineConfig(draft_cost=({fit.verify}, {fit.width}, {fit.rows}, {fit.shift})), "
+              f"`mlxsched serve --draft-cost {fit.verify},{fit.width},{fit.rows},{fit.shift}`")
     return 0
 
 

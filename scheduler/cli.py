@@ -279,6 +279,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="every drafting row proposes up to --draft-tokens each tick")
     g.add_argument("--no-draft-gate", dest="draft_gate", action="store_false", default=None,
                    help="verify every proposed draft at full length")
+    g.add_argument("--draft-cost", type=_draft_cost, metavar="VERIFY,WIDTH,ROWS,SHIFT",
+                   help="the draft gate's cost model for this machine and model (python -m bench.verify_tick)")
     g.add_argument("--penalty-context", type=int, help="tokens the repetition / presence penalties look back (20)")
     g.add_argument("--processor-history", choices=["prompt+output", "output"],
                    help="what penalties and logits processors see (prompt+output: mlx-lm's)")
@@ -295,6 +297,16 @@ ENGINE_FIELDS_WITHOUT_FLAGS = {
     "shard_stall_timeout_s": "sharded engines only; serve runs one process",
     "check_invariants": "a test switch (MLXSCHED_CHECK_INVARIANTS=1)",
 }
+
+
+def _draft_cost(text: str) -> tuple[float, ...]:
+    try:
+        cost = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        cost = ()
+    if len(cost) != 4:
+        raise argparse.ArgumentTypeError(f"four comma-separated numbers (verify,width,rows,shift), got {text!r}")
+    return cost
 
 
 def _engine_config(args: argparse.Namespace):

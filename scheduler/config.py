@@ -46,6 +46,9 @@ class EngineConfig:
         cut to the width whose expected tokens (from each row's recent acceptance) per unit of tick time (a
         fixed cost model, `scheduler/execution/draft_gate.py`) is highest, or declined when a plain step
         pays more. False: every proposed draft is verified at full length.
+    draft_cost: the gate's cost model as (verify, width, rows, shift) (`VerifyCost`), for a machine and model
+        other than the ones its defaults were measured on (`python -m bench.verify_tick` prints a fit); None:
+        the defaults.
     vision_budget: media items whose encoding runs in one tick (so much media cannot stall decoding): an image
         is one item, a video one per temporal patch of its selected frames (Qwen2-VL: 2 frames), an audio clip
         one. A request with more items than the whole budget is encoded alone in a tick.
@@ -114,6 +117,7 @@ class EngineConfig:
     prompt_lookup_pool_tokens: int = 32768
     adaptive_drafting: bool = True
     draft_gate: bool = True
+    draft_cost: tuple[float, float, float, float] | None = None
     vision_budget: int = 16  # media items encoded per tick
     vision_token_budget: int | None = 1024  # media tokens encoded per tick (None: no token bound)
     video_fps: float = 2.0
@@ -165,6 +169,13 @@ class EngineConfig:
             raise ValueError(f"processor_history: must be 'prompt+output' or 'output', got {self.processor_history!r}")
         if self.drafter not in ("prompt-lookup", "draft-model", "mtp"):
             raise ValueError(f"drafter: must be 'prompt-lookup', 'draft-model' or 'mtp', got {self.drafter!r}")
+        if self.draft_cost is not None:
+            cost = tuple(self.draft_cost)
+            if len(cost) != 4 or not all(isinstance(c, (int, float)) and not isinstance(c, bool)
+                                         and math.isfinite(c) and c >= 0 for c in cost):
+                raise ValueError("draft_cost: must be four finite numbers >= 0 (verify, width, rows, shift), got "
+                                 f"{self.draft_cost!r}")
+            object.__setattr__(self, "draft_cost", tuple(float(c) for c in cost))  # (a trace records a list)
         if self.prompt_lookup_scope not in ("batch", "recent", "request"):
             raise ValueError("prompt_lookup_scope: must be 'batch', 'recent' or 'request', got "
                              f"{self.prompt_lookup_scope!r}")

@@ -332,9 +332,10 @@ class Engine:
         drafting (`adaptive_drafting=False`) or `draft_gate=False` verifies every draft at full length."""
         if not (self.config.draft_tokens and self.config.adaptive_drafting and self.config.draft_gate):
             return None
-        from .execution.draft_gate import DraftGate
+        from .execution.draft_gate import DraftGate, VerifyCost
 
-        return DraftGate()
+        cost = self.config.draft_cost
+        return DraftGate() if cost is None else DraftGate(cost=VerifyCost(*cost))
 
     def draft_stats(self) -> dict[str, Any]:
         """Speculative decoding: drafted, accepted, rejected, acceptance rate, verify forwards and tokens per

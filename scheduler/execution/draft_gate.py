@@ -73,6 +73,31 @@ class VerifyCost:
         return (1.0 + self.verify + self.width * (width - 1) * (1.0 + self.rows * (batch - 1))
                 + (self.shift if batch > 1 else 0.0))
 
+    @classmethod
+    def fit(cls, forward_ms: Mapping[int, Mapping[int, float]], tick_overhead_ms: float = 0.0,
+            verify: float = 0.10, shift: float = 0.05) -> "VerifyCost":
+        """``width`` and ``rows`` from measured forwards on one machine and model: ``forward_ms[B][w]``, the bare
+        batch-B forward at width w (w = 1 and at least one w > 1 per batch size), and ``tick_overhead_ms``, what a
+        plain engine tick costs beyond its forward (`bench/verify_tick.py` prints both, and this fit). What a
+        position of width adds, relative to a plain tick, is ``(forward(B, w) - forward(B, 1)) / (forward(B, 1) +
+        overhead)``; its least-squares slope in ``w - 1`` per batch size is ``width * (1 + rows * (B - 1))``,
+        solved from the smallest and the largest batch size (``rows`` 0 with one). ``verify`` and ``shift`` (the
+        acceptance read-back, the holes) are kept as given."""
+        slopes = {}
+        for batch, by_width in sorted(forward_ms.items()):
+            base = by_width[1] + tick_overhead_ms
+            points = [(w - 1, (ms - by_width[1]) / base) for w, ms in by_width.items() if w > 1]
+            if not points or base <= 0:
+                raise ValueError(f"batch {batch}: need the w = 1 forward and at least one wider one")
+            slopes[batch] = max(0.0, sum(x * y for x, y in points) / sum(x * x for x, _ in points))
+        b0, b1 = min(slopes), max(slopes)
+        rows = 0.0
+        if b1 > b0:
+            denominator = slopes[b0] * (b1 - 1) - slopes[b1] * (b0 - 1)
+            rows = max(0.0, (slopes[b1] - slopes[b0]) / denominator) if denominator > 0 else 0.0
+        width = slopes[b0] / (1.0 + rows * (b0 - 1))
+        return cls(verify=verify, width=round(width, 4), rows=round(rows, 4), shift=shift)
+
 
 @dataclass
 class _Acceptance:

@@ -112,3 +112,42 @@ def test_bad_settings_and_observations_are_refused():
         DraftGate().observe("a", 2, 3)
     with pytest.raises(ValueError):
         DraftGate().decide(0, {})
+
+
+def test_the_cost_model_is_fitted_from_measured_forwards():
+    """`VerifyCost.fit` recovers width and rows from forwards that follow the model (with the engine's work per
+    tick in the denominator), from two batch sizes or more; with one batch size rows is 0."""
+    truth = VerifyCost(width=0.07, rows=0.3)
+    overhead = 0.4
+
+    def forwards(batches):
+        plain = {b: 1.0 + 0.2 * b for b in batches}  # bare w = 1 forwards, ms
+        return {b: {w: plain[b] + (plain[b] + overhead) * truth.width * (w - 1) * (1 + truth.rows * (b - 1))
+                    for w in (1, 2, 3, 5)} for b in batches}
+
+    for batches in ((1, 4, 16), (2, 8)):
+        fit = VerifyCost.fit(forwards(batches), overhead)
+        assert fit.width == pytest.approx(truth.width, abs=1e-4) and fit.rows == pytest.approx(truth.rows, abs=1e-4)
+        assert (fit.verify, fit.shift) == (VerifyCost().verify, VerifyCost().shift)
+    alone = VerifyCost.fit({1: {1: 1.0, 3: 1.3}}, 0.0, verify=0.2, shift=0.0)
+    assert (alone.width, alone.rows, alone.verify) == (pytest.approx(0.15), 0.0, 0.2)
+    flat = VerifyCost.fit({1: {1: 1.0, 2: 0.9}, 4: {1: 2.0, 2: 1.9}})  # narrower was faster: nothing to charge
+    assert flat.width == 0.0 and flat.rows == 0.0
+    with pytest.raises(ValueError):
+        VerifyCost.fit({4: {1: 1.0}})
+
+
+def test_the_engine_gate_takes_the_configured_cost(text_model):
+    from scheduler import Engine, EngineConfig
+
+    model, tokenizer = text_model
+    engine = Engine(model, tokenizer, EngineConfig(draft_tokens=2, draft_cost=[0.2, 0.05, 0.1, 0.0]))
+    assert engine.executor.draft_gate.cost == VerifyCost(verify=0.2, width=0.05, rows=0.1, shift=0.0)
+    assert engine.config.draft_cost == (0.2, 0.05, 0.1, 0.0)  # a list (as a trace records it) becomes a tuple
+    engine.close()
+    default = Engine(model, tokenizer, EngineConfig(draft_tokens=2))
+    assert default.executor.draft_gate.cost == VerifyCost()
+    default.close()
+    for bad in ((0.1, 0.1, 0.1), (0.1, -0.1, 0.0, 0.0), (0.1, float("nan"), 0.0, 0.0), (True, 0.1, 0.1, 0.1)):
+        with pytest.raises(ValueError, match="draft_cost"):
+            EngineConfig(draft_cost=bad)

@@ -113,6 +113,7 @@ def test_every_engine_config_field_is_a_serve_flag_or_says_why_not():
                "prompt_lookup_pool_tokens": ("--prompt-lookup-pool-tokens", "100", 100),
                "adaptive_drafting": ("--no-adaptive-drafting", None, False),
                "draft_gate": ("--no-draft-gate", None, False), "vision_budget": ("--vision-budget", "2", 2),
+               "draft_cost": ("--draft-cost", "0.1,0.05,0,0.02", (0.1, 0.05, 0.0, 0.02)),
                "vision_token_budget": ("--vision-token-budget", "300", 300),
                "video_fps": ("--video-fps", "1.5", 1.5), "video_max_frames": ("--video-max-frames", "8", 8),
                "vision_cache_bytes": ("--vision-cache-mb", "3", 3 << 20),
