@@ -895,7 +895,7 @@ class MLXExecutor:
             return {}
         keep = max(cut.values())  # the chosen width - 1: the widest judged draft is cut to it
         lengths = {rid: min(len(d.tokens), keep) if d.rides_along else cut.get(rid, 0) for rid, d in drafts.items()}
-        return {rid: d if len(d.tokens) == lengths[rid] and not d.rides_along else
+        return {rid: d if len(d.tokens) == lengths[rid] else
                 Draft(rid, d.tokens[: lengths[rid]], None if d.logprobs is None else d.logprobs[: lengths[rid]])
                 for rid, d in drafts.items()}
 
@@ -956,18 +956,18 @@ class MLXExecutor:
         target = all_logits[idx]
         if all(row.request.sampling.is_greedy for row in rows):
             res = greedy_accept(target, draft_tokens[idx], draft_lens[idx])
-        elif all(drafts[row.request.request_id].logprobs is None for row in rows):
-            res = sampled_accept(target, draft_tokens[idx], draft_lens[idx],
-                                 SamplingArrays.from_rows([row.sampling for row in rows]),
-                                 mx.array([r.step for r in rows], dtype=mx.uint32))
         else:
             params = SamplingArrays.from_rows([row.sampling for row in rows])
-            target_lp = target - mx.logsumexp(target, axis=-1, keepdims=True)
-            draft_lp = stack_draft_logprobs([drafts[r.request.request_id].tokens for r in rows],
-                                            [drafts[r.request.request_id].logprobs for r in rows], width,
-                                            target.shape[-1])
-            res = stochastic_accept(processed_logprobs(target_lp, params), draft_lp, draft_tokens[idx],
-                                    draft_lens[idx], params.seed, mx.array([r.step for r in rows], dtype=mx.uint32))
+            steps = mx.array([r.step for r in rows], dtype=mx.uint32)
+            if all(drafts[row.request.request_id].logprobs is None for row in rows):
+                res = sampled_accept(target, draft_tokens[idx], draft_lens[idx], params, steps)
+            else:
+                target_lp = target - mx.logsumexp(target, axis=-1, keepdims=True)
+                draft_lp = stack_draft_logprobs([drafts[r.request.request_id].tokens for r in rows],
+                                                [drafts[r.request.request_id].logprobs for r in rows], width,
+                                                target.shape[-1])
+                res = stochastic_accept(processed_logprobs(target_lp, params), draft_lp, draft_tokens[idx],
+                                        draft_lens[idx], params.seed, steps)
         mx.eval(res.accepted, res.emitted, sampled, *rollback_reads(self.kv.batch))
         return res.accepted.tolist(), res.emitted.tolist()
 
