@@ -10,8 +10,13 @@ JSON of its parameter's schema (mlx-lm's `pythonic` reads JSON's true / false / 
 `<function=name>` then a `<parameter=x>` / value / `</parameter>` block per argument (mlx-lm's `qwen3_coder`),
 each value written as that parser converts its parameter's declared type back; or
 `call:name{x:1,s:<escape>a<escape>}` (mlx-lm's `function_gemma`: bare keys, scalar values; `gemma4`: `<|"|>`
-around strings, and nested objects and arrays). A parameter a markup cannot write back exactly is refused by
-name. With tools offered on "auto" and an output format, the answer is either calls or that format.
+around strings, and nested objects and arrays); or `name<arg_key>x</arg_key><arg_value>1</arg_value>` (mlx-lm's
+`glm47`: a string parameter raw, others JSON), `<invoke name="f">` / `<parameter name="x">` lines (`minimax_m2`),
+`<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{...}<|tool_call_end|>` (`kimi_k2`) or
+`"f"><param name="x">1</param>` after `<function name=` (`minicpm5`); `minimax_m2` and `minicpm5` convert a
+value back by its parameter's declared type, Kimi's arguments are JSON. A parameter a markup cannot write back
+exactly is refused by name. With tools offered on "auto" and an output format, the answer is either calls or that
+format.
 
 A thinking model whose prompt opens the reasoning reasons freely: the constraint starts after its end marker
 (`StructuredOutput.after`), and may follow the blank line the model writes there (up to 4 whitespace characters:
@@ -46,8 +51,10 @@ def output_constraint(body: ChatCompletionRequest | CompletionRequest, tool_form
                  else "structured_outputs")
         if tool_format is None or tool_format.shape is None:
             raise APIError(400, f"{param}: this model's tool calls are none of JSON between markers, "
-                                "name[ARGS]{...}, [name(x=...)], <function=name> with <parameter=x> lines or "
-                                "call:name{key:...}, so calls cannot be constrained here", param)
+                                "name[ARGS]{...}, [name(x=...)], <function=name> with <parameter=x> lines, "
+                                "call:name{key:...}, name<arg_key>..., <invoke name=...>, Kimi's "
+                                "functions.name:0 or <function name=...> with <param name=...>, so calls cannot be "
+                                "constrained here", param)
         calls = _calls_rule(body, tool_format, tools or [], param)
         if forced:
             return StructuredOutput.grammar(f"start: WS? calls\n{calls}\n{_WS}", reasoning_end or "")
@@ -101,7 +108,8 @@ def _calls_rule(body: Any, fmt: ToolCallFormat, tools: list[dict[str, Any]], par
     calls = _CALL_WRITERS[fmt.shape](fmt, tools, param)
     more = "" if single else f" ({calls.between} call)*"
     rules = f"calls: {calls.before}call{more}{calls.after}\ncall: {calls.call}"
-    return rules + ('\nNL: "\\n"' if calls.between == "NL" else "")
+    used = {name: lark for name, lark in _TERMINALS.items() if re.search(rf"\b{name}\b", rules)}
+    return "\n".join([rules, *(f"{name}: {lark}" for name, lark in used.items())])
 
 
 @dataclass(frozen=True)
@@ -161,9 +169,52 @@ def _braced_calls(fmt: ToolCallFormat, tools: list[dict[str, Any]], param: str) 
     return _Calls(f"{json.dumps(fmt.start)} ({calls}){_marker(fmt.end)}")
 
 
+def _arg_key_calls(fmt: ToolCallFormat, tools: list[dict[str, Any]], param: str) -> _Calls:
+    """`<tool_call>name<arg_key>x</arg_key><arg_value>1</arg_value>...</tool_call>`, one per pair of markers. GLM's
+    templates differ in the newlines between the parts (4.5 writes them, 4.7 does not) and the parser skips
+    whitespace there, so a newline may stand before each key, value and the end marker: the model writes its own."""
+    names = [_tool_name(t, r"[^\s<>]+", "name<arg_key>...", param) for t in tools]
+    calls = " | ".join(f"{json.dumps(fmt.start + name)} {_arguments(t, param, _ARG_KEY_ARGUMENTS)} NL? "
+                       f"{json.dumps(fmt.end)}" for name, t in zip(names, tools))
+    return _Calls(calls, "NL")
+
+
+def _invoke_calls(fmt: ToolCallFormat, tools: list[dict[str, Any]], param: str) -> _Calls:
+    """`<invoke name="f">` / `<parameter name="x">1</parameter>` lines / `</invoke>`, the calls on lines of their
+    own between one pair of markers (MiniMax M2's template)."""
+    names = [_tool_name(t, r'[^\s<>"]+', '<invoke name="...">', param) for t in tools]
+    calls = " | ".join(f"{json.dumps(f'<invoke name={chr(34)}{name}{chr(34)}>' + chr(10))} "
+                       f"{_arguments(t, param, _INVOKE_ARGUMENTS)} {json.dumps('</invoke>')}"
+                       for name, t in zip(names, tools))
+    return _Calls(calls, "NL", f"{json.dumps(fmt.start + chr(10))} ", f" {json.dumps(chr(10) + fmt.end)}")
+
+
+def _kimi_calls(fmt: ToolCallFormat, tools: list[dict[str, Any]], param: str) -> _Calls:
+    """`<|tool_call_begin|>functions.name:0<|tool_call_argument_begin|>{...}<|tool_call_end|>`, one after another
+    between one pair of markers (Kimi K2's template; the number is the call's index, which the parser keeps in
+    the call's id), the arguments JSON of the tool's schema."""
+    names = [_tool_name(t, r"[\w.-]+", "functions.name:0", param) for t in tools]
+    calls = " | ".join(f"{json.dumps('<|tool_call_begin|>functions.' + name + ':')} /[0-9]{{1,3}}/ "
+                       f"{json.dumps('<|tool_call_argument_begin|>')} %json {_listed_arguments_schema(t)} "
+                       f"{json.dumps('<|tool_call_end|>')}" for name, t in zip(names, tools))
+    return _Calls(calls, "", f"{json.dumps(fmt.start)} ", f" {json.dumps(fmt.end)}")
+
+
+def _param_tag_calls(fmt: ToolCallFormat, tools: list[dict[str, Any]], param: str) -> _Calls:
+    """`<function name="f"><param name="x">1</param></function>`, one block per call (MiniCPM5's template: the
+    start marker is `<function name=`)."""
+    names = [_tool_name(t, r'[^\s<>"\']+', '<function name="...">', param) for t in tools]
+    calls = " | ".join(f"{json.dumps(fmt.start + chr(34) + name + chr(34) + '>')} "
+                       f"{_arguments(t, param, _PARAM_TAG_ARGUMENTS)} {json.dumps(fmt.end)}"
+                       for name, t in zip(names, tools))
+    return _Calls(calls, "NL?")
+
+
 _CALL_WRITERS = {CallShape.JSON_OBJECT: _json_calls, CallShape.NAME_ARGS: _name_args_calls,
                  CallShape.PYTHONIC: _pythonic_calls, CallShape.XML_PARAMETERS: _xml_calls,
-                 CallShape.FUNCTION_GEMMA: _braced_calls, CallShape.GEMMA4: _braced_calls}
+                 CallShape.FUNCTION_GEMMA: _braced_calls, CallShape.GEMMA4: _braced_calls,
+                 CallShape.ARG_KEY: _arg_key_calls, CallShape.INVOKE: _invoke_calls, CallShape.KIMI: _kimi_calls,
+                 CallShape.PARAM_TAGS: _param_tag_calls}
 
 
 def _parameters(tool: dict[str, Any]) -> tuple[list[tuple[str, dict, bool]], bool]:
@@ -241,20 +292,30 @@ _PYTHONIC_ARGUMENTS = _Arguments(  # `x=1, y="a"`: the parser reads JSON's true 
 
 
 def _xml_value(schema: dict[str, Any]) -> str | None:
-    """The Lark of one parameter's value as mlx-lm's `qwen3_coder` parser reads it: a string is the raw text, a
-    boolean `true` / `false`, other types JSON; None for a schema it cannot read back exactly."""
+    """The Lark of one parameter's value and its closing `\\n</parameter>\\n` as mlx-lm's `qwen3_coder` parser reads
+    it (see `_xml_bare_value`). A string's text and its closing are one terminal (`XML_TEXT`): a text may hold a
+    newline, and llguidance's lexer, inside a terminal at a newline, does not step back out of it when the newline
+    turns out to begin the closing (a text then a separate closing literal could never end)."""
+    value = _xml_bare_value(schema)
+    return value if value is None or value == "XML_TEXT" else f'{value} "\\n</parameter>\\n"'
+
+
+def _xml_bare_value(schema: dict[str, Any]) -> str | None:
+    """A value as the `qwen3_coder` parser reads it: a string is the raw text (never "null" in any case, which it
+    reads as None), a boolean `true` / `false`, other types JSON; None for a schema it cannot read back
+    exactly."""
     kind = schema.get("type")
     if kind is not None and not isinstance(kind, str):
         return None
     if "enum" in schema:
         values = schema["enum"]
-        if kind in (None, "string") and all(isinstance(v, str) for v in values) and values:
+        if kind in (None, "string") and all(isinstance(v, str) and v.lower() != "null" for v in values) and values:
             return "(" + " | ".join(json.dumps(v) for v in values) + ")"
         if kind in ("integer", "number", "boolean") and values:
             return "(" + " | ".join(json.dumps(json.dumps(v)) for v in values) + ")"
         return None
     if kind in (None, "string"):
-        return _XML_TEXT
+        return "XML_TEXT"
     if kind == "boolean":
         return '("true" | "false")'
     if kind == "null":
@@ -264,17 +325,101 @@ def _xml_value(schema: dict[str, Any]) -> str | None:
     return None
 
 
-# A string parameter's value: free text without "<" (the parser ends a value at the first `</parameter>`, and a
-# newline before the closing one is the markup's); pattern, format and length keywords are not enforced
-_XML_TEXT = r"/([^<\n]|\n[^<])*/"
+# The terminals a calls rule may name (Lark's `&` and `~` are for terminals only), each defined where it is used:
+_TERMINALS = {
+    "NL": '"\\n"',
+    # a `<parameter=x>` string value and its closing line: free text without "<" (the parser ends a value at the
+    # first `</parameter>`, and a newline before the closing one is the markup's), and not "null" in any case,
+    # which the parser reads as None; pattern, format and length keywords are not enforced
+    "XML_TEXT": r"/([^<\n]|\n[^<])*\n<\/parameter>\n/ & ~/(?i:null)\n<\/parameter>\n/",
+    # a string value between tags that the parser strips: no "<", no whitespace at either end
+    "TAG_TEXT": r"/([^<\s]([^<]*[^<\s])?)?/",
+    # the same where the parser reads "null" in any case as None (`minimax_m2`, `minicpm5`)
+    "TYPED_TEXT": r"/([^<\s]([^<]*[^<\s])?)?/ & ~/(?i:null)/",
+}
 
 _XML_ARGUMENTS = _Arguments(  # `<parameter=x>` / value / `</parameter>` lines
     names=r"[^\s<>]+", name_rule=r"/[^\s<>]+/",
     cannot_name="has whitespace or < > in its name (or none), which <parameter=x> cannot write",
-    item=lambda name, value: f'"<parameter=" {name} ">\\n" {value} "\\n</parameter>\\n"', value=_xml_value,
+    item=lambda name, value: f'"<parameter=" {name} ">\\n" {value}', value=_xml_value,
     cannot_write="has a schema the <parameter=x> markup cannot write back exactly (its type must be one of string, "
                  "integer, number, boolean, object, array, null, or absent; an enum's values strings or of that "
                  "type)")
+
+
+def _arg_key_value(schema: dict[str, Any]) -> str | None:
+    """One value in `<arg_value>...</arg_value>` as mlx-lm's `glm47` reads it: a parameter typed "string" raw
+    (stripped), any other JSON (the parser tries JSON first); None for a string enum it cannot read back."""
+    if schema.get("type") != "string":
+        return f"%json {_json_schema(schema)}"
+    if "enum" in schema:
+        return _raw_enum(schema["enum"], str, lambda v: not re.search(r"<|^\s|\s$", v))
+    return "TAG_TEXT"
+
+
+def _typed_value(schema: dict[str, Any]) -> str | None:
+    """One value between tags as mlx-lm's `minimax_m2` and `minicpm5` read it, by its parameter's declared type:
+    a string raw (stripped; "null" in any case is None), an integer, number, object or array JSON, a boolean
+    `true` / `false`; no type at all reads as a string. None for what it cannot read back exactly: a list of
+    types, `anyOf` and its kin (the parser merges their types), an enum of mixed types."""
+    if any(key in schema for key in ("anyOf", "oneOf", "allOf")):
+        return None
+    kind = schema.get("type")
+    if kind is not None and not isinstance(kind, str):
+        return None
+    if "enum" in schema:
+        values = schema["enum"]
+        if all(isinstance(v, str) for v in values) and kind in (None, "string"):
+            return _raw_enum(values, str, lambda v: not re.search(r"<|^\s|\s$", v) and v.lower() != "null")
+        if all(isinstance(v, bool) for v in values) and kind in (None, "boolean"):
+            return _raw_enum(values, bool)
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in values) and kind in (None, "integer"):
+            return _raw_enum(values, int)
+        return None
+    if kind in (None, "string"):
+        return "TYPED_TEXT"
+    if kind == "boolean":
+        return '("true" | "false")'
+    if kind == "null":
+        return '"null"'
+    if kind in ("integer", "number", "object", "array"):
+        return f"%json {_json_schema(schema)}"
+    return None
+
+
+def _raw_enum(values: list, kind: type, writable: Callable[[Any], bool] = lambda v: True) -> str | None:
+    """An enum's values as the tag markups write them (strings raw, others JSON), or None where one of them is not
+    of ``kind`` or cannot be written."""
+    if not values or not all(isinstance(v, kind) and writable(v) for v in values):
+        return None
+    return "(" + " | ".join(json.dumps(v if isinstance(v, str) else json.dumps(v)) for v in values) + ")"
+
+
+_TAGGED = ("string, integer, number, boolean, object, array, null, or absent; an enum's values strings, "
+           "integers or booleans")
+
+_ARG_KEY_ARGUMENTS = _Arguments(  # `<arg_key>x</arg_key><arg_value>1</arg_value>`, a newline allowed before each
+    names=r"[^\s<>]+", name_rule=r"/[^\s<>]+/",
+    cannot_name="has whitespace or < > in its name (or none), which <arg_key>x</arg_key> cannot write",
+    item=lambda name, value: f'NL? "<arg_key>" {name} "</arg_key>" NL? "<arg_value>" {value} "</arg_value>"',
+    value=_arg_key_value,
+    cannot_write="has a string enum <arg_value> cannot write back exactly (a value with < or whitespace at an end)")
+
+_INVOKE_ARGUMENTS = _Arguments(  # `<parameter name="x">1</parameter>` lines
+    names=r'[^\s<>"]+', name_rule=r'/[^\s<>"]+/',
+    cannot_name='has whitespace, < > or " in its name (or none), which <parameter name="x"> cannot write',
+    item=lambda name, value: f"{json.dumps('<parameter name=' + chr(34))} {name} {json.dumps(chr(34) + '>')} "
+                             f"{value} {json.dumps('</parameter>' + chr(10))}",
+    value=_typed_value,
+    cannot_write=f'has a schema <parameter name="x"> cannot write back exactly (its type must be one of {_TAGGED})')
+
+_PARAM_TAG_ARGUMENTS = _Arguments(  # `<param name="x">1</param>`
+    names=r'[^\s<>"\']+', name_rule=r'/[^\s<>"\']+/',
+    cannot_name='has whitespace, < > or quotes in its name (or none), which <param name="x"> cannot write',
+    item=lambda name, value: f"{json.dumps('<param name=' + chr(34))} {name} {json.dumps(chr(34) + '>')} "
+                             f"{value} {json.dumps('</param>')}",
+    value=_typed_value,
+    cannot_write=f'has a schema <param name="x"> cannot write back exactly (its type must be one of {_TAGGED})')
 
 
 def _tool_name(tool: dict[str, Any], allowed: str, markup: str, param: str) -> str:
@@ -365,6 +510,15 @@ def _bounded_list(item: str, least: int, most: int | None) -> str | None:
 
 def _json_schema(schema: dict[str, Any]) -> str:
     return json.dumps({"x-guidance": JSON_OPTIONS, **schema})
+
+
+def _listed_arguments_schema(tool: dict[str, Any]) -> str:
+    """The tool's arguments schema, keeping to the parameters it lists where it lists any (as the other markups'
+    `_arguments` do): a call holds to its schema either way, and a free key is text the model may never end."""
+    params = tool["function"].get("parameters") or {"type": "object"}
+    if "properties" in params and "additionalProperties" not in params:
+        params = {**params, "additionalProperties": False}
+    return _json_schema(params)
 
 
 def _arguments_schema(tool: dict[str, Any]) -> str:

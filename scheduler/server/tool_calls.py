@@ -44,17 +44,22 @@ class ToolCallFormat:
     @property
     def shape(self) -> "CallShape | None":
         """The shape of one call after the start marker that the parser reads, so that a grammar can write calls
-        it reads back (forced tool calls): asked of the parser itself, with a tool that declares its parameter's
-        type (the XML parser converts values by it); None when it reads none of the shapes."""
+        it reads back (forced tool calls): asked of the parser itself, with a tool that declares its parameters'
+        types (several parsers convert values by them); None when it reads none of the shapes. The model's own
+        markups are asked first and JSON last: several parsers read a JSON body as a fallback (mlx-lm's `glm47`,
+        `longcat`), and a model writes its own markup best. A parser may add keys of its own (Kimi K2's call id):
+        only the name and the arguments are compared."""
         probe = {"name": "f", "arguments": {"x": 1, "s": "a"}}
         tools = [{"type": "function", "function": {"name": "f", "parameters": {
             "type": "object", "properties": {"x": {"type": "integer"}, "s": {"type": "string"}}}}}]
-        for shape in CallShape:
+        for shape in sorted(CallShape, key=lambda s: s is CallShape.JSON_OBJECT):
             try:
                 parsed = self.parse(shape.example(probe), tools)
-            except (ValueError, TypeError, KeyError, AttributeError, SyntaxError):
+            except Exception:  # a parser handed another markup fails as it fails (AttributeError, regex errors...)
                 continue
-            if parsed == probe or parsed == [probe]:
+            calls = parsed if isinstance(parsed, list) else [parsed]
+            if len(calls) == 1 and isinstance(calls[0], dict) and {
+                    k: calls[0].get(k) for k in probe} == probe:
                 return shape
         return None
 
@@ -72,6 +77,18 @@ class CallShape(Enum):
     # `function_gemma`: FunctionGemma; `gemma4`: Gemma 4, whose strings are between `<|"|>`)
     FUNCTION_GEMMA = "function_gemma"
     GEMMA4 = "gemma4"
+    # `name<arg_key>x</arg_key><arg_value>1</arg_value>...`: a string parameter's value raw, others JSON (mlx-lm's
+    # `glm47`: GLM 4.5-4.7, Laguna)
+    ARG_KEY = "arg_key"
+    # `<invoke name="f">` / `<parameter name="x">1</parameter>` lines / `</invoke>`, several calls between one pair
+    # of markers, each value read by its parameter's declared type (mlx-lm's `minimax_m2`: MiniMax M2)
+    INVOKE = "invoke"
+    # `<|tool_call_begin|>functions.name:0<|tool_call_argument_begin|>{...}<|tool_call_end|>`, several calls
+    # between one pair of markers (mlx-lm's `kimi_k2`: Kimi K2)
+    KIMI = "kimi"
+    # `"name"><param name="x">1</param>` after a `<function name=` start marker, values read as `INVOKE`'s
+    # (mlx-lm's `minicpm5`: MiniCPM5)
+    PARAM_TAGS = "param_tags"
 
     @property
     def string_delimiter(self) -> str | None:
@@ -90,9 +107,25 @@ class CallShape(Enum):
             return (f"\n<function={name}>\n" + "".join(
                 f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
                 for k, v in arguments.items()) + "</function>\n")
+        if self is CallShape.ARG_KEY:
+            return name + "".join(f"<arg_key>{k}</arg_key><arg_value>{_raw(v)}</arg_value>"
+                                  for k, v in arguments.items())
+        if self is CallShape.INVOKE:
+            return (f'\n<invoke name="{name}">\n' + "".join(
+                f'<parameter name="{k}">{_raw(v)}</parameter>\n' for k, v in arguments.items()) + "</invoke>\n")
+        if self is CallShape.KIMI:
+            return (f"<|tool_call_begin|>functions.{name}:0<|tool_call_argument_begin|>{json.dumps(arguments)}"
+                    "<|tool_call_end|>")
+        if self is CallShape.PARAM_TAGS:
+            return f'"{name}">' + "".join(f'<param name="{k}">{_raw(v)}</param>' for k, v in arguments.items())
         quote = self.string_delimiter
         return f"call:{name}{{" + ",".join(
             f"{k}:{quote + v + quote if isinstance(v, str) else json.dumps(v)}" for k, v in arguments.items()) + "}"
+
+
+def _raw(value: Any) -> str:
+    """A value as the XML-like markups write it: a string as itself, anything else as JSON."""
+    return value if isinstance(value, str) else json.dumps(value)
 
 
 @dataclass
@@ -189,7 +222,7 @@ class ToolCallSplitter:
     def _parse(self, text: str) -> list[dict] | None:
         try:
             parsed = self.fmt.parse(text, self.tools)
-        except (ValueError, TypeError, KeyError):  # json.JSONDecodeError is a ValueError
+        except Exception:  # mlx-lm's parsers fail as their regexes fall through: ValueError, AttributeError, ...
             return None
         calls = parsed if isinstance(parsed, list) else [parsed]
         if not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):

@@ -407,6 +407,26 @@ MARKUPS = {  # name -> (template, (start marker, end marker, shape) mlx-lm's par
     "gemma4": (_template("<|tool>", "<tool|>", "{%- for call in message['tool_calls'] or [] -%}<|tool_call>call:"
                                                "{{- call.function.name -}}{}<tool_call|>{%- endfor -%}"),
                ("<|tool_call>", "<tool_call|>", CallShape.GEMMA4)),
+    "glm47": (_template("<tools>", "</tools>", "{%- for call in message['tool_calls'] or [] -%}<tool_call>"
+                                               "{{- call.function.name -}}{%- for k, v in call.function.arguments"
+                                               ".items() -%}<arg_key>{{ k }}</arg_key><arg_value>{{ v }}</arg_value>"
+                                               "{%- endfor -%}</tool_call>{%- endfor -%}"),
+              ("<tool_call>", "</tool_call>", CallShape.ARG_KEY)),
+    "minimax_m2": (_template("<tools>", "</tools>", "{%- if message['tool_calls'] -%}<minimax:tool_call>\n"
+                                                    "{%- for call in message['tool_calls'] -%}<invoke name=\""
+                                                    "{{- call.function.name -}}\">\n</invoke>\n{%- endfor -%}"
+                                                    "</minimax:tool_call>{%- endif -%}"),
+                   ("<minimax:tool_call>", "</minimax:tool_call>", CallShape.INVOKE)),
+    "kimi_k2": (_template("<tools>", "</tools>", "{%- if message['tool_calls'] -%}<|tool_calls_section_begin|>"
+                                                 "{%- for call in message['tool_calls'] -%}<|tool_call_begin|>"
+                                                 "functions.{{- call.function.name -}}:{{ loop.index0 }}"
+                                                 "<|tool_call_argument_begin|>{}<|tool_call_end|>{%- endfor -%}"
+                                                 "<|tool_calls_section_end|>{%- endif -%}"),
+                ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", CallShape.KIMI)),
+    "minicpm5": (_template("<tools>", "</tools>", "{%- for call in message['tool_calls'] or [] -%}<function name=\""
+                                                  "{{- call.function.name -}}\"><param name=\"x\">1</param>"
+                                                  "</function>{%- endfor -%}"),
+                 ("<function name=", "</function>", CallShape.PARAM_TAGS)),
 }
 
 
@@ -489,9 +509,11 @@ def test_forced_calls_in_each_markup_are_written_and_parsed(markup, markup_model
 
 def test_a_tool_the_markup_cannot_write_is_refused_by_name():
     """A forced call whose tool the model's markup cannot write back (a parameter name that is not a Python
-    identifier in `[name(x=...)]`; a parameter whose type is a list of types in `<parameter=x>` lines; an object
-    in FunctionGemma's `call:name{...}`; a tool name that is not a Python name in `[name(...)]`) is refused with a
-    400 naming the parameter and the tool, before anything runs."""
+    identifier in `[name(x=...)]`; a parameter whose type is a list of types in `<parameter=x>` lines and
+    `<parameter name="x">` lines, or `anyOf` in `<param name="x">`, whose parsers merge the types; an enum of
+    mixed types; a name with whitespace in `<arg_key>` or a string enum value that GLM's parser would strip; an
+    object in FunctionGemma's `call:name{...}`; a tool name that is not a Python name in `[name(...)]`) is
+    refused with a 400 naming the parameter and the tool, before anything runs."""
     from mlx_lm.tool_parsers import function_gemma, pythonic, qwen3_coder
 
     from scheduler.server.constraints import output_constraint
@@ -506,6 +528,13 @@ def test_a_tool_the_markup_cannot_write_is_refused_by_name():
              (function_gemma, tool("where", {"type": "object"}), "cannot write back")]
     renamed = [{"type": "function", "function": {**tool("x", {})[0]["function"], "name": "look-up"}}]
     cases.append((pythonic, renamed, "a name that [name(x=...)] cannot write"))
+    from mlx_lm.tool_parsers import glm47, minicpm5, minimax_m2
+
+    cases += [(minimax_m2, tool("when", {"type": ["string", "null"]}), "cannot write back exactly"),
+              (minicpm5, tool("when", {"anyOf": [{"type": "string"}, {"type": "integer"}]}), "cannot write back"),
+              (minimax_m2, tool("mode", {"enum": ["a", 1]}), "cannot write back exactly"),
+              (glm47, tool("in city", {"type": "string"}), "which <arg_key>x</arg_key> cannot write"),
+              (glm47, tool("mode", {"type": "string", "enum": [" padded"]}), "cannot write back exactly")]
     for module, tools, why in cases:
         fmt = ToolCallFormat(module.tool_call_start, module.tool_call_end, module.parse_tool_call)
         body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "look it up"}], tools=tools,
@@ -514,6 +543,111 @@ def test_a_tool_the_markup_cannot_write_is_refused_by_name():
             output_constraint(body, fmt, tools, None)
         assert info.value.status == 400 and info.value.param == "tool_choice"
         assert why in str(info.value) and tools[0]["function"]["name"] in str(info.value)
+
+
+def _markup(name: str) -> ToolCallFormat:
+    import importlib
+
+    parser = importlib.import_module(f"mlx_lm.tool_parsers.{name}")
+    return ToolCallFormat(parser.tool_call_start, parser.tool_call_end, parser.parse_tool_call)
+
+
+def _forced(fmt: ToolCallFormat, tools: list[dict]):
+    from scheduler.server.constraints import output_constraint
+    from scheduler.server.protocol import ChatCompletionRequest
+
+    body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "call"}], tools=tools,
+                                 tool_choice="required")
+    return output_constraint(body, fmt, tools, None)
+
+
+def _accepts(tokenizer, constraint, text: str) -> bool:
+    """Whether the grammar of ``constraint`` allows ``text`` as the whole output."""
+    from llguidance import LLMatcher
+
+    from scheduler.execution.structured import GrammarCompiler
+
+    compiler = GrammarCompiler(tokenizer, len(tokenizer.get_vocab()), [tokenizer.eos_token_id])
+    matcher = LLMatcher(compiler.ll_tokenizer, compiler.compile(constraint), log_level=0)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+
+# A call as each markup's model writes it (its template's rendering, GLM 4.7's and 4.5's: without and with
+# newlines between the parts), which the forced-call grammar must allow: a forced call is the model's own markup
+RENDERED = {
+    "glm47": ["<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value><arg_key>days</arg_key>"
+              "<arg_value>3</arg_value></tool_call>",
+              "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>"
+              "\n<arg_value>3</arg_value>\n</tool_call>"],
+    "minimax_m2": ['<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
+                   '<parameter name="days">3</parameter>\n</invoke>\n</minimax:tool_call>'],
+    "kimi_k2": ['<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
+                '{"city": "Paris", "days": 3}<|tool_call_end|><|tool_calls_section_end|>'],
+    "minicpm5": ['<function name="get_weather"><param name="city">Paris</param><param name="days">3</param>'
+                 '</function>'],
+}
+
+
+@pytest.mark.parametrize("markup", sorted(RENDERED))
+def test_a_forced_call_may_be_written_as_the_model_writes_it(markup):
+    """The grammar of a forced call allows the call as the model's own template renders it, and mlx-lm's parser
+    reads that back to the call; the same call in JSON (what these parsers also read, or the grammar wrote for
+    GLM before) is not allowed."""
+    from scheduler.fixtures.tiny_models import build_tokenizer
+    from scheduler.server.tool_calls import ToolCallSplitter
+
+    tokenizer = build_tokenizer()
+    fmt = _markup(markup)
+    constraint = _forced(fmt, MARKUP_TOOLS)
+    for text in RENDERED[markup]:
+        assert _accepts(tokenizer, constraint, text), text
+        splitter = ToolCallSplitter(fmt, MARKUP_TOOLS)
+        first, last = splitter.feed(text), splitter.finish()
+        assert not (first.content + last.content).strip()
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in first.calls + last.calls] \
+            == [("get_weather", {"city": "Paris", "days": 3})]
+    as_json = fmt.start + "\n" + json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}}) + "\n" + fmt.end
+    assert not _accepts(tokenizer, constraint, as_json)
+
+
+@pytest.mark.parametrize("markup", ["qwen3_coder", "minimax_m2", "minicpm5", "glm47"])
+def test_a_free_string_value_ends_and_is_null_only_where_the_parser_reads_it_as_a_string(markup):
+    """A free string parameter's value, empty, of several words or lines, is allowed and closes (`qwen3_coder`'s
+    could not: its text and the closing line were separate terminals, and llguidance's lexer does not step back
+    out of a text at the newline that begins the closing). The tag markups whose parsers read a value "null" (any
+    case) as None for any parameter (`qwen3_coder`, `minimax_m2`, `minicpm5`) never write it for a string
+    parameter, whose schema a None would break; `glm47` keeps a string parameter's value as written, so "null"
+    is a string there."""
+    from scheduler.fixtures.tiny_models import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    fmt = _markup(markup)
+    tools = [{"type": "function", "function": {"name": "note", "parameters": {
+        "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}]
+    constraint = _forced(fmt, tools)
+    for value, allowed in (("null", markup == "glm47"), ("NULL", markup == "glm47"), ("nullable", True),
+                           ("", True), ("two words\nand a line", True)):
+        text = fmt.start + fmt.shape.example({"name": "note", "arguments": {"text": value}}) + fmt.end
+        assert _accepts(tokenizer, constraint, text) == allowed, text
+        if allowed:
+            assert _markup(markup).parse(text[len(fmt.start): len(text) - len(fmt.end)], tools)["arguments"] \
+                == {"text": value}
+
+
+def test_a_call_the_parser_fails_on_with_any_error_stays_content():
+    """mlx-lm's `longcat` parser raises AttributeError on a call without arguments (its name regex does not match):
+    the splitter keeps that text as content, as for any call its parser cannot read, instead of failing the
+    choice."""
+    from scheduler.server.tool_calls import ToolCallSplitter
+
+    fmt = _markup("longcat")
+    text = "<longcat_tool_call>get_time</longcat_tool_call>"
+    with pytest.raises(AttributeError):
+        fmt.parse("get_time", None)
+    splitter = ToolCallSplitter(fmt, None)
+    first, last = splitter.feed(text), splitter.finish()
+    assert (first.content + last.content, first.calls + last.calls) == (text, [])
 
 
 TYPED_TOOLS = [
@@ -532,11 +666,14 @@ TYPED_TOOLS = [
 ]
 
 
+MAX_TOKENS = 400  # per sampled forced call
+
 #: the markups that write objects and arrays (FunctionGemma's parser cuts the arguments at commas: scalars only)
-NESTED_MARKUPS = {"pythonic", "qwen3_coder", "gemma4"}
+NESTED_MARKUPS = {"pythonic", "qwen3_coder", "gemma4", "glm47", "minimax_m2", "kimi_k2", "minicpm5"}
 
 
-@pytest.mark.parametrize("markup", ["pythonic", "qwen3_coder", "function_gemma", "gemma4"])
+@pytest.mark.parametrize("markup", ["pythonic", "qwen3_coder", "function_gemma", "gemma4", "glm47", "minimax_m2",
+                                    "kimi_k2", "minicpm5"])
 def test_forced_calls_hold_to_every_parameter_type(markup, text_model_dir):
     """Sampled at temperature 1 under the forced-call grammar of each markup, every output parses back (mlx-lm's
     own parser) into calls of the offered tools whose arguments hold to their schemas: enums of strings and
@@ -563,7 +700,7 @@ def test_forced_calls_hold_to_every_parameter_type(markup, text_model_dir):
         constraint = output_constraint(body, fmt, tools, None)
         for seed in range(6):
             outputs[engine.add_request(prompt="call", sampling=SamplingParams(
-                max_tokens=400, temperature=1.0, seed=seed, structured_output=constraint))] = []
+                max_tokens=MAX_TOKENS, temperature=1.0, seed=seed, structured_output=constraint))] = []
     while engine.has_pending():
         for out in engine.step():
             outputs[out.request_id].extend(out.token_ids)
@@ -574,8 +711,11 @@ def test_forced_calls_hold_to_every_parameter_type(markup, text_model_dir):
         text = tokenizer.decode([t for t in tokens if t not in tokenizer.eos_token_ids])  # the stop token
         splitter = ToolCallSplitter(fmt, tools)
         first, last = splitter.feed(text), splitter.finish()
-        assert not (first.content + last.content).strip(), text
-        calls = first.calls + last.calls
+        # "required" allows several calls, and a sampled row may write calls until max_tokens cuts the last one:
+        # then the calls before it are the output's
+        cut = len(tokens) == MAX_TOKENS and not text.rstrip().endswith(fmt.end or "\0")
+        assert not first.content.strip() and (cut or not last.content.strip()), text
+        calls = first.calls + ([] if cut else last.calls)
         assert calls, text
         for call in calls:
             arguments = json.loads(call["function"]["arguments"])
