@@ -14,9 +14,11 @@ around strings, and nested objects and arrays); or `name<arg_key>x</arg_key><arg
 `glm47`: a string parameter raw, others JSON), `<invoke name="f">` / `<parameter name="x">` lines (`minimax_m2`),
 `<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{...}<|tool_call_end|>` (`kimi_k2`) or
 `"f"><param name="x">1</param>` after `<function name=` (`minicpm5`); `minimax_m2` and `minicpm5` convert a
-value back by its parameter's declared type, Kimi's arguments are JSON. A parameter a markup cannot write back
-exactly is refused by name. With tools offered on "auto" and an output format, the answer is either calls or that
-format.
+value back by its parameter's declared type, Kimi's arguments are JSON; or LongCat's `<longcat_arg_key>` (as
+GLM's; a call without arguments as JSON), Muse Spark's `<atem:invoke>` (values JSON) and Kimi K3's XTML
+`<|open|>call tool="f" ...` (a string parameter raw, others JSON): every format mlx-lm 0.32 infers. A parameter a
+markup cannot write back exactly is refused by name. With tools offered on "auto" and an output format, the
+answer is either calls or that format.
 
 A thinking model whose prompt opens the reasoning reasons freely: the constraint starts after its end marker
 (`StructuredOutput.after`), and may follow the blank line the model writes there (up to 4 whitespace characters:
@@ -50,11 +52,9 @@ def output_constraint(body: ChatCompletionRequest | CompletionRequest, tool_form
         param = ("tool_choice" if forced else "response_format" if body.output_format_given()
                  else "structured_outputs")
         if tool_format is None or tool_format.shape is None:
-            raise APIError(400, f"{param}: this model's tool calls are none of JSON between markers, "
-                                "name[ARGS]{...}, [name(x=...)], <function=name> with <parameter=x> lines, "
-                                "call:name{key:...}, name<arg_key>..., <invoke name=...>, Kimi's "
-                                "functions.name:0 or <function name=...> with <param name=...>, so calls cannot be "
-                                "constrained here", param)
+            raise APIError(400, f"{param}: this model's tool calls are in none of the markups of mlx-lm's tool "
+                                "parsers that a grammar writes (scheduler/server/tool_calls.py, CallShape), so calls "
+                                "cannot be constrained here", param)
         calls = _calls_rule(body, tool_format, tools or [], param)
         if forced:
             return StructuredOutput.grammar(f"start: WS? calls\n{calls}\n{_WS}", reasoning_end or "")
@@ -172,11 +172,26 @@ def _braced_calls(fmt: ToolCallFormat, tools: list[dict[str, Any]], param: str) 
 def _arg_key_calls(fmt: ToolCallFormat, tools: list[dict[str, Any]], param: str) -> _Calls:
     """`<tool_call>name<arg_key>x</arg_key><arg_value>1</arg_value>...</tool_call>`, one per pair of markers. GLM's
     templates differ in the newlines between the parts (4.5 writes them, 4.7 does not) and the parser skips
-    whitespace there, so a newline may stand before each key, value and the end marker: the model writes its own."""
-    names = [_tool_name(t, r"[^\s<>]+", "name<arg_key>...", param) for t in tools]
-    calls = " | ".join(f"{json.dumps(fmt.start + name)} {_arguments(t, param, _ARG_KEY_ARGUMENTS)} NL? "
-                       f"{json.dumps(fmt.end)}" for name, t in zip(names, tools))
-    return _Calls(calls, "NL")
+    whitespace there, so a newline may stand before each key, value and the end marker: the model writes its own.
+    LongCat's tags are `longcat_arg_key` / `longcat_arg_value`, and its parser reads a call without arguments only
+    as JSON, so that call is `{"name": ..., "arguments": {}}` and the others have at least one argument."""
+    key, value = fmt.shape.key_value_tags
+    how = _key_value_arguments(key, value)
+    longcat = fmt.shape is CallShape.LONGCAT
+    calls = []
+    for tool in tools:
+        name = _tool_name(tool, r"[^\s<>]+", f"name<{key}>...", param)
+        arguments = _arguments(tool, param, how, least_one=longcat)
+        if arguments or not longcat:
+            calls.append(f"{json.dumps(fmt.start + name)} {arguments} NL? {json.dumps(fmt.end)}")
+        if longcat and _may_have_no_arguments(tool):
+            calls.append(json.dumps(fmt.start + json.dumps({"name": name, "arguments": {}}) + fmt.end))
+    return _Calls(" | ".join(calls), "NL")
+
+
+def _may_have_no_arguments(tool: dict[str, Any]) -> bool:
+    listed, free = _parameters(tool)
+    return free or not any(required for _, _, required in listed)
 
 
 def _invoke_calls(fmt: ToolCallFormat, tools: list[dict[str, Any]], param: str) -> _Calls:
@@ -210,11 +225,34 @@ def _param_tag_calls(fmt: ToolCallFormat, tools: list[dict[str, Any]], param: st
     return _Calls(calls, "NL?")
 
 
+def _atem_calls(fmt: ToolCallFormat, tools: list[dict[str, Any]], param: str) -> _Calls:
+    """`<atem:invoke name="f"><atem:parameter name="x">1</atem:parameter></atem:invoke>`, the calls between one
+    pair of markers (Muse Spark's), each value JSON (its parser reads JSON first, else the stripped text: a string
+    written raw would come back a number where it reads as one); a newline may stand between the parts."""
+    names = [_tool_name(t, r'[^\s<>"]+', '<atem:invoke name="...">', param) for t in tools]
+    calls = " | ".join(f"{json.dumps(f'<atem:invoke name={chr(34)}{name}{chr(34)}>')} "
+                       f"{_arguments(t, param, _ATEM_ARGUMENTS)} NL? {json.dumps('</atem:invoke>')}"
+                       for name, t in zip(names, tools))
+    return _Calls(calls, "NL?", f"{json.dumps(fmt.start)} NL? ", f" NL? {json.dumps(fmt.end)}")
+
+
+def _xtml_calls(fmt: ToolCallFormat, tools: list[dict[str, Any]], param: str) -> _Calls:
+    """`<|open|>call tool="f" index="1"<|sep|>` / arguments / `<|close|>call<|sep|>`, the calls between one pair of
+    markers (Kimi K3's XTML), each argument `<|open|>argument key="x" type="T"<|sep|>value<|close|>argument<|sep|>`;
+    up to 8 whitespace characters may stand between the parts (its parser's own example indents them)."""
+    names = [_tool_name(t, r'[^\s<>"&]+', '<|open|>call tool="..."', param) for t in tools]
+    calls = " | ".join(f"{json.dumps(f'<|open|>call tool={chr(34)}{name}{chr(34)} index={chr(34)}')} /[0-9]{{1,3}}/ "
+                       f"{json.dumps(chr(34) + '<|sep|>')} {_arguments(t, param, _XTML_ARGUMENTS)} GAP? "
+                       f"{json.dumps('<|close|>call<|sep|>')}" for name, t in zip(names, tools))
+    return _Calls(calls, "GAP?", f"{json.dumps(fmt.start)} GAP? ", f" GAP? {json.dumps(fmt.end)}")
+
+
 _CALL_WRITERS = {CallShape.JSON_OBJECT: _json_calls, CallShape.NAME_ARGS: _name_args_calls,
                  CallShape.PYTHONIC: _pythonic_calls, CallShape.XML_PARAMETERS: _xml_calls,
                  CallShape.FUNCTION_GEMMA: _braced_calls, CallShape.GEMMA4: _braced_calls,
-                 CallShape.ARG_KEY: _arg_key_calls, CallShape.INVOKE: _invoke_calls, CallShape.KIMI: _kimi_calls,
-                 CallShape.PARAM_TAGS: _param_tag_calls}
+                 CallShape.ARG_KEY: _arg_key_calls, CallShape.LONGCAT: _arg_key_calls, CallShape.INVOKE: _invoke_calls,
+                 CallShape.KIMI: _kimi_calls, CallShape.PARAM_TAGS: _param_tag_calls, CallShape.ATEM: _atem_calls,
+                 CallShape.XTML: _xtml_calls}
 
 
 def _parameters(tool: dict[str, Any]) -> tuple[list[tuple[str, dict, bool]], bool]:
@@ -233,9 +271,10 @@ def _properties(schema: dict[str, Any]) -> tuple[list[tuple[str, dict, bool]], b
     return listed, not listed and "properties" not in schema
 
 
-def _sequence(items: list[tuple[str, bool]], separator: str) -> str:
+def _sequence(items: list[tuple[str, bool]], separator: str, least_one: bool = False) -> str:
     """Lark for the present items in order, each required one always and each optional one or not, joined by
-    ``separator`` (a Lark literal or ""): the first present item decides where the separators start."""
+    ``separator`` (a Lark literal or ""): the first present item decides where the separators start. With
+    ``least_one``, at least one item even where none is required."""
     def tail(rest):
         return " ".join(f"({separator} {item})" + ("" if required else "?") for item, required in rest)
 
@@ -244,7 +283,7 @@ def _sequence(items: list[tuple[str, bool]], separator: str) -> str:
         starts.append(f"{item} {tail(items[i + 1:])}".strip())
         if required:
             break
-    return f"({' | '.join(starts)})" + ("" if any(required for _, required in items) else "?")
+    return f"({' | '.join(starts)})" + ("" if least_one or any(required for _, required in items) else "?")
 
 
 def _refuse(param: str, tool: dict[str, Any], name: str, why: str) -> APIError:
@@ -266,13 +305,14 @@ class _Arguments:
     separator: str = ""
 
 
-def _arguments(tool: dict[str, Any], param: str, how: _Arguments) -> str:
+def _arguments(tool: dict[str, Any], param: str, how: _Arguments, least_one: bool = False) -> str:
     """A call's arguments in a markup: the listed parameters in order (optional ones may be left out), or any
-    names where the schema lists none."""
+    names where the schema lists none; with ``least_one``, at least one argument ("" where the tool has no
+    parameter at all)."""
     listed, free = _parameters(tool)
     if free:
         pair = how.item(how.name_rule, how.value({}))
-        return f"({pair} ({how.separator} {pair})*)?"
+        return f"({pair} ({how.separator} {pair})*)" + ("" if least_one else "?")
     items = []
     for name, schema, required in listed:
         if not re.fullmatch(how.names, name):
@@ -281,7 +321,7 @@ def _arguments(tool: dict[str, Any], param: str, how: _Arguments) -> str:
         if value is None:
             raise _refuse(param, tool, name, how.cannot_write)
         items.append((how.item(json.dumps(name), value), required))
-    return _sequence(items, how.separator) if items else ""
+    return _sequence(items, how.separator, least_one) if items else ""
 
 
 _PYTHONIC_ARGUMENTS = _Arguments(  # `x=1, y="a"`: the parser reads JSON's true / false / null as Python's
@@ -336,6 +376,10 @@ _TERMINALS = {
     "TAG_TEXT": r"/([^<\s]([^<]*[^<\s])?)?/",
     # the same where the parser reads "null" in any case as None (`minimax_m2`, `minicpm5`)
     "TYPED_TEXT": r"/([^<\s]([^<]*[^<\s])?)?/ & ~/(?i:null)/",
+    # whitespace between the parts of a Kimi K3 call
+    "GAP": r"/[ \t\r\n]{1,8}/",
+    # a Kimi K3 string argument: raw, not stripped, without "<" (its closing begins with one)
+    "XTML_TEXT": r"/[^<]*/",
 }
 
 _XML_ARGUMENTS = _Arguments(  # `<parameter=x>` / value / `</parameter>` lines
@@ -398,12 +442,42 @@ def _raw_enum(values: list, kind: type, writable: Callable[[Any], bool] = lambda
 _TAGGED = ("string, integer, number, boolean, object, array, null, or absent; an enum's values strings, "
            "integers or booleans")
 
-_ARG_KEY_ARGUMENTS = _Arguments(  # `<arg_key>x</arg_key><arg_value>1</arg_value>`, a newline allowed before each
-    names=r"[^\s<>]+", name_rule=r"/[^\s<>]+/",
-    cannot_name="has whitespace or < > in its name (or none), which <arg_key>x</arg_key> cannot write",
-    item=lambda name, value: f'NL? "<arg_key>" {name} "</arg_key>" NL? "<arg_value>" {value} "</arg_value>"',
-    value=_arg_key_value,
-    cannot_write="has a string enum <arg_value> cannot write back exactly (a value with < or whitespace at an end)")
+def _key_value_arguments(key: str, value: str) -> _Arguments:
+    """`<key>x</key><value>1</value>` (GLM's `arg_key` / `arg_value`, LongCat's), a newline allowed before each."""
+    return _Arguments(
+        names=r"[^\s<>]+", name_rule=r"/[^\s<>]+/",
+        cannot_name=f"has whitespace or < > in its name (or none), which <{key}>x</{key}> cannot write",
+        item=lambda name, lark: f'NL? "<{key}>" {name} "</{key}>" NL? "<{value}>" {lark} "</{value}>"',
+        value=_arg_key_value,
+        cannot_write=f"has a string enum <{value}> cannot write back exactly (a value with < or whitespace at an end)")
+
+
+def _xtml_value(schema: dict[str, Any]) -> str | None:
+    """An argument's type attribute, its end and its value as mlx-lm's `kimi_k3` reads them: `string"<|sep|>` then
+    the raw text (without "<") for a parameter typed "string", else the schema's type (`json` where it has none
+    or several) then JSON."""
+    kind = schema.get("type")
+    if kind == "string":
+        text = _raw_enum(schema["enum"], str, lambda v: "<" not in v) if "enum" in schema else "XTML_TEXT"
+        return None if text is None else f'{json.dumps("string" + chr(34) + "<|sep|>")} {text}'
+    attribute = kind if isinstance(kind, str) else "json"
+    return f'{json.dumps(attribute + chr(34) + "<|sep|>")} %json {_json_schema(schema)}'
+
+
+_ATEM_ARGUMENTS = _Arguments(  # `<atem:parameter name="x">1</atem:parameter>`, a newline allowed before each
+    names=r'[^\s<>"]+', name_rule=r'/[^\s<>"]+/',
+    cannot_name='has whitespace, < > or " in its name (or none), which <atem:parameter name="x"> cannot write',
+    item=lambda name, value: f"NL? {json.dumps('<atem:parameter name=' + chr(34))} {name} "
+                             f"{json.dumps(chr(34) + '>')} {value} {json.dumps('</atem:parameter>')}",
+    value=lambda schema: f"%json {_json_schema(schema)}", cannot_write="")
+
+_XTML_ARGUMENTS = _Arguments(  # `<|open|>argument key="x" type="integer"<|sep|>1<|close|>argument<|sep|>`
+    names=r'[^\s<>"&]+', name_rule=r'/[^\s<>"&]+/',
+    cannot_name='has whitespace, < > " or & in its name (or none), which <|open|>argument key="x" cannot write',
+    item=lambda name, value: f"GAP? {json.dumps('<|open|>argument key=' + chr(34))} {name} "
+                             f"{json.dumps(chr(34) + ' type=' + chr(34))} {value} "
+                             f"{json.dumps('<|close|>argument<|sep|>')}",
+    value=_xtml_value, cannot_write="has a string enum with < in a value, which Kimi K3's argument cannot write")
 
 _INVOKE_ARGUMENTS = _Arguments(  # `<parameter name="x">1</parameter>` lines
     names=r'[^\s<>"]+', name_rule=r'/[^\s<>"]+/',

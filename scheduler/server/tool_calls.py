@@ -89,6 +89,20 @@ class CallShape(Enum):
     # `"name"><param name="x">1</param>` after a `<function name=` start marker, values read as `INVOKE`'s
     # (mlx-lm's `minicpm5`: MiniCPM5)
     PARAM_TAGS = "param_tags"
+    # `ARG_KEY` with `longcat_` tags (mlx-lm's `longcat`: LongCat), which reads a call without arguments only as JSON
+    LONGCAT = "longcat"
+    # `<atem:invoke name="f"><atem:parameter name="x">1</atem:parameter></atem:invoke>`, values JSON, several calls
+    # between one pair of markers (mlx-lm's `muse_spark`: Muse Spark)
+    ATEM = "atem"
+    # `<|open|>call tool="f" index="1"<|sep|>` / `<|open|>argument key="x" type="integer"<|sep|>1<|close|>argument
+    # <|sep|>` / `<|close|>call<|sep|>`, a value typed "string" raw, others JSON (mlx-lm's `kimi_k3`: Kimi K3)
+    XTML = "xtml"
+
+    @property
+    def key_value_tags(self) -> tuple[str, str]:
+        """The tags around an argument's key and its value in a `name<key>x</key><value>1</value>` shape."""
+        return {CallShape.ARG_KEY: ("arg_key", "arg_value"),
+                CallShape.LONGCAT: ("longcat_arg_key", "longcat_arg_value")}[self]
 
     @property
     def string_delimiter(self) -> str | None:
@@ -107,9 +121,17 @@ class CallShape(Enum):
             return (f"\n<function={name}>\n" + "".join(
                 f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
                 for k, v in arguments.items()) + "</function>\n")
-        if self is CallShape.ARG_KEY:
-            return name + "".join(f"<arg_key>{k}</arg_key><arg_value>{_raw(v)}</arg_value>"
-                                  for k, v in arguments.items())
+        if self in (CallShape.ARG_KEY, CallShape.LONGCAT):
+            key, value = self.key_value_tags
+            return name + "".join(f"<{key}>{k}</{key}><{value}>{_raw(v)}</{value}>" for k, v in arguments.items())
+        if self is CallShape.ATEM:
+            return (f'<atem:invoke name="{name}">' + "".join(
+                f'<atem:parameter name="{k}">{json.dumps(v)}</atem:parameter>' for k, v in arguments.items())
+                + "</atem:invoke>")
+        if self is CallShape.XTML:
+            return (f'<|open|>call tool="{name}" index="1"<|sep|>' + "".join(
+                f'<|open|>argument key="{k}" type="{"string" if isinstance(v, str) else "integer"}"<|sep|>'
+                f"{_raw(v)}<|close|>argument<|sep|>" for k, v in arguments.items()) + "<|close|>call<|sep|>")
         if self is CallShape.INVOKE:
             return (f'\n<invoke name="{name}">\n' + "".join(
                 f'<parameter name="{k}">{_raw(v)}</parameter>\n' for k, v in arguments.items()) + "</invoke>\n")

@@ -427,6 +427,16 @@ MARKUPS = {  # name -> (template, (start marker, end marker, shape) mlx-lm's par
                                                   "{{- call.function.name -}}\"><param name=\"x\">1</param>"
                                                   "</function>{%- endfor -%}"),
                  ("<function name=", "</function>", CallShape.PARAM_TAGS)),
+    "longcat": (_template("<tools>", "</tools>", "{%- for call in message['tool_calls'] or [] -%}<longcat_tool_call>"
+                                                 "{{- call.function.name -}}<longcat_arg_key>x</longcat_arg_key>"
+                                                 "<longcat_arg_value>1</longcat_arg_value></longcat_tool_call>"
+                                                 "{%- endfor -%}"),
+                ("<longcat_tool_call>", "</longcat_tool_call>", CallShape.LONGCAT)),
+    "muse_spark": (_template("<tools>", "</tools>", "{%- if message['tool_calls'] -%}<atem:function_calls>"
+                                                    "{%- for call in message['tool_calls'] -%}<atem:invoke name=\""
+                                                    "{{- call.function.name -}}\"></atem:invoke>{%- endfor -%}"
+                                                    "</atem:function_calls>{%- endif -%}"),
+                   ("<atem:function_calls>", "</atem:function_calls>", CallShape.ATEM)),
 }
 
 
@@ -586,6 +596,23 @@ RENDERED = {
                 '{"city": "Paris", "days": 3}<|tool_call_end|><|tool_calls_section_end|>'],
     "minicpm5": ['<function name="get_weather"><param name="city">Paris</param><param name="days">3</param>'
                  '</function>'],
+    "longcat": ["<longcat_tool_call>get_weather<longcat_arg_key>city</longcat_arg_key><longcat_arg_value>Paris"
+                "</longcat_arg_value><longcat_arg_key>days</longcat_arg_key><longcat_arg_value>3</longcat_arg_value>"
+                "</longcat_tool_call>",
+                "<longcat_tool_call>get_weather\n<longcat_arg_key>city</longcat_arg_key>\n<longcat_arg_value>Paris"
+                "</longcat_arg_value>\n<longcat_arg_key>days</longcat_arg_key>\n<longcat_arg_value>3"
+                "</longcat_arg_value>\n</longcat_tool_call>"],
+    # (values JSON: Muse Spark's parser reads JSON first, so a string written raw could come back a number)
+    "muse_spark": ['<atem:function_calls>\n<atem:invoke name="get_weather">\n<atem:parameter name="city">"Paris"'
+                   '</atem:parameter>\n<atem:parameter name="days">3</atem:parameter>\n</atem:invoke>\n'
+                   '</atem:function_calls>'],
+    # (its parser's own example, indented, and the same without whitespace)
+    "kimi_k3": ['<|open|>tools<|sep|>\n  <|open|>call tool="get_weather" index="1"<|sep|>\n    <|open|>argument '
+                'key="city" type="string"<|sep|>Paris<|close|>argument<|sep|>\n    <|open|>argument key="days" '
+                'type="integer"<|sep|>3<|close|>argument<|sep|>\n  <|close|>call<|sep|>\n<|close|>tools<|sep|>',
+                '<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|><|open|>argument key="city" '
+                'type="string"<|sep|>Paris<|close|>argument<|sep|><|open|>argument key="days" type="integer"<|sep|>3'
+                '<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>'],
 }
 
 
@@ -611,14 +638,17 @@ def test_a_forced_call_may_be_written_as_the_model_writes_it(markup):
     assert not _accepts(tokenizer, constraint, as_json)
 
 
-@pytest.mark.parametrize("markup", ["qwen3_coder", "minimax_m2", "minicpm5", "glm47"])
+STRING_NULL_MARKUPS = {"glm47", "longcat"}  # markups whose parsers keep a string parameter's "null" a string
+
+
+@pytest.mark.parametrize("markup", ["qwen3_coder", "minimax_m2", "minicpm5", "glm47", "longcat"])
 def test_a_free_string_value_ends_and_is_null_only_where_the_parser_reads_it_as_a_string(markup):
     """A free string parameter's value, empty, of several words or lines, is allowed and closes (`qwen3_coder`'s
     could not: its text and the closing line were separate terminals, and llguidance's lexer does not step back
     out of a text at the newline that begins the closing). The tag markups whose parsers read a value "null" (any
     case) as None for any parameter (`qwen3_coder`, `minimax_m2`, `minicpm5`) never write it for a string
-    parameter, whose schema a None would break; `glm47` keeps a string parameter's value as written, so "null"
-    is a string there."""
+    parameter, whose schema a None would break; `glm47` and `longcat` keep a string parameter's value as written,
+    so "null" is a string there."""
     from scheduler.fixtures.tiny_models import build_tokenizer
 
     tokenizer = build_tokenizer()
@@ -626,13 +656,31 @@ def test_a_free_string_value_ends_and_is_null_only_where_the_parser_reads_it_as_
     tools = [{"type": "function", "function": {"name": "note", "parameters": {
         "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}]
     constraint = _forced(fmt, tools)
-    for value, allowed in (("null", markup == "glm47"), ("NULL", markup == "glm47"), ("nullable", True),
+    for value, allowed in (("null", markup in STRING_NULL_MARKUPS), ("NULL", markup in STRING_NULL_MARKUPS),
+                           ("nullable", True),
                            ("", True), ("two words\nand a line", True)):
         text = fmt.start + fmt.shape.example({"name": "note", "arguments": {"text": value}}) + fmt.end
         assert _accepts(tokenizer, constraint, text) == allowed, text
         if allowed:
             assert _markup(markup).parse(text[len(fmt.start): len(text) - len(fmt.end)], tools)["arguments"] \
                 == {"text": value}
+
+
+def test_every_tool_call_format_mlx_lm_infers_has_a_grammar():
+    """Each of mlx-lm's tool parsers reads one of the shapes a forced call's grammar writes, the model's own markup
+    before JSON (GLM's and LongCat's parsers read JSON too). Fails when an mlx-lm release adds a parser, or changes
+    one so that its markup no longer reads back: the shape table in scheduler/server/tool_calls.py is then due."""
+    import pkgutil
+
+    import mlx_lm.tool_parsers
+
+    shapes = {module.name: _markup(module.name).shape for module in pkgutil.iter_modules(mlx_lm.tool_parsers.__path__)}
+    assert shapes == {
+        "json_tools": CallShape.JSON_OBJECT, "mistral": CallShape.NAME_ARGS, "pythonic": CallShape.PYTHONIC,
+        "qwen3_coder": CallShape.XML_PARAMETERS, "function_gemma": CallShape.FUNCTION_GEMMA,
+        "gemma4": CallShape.GEMMA4, "glm47": CallShape.ARG_KEY, "laguna": CallShape.ARG_KEY,
+        "longcat": CallShape.LONGCAT, "minimax_m2": CallShape.INVOKE, "kimi_k2": CallShape.KIMI,
+        "minicpm5": CallShape.PARAM_TAGS, "muse_spark": CallShape.ATEM, "kimi_k3": CallShape.XTML}
 
 
 def test_a_call_the_parser_fails_on_with_any_error_stays_content():
@@ -666,14 +714,15 @@ TYPED_TOOLS = [
 ]
 
 
-MAX_TOKENS = 400  # per sampled forced call
+MAX_TOKENS = 1000  # per sampled forced call (the tag markups take many tokens of the tiny BPE)
 
 #: the markups that write objects and arrays (FunctionGemma's parser cuts the arguments at commas: scalars only)
-NESTED_MARKUPS = {"pythonic", "qwen3_coder", "gemma4", "glm47", "minimax_m2", "kimi_k2", "minicpm5"}
+NESTED_MARKUPS = {"pythonic", "qwen3_coder", "gemma4", "glm47", "minimax_m2", "kimi_k2", "minicpm5", "longcat",
+                  "muse_spark", "kimi_k3"}
 
 
 @pytest.mark.parametrize("markup", ["pythonic", "qwen3_coder", "function_gemma", "gemma4", "glm47", "minimax_m2",
-                                    "kimi_k2", "minicpm5"])
+                                    "kimi_k2", "minicpm5", "longcat", "muse_spark", "kimi_k3"])
 def test_forced_calls_hold_to_every_parameter_type(markup, text_model_dir):
     """Sampled at temperature 1 under the forced-call grammar of each markup, every output parses back (mlx-lm's
     own parser) into calls of the offered tools whose arguments hold to their schemas: enums of strings and
@@ -712,11 +761,11 @@ def test_forced_calls_hold_to_every_parameter_type(markup, text_model_dir):
         splitter = ToolCallSplitter(fmt, tools)
         first, last = splitter.feed(text), splitter.finish()
         # "required" allows several calls, and a sampled row may write calls until max_tokens cuts the last one:
-        # then the calls before it are the output's
+        # then the calls closed before it are the output's (none where one pair of markers holds them all)
         cut = len(tokens) == MAX_TOKENS and not text.rstrip().endswith(fmt.end or "\0")
         assert not first.content.strip() and (cut or not last.content.strip()), text
         calls = first.calls + ([] if cut else last.calls)
-        assert calls, text
+        assert calls or cut, text
         for call in calls:
             arguments = json.loads(call["function"]["arguments"])
             jsonschema.validate(arguments, schemas[call["function"]["name"]])
