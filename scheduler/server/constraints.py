@@ -442,6 +442,7 @@ def _raw_enum(values: list, kind: type, writable: Callable[[Any], bool] = lambda
 _TAGGED = ("string, integer, number, boolean, object, array, null, or absent; an enum's values strings, "
            "integers or booleans")
 
+
 def _key_value_arguments(key: str, value: str) -> _Arguments:
     """`<key>x</key><value>1</value>` (GLM's `arg_key` / `arg_value`, LongCat's), a newline allowed before each."""
     return _Arguments(

@@ -52,14 +52,13 @@ class ToolCallFormat:
         probe = {"name": "f", "arguments": {"x": 1, "s": "a"}}
         tools = [{"type": "function", "function": {"name": "f", "parameters": {
             "type": "object", "properties": {"x": {"type": "integer"}, "s": {"type": "string"}}}}}]
-        for shape in sorted(CallShape, key=lambda s: s is CallShape.JSON_OBJECT):
+        for shape in sorted(CallShape, key=lambda one: one is CallShape.JSON_OBJECT):
             try:
                 parsed = self.parse(shape.example(probe), tools)
             except Exception:  # a parser handed another markup fails as it fails (AttributeError, regex errors...)
                 continue
             calls = parsed if isinstance(parsed, list) else [parsed]
-            if len(calls) == 1 and isinstance(calls[0], dict) and {
-                    k: calls[0].get(k) for k in probe} == probe:
+            if len(calls) == 1 and isinstance(calls[0], dict) and {k: calls[0].get(k) for k in probe} == probe:
                 return shape
         return None
 
@@ -119,7 +118,7 @@ class CallShape(Enum):
             return f"[{name}(" + ", ".join(f"{k}={json.dumps(v)}" for k, v in arguments.items()) + ")]"
         if self is CallShape.XML_PARAMETERS:
             return (f"\n<function={name}>\n" + "".join(
-                f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
+                f"<parameter={k}>\n{_raw(v)}\n</parameter>\n"
                 for k, v in arguments.items()) + "</function>\n")
         if self in (CallShape.ARG_KEY, CallShape.LONGCAT):
             key, value = self.key_value_tags
