@@ -144,18 +144,16 @@ def _name_args_calls(fmt: ToolCallFormat, tools: list[dict[str, Any]], param: st
 
 def _pythonic_calls(fmt: ToolCallFormat, tools: list[dict[str, Any]], param: str) -> _Calls:
     """`[a(x=1), b(y="z")]` between one pair of markers."""
-    names = [_tool_name(t, r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", "[name(x=...)]", param) for t in tools]
-    calls = " | ".join(f"{json.dumps(name + '(')} {_arguments(t, param, _PYTHONIC_ARGUMENTS)} {_CLOSE}"
-                       for name, t in zip(names, tools))
+    calls = _one_of(tools, param, r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", "[name(x=...)]", lambda name, t: (
+        f"{json.dumps(name + '(')} {_arguments(t, param, _PYTHONIC_ARGUMENTS)} {_CLOSE}"))
     return _Calls(calls, _COMMA, f"{json.dumps(fmt.start + '[')} ", f" {json.dumps(']')}{_marker(fmt.end)}")
 
 
 def _xml_calls(fmt: ToolCallFormat, tools: list[dict[str, Any]], param: str) -> _Calls:
     """One `<tool_call>` / `<function=name>` block per call."""
-    names = [_tool_name(t, r"[^\s<>]+", "<function=name>", param) for t in tools]
-    calls = " | ".join(f"{json.dumps(fmt.start + chr(10) + '<function=' + name + '>' + chr(10))} "
-                       f"{_arguments(t, param, _XML_ARGUMENTS)} {json.dumps('</function>' + chr(10) + fmt.end)}"
-                       for name, t in zip(names, tools))
+    calls = _one_of(tools, param, r"[^\s<>]+", "<function=name>", lambda name, t: (
+        f"{json.dumps(fmt.start + chr(10) + '<function=' + name + '>' + chr(10))} "
+        f"{_arguments(t, param, _XML_ARGUMENTS)} {json.dumps('</function>' + chr(10) + fmt.end)}"))
     return _Calls(calls, "NL")
 
 
@@ -163,9 +161,8 @@ def _braced_calls(fmt: ToolCallFormat, tools: list[dict[str, Any]], param: str) 
     """`call:name{x:1,s:<escape>a<escape>}`, one per pair of markers."""
     gemma4 = fmt.shape is CallShape.GEMMA4
     how = _braced_arguments(fmt.shape.string_delimiter, nested=gemma4)
-    names = [_tool_name(t, r"[\w-]+" if gemma4 else r"\w+", "call:name{...}", param) for t in tools]
-    calls = " | ".join(f"{json.dumps(f'call:{name}' + '{')} {_arguments(t, param, how)} {json.dumps('}')}"
-                       for name, t in zip(names, tools))
+    calls = _one_of(tools, param, r"[\w-]+" if gemma4 else r"\w+", "call:name{...}", lambda name, t: (
+        f"{json.dumps(f'call:{name}' + '{')} {_arguments(t, param, how)} {json.dumps('}')}"))
     return _Calls(f"{json.dumps(fmt.start)} ({calls}){_marker(fmt.end)}")
 
 
@@ -197,10 +194,9 @@ def _may_have_no_arguments(tool: dict[str, Any]) -> bool:
 def _invoke_calls(fmt: ToolCallFormat, tools: list[dict[str, Any]], param: str) -> _Calls:
     """`<invoke name="f">` / `<parameter name="x">1</parameter>` lines / `</invoke>`, the calls on lines of their
     own between one pair of markers (MiniMax M2's template)."""
-    names = [_tool_name(t, r'[^\s<>"]+', '<invoke name="...">', param) for t in tools]
-    calls = " | ".join(f"{json.dumps(f'<invoke name={chr(34)}{name}{chr(34)}>' + chr(10))} "
-                       f"{_arguments(t, param, _INVOKE_ARGUMENTS)} {json.dumps('</invoke>')}"
-                       for name, t in zip(names, tools))
+    calls = _one_of(tools, param, r'[^\s<>"]+', '<invoke name="...">', lambda name, t: (
+        f"{json.dumps(f'<invoke name={chr(34)}{name}{chr(34)}>' + chr(10))} "
+        f"{_arguments(t, param, _INVOKE_ARGUMENTS)} {json.dumps('</invoke>')}"))
     return _Calls(calls, "NL", f"{json.dumps(fmt.start + chr(10))} ", f" {json.dumps(chr(10) + fmt.end)}")
 
 
@@ -208,20 +204,19 @@ def _kimi_calls(fmt: ToolCallFormat, tools: list[dict[str, Any]], param: str) ->
     """`<|tool_call_begin|>functions.name:0<|tool_call_argument_begin|>{...}<|tool_call_end|>`, one after another
     between one pair of markers (Kimi K2's template; the number is the call's index, which the parser keeps in
     the call's id), the arguments JSON of the tool's schema."""
-    names = [_tool_name(t, r"[\w.-]+", "functions.name:0", param) for t in tools]
-    calls = " | ".join(f"{json.dumps('<|tool_call_begin|>functions.' + name + ':')} /[0-9]{{1,3}}/ "
-                       f"{json.dumps('<|tool_call_argument_begin|>')} %json {_listed_arguments_schema(t)} "
-                       f"{json.dumps('<|tool_call_end|>')}" for name, t in zip(names, tools))
+    calls = _one_of(tools, param, r"[\w.-]+", "functions.name:0", lambda name, t: (
+        f"{json.dumps('<|tool_call_begin|>functions.' + name + ':')} /[0-9]{{1,3}}/ "
+        f"{json.dumps('<|tool_call_argument_begin|>')} %json {_listed_arguments_schema(t)} "
+        f"{json.dumps('<|tool_call_end|>')}"))
     return _Calls(calls, "", f"{json.dumps(fmt.start)} ", f" {json.dumps(fmt.end)}")
 
 
 def _param_tag_calls(fmt: ToolCallFormat, tools: list[dict[str, Any]], param: str) -> _Calls:
     """`<function name="f"><param name="x">1</param></function>`, one block per call (MiniCPM5's template: the
     start marker is `<function name=`)."""
-    names = [_tool_name(t, r'[^\s<>"\']+', '<function name="...">', param) for t in tools]
-    calls = " | ".join(f"{json.dumps(fmt.start + chr(34) + name + chr(34) + '>')} "
-                       f"{_arguments(t, param, _PARAM_TAG_ARGUMENTS)} {json.dumps(fmt.end)}"
-                       for name, t in zip(names, tools))
+    calls = _one_of(tools, param, r'[^\s<>"]+', '<function name="...">', lambda name, t: (
+        f"{json.dumps(fmt.start + chr(34) + name + chr(34) + '>')} "
+        f"{_arguments(t, param, _PARAM_TAG_ARGUMENTS)} {json.dumps(fmt.end)}"))
     return _Calls(calls, "NL?")
 
 
@@ -229,10 +224,9 @@ def _atem_calls(fmt: ToolCallFormat, tools: list[dict[str, Any]], param: str) ->
     """`<atem:invoke name="f"><atem:parameter name="x">1</atem:parameter></atem:invoke>`, the calls between one
     pair of markers (Muse Spark's), each value JSON (its parser reads JSON first, else the stripped text: a string
     written raw would come back a number where it reads as one); a newline may stand between the parts."""
-    names = [_tool_name(t, r'[^\s<>"]+', '<atem:invoke name="...">', param) for t in tools]
-    calls = " | ".join(f"{json.dumps(f'<atem:invoke name={chr(34)}{name}{chr(34)}>')} "
-                       f"{_arguments(t, param, _ATEM_ARGUMENTS)} NL? {json.dumps('</atem:invoke>')}"
-                       for name, t in zip(names, tools))
+    calls = _one_of(tools, param, r'[^\s<>"]+', '<atem:invoke name="...">', lambda name, t: (
+        f"{json.dumps(f'<atem:invoke name={chr(34)}{name}{chr(34)}>')} "
+        f"{_arguments(t, param, _ATEM_ARGUMENTS)} NL? {json.dumps('</atem:invoke>')}"))
     return _Calls(calls, "NL?", f"{json.dumps(fmt.start)} NL? ", f" NL? {json.dumps(fmt.end)}")
 
 
@@ -240,10 +234,10 @@ def _xtml_calls(fmt: ToolCallFormat, tools: list[dict[str, Any]], param: str) ->
     """`<|open|>call tool="f" index="1"<|sep|>` / arguments / `<|close|>call<|sep|>`, the calls between one pair of
     markers (Kimi K3's XTML), each argument `<|open|>argument key="x" type="T"<|sep|>value<|close|>argument<|sep|>`;
     up to 8 whitespace characters may stand between the parts (its parser's own example indents them)."""
-    names = [_tool_name(t, r'[^\s<>"&]+', '<|open|>call tool="..."', param) for t in tools]
-    calls = " | ".join(f"{json.dumps(f'<|open|>call tool={chr(34)}{name}{chr(34)} index={chr(34)}')} /[0-9]{{1,3}}/ "
-                       f"{json.dumps(chr(34) + '<|sep|>')} {_arguments(t, param, _XTML_ARGUMENTS)} GAP? "
-                       f"{json.dumps('<|close|>call<|sep|>')}" for name, t in zip(names, tools))
+    calls = _one_of(tools, param, r'[^\s<>"&]+', '<|open|>call tool="..."', lambda name, t: (
+        f"{json.dumps(f'<|open|>call tool={chr(34)}{name}{chr(34)} index={chr(34)}')} /[0-9]{{1,3}}/ "
+        f"{json.dumps(chr(34) + '<|sep|>')} {_arguments(t, param, _XTML_ARGUMENTS)} GAP? "
+        f"{json.dumps('<|close|>call<|sep|>')}"))
     return _Calls(calls, "GAP?", f"{json.dumps(fmt.start)} GAP? ", f" GAP? {json.dumps(fmt.end)}")
 
 
@@ -354,15 +348,7 @@ def _xml_bare_value(schema: dict[str, Any]) -> str | None:
         if kind in ("integer", "number", "boolean") and values:
             return "(" + " | ".join(json.dumps(json.dumps(v)) for v in values) + ")"
         return None
-    if kind in (None, "string"):
-        return "XML_TEXT"
-    if kind == "boolean":
-        return '("true" | "false")'
-    if kind == "null":
-        return '"null"'
-    if kind in ("integer", "number", "object", "array"):
-        return f"%json {_json_schema(schema)}"
-    return None
+    return _by_declared_type(kind, schema, "XML_TEXT")
 
 
 # The terminals a calls rule may name (Lark's `&` and `~` are for terminals only), each defined where it is used:
@@ -420,8 +406,14 @@ def _typed_value(schema: dict[str, Any]) -> str | None:
         if all(isinstance(v, int) and not isinstance(v, bool) for v in values) and kind in (None, "integer"):
             return _raw_enum(values, int)
         return None
+    return _by_declared_type(kind, schema, "TYPED_TEXT")
+
+
+def _by_declared_type(kind: str | None, schema: dict[str, Any], text: str) -> str | None:
+    """A value as the tag parsers convert it by its parameter's declared type ``kind``: ``text`` (a terminal) for
+    a string or no type, `true` / `false`, `null`, JSON for the other JSON types; None for any other type."""
     if kind in (None, "string"):
-        return "TYPED_TEXT"
+        return text
     if kind == "boolean":
         return '("true" | "false")'
     if kind == "null":
@@ -480,21 +472,27 @@ _XTML_ARGUMENTS = _Arguments(  # `<|open|>argument key="x" type="integer"<|sep|>
                              f"{json.dumps('<|close|>argument<|sep|>')}",
     value=_xtml_value, cannot_write="has a string enum with < in a value, which Kimi K3's argument cannot write")
 
-_INVOKE_ARGUMENTS = _Arguments(  # `<parameter name="x">1</parameter>` lines
-    names=r'[^\s<>"]+', name_rule=r'/[^\s<>"]+/',
-    cannot_name='has whitespace, < > or " in its name (or none), which <parameter name="x"> cannot write',
-    item=lambda name, value: f"{json.dumps('<parameter name=' + chr(34))} {name} {json.dumps(chr(34) + '>')} "
-                             f"{value} {json.dumps('</parameter>' + chr(10))}",
-    value=_typed_value,
-    cannot_write=f'has a schema <parameter name="x"> cannot write back exactly (its type must be one of {_TAGGED})')
+def _named_tag_arguments(tag: str, after: str) -> _Arguments:
+    """`<tag name="x">1</tag>` then ``after`` (MiniMax M2's `parameter` lines, MiniCPM5's `param`), each value by its
+    parameter's declared type (`_typed_value`)."""
+    return _Arguments(
+        names=r'[^\s<>"]+', name_rule=r'/[^\s<>"]+/',
+        cannot_name=f'has whitespace, < > or " in its name (or none), which <{tag} name="x"> cannot write',
+        item=lambda name, value: f"{json.dumps(f'<{tag} name=' + chr(34))} {name} {json.dumps(chr(34) + '>')} "
+                                 f"{value} {json.dumps(f'</{tag}>' + after)}",
+        value=_typed_value,
+        cannot_write=f'has a schema <{tag} name="x"> cannot write back exactly (its type must be one of {_TAGGED})')
 
-_PARAM_TAG_ARGUMENTS = _Arguments(  # `<param name="x">1</param>`
-    names=r'[^\s<>"\']+', name_rule=r'/[^\s<>"\']+/',
-    cannot_name='has whitespace, < > or quotes in its name (or none), which <param name="x"> cannot write',
-    item=lambda name, value: f"{json.dumps('<param name=' + chr(34))} {name} {json.dumps(chr(34) + '>')} "
-                             f"{value} {json.dumps('</param>')}",
-    value=_typed_value,
-    cannot_write=f'has a schema <param name="x"> cannot write back exactly (its type must be one of {_TAGGED})')
+
+_INVOKE_ARGUMENTS = _named_tag_arguments("parameter", "\n")
+_PARAM_TAG_ARGUMENTS = _named_tag_arguments("param", "")
+
+
+def _one_of(tools: list[dict[str, Any]], param: str, allowed: str, markup: str,
+            write: Callable[[str, dict[str, Any]], str]) -> str:
+    """One call's alternatives, one per tool, each ``write(name, tool)``: the tool's name is checked against
+    ``allowed``, the names the markup's parser reads back (``markup`` names it in a refusal)."""
+    return " | ".join(write(_tool_name(t, allowed, markup, param), t) for t in tools)
 
 
 def _tool_name(tool: dict[str, Any], allowed: str, markup: str, param: str) -> str:
