@@ -7,7 +7,10 @@ text before two calls, a chat sent back with the calls and the tool's result, th
 (`enable_thinking` / `chat_template_kwargs`), calls forced by tool_choice "required" or a named function, output
 formats (`response_format`, `structured_outputs`) after the reasoning, and the refusals (an unknown named
 function, a forced call with an output format, a model without a tool-call format, tool messages without an id,
-template arguments the engine sets itself).
+template arguments the engine sets itself). Then forced calls in each call markup of mlx-lm's tool parsers: end to
+end on the tiny text model with a template of that markup, sampled under each markup's grammar with every
+parameter type, and at the grammar itself (the markup as the model's template renders it is allowed, string values
+end and are never a "null" the parser would read as None).
 """
 
 from __future__ import annotations
@@ -619,8 +622,8 @@ RENDERED = {
 @pytest.mark.parametrize("markup", sorted(RENDERED))
 def test_a_forced_call_may_be_written_as_the_model_writes_it(markup):
     """The grammar of a forced call allows the call as the model's own template renders it, and mlx-lm's parser
-    reads that back to the call; the same call in JSON (what these parsers also read, or the grammar wrote for
-    GLM before) is not allowed."""
+    reads that back to the call; the same call as JSON between the markers (which GLM's and LongCat's parsers
+    also read, and which the grammar wrote for GLM before) is not allowed."""
     from scheduler.fixtures.tiny_models import build_tokenizer
     from scheduler.server.tool_calls import ToolCallSplitter
 
@@ -656,9 +659,9 @@ def test_a_free_string_value_ends_and_is_null_only_where_the_parser_reads_it_as_
     tools = [{"type": "function", "function": {"name": "note", "parameters": {
         "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}]
     constraint = _forced(fmt, tools)
-    for value, allowed in (("null", markup in STRING_NULL_MARKUPS), ("NULL", markup in STRING_NULL_MARKUPS),
-                           ("nullable", True),
-                           ("", True), ("two words\nand a line", True)):
+    null_is_text = markup in STRING_NULL_MARKUPS
+    for value, allowed in (("null", null_is_text), ("NULL", null_is_text), ("nullable", True), ("", True),
+                           ("two words\nand a line", True)):
         text = fmt.start + fmt.shape.example({"name": "note", "arguments": {"text": value}}) + fmt.end
         assert _accepts(tokenizer, constraint, text) == allowed, text
         if allowed:
