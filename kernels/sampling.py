@@ -159,7 +159,8 @@ class SamplingArrays:
 
     def repeated(self, n: int) -> "SamplingArrays":
         """Each row's parameters n times in a row: the rows of a (B * n, V) reshape of (B, n, V) logits."""
-        arrays = {name: mx.repeat(getattr(self, name), n, axis=0) for name in _PER_ROW}
+        arrays = {f.name: mx.repeat(getattr(self, f.name), n, axis=0) for f in dataclasses.fields(self)
+                  if isinstance(getattr(self, f.name), mx.array)}
         return dataclasses.replace(self, **arrays)
 
     @property
@@ -197,10 +198,6 @@ class SamplingArrays:
             any_frequency_penalty=bool((freq != 0.0).any()),
             max_top_k=int(np.where(sampled, top_k, 0).max(initial=0)),
         )
-
-
-_PER_ROW = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "repetition_penalty", "frequency_penalty",
-            "seed")
 
 
 # ---------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 from enum import Enum
+from itertools import repeat
 from typing import Any, Hashable, Iterable, Optional, Protocol, Sequence
 
 import mlx.core as mx
@@ -262,6 +263,17 @@ def _unique(rows: Sequence[DraftRequest]) -> None:
 # ---------------------------------------------------------------------------
 
 
+def _ngrams_ending(tokens: Sequence[int], ends: range, sizes: Iterable[int]
+                   ) -> Iterable[tuple[int, Iterable[tuple[int, ...]], range]]:
+    """Per size n: (n, the n-grams of ``tokens`` ending at the positions of ``ends`` where one fits, those
+    positions), the n-grams in position order. Built from slices with ``zip`` (no Python loop per position: a
+    50,000-token prompt is indexed at every admission)."""
+    for n in sizes:
+        first = max(ends.start, n - 1)
+        if first < ends.stop:
+            yield n, zip(*(tokens[first + 1 - n + j: ends.stop + 1 - n + j] for j in range(n))), range(first, ends.stop)
+
+
 class NgramIndex:
     """The n-grams of one token history: ``maps[n][ngram] = e``, the end position of its most recent
     occurrence among those with a following token (``e <= len - 2``). Updated incrementally: appending t
@@ -282,10 +294,8 @@ class NgramIndex:
         toks.extend(int(t) for t in new_tokens)
         last = len(toks) - 1  # the n-gram ending at the last position has no follower yet
         added = range(self._indexed, last)
-        for e in added:
-            for n, table in self.maps.items():
-                if e + 1 >= n:
-                    table[tuple(toks[e + 1 - n : e + 1])] = e
+        for n, keys, ends in _ngrams_ending(toks, added, self.maps):
+            self.maps[n].update(zip(keys, ends))  # in position order: the most recent occurrence wins
         self._indexed = max(self._indexed, last)
         return added
 
@@ -351,22 +361,16 @@ class SharedNgrams:
             n: {} for n in range(ngram_min, ngram_max + 1)}
 
     def add(self, request_id: str, index: NgramIndex, ends: range) -> None:
-        toks = index.tokens
-        for e in ends:
-            holder = (request_id, e)
-            for n, table in self.maps.items():
-                if e + 1 >= n:
-                    table[tuple(toks[e + 1 - n : e + 1])] = holder
+        for n, keys, at in _ngrams_ending(index.tokens, ends, self.maps):
+            self.maps[n].update(zip(keys, zip(repeat(request_id), at)))
 
     def drop(self, request_id: str, index: NgramIndex) -> None:
-        toks = index.tokens
-        for e in index.indexed:
-            for n, table in self.maps.items():
-                if e + 1 >= n:
-                    key = tuple(toks[e + 1 - n : e + 1])
-                    holder = table.get(key)
-                    if holder is not None and holder[0] == request_id:
-                        del table[key]
+        for n, keys, _ in _ngrams_ending(index.tokens, index.indexed, self.maps):
+            table = self.maps[n]
+            for key in keys:
+                holder = table.get(key)
+                if holder is not None and holder[0] == request_id:
+                    del table[key]
 
     def find(self, suffix: Sequence[int], request_id: str) -> tuple[str, int] | None:
         """(request id, end position) of the latest holder of ``suffix`` if that is not ``request_id``."""
