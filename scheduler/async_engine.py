@@ -1,7 +1,8 @@
 """An asyncio front for `Engine`: the tick loop runs on one background thread, clients await their tokens.
 
 `submit()` registers a queue for the request id *before* the request can reach the loop (so no output is
-lost), then runs `add_request` (tokenizing, media preprocessing) on a worker thread, off the event loop; it
+lost), fetches its media URLs in a thread of its own (`Engine.fetch_media`), then runs `add_request`
+(tokenizing, media preprocessing) on the one worker thread that prepares requests, off the event loop; it
 raises `InvalidRequest` with nothing queued, like `add_request`. The loop thread hands outputs to the owning
 event loop with `call_soon_threadsafe`. A client that stops listening (its task is cancelled, it closes the
 `RequestStream` or breaks out of `stream()`) aborts its request, so nothing keeps computing for nobody.
@@ -181,6 +182,16 @@ class AsyncEngine:
             if rid in self._queues:  # live here: registering would steal its outputs
                 raise InvalidRequest("request_id", f"duplicate request id {rid!r}", rid)
             self._queues[rid] = (loop, queue)
+        if self.engine.vlm is not None and self.engine.media_fetch is not None and (
+                images or videos or audio or isinstance(prompt, list)):
+            # media URLs are fetched here, each request in a thread of its own: a slow host must not hold the one
+            # worker that prepares every request
+            try:
+                prompt, media = await asyncio.to_thread(self.engine.fetch_media, prompt, images, videos, audio, rid)
+            except BaseException:
+                self._unregister(rid)
+                raise
+            images, videos, audio = media.images or None, media.videos or None, media.audio or None
         add = functools.partial(self.engine.add_request, prompt=prompt, prompt_tokens=prompt_tokens,
                                 sampling=sampling, request_id=rid, images=images, videos=videos, audio=audio,
                                 priority=priority, tools=tools, chat_template_kwargs=chat_template_kwargs)

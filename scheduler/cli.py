@@ -266,6 +266,13 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-images-per-request", type=int, help="images in one request at most (16)")
     g.add_argument("--max-videos-per-request", type=int, help="videos in one request at most (4)")
     g.add_argument("--max-audio-per-request", type=int, help="audio clips in one request at most (8)")
+    g.add_argument("--no-remote-media", dest="remote_media", action="store_false", default=None,
+                   help="refuse media given as http(s) URLs (default: fetched, under the bounds below)")
+    g.add_argument("--media-fetch-timeout-s", type=float, help="connection and each wait for data of a media "
+                                                               "URL's fetch (10)")
+    g.add_argument("--media-fetch-max-mb", type=int, help="largest media body fetched from a URL (64)")
+    g.add_argument("--allowed-media-domains", nargs="+", metavar="HOST",
+                   help="fetch media URLs from these host names only, redirects included (default: any host)")
     g.add_argument("--policy", choices=["fcfs", "priority", "shortest-prompt-first", "prefix-aware"])
     g.add_argument("--mix", choices=["decode-first", "prefill-first"])
     g.add_argument("--draft-tokens", type=int, help="speculative decoding: draft tokens per row (0: off)")
@@ -290,7 +297,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
 
 # EngineConfig fields whose flag has another name: field -> (flag dest, what one unit of the flag is in the field)
 _FLAG_FOR_FIELD = {"kv_memory_bytes": ("kv_memory_mb", 1 << 20), "prefix_cache_bytes": ("prefix_cache_mb", 1 << 20),
-                   "vision_cache_bytes": ("vision_cache_mb", 1 << 20), "trace_path": ("trace", None)}
+                   "vision_cache_bytes": ("vision_cache_mb", 1 << 20), "trace_path": ("trace", None),
+                   "media_fetch_max_bytes": ("media_fetch_max_mb", 1 << 20)}
 # EngineConfig fields with no serve flag, and why
 ENGINE_FIELDS_WITHOUT_FLAGS = {
     "logprob_vectors": "a (V,) vector per token is for library callers; the server answers top_logprobs",

@@ -63,6 +63,11 @@ class EngineConfig:
     max_images_per_request: at most this many images in one request (more is refused with InvalidRequest).
     max_videos_per_request, max_audio_per_request: the same for videos (each up to video_max_frames frames) and
         audio clips: every kind of media a client sends is bounded per request.
+    remote_media: fetch media given as http(s) URLs (scheduler/models/fetch.py), in `add_request` on the
+        caller's thread (the server fetches in its own per-request thread, under the same settings). False
+        refuses them (UnreadableMedia). Each fetch is bounded by `media_fetch_timeout_s` (connection and each
+        wait for data; a body still arriving after about twice that is cut off), `media_fetch_max_bytes`, and
+        `allowed_media_domains` (host names, exact; None: any host), which holds on every redirect hop too.
     max_kv_size: keep only the last `max_kv_size` tokens of each request's context (rotating caches, no
         attention sinks), for models without their own cache layout; positions stay true (RoPE uses the real
         offset). None keeps everything.
@@ -126,6 +131,10 @@ class EngineConfig:
     max_images_per_request: int = 16
     max_videos_per_request: int = 4
     max_audio_per_request: int = 8
+    remote_media: bool = True
+    media_fetch_timeout_s: float = 10.0
+    media_fetch_max_bytes: int = 64 << 20
+    allowed_media_domains: tuple[str, ...] | None = None
     max_kv_size: int | None = None  # bounded context: rotating caches of this many tokens
     kv_memory_bytes: int | None = None  # hard budget for KV caches; None = unbounded
     kv_headroom_tokens: int = 32
@@ -154,6 +163,21 @@ class EngineConfig:
         if (not isinstance(self.video_max_frames, int) or isinstance(self.video_max_frames, bool)
                 or self.video_max_frames < 1):
             raise ValueError(f"video_max_frames: must be an integer >= 1, got {self.video_max_frames!r}")
+        if not isinstance(self.remote_media, bool):
+            raise ValueError(f"remote_media: must be True or False, got {self.remote_media!r}")
+        if (isinstance(self.media_fetch_timeout_s, bool) or not isinstance(self.media_fetch_timeout_s, (int, float))
+                or not math.isfinite(self.media_fetch_timeout_s) or self.media_fetch_timeout_s <= 0):
+            raise ValueError(f"media_fetch_timeout_s: must be a finite number > 0, got {self.media_fetch_timeout_s!r}")
+        if (not isinstance(self.media_fetch_max_bytes, int) or isinstance(self.media_fetch_max_bytes, bool)
+                or self.media_fetch_max_bytes < 1):
+            raise ValueError(f"media_fetch_max_bytes: must be an integer >= 1, got {self.media_fetch_max_bytes!r}")
+        if self.allowed_media_domains is not None:
+            domains = self.allowed_media_domains
+            if not isinstance(domains, (list, tuple)) or not all(isinstance(d, str) and d and "/" not in d
+                                                                 for d in domains):
+                raise ValueError("allowed_media_domains: must be None or a list of host names, got "
+                                 f"{self.allowed_media_domains!r}")
+            object.__setattr__(self, "allowed_media_domains", tuple(domains))  # (a trace records a list)
         if self.max_batched_tokens <= self.max_seqs:
             # Every running request decodes one token per tick; prefill needs room on top of that or a
             # full batch would starve admission.

@@ -32,6 +32,7 @@ from .execution.structured import GrammarCompiler
 from .families import UnsupportedFeature
 from .lifecycle import RequestState
 from .loop import TickLoop
+from .models.fetch import FetchPolicy
 from .models.prompt import MediaInputs, PromptResolver, ResolvedPrompt
 from .policy import policy_record
 from .request import (
@@ -174,7 +175,9 @@ class Engine:
         self.events = EventLog(sinks, clock=clock)
         # here, on the constructing thread: the engine may be stepped from another (AsyncEngine, the server)
         library.materialize(model, draft_model, mtp_head)
-        family = _model_family(model, tokenizer, self.config, self._vision_event)
+        # how media given as http(s) URLs are fetched (None: refused); the server fetches by the same policy
+        self.media_fetch = _media_fetch(self.config)
+        family = _model_family(model, tokenizer, self.config, self._vision_event, self.media_fetch)
         self._runner = family.runner
         self.vlm, self.vision_cache = family.vlm, family.vision_cache
         self.tokenizer, self.vocab_size = family.tokenizer, family.vocab_size
@@ -466,6 +469,14 @@ class Engine:
             self._known_live.add(request_id)
             self._inbox.append(_Arrival(request_id, resolved, sampling, priority, self.clock()))
         return request_id
+
+    def fetch_media(self, prompt: Any = None, images: Sequence[Any] | None = None, videos: Sequence[Any] | None = None,
+                    audio: Sequence[Any] | None = None, request_id: str | None = None) -> tuple[Any, MediaInputs]:
+        """Fetch a request's media URLs now, before `add_request` (which would fetch them itself): the prompt and
+        media with each http(s) URL replaced by its bytes (content parts moved out of chat messages), to pass on
+        to `add_request`. Lets a caller fetch on threads of its own (`AsyncEngine` does). Raises UnreadableMedia
+        naming an item it cannot fetch. Thread-safe: it touches no engine state."""
+        return self.prompts.fetch_remote(prompt, MediaInputs.of(images, videos, audio), request_id)
 
     def abort(self, request_id: str) -> bool:
         """Abort a live request (any non-terminal state) at the start of the next tick.
@@ -847,7 +858,15 @@ class _ModelFamily:
     vision_cache: Any = None
 
 
-def _model_family(model: Any, tokenizer: Any, config: EngineConfig, on_vision_event: Any) -> _ModelFamily:
+def _media_fetch(config: EngineConfig) -> FetchPolicy | None:
+    if not config.remote_media:
+        return None
+    return FetchPolicy(timeout_s=config.media_fetch_timeout_s, max_bytes=config.media_fetch_max_bytes,
+                       allowed_hosts=config.allowed_media_domains)
+
+
+def _model_family(model: Any, tokenizer: Any, config: EngineConfig, on_vision_event: Any,
+                  media_fetch: FetchPolicy | None) -> _ModelFamily:
     if not library.is_vision_language_model(model):
         return _ModelFamily(TextRunner(model, config.max_kv_size), tokenizer, library.vocab_size(model),
                             library.max_positions(model), library.eos_token_ids(tokenizer))
@@ -858,7 +877,7 @@ def _model_family(model: Any, tokenizer: Any, config: EngineConfig, on_vision_ev
     vision_cache = VisionCache(config.vision_cache_bytes, on_event=on_vision_event) if config.vision_cache_bytes else None
     # for an mlx-vlm model, `tokenizer` is its processor
     vlm = adapter_for(model, tokenizer, vision_cache, video_fps=config.video_fps,
-                      video_max_frames=config.video_max_frames, max_kv_size=config.max_kv_size,
+                      video_max_frames=config.video_max_frames, max_kv_size=config.max_kv_size, media_fetch=media_fetch,
                       media_limits={"image": config.max_images_per_request, "video": config.max_videos_per_request,
                                     "audio": config.max_audio_per_request})
     return _ModelFamily(VisionLanguageRunner(vlm), vlm.tokenizer, vlm.vocab_size, vlm.max_positions,

@@ -46,7 +46,7 @@ from caches.kv import QuantizeRule
 from caches.vision import VisionCache, content_key
 
 from scheduler.models import prompt as prompts
-from scheduler.models import library, media_items
+from scheduler.models import fetch, library, media_items
 from scheduler.models import positions as position_strategies
 from scheduler.models.families import FamilySpec, UnsupportedFamily, VisionBatch, family_for
 from scheduler.models.media import (AudioInput, ImageInput, MediaError, MediaLimit, VideoFrames, VideoInput,
@@ -173,11 +173,13 @@ class VLMAdapter:
     encoders and the merge (``Model.get_input_embeddings``); replace it on the instance to instrument it (tests
     count its calls). ``max_kv_size``: rotating caches of that many tokens (``library.make_cache``).
     ``media_limits``: at most this many media items of a kind ("image", "video", "audio") in one request; more
-    raise ``MediaLimit``."""
+    raise ``MediaLimit``. ``media_fetch``: how media given as http(s) URLs are fetched (``fetch.FetchPolicy``;
+    None, the default here, refuses them; the engine passes ``Engine.media_fetch``)."""
 
     def __init__(self, model: Any, processor: Any, vision_cache: VisionCache | None = None,
                  video_fps: float = DEFAULT_VIDEO_FPS, video_max_frames: int = DEFAULT_VIDEO_MAX_FRAMES,
-                 max_kv_size: int | None = None, media_limits: dict[str, int] | None = None):
+                 max_kv_size: int | None = None, media_limits: dict[str, int] | None = None,
+                 media_fetch: fetch.FetchPolicy | None = None):
         self.spec: FamilySpec = family_for(getattr(getattr(model, "config", None), "model_type", None))
         if self.spec.refused:
             raise UnsupportedFamily(f"model_type {self.spec.model_type!r} cannot be batched: {self.spec.refused}")
@@ -186,6 +188,7 @@ class VLMAdapter:
         self.vision_cache = vision_cache
         self.max_kv_size = max_kv_size
         self.media_limits = dict(media_limits or {})
+        self.media_fetch = media_fetch
         self.positions = position_strategies.for_family(self.spec)
         self.media_encoder: Callable[[mx.array, dict, Any], Any] = self._encode_media
         self.media_token_ids = library.media_token_ids(model, processor)
@@ -293,7 +296,8 @@ class VLMAdapter:
         """CPU-side preprocessing of one request. ``prompt``: templated text, or chat messages (rendered as
         ``mlx_vlm.generate`` renders them; see ``prompt.render``), whose media may also come as OpenAI-style
         content parts (``image_url`` / ``video_url`` / ``input_audio``; ``prompt.from_openai_messages``). An
-        unusable medium raises ``MediaError`` naming it (``RemoteMedia`` for an http(s) URL); too many images
+        unusable medium raises ``MediaError`` naming it (``RemoteMedia`` for an http(s) URL that ``media_fetch``
+        refuses or cannot fetch; None refuses every URL); too many images
         ``MediaLimit``; a bad prompt, mismatched placeholders or media the family does not take ``ValueError``.
         ``template_kwargs`` (``tools``, ``chat_template_kwargs``) go to the chat template of chat messages."""
         images = list(images) if images is not None else []
@@ -317,6 +321,9 @@ class VLMAdapter:
                              f"{self.spec.model_type} merges one kind of media per request")
         fps, max_frames = validate_video_sampling(self.video_fps if fps is None else fps,
                                                   self.video_max_frames if max_frames is None else max_frames)
+        # media at http(s) URLs become their bytes first (refused where media_fetch is None)
+        images, videos, clips_in = ([fetch.resolve(src, self.media_fetch, kind, i) for i, src in enumerate(items)]
+                                    for kind, items in (("image", images), ("video", videos), ("audio", clips_in)))
         pil = [load_image(src, i) for i, src in enumerate(images)]
         clips: list[VideoFrames] = [load_video(src, i, fps, max_frames) for i, src in enumerate(videos)]
         waves = [load_audio(src, i, self.sample_rate) for i, src in enumerate(clips_in)]

@@ -77,7 +77,8 @@ class MediaError(ValueError):
 
 
 class RemoteMedia(MediaError):
-    """A medium given as an ``http(s)`` URL: never fetched (no network); pass its bytes, a path or a data: URL."""
+    """A medium given as an ``http(s)`` URL that was not fetched: remote media are off, its host is not allowed,
+    or the fetch failed (``scheduler.models.fetch``); the loaders here never fetch one themselves."""
 
 
 class MediaLimit(ValueError):

@@ -10,8 +10,9 @@ media, or the error of unreadable media), for text and vision-language models al
                     the model's own chat template (each ``{"type": "video"}`` part where it is).
 ``from_openai_messages``  OpenAI chat messages whose content is a list of parts (``text``, ``image_url``,
                     ``input_audio``, ``video_url``) -> our messages (``{"type": "image"}`` etc. placeholders) and
-                    the media inputs in order (``data:`` URLs decoded here; ``http(s)`` URLs are refused when the
-                    media is read, never fetched). Used by servers and the compat surface alike.
+                    the media inputs in order (``data:`` URLs decoded when the media is read; ``http(s)`` URLs
+                    fetched then, under the adapter's ``media_fetch`` policy). Used by servers and the compat
+                    surface alike.
 """
 
 from __future__ import annotations
@@ -122,6 +123,31 @@ class PromptResolver:
             ids = prepared.input_ids
         return ResolvedPrompt(validate_prompt_tokens(ids, self.vocab_size, self.max_model_len), prepared)
 
+    def fetch_remote(self, prompt: Any, media: MediaInputs, request_id: str | None = None) -> tuple[Any, MediaInputs]:
+        """The request's media at http(s) URLs fetched now, as ``resolve`` would fetch them (the adapter's
+        ``media_fetch`` policy): the prompt and media with each such item replaced by its bytes, and media given
+        as content parts moved out of the messages into ``media`` (placeholders left where they stood, as the
+        adapter moves them). ``AsyncEngine`` calls it off its one preparing thread, so a slow host holds only its
+        own request. Raises ``UnreadableMedia`` naming an item it cannot fetch; what it cannot judge (content
+        parts next to media arguments, an unknown part type) it leaves as given, for ``resolve`` to refuse."""
+        from scheduler.models import fetch
+        from scheduler.models.media import MediaError
+
+        policy = self.vlm.media_fetch if self.vlm is not None else None
+        if policy is None:
+            return prompt, media
+        if isinstance(prompt, list) and not media and has_media_parts(prompt):
+            try:
+                prompt, media = from_openai_messages(prompt)
+            except ContentPartError:
+                return prompt, media
+        try:
+            fetched = [[fetch.resolve(src, policy, kind, i) for i, src in enumerate(items)]
+                       for kind, items in (("image", media.images), ("video", media.videos), ("audio", media.audio))]
+        except MediaError as exc:
+            raise UnreadableMedia(exc.kind, exc.index, exc.reason, request_id) from None
+        return prompt, MediaInputs(*fetched, origins=media.origins)
+
     _ENGINE_TEMPLATE_ARGS = ("tools", "add_generation_prompt", "tokenize", "conversation", "messages")
 
     def _template_kwargs(self, prompt: Any, tools: Any, kwargs: Any, request_id: str | None) -> dict[str, Any]:
@@ -230,8 +256,8 @@ def from_openai_messages(messages: list[dict]) -> tuple[list[dict], MediaInputs]
     """OpenAI chat messages -> (messages with ``{"type": "image" | "video" | "audio"}`` placeholders where the
     media parts were, the media in order). The one parser of content parts: the engine's prompt resolution and
     the server (``scheduler/server/messages.py``) both use it. Image / video URLs are passed on as given (a ``data:`` URL, a path,
-    or an ``http(s)`` URL, which the media loader refuses with a clear error); audio parts are decoded from
-    base64 to bytes. Unknown part types raise ``ContentPartError``."""
+    or an ``http(s)`` URL, which ``scheduler.models.fetch`` fetches or refuses before the media are read); audio
+    parts are decoded from base64 to bytes. Unknown part types raise ``ContentPartError``."""
     media = MediaInputs()
     out: list[dict] = []
     for mi, message in enumerate(messages):

@@ -587,7 +587,7 @@ def create_app(state: ServerState) -> Any:
         _check_model(state, body)
         tool_calling = _tool_calling(body, engine)
         prompt = await asyncio.to_thread(convert_messages, body.messages, vision, audio_rate, video,
-                                         state.local_media_dir)
+                                         state.local_media_dir, engine.media_fetch)
         tools = tool_calling.tools if tool_calling is not None else None
         template_kwargs = body.template_kwargs()
         parsing, opens = None, False

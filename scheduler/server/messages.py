@@ -1,11 +1,12 @@
 """OpenAI chat messages -> what `Engine.add_request` takes: chat messages in the model's form plus decoded media.
 
-Images (`image_url` parts: `data:image/...;base64,` URLs; local paths or `file://` URLs only under the directory
-the server allows, `--allowed-local-media-path`) and audio
+Images (`image_url` parts: `data:image/...;base64,` URLs; `http(s)` URLs, fetched here under the engine's fetch
+policy, `EngineConfig.remote_media` and its bounds; local paths or `file://` URLs only under the directory the
+server allows, `--allowed-local-media-path`) and audio
 (`input_audio` parts: base64 WAV) are decoded here, before the request is submitted, so an unreadable one is a
 400 naming its part and nothing is queued; one the model's processor refuses is refused by the engine
 (`UnreadableMedia`), which the server answers the same way (`EnginePrompt.part_of` names the part). Videos
-(`video_url` parts: `data:video/...;base64,` URLs, or files as for images) are decoded by the engine,
+(`video_url` parts: `data:video/...;base64,` URLs, or URLs and files as for images) are decoded by the engine,
 whose frame sampling (`video_fps`, `video_max_frames`) they need; one it cannot read is a 400 the same way.
 Each media part becomes a `{"type": "image"}` / `{"type": "video"}` / `{"type": "audio"}` marker where it
 stood, the form the chat templates expand; a text-only model gets the text parts joined. An assistant message's
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
+from ..models.fetch import REMOTE_SCHEMES, FetchPolicy, fetch
 from ..models.media import MediaError, load_audio, load_image
 from ..models.prompt import ContentPartError, from_openai_messages
 from .protocol import APIError, ChatMessage
@@ -30,7 +32,7 @@ from .protocol import APIError, ChatMessage
 class EnginePrompt:
     messages: list[dict[str, Any]]
     images: list[Any] = field(default_factory=list)  # PIL images, decoded
-    videos: list[Any] = field(default_factory=list)  # sources (data: URL or path), decoded by the engine
+    videos: list[Any] = field(default_factory=list)  # sources (data: URL, fetched bytes or path), decoded by the engine
     audio: list[Any] = field(default_factory=list)  # (samples, sample_rate), decoded
     # where each medium came from, per kind ("image", "video", "audio"): the body's path of its content part
     parts: dict[str, list[str]] = field(default_factory=lambda: {"image": [], "video": [], "audio": []})
@@ -41,14 +43,18 @@ class EnginePrompt:
         return paths[index] if index is not None and 0 <= index < len(paths) else None
 
 
-def _media_source(url: str, kind: str, local_dir: Path | None) -> str:
-    """A part's URL as the media loaders take it: a data: URL as is, a path (or file:// URL) only under
-    `local_dir` (the server's --allowed-local-media-path: a client must not make the server read its files)."""
+def _media_source(url: str, kind: str, local_dir: Path | None, media_fetch: FetchPolicy | None) -> str | bytes:
+    """A part's URL as the media loaders take it: a data: URL as is, an http(s) URL fetched under the engine's
+    policy (`media_fetch`; None: refused), a path (or file:// URL) only under `local_dir` (the server's
+    --allowed-local-media-path: a client must not make the server read its files)."""
     if url.startswith("data:"):
         return url
     parsed = urlparse(url)
-    if parsed.scheme in ("http", "https"):
-        raise MediaError(None, f"remote {kind} URLs are not fetched: send a data: URL", kind)
+    if parsed.scheme in REMOTE_SCHEMES:
+        if media_fetch is None:
+            raise MediaError(None, f"remote {kind} URLs are not fetched by this server (--no-remote-media): send "
+                                   "a data: URL", kind)
+        return fetch(url, media_fetch, kind, None)
     path = unquote(parsed.path) if parsed.scheme == "file" else url
     if local_dir is None:
         raise MediaError(None, "local files are not read unless the server allows a directory "
@@ -88,9 +94,11 @@ def _message_dict(message: ChatMessage, index: int, multimodal: bool) -> dict[st
 
 
 def convert_messages(messages: list[ChatMessage], vision: bool, audio_rate: int | None,
-                     video: bool = False, local_dir: Path | None = None) -> EnginePrompt:
+                     video: bool = False, local_dir: Path | None = None,
+                     media_fetch: FetchPolicy | None = None) -> EnginePrompt:
     """`vision` / `video`: the model takes images / videos; `audio_rate`: its audio sample rate (None: it takes
-    no audio); `local_dir`: the directory whose files parts may name (None: data: URLs only). Raises
+    no audio); `local_dir`: the directory whose files parts may name (None: none); `media_fetch`: how http(s)
+    URLs are fetched (the engine's `Engine.media_fetch`; None: refused). Raises
     APIError(400) naming the part at fault. The content parts are parsed by the engine's own parser
     (`models.prompt.from_openai_messages`); only the decoding happens here, ahead of the engine."""
     as_dicts = [_message_dict(m, i, vision or video or audio_rate is not None) for i, m in enumerate(messages)]
@@ -108,7 +116,7 @@ def convert_messages(messages: list[ChatMessage], vision: bool, audio_rate: int 
             if not vision:
                 raise APIError(400, f"{where}: this model takes no images", where)
             try:
-                out.images.append(load_image(_media_source(source, kind, local_dir), len(out.images)))
+                out.images.append(load_image(_media_source(source, kind, local_dir, media_fetch), len(out.images)))
             except MediaError as exc:
                 raise APIError(400, f"{where}: unreadable image: {exc.reason}", where) from None
             out.parts["image"].append(where)
@@ -116,7 +124,7 @@ def convert_messages(messages: list[ChatMessage], vision: bool, audio_rate: int 
             if not video:
                 raise APIError(400, f"{where}: this model takes no video", where)
             try:
-                out.videos.append(_media_source(source, kind, local_dir))
+                out.videos.append(_media_source(source, kind, local_dir, media_fetch))
             except MediaError as exc:
                 raise APIError(400, f"{where}: unreadable video: {exc.reason}", where) from None
             out.parts["video"].append(where)

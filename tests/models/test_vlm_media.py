@@ -1,7 +1,8 @@
 """Media input through the engine (tiny Qwen2-VL): PIL images, paths, bytes and data: URLs are the same image
-(same media key, same tokens as solo mlx_vlm); http(s) URLs are refused at add_request with a typed error (never
-fetched); OpenAI-style content parts carry the media in the messages; several images per request; an image
-budget per request; families that cannot batch are refused at load."""
+(same media key, same tokens as solo mlx_vlm); with `remote_media=False`, http(s) URLs are refused at add_request
+with a typed error (fetching them: test_media_fetch.py); OpenAI-style content parts carry the media in the
+messages; several images per request; an image budget per request; families that cannot batch are refused at
+load."""
 
 import base64
 import io
@@ -77,9 +78,9 @@ def test_every_image_source_is_the_same_image(vlm, tmp_path):
 
 
 @pytest.mark.parametrize("url", ["https://example.com/cat.png", "http://example.com/cat.png"])
-def test_remote_urls_are_refused_at_add_request(vlm, url):
+def test_remote_urls_are_refused_at_add_request_when_remote_media_is_off(vlm, url):
     model, processor = vlm
-    engine = Engine(model, processor, EngineConfig(check_invariants=True))
+    engine = Engine(model, processor, EngineConfig(check_invariants=True, remote_media=False))
     with pytest.raises(InvalidRequest, match="remote URLs are not fetched") as info:
         engine.add_request(prompt=user("what?", 1), images=[url])
     assert info.value.field == "images"

@@ -3,7 +3,8 @@
 greedy output in this process, metrics parsed with prometheus-client's parser.
 
 One main server for the module (tiny Qwen2-VL), and a small one (one slot, `--max-queue 1`, a trace file that
-may not grow past a size limit) for backpressure and a failed engine loop. Both start at once; the tests
+may not grow past a size limit, media URLs from localhost only) for backpressure, a failed engine loop and the
+media domains. Image URLs are served on loopback (tests/media_http.py). Both start at once; the tests
 run in file order and the last one stops the main server with SIGINT.
 """
 
@@ -36,6 +37,8 @@ import scheduler
 from scheduler import Engine, EngineConfig, SamplingParams
 from scheduler.events import MemorySink, read_jsonl
 from scheduler.request import FinishReason
+
+from ..media_http import MediaServer
 
 MAX_MODEL_LEN = 512
 MODEL_NAME = "tiny-vlm"
@@ -130,7 +133,7 @@ def servers(vlm_model_dir, tmp_path_factory):
     main = _start(vlm_model_dir, tmp, "main", "--max-seqs", "32", "--max-batched-tokens", "2048",
                   "--prefix-cache-mb", "16")
     small = _start(vlm_model_dir, tmp, "small", "--max-seqs", "1", "--max-batched-tokens", "256", "--max-queue", "1",
-                   "--max-request-mb", "1", preexec=_limit_file_size)
+                   "--max-request-mb", "1", "--allowed-media-domains", "localhost", preexec=_limit_file_size)
     try:
         deadline = time.monotonic() + 120
         _wait_healthy(main, deadline)
@@ -139,6 +142,14 @@ def servers(vlm_model_dir, tmp_path_factory):
     finally:
         _stop(main)
         _stop(small)
+
+
+@pytest.fixture(scope="module")
+def media_server():
+    """Images at http URLs, on loopback."""
+    server = MediaServer()
+    yield server
+    server.close()
 
 
 @pytest.fixture(scope="module")
@@ -530,7 +541,7 @@ def _png_file(tmp_path: Path) -> Path:
     return path
 
 
-def _bad_inputs(tmp_path: Path) -> list[tuple[str, bytes | dict, int, str]]:
+def _bad_inputs(tmp_path: Path, media_server: MediaServer) -> list[tuple[str, bytes | dict, int, str]]:
     """(endpoint, body, status, the field the error must name)."""
     ok = [{"role": "user", "content": "hi"}]
     chat, cmpl = "/v1/chat/completions", "/v1/completions"
@@ -585,7 +596,8 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[str, bytes | dict, int, str]]:
             {"type": "image_url", "image_url": {"url": f"file://{_png_file(tmp_path)}"}}]}]}, 400,
          "messages.0.content.0"),
         (chat, {"messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]}, 400, "messages.0.content.0"),
+            {"type": "image_url", "image_url": {"url": media_server.url("/missing")}}]}]}, 400,
+         "messages.0.content.0"),  # fetched: HTTP 404
         (chat, {"messages": [{"role": "user", "content": [
             {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}]}]}, 400,
          "messages.0.content.0"),  # this model takes no audio
@@ -601,8 +613,8 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[str, bytes | dict, int, str]]:
     ]
 
 
-def test_every_bad_input_is_refused_naming_the_field_and_nothing_is_queued(server, reference, tmp_path):
-    cases = _bad_inputs(tmp_path)
+def test_every_bad_input_is_refused_naming_the_field_and_nothing_is_queued(server, reference, tmp_path, media_server):
+    cases = _bad_inputs(tmp_path, media_server)
     before = server.metrics()
     messages = [{"role": "user", "content": "Tell me about a quiet street"}]
     (ref_text, _, _, ref_prompt), = _greedy_reference(reference, [messages], [None], [20])
@@ -638,6 +650,33 @@ def test_every_bad_input_is_refused_naming_the_field_and_nothing_is_queued(serve
             return bad.value
 
     assert typed_error_param(asyncio.run(typed())) == "temperature"
+
+
+def test_image_urls_are_fetched_from_the_allowed_media_domains(servers, reference, media_server):
+    """The main server fetches from any host, the small one (`--allowed-media-domains localhost`) only from
+    localhost: an image by http URL answers what the same image as a data: URL does."""
+    main, small = servers
+    picture, data_url = _picture(21, (84, 112))
+    url = media_server.serve("/serve.png", base64.b64decode(data_url.split(",", 1)[1]), "image/png")
+    text = "Tell me about a garden"
+    engine_messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+    (ref_text, ref_tokens, _, ref_prompt), = _greedy_reference(reference, [engine_messages], [[picture]], [12])
+
+    def chat(server: Server, image_url: str, max_tokens: int = 12) -> tuple[int, dict]:
+        return server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": image_url}}, {"type": "text", "text": text}]}],
+            "max_tokens": max_tokens, "temperature": 0})
+
+    status, got = chat(main, url)
+    assert status == 200, got
+    assert got["choices"][0]["message"]["content"] == ref_text
+    assert (got["usage"]["completion_tokens"], got["usage"]["prompt_tokens"]) == (ref_tokens, ref_prompt)
+    status, got = chat(small, url, 1)
+    assert status == 400 and got["error"]["param"] == "messages.0.content.0"
+    assert "host '127.0.0.1' is not among the allowed media domains" in got["error"]["message"]
+    fetched = media_server.requests["/serve.png"]
+    assert chat(small, media_server.url("/serve.png", host="localhost"), 1)[0] == 200
+    assert media_server.requests["/serve.png"] == fetched + 1
 
 
 def typed_error_param(exc: openai.APIStatusError) -> str:
