@@ -1,11 +1,12 @@
 """An asyncio front for `Engine`: the tick loop runs on one background thread, clients await their tokens.
 
 `submit()` registers a queue for the request id *before* the request can reach the loop (so no output is
-lost), fetches its media URLs in a thread of its own (`Engine.fetch_media`), then runs `add_request`
-(tokenizing, media preprocessing) on the one worker thread that prepares requests, off the event loop; it
-raises `InvalidRequest` with nothing queued, like `add_request`. The loop thread hands outputs to the owning
-event loop with `call_soon_threadsafe`. A client that stops listening (its task is cancelled, it closes the
-`RequestStream` or breaks out of `stream()`) aborts its request, so nothing keeps computing for nobody.
+lost), fetches its media URLs on a pool of threads of their own (`media_fetch_pool`, `Engine.fetch_media`),
+then runs `add_request` (tokenizing, media preprocessing) on the one worker thread that prepares requests, off
+the event loop; it raises `InvalidRequest` with nothing queued, like `add_request`. The loop thread hands
+outputs to the owning event loop with `call_soon_threadsafe`. A client that stops listening (its task is
+cancelled, it closes the `RequestStream` or breaks out of `stream()`) aborts its request, so nothing keeps
+computing for nobody. `tokenize()` runs `Engine.tokenize` the same way (fetch pool, then the worker).
 
 `call(fn)` runs `fn` on the loop thread between two ticks, where the engine's state is consistent (a metrics
 scrape reads cache sizes there). `error` is the exception that stopped the loop, if one did; after that, and
@@ -34,6 +35,9 @@ def _release_thread_streams() -> None:
     import mlx.core as mx
 
     mx.clear_streams()
+
+
+MEDIA_FETCH_WORKERS = 16  # requests whose media URLs are fetched at once
 
 
 class EngineStopped(RuntimeError):
@@ -87,6 +91,10 @@ class AsyncEngine:
         # One worker: requests are preprocessed in arrival order, and the processor is never called from two
         # threads at once (tokenizers are not all safe for that).
         self._prepare = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxsched-prepare")
+        # Media URLs are fetched on threads of their own, a request per thread: a slow host holds at most this
+        # pool (a server converts its requests that fetch here too), never the worker that prepares every request.
+        self.media_fetch_pool = concurrent.futures.ThreadPoolExecutor(max_workers=MEDIA_FETCH_WORKERS,
+                                                                      thread_name_prefix="mlxsched-media-fetch")
         self._thread = threading.Thread(target=self._run, name="mlxsched-engine", daemon=True)
         self._thread.start()
 
@@ -182,16 +190,11 @@ class AsyncEngine:
             if rid in self._queues:  # live here: registering would steal its outputs
                 raise InvalidRequest("request_id", f"duplicate request id {rid!r}", rid)
             self._queues[rid] = (loop, queue)
-        if self.engine.vlm is not None and self.engine.media_fetch is not None and (
-                images or videos or audio or isinstance(prompt, list)):
-            # media URLs are fetched here, each request in a thread of its own: a slow host must not hold the one
-            # worker that prepares every request
-            try:
-                prompt, media = await asyncio.to_thread(self.engine.fetch_media, prompt, images, videos, audio, rid)
-            except BaseException:
-                self._unregister(rid)
-                raise
-            images, videos, audio = media.images or None, media.videos or None, media.audio or None
+        try:
+            prompt, images, videos, audio = await self._fetched(prompt, images, videos, audio, rid)
+        except BaseException:
+            self._unregister(rid)
+            raise
         add = functools.partial(self.engine.add_request, prompt=prompt, prompt_tokens=prompt_tokens,
                                 sampling=sampling, request_id=rid, images=images, videos=videos, audio=audio,
                                 priority=priority, tools=tools, chat_template_kwargs=chat_template_kwargs)
@@ -208,6 +211,25 @@ class AsyncEngine:
             raise
         self._wake.set()
         return RequestStream(self, rid, queue)
+
+    async def _fetched(self, prompt: Any, images: Any, videos: Any, audio: Any, request_id: str | None) -> tuple:
+        """(prompt, images, videos, audio) with media URLs fetched on `media_fetch_pool` (`Engine.fetch_media`)."""
+        if self.engine.vlm is None or self.engine.media_fetch is None or not (
+                images or videos or audio or isinstance(prompt, list)):
+            return prompt, images, videos, audio
+        prompt, media = await asyncio.get_running_loop().run_in_executor(
+            self.media_fetch_pool, self.engine.fetch_media, prompt, images, videos, audio, request_id)
+        return prompt, media.images or None, media.videos or None, media.audio or None
+
+    async def tokenize(self, prompt: Any, images: Sequence[Any] | None = None, videos: Sequence[Any] | None = None,
+                       audio: Sequence[Any] | None = None, tools: Sequence[dict] | None = None,
+                       chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """`Engine.tokenize`, with media URLs fetched as `submit` fetches them and the rest on the worker that
+        prepares requests (where the tokenizer and processor are used)."""
+        self._check_running()
+        prompt, images, videos, audio = await self._fetched(prompt, images, videos, audio, None)
+        return await asyncio.wrap_future(self._prepare.submit(
+            self.engine.tokenize, prompt, images, videos, audio, tools, chat_template_kwargs))
 
     async def stream(self, prompt: Any = None, prompt_tokens: Sequence[int] | None = None,
                      sampling: SamplingParams | None = None, request_id: str | None = None,
@@ -265,6 +287,8 @@ class AsyncEngine:
         self._end_waiters(EngineStopped("the engine was closed"))
         self._prepare.submit(_release_thread_streams)  # on the worker thread, before it exits
         self._prepare.shutdown(wait=True)
+        # a fetch still waiting on a slow host ends at its own timeout; nobody waits for it
+        self.media_fetch_pool.shutdown(wait=False, cancel_futures=True)
 
     async def __aenter__(self) -> "AsyncEngine":
         return self

@@ -64,7 +64,7 @@ class EngineConfig:
     max_videos_per_request, max_audio_per_request: the same for videos (each up to video_max_frames frames) and
         audio clips: every kind of media a client sends is bounded per request.
     remote_media: fetch media given as http(s) URLs (scheduler/models/fetch.py), in `add_request` on the
-        caller's thread (the server fetches in its own per-request thread, under the same settings). False
+        caller's thread (AsyncEngine and the server fetch on a thread pool of their own, under the same settings). False
         refuses them (UnreadableMedia). Each fetch is bounded by `media_fetch_timeout_s` (connection and each
         wait for data; a body still arriving after about twice that is cut off), `media_fetch_max_bytes`, and
         `allowed_media_domains` (host names, exact; None: any host), which holds on every redirect hop too.

@@ -478,6 +478,16 @@ class Engine:
         naming an item it cannot fetch. Thread-safe: it touches no engine state."""
         return self.prompts.fetch_remote(prompt, MediaInputs.of(images, videos, audio), request_id)
 
+    def tokenize(self, prompt: Any, images: Sequence[Any] | None = None, videos: Sequence[Any] | None = None,
+                 audio: Sequence[Any] | None = None, tools: Sequence[dict] | None = None,
+                 chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """The prompt token ids `add_request` would queue for these arguments (the chat template with its tools
+        and arguments, media placeholders expanded by the model's processor), queueing nothing. Raises what
+        `add_request` raises for them (InvalidRequest, UnreadableMedia). Call it where `add_request` is called:
+        it uses the tokenizer and processor, which are not all safe to share between threads."""
+        return self.prompts.resolve(prompt, None, MediaInputs.of(images, videos, audio), None, tools,
+                                    chat_template_kwargs).token_ids
+
     def abort(self, request_id: str) -> bool:
         """Abort a live request (any non-terminal state) at the start of the next tick.
 

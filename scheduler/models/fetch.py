@@ -4,7 +4,8 @@ An image, video or audio clip may be given as an ``http://`` or ``https://`` URL
 takes image URLs; OpenAI clients send ``image_url`` parts with them). :func:`resolve` turns such an item into
 its bytes, which the loaders in :mod:`scheduler.models.media` then decode like any other bytes; every other
 item passes through unchanged. The engine calls it in ``VLMAdapter.prepare`` (on the thread that runs
-``add_request``), and the server in its message conversion (one thread per request), with the same policy:
+``add_request``; ``AsyncEngine`` first, on its ``media_fetch_pool``), and the server in its message conversion
+(on that same pool), with the same policy:
 ``EngineConfig.remote_media``, ``media_fetch_timeout_s``, ``media_fetch_max_bytes`` and
 ``allowed_media_domains`` (``Engine.media_fetch``).
 

@@ -16,6 +16,7 @@ answer; either way the choice streams are closed.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 import time
@@ -35,14 +36,15 @@ from ..async_engine import AsyncEngine, EngineStopped, RequestStream
 from ..request import InvalidRequest, StructuredOutput
 from .constraints import output_constraint
 from .generation import Body, ChoiceFailed, Delta, PromptScores, choice_deltas, refusal, sampling_params
-from .messages import EnginePrompt, convert_messages
+from .messages import EnginePrompt, convert_messages, fetches_media
 from .metrics import EngineMetrics, engine_snapshot
-from .protocol import MAX_CHOICES, APIError, ChatCompletionRequest, CompletionRequest, usage, validation_error
+from .protocol import (MAX_CHOICES, APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                       TokenizeRequest, usage, validation_error)
 from .reasoning import ReasoningFormat, ReasoningSplitter
 from .token_bytes import TokenBytes
 from .tool_calls import ToolCallFormat, ToolCallSplitter
 
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics")
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20  # room for a few large base64 images or a short video
 
 
@@ -581,13 +583,22 @@ def create_app(state: ServerState) -> Any:
                                      "not_found_error" if exc.status_code == 404 else "invalid_request_error").body(),
                             status_code=exc.status_code)
 
+    async def engine_prompt(messages: list) -> EnginePrompt:
+        """The messages converted (`convert_messages`; APIError 400 naming a bad part). A request that fetches
+        media URLs converts on the engine's fetch pool: a slow host can hold up to the pool's size of such
+        requests, never the text and data: URL requests, which convert on asyncio's default pool."""
+        convert = functools.partial(convert_messages, messages, vision, audio_rate, video, state.local_media_dir,
+                                    engine.media_fetch)
+        fetching = engine.media_fetch is not None and fetches_media(messages)
+        return await asyncio.get_running_loop().run_in_executor(
+            state.aengine.media_fetch_pool if fetching else None, convert)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await _parse(request, ChatCompletionRequest, state.max_request_bytes)
         _check_model(state, body)
         tool_calling = _tool_calling(body, engine)
-        prompt = await asyncio.to_thread(convert_messages, body.messages, vision, audio_rate, video,
-                                         state.local_media_dir, engine.media_fetch)
+        prompt = await engine_prompt(body.messages)
         tools = tool_calling.tools if tool_calling is not None else None
         template_kwargs = body.template_kwargs()
         parsing, opens = None, False
@@ -619,6 +630,37 @@ def create_app(state: ServerState) -> Any:
                           structured=output_constraint(body, None, None, None))
         choices = _TextChoices(engine.tokenizer, body.wants_logprobs(), body.alternatives())
         return await _respond(request, call, choices)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        """vLLM's: the prompt token ids a completion of this prompt or chat would run on (the engine's own
+        rendering, media expanded by the processor), with their count and the context limit."""
+        body = await _parse(request, TokenizeRequest, state.max_request_bytes)
+        _check_model(state, body)
+        part_of, args = None, {"prompt": body.prompt}
+        if body.messages is not None:
+            prompt = await engine_prompt(body.messages)
+            part_of = prompt.part_of
+            args = dict(prompt=prompt.messages, images=prompt.images or None, videos=prompt.videos or None,
+                        audio=prompt.audio or None, tools=body.tool_list(), chat_template_kwargs=body.template_kwargs())
+        try:
+            tokens = await state.aengine.tokenize(**args)
+        except InvalidRequest as exc:
+            raise refusal(body, exc, part_of) from None
+        except EngineStopped as exc:
+            raise APIError(503, f"the engine is not running: {exc}", None, "server_error") from None
+        return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens,
+                "token_strs": engine.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        """vLLM's: token ids -> their text, as the tokenizer decodes them."""
+        body = await _parse(request, DetokenizeRequest, state.max_request_bytes)
+        _check_model(state, body)
+        bad = [t for t in body.tokens if not 0 <= t < engine.vocab_size]
+        if bad:
+            raise APIError(400, f"tokens: ids outside the vocabulary [0, {engine.vocab_size}): {bad[:5]}", "tokens")
+        return {"prompt": engine.tokenizer.decode(body.tokens)}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator, Callable
 from ..async_engine import RequestStream
 from ..request import FinishReason, InvalidRequest, SamplingParams, StructuredOutput, UnreadableMedia
 from .detokenize import IncrementalDetokenizer
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from .stops import StopMatcher
 
 
@@ -62,10 +62,10 @@ class ChoiceFailed(Exception):
 Body = ChatCompletionRequest | CompletionRequest
 
 
-def engine_field(body: Body, name: str) -> str:
+def engine_field(body: Body | TokenizeRequest, name: str) -> str:
     """The request field an engine-side InvalidRequest field stands for."""
     if name in ("prompt", "prompt_tokens", "images", "videos", "audio"):
-        return "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+        return "messages" if getattr(body, "messages", None) is not None else "prompt"
     if name == "max_tokens":
         return body.token_limit()[1]
     if name == "stop_token_ids":
@@ -77,8 +77,8 @@ def engine_field(body: Body, name: str) -> str:
     return name
 
 
-def refusal(body: Body, exc: InvalidRequest, part_of: Callable[[str, int | None], str | None] | None = None
-            ) -> APIError:
+def refusal(body: Body | TokenizeRequest, exc: InvalidRequest,
+            part_of: Callable[[str, int | None], str | None] | None = None) -> APIError:
     """The 400 for what the engine refused. `part_of(kind, index)`: the content part a medium came from, so
     media the model's processor refused is named as the server's own decoding names it."""
     if isinstance(exc, UnreadableMedia) and part_of is not None:

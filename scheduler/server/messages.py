@@ -65,6 +65,17 @@ def _media_source(url: str, kind: str, local_dir: Path | None, media_fetch: Fetc
     return str(resolved)
 
 
+def fetches_media(messages: list[ChatMessage]) -> bool:
+    """Whether converting these messages fetches a medium from an http(s) URL (the server converts such requests
+    on a thread pool of their own)."""
+    for message in messages:
+        for part in message.content if isinstance(message.content, list) else ():
+            spec = getattr(part, "image_url", None) or getattr(part, "video_url", None)
+            if spec is not None and urlparse(spec.url).scheme in REMOTE_SCHEMES:
+                return True
+    return False
+
+
 def _message_dict(message: ChatMessage, index: int, multimodal: bool) -> dict[str, Any]:
     """One message as the chat template takes it. Tool calls sent back in an assistant message get their JSON
     arguments as objects (what templates render, and what mlx-lm's server hands them); its missing content is

@@ -63,7 +63,10 @@ def validation_error(exc: Any) -> APIError:
                  key=lambda e: len(e.get("loc", ())))
     param = _param(chosen.get("loc", ())) or None
     message = str(chosen.get("msg")).removeprefix("Value error, ")
-    return APIError(400, f"{param}: {message}" if param else message, param)
+    if param is None:  # a whole-body check: its message begins with the field it names ("prompt: ...")
+        head, sep, _ = message.partition(": ")
+        return APIError(400, message, head if sep and head.isidentifier() else None)
+    return APIError(400, f"{param}: {message}", param)
 
 
 class _Strict(BaseModel):
@@ -318,6 +321,13 @@ class ChatMessage(_Strict):
         return self
 
 
+def _template_kwargs(kwargs: dict[str, Any] | None, enable_thinking: bool | None) -> dict[str, Any] | None:
+    """The chat template's extra arguments (None: none), `enable_thinking` (vllm-mlx's field) folded in."""
+    if kwargs is None and enable_thinking is None:
+        return None
+    return {**(kwargs or {}), **({"enable_thinking": enable_thinking} if enable_thinking is not None else {})}
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
     max_completion_tokens: StrictInt | None = None
@@ -352,13 +362,7 @@ class ChatCompletionRequest(_Sampling):
         return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
 
     def template_kwargs(self) -> dict[str, Any] | None:
-        """The chat template's extra arguments (None: none), `enable_thinking` folded in."""
-        if self.chat_template_kwargs is None and self.enable_thinking is None:
-            return None
-        kwargs = dict(self.chat_template_kwargs or {})
-        if self.enable_thinking is not None:
-            kwargs["enable_thinking"] = self.enable_thinking
-        return kwargs
+        return _template_kwargs(self.chat_template_kwargs, self.enable_thinking)
 
     def tool_list(self) -> list[dict[str, Any]] | None:
         """The tools offered to the model (the chat template's `tools`), or None (none given, or tool_choice
@@ -454,6 +458,58 @@ class CompletionRequest(_Sampling):
         """`max_tokens: 0`: no completion, only the prompt (with echo and logprobs: scoring it, the legacy API's
         way and older lm-eval's)."""
         return self.max_tokens == 0
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's `POST /tokenize`: a text prompt or chat messages (with media parts, tools and template arguments
+    as a chat completion takes them) -> the prompt token ids the engine would run for them. Only the engine's own
+    rendering is offered: a chat prompt ends with the generation prompt, special tokens as the engine adds them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool | None = None  # vLLM's; only the engine's choice (prompt: true, messages: false)
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    return_token_strs: StrictBool = False
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    enable_thinking: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: give exactly one of prompt and messages")
+        if self.prompt is not None and not self.prompt:
+            raise ValueError("prompt: must not be empty")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages: must hold at least one message")
+        if self.prompt is not None and (self.tools is not None or self.chat_template_kwargs is not None
+                                        or self.enable_thinking is not None):
+            raise ValueError("tools: tools and chat template arguments go with messages, not with a text prompt")
+        engine_adds = self.prompt is not None  # a text prompt is encoded with the tokenizer's special tokens
+        if self.add_special_tokens is not None and self.add_special_tokens != engine_adds:
+            raise ValueError(f"add_special_tokens: the engine encodes a {'prompt' if engine_adds else 'chat'} with "
+                             f"add_special_tokens={str(engine_adds).lower()}, the only choice here")
+        for name, value, engine_renders in (("add_generation_prompt", self.add_generation_prompt, True),
+                                            ("continue_final_message", self.continue_final_message, False)):
+            if value != engine_renders:
+                raise ValueError(f"{name}: the engine's chat prompts end with the generation prompt, the only "
+                                 f"rendering here ({name} {str(engine_renders).lower()})")
+        return self
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        return _template_kwargs(self.chat_template_kwargs, self.enable_thinking)
+
+    def tool_list(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's `POST /detokenize`: token ids -> their text."""
+
+    model: str | None = None
+    tokens: list[StrictInt]
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

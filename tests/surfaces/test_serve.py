@@ -679,6 +679,95 @@ def test_image_urls_are_fetched_from_the_allowed_media_domains(servers, referenc
     assert media_server.requests["/serve.png"] == fetched + 1
 
 
+def test_requests_stalled_on_a_media_host_hold_no_other_request(server, reference, media_server):
+    """Eight chats whose image host answers nothing (more than asyncio's default pool has threads on a small
+    machine) wait on the server's media-fetch pool; a text chat sent after them is answered meanwhile. Then the
+    host answers with bytes that are no image: each of the eight is a 400 naming its part."""
+    messages = [{"role": "user", "content": "Tell me about the market"}]
+    (ref_text, _, _, _), = _greedy_reference(reference, [messages], [None], [6])
+    stalled = [f"/stall/serve{i}" for i in range(8)]
+
+    async def run():
+        async with server.client() as client:
+            waiting = [asyncio.create_task(client.chat.completions.create(
+                model=MODEL_NAME, max_tokens=4, messages=[{"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": media_server.url(path)}},
+                    {"type": "text", "text": "hi"}]}])) for path in stalled]
+            deadline = time.monotonic() + 30
+            while not all(media_server.requests[p] for p in stalled) and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert all(media_server.requests[p] for p in stalled)  # every one is fetching
+            try:
+                answer = await asyncio.wait_for(client.chat.completions.create(
+                    model=MODEL_NAME, messages=messages, max_tokens=6, temperature=0), 8)
+                assert not any(task.done() for task in waiting)
+            finally:
+                for path in stalled:
+                    media_server.release(path.removeprefix("/stall/"))
+            refused = await asyncio.gather(*waiting, return_exceptions=True)
+            return answer, refused
+
+    answer, refused = asyncio.run(run())
+    assert answer.choices[0].message.content == ref_text
+    for exc in refused:
+        assert isinstance(exc, openai.BadRequestError), exc
+        assert typed_error_param(exc) == "messages.0.content.0"
+        assert "not a readable image" in str(exc)
+
+
+def test_tokenize_gives_the_prompt_tokens_the_engine_runs_and_detokenize_reverses_them(server, reference,
+                                                                                       media_server):
+    """vLLM's /tokenize and /detokenize: a chat with an image (as a data: URL and as an http URL) tokenizes to the
+    ids the engine queued for the same chat completion; a text prompt to the tokenizer's encoding."""
+    engine, sink = reference
+    picture, data_url = _picture(31, (84, 56))
+    http_url = media_server.serve("/tokenize.png", base64.b64decode(data_url.split(",", 1)[1]), "image/png")
+    text = "Tell me about an old clock"
+
+    def api(url: str) -> list:
+        return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": text}]}]
+
+    status, chat = server.post("/v1/chat/completions", {"messages": api(data_url), "max_tokens": 2, "temperature": 0})
+    assert status == 200, chat
+    first = len(sink.events)
+    engine.generate([[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]],
+                    [SamplingParams(max_tokens=1)], images=[[picture]])
+    queued, = [e["prompt_tokens"] for e in sink.events[first:] if e["event"] == "arrival"]
+    for url in (data_url, http_url):
+        status, got = server.post("/tokenize", {"model": MODEL_NAME, "messages": api(url), "return_token_strs": True})
+        assert status == 200, got
+        assert got["tokens"] == queued and got["count"] == len(queued) == chat["usage"]["prompt_tokens"]
+        assert got["max_model_len"] == MAX_MODEL_LEN
+        assert got["token_strs"] == engine.tokenizer.convert_ids_to_tokens(queued)
+    status, got = server.post("/tokenize", {"prompt": text})
+    assert status == 200 and got["tokens"] == engine.tokenizer.encode(text) and got["token_strs"] is None
+    status, got = server.post("/detokenize", {"model": MODEL_NAME, "tokens": queued})
+    assert status == 200 and got == {"prompt": engine.tokenizer.decode(queued)}
+    assert server.post("/detokenize", {"tokens": []}) == (200, {"prompt": ""})
+
+    too_long = " ".join(["the scheduler and the river"] * 200)
+    refused = [
+        ("/tokenize", {"prompt": text, "messages": [{"role": "user", "content": text}]}, 400, "prompt"),
+        ("/tokenize", {}, 400, "prompt"),
+        ("/tokenize", {"messages": [{"role": "user", "content": text}], "add_generation_prompt": False}, 400,
+         "add_generation_prompt"),
+        ("/tokenize", {"messages": [{"role": "user", "content": text}], "continue_final_message": True}, 400,
+         "continue_final_message"),
+        ("/tokenize", {"prompt": text, "add_special_tokens": False}, 400, "add_special_tokens"),
+        ("/tokenize", {"prompt": text, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+        ("/tokenize", {"messages": api(media_server.url("/missing"))}, 400, "messages.0.content.0"),
+        ("/tokenize", {"messages": [{"role": "user", "content": too_long}]}, 400, "messages"),
+        ("/tokenize", {"prompt": text, "model": "gpt-4"}, 404, "model"),
+        ("/detokenize", {"tokens": [1, engine.vocab_size]}, 400, "tokens"),
+        ("/detokenize", {"tokens": "hi"}, 400, "tokens"),
+    ]
+    for path, body, status, param in refused:
+        got_status, got = server.post(path, body)
+        assert (got_status, got["error"]["param"]) == (status, param), (path, body, got)
+    assert "max_model_len is 512" in server.post("/tokenize", {"prompt": too_long})[1]["error"]["message"]
+
+
 def typed_error_param(exc: openai.APIStatusError) -> str:
     return exc.body["param"] if isinstance(exc.body, dict) and "param" in exc.body else exc.body["error"]["param"]
 

@@ -182,6 +182,25 @@ def test_thinking_turned_off_answers_without_reasoning(server):
     assert streamed == ("", "Paris is in France.", [], "stop")
 
 
+def test_tokenize_renders_tools_and_template_arguments_as_a_chat_completion_does(server, tool_model_dir):
+    """/tokenize of each chat (tools, a sent-back call and its result, enable_thinking) gives the ids mlx-lm's own
+    rendering gives, which is the prompt the chat completion ran on (its usage counts them)."""
+    from mlx_lm import load
+
+    tools, _ = server
+    _, tokenizer = load(str(tool_model_dir))
+    for chat in CHATS:
+        want = tokenizer.apply_chat_template(template_messages(chat.messages), add_generation_prompt=True,
+                                             **chat.template_args())
+        kwargs = {"chat_template_kwargs": dict(chat.template_kwargs)} if chat.template_kwargs else {}
+        body = {"messages": list(chat.messages), **({"tools": list(chat.tools)} if chat.tools else {}), **kwargs}
+        status, got = tools.post("/tokenize", body)
+        assert status == 200, (chat.name, got)
+        assert got["tokens"] == list(want), chat.name
+        whole = asyncio.run(_chat(tools.client(), chat, extra_body=kwargs or None))
+        assert whole.usage.prompt_tokens == got["count"], chat.name
+
+
 def _status(exc: pytest.ExceptionInfo) -> tuple[int, str | None]:
     return exc.value.status_code, exc.value.body.get("param") if isinstance(exc.value.body, dict) else None
 
