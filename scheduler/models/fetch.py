@@ -56,8 +56,9 @@ class FetchPolicy:
 
 
 def is_remote(source: Any) -> bool:
-    """An ``http://`` / ``https://`` URL (what :func:`resolve` fetches)."""
-    return isinstance(source, str) and urlparse(source).scheme.lower() in REMOTE_SCHEMES
+    """An ``http://`` / ``https://`` URL (what :func:`resolve` fetches). Reads the scheme only: a ``data:`` URL of
+    megabytes is not parsed for it."""
+    return isinstance(source, str) and source[:8].lower().startswith(tuple(f"{s}://" for s in REMOTE_SCHEMES))
 
 
 def resolve(source: Any, policy: FetchPolicy | None, kind: str, index: int | None) -> Any:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from ..models.fetch import REMOTE_SCHEMES, FetchPolicy, fetch
+from ..models.fetch import FetchPolicy, fetch, is_remote
 from ..models.media import MediaError, load_audio, load_image
 from ..models.prompt import ContentPartError, from_openai_messages
 from .protocol import APIError, ChatMessage
@@ -49,12 +49,12 @@ def _media_source(url: str, kind: str, local_dir: Path | None, media_fetch: Fetc
     --allowed-local-media-path: a client must not make the server read its files)."""
     if url.startswith("data:"):
         return url
-    parsed = urlparse(url)
-    if parsed.scheme in REMOTE_SCHEMES:
+    if is_remote(url):
         if media_fetch is None:
             raise MediaError(None, f"remote {kind} URLs are not fetched by this server (--no-remote-media): send "
                                    "a data: URL", kind)
         return fetch(url, media_fetch, kind, None)
+    parsed = urlparse(url)
     path = unquote(parsed.path) if parsed.scheme == "file" else url
     if local_dir is None:
         raise MediaError(None, "local files are not read unless the server allows a directory "
@@ -71,7 +71,7 @@ def fetches_media(messages: list[ChatMessage]) -> bool:
     for message in messages:
         for part in message.content if isinstance(message.content, list) else ():
             spec = getattr(part, "image_url", None) or getattr(part, "video_url", None)
-            if spec is not None and urlparse(spec.url).scheme in REMOTE_SCHEMES:
+            if spec is not None and is_remote(spec.url):
                 return True
     return False
 
