@@ -210,11 +210,12 @@ class _Call:
             for stream in self.streams:
                 stream.close()
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         records = [self.state.metrics.claim(rid) for rid in self.request_ids]
         # each prompt once, not once per choice: its first choice's record
-        prompt = sum(r.prompt_tokens for r in records[:: self.body.n] if r is not None)
-        return usage(prompt, self.completion_tokens)
+        firsts = [r for r in records[:: self.body.n] if r is not None]
+        return usage(sum(r.prompt_tokens for r in firsts), self.completion_tokens,
+                     sum(r.cached_tokens for r in firsts))
 
 
 async def _until_done_or_disconnect(request: Request, task: asyncio.Task) -> bool:

@@ -35,6 +35,10 @@ TICK_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 @dataclass
 class RequestRecord:
     prompt_tokens: int = 0
+    # prompt tokens its first prefill reused from the prefix cache (its first lookup's: a preempted request's
+    # recompute looks up again, and usage reports what the client's prompt found on arrival, as vLLM does)
+    cached_tokens: int = 0
+    looked_up: bool = False
     arrival_t: float | None = None
     first_token_t: float | None = None
     generated: int = 0
@@ -231,6 +235,17 @@ class EngineMetrics:
     def _prefix_hit(self, event: dict[str, Any]) -> None:
         self.prefix_hits.inc()
         self.prefix_hit_tokens.inc(event.get("length", 0))
+        self._first_lookup(event["request_id"], event.get("length", 0))
+
+    def _prefix_miss(self, event: dict[str, Any]) -> None:
+        self.prefix_misses.inc()
+        self._first_lookup(event["request_id"], 0)
+
+    def _first_lookup(self, request_id: str, cached: int) -> None:
+        with self._lock:
+            record = self._live.get(request_id)
+            if record is not None and not record.looked_up:
+                record.cached_tokens, record.looked_up = cached, True
 
     _handlers = {
         "arrival": _arrival,
@@ -238,7 +253,7 @@ class EngineMetrics:
         "plan": _plan,
         "outcome": _outcome,
         "prefix_hit": _prefix_hit,
-        "prefix_miss": lambda self, _e: self.prefix_misses.inc(),
+        "prefix_miss": _prefix_miss,
         "vision_hit": lambda self, _e: self.vision_hits.inc(),
         "vision_miss": lambda self, _e: self.vision_misses.inc(),
     }

@@ -768,6 +768,33 @@ def test_tokenize_gives_the_prompt_tokens_the_engine_runs_and_detokenize_reverse
     assert "max_model_len is 512" in server.post("/tokenize", {"prompt": too_long})[1]["error"]["message"]
 
 
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_served(server):
+    """`usage.prompt_tokens_details.cached_tokens` (OpenAI's field): none for a prompt the server has not seen,
+    then what the prefix cache served, as its hit-token counter moves, streamed (include_usage) or not."""
+    words = random.Random(46).choices(["river", "clock", "market", "garden", "street", "cache", "lamp"], k=80)
+    messages = [{"role": "system", "content": " ".join(words)}, {"role": "user", "content": "and then?"}]
+    hit_tokens = "mlxsched_prefix_cache_hit_tokens_total"
+
+    async def chat(stream: bool):
+        async with server.client() as client:
+            if not stream:
+                return (await client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=3,
+                                                             temperature=0)).usage
+            chunks = await client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=3,
+                                                          temperature=0, stream=True,
+                                                          stream_options={"include_usage": True})
+            return [chunk.usage async for chunk in chunks if chunk.usage is not None][-1]
+
+    first = asyncio.run(chat(False))
+    assert first.prompt_tokens_details.cached_tokens == 0
+    for stream in (False, True):
+        before = _value(server.metrics(), hit_tokens)
+        again = asyncio.run(chat(stream))
+        served = _value(server.metrics(), hit_tokens) - before
+        assert again.prompt_tokens == first.prompt_tokens
+        assert 0 < again.prompt_tokens_details.cached_tokens == served < again.prompt_tokens
+
+
 def typed_error_param(exc: openai.APIStatusError) -> str:
     return exc.body["param"] if isinstance(exc.body, dict) and "param" in exc.body else exc.body["error"]["param"]
 
