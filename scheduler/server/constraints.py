@@ -17,8 +17,9 @@ around strings, and nested objects and arrays); or `name<arg_key>x</arg_key><arg
 value back by its parameter's declared type, Kimi's arguments are JSON; or LongCat's `<longcat_arg_key>` (as
 GLM's; a call without arguments as JSON), Muse Spark's `<atem:invoke>` (values JSON) and Kimi K3's XTML
 `<|open|>call tool="f" ...` (a string parameter raw, others JSON): every format mlx-lm 0.32 infers. A parameter a
-markup cannot write back exactly is refused by name. With tools offered on "auto" and an output format, the
-answer is either calls or that format.
+markup cannot write back exactly is refused by name. No string or key of a JSON value in a call holds one of the
+markup's markers (`ToolCallFormat.markers`), where its parser would end the value or the call (`_markerless`).
+With tools offered on "auto" and an output format, the answer is either calls or that format.
 
 A thinking model whose prompt opens the reasoning reasons freely: the constraint starts after its end marker
 (`StructuredOutput.after`), and may follow the blank line the model writes there (up to 4 whitespace characters:
@@ -107,7 +108,7 @@ def _calls_rule(body: Any, fmt: ToolCallFormat, tools: list[dict[str, Any]], par
     single = isinstance(choice, NamedToolChoice) or getattr(body, "parallel_tool_calls", None) is False
     calls = _CALL_WRITERS[fmt.shape](fmt, tools, param)
     more = "" if single else f" ({calls.between} call)*"
-    rules = f"calls: {calls.before}call{more}{calls.after}\ncall: {calls.call}"
+    rules = _markers_kept_out(f"calls: {calls.before}call{more}{calls.after}\ncall: {calls.call}", fmt.markers)
     used = {name: lark for name, lark in _TERMINALS.items() if re.search(rf"\b{name}\b", rules)}
     return "\n".join([rules, *(f"{name}: {lark}" for name, lark in used.items())])
 
@@ -579,6 +580,103 @@ def _bounded_list(item: str, least: int, most: int | None) -> str | None:
     tail = f"{more}*" if most is None else " ".join([f"{more}?"] * (most - max(least, 1)))
     body = f"({head} {tail})" + ("?" if least == 0 else "")
     return f"{json.dumps('[')} {body} {json.dumps(']')}"
+
+
+# ---- values that hold no marker ------------------------------------------------------------------------------
+# A call's parser ends a value at the first closing tag and the splitter ends a call at the first end marker, so
+# a JSON value inside a call must not hold them (`ToolCallFormat.markers`) in any string or key: the raw text
+# values keep out `<` altogether (`_TERMINALS`), and every JSON schema the calls embed is rewritten so its strings
+# and keys match `_without(markers)`: a `pattern` wherever a string may stand, an object's free keys through
+# `patternProperties` (llguidance has no `propertyNames`), and a subschema that allows any value a reference to
+# `_MARKERLESS`, any JSON whose strings and keys hold none.
+_MARKERLESS = "mlxsched_markerless"
+_ANNOTATIONS = frozenset({"description", "title", "default", "examples", "$comment", "deprecated", "readOnly",
+                          "writeOnly"})
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SUBSCHEMAS = ("items", "contains", "not", "if", "then", "else", "additionalProperties")
+
+
+def _without(markers: tuple[str, ...]) -> str:
+    """A regex matching exactly the strings that hold none of ``markers``, each of which holds its first character
+    at its start only (`ToolCallFormat.markers` cuts them so). Its states are the markers' proper prefixes: a
+    prefix followed by a character that extends no marker and opens none goes back to the start; one followed by
+    a marker's first character begins that marker's prefix."""
+    markers = tuple(m for m in markers if not any(o != m and o in m for o in markers))  # the shortest suffice
+    firsts = {m[0] for m in markers}
+    if any(set(m[1:]) & firsts for m in markers):
+        raise ValueError(f"markers must hold their first characters at their start only: {markers}")
+    nodes: dict[str, set[str]] = {}
+    for marker in markers:
+        for i in range(1, len(marker)):
+            nodes.setdefault(marker[:i], set()).add(marker[i])
+
+    def text(chars: str) -> str:
+        return "".join("\\" + c if c in r".^$*+?()[]{}|\/-" else c for c in chars)
+
+    def other_than(chars: set[str]) -> str:
+        return "[^" + text("".join(sorted(chars))) + "]"
+
+    prefixes = "(?:" + "|".join(text(p) for p in sorted(nodes)) + ")"
+    leave = "|".join(text(p) + other_than(firsts | after) for p, after in sorted(nodes.items()))
+    return f"^(?:{other_than(firsts)}|{prefixes}*(?:{leave}))*{prefixes}*$"
+
+
+def _markerless(schema: Any, pattern: str) -> Any:
+    """``schema`` with every string and key it allows (at any depth) matching ``pattern``."""
+    if schema is True or (isinstance(schema, dict) and set(schema) - {"x-guidance"} <= _ANNOTATIONS):
+        options = {"x-guidance": schema["x-guidance"]} if isinstance(schema, dict) and "x-guidance" in schema else {}
+        return {**options, "$ref": f"#/$defs/{_MARKERLESS}"}
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_markerless(s, pattern) for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: _markerless(s, pattern) for k, s in out[key].items()}
+    for key in _SUBSCHEMAS:
+        if key in out:
+            out[key] = _markerless(out[key], pattern)
+    kinds = out.get("type")
+    kinds = {kinds} if isinstance(kinds, str) else set(kinds or ())
+    composed = any(key in out for key in ("anyOf", "oneOf", "allOf", "$ref", "enum", "const"))
+    if "string" in kinds or not (kinds or composed):  # (a union's branches, a fixed value: as they are)
+        if "pattern" in out:  # its own and ours
+            out["allOf"] = [*out.get("allOf", []), {"pattern": pattern}]
+        else:
+            out["pattern"] = pattern
+    if "object" in kinds and out.get("additionalProperties", True) is not False:
+        if "properties" in out:  # the keys it lists (as the markups write arguments: no free key)
+            out["additionalProperties"] = False
+        elif "patternProperties" not in out:  # any keys: markerless ones
+            out["patternProperties"] = {pattern: out.pop("additionalProperties", {"$ref": f"#/$defs/{_MARKERLESS}"})}
+            out["additionalProperties"] = False
+    if "array" in kinds and "items" not in out and "prefixItems" not in out:
+        out["items"] = {"$ref": f"#/$defs/{_MARKERLESS}"}
+    return out
+
+
+def _markers_kept_out(rules: str, markers: tuple[str, ...]) -> str:
+    """``rules`` with each embedded JSON schema (`%json {...}`) rewritten by `_markerless`, its root given the
+    `_MARKERLESS` definition."""
+    if not markers:
+        return rules
+    pattern = _without(markers)
+    anything = {"anyOf": [{"type": "string", "pattern": pattern}, {"type": ["number", "boolean", "null"]},
+                          {"type": "array", "items": {"$ref": f"#/$defs/{_MARKERLESS}"}},
+                          {"type": "object", "patternProperties": {pattern: {"$ref": f"#/$defs/{_MARKERLESS}"}},
+                           "additionalProperties": False}]}
+    decoder, out, at = json.JSONDecoder(), [], 0
+    while (found := rules.find("%json ", at)) >= 0:
+        start = found + len("%json ")
+        schema, end = decoder.raw_decode(rules, start)
+        rewritten = _markerless(schema, pattern)
+        rewritten["$defs"] = {**rewritten.get("$defs", {}), _MARKERLESS: anything}
+        out += [rules[at:start], json.dumps(rewritten)]
+        at = end
+    return "".join(out) + rules[at:]
 
 
 def _json_schema(schema: dict[str, Any]) -> str:

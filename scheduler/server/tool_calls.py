@@ -17,6 +17,7 @@ client sees what came out rather than losing it.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from enum import Enum
@@ -61,6 +62,18 @@ class ToolCallFormat:
             if len(calls) == 1 and isinstance(calls[0], dict) and {k: calls[0].get(k) for k in probe} == probe:
                 return shape
         return None
+
+    @property
+    def markers(self) -> tuple[str, ...]:
+        """What no value of a call may hold: the start and end markers and the closing and `<|...|>` tags of a call
+        as its shape writes one (a parser ends a value or a call at the first of these; the splitter ends a call
+        at the end marker), each cut where another marker character (`<`, `[`) opens, so that each piece holds its
+        first character only at its start (what `constraints` builds its exclusion from)."""
+        shape = self.shape
+        example = shape.example({"name": "f", "arguments": {"x": 1, "s": "a"}}) if shape is not None else ""
+        whole = [self.start, self.end, *re.findall(r"</[^<>]*>|<\|[^<>]*\|>", example)]
+        return tuple(sorted({piece for text in whole for piece in re.findall(r"[<\[][^<\[]*", text)
+                             if len(piece) > 1}))
 
 
 class CallShape(Enum):
@@ -129,7 +142,7 @@ class CallShape(Enum):
                 + "</atem:invoke>")
         if self is CallShape.XTML:
             return (f'<|open|>call tool="{name}" index="1"<|sep|>' + "".join(
-                f'<|open|>argument key="{k}" type="{"string" if isinstance(v, str) else "integer"}"<|sep|>'
+                f'<|open|>argument key="{k}" type="{_json_type(v)}"<|sep|>'
                 f"{_raw(v)}<|close|>argument<|sep|>" for k, v in arguments.items()) + "<|close|>call<|sep|>")
         if self is CallShape.INVOKE:
             return (f'\n<invoke name="{name}">\n' + "".join(
@@ -142,6 +155,16 @@ class CallShape(Enum):
         quote = self.string_delimiter
         return f"call:{name}{{" + ",".join(
             f"{k}:{quote + v + quote if isinstance(v, str) else json.dumps(v)}" for k, v in arguments.items()) + "}"
+
+
+def _json_type(value: Any) -> str:
+    """The JSON Schema type name of a value (what Kimi K3's XTML writes beside an argument)."""
+    if isinstance(value, bool):
+        return "boolean"
+    for kind, name in ((str, "string"), (int, "integer"), (float, "number"), (dict, "object"), (list, "array")):
+        if isinstance(value, kind):
+            return name
+    return "null"
 
 
 def _raw(value: Any) -> str:

@@ -22,10 +22,12 @@ import re
 import jsonschema
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from scheduler.fixtures.tool_calling import CHATS, TOOLS, template_messages
 
-from scheduler.server.tool_calls import CallShape, ToolCallFormat
+from scheduler.server.tool_calls import CallShape, ToolCallFormat, ToolCallSplitter
 
 from .test_serve import _start, _stop, _wait_healthy
 
@@ -686,6 +688,52 @@ def test_a_free_string_value_ends_and_is_null_only_where_the_parser_reads_it_as_
         if allowed:
             assert _markup(markup).parse(text[len(fmt.start): len(text) - len(fmt.end)], tools)["arguments"] \
                 == {"text": value}
+
+
+JSON_VALUE_MARKUPS = ["glm47", "json_tools", "kimi_k2", "kimi_k3", "laguna", "longcat", "minicpm5", "minimax_m2",
+                      "mistral", "muse_spark", "pythonic", "qwen3_coder"]  # (gemma's write objects in their own syntax)
+
+
+@pytest.mark.parametrize("markup", JSON_VALUE_MARKUPS)
+def test_a_json_value_never_holds_a_marker_that_would_cut_the_call(markup):
+    """A JSON value inside a call (an object parameter here) may hold `<`, tags and brackets, but no string or key
+    of it may hold one of the markup's markers (`ToolCallFormat.markers`: the start and end markers, the closing
+    tags): the parser would end the value there, or the splitter the call. Before, the grammar allowed them."""
+    from scheduler.fixtures.tiny_models import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    fmt = _markup(markup)
+    tools = [{"type": "function", "function": {"name": "store", "parameters": {
+        "type": "object", "properties": {"doc": {"type": "object"}}, "required": ["doc"]}}}]
+    constraint = _forced(fmt, tools)
+
+    def text(doc: dict) -> str:
+        return fmt.start + fmt.shape.example({"name": "store", "arguments": {"doc": doc}}) + fmt.end
+
+    fine = {"html": "a < b, <b>bold</b> [x] </", "list": ["<", "</x>", {"k": "v"}], "n": 1}
+    assert _accepts(tokenizer, constraint, text(fine))
+    splitter = ToolCallSplitter(fmt, tools)
+    first, last = splitter.feed(text(fine)), splitter.finish()
+    assert [json.loads(c["function"]["arguments"]) for c in first.calls + last.calls] == [{"doc": fine}]
+    assert all(any(m in text for m in fmt.markers) for text in (fmt.start, fmt.end) if text)
+    for marker in fmt.markers:
+        for doc in ({"s": f"a{marker}b"}, {"list": [f"{marker}"]}, {f"k{marker}": 1}, {"deep": {"s": marker}}):
+            assert not _accepts(tokenizer, constraint, text(doc)), (marker, doc)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="<>/|[]ab_xT", max_size=24), st.sampled_from(sorted({m for name in JSON_VALUE_MARKUPS
+                                                                            for m in _markup(name).markers})))
+def test_the_exclusion_regex_matches_exactly_the_strings_without_a_marker(text, extra):
+    """`_without` against a direct check, on strings near the markers (random, with markers and their prefixes
+    spliced in)."""
+    from scheduler.server.constraints import _without
+
+    markers = ("</parameter>", "<|tool_call_end|>", "[TOOL_CALLS]", extra)
+    pieces = [text[: len(text) // 2], extra[: len(text) % (len(extra) + 1)], text[len(text) // 2:]]
+    for candidate in (text, "".join(pieces), text + extra, extra[:-1]):
+        want = not any(m in candidate for m in markers)
+        assert (re.fullmatch(_without(markers), candidate) is not None) == want, (candidate, markers)
 
 
 def test_every_tool_call_format_mlx_lm_infers_has_a_grammar():
