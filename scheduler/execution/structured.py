@@ -65,7 +65,10 @@ class GrammarCompiler:
         self.eos_token_ids = sorted(int(t) for t in eos_token_ids)
         self._lock = threading.Lock()
         self._ll_tokenizer: Any = None
-        self._grammars: OrderedDict[StructuredOutput, str] = OrderedDict()
+        # compiled specs: the grammar text and a matcher at its start, which each request's processor copies
+        # (`LLMatcher.deep_copy`, microseconds, where building a matcher re-reads the grammar: milliseconds, tens
+        # for a forced call over many tools)
+        self._grammars: OrderedDict[StructuredOutput, tuple[str, Any]] = OrderedDict()
 
     @property
     def ll_tokenizer(self) -> Any:
@@ -94,11 +97,14 @@ class GrammarCompiler:
     def compile(self, structured: StructuredOutput) -> str:
         """The checked grammar of ``structured``; `InvalidRequest` (field ``structured_output``) with
         llguidance's message when it does not compile against this tokenizer."""
+        return self._compiled(structured)[0]
+
+    def _compiled(self, structured: StructuredOutput) -> tuple[str, Any]:
         with self._lock:
-            grammar = self._grammars.get(structured)
-            if grammar is not None:
+            compiled = self._grammars.get(structured)
+            if compiled is not None:
                 self._grammars.move_to_end(structured)
-                return grammar
+                return compiled
         from llguidance import LLMatcher
 
         grammar = grammar_text(structured)
@@ -106,16 +112,22 @@ class GrammarCompiler:
         if is_error:
             raise InvalidRequest(FIELD, f"the {structured.kind.value} constraint does not compile: "
                                         f"{messages[0] if messages else 'no reason given'}")
+        matcher = LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidRequest(FIELD, f"the {structured.kind.value} constraint is rejected: {matcher.get_error()}")
         with self._lock:
-            self._grammars[structured] = grammar
+            self._grammars[structured] = compiled = (grammar, matcher)
             while len(self._grammars) > _CACHED_GRAMMARS:
                 self._grammars.popitem(last=False)
-        return grammar
+        return compiled
 
     def processor(self, structured: StructuredOutput, prompt_len: int | None = None) -> "GrammarProcessor":
-        """A fresh processor enforcing ``structured`` (see `GrammarProcessor` for ``prompt_len``)."""
-        return GrammarProcessor(self.ll_tokenizer, self.compile(structured), self.eos_token_ids, prompt_len,
-                                structured.after)
+        """A fresh processor enforcing ``structured`` (see `GrammarProcessor` for ``prompt_len``): a copy of the
+        compiled spec's matcher at its start."""
+        _, template = self._compiled(structured)
+        with self._lock:  # (copies share the compiled grammar; one copy at a time)
+            matcher = template.deep_copy()
+        return GrammarProcessor(matcher, self.ll_tokenizer, self.eos_token_ids, prompt_len, structured.after)
 
 
 class GrammarProcessor:
@@ -131,13 +143,10 @@ class GrammarProcessor:
     ``after``: the grammar starts with the token after the one that completes this text in the output (the end
     of a thinking model's reasoning); until then the logits pass unchanged."""
 
-    def __init__(self, ll_tokenizer: Any, grammar: str, eos_token_ids: Sequence[int], prompt_len: int | None = None,
+    def __init__(self, matcher: Any, ll_tokenizer: Any, eos_token_ids: Sequence[int], prompt_len: int | None = None,
                  after: str = ""):
-        from llguidance import LLMatcher
-
-        self._matcher = LLMatcher(ll_tokenizer, grammar, log_level=0)
-        if self._matcher.is_error():
-            raise ValueError(f"grammar rejected: {self._matcher.get_error()}")
+        """``matcher``: an llguidance `LLMatcher` at the grammar's start, this processor's own."""
+        self._matcher = matcher
         self._tokenizer = ll_tokenizer
         self._eos = frozenset(eos_token_ids)
         self._seen = prompt_len

@@ -588,8 +588,10 @@ def _bounded_list(item: str, least: int, most: int | None) -> str | None:
 # values keep out `<` altogether (`_TERMINALS`), and every JSON schema the calls embed is rewritten so its strings
 # and keys match `_without(markers)`: a `pattern` wherever a string may stand, an object's free keys through
 # `patternProperties` (llguidance has no `propertyNames`), and a subschema that allows any value a reference to
-# `_MARKERLESS`, any JSON whose strings and keys hold none.
+# `_MARKERLESS`, any JSON whose strings and keys hold none (a plain string one to `_MARKERLESS_TEXT`, so the long
+# pattern stands once per schema where it can).
 _MARKERLESS = "mlxsched_markerless"
+_MARKERLESS_TEXT = "mlxsched_markerless_text"
 _ANNOTATIONS = frozenset({"description", "title", "default", "examples", "$comment", "deprecated", "readOnly",
                           "writeOnly"})
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
@@ -599,17 +601,18 @@ _SUBSCHEMAS = ("items", "contains", "not", "if", "then", "else", "additionalProp
 
 def _without(markers: tuple[str, ...]) -> str:
     """A regex matching exactly the strings that hold none of ``markers``, each of which holds its first character
-    at its start only (`ToolCallFormat.markers` cuts them so). Its states are the markers' proper prefixes: a
-    prefix followed by a character that extends no marker and opens none goes back to the start; one followed by
-    a marker's first character begins that marker's prefix."""
+    at its start only (`ToolCallFormat.markers` cuts them so). Its states are the markers' proper prefixes (a trie):
+    a prefix followed by a character that extends no marker and opens none goes back to the start; one followed by
+    a marker's first character begins that marker's prefix. Written as nested groups over the trie, so its length
+    grows with the markers' total length."""
     markers = tuple(m for m in markers if not any(o != m and o in m for o in markers))  # the shortest suffice
     firsts = {m[0] for m in markers}
     if any(set(m[1:]) & firsts for m in markers):
         raise ValueError(f"markers must hold their first characters at their start only: {markers}")
-    nodes: dict[str, set[str]] = {}
+    after: dict[str, set[str]] = {}  # each proper prefix -> the characters that extend it
     for marker in markers:
         for i in range(1, len(marker)):
-            nodes.setdefault(marker[:i], set()).add(marker[i])
+            after.setdefault(marker[:i], set()).add(marker[i])
 
     def text(chars: str) -> str:
         return "".join("\\" + c if c in r".^$*+?()[]{}|\/-" else c for c in chars)
@@ -617,9 +620,20 @@ def _without(markers: tuple[str, ...]) -> str:
     def other_than(chars: set[str]) -> str:
         return "[^" + text("".join(sorted(chars))) + "]"
 
-    prefixes = "(?:" + "|".join(text(p) for p in sorted(nodes)) + ")"
-    leave = "|".join(text(p) + other_than(firsts | after) for p, after in sorted(nodes.items()))
-    return f"^(?:{other_than(firsts)}|{prefixes}*(?:{leave}))*{prefixes}*$"
+    def deeper(prefix: str) -> list[str]:  # the prefixes one character longer (not whole markers)
+        return [prefix + c for c in sorted(after.get(prefix, ())) if prefix + c in after]
+
+    def partial(prefix: str) -> str:  # what may follow `prefix` and end the string, or meet a first character
+        more = deeper(prefix)
+        return "(?:" + "|".join(text(p[-1]) + partial(p) for p in more) + ")?" if more else ""
+
+    def leave(prefix: str) -> str:  # what may follow `prefix` and go back to the start
+        return "(?:" + "|".join([other_than(firsts | after[prefix])]
+                                + [text(p[-1]) + leave(p) for p in deeper(prefix)]) + ")"
+
+    opened = "(?:" + "|".join(text(f) + partial(f) for f in sorted(firsts)) + ")"
+    closed = "(?:" + "|".join(text(f) + leave(f) for f in sorted(firsts)) + ")"
+    return f"^(?:{other_than(firsts)}|{opened}*{closed})*{opened}*$"
 
 
 def _markerless(schema: Any, pattern: str) -> Any:
@@ -641,6 +655,8 @@ def _markerless(schema: Any, pattern: str) -> Any:
             out[key] = _markerless(out[key], pattern)
     kinds = out.get("type")
     kinds = {kinds} if isinstance(kinds, str) else set(kinds or ())
+    if kinds == {"string"} and set(out) - {"type"} <= _ANNOTATIONS:  # the common case: one definition for all
+        return {"$ref": f"#/$defs/{_MARKERLESS_TEXT}"}
     composed = any(key in out for key in ("anyOf", "oneOf", "allOf", "$ref", "enum", "const"))
     if "string" in kinds or not (kinds or composed):  # (a union's branches, a fixed value: as they are)
         if "pattern" in out:  # its own and ours
@@ -664,7 +680,8 @@ def _markers_kept_out(rules: str, markers: tuple[str, ...]) -> str:
     if not markers:
         return rules
     pattern = _without(markers)
-    anything = {"anyOf": [{"type": "string", "pattern": pattern}, {"type": ["number", "boolean", "null"]},
+    text = {"type": "string", "pattern": pattern}
+    anything = {"anyOf": [{"$ref": f"#/$defs/{_MARKERLESS_TEXT}"}, {"type": ["number", "boolean", "null"]},
                           {"type": "array", "items": {"$ref": f"#/$defs/{_MARKERLESS}"}},
                           {"type": "object", "patternProperties": {pattern: {"$ref": f"#/$defs/{_MARKERLESS}"}},
                            "additionalProperties": False}]}
@@ -673,7 +690,11 @@ def _markers_kept_out(rules: str, markers: tuple[str, ...]) -> str:
         start = found + len("%json ")
         schema, end = decoder.raw_decode(rules, start)
         rewritten = _markerless(schema, pattern)
-        rewritten["$defs"] = {**rewritten.get("$defs", {}), _MARKERLESS: anything}
+        used = json.dumps(rewritten)
+        defs = {**({_MARKERLESS: anything, _MARKERLESS_TEXT: text} if f"#/$defs/{_MARKERLESS}\"" in used else {}),
+                **({_MARKERLESS_TEXT: text} if f"#/$defs/{_MARKERLESS_TEXT}" in used else {})}
+        if defs:  # (only where referenced: a tag markup embeds a schema per value)
+            rewritten["$defs"] = {**rewritten.get("$defs", {}), **defs}
         out += [rules[at:start], json.dumps(rewritten)]
         at = end
     return "".join(out) + rules[at:]
