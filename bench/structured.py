@@ -13,6 +13,14 @@ The constrained sides' outputs are compared token for token. The tiny models' vo
 per-token mask (llguidance's, one byte per vocabulary entry) is far cheaper here than on a 150k vocabulary.
 
     python -m bench.structured [--model text-medium] [--batch 8 32] [--new-tokens 64] [--repeats 3]
+
+`--setup`: what a forced tool call costs to set up per request, in each of several mlx-lm call markups, for one
+set of tools (`SETUP_TOOLS`: 10 tools of 5 parameters, three of them objects or arrays): building the grammar
+(`constraints.output_constraint`) and the request's processor (`GrammarCompiler.processor`), first for a tool
+set the server has not seen (compiling and checking the grammar too), then again (the compiled spec cached).
+No model runs; the tokenizer is the tiny models' (512 entries).
+
+    python -m bench.structured --setup [--repeats 20]
 """
 
 from __future__ import annotations
@@ -47,6 +55,44 @@ def run_ours(engine, prompts, new_tokens: int, constraint) -> RunStats:
     return clock.stats("ours")
 
 
+SETUP_TOOLS = [{"type": "function", "function": {"name": f"tool_{i}", "parameters": {"type": "object", "properties": {
+    "query": {"type": "string"}, "limit": {"type": "integer"},
+    "filters": {"type": "object", "properties": {"tag": {"type": "string"}, "since": {"type": "string"}}},
+    "ids": {"type": "array", "items": {"type": "string"}}, "options": {"type": "object"}},
+    "required": ["query"]}}} for i in range(10)]
+SETUP_MARKUPS = ("json_tools", "qwen3_coder", "glm47", "minimax_m2", "kimi_k2", "pythonic")
+
+
+def setup_costs(repeats: int) -> None:
+    import importlib
+    import statistics
+    import time
+
+    from scheduler.execution.structured import GrammarCompiler
+    from scheduler.fixtures.tiny_models import build_tokenizer
+    from scheduler.server.constraints import output_constraint
+    from scheduler.server.protocol import ChatCompletionRequest
+    from scheduler.server.tool_calls import ToolCallFormat
+
+    tokenizer = build_tokenizer()
+    print("| markup | grammar chars | first request ms | again ms (median) |")
+    print("|---|---|---|---|")
+    for name in SETUP_MARKUPS:
+        parser = importlib.import_module(f"mlx_lm.tool_parsers.{name}")
+        fmt = ToolCallFormat(parser.tool_call_start, parser.tool_call_end, parser.parse_tool_call)
+        body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "go"}], tools=SETUP_TOOLS,
+                                     tool_choice="required")
+        grammars = GrammarCompiler(tokenizer, len(tokenizer.get_vocab()), [tokenizer.eos_token_id])
+        grammars.ll_tokenizer  # (built once per model, not per request)
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            constraint = output_constraint(body, fmt, SETUP_TOOLS, None)
+            grammars.processor(constraint)
+            times.append(time.perf_counter() - start)
+        print(f"| {name} | {len(constraint.spec)} | {times[0] * 1e3:.1f} | {statistics.median(times[1:]) * 1e3:.1f} |")
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog="python -m bench.structured", description=__doc__.split("\n")[0])
@@ -55,7 +101,12 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--constraint", choices=["json", "regex"], default="json")
+    ap.add_argument("--setup", action="store_true", help="time a forced tool call's setup per request instead")
     args = ap.parse_args(argv)
+    if args.setup:
+        print(f"Command: `python -m bench.structured {shlex.join(argv)}`; {os.cpu_count()} CPUs\n")
+        setup_costs(args.repeats)
+        return 0
 
     import mlx_lm
 
