@@ -280,14 +280,13 @@ class _ToolCalling:
     first_call_only: bool  # parallel_tool_calls: false
 
 
-def _tool_calling(body: ChatCompletionRequest, engine: Any) -> _ToolCalling | None:
+def _tool_calling(body: ChatCompletionRequest, fmt: ToolCallFormat | None) -> _ToolCalling | None:
     """The request's tool calling, or None (no tools, or tool_choice "none"). Refused (400) where the calls could
-    not be returned: a model whose chat template declares no tool-call format (mlx-lm infers none from it; a
-    vision-language model's is inferred by the same rule, `VLMAdapter.tool_calling`)."""
+    not be returned: a model whose chat template declares no tool-call format (``fmt`` None: mlx-lm infers none
+    from it; a vision-language model's is inferred by the same rule, `VLMAdapter.tool_calling`)."""
     tools = body.tool_list()
     if tools is None:
         return None
-    fmt = ToolCallFormat.of(engine.tokenizer if engine.vlm is None else engine.vlm.tool_calling)
     if fmt is None:
         raise APIError(400, "tools: this model's chat template declares no tool-call format that mlx-lm can parse, "
                             "so its calls could not be returned", "tools")
@@ -573,6 +572,9 @@ def create_app(state: ServerState) -> Any:
     # a thinking model's reasoning goes to `reasoning_content` (the markers mlx-lm's tokenizer declares; a
     # vision-language model's by mlx-lm's same rule, `VLMAdapter.thinking`)
     reasoning = ReasoningFormat.of(engine.tokenizer if engine.vlm is None else engine.vlm.thinking)
+    # how the model writes tool calls (None: no format mlx-lm infers), once: its shape and markers are asked of
+    # its parser (`ToolCallFormat.shape`) and kept
+    call_format = ToolCallFormat.of(engine.tokenizer if engine.vlm is None else engine.vlm.tool_calling)
 
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
@@ -598,7 +600,7 @@ def create_app(state: ServerState) -> Any:
     async def chat_completions(request: Request) -> Response:
         body = await _parse(request, ChatCompletionRequest, state.max_request_bytes)
         _check_model(state, body)
-        tool_calling = _tool_calling(body, engine)
+        tool_calling = _tool_calling(body, call_format)
         prompt = await engine_prompt(body.messages)
         tools = tool_calling.tools if tool_calling is not None else None
         template_kwargs = body.template_kwargs()

@@ -108,9 +108,9 @@ def _calls_rule(body: Any, fmt: ToolCallFormat, tools: list[dict[str, Any]], par
     single = isinstance(choice, NamedToolChoice) or getattr(body, "parallel_tool_calls", None) is False
     calls = _CALL_WRITERS[fmt.shape](fmt, tools, param)
     more = "" if single else f" ({calls.between} call)*"
-    rules = _markers_kept_out(f"calls: {calls.before}call{more}{calls.after}\ncall: {calls.call}", fmt.markers)
+    rules = f"calls: {calls.before}call{more}{calls.after}\ncall: {calls.call}"
     used = {name: lark for name, lark in _TERMINALS.items() if re.search(rf"\b{name}\b", rules)}
-    return "\n".join([rules, *(f"{name}: {lark}" for name, lark in used.items())])
+    return "\n".join([_markers_kept_out(rules, fmt.markers), *(f"{name}: {lark}" for name, lark in used.items())])
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ client sees what came out rather than losing it.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import uuid
@@ -42,7 +43,7 @@ class ToolCallFormat:
             return None
         return cls(tokenizer.tool_call_start, tokenizer.tool_call_end, tokenizer.tool_parser)
 
-    @property
+    @functools.cached_property  # (asked of the parser: a few probes, once per format)
     def shape(self) -> "CallShape | None":
         """The shape of one call after the start marker that the parser reads, so that a grammar can write calls
         it reads back (forced tool calls): asked of the parser itself, with a tool that declares its parameters'
@@ -63,7 +64,7 @@ class ToolCallFormat:
                 return shape
         return None
 
-    @property
+    @functools.cached_property
     def markers(self) -> tuple[str, ...]:
         """What no value of a call may hold: the start and end markers and the closing and `<|...|>` tags of a call
         as its shape writes one (a parser ends a value or a call at the first of these; the splitter ends a call
