@@ -34,6 +34,16 @@ def pytest_runtest_protocol(item, nextitem):
         yield
 
 
+@pytest.fixture(scope="module")
+def media_server():
+    """A loopback HTTP server of media and of every failure a fetch must bound (tests/media_http.py)."""
+    from tests.media_http import MediaServer
+
+    server = MediaServer()
+    yield server
+    server.close()
+
+
 @pytest.fixture(scope="session")
 def text_model(text_model_dir):
     """(model, TokenizerWrapper) from mlx_lm.load of the tiny qwen3."""

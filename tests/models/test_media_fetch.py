@@ -21,15 +21,7 @@ from scheduler.models.media import MediaError, RemoteMedia
 from scheduler.request import UnreadableMedia
 
 from ..helpers import drive
-from ..media_http import MediaServer
 from .test_vlm_media import MAX_TOKENS, noise_image, png_bytes, solo, user
-
-
-@pytest.fixture(scope="module")
-def media_server():
-    server = MediaServer()
-    yield server
-    server.close()
 
 
 @pytest.fixture(scope="module")

@@ -145,14 +145,6 @@ def servers(vlm_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def media_server():
-    """Images at http URLs, on loopback."""
-    server = MediaServer()
-    yield server
-    server.close()
-
-
-@pytest.fixture(scope="module")
 def server(servers) -> Server:
     return servers[0]
 
