@@ -6,7 +6,9 @@ another scheme, to a host outside the allowed list, or in a loop, a closed port)
 Qwen2-VL): an image by URL is the same image as by path (same media key, same greedy tokens as solo
 `mlx_vlm`), as `images=` or as an OpenAI content part, and a video by URL is the same clip as by path; a URL
 that cannot be fetched fails its own request at `add_request` while the others finish, leaving nothing behind;
-`remote_media=False` and `allowed_media_domains` refuse without touching the network."""
+`remote_media=False` and `allowed_media_domains` refuse without touching the network; `AsyncEngine` fetches each
+request on a pool of its own, so a stalled host holds no other request; the reference surface
+(`MLLMBatchGenerator`) takes image URLs as the reference does."""
 
 from __future__ import annotations
 
