@@ -10,7 +10,8 @@ function, a forced call with an output format, a model without a tool-call forma
 template arguments the engine sets itself). Then forced calls in each call markup of mlx-lm's tool parsers: end to
 end on the tiny text model with a template of that markup, sampled under each markup's grammar with every
 parameter type, and at the grammar itself (the markup as the model's template renders it is allowed, string values
-end and are never a "null" the parser would read as None).
+end and are never a "null" the parser would read as None, no JSON value holds one of the markup's markers). And
+/tokenize renders each chat as its completion does.
 """
 
 from __future__ import annotations
@@ -715,7 +716,7 @@ def test_a_json_value_never_holds_a_marker_that_would_cut_the_call(markup):
     splitter = ToolCallSplitter(fmt, tools)
     first, last = splitter.feed(text(fine)), splitter.finish()
     assert [json.loads(c["function"]["arguments"]) for c in first.calls + last.calls] == [{"doc": fine}]
-    assert all(any(m in text for m in fmt.markers) for text in (fmt.start, fmt.end) if text)
+    assert all(any(m in marker_text for m in fmt.markers) for marker_text in (fmt.start, fmt.end) if marker_text)
     for marker in fmt.markers:
         for doc in ({"s": f"a{marker}b"}, {"list": [f"{marker}"]}, {f"k{marker}": 1}, {"deep": {"s": marker}}):
             assert not _accepts(tokenizer, constraint, text(doc)), (marker, doc)
