@@ -168,6 +168,9 @@ class SamplingParams:
     # `make_frequency_penalty`, after the repetition and presence penalties)
     frequency_penalty: float = 0.0
     stop_token_ids: tuple[int, ...] = ()
+    # vLLM's: the model's own end-of-sequence tokens do not end this request (it runs to max_tokens, the context
+    # limit or one of stop_token_ids); what a load test asks for to fix each output's length
+    ignore_eos: bool = False
     seed: int | None = None
     logprobs: bool = False
     # with logprobs: this many most likely tokens and their logprobs for each output token, from the same
@@ -216,6 +219,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(stops))
         _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**32), "seed",
                f"must be None or an integer in [0, 2**32), got {self.seed!r}")
+        _check(isinstance(self.ignore_eos, bool), "ignore_eos", f"must be a bool, got {self.ignore_eos!r}")
         _check(isinstance(self.logprobs, bool), "logprobs", f"must be a bool, got {self.logprobs!r}")
         _check(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs",
                f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
@@ -280,7 +284,7 @@ def _bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:
 
 _RECORDED_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
                              "repetition_penalty", "frequency_penalty", "seed", "logprobs", "top_logprobs",
-                             "prompt_logprobs")
+                             "prompt_logprobs", "ignore_eos")
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 
 

@@ -367,7 +367,7 @@ class Scheduler:
         logprobs never draft: `Request.draft_eligible`). A prompt's first token moves the request to decoding
         before it can finish. Every decoding row passes here every tick: the common case returns early."""
         rid, out, sampling = request.request_id, request.output_tokens, request.sampling
-        limit, model_stops = request.output_limit, self.model_stop_ids
+        limit, model_stops = request.output_limit, frozenset() if sampling.ignore_eos else self.model_stop_ids
         with_prompt = completes_prefill and not out and sampling.prompt_logprobs is not None
         for n, token in enumerate(tokens, 1):
             out.append(token)

@@ -137,6 +137,7 @@ class _Sampling(_Strict):
     frequency_penalty: Number | None = None
     stop: Union[str, list[Union[str, StrictInt]], None] = None  # strings, or token ids
     stop_token_ids: list[StrictInt] | None = None  # vLLM's field
+    ignore_eos: StrictBool = False  # vLLM's: the model's end-of-sequence tokens do not end the choice
     seed: StrictInt | None = None
     n: StrictInt = 1
     stream: StrictBool = False

@@ -152,3 +152,29 @@ def test_a_bfloat16_model_is_exact_where_the_greedy_pick_needs_the_log_softmax(t
     assert stats["positions"] >= 6 * 23 and 0 < stats["recomputed"] < stats["positions"]
     for out, prompt in zip(outs, prompts):
         assert out.token_ids == solo_tokens(model, tokenizer, prompt, 24)
+
+
+def test_ignore_eos_runs_on_past_eos_as_mlx_lms_own_steps_do(text_eos_model, text_eos_reference):
+    """`ignore_eos` (vLLM's): a request whose greedy output reaches eos runs on to max_tokens, token for token
+    what mlx-lm's `generate_step` yields (it does not stop at eos), batched with the same prompts without it,
+    which stop where `stream_generate` stops."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    from scheduler import SamplingParams
+
+    model, tokenizer = text_eos_model
+    eos = set(tokenizer.eos_token_ids)
+    stopped = [i for i, want in enumerate(text_eos_reference) if len(want) < MAX_TOKENS]
+    assert stopped  # the model does reach eos on some prompts
+    past_eos = {i: [int(t) for t, _ in generate_step(mx.array(PROMPTS[i]), model, max_tokens=MAX_TOKENS)]
+                for i in stopped}
+    engine, _ = engine_with_log(model, tokenizer, EngineConfig(check_invariants=True, max_seqs=32))
+    arrivals = [(0, {"prompt_tokens": PROMPTS[i], "sampling": SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=flag)})
+                for i in stopped for flag in (True, False)]
+    run = drive(engine, arrivals)
+    outputs, reasons = list(run.tokens.values()), [run.finish[rid] for rid in run.tokens]
+    for n, i in enumerate(stopped):
+        assert outputs[2 * n] == past_eos[i] and reasons[2 * n] is FinishReason.LENGTH
+        assert outputs[2 * n + 1] == text_eos_reference[i] and reasons[2 * n + 1] is FinishReason.STOP
+    assert any(set(past_eos[i][:-1]) & eos for i in stopped)  # eos came and was run past

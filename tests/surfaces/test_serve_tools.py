@@ -185,6 +185,23 @@ def test_thinking_turned_off_answers_without_reasoning(server):
     assert streamed == ("", "Paris is in France.", [], "stop")
 
 
+def test_ignore_eos_runs_a_choice_past_the_models_end_to_max_tokens(server):
+    """vLLM's `ignore_eos`: the chat the model ends early (finish "stop") runs on to max_tokens (finish "length"),
+    its text beginning with the answer it ended before."""
+    tools, _ = server
+    chat = CHAT["no-thinking"]
+
+    async def run(**extra):
+        return await tools.client().chat.completions.create(
+            model="tiny-vlm", messages=list(chat.messages), max_tokens=40, temperature=0,
+            extra_body={"chat_template_kwargs": dict(chat.template_kwargs), **extra})
+
+    ended, ran_on = asyncio.run(run()), asyncio.run(run(ignore_eos=True))
+    assert ended.choices[0].finish_reason == "stop" and ended.usage.completion_tokens < 40
+    assert ran_on.choices[0].finish_reason == "length" and ran_on.usage.completion_tokens == 40
+    assert ran_on.choices[0].message.content.startswith(ended.choices[0].message.content)
+
+
 def test_tokenize_renders_tools_and_template_arguments_as_a_chat_completion_does(server, tool_model_dir):
     """/tokenize of each chat (tools, a sent-back call and its result, enable_thinking) gives the ids mlx-lm's own
     rendering gives, which is the prompt the chat completion ran on (its usage counts them)."""
