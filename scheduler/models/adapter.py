@@ -322,8 +322,7 @@ class VLMAdapter:
         fps, max_frames = validate_video_sampling(self.video_fps if fps is None else fps,
                                                   self.video_max_frames if max_frames is None else max_frames)
         # media at http(s) URLs become their bytes first (refused where media_fetch is None)
-        images, videos, clips_in = ([fetch.resolve(src, self.media_fetch, kind, i) for i, src in enumerate(items)]
-                                    for kind, items in (("image", images), ("video", videos), ("audio", clips_in)))
+        images, videos, clips_in = fetch.resolve_all(images, videos, clips_in, self.media_fetch)
         pil = [load_image(src, i) for i, src in enumerate(images)]
         clips: list[VideoFrames] = [load_video(src, i, fps, max_frames) for i, src in enumerate(videos)]
         waves = [load_audio(src, i, self.sample_rate) for i, src in enumerate(clips_in)]

@@ -67,9 +67,18 @@ def resolve(source: Any, policy: FetchPolicy | None, kind: str, index: int | Non
     if not is_remote(source):
         return source
     if policy is None:
-        raise RemoteMedia(index, f"remote URLs are not fetched (remote_media is off): pass the {kind}'s bytes, a "
-                                 "file path or a data: URL", kind)
+        raise RemoteMedia(index, f"remote URLs are not fetched (remote_media is off; serve's --no-remote-media): "
+                                 f"give the {kind} inline, as a data: URL or bytes", kind)
     return fetch(source, policy, kind, index)
+
+
+def resolve_all(images: list, videos: list, audio: list, policy: FetchPolicy | None) -> tuple[list, list, list]:
+    """A request's media lists with every URL in them resolved (`resolve`), each item named by its kind and
+    index in its list."""
+    def each(kind: str, items: list) -> list:
+        return [resolve(src, policy, kind, i) for i, src in enumerate(items)]
+
+    return each("image", images), each("video", videos), each("audio", audio)
 
 
 class _CheckedRedirects(urllib.request.HTTPRedirectHandler):
@@ -132,4 +141,4 @@ def fetch(url: str, policy: FetchPolicy, kind: str, index: int | None) -> bytes:
     return bytes(body)
 
 
-__all__ = ["REMOTE_SCHEMES", "FetchPolicy", "fetch", "is_remote", "resolve"]
+__all__ = ["REMOTE_SCHEMES", "FetchPolicy", "fetch", "is_remote", "resolve", "resolve_all"]

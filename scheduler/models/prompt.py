@@ -142,8 +142,7 @@ class PromptResolver:
             except ContentPartError:
                 return prompt, media
         try:
-            fetched = [[fetch.resolve(src, policy, kind, i) for i, src in enumerate(items)]
-                       for kind, items in (("image", media.images), ("video", media.videos), ("audio", media.audio))]
+            fetched = fetch.resolve_all(media.images, media.videos, media.audio, policy)
         except MediaError as exc:
             raise UnreadableMedia(exc.kind, exc.index, exc.reason, request_id) from None
         return prompt, MediaInputs(*fetched, origins=media.origins)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from ..models.fetch import FetchPolicy, fetch, is_remote
+from ..models.fetch import FetchPolicy, is_remote, resolve
 from ..models.media import MediaError, load_audio, load_image
 from ..models.prompt import ContentPartError, from_openai_messages
 from .protocol import APIError, ChatMessage
@@ -50,10 +50,7 @@ def _media_source(url: str, kind: str, local_dir: Path | None, media_fetch: Fetc
     if url.startswith("data:"):
         return url
     if is_remote(url):
-        if media_fetch is None:
-            raise MediaError(None, f"remote {kind} URLs are not fetched by this server (--no-remote-media): send "
-                                   "a data: URL", kind)
-        return fetch(url, media_fetch, kind, None)
+        return resolve(url, media_fetch, kind, None)  # (refused where remote media are off)
     parsed = urlparse(url)
     path = unquote(parsed.path) if parsed.scheme == "file" else url
     if local_dir is None:
