@@ -221,7 +221,7 @@ class Engine:
                                                     drafter=self._make_drafter(draft_model, mtp_head),
                                                     draft_gate=self._make_draft_gate(),
                                                     on_event=self._executor_event, quantize=self.quantize,
-                                                    grammars=self.grammars)
+                                                    grammars=self.grammars, model_stop_ids=family.stop_ids)
             if self.shard is not None:
                 self.executor = self.shard.wrap(self.executor)
             self.loop = TickLoop(self.scheduler, self.executor)

@@ -30,11 +30,15 @@ class Reason(str, Enum):
     DRAFT_BUDGET = "draft_budget"  # fewer draft positions than draft_tokens (or none): what the tick's token
     # budget left after the decode rows and the prefill chunks pays for fewer per row of the verify forward
     DRAFT_INELIGIBLE = "draft_ineligible"  # it never drafts: logprobs, processors, a bias, a constraint, penalties
+    # it does not draft yet: its next token is within min_tokens, whose masked stop tokens a verify forward's
+    # later positions would not see
+    DRAFT_MIN_TOKENS = "draft_min_tokens"
 
 
 #: Reasons of running (decoding) rows rather than of requests waiting to run; recorded since the `row_reasons`
 #: plan-record group (a trace without it was written before they existed, and replay leaves them out).
-ROW_REASONS = frozenset({Reason.PREFILL_FIRST, Reason.DRAFT_BUDGET, Reason.DRAFT_INELIGIBLE})
+ROW_REASONS = frozenset({Reason.PREFILL_FIRST, Reason.DRAFT_BUDGET, Reason.DRAFT_INELIGIBLE,
+                         Reason.DRAFT_MIN_TOKENS})
 
 
 @dataclass(frozen=True)

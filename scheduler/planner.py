@@ -410,6 +410,9 @@ class _TickBuilder:
             if not request.draft_eligible:
                 self.why.note(request.request_id, Reason.DRAFT_INELIGIBLE)
                 continue
+            if request.before_min_tokens:
+                self.why.note(request.request_id, Reason.DRAFT_MIN_TOKENS)
+                continue
             # the verify forward emits up to k + 1 tokens: drafts never cross max_tokens or the context limit
             usable = min(config.draft_tokens, request.output_limit - request.num_output_tokens - 1)
             k = min(width, usable)

@@ -171,6 +171,10 @@ class SamplingParams:
     # vLLM's: the model's own end-of-sequence tokens do not end this request (it runs to max_tokens, the context
     # limit or one of stop_token_ids); what a load test asks for to fix each output's length
     ignore_eos: bool = False
+    # vLLM's: until this many tokens are generated, the tokens that would end the request (the model's
+    # end-of-sequence tokens unless ignore_eos, and stop_token_ids) are masked out of sampling, and the server
+    # does not match stop strings. A row does not draft until it has them (its verify positions are unmasked).
+    min_tokens: int = 0
     seed: int | None = None
     logprobs: bool = False
     # with logprobs: this many most likely tokens and their logprobs for each output token, from the same
@@ -220,6 +224,8 @@ class SamplingParams:
         _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**32), "seed",
                f"must be None or an integer in [0, 2**32), got {self.seed!r}")
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", f"must be a bool, got {self.ignore_eos!r}")
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+               f"must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         _check(isinstance(self.logprobs, bool), "logprobs", f"must be a bool, got {self.logprobs!r}")
         _check(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs",
                f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
@@ -238,6 +244,9 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         _check(self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
                "structured_output", f"must be None or a StructuredOutput, got {type(self.structured_output).__name__}")
+        # a finished grammar allows only the end of the output, which min_tokens would mask: nothing left to sample
+        _check(not (self.min_tokens and self.structured_output is not None), "min_tokens",
+               "cannot be combined with a structured output (the constraint decides where the output ends)")
 
     @property
     def is_greedy(self) -> bool:
@@ -284,7 +293,7 @@ def _bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:
 
 _RECORDED_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
                              "repetition_penalty", "frequency_penalty", "seed", "logprobs", "top_logprobs",
-                             "prompt_logprobs", "ignore_eos")
+                             "prompt_logprobs", "ignore_eos", "min_tokens")
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 
 
@@ -409,6 +418,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_tokens)
+
+    @property
+    def before_min_tokens(self) -> bool:
+        """Whether its next token is still among the first `min_tokens`: its stop tokens are masked out of that
+        token's sampling, and it does not draft."""
+        return len(self.output_tokens) < self.sampling.min_tokens
 
     @property
     def output_limit(self) -> int:

@@ -371,7 +371,8 @@ class Scheduler:
         with_prompt = completes_prefill and not out and sampling.prompt_logprobs is not None
         for n, token in enumerate(tokens, 1):
             out.append(token)
-            if token in model_stops or token in sampling.stop_token_ids:
+            # (within min_tokens a stop token was masked out of sampling; only a custom sampler can pick it)
+            if (token in model_stops or token in sampling.stop_token_ids) and len(out) > sampling.min_tokens:
                 request.finish_reason = FinishReason.STOP
             elif len(out) >= limit:
                 request.finish_reason = FinishReason.LENGTH

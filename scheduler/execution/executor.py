@@ -222,7 +222,7 @@ class MLXExecutor:
                  logprob_vectors: bool = False, drafter: Any = None, on_event: Any = None,
                  processor_history: str = "prompt+output", quantize: QuantizeRule | None = None,
                  draft_gate: DraftGate | None = None, pad_ratio: float = PREFILL_PAD_RATIO,
-                 grammars: GrammarCompiler | None = None):
+                 grammars: GrammarCompiler | None = None, model_stop_ids: Iterable[int] = ()):
         # KV decisions carried out (kv_merge, kv_filter, kv_rollback) are events: (kind, **fields)
         self._on_event = on_event or (lambda kind, **fields: None)
         self.drafter = drafter  # proposes draft tokens for the rows a plan lets draft
@@ -272,6 +272,9 @@ class MLXExecutor:
         # structured outputs: the engine's compiler, and each constrained row's matcher (built on its first token)
         self.grammars = grammars
         self._grammar_rows: dict[str, GrammarProcessor] = {}
+        # the model's end-of-sequence tokens: what `min_tokens` masks (with the request's stop_token_ids) until a
+        # row has that many tokens, unless it ignores eos
+        self.model_stop_ids = tuple(sorted(set(model_stop_ids)))
 
     # ---- bookkeeping the scheduler drives -------------------------------------------------------
     def release(self, request_ids: Iterable[str]) -> None:
@@ -713,7 +716,7 @@ class MLXExecutor:
         # a verify tick whose rows only need argmaxes reads back every row's greedy choice at every position (the
         # tokens and the verdict are decided from it on the host): `greedy_pick`, which skips the log-softmax
         # wherever that provably gives the same token (`sample_tokens` would agree)
-        pick = greedy_pick(all_logits) if width and self._argmax_only else None
+        pick = greedy_pick(all_logits) if width and self._argmax_only and not self._stops_held() else None
         # a plain tick that can: greedy rows picked, sampled rows drawn, each group apart (`draw_tokens`)
         draw = self._draw(inputs, logits, params) if not width and self._draw_groups else None
         top_rows = None
@@ -971,16 +974,39 @@ class MLXExecutor:
         mx.eval(res.accepted, res.emitted, sampled, *rollback_reads(self.kv.batch))
         return res.accepted.tolist(), res.emitted.tolist()
 
+    def _stops_held(self) -> list[tuple[int, tuple[int, ...]]]:
+        """(row, the token ids it may not sample yet) for each row whose next token is within its `min_tokens`: the
+        model's end-of-sequence tokens (unless it ignores them) and its stop_token_ids."""
+        held = []
+        for i, row in enumerate(self._rows):
+            request = row.request
+            if request.sampling.min_tokens and request.before_min_tokens:
+                own = request.sampling.stop_token_ids
+                held.append((i, own if request.sampling.ignore_eos else (*self.model_stop_ids, *own)))
+        return held
+
+    def _mask_held_stops(self, logits: mx.array) -> mx.array:
+        """`min_tokens`: -inf at the tokens `_stops_held` names, one scatter for the batch (vLLM applies this mask
+        first, before the logit bias). Ids past the vocabulary are not there to mask."""
+        vocab = logits.shape[-1]
+        pairs = [(i, t) for i, ids in self._stops_held() for t in ids if t < vocab]
+        if not pairs:
+            return logits
+        rows, ids = zip(*pairs)
+        return logits.at[mx.array(rows), mx.array(ids)].minimum(mx.array(-mx.inf, dtype=logits.dtype))
+
     def _apply_processors(self, logits: mx.array, result: TickResult) -> mx.array:
-        """Logit bias, then user logits processors, then a structured output's mask, per row (processors are
-        arbitrary Python); rows without them are untouched. The bias is mlx-lm's `logit_bias` processor
-        (`logits.at[:, ids].add(biases)`), first as in its `make_logits_processors`; the mask is a
-        `GrammarProcessor`, the processor a solo mlx-lm run is given for the same constraint.
+        """The `min_tokens` mask (`_mask_held_stops`), then logit bias, then user logits processors, then a
+        structured output's mask, per row (processors are arbitrary Python); rows without them are untouched. The
+        bias is mlx-lm's `logit_bias` processor (`logits.at[:, ids].add(biases)`), first as in its
+        `make_logits_processors`; the mask is a `GrammarProcessor`, the processor a solo mlx-lm run is given for
+        the same constraint.
 
         Like mlx-lm, a processor sees every token so far (prompt + output); with an output-only history (vllm-mlx)
         the generated tokens only. One that raises fails its own request (reported in `result.errors`); its row
         samples from the unprocessed logits and is dropped.
         """
+        logits = self._mask_held_stops(logits)
         rows = [i for i, row in enumerate(self._rows)
                 if row.request.sampling.logits_processors or row.request.sampling.logit_bias
                 or row.request.sampling.structured_output is not None]

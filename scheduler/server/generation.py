@@ -110,6 +110,7 @@ def sampling_params(body: Body, index: int, default_max_tokens: int,
         "frequency_penalty": 0.0 if body.frequency_penalty is None else body.frequency_penalty,
         "stop_token_ids": tuple(body.stop_ids()),
         "ignore_eos": body.ignore_eos,
+        "min_tokens": body.min_tokens,
         "seed": seed,
         "logprobs": body.wants_logprobs(),
         "top_logprobs": body.alternatives(),
@@ -118,6 +119,8 @@ def sampling_params(body: Body, index: int, default_max_tokens: int,
         "structured_output": structured,
     }
     if body.prompt_only():  # the engine decodes the one token a finished prefill brings; the answer drops it
+        if body.min_tokens:
+            raise APIError(400, "min_tokens: must be at most max_tokens (0)", "min_tokens")
         fields["max_tokens"] = 1
     try:
         return SamplingParams(**fields)
@@ -127,7 +130,7 @@ def sampling_params(body: Body, index: int, default_max_tokens: int,
 
 async def choice_deltas(stream: RequestStream, tokenizer: Any, stop_strings: list[str],
                         wants_logprobs: bool, echo: str | None = None, prompt_only: bool = False,
-                        scores_prompt: bool = False) -> AsyncIterator[Delta]:
+                        scores_prompt: bool = False, min_tokens: int = 0) -> AsyncIterator[Delta]:
     """The deltas of one choice until it ends. Raises ChoiceFailed if the engine failed it. Closing the
     iterator early (the client went away) closes the stream, which aborts the request.
 
@@ -140,10 +143,14 @@ async def choice_deltas(stream: RequestStream, tokenizer: Any, stop_strings: lis
     token that output brings (the engine decodes one, `sampling_params`) is neither shown nor counted.
 
     `scores_prompt`: the choice's engine request computes its prompt's scores (`sampling_params`, the first
-    choice of a prompt that asked `prompt_logprobs`): after the echo, a delta of its own carries them."""
+    choice of a prompt that asked `prompt_logprobs`): after the echo, a delta of its own carries them.
+
+    `min_tokens`: the text of the first this many tokens is not matched against the stop strings (vLLM's rule; a
+    stop string that ends after it counts). The engine masks the stop tokens over the same tokens."""
     detok = IncrementalDetokenizer(tokenizer)
     stops = StopMatcher(stop_strings)
     with_stop_token = echo is not None
+    counted = 0  # output tokens so far
     try:
         async for out in stream:
             if out.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
@@ -163,21 +170,24 @@ async def choice_deltas(stream: RequestStream, tokenizer: Any, stop_strings: lis
             shown = tokens[:-1] if out.finish_reason is FinishReason.STOP and tokens else tokens
             logprobs = list(zip(tokens if with_stop_token else shown, out.logprobs)) if wants_logprobs else []
             top = list(out.top_logprobs[: len(logprobs)])
-            text = detok.add(shown)
+            within = min(len(shown), max(0, min_tokens - counted))  # of these, the tokens within min_tokens
+            counted += len(tokens)
+            early = stops.feed(detok.add(shown[:within]), checked=False).text if within else ""
+            text = detok.add(shown[within:])
             if out.finished:
                 text += detok.flush()
             matched = stops.feed(text)
             if matched.stopped:
                 stream.close()  # aborts the engine request
-                yield Delta(matched.text, tokens, logprobs, "stop", top)
+                yield Delta(early + matched.text, tokens, logprobs, "stop", top)
                 return
             if out.finished:
                 tail = stops.flush()  # held text, cut if it holds a stop string
                 reason = "length" if out.finish_reason is FinishReason.LENGTH and not tail.stopped else "stop"
-                yield Delta(matched.text + tail.text, tokens, logprobs, reason, top)
+                yield Delta(early + matched.text + tail.text, tokens, logprobs, reason, top)
                 return
-            if matched.text or logprobs:
-                yield Delta(matched.text, tokens, logprobs, top_logprobs=top)
+            if early or matched.text or logprobs:
+                yield Delta(early + matched.text, tokens, logprobs, top_logprobs=top)
             elif tokens:  # held back (a partial character or a possible stop string): still counted
                 yield Delta("", tokens)
     finally:

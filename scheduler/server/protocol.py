@@ -138,6 +138,8 @@ class _Sampling(_Strict):
     stop: Union[str, list[Union[str, StrictInt]], None] = None  # strings, or token ids
     stop_token_ids: list[StrictInt] | None = None  # vLLM's field
     ignore_eos: StrictBool = False  # vLLM's: the model's end-of-sequence tokens do not end the choice
+    # vLLM's: the stop tokens are masked and the stop strings not matched until a choice has this many tokens
+    min_tokens: StrictInt = 0
     seed: StrictInt | None = None
     n: StrictInt = 1
     stream: StrictBool = False

@@ -3,6 +3,11 @@
 Text that could be the start of a stop string is held back until the next piece shows whether it is one, so a
 client never receives text that a later match would have to retract, and the result does not depend on how the
 text was split into pieces (tokens). The held text is shorter than the longest stop string.
+
+Text can come unchecked (`feed(text, checked=False)`, the text of a request's first `min_tokens` tokens, as vLLM
+does): a stop string counts only where it ends in checked text. One that begins in unchecked text and ends in
+checked text counts, and cuts the output where it begins: the unchecked text that may begin a stop string is
+held back like any other.
 """
 
 from __future__ import annotations
@@ -27,19 +32,25 @@ class StopMatcher:
     def __init__(self, stops: Sequence[str]):
         self.stops = tuple(s for s in stops if s)
         self._held = ""
+        self._held_unchecked = 0  # how much of the held text, from its start, came unchecked
+        self._checking = False  # checked text came: unchecked text may not follow
         self.stopped = False
 
-    def feed(self, text: str) -> StopResult:
+    def feed(self, text: str, checked: bool = True) -> StopResult:
+        if not checked and self._checking:
+            raise ValueError("unchecked text after checked text: min_tokens' text comes first")
+        self._checking = self._checking or (checked and bool(text))
         if self.stopped:
             return StopResult("", True)
         if not self.stops:
             return StopResult(text, False)
         pending = self._held + text
-        match = self._earliest_match(pending)
+        unchecked = self._held_unchecked if checked else len(pending)
+        match = self._earliest_match(pending, unchecked)
         maybe = len(pending) - partial_suffix(pending, self.stops)  # where a stop string may still be beginning
         if match is not None and match <= maybe:
             return self._stop(pending[:match])
-        self._held = pending[maybe:]
+        self._held, self._held_unchecked = pending[maybe:], max(0, unchecked - maybe)
         return StopResult(pending[:maybe], False)
 
     def flush(self) -> StopResult:
@@ -47,7 +58,7 @@ class StopMatcher:
         held, self._held = self._held, ""
         if self.stopped:
             return StopResult("", True)
-        match = self._earliest_match(held)
+        match = self._earliest_match(held, self._held_unchecked)
         return self._stop(held[:match]) if match is not None else StopResult(held, False)
 
     def _stop(self, text: str) -> StopResult:
@@ -55,6 +66,7 @@ class StopMatcher:
         self._held = ""
         return StopResult(text, True)
 
-    def _earliest_match(self, text: str) -> int | None:
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+    def _earliest_match(self, text: str, unchecked: int) -> int | None:
+        """Where the earliest stop string that ends past `text[:unchecked]` begins; None if there is none."""
+        hits = [i for i in (text.find(s, max(0, unchecked - len(s) + 1)) for s in self.stops) if i >= 0]
         return min(hits) if hits else None

@@ -230,9 +230,11 @@ _PLAIN = {
     Reason.DRAFT_BUDGET: "the token budget left paid for fewer draft tokens (draft_tokens)",
     Reason.DRAFT_INELIGIBLE: ("it does not draft (logprobs, logits processors, a logit bias, a structured output, a "
                               "custom sampler, penalties or allow_drafts off)"),
+    Reason.DRAFT_MIN_TOKENS: "it does not draft until it has min_tokens tokens",
 }
 # what a running row's reason held back: its decode, or its drafts (every other reason holds back a wait)
-_HELD = {Reason.PREFILL_FIRST: "Paused", Reason.DRAFT_BUDGET: "Drafted less", Reason.DRAFT_INELIGIBLE: "No drafts"}
+_HELD = {Reason.PREFILL_FIRST: "Paused", Reason.DRAFT_BUDGET: "Drafted less", Reason.DRAFT_INELIGIBLE: "No drafts",
+         Reason.DRAFT_MIN_TOKENS: "No drafts"}
 
 
 def _ms(seconds: float | None) -> str:

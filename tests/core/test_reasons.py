@@ -191,6 +191,19 @@ def test_draft_budget_and_draft_ineligible():
     assert (Reason.DRAFT_INELIGIBLE, ()) in _explained(sink, "c")
 
 
+def test_a_row_within_its_min_tokens_does_not_draft_until_it_has_them():
+    """min_tokens masks the stop tokens of a row's first tokens, which a verify forward's later positions would
+    not see: the row is held back (draft_min_tokens) until it has them, then drafts like any other."""
+    sched, sink = _scheduler(EngineConfig(max_seqs=4, max_batched_tokens=32, prefill_chunk=16, draft_tokens=3))
+    bound = Request("m", [TOKEN] * 4, SamplingParams(max_tokens=1000, min_tokens=3))
+    plans = _run(sched, 6, [(0, _req("a", 4)), (0, bound)])
+    # tick 0 prefills both and samples their first tokens; m has 1, 2 tokens at ticks 1, 2: held back there
+    for tick in (1, 2):
+        assert plans[tick].draft == (("a", 3),) and _reasons_of(plans[tick]) == {"m": (Reason.DRAFT_MIN_TOKENS, ())}
+    assert ("m", 3) in plans[3].draft and "m" not in _reasons_of(plans[3])
+    assert (Reason.DRAFT_MIN_TOKENS, ()) in _explained(sink, "m")
+
+
 def test_the_prefill_cap_leaves_drafts_the_rest_of_the_tick():
     """max_prefill_tokens caps prefill only: a tick whose prefill takes the whole cap still verifies drafts
     with what max_batched_tokens has left, and the plan counts both."""

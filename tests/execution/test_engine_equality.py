@@ -178,3 +178,84 @@ def test_ignore_eos_runs_on_past_eos_as_mlx_lms_own_steps_do(text_eos_model, tex
         assert outputs[2 * n] == past_eos[i] and reasons[2 * n] is FinishReason.LENGTH
         assert outputs[2 * n + 1] == text_eos_reference[i] and reasons[2 * n + 1] is FinishReason.STOP
     assert any(set(past_eos[i][:-1]) & eos for i in stopped)  # eos came and was run past
+
+
+def _held_until(prompt_len: int, min_tokens: int, ids, vocab: int):
+    """An mlx-lm logits processor for what `min_tokens` promises: `ids` cannot be sampled until the output has
+    `min_tokens` tokens (mlx-lm's processors see prompt + output)."""
+    import mlx.core as mx
+    import numpy as np
+
+    held = np.zeros(vocab, dtype=bool)
+    held[list(ids)] = True
+    held = mx.array(held)
+
+    def mask(tokens, logits):
+        return mx.where(held, -mx.inf, logits) if tokens.size - prompt_len < min_tokens else logits
+    return mask
+
+
+def _held_solo(model, tokenizer, prompt, max_tokens, min_tokens, held, stops):
+    """mlx-lm's `generate_step` alone with `_held_until(held)`, cut after the first of `stops` past min_tokens."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    mask = _held_until(len(prompt), min_tokens, held, model.args.vocab_size)
+    out = []
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens, logits_processors=[mask]):
+        out.append(int(token))
+        if out[-1] in stops:
+            break
+    return out
+
+
+def test_min_tokens_masks_the_stop_tokens_until_then_as_an_mlx_lm_processor_does(text_eos_model, text_eos_reference):
+    """vLLM's `min_tokens`: until a request has that many tokens, eos (and its stop_token_ids) cannot be sampled,
+    so a greedy request that reached eos early takes the next best token instead and ends later. Batched with
+    the same prompts without it and with a bound they pass anyway, and with a drafting engine (a row drafts only
+    once its bound is reached), each output is what mlx-lm's own steps give with that mask as a logits
+    processor, token for token; no stop token comes within the bound."""
+    from scheduler import SamplingParams
+
+    model, tokenizer = text_eos_model
+    eos = set(tokenizer.eos_token_ids)
+    stopped = [i for i, want in enumerate(text_eos_reference) if len(want) < MAX_TOKENS - 4]
+    assert stopped
+    # a stop id of its own: the reference's first token, which the bound then also holds back
+    cases = []
+    for i in stopped:
+        n = len(text_eos_reference[i])
+        first = text_eos_reference[i][0]
+        cases += [(i, SamplingParams(max_tokens=MAX_TOKENS, min_tokens=n + 3), eos),
+                  (i, SamplingParams(max_tokens=MAX_TOKENS, min_tokens=n - 1), eos),
+                  (i, SamplingParams(max_tokens=MAX_TOKENS, min_tokens=n + 3, stop_token_ids=(first,)), eos | {first}),
+                  (i, SamplingParams(max_tokens=MAX_TOKENS, min_tokens=5, ignore_eos=True, stop_token_ids=(first,)),
+                   {first})]
+    want = [_held_solo(model, tokenizer, PROMPTS[i], MAX_TOKENS, sp.min_tokens, held, held) for i, sp, held in cases]
+    assert any(w != text_eos_reference[i][: len(w)] for w, (i, _, _) in zip(want, cases))  # the mask moved outputs
+    for config in (EngineConfig(check_invariants=True, max_seqs=64),
+                   EngineConfig(check_invariants=True, max_seqs=8, draft_tokens=3, max_batched_tokens=96,
+                                prefill_chunk=32)):
+        engine, log = engine_with_log(model, tokenizer, config)
+        run = drive(engine, [(0, {"prompt_tokens": PROMPTS[i], "sampling": sp}) for i, sp, _ in cases])
+        outputs = list(run.tokens.values())
+        for (i, sp, held), got, wanted in zip(cases, outputs, want):
+            assert got == wanted, (i, sp.min_tokens)
+            assert not set(got[: sp.min_tokens]) & held
+        if config.draft_tokens:
+            plans = log.of_kind("plan")
+            held_back = {rid for p in plans for rid, reason, _ in p.get("reasons", ()) if reason == "draft_min_tokens"}
+            drafted = {rid for p in plans for rid, _ in p["draft"]}
+            assert held_back & drafted  # rows held back while within their bound drafted after it
+
+
+def test_min_tokens_is_checked_against_max_tokens_and_structured_outputs():
+    from scheduler import InvalidRequest, SamplingParams
+    from scheduler.request import StructuredOutput
+
+    assert SamplingParams(max_tokens=4, min_tokens=4).min_tokens == 4
+    for bad in (-1, 5, 1.5, True):
+        with pytest.raises(InvalidRequest, match="^min_tokens"):
+            SamplingParams(max_tokens=4, min_tokens=bad)
+    with pytest.raises(InvalidRequest, match="^min_tokens: cannot be combined with a structured output"):
+        SamplingParams(max_tokens=4, min_tokens=1, structured_output=StructuredOutput.regex("a+"))

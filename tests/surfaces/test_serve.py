@@ -311,6 +311,52 @@ def test_stop_strings_stop_ids_n_seed_and_logprobs(server, reference):
     assert penalised.choices[0].message.content == engine.tokenizer.decode(want_ids) != ref_text
 
 
+def _cut_after(full: str, unchecked: int, stop: str) -> int | None:
+    """Where the output ends for a stop string that counts only where it ends past `full[:unchecked]`."""
+    i = full.find(stop, max(0, unchecked - len(stop) + 1))
+    return None if i < 0 else i
+
+
+def test_min_tokens_holds_stop_strings_and_stop_tokens_back_until_then(server, reference):
+    """vLLM's `min_tokens` through the server: a stop string within the text of the first min_tokens tokens is
+    not matched, one that begins there and ends after it is (the text is cut where it begins), streamed or not;
+    a stop token id among those tokens is masked, so the choice runs on as the engine's own min_tokens run does.
+    min_tokens above max_tokens, or with an output format, is refused by field (`_bad_inputs`)."""
+    messages = [{"role": "user", "content": "Tell me about the river and a garden"}]
+    engine, m = reference[0], 8
+    out = engine.generate([messages], [SamplingParams(max_tokens=24, min_tokens=m)])[0]
+    shown = out.token_ids[:-1] if out.finish_reason is FinishReason.STOP else out.token_ids
+    full, unchecked = engine.tokenizer.decode(shown), len(engine.tokenizer.decode(out.token_ids[:m]))
+    assert full.startswith(engine.tokenizer.decode(out.token_ids[:m])) and 5 <= unchecked < len(full) - 2
+    early, straddling = full[2:5], full[unchecked - 2: unchecked + 2]
+    stop_id = out.token_ids[3]
+    by_id = engine.generate([messages], [SamplingParams(max_tokens=24, min_tokens=m, stop_token_ids=(stop_id,))])[0]
+
+    async def run():
+        async with server.client() as client:
+            chat = client.chat.completions
+            held = {"extra_body": {"min_tokens": m}}
+            answers = [await chat.create(model=MODEL_NAME, messages=messages, max_tokens=24, temperature=0,
+                                         stop=[stop], **held) for stop in (early, straddling)]
+            streamed = await _stream_chat(client, messages, max_tokens=24, temperature=0, stop=straddling, **held)
+            ids = await chat.create(model=MODEL_NAME, messages=messages, max_tokens=24, temperature=0,
+                                    extra_body={"stop": [stop_id], "min_tokens": m})
+            return answers, streamed, ids
+
+    answers, streamed, ids = asyncio.run(run())
+    for stop, answer in zip((early, straddling), answers):
+        cut = _cut_after(full, unchecked, stop)
+        assert cut != full.find(stop) or stop == straddling  # the early one would have cut without min_tokens
+        want = (full, out.finish_reason.value) if cut is None else (full[:cut], "stop")
+        assert (answer.choices[0].message.content, answer.choices[0].finish_reason) == want, stop
+    assert _cut_after(full, unchecked, straddling) <= unchecked - 2  # it began within the unchecked text
+    assert streamed[:2] == (answers[1].choices[0].message.content, "stop")
+    # the stop id was masked among the first m tokens, so the choice is the engine's masked run
+    by_id_shown = by_id.token_ids[:-1] if by_id.finish_reason is FinishReason.STOP else by_id.token_ids
+    assert ids.choices[0].message.content == engine.tokenizer.decode(by_id_shown)
+    assert ids.usage.completion_tokens == len(by_id.token_ids) > m and stop_id not in by_id.token_ids[:m]
+
+
 def test_a_list_of_prompts_gets_n_choices_each_in_openais_order(server, reference):
     """/v1/completions with several prompts (token-id lists, and texts): choice p * n + j is prompt p's j-th, each
     equal to the engine's output for that prompt alone, streamed or not; usage counts each prompt once. A bad
@@ -563,6 +609,10 @@ def _bad_inputs(tmp_path: Path, media_server: MediaServer) -> list[tuple[str, by
         (chat, {"messages": ok, "n": 0}, 400, "n"),
         (chat, {"messages": ok, "seed": -1}, 400, "seed"),
         (chat, {"messages": ok, "stop": [99999]}, 400, "stop"),
+        (chat, {"messages": ok, "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
+        (chat, {"messages": ok, "min_tokens": -1}, 400, "min_tokens"),
+        (cmpl, {"prompt": "hi", "max_tokens": 0, "min_tokens": 1}, 400, "min_tokens"),
+        (chat, {"messages": ok, "min_tokens": 1, "response_format": {"type": "json_object"}}, 400, "min_tokens"),
         (chat, {"messages": ok, "top_logprobs": 2}, 400, "top_logprobs"),  # needs logprobs: true
         (chat, {"messages": ok, "top_logprobs": 21, "logprobs": True}, 400, "top_logprobs"),
         (chat, b'{"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": Infinity}', 400,

@@ -43,6 +43,38 @@ def test_stop_strings_cut_at_the_earliest_match_whatever_the_pieces(text, stops,
         assert not stopped and got == text
 
 
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet="abc ", max_size=40), stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=4),
+                                                                  min_size=1, max_size=3),
+       cuts=st.lists(st.integers(0, 40), max_size=8), unchecked=st.integers(0, 40))
+def test_unchecked_text_holds_no_stop_string_and_one_ending_after_it_counts(text, stops, cuts, unchecked):
+    """`min_tokens`' text comes unchecked: the output ends before the earliest stop string that ends past it
+    (vLLM's rule), however both parts are split into pieces."""
+    unchecked = min(unchecked, len(text))
+    bounds = sorted({0, unchecked, len(text), *(c for c in cuts if c <= len(text))})
+    matcher, out, stopped = StopMatcher(stops), [], False
+    for a, b in zip(bounds, bounds[1:]):
+        result = matcher.feed(text[a:b], checked=a >= unchecked)
+        out.append(result.text)
+        if result.stopped:
+            stopped = True
+            break
+    if not stopped:
+        tail = matcher.flush()
+        out.append(tail.text)
+        stopped = tail.stopped
+    hits = [i for i in (text.find(s, max(0, unchecked - len(s) + 1)) for s in stops) if i >= 0]
+    assert ("".join(out), stopped) == ((text[: min(hits)], True) if hits else (text, False))
+
+
+def test_a_stop_string_begun_in_unchecked_text_cuts_where_it_begins():
+    matcher = StopMatcher(["STOP"])
+    assert matcher.feed("a STOP b ST", checked=False).text == "a STOP b "  # the first is within min_tokens
+    assert matcher.feed("OP c") == StopResult("", True)  # this one ends after: it counts from where it began
+    with pytest.raises(ValueError, match="unchecked text after checked text"):
+        matcher.feed("x", checked=False)
+
+
 def test_a_partial_stop_string_is_held_back_then_released():
     matcher = StopMatcher(["STOP"])
     assert matcher.feed("hello ST").text == "hello "  # "ST" could begin STOP

@@ -180,14 +180,15 @@ def test_an_older_trace_with_an_arrival_failed_at_once_replays_that_failure(vlm,
 
 @pytest.fixture(scope="module")
 def drafting_trace(text_model, tmp_path_factory):
-    """Drafting on (prompt lookup); r1 and r3 have logits processors, r5 asks for logprobs: they never draft."""
+    """Drafting on (prompt lookup); r1 and r3 have logits processors, r5 asks for logprobs: they never draft. r6
+    drafts once it has its min_tokens."""
     model, tokenizer = text_model
     path = tmp_path_factory.mktemp("draft") / "drafting.jsonl"
     engine = Engine(model, tokenizer, EngineConfig(max_batched_tokens=64, max_seqs=4, prefill_chunk=16,
                                                    draft_tokens=3, trace_path=str(path)))
-    for i in range(6):
+    for i in range(7):
         sampling = SamplingParams(max_tokens=10, logits_processors=(_keep,) if i in (1, 3) else (),
-                                  logprobs=i == 5)
+                                  logprobs=i == 5, min_tokens=6 if i == 6 else 0)
         engine.add_request(prompt_tokens=PHRASE[i:] * 4 + PHRASE[:i], sampling=sampling, request_id=f"r{i}")
     while engine.has_pending():
         engine.step()
@@ -198,9 +199,9 @@ def drafting_trace(text_model, tmp_path_factory):
 def test_draft_eligibility_is_recorded_per_arrival(drafting_trace):
     events = read_jsonl(drafting_trace)
     eligible = {e["request_id"]: e["draft_eligible"] for e in events if e["event"] == "arrival"}
-    assert eligible == {"r0": True, "r1": False, "r2": True, "r3": False, "r4": True, "r5": False}
+    assert eligible == {"r0": True, "r1": False, "r2": True, "r3": False, "r4": True, "r5": False, "r6": True}
     granted = {rid for e in events if e["event"] == "plan" for rid, _ in e["draft"]}
-    assert granted == {"r0", "r2", "r4"}
+    assert granted == {"r0", "r2", "r4", "r6"}
 
 
 def test_rows_with_processors_do_not_draft_in_replay_either(drafting_trace, tmp_path):
@@ -215,6 +216,25 @@ def test_rows_with_processors_do_not_draft_in_replay_either(drafting_trace, tmp_
     assert not edited.identical and edited.divergence.tick == first
     assert "draft" in edited.divergence.differing_fields
     assert any(rid == "r1" for rid, _ in edited.divergence.replayed["draft"])
+
+
+def test_min_tokens_holds_drafts_back_in_replay_too(drafting_trace, tmp_path):
+    """r6 (min_tokens 6) is held back from drafting (reason draft_min_tokens) until its sixth token, then drafts.
+    The bound is a recorded sampling field: with it edited away, replay grants r6 drafts at the first tick it
+    was held back."""
+    events = read_jsonl(drafting_trace)
+    plans = [e for e in events if e["event"] == "plan"]
+    held = [p["tick"] for p in plans for rid, reason, _ in p.get("reasons", ())
+            if (rid, reason) == ("r6", "draft_min_tokens")]
+    drafted = [p["tick"] for p in plans for rid, _ in p["draft"] if rid == "r6"]
+    assert held and drafted and max(held) < min(drafted)
+    sampled = sum(1 for e in events if e["event"] == "outcome" and e["tick"] < min(drafted)
+                  for rid in e.get("sampled", {}) if rid == "r6")
+    assert sampled >= 6  # (a draft-free row gets one token a tick)
+    next(e for e in events if e["event"] == "arrival" and e["request_id"] == "r6")["sampling"]["min_tokens"] = 0
+    edited = replay(load_trace(_write(tmp_path / "r6-unbound.jsonl", events)))
+    assert not edited.identical and edited.divergence.tick == min(held)
+    assert any(rid == "r6" for rid, _ in edited.divergence.replayed["draft"])
 
 
 # ---- 6: policy and its parameters ---------------------------------------------------------------------------
