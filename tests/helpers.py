@@ -31,6 +31,21 @@ def solo_tokens(model, tokenizer, prompt: list[int], max_tokens: int, **kwargs) 
     return [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs)]
 
 
+def min_tokens_mask(prompt_len: int, min_tokens: int, ids, vocab: int):
+    """An mlx-lm logits processor for what `SamplingParams.min_tokens` promises: `ids` cannot be sampled until the
+    output has `min_tokens` tokens (mlx-lm's processors see prompt + output)."""
+    import mlx.core as mx  # here, not at the top: the core tests import this module without MLX
+    import numpy as np
+
+    held = np.zeros(vocab, dtype=bool)
+    held[list(ids)] = True
+    held = mx.array(held)
+
+    def mask(tokens, logits):
+        return mx.where(held, -mx.inf, logits) if tokens.size - prompt_len < min_tokens else logits
+    return mask
+
+
 @dataclass
 class Run:
     tokens: dict[str, list[int]] = field(default_factory=dict)

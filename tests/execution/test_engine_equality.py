@@ -6,7 +6,7 @@ import pytest
 
 from scheduler import Engine, EngineConfig, FinishReason
 
-from ..helpers import drive, engine_with_log, greedy, mixed_prompts, solo_tokens
+from ..helpers import drive, engine_with_log, greedy, min_tokens_mask, mixed_prompts, solo_tokens
 
 MAX_TOKENS = 20
 PROMPTS = mixed_prompts(16, 1, 300, seed=1)
@@ -180,27 +180,12 @@ def test_ignore_eos_runs_on_past_eos_as_mlx_lms_own_steps_do(text_eos_model, tex
     assert any(set(past_eos[i][:-1]) & eos for i in stopped)  # eos came and was run past
 
 
-def _held_until(prompt_len: int, min_tokens: int, ids, vocab: int):
-    """An mlx-lm logits processor for what `min_tokens` promises: `ids` cannot be sampled until the output has
-    `min_tokens` tokens (mlx-lm's processors see prompt + output)."""
-    import mlx.core as mx
-    import numpy as np
-
-    held = np.zeros(vocab, dtype=bool)
-    held[list(ids)] = True
-    held = mx.array(held)
-
-    def mask(tokens, logits):
-        return mx.where(held, -mx.inf, logits) if tokens.size - prompt_len < min_tokens else logits
-    return mask
-
-
 def _held_solo(model, tokenizer, prompt, max_tokens, min_tokens, held, stops):
     """mlx-lm's `generate_step` alone with `_held_until(held)`, cut after the first of `stops` past min_tokens."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    mask = _held_until(len(prompt), min_tokens, held, model.args.vocab_size)
+    mask = min_tokens_mask(len(prompt), min_tokens, held, model.args.vocab_size)
     out = []
     for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens, logits_processors=[mask]):
         out.append(int(token))

@@ -22,13 +22,13 @@ from scheduler.events import MemorySink, _jsonable
 from scheduler.execution import library
 from scheduler.tools.replay import load_trace, replay
 
-from ..helpers import solo_tokens
+from ..helpers import min_tokens_mask, solo_tokens
 
 SHARED = [random.Random(1).randrange(7, 512) for _ in range(40)]
 # references by (model, ...): the text and hybrid machines draw the same prompts, and their models differ
 _SOLO: dict[tuple, list] = {}
 SMALL_PREFIX_BUDGET = 150_000  # about two stored prompts of the tiny model: every few stores evict
-SEEN = {"prefix_evictions": 0, "processor_failures": 0, "scored": 0}  # over all examples: the mix was exercised
+SEEN = {"prefix_evictions": 0, "processor_failures": 0, "scored": 0, "min_tokens": 0}  # over all examples: the mix was exercised
 
 
 def _keep(tokens, logits):
@@ -56,10 +56,13 @@ def _scored(model, prompt):
     return _SOLO[key]
 
 
-def _solo(model, tokenizer, prompt, n):
-    key = (id(model), tuple(prompt), n)
+def _solo(model, tokenizer, prompt, n, min_tokens=0):
+    """mlx-lm alone; with min_tokens, eos masked out of the first min_tokens tokens by a processor."""
+    key = (id(model), tuple(prompt), n, min_tokens)
     if key not in _SOLO:
-        _SOLO[key] = solo_tokens(model, tokenizer, prompt, n)
+        vocab = model.args.vocab_size
+        held = [min_tokens_mask(len(prompt), min_tokens, tokenizer.eos_token_ids, vocab)] if min_tokens else None
+        _SOLO[key] = solo_tokens(model, tokenizer, prompt, n, logits_processors=held)
     return _SOLO[key]
 
 
@@ -90,17 +93,18 @@ def _engine_machine(model, tokenizer, kv_budgets, drafts):
 
         @rule(length=st.integers(1, 90), shared=st.booleans(), n=st.integers(1, 12),
               sampled=st.booleans(), seed=st.integers(0, 100),
-              processor=st.sampled_from([None, None, "keep", "raise"]), scored=st.sampled_from([None, None, 0, 2]))
-        def add(self, length, shared, n, sampled, seed, processor, scored):
+              processor=st.sampled_from([None, None, "keep", "raise"]), scored=st.sampled_from([None, None, 0, 2]),
+              held=st.sampled_from([0, 0, 3]))
+        def add(self, length, shared, n, sampled, seed, processor, scored, held):
             rng = random.Random(seed)
             body = [rng.randrange(7, 512) for _ in range(length)]
             prompt = (SHARED + body) if shared else body
             processors = {None: (), "keep": (_keep,), "raise": (_raise_after(len(prompt), 2),)}[processor]
             sampling = SamplingParams(max_tokens=n, temperature=0.8 if sampled else 0.0, seed=seed,
-                                      logits_processors=processors, prompt_logprobs=scored)
+                                      logits_processors=processors, prompt_logprobs=scored, min_tokens=min(held, n))
             rid = self.engine.add_request(prompt_tokens=prompt, sampling=sampling)
             self.scored[rid], self.prompt_logprobs[rid] = scored, []
-            self.specs[rid] = (prompt, n, sampled)
+            self.specs[rid] = (prompt, n, sampled, sampling.min_tokens)
             self.raising[rid] = processor == "raise" and n > 2  # it reaches its third token: the raise
             self.tokens[rid] = []
 
@@ -148,7 +152,7 @@ def _engine_machine(model, tokenizer, kv_budgets, drafts):
             while self.engine.has_pending():
                 self._step()
             assert set(self.ended) == set(self.specs), "every request ended exactly once"
-            for rid, (prompt, n, sampled) in self.specs.items():
+            for rid, (prompt, n, sampled, min_tokens) in self.specs.items():
                 # prompt logprobs: once, with the first token (preempted and recomputed or not), the prompt's own
                 delivered = self.prompt_logprobs[rid]
                 if self.scored[rid] is None or not self.tokens[rid]:
@@ -170,7 +174,10 @@ def _engine_machine(model, tokenizer, kv_budgets, drafts):
                     continue
                 assert reason in (FinishReason.STOP, FinishReason.LENGTH), (rid, reason, self.errors[rid])
                 if not sampled:
-                    assert self.tokens[rid] == _solo(model, tokenizer, prompt, n), rid
+                    assert self.tokens[rid] == _solo(model, tokenizer, prompt, n, min_tokens), rid
+                if reason is FinishReason.STOP:
+                    assert len(self.tokens[rid]) > min_tokens, rid
+                SEEN["min_tokens"] += bool(min_tokens)
             assert self.engine.executor.cache_bytes() == 0
             assert not self.engine.executor.live_request_ids()
             cache = self.engine.scheduler.prefix_cache
@@ -214,7 +221,7 @@ def test_random_interleavings_keep_every_guarantee(machine_class):
                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
     machine_class.TestCase.settings = settings_
     machine_class.TestCase().runTest()
-    assert SEEN["prefix_evictions"] > 0 and SEEN["processor_failures"] > 0 and SEEN["scored"] > 0, SEEN
+    assert all(SEEN.values()), SEEN
 
 
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen3_vl"])

@@ -100,14 +100,14 @@ def test_explain_cli_tells_the_slowest(trace_path, capsys):
 @pytest.fixture(scope="module")
 def row_trace_path(text_model, tmp_path_factory):
     """prefill-first with drafting: running rows pause for prefill, draft less than draft_tokens when the
-    budget is short, and a row with a penalty never drafts."""
+    budget is short, a row with a penalty never drafts, and one with min_tokens drafts only past them."""
     model, tokenizer = text_model
     path = tmp_path_factory.mktemp("row-reasons") / "run.jsonl"
     engine = Engine(model, tokenizer, EngineConfig(max_batched_tokens=8, max_seqs=3, prefill_chunk=8,
                                                    draft_tokens=2, mix="prefill-first", trace_path=str(path)))
     prompts = mixed_prompts(5, 4, 20, seed=9)
     for i, p in enumerate(prompts):
-        sampling = SamplingParams(max_tokens=8, presence_penalty=0.5 if i == 1 else 0.0)
+        sampling = SamplingParams(max_tokens=8, presence_penalty=0.5 if i == 1 else 0.0, min_tokens=4 if i == 3 else 0)
         engine.add_request(prompt_tokens=p, sampling=sampling, request_id=f"r{i}")
         for _ in range(3):
             engine.step()
