@@ -440,6 +440,10 @@ class Engine:
         bad_bias = [t for t, _ in sampling.logit_bias if t >= self.vocab_size]
         if bad_bias:
             raise InvalidRequest("logit_bias", f"ids outside the vocabulary [0, {self.vocab_size}): {bad_bias}")
+        bad_allowed = [t for t in sampling.allowed_token_ids or () if t >= self.vocab_size]
+        if bad_allowed:
+            raise InvalidRequest("allowed_token_ids",
+                                 f"ids outside the vocabulary [0, {self.vocab_size}): {bad_allowed[:5]}")
         if sampling.structured_output is not None:
             self.grammars.compile(sampling.structured_output)  # InvalidRequest where it does not compile
         if not isinstance(priority, int) or isinstance(priority, bool):

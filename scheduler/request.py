@@ -198,6 +198,10 @@ class SamplingParams:
     # a constraint on the output (JSON schema, regex, choice, grammar): tokens it rules out are masked before
     # sampling, after the logit bias and any processors; the row never drafts. None: unconstrained.
     structured_output: StructuredOutput | None = None
+    # vLLM's: the only tokens this request may sample (every other is masked, after the logit bias and any
+    # processors; list an end-of-sequence token for the request to be able to end on it); the row never drafts.
+    # None: all. Kept sorted; ids are checked against the vocabulary on arrival.
+    allowed_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         # InvalidRequest is a ValueError whose message starts with the field name.
@@ -244,6 +248,14 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         _check(self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
                "structured_output", f"must be None or a StructuredOutput, got {type(self.structured_output).__name__}")
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            _check(isinstance(allowed, (tuple, list)) and allowed and all(_is_int(t) and t >= 0 for t in allowed)
+                   and len(set(allowed)) == len(allowed), "allowed_token_ids",
+                   f"must be None or a non-empty sequence of distinct token ids (integers >= 0), got {allowed!r}")
+            object.__setattr__(self, "allowed_token_ids", tuple(sorted(allowed)))
+            _check(self.structured_output is None, "allowed_token_ids",
+                   "cannot be combined with a structured output (the constraint decides the tokens)")
         # a finished grammar allows only the end of the output, which min_tokens would mask: nothing left to sample
         _check(not (self.min_tokens and self.structured_output is not None), "min_tokens",
                "cannot be combined with a structured output (the constraint decides where the output ends)")
@@ -267,6 +279,8 @@ class SamplingParams:
             record["logit_bias"] = [list(pair) for pair in self.logit_bias]
         if self.structured_output is not None:
             record["structured_output"] = self.structured_output.to_record()
+        if self.allowed_token_ids is not None:
+            record["allowed_token_ids"] = list(self.allowed_token_ids)
         return record
 
     @classmethod
@@ -275,7 +289,8 @@ class SamplingParams:
         return cls(**{f: record[f] for f in _RECORDED_SAMPLING_FIELDS if f in record},
                    stop_token_ids=tuple(record["stop_token_ids"]), logit_bias=record.get("logit_bias", ()),
                    structured_output=None if record.get("structured_output") is None
-                   else StructuredOutput.from_record(record["structured_output"]))
+                   else StructuredOutput.from_record(record["structured_output"]),
+                   allowed_token_ids=record.get("allowed_token_ids"))
 
 
 def _bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:
@@ -357,9 +372,9 @@ class Request:
     state_entered_time: float = 0.0
     state: RequestState = RequestState.QUEUED
     # May this row propose draft tokens? Not when its next tokens depend on per-position Python or history the
-    # verifier does not replay (logits processors, logit bias, a structured output, a custom sampler, penalties,
-    # per-token logprobs), nor when it opted out (allow_drafts). A decision fact, recorded in the trace (processors
-    # are code and cannot be), so replay rebuilds it; None: derived from `sampling`.
+    # verifier does not replay (logits processors, logit bias, a structured output, allowed token ids, a custom
+    # sampler, penalties, per-token logprobs), nor when it opted out (allow_drafts). A decision fact, recorded in
+    # the trace (processors are code and cannot be), so replay rebuilds it; None: derived from `sampling`.
     draft_eligible: bool | None = None
 
     def __post_init__(self) -> None:
@@ -367,7 +382,7 @@ class Request:
             s = self.sampling
             self.draft_eligible = s.allow_drafts and not (
                 s.logits_processors or s.sampler is not None or s.logprobs or s.has_penalty or s.logit_bias
-                or s.structured_output is not None)
+                or s.structured_output is not None or s.allowed_token_ids is not None)
 
     @classmethod
     def from_new_request(cls, new: "NewRequest") -> "Request":

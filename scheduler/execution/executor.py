@@ -37,7 +37,7 @@ from kernels.speculative import (
 
 from scheduler.plan import (DECODE_FAILED, PREFILL_FAILED, PREFILL_PAD_RATIO, PrefillFallback, PrefixStore,
                             PromptLogprobs, TickPlan, TickResult)
-from scheduler.request import Request
+from scheduler.request import Request, SamplingParams
 from scheduler.execution.draft_gate import DraftGate
 from scheduler.execution.drafters import Draft, DraftRequest
 from scheduler.execution.runners import Runner, TextRunner
@@ -199,6 +199,13 @@ class _Feed:
     checkpoint: bool = False
 
 
+def _masks_logits(sampling: SamplingParams) -> bool:
+    """Whether a row's logits pass through `_apply_processors` beyond the min_tokens mask: a logit bias, logits
+    processors, allowed token ids or a structured output (each changes position 0's logits only)."""
+    return bool(sampling.logits_processors or sampling.logit_bias or sampling.allowed_token_ids is not None
+                or sampling.structured_output is not None)
+
+
 def _row_sampling(request: Request) -> RowSampling:
     s = request.sampling
     return RowSampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
@@ -272,6 +279,7 @@ class MLXExecutor:
         # structured outputs: the engine's compiler, and each constrained row's matcher (built on its first token)
         self.grammars = grammars
         self._grammar_rows: dict[str, GrammarProcessor] = {}
+        self._allowed_masks: dict[str, np.ndarray] = {}  # request id -> its allowed_token_ids as a (V,) mask
         # the model's end-of-sequence tokens: what `min_tokens` masks (with the request's stop_token_ids) until a
         # row has that many tokens, unless it ignores eos
         self.model_stop_ids = tuple(sorted(set(model_stop_ids)))
@@ -292,6 +300,7 @@ class MLXExecutor:
             self._no_draft.discard(rid)
             self._requests.pop(rid, None)
             self._grammar_rows.pop(rid, None)
+            self._allowed_masks.pop(rid, None)
             if rid in self._row_index:
                 self._released.add(rid)
         self._drop_released()
@@ -673,9 +682,7 @@ class MLXExecutor:
             # a verify tick's bare argmax per row at every position: greedy, no penalty, no logprobs, and nothing
             # that changes position 0's logits only (processors, biases, grammars)
             self._argmax_only = (drawable and self._params.all_greedy and not self._params.any_penalty
-                                 and not any(row.request.sampling.logits_processors or row.request.sampling.logit_bias
-                                             or row.request.sampling.logprobs
-                                             or row.request.sampling.structured_output is not None
+                                 and not any(row.request.sampling.logprobs or _masks_logits(row.request.sampling)
                                              for row in self._rows))
         return self._params
 
@@ -996,8 +1003,8 @@ class MLXExecutor:
         return logits.at[mx.array(rows), mx.array(ids)].minimum(mx.array(-mx.inf, dtype=logits.dtype))
 
     def _apply_processors(self, logits: mx.array, result: TickResult) -> mx.array:
-        """The `min_tokens` mask (`_mask_held_stops`), then logit bias, then user logits processors, then a
-        structured output's mask, per row (processors are arbitrary Python); rows without them are untouched. The
+        """The `min_tokens` mask (`_mask_held_stops`), then logit bias, then user logits processors, then the mask
+        of allowed token ids or a structured output's, per row (processors are arbitrary Python); rows without them are untouched. The
         bias is mlx-lm's `logit_bias` processor (`logits.at[:, ids].add(biases)`), first as in its
         `make_logits_processors`; the mask is a `GrammarProcessor`, the processor a solo mlx-lm run is given for
         the same constraint.
@@ -1007,9 +1014,7 @@ class MLXExecutor:
         samples from the unprocessed logits and is dropped.
         """
         logits = self._mask_held_stops(logits)
-        rows = [i for i, row in enumerate(self._rows)
-                if row.request.sampling.logits_processors or row.request.sampling.logit_bias
-                or row.request.sampling.structured_output is not None]
+        rows = [i for i, row in enumerate(self._rows) if _masks_logits(row.request.sampling)]
         if not rows:
             return logits
         parts, changed = list(logits), False
@@ -1033,6 +1038,8 @@ class MLXExecutor:
                     result.errors[request.request_id] = f"logits processor failed: {type(exc).__name__}: {exc}"
                     parts[i] = logits[i]
                     continue
+            if request.sampling.allowed_token_ids is not None:
+                masks[i] = self._allowed_mask(request, logits.shape[-1])
             if request.sampling.structured_output is not None:
                 try:  # (a matcher reads only what was generated: it is fed the outputs, whatever the history)
                     allowed = self._grammar_row(request).allowed(request.output_tokens, logits.shape[-1])
@@ -1043,12 +1050,21 @@ class MLXExecutor:
                 if allowed is not None:
                     masks[i] = allowed
         out = mx.stack(parts) if changed else logits
-        if masks:  # GrammarProcessor.__call__'s where, for every constrained row at once
+        if masks:  # GrammarProcessor.__call__'s where, for every constrained row at once (and allowed ids')
             allowed = np.ones(logits.shape, dtype=bool)
             for i, row_allowed in masks.items():
                 allowed[i] = row_allowed
             out = mx.where(mx.array(allowed), out, mx.array(-mx.inf, dtype=out.dtype))
         return out
+
+    def _allowed_mask(self, request: Request, vocab: int) -> np.ndarray:
+        """The (V,) mask of the tokens a request with `allowed_token_ids` may sample, made once per request."""
+        mask = self._allowed_masks.get(request.request_id)
+        if mask is None:
+            mask = np.zeros(vocab, dtype=bool)
+            mask[list(request.sampling.allowed_token_ids)] = True
+            self._allowed_masks[request.request_id] = mask
+        return mask
 
     def _grammar_row(self, request: Request) -> GrammarProcessor:
         """The row's matcher, built on its first constrained token; fed the row's outputs (after a preemption,

@@ -140,6 +140,7 @@ class _Sampling(_Strict):
     ignore_eos: StrictBool = False  # vLLM's: the model's end-of-sequence tokens do not end the choice
     # vLLM's: the stop tokens are masked and the stop strings not matched until a choice has this many tokens
     min_tokens: StrictInt = 0
+    allowed_token_ids: list[StrictInt] | None = None  # vLLM's: the only tokens a choice may sample
     seed: StrictInt | None = None
     n: StrictInt = 1
     stream: StrictBool = False

@@ -234,7 +234,7 @@ def test_min_tokens_masks_the_stop_tokens_until_then_as_an_mlx_lm_processor_does
             assert held_back & drafted  # rows held back while within their bound drafted after it
 
 
-def test_min_tokens_is_checked_against_max_tokens_and_structured_outputs():
+def test_min_tokens_and_allowed_token_ids_are_checked_and_recorded():
     from scheduler import InvalidRequest, SamplingParams
     from scheduler.request import StructuredOutput
 
@@ -244,3 +244,64 @@ def test_min_tokens_is_checked_against_max_tokens_and_structured_outputs():
             SamplingParams(max_tokens=4, min_tokens=bad)
     with pytest.raises(InvalidRequest, match="^min_tokens: cannot be combined with a structured output"):
         SamplingParams(max_tokens=4, min_tokens=1, structured_output=StructuredOutput.regex("a+"))
+    assert SamplingParams(allowed_token_ids=[9, 3]).allowed_token_ids == (3, 9)
+    for bad in ([], [3, 3], [-1], [1.5], 7):
+        with pytest.raises(InvalidRequest, match="^allowed_token_ids"):
+            SamplingParams(allowed_token_ids=bad)
+    with pytest.raises(InvalidRequest, match="^allowed_token_ids: cannot be combined with a structured output"):
+        SamplingParams(allowed_token_ids=[3], structured_output=StructuredOutput.regex("a+"))
+    record = SamplingParams(allowed_token_ids=[9, 3], min_tokens=2).to_record()
+    assert SamplingParams.from_record(record) == SamplingParams(allowed_token_ids=[3, 9], min_tokens=2)
+
+
+def test_allowed_token_ids_restrict_sampling_as_an_mlx_lm_mask_processor_does(text_eos_model, text_eos_reference):
+    """vLLM's `allowed_token_ids`: a greedy request samples only among them (here the tokens its solo output
+    ranks second best, and eos for half of them), token for token what mlx-lm's steps give with the rest masked
+    by a processor, batched with requests without them and on a drafting engine, where the restricted rows never
+    draft (the others do)."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.generate import generate_step
+
+    from scheduler import SamplingParams
+
+    model, tokenizer = text_eos_model
+    vocab, eos = model.args.vocab_size, sorted(tokenizer.eos_token_ids)
+    rng = np.random.default_rng(3)
+    cases = []
+    for i in range(6):
+        allowed = sorted(set(rng.choice(vocab, 40, replace=False).tolist()) | (set(eos) if i % 2 else set()))
+        cases.append((i, SamplingParams(max_tokens=MAX_TOKENS, allowed_token_ids=allowed)))
+        cases.append((i + 6, SamplingParams(max_tokens=MAX_TOKENS)))
+
+    def masked(prompt, allowed):
+        keep = np.zeros(vocab, dtype=bool)
+        keep[list(allowed)] = True
+        keep = mx.array(keep)
+        out = []
+        for token, _ in generate_step(mx.array(prompt), model, max_tokens=MAX_TOKENS,
+                                      logits_processors=[lambda _, logits: mx.where(keep, logits, -mx.inf)]):
+            out.append(int(token))
+            if out[-1] in eos:
+                break
+        return out
+
+    want = [masked(PROMPTS[i], sp.allowed_token_ids) if sp.allowed_token_ids else text_eos_reference[i]
+            for i, sp in cases]
+    for config in (EngineConfig(check_invariants=True, max_seqs=16),
+                   EngineConfig(check_invariants=True, max_seqs=12, draft_tokens=3, max_batched_tokens=96,
+                                prefill_chunk=32)):
+        engine, log = engine_with_log(model, tokenizer, config)
+        run = drive(engine, [(0, {"prompt_tokens": PROMPTS[i], "sampling": sp}) for i, sp in cases])
+        outputs = list(run.tokens.values())
+        assert outputs == want
+        for (_, sp), got in zip(cases, outputs):
+            if sp.allowed_token_ids:
+                assert set(got) <= set(sp.allowed_token_ids)
+        if config.draft_tokens:
+            ids = list(run.tokens)
+            drafted = {rid for p in log.of_kind("plan") for rid, _ in p["draft"]}
+            restricted = {ids[n] for n, (_, sp) in enumerate(cases) if sp.allowed_token_ids}
+            assert drafted and not drafted & restricted
+    with pytest.raises(Exception, match="allowed_token_ids: ids outside the vocabulary"):
+        engine.add_request(prompt_tokens=PROMPTS[0], sampling=SamplingParams(allowed_token_ids=[vocab]))

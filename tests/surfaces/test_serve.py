@@ -321,7 +321,8 @@ def test_min_tokens_holds_stop_strings_and_stop_tokens_back_until_then(server, r
     """vLLM's `min_tokens` through the server: a stop string within the text of the first min_tokens tokens is
     not matched, one that begins there and ends after it is (the text is cut where it begins), streamed or not;
     a stop token id among those tokens is masked, so the choice runs on as the engine's own min_tokens run does.
-    min_tokens above max_tokens, or with an output format, is refused by field (`_bad_inputs`)."""
+    min_tokens above max_tokens, or with an output format, is refused by field (`_bad_inputs`). vLLM's
+    `allowed_token_ids` restricts a choice as the engine's own run with them."""
     messages = [{"role": "user", "content": "Tell me about the river and a garden"}]
     engine, m = reference[0], 8
     out = engine.generate([messages], [SamplingParams(max_tokens=24, min_tokens=m)])[0]
@@ -331,6 +332,9 @@ def test_min_tokens_holds_stop_strings_and_stop_tokens_back_until_then(server, r
     early, straddling = full[2:5], full[unchecked - 2: unchecked + 2]
     stop_id = out.token_ids[3]
     by_id = engine.generate([messages], [SamplingParams(max_tokens=24, min_tokens=m, stop_token_ids=(stop_id,))])[0]
+    # vLLM's allowed_token_ids too: the tokens the plain answer did not use, so the answer changes
+    only = sorted(set(range(40, 140)) - set(out.token_ids))
+    restricted = engine.generate([messages], [SamplingParams(max_tokens=12, allowed_token_ids=only)])[0]
 
     async def run():
         async with server.client() as client:
@@ -341,9 +345,11 @@ def test_min_tokens_holds_stop_strings_and_stop_tokens_back_until_then(server, r
             streamed = await _stream_chat(client, messages, max_tokens=24, temperature=0, stop=straddling, **held)
             ids = await chat.create(model=MODEL_NAME, messages=messages, max_tokens=24, temperature=0,
                                     extra_body={"stop": [stop_id], "min_tokens": m})
-            return answers, streamed, ids
+            allowed = await chat.create(model=MODEL_NAME, messages=messages, max_tokens=12, temperature=0,
+                                        extra_body={"allowed_token_ids": only})
+            return answers, streamed, ids, allowed
 
-    answers, streamed, ids = asyncio.run(run())
+    answers, streamed, ids, allowed = asyncio.run(run())
     for stop, answer in zip((early, straddling), answers):
         cut = _cut_after(full, unchecked, stop)
         assert cut != full.find(stop) or stop == straddling  # the early one would have cut without min_tokens
@@ -355,6 +361,8 @@ def test_min_tokens_holds_stop_strings_and_stop_tokens_back_until_then(server, r
     by_id_shown = by_id.token_ids[:-1] if by_id.finish_reason is FinishReason.STOP else by_id.token_ids
     assert ids.choices[0].message.content == engine.tokenizer.decode(by_id_shown)
     assert ids.usage.completion_tokens == len(by_id.token_ids) > m and stop_id not in by_id.token_ids[:m]
+    assert allowed.choices[0].message.content == engine.tokenizer.decode(restricted.token_ids)
+    assert set(restricted.token_ids) <= set(only) and allowed.usage.completion_tokens == 12
 
 
 def test_a_list_of_prompts_gets_n_choices_each_in_openais_order(server, reference):
@@ -611,6 +619,8 @@ def _bad_inputs(tmp_path: Path, media_server: MediaServer) -> list[tuple[str, by
         (chat, {"messages": ok, "stop": [99999]}, 400, "stop"),
         (chat, {"messages": ok, "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
         (chat, {"messages": ok, "min_tokens": -1}, 400, "min_tokens"),
+        (chat, {"messages": ok, "allowed_token_ids": []}, 400, "allowed_token_ids"),
+        (cmpl, {"prompt": "hi", "allowed_token_ids": [5, 999999]}, 400, "allowed_token_ids"),
         (cmpl, {"prompt": "hi", "max_tokens": 0, "min_tokens": 1}, 400, "min_tokens"),
         (chat, {"messages": ok, "min_tokens": 1, "response_format": {"type": "json_object"}}, 400, "min_tokens"),
         (chat, {"messages": ok, "top_logprobs": 2}, 400, "top_logprobs"),  # needs logprobs: true
