@@ -174,7 +174,7 @@ class _Call:
 
     async def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
         """(choice index, delta) as the choices produce them; every choice's stream is closed on the way out."""
-        tokenizer, stops, logprobs = self.state.engine.tokenizer, self.body.stop_strings(), self.body.wants_logprobs()
+        tokenizer, stops, logprobs = self.state.engine.tokenizer, self.body.stop_rule(), self.body.wants_logprobs()
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, stream: RequestStream) -> None:
@@ -182,7 +182,7 @@ class _Call:
             scores_prompt = self.body.prompt_logprobs is not None and index % self.body.n == 0
             try:
                 async for delta in choice_deltas(stream, tokenizer, stops, logprobs, echo, self.body.prompt_only(),
-                                                 scores_prompt, self.body.min_tokens):
+                                                 scores_prompt):
                     queue.put_nowait((index, delta))
                 queue.put_nowait((index, None))
             except asyncio.CancelledError:

@@ -16,7 +16,7 @@ from ..async_engine import RequestStream
 from ..request import FinishReason, InvalidRequest, SamplingParams, StructuredOutput, UnreadableMedia
 from .detokenize import IncrementalDetokenizer
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, TokenizeRequest
-from .stops import StopMatcher
+from .stops import StopRule
 
 
 @dataclass
@@ -129,9 +129,9 @@ def sampling_params(body: Body, index: int, default_max_tokens: int,
         raise refusal(body, exc) from None
 
 
-async def choice_deltas(stream: RequestStream, tokenizer: Any, stop_strings: list[str],
+async def choice_deltas(stream: RequestStream, tokenizer: Any, stops: StopRule,
                         wants_logprobs: bool, echo: str | None = None, prompt_only: bool = False,
-                        scores_prompt: bool = False, min_tokens: int = 0) -> AsyncIterator[Delta]:
+                        scores_prompt: bool = False) -> AsyncIterator[Delta]:
     """The deltas of one choice until it ends. Raises ChoiceFailed if the engine failed it. Closing the
     iterator early (the client went away) closes the stream, which aborts the request.
 
@@ -146,10 +146,11 @@ async def choice_deltas(stream: RequestStream, tokenizer: Any, stop_strings: lis
     `scores_prompt`: the choice's engine request computes its prompt's scores (`sampling_params`, the first
     choice of a prompt that asked `prompt_logprobs`): after the echo, a delta of its own carries them.
 
-    `min_tokens`: the text of the first this many tokens is not matched against the stop strings (vLLM's rule; a
-    stop string that ends after it counts). The engine masks the stop tokens over the same tokens."""
+    `stops`: the text of the first `stops.unchecked_tokens` tokens (the request's min_tokens) is not matched
+    against the stop strings (vLLM's rule; a stop string that ends after it counts). The engine masks the stop
+    tokens over the same tokens."""
     detok = IncrementalDetokenizer(tokenizer)
-    stops = StopMatcher(stop_strings)
+    min_tokens, stops = stops.unchecked_tokens, stops.matcher()
     with_stop_token = echo is not None
     counted = 0  # output tokens so far
     try:

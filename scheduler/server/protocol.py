@@ -14,6 +14,8 @@ from typing import Annotated
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, field_validator,
                       model_validator)
 
+from .stops import StopRule
+
 MAX_STOP_STRINGS = 16
 MAX_N = 16
 MAX_PROMPTS = 64  # prompts of one /v1/completions request
@@ -141,6 +143,7 @@ class _Sampling(_Strict):
     # vLLM's: the stop tokens are masked and the stop strings not matched until a choice has this many tokens
     min_tokens: StrictInt = 0
     allowed_token_ids: list[StrictInt] | None = None  # vLLM's: the only tokens a choice may sample
+    include_stop_str_in_output: StrictBool = False  # vLLM's: the matched stop string ends the text, kept in it
     seed: StrictInt | None = None
     n: StrictInt = 1
     stream: StrictBool = False
@@ -216,6 +219,9 @@ class _Sampling(_Strict):
     def stop_strings(self) -> list[str]:
         items = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return [s for s in items if isinstance(s, str)]
+
+    def stop_rule(self) -> StopRule:
+        return StopRule(tuple(self.stop_strings()), self.include_stop_str_in_output, self.min_tokens)
 
     def stop_ids(self) -> list[int]:
         items = [] if isinstance(self.stop, str) else (self.stop or [])

@@ -322,7 +322,8 @@ def test_min_tokens_holds_stop_strings_and_stop_tokens_back_until_then(server, r
     not matched, one that begins there and ends after it is (the text is cut where it begins), streamed or not;
     a stop token id among those tokens is masked, so the choice runs on as the engine's own min_tokens run does.
     min_tokens above max_tokens, or with an output format, is refused by field (`_bad_inputs`). vLLM's
-    `allowed_token_ids` restricts a choice as the engine's own run with them."""
+    `allowed_token_ids` restricts a choice as the engine's own run with them; with `include_stop_str_in_output`
+    the text runs through the stop string."""
     messages = [{"role": "user", "content": "Tell me about the river and a garden"}]
     engine, m = reference[0], 8
     out = engine.generate([messages], [SamplingParams(max_tokens=24, min_tokens=m)])[0]
@@ -347,9 +348,13 @@ def test_min_tokens_holds_stop_strings_and_stop_tokens_back_until_then(server, r
                                     extra_body={"stop": [stop_id], "min_tokens": m})
             allowed = await chat.create(model=MODEL_NAME, messages=messages, max_tokens=12, temperature=0,
                                         extra_body={"allowed_token_ids": only})
-            return answers, streamed, ids, allowed
+            kept = {"extra_body": {"min_tokens": m, "include_stop_str_in_output": True}}
+            kept = [await chat.create(model=MODEL_NAME, messages=messages, max_tokens=24, temperature=0,
+                                      stop=[straddling], **kept),
+                    await _stream_chat(client, messages, max_tokens=24, temperature=0, stop=straddling, **kept)]
+            return answers, streamed, ids, allowed, kept
 
-    answers, streamed, ids, allowed = asyncio.run(run())
+    answers, streamed, ids, allowed, kept = asyncio.run(run())
     for stop, answer in zip((early, straddling), answers):
         cut = _cut_after(full, unchecked, stop)
         assert cut != full.find(stop) or stop == straddling  # the early one would have cut without min_tokens
@@ -357,6 +362,10 @@ def test_min_tokens_holds_stop_strings_and_stop_tokens_back_until_then(server, r
         assert (answer.choices[0].message.content, answer.choices[0].finish_reason) == want, stop
     assert _cut_after(full, unchecked, straddling) <= unchecked - 2  # it began within the unchecked text
     assert streamed[:2] == (answers[1].choices[0].message.content, "stop")
+    # vLLM's include_stop_str_in_output: the text runs through the stop string
+    through = full[: _cut_after(full, unchecked, straddling) + len(straddling)]
+    assert (kept[0].choices[0].message.content, kept[0].choices[0].finish_reason) == (through, "stop")
+    assert kept[1][:2] == (through, "stop")
     # the stop id was masked among the first m tokens, so the choice is the engine's masked run
     by_id_shown = by_id.token_ids[:-1] if by_id.finish_reason is FinishReason.STOP else by_id.token_ids
     assert ids.choices[0].message.content == engine.tokenizer.decode(by_id_shown)

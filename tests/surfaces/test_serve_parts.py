@@ -67,6 +67,33 @@ def test_unchecked_text_holds_no_stop_string_and_one_ending_after_it_counts(text
     assert ("".join(out), stopped) == ((text[: min(hits)], True) if hits else (text, False))
 
 
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet="abc ", max_size=40), stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=4),
+                                                                  min_size=1, max_size=3),
+       cuts=st.lists(st.integers(0, 40), max_size=8))
+def test_a_kept_stop_string_ends_the_output_after_it_whatever_the_pieces(text, stops, cuts):
+    """vLLM's include_stop_str_in_output: the output runs through the earliest stop string (the longest of those
+    beginning there), however the text is split."""
+    bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
+    matcher, out, stopped = StopMatcher(stops, include=True), [], False
+    for a, b in zip(bounds, bounds[1:]):
+        result = matcher.feed(text[a:b])
+        out.append(result.text)
+        if result.stopped:
+            stopped = True
+            break
+    if not stopped:
+        tail = matcher.flush()
+        out.append(tail.text)
+        stopped = tail.stopped
+    hits = [(text.find(s), -len(s)) for s in stops if s in text]
+    if hits:
+        start, minus_len = min(hits)
+        assert stopped and "".join(out) == text[: start - minus_len]
+    else:
+        assert not stopped and "".join(out) == text
+
+
 def test_a_stop_string_begun_in_unchecked_text_cuts_where_it_begins():
     matcher = StopMatcher(["STOP"])
     assert matcher.feed("a STOP b ST", checked=False).text == "a STOP b "  # the first is within min_tokens
