@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib.metadata
 import itertools
 import json
 import time
@@ -263,6 +264,13 @@ def prompt_logprobs_field(tokenizer: Any, scores: PromptScores, k: int) -> list[
             entries[str(t)] = entry(t, lp, place)
         field.append(entries)
     return field
+
+
+def _installed_version() -> str:
+    try:
+        return importlib.metadata.version("mlxsched")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was not installed
+        return "unknown"
 
 
 def _check_model(state: ServerState, body: Body) -> None:
@@ -665,10 +673,25 @@ def create_app(state: ServerState) -> Any:
             raise APIError(400, f"tokens: ids outside the vocabulary [0, {engine.vocab_size}): {bad[:5]}", "tokens")
         return {"prompt": engine.tokenizer.decode(body.tokens)}
 
+    model_card = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "mlxsched",
+                  "max_model_len": engine.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
-                                            "owned_by": "mlxsched", "max_model_len": engine.max_model_len}]}
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict[str, Any]:
+        """OpenAI's retrieve (`client.models.retrieve`): the served model's card, or 404 for another name."""
+        if model != state.model_name:
+            raise APIError(404, f"model: the model {model!r} does not exist here (serving {state.model_name!r})",
+                           "model", "invalid_request_error", "model_not_found")
+        return model_card
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        """vLLM's: the server's version (the installed mlxsched distribution's)."""
+        return {"version": _installed_version()}
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -231,10 +231,28 @@ def _wait_for(predicate, timeout: float = 15.0) -> None:
 
 
 def test_models_and_health(server):
+    """/v1/models lists the served model; OpenAI's retrieve gets its card (404 naming `model` for another), and
+    /version the installed distribution's version."""
+    import importlib.metadata
+
     status, raw = server.get("/v1/models")
     assert status == 200
-    assert [m["id"] for m in json.loads(raw)["data"]] == [MODEL_NAME]
+    (card,) = json.loads(raw)["data"]
+    assert card["id"] == MODEL_NAME
     assert server.get("/health")[0] == 200
+
+    async def retrieve():
+        async with server.client() as client:
+            found = await client.models.retrieve(MODEL_NAME)
+            with pytest.raises(openai.NotFoundError) as missing:
+                await client.models.retrieve("gpt-4")
+            return found, missing.value
+
+    found, missing = asyncio.run(retrieve())
+    assert found.model_dump(exclude_none=True) == card
+    assert missing.body["param"] == "model" and missing.body["code"] == "model_not_found"
+    status, raw = server.get("/version")
+    assert status == 200 and json.loads(raw) == {"version": importlib.metadata.version("mlxsched")}
 
 
 def test_32_concurrent_streaming_chats_equal_the_engine_greedy_output(server, reference):
