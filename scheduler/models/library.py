@@ -54,8 +54,9 @@ def prepare_inputs(model: Any, processor: Any, prompt: str, images: list | None,
 def chat_template(processor: Any, config: Any, messages: list[dict], num_images: int = 0,
                   num_audios: int = 0, template_kwargs: dict[str, Any] | None = None) -> str:
     """Chat messages -> prompt text exactly as mlx-vlm's ``apply_chat_template`` renders them (its per-family
-    messages with placeholders, then the chat template with the generation prompt), but calling the template
-    the way transformers wants: mlx-vlm passes ``enable_thinking=False`` to every template, and a processor
+    messages with placeholders, then the chat template with the generation prompt unless ``template_kwargs`` end
+    it otherwise), but calling the template the way transformers wants: mlx-vlm passes ``enable_thinking=False``
+    to every template, and a processor
     whose template does not use it prints a "processor_kwargs" warning per request; we pass it only to a
     template that reads it (what it renders is the same either way). ``template_kwargs`` (``tools``, a
     request's ``chat_template_kwargs``) go to the template after that default, so they can turn thinking on;
@@ -73,14 +74,14 @@ def chat_template(processor: Any, config: Any, messages: list[dict], num_images:
             raise ValueError(f"this model has no chat template to pass {sorted(template_kwargs)} to")
         return apply_chat_template(processor, config, messages, num_images=num_images, num_audios=num_audios)
     kwargs = {"enable_thinking": False} if _template_mentions(template_processor, "enable_thinking") else {}
-    return template_processor.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True,
-                                                  **{**kwargs, **_as_mlx_vlm_passes(template_kwargs)})
+    return template_processor.apply_chat_template(rendered, tokenize=False, **{
+        "add_generation_prompt": True, **kwargs, **_as_mlx_vlm_passes(template_kwargs)})
 
 
 def own_chat_template(processor: Any, messages: list[dict], template_kwargs: dict[str, Any] | None = None) -> str:
     """The model's own chat template on messages holding media parts (each placeholder where its part is)."""
-    return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                         **_as_mlx_vlm_passes(template_kwargs))
+    return processor.apply_chat_template(messages, tokenize=False, **{"add_generation_prompt": True,
+                                                                      **_as_mlx_vlm_passes(template_kwargs)})
 
 
 def _as_mlx_vlm_passes(template_kwargs: dict[str, Any] | None) -> dict[str, Any]:

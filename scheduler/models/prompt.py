@@ -147,11 +147,17 @@ class PromptResolver:
             raise UnreadableMedia(exc.kind, exc.index, exc.reason, request_id) from None
         return prompt, MediaInputs(*fetched, origins=media.origins)
 
-    _ENGINE_TEMPLATE_ARGS = ("tools", "add_generation_prompt", "tokenize", "conversation", "messages")
+    _ENGINE_TEMPLATE_ARGS = ("tools", "tokenize", "conversation", "messages")
+    # how the rendered prompt ends (transformers' `apply_chat_template` arguments): the generation prompt (the
+    # default), nothing after the last turn, or the last message, an assistant's, left open for the model to go on
+    _ENDINGS = ("add_generation_prompt", "continue_final_message")
 
     def _template_kwargs(self, prompt: Any, tools: Any, kwargs: Any, request_id: str | None) -> dict[str, Any]:
         """The chat template's extra arguments, checked: ``tools`` a list of dicts, ``chat_template_kwargs`` a dict
-        that sets none of the arguments the engine sets itself; only with chat messages."""
+        that sets none of the arguments the engine sets itself; only with chat messages. Its
+        ``add_generation_prompt`` and ``continue_final_message`` (booleans, as transformers takes them) say how
+        the prompt ends: ``continue_final_message`` needs an assistant message last, and turns the generation
+        prompt off unless it is asked for too (which is refused: they exclude each other)."""
         if tools is None and kwargs is None:
             return {}
         for name, value in (("tools", tools), ("chat_template_kwargs", kwargs)):
@@ -169,7 +175,26 @@ class PromptResolver:
             if taken:
                 raise InvalidRequest("chat_template_kwargs", f"sets {taken}, which the engine sets itself (tools: "
                                                              "give them as tools)", request_id)
+            kwargs = self._ending(prompt, kwargs, request_id)
         return {**(kwargs or {}), **({"tools": list(tools)} if tools else {})}
+
+    def _ending(self, messages: list[dict], kwargs: dict[str, Any], request_id: str | None) -> dict[str, Any]:
+        """``kwargs`` with its ending arguments checked, and the generation prompt off where the final message is
+        continued."""
+        for name in self._ENDINGS:
+            if not isinstance(kwargs.get(name, False), bool):
+                raise InvalidRequest("chat_template_kwargs", f"{name} must be true or false, got {kwargs[name]!r}",
+                                     request_id)
+        if not kwargs.get("continue_final_message"):
+            return kwargs
+        if kwargs.get("add_generation_prompt"):
+            raise InvalidRequest("chat_template_kwargs", "add_generation_prompt and continue_final_message exclude "
+                                                         "each other: a continued message gets no generation prompt",
+                                 request_id)
+        if messages[-1].get("role") != "assistant":
+            raise InvalidRequest("chat_template_kwargs", "continue_final_message needs the last message to be the "
+                                                         f"assistant's, not {messages[-1].get('role')!r}", request_id)
+        return {**kwargs, "add_generation_prompt": False}
 
     def _tokenize(self, prompt: Any, template_kwargs: dict[str, Any], request_id: str | None = None) -> list[int]:
         if isinstance(prompt, str):
@@ -178,7 +203,7 @@ class PromptResolver:
             return list(self.tokenizer.encode(prompt))
         if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
             try:
-                return list(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, **template_kwargs))
+                return list(self.tokenizer.apply_chat_template(prompt, **with_generation_prompt(template_kwargs)))
             except (TemplateError, TypeError, ValueError) as exc:  # its own checks (roles, shapes), its filters
                 raise InvalidRequest("prompt", f"the chat template refused these messages: {exc}",
                                      request_id) from None
@@ -287,6 +312,12 @@ def from_openai_messages(messages: list[dict]) -> tuple[list[dict], MediaInputs]
                 raise ContentPartError(mi, pi, f"unsupported content part type {kind!r}")
         out.append({**message, "content": parts})
     return out, media
+
+
+def with_generation_prompt(template_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """Chat template arguments as the engine renders them: the generation prompt unless they say otherwise
+    (`PromptResolver._ending`)."""
+    return {"add_generation_prompt": True, **(template_kwargs or {})}
 
 
 def render(processor: Any, config: Any, messages: list[dict], num_images: int, num_videos: int,

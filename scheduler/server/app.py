@@ -34,6 +34,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..async_engine import AsyncEngine, EngineStopped, RequestStream
+from ..models.prompt import with_generation_prompt
 from ..request import InvalidRequest, StructuredOutput
 from .constraints import output_constraint
 from .generation import Body, ChoiceFailed, Delta, PromptScores, choice_deltas, refusal, sampling_params
@@ -310,8 +311,8 @@ def _opens_reasoning(engine: Any, reasoning: ReasoningFormat, prompt: EngineProm
     kwargs = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
     try:
         if engine.vlm is None:
-            text = engine.tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=False,
-                                                        **kwargs)
+            text = engine.tokenizer.apply_chat_template(prompt.messages, tokenize=False,
+                                                        **with_generation_prompt(kwargs))
         else:
             text = engine.vlm.render_chat(prompt.messages, len(prompt.images), len(prompt.videos), len(prompt.audio),
                                           kwargs)

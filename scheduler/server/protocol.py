@@ -331,11 +331,35 @@ class ChatMessage(_Strict):
         return self
 
 
-def _template_kwargs(kwargs: dict[str, Any] | None, enable_thinking: bool | None) -> dict[str, Any] | None:
-    """The chat template's extra arguments (None: none), `enable_thinking` (vllm-mlx's field) folded in."""
-    if kwargs is None and enable_thinking is None:
+_ENDINGS = ("add_generation_prompt", "continue_final_message")
+
+
+def _check_ending(body: Any) -> None:
+    """vLLM's `add_generation_prompt` and `continue_final_message` of a chat: given as fields, not also in
+    chat_template_kwargs; not both true; a continued final message is an assistant's. (`continue_final_message`
+    alone turns the generation prompt off, as the engine's chat_template_kwargs do.)"""
+    given = [name for name in _ENDINGS if name in body.model_fields_set]
+    twice = [name for name in given if name in (body.chat_template_kwargs or {})]
+    if twice:
+        raise ValueError(f"{twice[0]}: given as a field and in chat_template_kwargs; give it once")
+    if not body.continue_final_message:
+        return
+    if "add_generation_prompt" in given and body.add_generation_prompt:
+        raise ValueError("continue_final_message: add_generation_prompt and continue_final_message exclude each "
+                         "other: a continued message gets no generation prompt")
+    if body.messages and body.messages[-1].role != "assistant":
+        raise ValueError(f"continue_final_message: the last message must be the assistant's to continue, not "
+                         f"{body.messages[-1].role!r}'s")
+
+
+def _template_kwargs(body: Any) -> dict[str, Any] | None:
+    """The chat template's extra arguments (None: none), with `enable_thinking` (vllm-mlx's field) and the ending
+    fields (vLLM's) folded in where given."""
+    ending = {name: getattr(body, name) for name in _ENDINGS if name in body.model_fields_set}
+    if body.chat_template_kwargs is None and body.enable_thinking is None and not ending:
         return None
-    return {**(kwargs or {}), **({"enable_thinking": enable_thinking} if enable_thinking is not None else {})}
+    return {**(body.chat_template_kwargs or {}), **ending,
+            **({"enable_thinking": body.enable_thinking} if body.enable_thinking is not None else {})}
 
 
 class ChatCompletionRequest(_Sampling):
@@ -350,6 +374,15 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: StrictBool | None = None  # false: only the first call is returned
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra arguments of the chat template
     enable_thinking: StrictBool | None = None  # vllm-mlx's: chat_template_kwargs {"enable_thinking": ...}
+    # vLLM's: how the prompt ends: the generation prompt, or (continue_final_message) the last message, an
+    # assistant's, left open for the model to go on (an assistant prefill); the answer is what follows it
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+
+    @model_validator(mode="after")
+    def _ending(self) -> "ChatCompletionRequest":
+        _check_ending(self)
+        return self
 
     @field_validator("tool_choice")
     @classmethod
@@ -372,7 +405,7 @@ class ChatCompletionRequest(_Sampling):
         return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
 
     def template_kwargs(self) -> dict[str, Any] | None:
-        return _template_kwargs(self.chat_template_kwargs, self.enable_thinking)
+        return _template_kwargs(self)
 
     def tool_list(self) -> list[dict[str, Any]] | None:
         """The tools offered to the model (the chat template's `tools`), or None (none given, or tool_choice
@@ -471,9 +504,9 @@ class CompletionRequest(_Sampling):
 
 
 class TokenizeRequest(_Strict):
-    """vLLM's `POST /tokenize`: a text prompt or chat messages (with media parts, tools and template arguments
-    as a chat completion takes them) -> the prompt token ids the engine would run for them. Only the engine's own
-    rendering is offered: a chat prompt ends with the generation prompt, special tokens as the engine adds them."""
+    """vLLM's `POST /tokenize`: a text prompt or chat messages (with media parts, tools, template arguments and
+    the prompt's ending as a chat completion takes them) -> the prompt token ids the engine would run for them.
+    Special tokens are added as the engine adds them, the only choice here."""
 
     model: str | None = None
     prompt: str | None = None
@@ -501,15 +534,14 @@ class TokenizeRequest(_Strict):
         if self.add_special_tokens is not None and self.add_special_tokens != engine_adds:
             raise ValueError(f"add_special_tokens: the engine encodes a {'prompt' if engine_adds else 'chat'} with "
                              f"add_special_tokens={str(engine_adds).lower()}, the only choice here")
-        for name, value, engine_renders in (("add_generation_prompt", self.add_generation_prompt, True),
-                                            ("continue_final_message", self.continue_final_message, False)):
-            if value != engine_renders:
-                raise ValueError(f"{name}: the engine's chat prompts end with the generation prompt, the only "
-                                 f"rendering here ({name} {str(engine_renders).lower()})")
+        ending = [name for name in _ENDINGS if name in self.model_fields_set]
+        if self.prompt is not None and ending:
+            raise ValueError(f"{ending[0]}: how a chat prompt ends goes with messages, not with a text prompt")
+        _check_ending(self)
         return self
 
     def template_kwargs(self) -> dict[str, Any] | None:
-        return _template_kwargs(self.chat_template_kwargs, self.enable_thinking)
+        return _template_kwargs(self)
 
     def tool_list(self) -> list[dict[str, Any]] | None:
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None

@@ -100,6 +100,27 @@ def test_tools_reach_the_vlm_chat_template_and_the_output_is_mlx_vlms(loaded):
     engine.close()
 
 
+def test_a_continued_assistant_message_is_rendered_and_continued_as_mlx_vlm_does(loaded):
+    """chat_template_kwargs {"continue_final_message": true} (transformers' argument, vLLM's field): the image
+    chat's last message, an assistant's beginning, is left open in the prompt (no end of turn, no generation
+    prompt), as mlx-vlm renders it with that argument, and the output continues it as mlx-vlm's generation on
+    that prompt does; batched with the same chat asked plainly, whose prompt differs."""
+    model, processor = loaded
+    begun = ASK + [{"role": "assistant", "content": "The weather there is"}]
+    cases = [("continued", begun, {"chat_template_kwargs": {"continue_final_message": True}}),
+             ("plain", ASK, {})]
+    engine, log = engine_with_log(model, processor, EngineConfig(max_batched_tokens=48, prefill_chunk=16))
+    run = drive(engine, [(0, dict(prompt=messages, images=[IMAGE], sampling=SamplingParams(max_tokens=MAX_TOKENS),
+                                  request_id=rid, **kwargs)) for rid, messages, kwargs in cases])
+    prompts = {e["request_id"]: e["prompt_tokens"] for e in log.of_kind("arrival")}
+    text = processor.tokenizer.decode(prompts["continued"])
+    assert text.endswith("<|im_start|>assistant\nThe weather there is")
+    assert run.tokens["continued"] == _solo(model, processor, begun, [IMAGE], add_generation_prompt=False,
+                                            continue_final_message=True)
+    assert run.tokens["plain"] == _solo(model, processor, ASK, [IMAGE])
+    engine.close()
+
+
 def test_tools_and_template_arguments_on_a_vlm_are_checked_like_a_text_models(loaded, vlm_model_dir):
     """Without chat messages, of the wrong type, or setting what the engine sets: refused naming the argument;
     a model with no chat template at all cannot take them; nothing is queued."""
@@ -109,7 +130,12 @@ def test_tools_and_template_arguments_on_a_vlm_are_checked_like_a_text_models(lo
                       (dict(prompt=ASK, images=[IMAGE], tools="get_weather"), "tools"),
                       (dict(prompt=ASK, images=[IMAGE], chat_template_kwargs={"tools": TOOLS}),
                        "chat_template_kwargs"),
-                      (dict(prompt=ASK, images=[IMAGE], chat_template_kwargs={"add_generation_prompt": False}),
+                      (dict(prompt=ASK, images=[IMAGE], chat_template_kwargs={"continue_final_message": True}),
+                       "chat_template_kwargs"),  # the last message is the user's
+                      (dict(prompt=ASK + [{"role": "assistant", "content": "It"}], images=[IMAGE],
+                            chat_template_kwargs={"continue_final_message": True, "add_generation_prompt": True}),
+                       "chat_template_kwargs"),
+                      (dict(prompt=ASK, images=[IMAGE], chat_template_kwargs={"add_generation_prompt": "no"}),
                        "chat_template_kwargs")):
         with pytest.raises(InvalidRequest) as info:
             engine.add_request(**bad)

@@ -421,3 +421,34 @@ def test_stats_count_tokens_once(engine):
     assert stats.prompt_tokens == sum(len(p) for p in PROMPTS[:3])
     assert stats.requests_finished == 3 and stats.generation_tps > 0
     assert set(stats.time_in_state) >= {"queued", "chunk_prefilling", "decoding"}
+
+
+def test_a_chat_can_end_without_the_generation_prompt_or_continue_its_last_message(text_model):
+    """chat_template_kwargs `continue_final_message` / `add_generation_prompt` (transformers' arguments, vLLM's
+    fields): the prompt is what the tokenizer's chat template renders with them (the assistant's beginning left
+    open, or no generation prompt), and the output is mlx-lm's alone on it, batched with the plain chat; a
+    continued message must be the assistant's and excludes the generation prompt."""
+    model, tokenizer = text_model
+    ask = [{"role": "user", "content": "Tell me about the river"}]
+    begun = ask + [{"role": "assistant", "content": "The river is"}]
+    cases = {"continued": (begun, {"continue_final_message": True}),
+             "ended": (ask, {"add_generation_prompt": False}), "plain": (ask, None)}
+    engine = Engine(model, tokenizer, EngineConfig(check_invariants=True))
+    rendered = {}
+    for rid, (messages, kwargs) in cases.items():
+        template = {"add_generation_prompt": True, **(kwargs or {})}
+        if template.get("continue_final_message"):
+            template["add_generation_prompt"] = False
+        rendered[rid] = list(tokenizer.apply_chat_template(messages, **template))
+        assert engine.tokenize(messages, chat_template_kwargs=kwargs) == rendered[rid], rid
+    assert tokenizer.decode(rendered["continued"]).endswith("assistant\nThe river is")
+    assert len({tuple(ids) for ids in rendered.values()}) == 3
+    run = drive(engine, [(0, dict(prompt=messages, chat_template_kwargs=kwargs, request_id=rid,
+                                  sampling=SamplingParams(max_tokens=10))) for rid, (messages, kwargs) in cases.items()])
+    for rid in cases:
+        assert run.tokens[rid] == solo_tokens(model, tokenizer, rendered[rid], 10), rid
+    for kwargs, messages in (({"continue_final_message": True}, ask),
+                             ({"continue_final_message": True, "add_generation_prompt": True}, begun),
+                             ({"continue_final_message": "yes"}, begun)):
+        with pytest.raises(InvalidRequest, match="^chat_template_kwargs"):
+            engine.add_request(prompt=messages, chat_template_kwargs=kwargs)

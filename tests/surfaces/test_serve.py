@@ -829,8 +829,7 @@ def test_tokenize_gives_the_prompt_tokens_the_engine_runs_and_detokenize_reverse
     refused = [
         ("/tokenize", {"prompt": text, "messages": [{"role": "user", "content": text}]}, 400, "prompt"),
         ("/tokenize", {}, 400, "prompt"),
-        ("/tokenize", {"messages": [{"role": "user", "content": text}], "add_generation_prompt": False}, 400,
-         "add_generation_prompt"),
+        ("/tokenize", {"prompt": text, "add_generation_prompt": False}, 400, "add_generation_prompt"),
         ("/tokenize", {"messages": [{"role": "user", "content": text}], "continue_final_message": True}, 400,
          "continue_final_message"),
         ("/tokenize", {"prompt": text, "add_special_tokens": False}, 400, "add_special_tokens"),
@@ -845,6 +844,42 @@ def test_tokenize_gives_the_prompt_tokens_the_engine_runs_and_detokenize_reverse
         got_status, got = server.post(path, body)
         assert (got_status, got["error"]["param"]) == (status, param), (path, body, got)
     assert "max_model_len is 512" in server.post("/tokenize", {"prompt": too_long})[1]["error"]["message"]
+
+
+def test_an_assistant_message_is_continued_and_a_chat_can_end_without_the_generation_prompt(server, reference):
+    """vLLM's `continue_final_message` (an assistant prefill) and `add_generation_prompt`: /tokenize gives the
+    engine's rendering with them (chat_template_kwargs of the same names), and the chat completion answers with
+    what the engine generates after that prompt, streamed or not: the continuation, not the prefill. Refused by
+    field: a continued message that is not the assistant's, both true, a field given twice."""
+    engine, _ = reference
+    ask = [{"role": "user", "content": "Tell me about the river and a garden"}]
+    begun = ask + [{"role": "assistant", "content": "The garden"}]
+    cases = [(begun, {"continue_final_message": True}), (ask, {"add_generation_prompt": False})]
+    for messages, fields in cases:
+        want_ids = engine.tokenize(messages, chat_template_kwargs=fields)
+        assert want_ids != engine.tokenize(messages[:1])
+        status, got = server.post("/tokenize", {"messages": messages, **fields})
+        assert status == 200 and got["tokens"] == want_ids, got
+        (out,) = engine.generate([want_ids], [SamplingParams(max_tokens=10)])
+        shown = out.token_ids[:-1] if out.finish_reason is FinishReason.STOP else out.token_ids
+
+        async def run():
+            async with server.client() as client:
+                whole = await client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=10,
+                                                             temperature=0, extra_body=fields)
+                return whole, await _stream_chat(client, messages, max_tokens=10, temperature=0, extra_body=fields)
+
+        whole, streamed = asyncio.run(run())
+        assert whole.choices[0].message.content == streamed[0] == engine.tokenizer.decode(shown), fields
+        assert whole.usage.prompt_tokens == len(want_ids)
+    chat = "/v1/chat/completions"
+    for body, param in (({"messages": ask, "continue_final_message": True}, "continue_final_message"),
+                        ({"messages": begun, "continue_final_message": True, "add_generation_prompt": True},
+                         "continue_final_message"),
+                        ({"messages": begun, "continue_final_message": True,
+                          "chat_template_kwargs": {"continue_final_message": True}}, "continue_final_message")):
+        status, got = server.post(chat, {"max_tokens": 2, **body})
+        assert (status, got["error"]["param"]) == (400, param), (body, got)
 
 
 def test_usage_counts_the_prompt_tokens_the_prefix_cache_served(server):
