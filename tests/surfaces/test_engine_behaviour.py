@@ -444,7 +444,8 @@ def test_a_chat_can_end_without_the_generation_prompt_or_continue_its_last_messa
     assert tokenizer.decode(rendered["continued"]).endswith("assistant\nThe river is")
     assert len({tuple(ids) for ids in rendered.values()}) == 3
     run = drive(engine, [(0, dict(prompt=messages, chat_template_kwargs=kwargs, request_id=rid,
-                                  sampling=SamplingParams(max_tokens=10))) for rid, (messages, kwargs) in cases.items()])
+                                  sampling=SamplingParams(max_tokens=10)))
+                         for rid, (messages, kwargs) in cases.items()])
     for rid in cases:
         assert run.tokens[rid] == solo_tokens(model, tokenizer, rendered[rid], 10), rid
     for kwargs, messages in (({"continue_final_message": True}, ask),
