@@ -194,13 +194,11 @@ class KVLayout:
 
     def admit_alone_bytes(self, prompt_len: int, headroom: int, chunk: int) -> int:
         """What the planner's admission rule asks of a prompt with nothing else held: its row grown by
-        `headroom` and, when rows are quantized, its float prefill peak too (all but its last token, in its own
-        float cache, after a chunk of at most `chunk` tokens). A prompt needing more than the budget here can
-        never be admitted, so the engine refuses it on arrival instead of queueing it for ever."""
-        need = self.footprint([prompt_len + headroom], [])
-        if self.quantized_rows_from is not None:
-            need = max(need, self.request_bytes(max(prompt_len - 1, 1), chunk))
-        return need
+        `headroom`, and its prefill peak (all but its last token, in its own cache, after a chunk of at most
+        `chunk` tokens: more than its row where a sliding window holds the chunk too, or rows are quantized). A
+        prompt needing more than the budget here can never be admitted, so the engine refuses it on arrival
+        instead of queueing it for ever."""
+        return max(self.footprint([prompt_len + headroom], []), self.request_bytes(max(prompt_len - 1, 1), chunk))
 
 
 def _layer_batch_bytes(layer: LayerLayout, row_tokens: Sequence[int], per_token: int) -> int:

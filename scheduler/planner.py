@@ -102,8 +102,7 @@ class _KVTracker:
     def try_chunk(self, request: Request, chunk: PrefillChunk, admission: bool) -> bool:
         rows, prefilling = self.with_chunk(request, chunk)
         if admission:
-            fits = (self.admits(request, rows, prefilling)
-                    and self.quantized_prefill_fits(request, chunk, rows, prefilling))
+            fits = self.admits(request, rows, prefilling) and self.prefill_peak_fits(request, chunk, rows, prefilling)
         else:
             fits = self.bytes(rows, prefilling) <= self.budget
         if not fits:
@@ -133,12 +132,13 @@ class _KVTracker:
         """The requests prefilling other than `but`, each at its whole prompt (as the batch row it becomes)."""
         return {rid: self.prompts[rid] for rid in prefilling if rid != but.request_id}
 
-    def quantized_prefill_fits(self, request: Request, chunk: PrefillChunk, rows: dict[str, int],
-                               prefilling: dict) -> bool:
-        """kv_bits: a prompt is held in float storage until its conversion point, so its prefill peak (all but
-        its last token, float) can exceed what it costs as a quantized row; admit only if that peak fits too."""
-        if self.layout.quantized_rows_from is None:
-            return True
+    def prefill_peak_fits(self, request: Request, chunk: PrefillChunk, rows: dict[str, int],
+                          prefilling: dict) -> bool:
+        """A prompt's own cache can hold more while it prefills than its row will: a sliding window's holds the
+        window and the chunk being fed, and under kv_bits a prompt stays in float storage until its conversion
+        point. Admit only if this tick's state fits, and the prompt's prefill peak (all but its last token, after
+        a chunk of this size) fits next to the rows and whole prompts grown by the headroom. (For plain layers the
+        row check, `admits`, is the stricter one.)"""
         full_rows = {k: v for k, v in {**rows, **self.pending, **self.whole_prompts(prefilling, but=request)}.items()
                      if k != request.request_id}
         full_prefilling = {request.request_id: (request.prefill_len - 1, chunk.num_tokens)}

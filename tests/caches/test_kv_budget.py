@@ -126,3 +126,28 @@ def test_prefilling_requests_never_deadlock_on_memory(text_model):
     interleave(engine, rng, 40, add, add_below=0.45, abort_below=0.6, burst=4)
     drain(engine)
     assert engine.executor.cache_bytes() == 0
+
+
+def test_a_sliding_window_prompt_is_admitted_only_where_its_prefill_peak_fits(sliding_model):
+    """Regression (found by a fuzz of feature mixes): a sliding-window layer's cache holds the window and the
+    chunk being fed while a prompt prefills, more than the row it becomes, so admitting a prompt by its row
+    alone planned ticks over kv_memory_bytes. Admission now also asks for its prefill peak and this tick's
+    state: under a budget of two rows, every plan's bound (checked every tick) and the real bytes stay within
+    it, every request equals mlx-lm alone, and the trace replays."""
+    from scheduler.execution import library
+
+    model, tokenizer = sliding_model
+    layout = library.kv_layout(model)
+    window = min(layer.window for layer in layout.layers if layer.window is not None)
+    prompts = mixed_prompts(8, window + 20, window + 60, seed=5)
+    budget = layout.batch_bytes([window + 80] * 2)
+    assert layout.request_bytes(window + 40, 64) > layout.batch_bytes([window + 40])  # the peak is above the row
+    engine, log = engine_with_log(model, tokenizer, EngineConfig(
+        max_batched_tokens=80, max_seqs=4, prefill_chunk=64, kv_memory_bytes=budget, kv_headroom_tokens=4,
+        check_invariants=True))
+    run = drive(engine, [(i, {"prompt_tokens": p, "sampling": greedy(12)}) for i, p in enumerate(prompts)])
+    assert list(run.tokens.values()) == [solo_tokens(model, tokenizer, p, 12) for p in prompts]
+    assert all(p["kv_bytes_bound"] <= budget for p in log.of_kind("plan"))
+    assert any(r[1] == "kv_budget" for p in log.of_kind("plan") for r in p.get("reasons", ()))  # it was tight
+    assert engine.executor.cache_bytes() == 0
+    assert replay(load_trace(log.events)).identical
