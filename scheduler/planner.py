@@ -68,8 +68,9 @@ class _KVTracker:
     tokens; a request whose prefill completes joins the rows.
     """
 
-    def __init__(self, layout: KVLayout, budget: int, headroom_tokens: int):
+    def __init__(self, layout: KVLayout, budget: int, headroom_tokens: int, max_chunk: int):
         self.layout, self.budget, self.headroom = layout, budget, headroom_tokens
+        self.max_chunk = max_chunk  # prefill_chunk: the largest chunk a prompt's prefill peak is asked for
         self.rows: dict[str, int] = {}
         self.prefilling: dict[str, tuple[int, int]] = {}
         # Admitted media requests not prefilling yet (encoding, or admitted this tick): they hold no KV after
@@ -102,7 +103,7 @@ class _KVTracker:
     def try_chunk(self, request: Request, chunk: PrefillChunk, admission: bool) -> bool:
         rows, prefilling = self.with_chunk(request, chunk)
         if admission:
-            fits = self.admits(request, rows, prefilling) and self.prefill_peak_fits(request, chunk, rows, prefilling)
+            fits = self.admits(request, rows, prefilling) and self.prefill_peak_fits(request, rows, prefilling)
         else:
             fits = self.bytes(rows, prefilling) <= self.budget
         if not fits:
@@ -113,8 +114,10 @@ class _KVTracker:
 
     def try_admit_media(self, request: Request) -> bool:
         """A media request is admitted to encoding under the same rule as a text request's admission (it
-        holds no KV until its first chunk, next tick at the earliest); once admitted its prompt is reserved."""
-        if not self.admits(request, self.rows, self.prefilling):
+        holds no KV until its first chunk, next tick at the earliest), its prefill peak asked for its largest
+        chunk; once admitted its prompt is reserved."""
+        if not (self.admits(request, self.rows, self.prefilling)
+                and self.prefill_peak_fits(request, self.rows, self.prefilling)):
             return False
         self.pending[request.request_id] = request.prefill_len
         return True
@@ -132,16 +135,17 @@ class _KVTracker:
         """The requests prefilling other than `but`, each at its whole prompt (as the batch row it becomes)."""
         return {rid: self.prompts[rid] for rid in prefilling if rid != but.request_id}
 
-    def prefill_peak_fits(self, request: Request, chunk: PrefillChunk, rows: dict[str, int],
-                          prefilling: dict) -> bool:
+    def prefill_peak_fits(self, request: Request, rows: dict[str, int], prefilling: dict) -> bool:
         """A prompt's own cache can hold more while it prefills than its row will: a sliding window's holds the
         window and the chunk being fed, and under kv_bits a prompt stays in float storage until its conversion
         point. Admit only if this tick's state fits, and the prompt's prefill peak (all but its last token, after
-        a chunk of this size) fits next to the rows and whole prompts grown by the headroom. (For plain layers the
-        row check, `admits`, is the stricter one.)"""
+        its largest chunk: what `KVLayout.admit_alone_bytes` asks on arrival, so what fits alone is admitted
+        alone) fits next to the rows and whole prompts grown by the headroom. (For plain layers the row check,
+        `admits`, is the stricter one.)"""
         full_rows = {k: v for k, v in {**rows, **self.pending, **self.whole_prompts(prefilling, but=request)}.items()
                      if k != request.request_id}
-        full_prefilling = {request.request_id: (request.prefill_len - 1, chunk.num_tokens)}
+        peak = max(request.prefill_len - 1, 1)
+        full_prefilling = {request.request_id: (peak, min(self.max_chunk, peak))}
         return (self.bytes(full_rows, full_prefilling, grow=self.headroom) <= self.budget
                 and self.bytes(rows, prefilling) <= self.budget)
 
@@ -278,7 +282,8 @@ class _TickBuilder:
         the token and sequence budgets are what the survivors leave."""
         view, config = self.view, self.config
         if config.kv_memory_bytes is not None and view.kv_layout is not None:
-            kv = self.kv = _KVTracker(view.kv_layout, config.kv_memory_bytes, config.kv_headroom_tokens)
+            kv = self.kv = _KVTracker(view.kv_layout, config.kv_memory_bytes, config.kv_headroom_tokens,
+                                      config.prefill_chunk)
             # (+ draft_tokens: a verification holds that many extra positions until it is rolled back)
             kv.rows = {r.request_id: r.prompt_len + r.num_output_tokens + config.draft_tokens for r in view.decoding}
             kv.prefilling = {r.request_id: (r.num_computed_tokens, 0) for r in view.prefilling}

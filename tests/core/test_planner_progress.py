@@ -5,6 +5,8 @@ livelocked the planner: prefill-first mixing, a KV memory budget and media reque
 import math
 import random
 
+import pytest
+
 from caches.kv import KVLayout, LayerLayout
 from scheduler.config import EngineConfig
 from scheduler.events import EventLog
@@ -126,28 +128,38 @@ def test_every_request_finishes_within_a_bound():
         assert all(reason is FinishReason.LENGTH for _, reason in finished_at.values()), f"seed {seed}"
 
 
-def test_a_prompt_the_engine_accepts_is_one_the_planner_admits_alone():
+@pytest.mark.parametrize("layout, budgets", [
+    # quantized rows: a prompt's float prefill peak is above its quantized row
+    (KVLayout((LayerLayout(16, None, quantized_bytes_per_token=4),) * 2, quantized_prefill_from=2048,
+              quantized_rows_from=25), (8_000, 14_000)),
+    # a sliding window of 8 next to a full layer: the window's cache holds the chunk too while a prompt prefills
+    (KVLayout((LayerLayout(16, None), LayerLayout(16, 8))), (7_000, 11_000)),
+], ids=["quantized", "sliding"])
+@pytest.mark.parametrize("media", [False, True], ids=["text", "media"])
+def test_a_prompt_the_engine_accepts_is_one_the_planner_admits_alone(layout, budgets, media):
     """`KVLayout.admit_alone_bytes` (what Engine.add_request checks a prompt against) is exactly the planner's
-    admission rule on an empty engine, quantized rows included (their float prefill peak): a prompt within it
-    runs to the end, one over it is never admitted. Regression: under kv_bits the engine checked the row alone
-    and queued prompts whose float peak never fits, which then held back every request behind them for ever."""
-    layout = KVLayout((LayerLayout(16, None, quantized_bytes_per_token=4),) * 2, quantized_prefill_from=2048,
-                      quantized_rows_from=25)
+    admission rule on an empty engine, prefill peaks included (quantized rows' float peak, a sliding window's
+    chunk), for a text request and for a media request's admission to encoding: a prompt within it runs to the
+    end, one over it is never admitted. Regressions: under kv_bits the engine checked the row alone and queued
+    prompts whose float peak never fits, which then held back every request behind them for ever; on a sliding
+    window the planner admitted by the row and planned ticks over the budget."""
     rng = random.Random(7)
     admitted = refused = 0
     for _ in range(300):
-        n, headroom, chunk = rng.randint(1, 120), rng.choice([1, 4]), rng.choice([8, 32])
-        budget = rng.randint(8_000, 14_000)
+        n, headroom, chunk = rng.randint(2, 120), rng.choice([1, 4]), rng.choice([8, 32])
+        budget = rng.randint(*budgets)
         config = EngineConfig(max_seqs=2, max_batched_tokens=64, prefill_chunk=chunk, kv_memory_bytes=budget,
-                              kv_headroom_tokens=headroom)
+                              kv_headroom_tokens=headroom, check_invariants=True)
         need = layout.admit_alone_bytes(n, headroom, min(chunk, max(n - 1, 1)))
+        images = int(media)
         if need <= budget:
-            _, plans, finished_at = simulate(config, [(0, n, 3)], kv_layout=layout)
+            _, plans, finished_at = simulate(config, [(0, n, 3, 0, images)], kv_layout=layout)
             assert finished_at["r0"][1] is FinishReason.LENGTH and plans[0].admitted == ("r0",)
             admitted += 1
         else:
             scheduler = Scheduler(config, EventLog(), kv_layout=layout)
-            scheduler.add(Request("r0", [5] * n, SamplingParams(max_tokens=3)), 0)
+            scheduler.add(Request("r0", [5] * n, SamplingParams(max_tokens=3), num_images=images,
+                                  media_key="img" if media else None), 0)
             plan = scheduler.plan(scheduler.view(0))
             assert plan.admitted == () and _reason(plan, "r0") is Reason.KV_BUDGET
             refused += 1
