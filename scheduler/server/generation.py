@@ -170,8 +170,10 @@ async def choice_deltas(stream: RequestStream, tokenizer: Any, stops: StopRule,
             tokens = list(out.token_ids)
             # the stop token ends the text: it is counted, not shown
             shown = tokens[:-1] if out.finish_reason is FinishReason.STOP and tokens else tokens
-            logprobs = list(zip(tokens if with_stop_token else shown, out.logprobs)) if wants_logprobs else []
-            top = list(out.top_logprobs[: len(logprobs)])
+            logprobs = (list(zip(tokens if with_stop_token else shown, map(json_logprob, out.logprobs)))
+                        if wants_logprobs else [])
+            top = [[(t, json_logprob(lp)) for t, lp in alternatives]
+                   for alternatives in out.top_logprobs[: len(logprobs)]]
             within = min(len(shown), max(0, min_tokens - counted))  # of these, the tokens within min_tokens
             counted += len(tokens)
             early = stops.feed(detok.add(shown[:within]), checked=False).text if within else ""
@@ -194,6 +196,15 @@ async def choice_deltas(stream: RequestStream, tokenizer: Any, stops: StopRule,
                 yield Delta("", tokens)
     finally:
         stream.close()
+
+
+LOGPROB_FLOOR = -9999.0  # vLLM's: what a masked token's -inf reads as in JSON
+
+
+def json_logprob(logprob: float | None) -> float | None:
+    """A logprob as JSON can carry it: a token a mask ruled out (a structured output's grammar, allowed token
+    ids, min_tokens) has logprob -inf, which JSON has no number for; it reads as LOGPROB_FLOOR, as vLLM's do."""
+    return logprob if logprob is None or logprob > LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
 def _echoed(text: str, first: Any) -> EchoedPrompt:

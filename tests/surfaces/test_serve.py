@@ -392,6 +392,31 @@ def test_min_tokens_holds_stop_strings_and_stop_tokens_back_until_then(server, r
     assert set(restricted.token_ids) <= set(only) and allowed.usage.completion_tokens == 12
 
 
+def test_logprobs_of_masked_tokens_read_as_vllms_floor(server):
+    """Regression (found by a fuzz of the server): with a mask (allowed_token_ids here; a structured output's
+    grammar, min_tokens) the alternatives it rules out have logprob -inf, which JSON cannot carry: the answer was a
+    500. They read as -9999.0, vLLM's floor, streamed or not; the allowed tokens keep their real logprobs."""
+    messages = [{"role": "user", "content": "Tell me about the river"}]
+    allowed = [41, 42]
+
+    async def run():
+        async with server.client() as client:
+            kwargs = dict(model=MODEL_NAME, messages=messages, max_tokens=4, temperature=0, logprobs=True,
+                          top_logprobs=5, extra_body={"allowed_token_ids": allowed})
+            whole = await client.chat.completions.create(**kwargs)
+            chunks = [c async for c in await client.chat.completions.create(stream=True, **kwargs)]
+            return whole, chunks
+
+    whole, chunks = asyncio.run(run())
+    streamed = [e for c in chunks for choice in c.choices if choice.logprobs for e in choice.logprobs.content]
+    entries = whole.choices[0].logprobs.content
+    assert len(entries) == 4 and [e.model_dump() for e in streamed] == [e.model_dump() for e in entries]
+    for entry in entries:
+        values = sorted((top.logprob for top in entry.top_logprobs), reverse=True)
+        assert len(values) == 5 and values[2:] == [-9999.0] * 3 and all(-9999.0 < v <= 0 for v in values[:2])
+        assert entry.logprob in values[:2]
+
+
 def test_a_list_of_prompts_gets_n_choices_each_in_openais_order(server, reference):
     """/v1/completions with several prompts (token-id lists, and texts): choice p * n + j is prompt p's j-th, each
     equal to the engine's output for that prompt alone, streamed or not; usage counts each prompt once. A bad
