@@ -357,7 +357,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
     try:  # what cannot be served is said in one line, before anything listens
-        engine = Engine.from_pretrained(args.model, config)
+        engine = Engine.from_pretrained(args.model, config, adapter_path=args.adapter_path)
     except FileNotFoundError as exc:  # (it names the path)
         print(f"mlxsched serve: {exc}", file=sys.stderr)
         return 2
@@ -417,6 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGINT/SIGTERM, how long open responses may finish before they are cancelled")
     p.add_argument("--max-request-mb", type=_positive, default=64,
                    help="a larger request body is answered 413 (default: 64; base64 media counts)")
+    p.add_argument("--adapter-path", metavar="DIR",
+                   help="a LoRA adapter to apply to the model (the directory mlx_lm.lora or mlx-vlm's trainer writes: "
+                        "adapter_config.json and adapters.safetensors), as mlx_lm.generate's --adapter-path does")
     p.add_argument("--allowed-local-media-path", metavar="DIR",
                    help="let clients name image / video files (paths, file:// URLs) under this directory (default: "
                         "none, only data: URLs: a client must not read the server's files)")

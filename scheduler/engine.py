@@ -363,16 +363,29 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, config: EngineConfig | None = None, *,
-                        tensor_group: Any = None, pipeline_group: Any = None, **kwargs: Any) -> "Engine":
+                        tensor_group: Any = None, pipeline_group: Any = None, adapter_path: str | Path | None = None,
+                        **kwargs: Any) -> "Engine":
         """Load a local mlx-lm model directory, or an mlx-vlm one (a config with a `vision_config`).
 
         `tensor_group` / `pipeline_group` (an `mx.distributed` group, names as mlx-lm's `sharded_load`) load the
         model sharded across the group's ranks; call this on every rank, then use the engine on rank 0 and
         `engine.follow()` on the others (README: "One model across processes").
+
+        `adapter_path`: a local LoRA adapter directory, applied to the model by its loader (`mlx_lm.load` /
+        `mlx_vlm.load(adapter_path=...)`; the layout `mlx_lm.lora` or mlx-vlm's trainer writes). One adapter for
+        every request; not with sharding (mlx-lm's sharded load takes none).
         """
         if not Path(model_dir).is_dir():  # mlx-lm would take it for a Hugging Face repo id and try to download
             raise FileNotFoundError(f"{model_dir}: no such model directory (a local mlx-lm or mlx-vlm model "
                                     "directory; nothing is downloaded)")
+        if adapter_path is not None:
+            if not Path(adapter_path).is_dir():
+                raise FileNotFoundError(f"{adapter_path}: no such adapter directory (a local LoRA adapter: "
+                                        "adapter_config.json and adapters.safetensors)")
+            if tensor_group is not None or pipeline_group is not None:
+                raise ValueError("adapter_path: a sharded model loads without adapters (mlx-lm's sharded_load "
+                                 "takes none); fuse the adapter into the model first (mlx_lm.fuse)")
+            adapter_path = str(adapter_path)
         if tensor_group is not None or pipeline_group is not None:
             if library.is_vision_language_dir(model_dir):
                 raise ValueError("tensor_group / pipeline_group: sharding is built for mlx-lm text models only")
@@ -383,13 +396,13 @@ class Engine:
         if library.is_vision_language_dir(model_dir):
             from mlx_vlm import load as load_vlm
 
-            model, processor = load_vlm(str(model_dir))
+            model, processor = load_vlm(str(model_dir), adapter_path=adapter_path)
             return cls(model, processor, config, **kwargs)
         from mlx_lm import load
 
         from .execution.mtp import load_mtp_head
 
-        model, tokenizer = load(str(model_dir))
+        model, tokenizer = load(str(model_dir), adapter_path=adapter_path)
         if config is not None and config.drafter == "mtp" and "mtp_head" not in kwargs:
             kwargs["mtp_head"] = load_mtp_head(model_dir)
         return cls(model, tokenizer, config, **kwargs)

@@ -78,15 +78,18 @@ def test_serve_refuses_a_bad_engine_config_before_loading(capsys):
         main(["serve", "--model", "no-such-dir", "--max-queue", "0"])
 
 
-def test_serve_says_in_one_line_what_it_cannot_serve(tmp_path, capsys):
+def test_serve_says_in_one_line_what_it_cannot_serve(tmp_path, text_model_dir, capsys):
     """A path that is not a model directory (mlx-lm took it for a Hugging Face repo id and raised from the hub
-    client), and a family the engine refuses (llava_next), end with exit 2 and one line, before anything
-    listens."""
+    client), an adapter directory that is not there, and a family the engine refuses (llava_next), end with exit
+    2 and one line, before anything listens."""
     from scheduler.fixtures.vlm_families import build_tiny_vlm
 
     assert main(["serve", "--model", str(tmp_path / "no-such-dir")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no such model directory" in err and "no-such-dir" in err
+    assert main(["serve", "--model", str(text_model_dir), "--adapter-path", str(tmp_path / "no-adapter")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no such adapter directory" in err and "no-adapter" in err
     refused = build_tiny_vlm("llava_next", tmp_path / "llava_next")
     assert main(["serve", "--model", str(refused)]) == 2
     err = capsys.readouterr().err  # (transformers may warn first, loading the processor)
