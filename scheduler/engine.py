@@ -453,6 +453,9 @@ class Engine:
         bad_bias = [t for t, _ in sampling.logit_bias if t >= self.vocab_size]
         if bad_bias:
             raise InvalidRequest("logit_bias", f"ids outside the vocabulary [0, {self.vocab_size}): {bad_bias}")
+        bad_words = sorted({t for seq in sampling.bad_words_ids for t in seq if t >= self.vocab_size})
+        if bad_words:
+            raise InvalidRequest("bad_words_ids", f"ids outside the vocabulary [0, {self.vocab_size}): {bad_words[:5]}")
         bad_allowed = [t for t in sampling.allowed_token_ids or () if t >= self.vocab_size]
         if bad_allowed:
             raise InvalidRequest("allowed_token_ids",

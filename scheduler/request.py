@@ -202,6 +202,10 @@ class SamplingParams:
     # processors; list an end-of-sequence token for the request to be able to end on it); the row never drafts.
     # None: all. Kept sorted; ids are checked against the vocabulary on arrival.
     allowed_token_ids: tuple[int, ...] | None = None
+    # token sequences the output may not contain (Hugging Face's `bad_words_ids`; vLLM's `bad_words` as the
+    # tokenizer encodes them): a one-token sequence is masked at every step, a longer one's last token wherever the
+    # output so far ends with the rest of it (the output only, as vLLM matches); the row never drafts
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         # InvalidRequest is a ValueError whose message starts with the field name.
@@ -256,6 +260,11 @@ class SamplingParams:
             object.__setattr__(self, "allowed_token_ids", tuple(sorted(allowed)))
             _check(self.structured_output is None, "allowed_token_ids",
                    "cannot be combined with a structured output (the constraint decides the tokens)")
+        bad = self.bad_words_ids
+        _check(isinstance(bad, (tuple, list)) and all(
+            isinstance(seq, (tuple, list)) and seq and all(_is_int(t) and t >= 0 for t in seq) for seq in bad),
+            "bad_words_ids", f"must be a sequence of non-empty token-id sequences, got {bad!r}")
+        object.__setattr__(self, "bad_words_ids", tuple(tuple(int(t) for t in seq) for seq in bad))
         # a finished grammar allows only the end of the output, which min_tokens would mask: nothing left to sample
         _check(not (self.min_tokens and self.structured_output is not None), "min_tokens",
                "cannot be combined with a structured output (the constraint decides where the output ends)")
@@ -281,6 +290,8 @@ class SamplingParams:
             record["structured_output"] = self.structured_output.to_record()
         if self.allowed_token_ids is not None:
             record["allowed_token_ids"] = list(self.allowed_token_ids)
+        if self.bad_words_ids:
+            record["bad_words_ids"] = [list(seq) for seq in self.bad_words_ids]
         return record
 
     @classmethod
@@ -290,7 +301,7 @@ class SamplingParams:
                    stop_token_ids=tuple(record["stop_token_ids"]), logit_bias=record.get("logit_bias", ()),
                    structured_output=None if record.get("structured_output") is None
                    else StructuredOutput.from_record(record["structured_output"]),
-                   allowed_token_ids=record.get("allowed_token_ids"))
+                   allowed_token_ids=record.get("allowed_token_ids"), bad_words_ids=record.get("bad_words_ids", ()))
 
 
 def _bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:
@@ -372,8 +383,8 @@ class Request:
     state_entered_time: float = 0.0
     state: RequestState = RequestState.QUEUED
     # May this row propose draft tokens? Not when its next tokens depend on per-position Python or history the
-    # verifier does not replay (logits processors, logit bias, a structured output, allowed token ids, a custom
-    # sampler, penalties, per-token logprobs), nor when it opted out (allow_drafts). A decision fact, recorded in
+    # verifier does not replay (logits processors, logit bias, a structured output, allowed token ids, bad words,
+    # a custom sampler, penalties, per-token logprobs), nor when it opted out (allow_drafts). A decision fact, recorded in
     # the trace (processors are code and cannot be), so replay rebuilds it; None: derived from `sampling`.
     draft_eligible: bool | None = None
 
@@ -382,7 +393,7 @@ class Request:
             s = self.sampling
             self.draft_eligible = s.allow_drafts and not (
                 s.logits_processors or s.sampler is not None or s.logprobs or s.has_penalty or s.logit_bias
-                or s.structured_output is not None or s.allowed_token_ids is not None)
+                or s.structured_output is not None or s.allowed_token_ids is not None or s.bad_words_ids)
 
     @classmethod
     def from_new_request(cls, new: "NewRequest") -> "Request":

@@ -199,6 +199,12 @@ class _Feed:
     checkpoint: bool = False
 
 
+def _leads_into(output: list[int], word: tuple[int, ...]) -> bool:
+    """Whether the output so far ends with all of `word` but its last token (a one-token word: always)."""
+    head = len(word) - 1
+    return head == 0 or (len(output) >= head and output[len(output) - head:] == list(word[:-1]))
+
+
 def _masks_logits(sampling: SamplingParams) -> bool:
     """Whether a row's logits pass through `_apply_processors` beyond the min_tokens mask: a logit bias, logits
     processors, allowed token ids or a structured output (each changes position 0's logits only)."""
@@ -723,7 +729,7 @@ class MLXExecutor:
         # a verify tick whose rows only need argmaxes reads back every row's greedy choice at every position (the
         # tokens and the verdict are decided from it on the host): `greedy_pick`, which skips the log-softmax
         # wherever that provably gives the same token (`sample_tokens` would agree)
-        pick = greedy_pick(all_logits) if width and self._argmax_only and not self._stops_held() else None
+        pick = greedy_pick(all_logits) if width and self._argmax_only and not self._banned() else None
         # a plain tick that can: greedy rows picked, sampled rows drawn, each group apart (`draw_tokens`)
         draw = self._draw(inputs, logits, params) if not width and self._draw_groups else None
         top_rows = None
@@ -981,6 +987,19 @@ class MLXExecutor:
         mx.eval(res.accepted, res.emitted, sampled, *rollback_reads(self.kv.batch))
         return res.accepted.tolist(), res.emitted.tolist()
 
+    def _banned(self) -> list[tuple[int, tuple[int, ...]]]:
+        """(row, the token ids it may not sample now) for each row that has some: its stops while within
+        `min_tokens` (`_stops_held`), and the last token of each of its `bad_words_ids` the output so far leads
+        into (a one-token word: always)."""
+        banned = dict(self._stops_held())
+        for i, row in enumerate(self._rows):
+            words = row.request.sampling.bad_words_ids
+            if words:
+                ends = tuple(word[-1] for word in words if _leads_into(row.request.output_tokens, word))
+                if ends:
+                    banned[i] = banned.get(i, ()) + ends
+        return list(banned.items())
+
     def _stops_held(self) -> list[tuple[int, tuple[int, ...]]]:
         """(row, the token ids it may not sample yet) for each row whose next token is within its `min_tokens`: the
         model's end-of-sequence tokens (unless it ignores them) and its stop_token_ids."""
@@ -992,20 +1011,20 @@ class MLXExecutor:
                 held.append((i, own if request.sampling.ignore_eos else (*self.model_stop_ids, *own)))
         return held
 
-    def _mask_held_stops(self, logits: mx.array) -> mx.array:
-        """`min_tokens`: -inf at the tokens `_stops_held` names, one scatter for the batch (vLLM applies this mask
-        first, before the logit bias). Ids past the vocabulary are not there to mask."""
+    def _mask_banned(self, logits: mx.array) -> mx.array:
+        """`min_tokens` and `bad_words_ids`: -inf at the tokens `_banned` names, one scatter for the batch (vLLM
+        applies these masks first, before the logit bias). Ids past the vocabulary are not there to mask."""
         vocab = logits.shape[-1]
-        pairs = [(i, t) for i, ids in self._stops_held() for t in ids if t < vocab]
+        pairs = [(i, t) for i, ids in self._banned() for t in ids if t < vocab]
         if not pairs:
             return logits
         rows, ids = zip(*pairs)
         return logits.at[mx.array(rows), mx.array(ids)].minimum(mx.array(-mx.inf, dtype=logits.dtype))
 
     def _apply_processors(self, logits: mx.array, result: TickResult) -> mx.array:
-        """The `min_tokens` mask (`_mask_held_stops`), then logit bias, then user logits processors, then the mask
-        of allowed token ids or a structured output's, per row (processors are arbitrary Python); rows without
-        them are untouched. The bias is mlx-lm's `logit_bias` processor (`logits.at[:, ids].add(biases)`), first
+        """The `min_tokens` and bad-words mask (`_mask_banned`), then logit bias, then user logits processors,
+        then the mask of allowed token ids or a structured output's, per row (processors are arbitrary Python);
+        rows without them are untouched. The bias is mlx-lm's `logit_bias` processor (`logits.at[:, ids].add(biases)`), first
         as in its `make_logits_processors`; the grammar's mask is a `GrammarProcessor`, the processor a solo
         mlx-lm run is given for the same constraint.
 
@@ -1013,7 +1032,7 @@ class MLXExecutor:
         the generated tokens only. One that raises fails its own request (reported in `result.errors`); its row
         samples from the unprocessed logits and is dropped.
         """
-        logits = self._mask_held_stops(logits)
+        logits = self._mask_banned(logits)
         rows = [i for i, row in enumerate(self._rows) if _masks_logits(row.request.sampling)]
         if not rows:
             return logits

@@ -37,7 +37,8 @@ from ..async_engine import AsyncEngine, EngineStopped, RequestStream
 from ..models.prompt import with_generation_prompt
 from ..request import InvalidRequest, StructuredOutput
 from .constraints import output_constraint
-from .generation import Body, ChoiceFailed, Delta, PromptScores, choice_deltas, refusal, sampling_params
+from .generation import (Body, ChoiceFailed, Delta, PromptScores, bad_words_ids, choice_deltas, refusal,
+                         sampling_params)
 from .messages import EnginePrompt, convert_messages, fetches_media
 from .metrics import EngineMetrics, engine_snapshot
 from .protocol import (MAX_CHOICES, APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -145,7 +146,8 @@ class _Call:
         """Submit the call's choices: `n` per entry of `prompts` (its engine arguments: prompt or prompt_tokens,
         media), each constrained by `structured`. `part_of` names the content part a refused medium came from."""
         state, body = self.state, self.body
-        samplings = [sampling_params(body, i % body.n, state.engine.max_model_len, structured)
+        bad_words = bad_words_ids(state.engine.tokenizer, body.bad_words) if body.bad_words else ()
+        samplings = [sampling_params(body, i % body.n, state.engine.max_model_len, structured, bad_words)
                      for i in range(self.choices)]
         if not state.aengine.running:  # before the queue bound: a dead loop's queue never drains
             raise APIError(503, f"the engine loop is not running: {state.aengine.error!r}", None, "server_error")

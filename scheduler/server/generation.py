@@ -68,6 +68,8 @@ def engine_field(body: Body | TokenizeRequest, name: str) -> str:
         return "messages" if getattr(body, "messages", None) is not None else "prompt"
     if name == "max_tokens":
         return body.token_limit()[1]
+    if name == "bad_words_ids":
+        return "bad_words"
     if name == "stop_token_ids":
         return "stop_token_ids" if body.stop_token_ids else "stop"
     if name == "structured_output":  # the field the constraint came from (`constraints.output_constraint`)
@@ -92,8 +94,23 @@ def refusal(body: Body | TokenizeRequest, exc: InvalidRequest,
     return APIError(400, f"{param}: {message}", param)
 
 
+def bad_words_ids(tokenizer: Any, words: list[str]) -> tuple[tuple[int, ...], ...]:
+    """vLLM's `bad_words` as token sequences, by vLLM's rule: each word as the tokenizer encodes it (no special
+    tokens, leading spaces stripped) and, where a leading space makes it another word of as many tokens, that
+    encoding too, so the word is kept out at the start of the text and in the middle of it."""
+    sequences: list[tuple[int, ...]] = []
+    for word in words:
+        bare = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        sequences.append(bare)
+        if spaced and bare and spaced[0] != bare[0] and len(spaced) == len(bare):
+            sequences.append(spaced)
+    return tuple(seq for seq in sequences if seq)
+
+
 def sampling_params(body: Body, index: int, default_max_tokens: int,
-                    structured: StructuredOutput | None = None) -> SamplingParams:
+                    structured: StructuredOutput | None = None,
+                    bad_words: tuple[tuple[int, ...], ...] = ()) -> SamplingParams:
     """Choice `index`'s SamplingParams (a seeded request gives choice i the seed + i, so the n choices differ
     and each is reproducible), with the request's output constraint (`constraints.output_constraint`). Values
     the engine refuses raise APIError naming the body's field."""
@@ -112,6 +129,7 @@ def sampling_params(body: Body, index: int, default_max_tokens: int,
         "ignore_eos": body.ignore_eos,
         "min_tokens": body.min_tokens,
         "allowed_token_ids": body.allowed_token_ids,
+        "bad_words_ids": bad_words,
         "seed": seed,
         "logprobs": body.wants_logprobs(),
         "top_logprobs": body.alternatives(),

@@ -234,7 +234,7 @@ def test_min_tokens_masks_the_stop_tokens_until_then_as_an_mlx_lm_processor_does
             assert held_back & drafted  # rows held back while within their bound drafted after it
 
 
-def test_min_tokens_and_allowed_token_ids_are_checked_and_recorded():
+def test_min_tokens_allowed_token_ids_and_bad_words_are_checked_and_recorded():
     from scheduler import InvalidRequest, SamplingParams
     from scheduler.request import StructuredOutput
 
@@ -250,8 +250,12 @@ def test_min_tokens_and_allowed_token_ids_are_checked_and_recorded():
             SamplingParams(allowed_token_ids=bad)
     with pytest.raises(InvalidRequest, match="^allowed_token_ids: cannot be combined with a structured output"):
         SamplingParams(allowed_token_ids=[3], structured_output=StructuredOutput.regex("a+"))
-    record = SamplingParams(allowed_token_ids=[9, 3], min_tokens=2).to_record()
-    assert SamplingParams.from_record(record) == SamplingParams(allowed_token_ids=[3, 9], min_tokens=2)
+    for bad in ([[]], [[1.5]], [[-1]], [5], 5):
+        with pytest.raises(InvalidRequest, match="^bad_words_ids"):
+            SamplingParams(bad_words_ids=bad)
+    record = SamplingParams(allowed_token_ids=[9, 3], min_tokens=2, bad_words_ids=[[4], [5, 6]]).to_record()
+    assert SamplingParams.from_record(record) == SamplingParams(allowed_token_ids=[3, 9], min_tokens=2,
+                                                                bad_words_ids=((4,), (5, 6)))
 
 
 def test_allowed_token_ids_restrict_sampling_as_an_mlx_lm_mask_processor_does(text_eos_model, text_eos_reference):
@@ -305,3 +309,48 @@ def test_allowed_token_ids_restrict_sampling_as_an_mlx_lm_mask_processor_does(te
             assert drafted and not drafted & restricted
     with pytest.raises(Exception, match="allowed_token_ids: ids outside the vocabulary"):
         engine.add_request(prompt_tokens=PROMPTS[0], sampling=SamplingParams(allowed_token_ids=[vocab]))
+
+
+def test_bad_words_are_kept_out_of_the_output_as_an_mlx_lm_processor_keeps_them(text_model, text_reference):
+    """`bad_words_ids` (Hugging Face's; vLLM's `bad_words` as token sequences): a one-token word is never
+    sampled, a longer word's last token not where the output so far ends with the rest of it. Each request's
+    words are taken from its own solo output (its second token; its fourth and fifth as a pair), so they change
+    it; greedy output equals mlx-lm's steps with that rule as a processor, batched with requests without words."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    from scheduler import SamplingParams
+
+    model, tokenizer = text_model
+
+    def banning(prompt_len, words):
+        def processor(tokens, logits):
+            out = tokens.tolist()[prompt_len:]
+            ends = [w[-1] for w in words if len(w) == 1 or out[len(out) - len(w) + 1:] == list(w[:-1])]
+            return logits.at[:, mx.array(ends)].add(-mx.inf) if ends else logits
+        return processor
+
+    cases = []
+    for i in range(6):
+        ref = text_reference[i]
+        words = ((ref[1],), (ref[3], ref[4]))
+        cases.append((i, SamplingParams(max_tokens=MAX_TOKENS, bad_words_ids=words)))
+        cases.append((i + 6, SamplingParams(max_tokens=MAX_TOKENS)))
+    want = []
+    for i, sp in cases:
+        if not sp.bad_words_ids:
+            want.append(text_reference[i])
+            continue
+        steps = generate_step(mx.array(PROMPTS[i]), model, max_tokens=MAX_TOKENS,
+                              logits_processors=[banning(len(PROMPTS[i]), sp.bad_words_ids)])
+        want.append([int(t) for t, _ in steps])
+    for (i, sp), got in zip(cases, want):
+        if sp.bad_words_ids:
+            assert got != text_reference[i] and sp.bad_words_ids[0][0] not in got
+            assert not any(got[k:k + 2] == list(sp.bad_words_ids[1]) for k in range(len(got) - 1))
+    engine, _ = engine_with_log(model, tokenizer, EngineConfig(check_invariants=True, max_seqs=16, draft_tokens=2,
+                                                               max_batched_tokens=96, prefill_chunk=32))
+    run = drive(engine, [(0, {"prompt_tokens": PROMPTS[i], "sampling": sp}) for i, sp in cases])
+    assert list(run.tokens.values()) == want
+    with pytest.raises(Exception, match="^bad_words_ids: ids outside the vocabulary"):
+        engine.add_request(prompt_tokens=PROMPTS[0], sampling=SamplingParams(bad_words_ids=[[5, 10 ** 6]]))

@@ -2,10 +2,10 @@
 
 Every scenario draws its budgets (slots, chunk size, a KV budget of two rows or none, the prefix cache, drafting,
 the tick mix, quantized KV), then requests arriving over the first ticks, each with a random mix of sampling
-features: min_tokens, ignore_eos, stop ids, a logit bias, a penalty, allowed token ids, logprobs, sampling at a
-temperature; some are aborted. Invariants are checked every tick. At the end every greedy request that was not
+features: min_tokens, ignore_eos, stop ids, a logit bias, a penalty, allowed token ids, bad words, logprobs,
+sampling at a temperature; some are aborted. Invariants are checked every tick. At the end every greedy request that was not
 aborted equals mlx-lm's `generate_step` alone with the same features as logits processors (the mask of
-min_tokens and of allowed ids, `make_logits_processors` for the bias and penalties) and the same KV
+min_tokens, bad words and allowed ids, `make_logits_processors` for the bias and penalties) and the same KV
 quantization, cut where the request's stops end it; no cache bytes are held; the trace replays decision for
 decision. A throwaway fuzz of this shape found the sliding-window admission bug of
 `test_a_sliding_window_prompt_is_admitted_only_where_its_prefill_peak_fits`; these scenarios keep it covered on
@@ -37,8 +37,11 @@ class Scenario:
     aborts: tuple[tuple[int, int], ...]  # (tick, index of the request to abort)
 
 
-def _sampling(rng: random.Random, n: int, vocab: int, eos: set[int]) -> tuple[SamplingParams, bool]:
+def _sampling(rng: random.Random, n: int, vocab: int, eos: set[int],
+              words: random.Random) -> tuple[SamplingParams, bool]:
     kw: dict = {"max_tokens": n}
+    if words.random() < 0.2:  # (its own stream: the draws below, and the scenarios they make, stay as they were)
+        kw["bad_words_ids"] = ((words.randrange(7, 512),), (words.randrange(7, 512), words.randrange(7, 512)))
     if rng.random() < 0.3:
         kw["min_tokens"] = rng.randint(0, n)
     if rng.random() < 0.2:
@@ -74,11 +77,11 @@ def _scenario(seed: int, model, tokenizer, quantize: bool) -> Scenario:
                           draft_tokens=draft, mix=rng.choice(["decode-first", "prefill-first"]),
                           check_invariants=True, **quant)
     eos, vocab = set(tokenizer.eos_token_ids), model.args.vocab_size
-    requests = []
+    requests, words = [], random.Random(f"bad-words-{seed}")
     for _ in range(rng.randint(3, 12)):
         body = tuple(rng.randrange(7, 512) for _ in range(rng.randint(1, 60)))
         prompt = (tuple(SHARED) + body) if rng.random() < 0.4 else body
-        sampling, sampled = _sampling(rng, rng.randint(1, 16), vocab, eos)
+        sampling, sampled = _sampling(rng, rng.randint(1, 16), vocab, eos, words)
         requests.append((rng.randint(0, 20), prompt, sampling, sampled))
     requests.sort(key=lambda r: r[0])
     aborts = tuple((rng.randint(0, 30), rng.randrange(len(requests))) for _ in range(rng.randint(0, 2)))
@@ -99,6 +102,8 @@ def _solo(model, tokenizer, prompt, sampling: SamplingParams, config: EngineConf
         logit_bias=dict(sampling.logit_bias) or None,
         repetition_penalty=sampling.repetition_penalty if sampling.repetition_penalty != 1 else None,
         presence_penalty=sampling.presence_penalty or None, frequency_penalty=sampling.frequency_penalty or None)
+    if sampling.bad_words_ids:
+        processors.insert(0, _banning(len(prompt), sampling.bad_words_ids))
     if sampling.allowed_token_ids:
         keep = np.zeros(vocab, dtype=bool)
         keep[list(sampling.allowed_token_ids)] = True
@@ -113,6 +118,18 @@ def _solo(model, tokenizer, prompt, sampling: SamplingParams, config: EngineConf
         if out[-1] in stops and len(out) > sampling.min_tokens:
             break
     return out
+
+
+def _banning(prompt_len: int, words: tuple[tuple[int, ...], ...]):
+    """An mlx-lm processor for `bad_words_ids`: each word's last token masked where the output so far (not the
+    prompt) ends with the rest of it."""
+    import mlx.core as mx
+
+    def processor(tokens, logits):
+        out = tokens.tolist()[prompt_len:]
+        ends = [w[-1] for w in words if len(w) == 1 or out[len(out) - len(w) + 1:] == list(w[:-1])]
+        return logits.at[:, mx.array(ends)].add(-mx.inf) if ends else logits
+    return processor
 
 
 def _run(model, tokenizer, scenario: Scenario) -> None:

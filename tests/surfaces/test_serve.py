@@ -37,6 +37,7 @@ import scheduler
 from scheduler import Engine, EngineConfig, SamplingParams
 from scheduler.events import MemorySink, read_jsonl
 from scheduler.request import FinishReason
+from scheduler.server.generation import bad_words_ids
 
 from ..media_http import MediaServer
 
@@ -340,8 +341,8 @@ def test_min_tokens_holds_stop_strings_and_stop_tokens_back_until_then(server, r
     not matched, one that begins there and ends after it is (the text is cut where it begins), streamed or not;
     a stop token id among those tokens is masked, so the choice runs on as the engine's own min_tokens run does.
     min_tokens above max_tokens, or with an output format, is refused by field (`_bad_inputs`). vLLM's
-    `allowed_token_ids` restricts a choice as the engine's own run with them; with `include_stop_str_in_output`
-    the text runs through the stop string."""
+    `allowed_token_ids` and `bad_words` restrict a choice as the engine's own run with them; with
+    `include_stop_str_in_output` the text runs through the stop string."""
     messages = [{"role": "user", "content": "Tell me about the river and a garden"}]
     engine, m = reference[0], 8
     out = engine.generate([messages], [SamplingParams(max_tokens=24, min_tokens=m)])[0]
@@ -351,6 +352,10 @@ def test_min_tokens_holds_stop_strings_and_stop_tokens_back_until_then(server, r
     early, straddling = full[2:5], full[unchecked - 2: unchecked + 2]
     stop_id = out.token_ids[3]
     by_id = engine.generate([messages], [SamplingParams(max_tokens=24, min_tokens=m, stop_token_ids=(stop_id,))])[0]
+    # vLLM's bad_words: the text of the plain answer's second token, as the server encodes it
+    bad = [engine.tokenizer.decode([out.token_ids[1]])]
+    bad_ids = bad_words_ids(engine.tokenizer, bad)
+    without = engine.generate([messages], [SamplingParams(max_tokens=12, bad_words_ids=bad_ids)])[0]
     # vLLM's allowed_token_ids too: the tokens the plain answer did not use, so the answer changes
     only = sorted(set(range(40, 140)) - set(out.token_ids))
     restricted = engine.generate([messages], [SamplingParams(max_tokens=12, allowed_token_ids=only)])[0]
@@ -366,13 +371,15 @@ def test_min_tokens_holds_stop_strings_and_stop_tokens_back_until_then(server, r
                                     extra_body={"stop": [stop_id], "min_tokens": m})
             allowed = await chat.create(model=MODEL_NAME, messages=messages, max_tokens=12, temperature=0,
                                         extra_body={"allowed_token_ids": only})
+            banned = await chat.create(model=MODEL_NAME, messages=messages, max_tokens=12, temperature=0,
+                                       extra_body={"bad_words": bad})
             kept = {"extra_body": {"min_tokens": m, "include_stop_str_in_output": True}}
             kept = [await chat.create(model=MODEL_NAME, messages=messages, max_tokens=24, temperature=0,
                                       stop=[straddling], **kept),
                     await _stream_chat(client, messages, max_tokens=24, temperature=0, stop=straddling, **kept)]
-            return answers, streamed, ids, allowed, kept
+            return answers, streamed, ids, allowed, kept, banned
 
-    answers, streamed, ids, allowed, kept = asyncio.run(run())
+    answers, streamed, ids, allowed, kept, banned = asyncio.run(run())
     for stop, answer in zip((early, straddling), answers):
         cut = _cut_after(full, unchecked, stop)
         assert cut != full.find(stop) or stop == straddling  # the early one would have cut without min_tokens
@@ -388,6 +395,9 @@ def test_min_tokens_holds_stop_strings_and_stop_tokens_back_until_then(server, r
     by_id_shown = by_id.token_ids[:-1] if by_id.finish_reason is FinishReason.STOP else by_id.token_ids
     assert ids.choices[0].message.content == engine.tokenizer.decode(by_id_shown)
     assert ids.usage.completion_tokens == len(by_id.token_ids) > m and stop_id not in by_id.token_ids[:m]
+    shown = without.token_ids[:-1] if without.finish_reason is FinishReason.STOP else without.token_ids
+    assert banned.choices[0].message.content == engine.tokenizer.decode(shown)
+    assert out.token_ids[1] not in without.token_ids and without.token_ids != out.token_ids[:len(without.token_ids)]
     assert allowed.choices[0].message.content == engine.tokenizer.decode(restricted.token_ids)
     assert set(restricted.token_ids) <= set(only) and allowed.usage.completion_tokens == 12
 
@@ -672,6 +682,7 @@ def _bad_inputs(tmp_path: Path, media_server: MediaServer) -> list[tuple[str, by
         (chat, {"messages": ok, "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
         (chat, {"messages": ok, "min_tokens": -1}, 400, "min_tokens"),
         (chat, {"messages": ok, "allowed_token_ids": []}, 400, "allowed_token_ids"),
+        (chat, {"messages": ok, "bad_words": [" "]}, 400, "bad_words"),
         (cmpl, {"prompt": "hi", "allowed_token_ids": [5, 999999]}, 400, "allowed_token_ids"),
         (cmpl, {"prompt": "hi", "max_tokens": 0, "min_tokens": 1}, 400, "min_tokens"),
         (chat, {"messages": ok, "min_tokens": 1, "response_format": {"type": "json_object"}}, 400, "min_tokens"),

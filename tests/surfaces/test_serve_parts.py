@@ -137,3 +137,19 @@ def test_incremental_detokenization_equals_decoding_the_whole_sequence(tokenizer
         if "\ufffd" not in tokenizer.decode(ids):  # valid UTF-8: a split character is held, never sent broken
             assert not any("\ufffd" in p for p in pieces)
     assert len(sequences[1]) > len(texts[1].split())  # the accented text really is split into byte tokens
+
+
+def test_bad_words_become_token_sequences_by_vllms_rule(tokenizer):
+    """vLLM's `bad_words`: each word as the tokenizer encodes it (leading spaces stripped, no special tokens), and
+    its encoding after a space where that is another sequence of as many tokens (so the word is kept out in the
+    middle of the text too); a spaced encoding of another length is left out, as vLLM leaves it."""
+    from scheduler.server.generation import bad_words_ids
+
+    def enc(text):
+        return tuple(tokenizer.encode(text, add_special_tokens=False))
+
+    for word in ("river", " garden", "the scheduler", "caf\u00e9"):
+        bare, spaced = enc(word.lstrip()), enc(" " + word.lstrip())
+        want = (bare, spaced) if len(spaced) == len(bare) and spaced[0] != bare[0] else (bare,)
+        assert bad_words_ids(tokenizer, [word]) == want, word
+    assert len(bad_words_ids(tokenizer, ["caf\u00e9"])) == 2 and len(bad_words_ids(tokenizer, ["river"])) == 1
