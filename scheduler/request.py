@@ -384,8 +384,9 @@ class Request:
     state: RequestState = RequestState.QUEUED
     # May this row propose draft tokens? Not when its next tokens depend on per-position Python or history the
     # verifier does not replay (logits processors, logit bias, a structured output, allowed token ids, bad words,
-    # a custom sampler, penalties, per-token logprobs), nor when it opted out (allow_drafts). A decision fact, recorded in
-    # the trace (processors are code and cannot be), so replay rebuilds it; None: derived from `sampling`.
+    # a custom sampler, penalties, per-token logprobs), nor when it opted out (allow_drafts). A decision fact,
+    # recorded in the trace (processors are code and cannot be), so replay rebuilds it; None: derived from
+    # `sampling`.
     draft_eligible: bool | None = None
 
     def __post_init__(self) -> None:

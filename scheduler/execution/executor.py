@@ -1024,9 +1024,9 @@ class MLXExecutor:
     def _apply_processors(self, logits: mx.array, result: TickResult) -> mx.array:
         """The `min_tokens` and bad-words mask (`_mask_banned`), then logit bias, then user logits processors,
         then the mask of allowed token ids or a structured output's, per row (processors are arbitrary Python);
-        rows without them are untouched. The bias is mlx-lm's `logit_bias` processor (`logits.at[:, ids].add(biases)`), first
-        as in its `make_logits_processors`; the grammar's mask is a `GrammarProcessor`, the processor a solo
-        mlx-lm run is given for the same constraint.
+        rows without them are untouched. The bias is mlx-lm's `logit_bias` processor
+        (`logits.at[:, ids].add(biases)`), first as in its `make_logits_processors`; the grammar's mask is a
+        `GrammarProcessor`, the processor a solo mlx-lm run is given for the same constraint.
 
         Like mlx-lm, a processor sees every token so far (prompt + output); with an output-only history (vllm-mlx)
         the generated tokens only. One that raises fails its own request (reported in `result.errors`); its row

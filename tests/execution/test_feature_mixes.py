@@ -3,8 +3,8 @@
 Every scenario draws its budgets (slots, chunk size, a KV budget of two rows or none, the prefix cache, drafting,
 the tick mix, quantized KV), then requests arriving over the first ticks, each with a random mix of sampling
 features: min_tokens, ignore_eos, stop ids, a logit bias, a penalty, allowed token ids, bad words, logprobs,
-sampling at a temperature; some are aborted. Invariants are checked every tick. At the end every greedy request that was not
-aborted equals mlx-lm's `generate_step` alone with the same features as logits processors (the mask of
+sampling at a temperature; some are aborted. Invariants are checked every tick. At the end every greedy request
+that was not aborted equals mlx-lm's `generate_step` alone with the same features as logits processors (the mask of
 min_tokens, bad words and allowed ids, `make_logits_processors` for the bias and penalties) and the same KV
 quantization, cut where the request's stops end it; no cache bytes are held; the trace replays decision for
 decision. A throwaway fuzz of this shape found the sliding-window admission bug of
