@@ -205,9 +205,14 @@ def _leads_into(output: list[int], word: tuple[int, ...]) -> bool:
     return head == 0 or (len(output) >= head and output[len(output) - head:] == list(word[:-1]))
 
 
+def _bans_tokens(sampling: SamplingParams) -> bool:
+    """Whether `_banned` may name tokens for a row: it has min_tokens or bad words."""
+    return bool(sampling.min_tokens or sampling.bad_words_ids)
+
+
 def _masks_logits(sampling: SamplingParams) -> bool:
-    """Whether a row's logits pass through `_apply_processors` beyond the min_tokens mask: a logit bias, logits
-    processors, allowed token ids or a structured output (each changes position 0's logits only)."""
+    """Whether a row's logits pass through `_apply_processors` beyond the min_tokens and bad-words mask: a logit
+    bias, logits processors, allowed token ids or a structured output (each changes position 0's logits only)."""
     return bool(sampling.logits_processors or sampling.logit_bias or sampling.allowed_token_ids is not None
                 or sampling.structured_output is not None)
 
@@ -275,6 +280,7 @@ class MLXExecutor:
         self._rope_deltas: mx.array | None = None  # (B,) VLM position offsets (0 for text rows)
         self._params: SamplingArrays | None = None
         self._argmax_only = False  # a verify tick takes a bare argmax per row (set with _params)
+        self._may_ban = False  # some row has min_tokens or bad words (set with _params)
         self._draw_groups: DrawGroups | None = None  # set with _params: None where a plain tick cannot draw apart
         self._context: mx.array | None = None  # (B, W) recent tokens for penalties, -1 padded
         self._released: set[str] = set()
@@ -690,6 +696,7 @@ class MLXExecutor:
             self._argmax_only = (drawable and self._params.all_greedy and not self._params.any_penalty
                                  and not any(row.request.sampling.logprobs or _masks_logits(row.request.sampling)
                                              for row in self._rows))
+            self._may_ban = any(_bans_tokens(row.request.sampling) for row in self._rows)
         return self._params
 
     def _decode(self, result: TickResult, draft_k: dict[str, int]) -> None:
@@ -724,8 +731,8 @@ class MLXExecutor:
             else:
                 all_logits = self.runner.verify(self.kv.batch, verify_inputs, self._rope_deltas)
             logits = all_logits[:, 0, :]
+        params = self._sampling_arrays()  # (first: it sets what the masks below read, `_may_ban`)
         logits = self._apply_processors(logits, result)
-        params = self._sampling_arrays()
         # a verify tick whose rows only need argmaxes reads back every row's greedy choice at every position (the
         # tokens and the verdict are decided from it on the host): `greedy_pick`, which skips the log-softmax
         # wherever that provably gives the same token (`sample_tokens` would agree)
@@ -990,7 +997,9 @@ class MLXExecutor:
     def _banned(self) -> list[tuple[int, tuple[int, ...]]]:
         """(row, the token ids it may not sample now) for each row that has some: its stops while within
         `min_tokens` (`_stops_held`), and the last token of each of its `bad_words_ids` the output so far leads
-        into (a one-token word: always)."""
+        into (a one-token word: always). None for a batch where no row has either (`_may_ban`)."""
+        if not self._may_ban:
+            return []
         banned = dict(self._stops_held())
         for i, row in enumerate(self._rows):
             words = row.request.sampling.bad_words_ids
