@@ -145,13 +145,6 @@ class _Sampling(_Strict):
     allowed_token_ids: list[StrictInt] | None = None  # vLLM's: the only tokens a choice may sample
     include_stop_str_in_output: StrictBool = False  # vLLM's: the matched stop string ends the text, kept in it
     bad_words: list[str] | None = None  # vLLM's: words the output may not contain (as the tokenizer encodes them)
-
-    @field_validator("bad_words")
-    @classmethod
-    def _bad_words(cls, v: list[str] | None) -> list[str] | None:
-        if v is not None and any(not word.strip() for word in v):
-            raise ValueError("words must not be empty")
-        return v
     seed: StrictInt | None = None
     n: StrictInt = 1
     stream: StrictBool = False
@@ -164,6 +157,13 @@ class _Sampling(_Strict):
     # vLLM's: each prompt token's logprob and rank, and this many most likely tokens at its position (0..20), in
     # the answer's `prompt_logprobs` (each choice's on /v1/completions, the request's on chat); not when streaming
     prompt_logprobs: StrictInt | None = None
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and any(not word.strip() for word in v):
+            raise ValueError("words must not be empty")
+        return v
 
     @field_validator("prompt_logprobs")
     @classmethod
