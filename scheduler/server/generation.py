@@ -112,8 +112,9 @@ def sampling_params(body: Body, index: int, default_max_tokens: int,
                     structured: StructuredOutput | None = None,
                     bad_words: tuple[tuple[int, ...], ...] = ()) -> SamplingParams:
     """Choice `index`'s SamplingParams (a seeded request gives choice i the seed + i, so the n choices differ
-    and each is reproducible), with the request's output constraint (`constraints.output_constraint`). Values
-    the engine refuses raise APIError naming the body's field."""
+    and each is reproducible), with the request's output constraint (`constraints.output_constraint`) and its
+    bad words as token sequences (`bad_words_ids`, encoded once per call). Values the engine refuses raise
+    APIError naming the body's field."""
     limit, _ = body.token_limit()
     seed = None if body.seed is None else body.seed + index
     fields: dict[str, Any] = {
