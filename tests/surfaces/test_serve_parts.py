@@ -12,20 +12,18 @@ from scheduler.server.detokenize import IncrementalDetokenizer
 from scheduler.server.stops import StopMatcher, StopResult
 
 
-def _feed(stops, pieces):
-    matcher = StopMatcher(stops)
-    out, stopped = [], False
-    for piece in pieces:
-        result = matcher.feed(piece)
+def _feed(matcher: StopMatcher, text: str, cuts: list[int], unchecked: int = 0) -> tuple[str, bool]:
+    """(output, stopped) of `text` fed in pieces cut at `cuts` (and at `unchecked`: what comes before it is fed
+    unchecked), then flushed."""
+    bounds = sorted({0, unchecked, len(text), *(c for c in cuts if c <= len(text))})
+    out = []
+    for a, b in zip(bounds, bounds[1:]):
+        result = matcher.feed(text[a:b], checked=a >= unchecked)
         out.append(result.text)
         if result.stopped:
-            stopped = True
-            break
-    if not stopped:
-        tail = matcher.flush()
-        out.append(tail.text)
-        stopped = tail.stopped
-    return "".join(out), stopped
+            return "".join(out), True
+    tail = matcher.flush()
+    return "".join(out) + tail.text, tail.stopped
 
 
 @settings(max_examples=300, deadline=None)
@@ -33,9 +31,7 @@ def _feed(stops, pieces):
                                                                   min_size=1, max_size=3),
        cuts=st.lists(st.integers(0, 40), max_size=8))
 def test_stop_strings_cut_at_the_earliest_match_whatever_the_pieces(text, stops, cuts):
-    bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
-    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
-    got, stopped = _feed(stops, pieces)
+    got, stopped = _feed(StopMatcher(stops), text, cuts)
     hits = [text.find(s) for s in stops if s in text]
     if hits:
         assert stopped and got == text[: min(hits)]
@@ -51,20 +47,8 @@ def test_unchecked_text_holds_no_stop_string_and_one_ending_after_it_counts(text
     """`min_tokens`' text comes unchecked: the output ends before the earliest stop string that ends past it
     (vLLM's rule), however both parts are split into pieces."""
     unchecked = min(unchecked, len(text))
-    bounds = sorted({0, unchecked, len(text), *(c for c in cuts if c <= len(text))})
-    matcher, out, stopped = StopMatcher(stops), [], False
-    for a, b in zip(bounds, bounds[1:]):
-        result = matcher.feed(text[a:b], checked=a >= unchecked)
-        out.append(result.text)
-        if result.stopped:
-            stopped = True
-            break
-    if not stopped:
-        tail = matcher.flush()
-        out.append(tail.text)
-        stopped = tail.stopped
     hits = [i for i in (text.find(s, max(0, unchecked - len(s) + 1)) for s in stops) if i >= 0]
-    assert ("".join(out), stopped) == ((text[: min(hits)], True) if hits else (text, False))
+    assert _feed(StopMatcher(stops), text, cuts, unchecked) == ((text[: min(hits)], True) if hits else (text, False))
 
 
 @settings(max_examples=300, deadline=None)
@@ -74,24 +58,9 @@ def test_unchecked_text_holds_no_stop_string_and_one_ending_after_it_counts(text
 def test_a_kept_stop_string_ends_the_output_after_it_whatever_the_pieces(text, stops, cuts):
     """vLLM's include_stop_str_in_output: the output runs through the earliest stop string (the longest of those
     beginning there), however the text is split."""
-    bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
-    matcher, out, stopped = StopMatcher(stops, include=True), [], False
-    for a, b in zip(bounds, bounds[1:]):
-        result = matcher.feed(text[a:b])
-        out.append(result.text)
-        if result.stopped:
-            stopped = True
-            break
-    if not stopped:
-        tail = matcher.flush()
-        out.append(tail.text)
-        stopped = tail.stopped
     hits = [(text.find(s), -len(s)) for s in stops if s in text]
-    if hits:
-        start, minus_len = min(hits)
-        assert stopped and "".join(out) == text[: start - minus_len]
-    else:
-        assert not stopped and "".join(out) == text
+    start, minus_len = min(hits) if hits else (len(text), 0)
+    assert _feed(StopMatcher(stops, include=True), text, cuts) == (text[: start - minus_len], bool(hits))
 
 
 def test_a_stop_string_begun_in_unchecked_text_cuts_where_it_begins():
