@@ -45,6 +45,9 @@ from tests.helpers import mixed_prompts, solo_tokens  # noqa: E402
 
 MAX_TOKENS = 12
 CONSTRAINT = StructuredOutput.regex("[0-9]{2}-(yes|no|later)")  # (the structured-output run below)
+# (the masks run below: allowed ids, bad words and min_tokens cross the wire in the sampling record)
+MASKED = SamplingParams(max_tokens=8, min_tokens=8, allowed_token_ids=tuple(range(40, 140)),
+                        bad_words_ids=((60,), (41, 42)))
 
 
 def _prompts() -> list[list[int]]:
@@ -174,6 +177,7 @@ def equality(model_dir: str, out: Path, group, sharding: str = "tensor_group") -
     if group.rank() == 0:
         outs = engine.generate(_prompts()[:3], SamplingParams(max_tokens=10, structured_output=CONSTRAINT))
         results["structured"] = [o.token_ids for o in outs]
+        results["masked"] = [o.token_ids for o in engine.generate(_prompts()[:3], MASKED)]
         engine.close()
     else:
         engine.follow()
@@ -189,8 +193,25 @@ def equality(model_dir: str, out: Path, group, sharding: str = "tensor_group") -
     results["unsharded_structured"] = [solo_tokens(model, tokenizer, p, 10,
                                                    logits_processors=[grammars.processor(CONSTRAINT)])
                                        for p in _prompts()[:3]]
+    results["unsharded_masked"] = [solo_tokens(model, tokenizer, p, 8, logits_processors=[_masks(len(p))])
+                                   for p in _prompts()[:3]]
     results["unsharded_solo"] = _solo_per_schedule(schedules, model, tokenizer)
     (out / "result.json").write_text(json.dumps(results))
+
+
+def _masks(prompt_len: int):
+    """An mlx-lm processor for MASKED: only its allowed ids, and its bad words' last tokens masked where the output
+    so far leads into them (its min_tokens masks eos, which these models never rank first)."""
+    import numpy as np
+
+    def processor(tokens, logits):
+        allowed = np.zeros(logits.shape[-1], dtype=bool)
+        allowed[list(MASKED.allowed_token_ids)] = True
+        out = tokens.tolist()[prompt_len:]
+        ends = [w[-1] for w in MASKED.bad_words_ids if len(w) == 1 or out[-(len(w) - 1):] == list(w[:-1])]
+        logits = mx.where(mx.array(allowed), logits, -mx.inf)
+        return logits.at[:, mx.array(ends)].add(-mx.inf) if ends else logits
+    return processor
 
 
 def _solo_per_schedule(schedules: dict[str, Schedule], model, tokenizer) -> dict[str, dict[str, list[int]]]:

@@ -107,9 +107,12 @@ def test_prompt_logprobs_on_a_sharded_engine_equal_the_unsharded_forward(equalit
 def test_structured_outputs_on_a_sharded_engine_equal_the_unsharded_model_alone(equality_run):
     """The constraint travels in the request's sampling record: each rank builds the same matcher and masks the
     same tokens, and the outputs are mlx-lm's alone with the same GrammarProcessor (on this model, where sharded
-    and unsharded agree: the test below)."""
+    and unsharded agree: the test below). Likewise allowed ids and bad words."""
     _, results = equality_run
     assert results["structured"] == results["unsharded_structured"] and len(results["structured"]) == 3
+    # allowed ids, bad words and min_tokens travel in the record too, and every rank masks alike
+    assert results["masked"] == results["unsharded_masked"] and all(
+        set(out) <= set(range(40, 140)) - {60} for out in results["masked"])
 
 
 def test_sharded_output_equals_the_unsharded_model_on_this_model(equality_run):
