@@ -1175,24 +1175,31 @@ def test_sigterm_shuts_down_cleanly_too(vlm_model_dir, tmp_path):
 def test_priority_orders_waiting_requests_under_the_priority_policy(vlm_model_dir, tmp_path):
     """`priority` (ours) reaches the engine: with one slot, `--policy priority` admits a later, more urgent request
     before an earlier, less urgent one that waits with it (the trace's admission order)."""
-    # one slot, held for hundreds of ticks by a long prompt prefilled a token per tick (an output could end early)
+    # one slot, held by a long prompt prefilled a token per tick until both others wait: then its client goes
+    # away (the stream is closed, which aborts it), however fast or slow the machine is
     server = _start(vlm_model_dir, tmp_path, "priority", "--policy", "priority", "--max-seqs", "1",
                     "--prefill-chunk", "1", "--max-batched-tokens", "2")
     try:
         _wait_healthy(server, time.monotonic() + 120)
+
+        def waiting(n):
+            return lambda: _value(server.metrics(), "mlxsched_queue_length") == n
 
         async def run():
             async with server.client() as client:
                 def ask(prompt, priority):
                     return client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2, temperature=0,
                                                      extra_body={"priority": priority})
-                first = asyncio.create_task(ask([7, 8, 9] * 140, 0))
+                holder = await client.completions.create(model=MODEL_NAME, prompt=[7, 8, 9] * 140, max_tokens=88,
+                                                         temperature=0, stream=True)
                 await asyncio.to_thread(_wait_for, lambda: _value(server.metrics(), "mlxsched_requests",
                                                                   state="chunk_prefilling") == 1)
                 low = asyncio.create_task(ask("an early request that can wait", 0))
-                await asyncio.to_thread(_wait_for, lambda: _value(server.metrics(), "mlxsched_queue_length") == 1)
+                await asyncio.to_thread(_wait_for, waiting(1))
                 high = asyncio.create_task(ask("a later urgent request", 5))
-                await asyncio.gather(first, low, high)
+                await asyncio.to_thread(_wait_for, waiting(2))
+                await holder.close()
+                await asyncio.gather(low, high)
         asyncio.run(run())
     finally:
         _stop(server)
