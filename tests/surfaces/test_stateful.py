@@ -28,7 +28,8 @@ SHARED = [random.Random(1).randrange(7, 512) for _ in range(40)]
 # references by (model, ...): the text and hybrid machines draw the same prompts, and their models differ
 _SOLO: dict[tuple, list] = {}
 SMALL_PREFIX_BUDGET = 150_000  # about two stored prompts of the tiny model: every few stores evict
-SEEN = {"prefix_evictions": 0, "processor_failures": 0, "scored": 0, "min_tokens": 0}  # over all examples: the mix was exercised
+# over all examples: the mix was exercised
+SEEN = {"prefix_evictions": 0, "processor_failures": 0, "scored": 0, "min_tokens": 0}
 
 
 def _keep(tokens, logits):
