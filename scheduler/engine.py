@@ -467,7 +467,7 @@ class Engine:
         if self.shard is not None:
             self.shard.check_request(sampling)
         resolved = self.prompts.resolve(prompt, prompt_tokens, MediaInputs.of(images, videos, audio), request_id,
-                                        tools, chat_template_kwargs)
+                                        tools, chat_template_kwargs, sampling.truncate_prompt_tokens)
         tokens = resolved.token_ids
         if self.kv_layout is not None and self.config.kv_memory_bytes is not None:
             # what the planner requires to admit it alone (with kv_bits, its float prefill peak included)

@@ -206,6 +206,9 @@ class SamplingParams:
     # tokenizer encodes them): a one-token sequence is masked at every step, a longer one's last token wherever the
     # output so far ends with the rest of it (the output only, as vLLM matches); the row never drafts
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    # vLLM's: only the last this many prompt tokens are kept (the prompt as rendered; one with media is refused,
+    # which this would cut into). None: the whole prompt, refused when it leaves no room under max_model_len.
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         # InvalidRequest is a ValueError whose message starts with the field name.
@@ -265,6 +268,9 @@ class SamplingParams:
             isinstance(seq, (tuple, list)) and seq and all(_is_int(t) and t >= 0 for t in seq) for seq in bad),
             "bad_words_ids", f"must be a sequence of non-empty token-id sequences, got {bad!r}")
         object.__setattr__(self, "bad_words_ids", tuple(tuple(int(t) for t in seq) for seq in bad))
+        _check(self.truncate_prompt_tokens is None or (_is_int(self.truncate_prompt_tokens)
+                                                       and self.truncate_prompt_tokens >= 1),
+               "truncate_prompt_tokens", f"must be None or an integer >= 1, got {self.truncate_prompt_tokens!r}")
         # a finished grammar allows only the end of the output, which min_tokens would mask: nothing left to sample
         _check(not (self.min_tokens and self.structured_output is not None), "min_tokens",
                "cannot be combined with a structured output (the constraint decides where the output ends)")
@@ -319,7 +325,7 @@ def _bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:
 
 _RECORDED_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
                              "repetition_penalty", "frequency_penalty", "seed", "logprobs", "top_logprobs",
-                             "prompt_logprobs", "ignore_eos", "min_tokens")
+                             "prompt_logprobs", "ignore_eos", "min_tokens", "truncate_prompt_tokens")
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 
 

@@ -108,18 +108,26 @@ class PromptResolver:
         return as_token_ids(prompt_tokens) if prompt_tokens is not None else None  # lists, tuples, 1-D arrays
 
     def resolve(self, prompt: Any, prompt_tokens: Any, media: MediaInputs, request_id: str | None = None,
-                tools: Any = None, chat_template_kwargs: Any = None) -> ResolvedPrompt:
+                tools: Any = None, chat_template_kwargs: Any = None, truncate: int | None = None) -> ResolvedPrompt:
         """``prompt`` (a string, chat messages, or for a vision-language model messages with content parts) or
         ``prompt_tokens``, exactly one, and the media -> the request's ``ResolvedPrompt``. ``tools`` (function
         schemas) and ``chat_template_kwargs`` (e.g. ``enable_thinking``) go to the chat template (chat messages
-        only)."""
+        only). ``truncate`` (``SamplingParams.truncate_prompt_tokens``): only the last this many prompt tokens are
+        kept; a prompt with media that is longer is refused."""
         prompt_tokens = self._check(prompt, prompt_tokens, media, request_id)
         template_kwargs = self._template_kwargs(prompt, tools, chat_template_kwargs, request_id)
         prepared = None
         if self.vlm is None:
             ids = prompt_tokens if prompt_tokens is not None else self._tokenize(prompt, template_kwargs, request_id)
+            if truncate is not None:
+                ids = list(ids)[-truncate:]
         else:
             prepared = self._prepare(prompt, prompt_tokens, media, request_id, template_kwargs)
+            if truncate is not None and len(prepared.input_ids) > truncate:
+                if prepared.num_media_items:
+                    raise InvalidRequest("truncate_prompt_tokens", f"the prompt has {len(prepared.input_ids)} "
+                                         "tokens and media, which truncating would cut into", request_id)
+                prepared = self.vlm.text_request(prepared.input_ids[-truncate:])
             ids = prepared.input_ids
         return ResolvedPrompt(validate_prompt_tokens(ids, self.vocab_size, self.max_model_len), prepared)
 

@@ -131,6 +131,9 @@ def sampling_params(body: Body, index: int, default_max_tokens: int,
         "min_tokens": body.min_tokens,
         "allowed_token_ids": body.allowed_token_ids,
         "bad_words_ids": bad_words,
+        # (-1: the longest prompt the context leaves room for one output token after)
+        "truncate_prompt_tokens": (default_max_tokens - 1 if body.truncate_prompt_tokens == -1
+                                   else body.truncate_prompt_tokens),
         "seed": seed,
         "logprobs": body.wants_logprobs(),
         "top_logprobs": body.alternatives(),

@@ -145,6 +145,8 @@ class _Sampling(_Strict):
     allowed_token_ids: list[StrictInt] | None = None  # vLLM's: the only tokens a choice may sample
     include_stop_str_in_output: StrictBool = False  # vLLM's: the matched stop string ends the text, kept in it
     bad_words: list[str] | None = None  # vLLM's: words the output may not contain (as the tokenizer encodes them)
+    # vLLM's: only the last this many prompt tokens are kept (-1: as many as the context allows)
+    truncate_prompt_tokens: StrictInt | None = None
     seed: StrictInt | None = None
     n: StrictInt = 1
     stream: StrictBool = False
@@ -157,6 +159,13 @@ class _Sampling(_Strict):
     # vLLM's: each prompt token's logprob and rank, and this many most likely tokens at its position (0..20), in
     # the answer's `prompt_logprobs` (each choice's on /v1/completions, the request's on chat); not when streaming
     prompt_logprobs: StrictInt | None = None
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate(cls, v: int | None) -> int | None:
+        if v is not None and v < 1 and v != -1:
+            raise ValueError("must be an integer >= 1, or -1 (as many as the context allows)")
+        return v
 
     @field_validator("bad_words")
     @classmethod
@@ -466,6 +475,12 @@ class CompletionRequest(_Sampling):
     # the prompt before the completion: in the text, and with `logprobs` in the logprobs too (each prompt token's
     # logprob given the ones before it, the first null: what lm-eval's loglikelihood tasks read)
     echo: StrictBool = False
+
+    @model_validator(mode="after")
+    def _echo_whole(self) -> "CompletionRequest":
+        if self.echo and self.truncate_prompt_tokens is not None:
+            raise ValueError("truncate_prompt_tokens: not with echo, which shows the prompt as sent")
+        return self
 
     @field_validator("prompt")
     @classmethod

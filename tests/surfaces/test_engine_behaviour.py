@@ -453,3 +453,42 @@ def test_a_chat_can_end_without_the_generation_prompt_or_continue_its_last_messa
                              ({"continue_final_message": "yes"}, begun)):
         with pytest.raises(InvalidRequest, match="^chat_template_kwargs"):
             engine.add_request(prompt=messages, chat_template_kwargs=kwargs)
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens_of_the_prompt(text_model, vlm_model_dir):
+    """vLLM's `truncate_prompt_tokens`: only the last k prompt tokens are kept, so the output is mlx-lm's alone on
+    them (the trace records the kept ids), and a prompt longer than max_model_len is accepted when truncated to
+    fit; a vision-language prompt with media is refused by field (truncating would cut its media's tokens), one
+    without is truncated like a text model's."""
+    import mlx_vlm
+    import numpy as np
+    from PIL import Image
+
+    from ..helpers import engine_with_log
+
+    model, tokenizer = text_model
+    long_prompt = mixed_prompts(1, 450, 450, seed=3)[0]
+    engine, log = engine_with_log(model, tokenizer, EngineConfig(max_model_len=400, check_invariants=True))
+    with pytest.raises(InvalidRequest, match="^prompt: has 450 tokens"):
+        engine.add_request(prompt_tokens=long_prompt)
+    run = drive(engine, [(0, {"prompt_tokens": long_prompt, "sampling": SamplingParams(max_tokens=8,
+                                                                                        truncate_prompt_tokens=k)})
+                         for k in (50, 390)])
+    for k, tokens in zip((50, 390), run.tokens.values()):
+        assert tokens == solo_tokens(model, tokenizer, long_prompt[-k:], 8), k
+    assert [e["prompt_tokens"] for e in log.of_kind("arrival")] == [long_prompt[-50:], long_prompt[-390:]]
+    for bad in (0, -1, 2.5):
+        with pytest.raises(InvalidRequest, match="^truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)
+
+    vlm = Engine(*mlx_vlm.load(str(vlm_model_dir)))
+    image = Image.fromarray(np.random.default_rng(1).integers(0, 256, (56, 56, 3), dtype=np.uint8))
+    ask = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
+    with pytest.raises(InvalidRequest, match="^truncate_prompt_tokens: the prompt has .* media"):
+        vlm.add_request(prompt=ask, images=[image], sampling=SamplingParams(truncate_prompt_tokens=5))
+    text = [{"role": "user", "content": "Tell me a long story about the river and the garden"}]
+    ids = vlm.tokenize(text)
+    (cut,) = vlm.generate([text], [SamplingParams(max_tokens=6, truncate_prompt_tokens=7)])
+    (given,) = vlm.generate([ids[-7:]], [SamplingParams(max_tokens=6)])
+    assert cut.token_ids == given.token_ids and len(ids) > 7
+    assert not vlm.has_pending()

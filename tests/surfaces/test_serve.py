@@ -427,6 +427,27 @@ def test_logprobs_of_masked_tokens_read_as_vllms_floor(server):
         assert entry.logprob in values[:2]
 
 
+def test_truncate_prompt_tokens_keeps_the_last_prompt_tokens(server, reference):
+    """vLLM's `truncate_prompt_tokens` on /v1/completions: the choice is the engine's output on the prompt's last k
+    tokens, usage counts k; -1 keeps as many as the context leaves room for one output token, so a prompt longer
+    than max_model_len is answered. With echo (which shows the prompt as sent) or below 1 it is refused."""
+    engine, _ = reference
+    prompt = [7 + (i * 37) % 400 for i in range(600)]  # longer than the context (512)
+    (want,) = engine.generate([prompt[-40:]], [SamplingParams(max_tokens=6)])
+    status, got = server.post("/v1/completions", {"prompt": prompt, "max_tokens": 6, "temperature": 0,
+                                                  "truncate_prompt_tokens": 40})
+    assert status == 200, got
+    assert got["choices"][0]["text"] == engine.tokenizer.decode(want.token_ids)
+    assert got["usage"]["prompt_tokens"] == 40
+    status, got = server.post("/v1/completions", {"prompt": prompt, "max_tokens": 6, "temperature": 0,
+                                                  "truncate_prompt_tokens": -1})
+    assert status == 200 and got["usage"]["prompt_tokens"] == MAX_MODEL_LEN - 1, got
+    assert got["usage"]["completion_tokens"] == 1 and got["choices"][0]["finish_reason"] == "length"
+    for body in ({"truncate_prompt_tokens": 0}, {"truncate_prompt_tokens": 40, "echo": True}):
+        status, got = server.post("/v1/completions", {"prompt": prompt, "max_tokens": 2, **body})
+        assert (status, got["error"]["param"]) == (400, "truncate_prompt_tokens"), got
+
+
 def test_a_list_of_prompts_gets_n_choices_each_in_openais_order(server, reference):
     """/v1/completions with several prompts (token-id lists, and texts): choice p * n + j is prompt p's j-th, each
     equal to the engine's output for that prompt alone, streamed or not; usage counts each prompt once. A bad
