@@ -732,11 +732,12 @@ class MLXExecutor:
                 all_logits = self.runner.verify(self.kv.batch, verify_inputs, self._rope_deltas)
             logits = all_logits[:, 0, :]
         params = self._sampling_arrays()  # (first: it sets what the masks below read, `_may_ban`)
-        logits = self._apply_processors(logits, result)
+        banned = self._banned()  # (once a tick: the masks and the verify tick's pick both read it)
+        logits = self._apply_processors(logits, result, banned)
         # a verify tick whose rows only need argmaxes reads back every row's greedy choice at every position (the
         # tokens and the verdict are decided from it on the host): `greedy_pick`, which skips the log-softmax
         # wherever that provably gives the same token (`sample_tokens` would agree)
-        pick = greedy_pick(all_logits) if width and self._argmax_only and not self._banned() else None
+        pick = greedy_pick(all_logits) if width and self._argmax_only and not banned else None
         # a plain tick that can: greedy rows picked, sampled rows drawn, each group apart (`draw_tokens`)
         draw = self._draw(inputs, logits, params) if not width and self._draw_groups else None
         top_rows = None
@@ -1020,17 +1021,19 @@ class MLXExecutor:
                 held.append((i, own if request.sampling.ignore_eos else (*self.model_stop_ids, *own)))
         return held
 
-    def _mask_banned(self, logits: mx.array) -> mx.array:
-        """`min_tokens` and `bad_words_ids`: -inf at the tokens `_banned` names, one scatter for the batch (vLLM
-        applies these masks first, before the logit bias). Ids past the vocabulary are not there to mask."""
+    def _mask_banned(self, logits: mx.array, banned: list[tuple[int, tuple[int, ...]]]) -> mx.array:
+        """`min_tokens` and `bad_words_ids`: -inf at the tokens `banned` (this tick's `_banned`) names, one scatter
+        for the batch (vLLM applies these masks first, before the logit bias). Ids past the vocabulary are not there
+        to mask."""
         vocab = logits.shape[-1]
-        pairs = [(i, t) for i, ids in self._banned() for t in ids if t < vocab]
+        pairs = [(i, t) for i, ids in banned for t in ids if t < vocab]
         if not pairs:
             return logits
         rows, ids = zip(*pairs)
         return logits.at[mx.array(rows), mx.array(ids)].minimum(mx.array(-mx.inf, dtype=logits.dtype))
 
-    def _apply_processors(self, logits: mx.array, result: TickResult) -> mx.array:
+    def _apply_processors(self, logits: mx.array, result: TickResult,
+                          banned: list[tuple[int, tuple[int, ...]]]) -> mx.array:
         """The `min_tokens` and bad-words mask (`_mask_banned`), then logit bias, then user logits processors,
         then the mask of allowed token ids or a structured output's, per row (processors are arbitrary Python);
         rows without them are untouched. The bias is mlx-lm's `logit_bias` processor
@@ -1041,7 +1044,7 @@ class MLXExecutor:
         the generated tokens only. One that raises fails its own request (reported in `result.errors`); its row
         samples from the unprocessed logits and is dropped.
         """
-        logits = self._mask_banned(logits)
+        logits = self._mask_banned(logits, banned)
         rows = [i for i, row in enumerate(self._rows) if _masks_logits(row.request.sampling)]
         if not rows:
             return logits
