@@ -15,7 +15,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Iterator, Sequence
+from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Sequence
 
 import mlx.core as mx
 
@@ -33,6 +33,7 @@ from .families import UnsupportedFeature
 from .lifecycle import RequestState
 from .loop import TickLoop
 from .models.fetch import FetchPolicy
+from .models.lora import LoRASet
 from .models.prompt import MediaInputs, PromptResolver, ResolvedPrompt
 from .policy import policy_record
 from .request import (
@@ -140,6 +141,7 @@ class _Arrival:
     sampling: SamplingParams
     priority: int
     arrival_time: float
+    lora: str | None = None
 
 
 class Engine:
@@ -156,8 +158,15 @@ class Engine:
         shard_group: Any = None,
         clock: Callable[[], float] = time.perf_counter,
         on_shard_lost: Sequence[Callable[[Any], None]] = (),
+        loras: Mapping[str, str | Path] | None = None,
     ):
-        """`on_shard_lost`: with a sharded model, called with the `ShardLost` error when this rank's forward
+        """`loras`: LoRA adapters a request may choose (`add_request(lora=name)`), by name -> adapter directory
+        (the layout `mlx_lm.lora` writes), for an mlx-lm text model. They are installed on `model` in place
+        (`scheduler/models/lora.py`): its adapted linear layers compute the base model wherever no row chooses
+        an adapter, so requests on the base model and on any adapters share every batch. Raises LoRAError for an
+        adapter that cannot be read or does not fit the model.
+
+        `on_shard_lost`: with a sharded model, called with the `ShardLost` error when this rank's forward
         stalls after a peer died (`EngineConfig.shard_stall_timeout_s`), from the watchdog's thread, after the
         trace is flushed and just before the process exits; a lost peer that MLX reports is raised as usual.
 
@@ -178,6 +187,7 @@ class Engine:
         # how media given as http(s) URLs are fetched (None: refused); the server fetches by the same policy
         self.media_fetch = _media_fetch(self.config)
         family = _model_family(model, tokenizer, self.config, self._vision_event, self.media_fetch)
+        self.loras = _install_loras(model, loras, family.vlm is not None, shard_group) if loras else None
         self._runner = family.runner
         self.vlm, self.vision_cache = family.vlm, family.vision_cache
         self.tokenizer, self.vocab_size = family.tokenizer, family.vocab_size
@@ -221,7 +231,8 @@ class Engine:
                                                     drafter=self._make_drafter(draft_model, mtp_head),
                                                     draft_gate=self._make_draft_gate(),
                                                     on_event=self._executor_event, quantize=self.quantize,
-                                                    grammars=self.grammars, model_stop_ids=family.stop_ids)
+                                                    grammars=self.grammars, model_stop_ids=family.stop_ids,
+                                                    loras=self.loras)
             if self.shard is not None:
                 self.executor = self.shard.wrap(self.executor)
             self.loop = TickLoop(self.scheduler, self.executor)
@@ -253,6 +264,8 @@ class Engine:
             # the prompt tokens that stand for media (a what-if's cost model counts them: the vision encoder's
             # cost grows with them)
             media_token_ids=sorted(self.vlm.media_token_ids) if self.vlm is not None else [],
+            # the adapters requests may choose (`Request.lora`: the arrivals name theirs)
+            loras=list(self.loras.names) if self.loras is not None else [],
         )
 
     def _quantize_rule(self, model: Any) -> Any:
@@ -364,7 +377,7 @@ class Engine:
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, config: EngineConfig | None = None, *,
                         tensor_group: Any = None, pipeline_group: Any = None, adapter_path: str | Path | None = None,
-                        **kwargs: Any) -> "Engine":
+                        loras: Mapping[str, str | Path] | None = None, **kwargs: Any) -> "Engine":
         """Load a local mlx-lm model directory, or an mlx-vlm one (a config with a `vision_config`).
 
         `tensor_group` / `pipeline_group` (an `mx.distributed` group, names as mlx-lm's `sharded_load`) load the
@@ -374,6 +387,9 @@ class Engine:
         `adapter_path`: a local LoRA adapter directory, applied to the model by its loader (`mlx_lm.load` /
         `mlx_vlm.load(adapter_path=...)`; the layout `mlx_lm.lora` or mlx-vlm's trainer writes). One adapter for
         every request; not with sharding (mlx-lm's sharded load takes none).
+
+        `loras`: adapters each request chooses from (`add_request(lora=name)`; `Engine`'s `loras`); not with
+        `adapter_path`, which adapts every request already.
         """
         if not Path(model_dir).is_dir():  # mlx-lm would take it for a Hugging Face repo id and try to download
             raise FileNotFoundError(f"{model_dir}: no such model directory (a local mlx-lm or mlx-vlm model "
@@ -385,7 +401,12 @@ class Engine:
             if tensor_group is not None or pipeline_group is not None:
                 raise ValueError("adapter_path: a sharded model loads without adapters (mlx-lm's sharded_load "
                                  "takes none); fuse the adapter into the model first (mlx_lm.fuse)")
+            if loras:
+                raise ValueError("adapter_path and loras: adapter_path adapts every request; give the adapter in "
+                                 "loras instead and let requests choose it")
             adapter_path = str(adapter_path)
+        if loras:
+            kwargs["loras"] = loras  # (Engine refuses them with a sharded or vision-language model)
         if tensor_group is not None or pipeline_group is not None:
             if library.is_vision_language_dir(model_dir):
                 raise ValueError("tensor_group / pipeline_group: sharding is built for mlx-lm text models only")
@@ -429,8 +450,12 @@ class Engine:
         audio: Sequence[Any] | None = None,
         tools: Sequence[dict] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora: str | None = None,
     ) -> str:
         """Queue a request; returns its id. Raises InvalidRequest (nothing queued) for bad input.
+
+        `lora`: the name of one of the engine's LoRA adapters (`Engine(loras=...)`) the request runs on; None:
+        the base model.
 
         `tools` (OpenAI-style function schemas) and `chat_template_kwargs` (e.g. `enable_thinking`) go into the
         chat template with chat-message prompts of a text model, as `tokenizer.apply_chat_template(messages,
@@ -464,6 +489,9 @@ class Engine:
             self.grammars.compile(sampling.structured_output)  # InvalidRequest where it does not compile
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidRequest("priority", f"must be an integer, got {priority!r}")
+        if lora is not None and (self.loras is None or lora not in self.loras.adapters):
+            raise InvalidRequest("lora", f"no adapter {lora!r} (this engine has "
+                                         f"{', '.join(map(repr, self.loras.names)) if self.loras else 'none'})")
         if self.shard is not None:
             self.shard.check_request(sampling)
         resolved = self.prompts.resolve(prompt, prompt_tokens, MediaInputs.of(images, videos, audio), request_id,
@@ -487,7 +515,7 @@ class Engine:
             elif request_id in self._known_live or request_id in self._ended:
                 raise InvalidRequest("request_id", f"duplicate request id {request_id!r}", request_id)
             self._known_live.add(request_id)
-            self._inbox.append(_Arrival(request_id, resolved, sampling, priority, self.clock()))
+            self._inbox.append(_Arrival(request_id, resolved, sampling, priority, self.clock(), lora))
         return request_id
 
     def fetch_media(self, prompt: Any = None, images: Sequence[Any] | None = None, videos: Sequence[Any] | None = None,
@@ -599,7 +627,7 @@ class Engine:
                 seed=a.sampling.seed if a.sampling.seed is not None else _derived_seed(self.config.seed, a.request_id),
                 media=a.prompt.media, num_images=a.prompt.num_media_items, media_key=a.prompt.media_key,
                 num_media_tokens=a.prompt.num_media_tokens, media_marks=a.prompt.media_marks,
-                media_items=a.prompt.media_items,
+                media_items=a.prompt.media_items, lora=a.lora,
             )
             self.scheduler.add(request, tick)
         outputs = [
@@ -886,6 +914,17 @@ class _ModelFamily:
     stop_ids: frozenset[int]
     vlm: Any = None  # the family adapter of a vision-language model
     vision_cache: Any = None
+
+
+def _install_loras(model: Any, loras: Mapping[str, str | Path], vlm: bool, shard_group: Any) -> LoRASet:
+    """`Engine`'s `loras` installed on the model, after refusing the models they are not built for."""
+    if vlm:
+        raise ValueError("loras: per-request adapters are built for mlx-lm text models; load a vision-language "
+                         "model with one adapter for every request (from_pretrained(adapter_path=...))")
+    if shard_group is not None:
+        raise ValueError("loras: a sharded model takes no adapters (mlx-lm's sharded_load takes none); fuse the "
+                         "adapter into the model first (mlx_lm.fuse)")
+    return LoRASet.install(model, loras)
 
 
 def _media_fetch(config: EngineConfig) -> FetchPolicy | None:

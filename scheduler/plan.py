@@ -119,6 +119,7 @@ class NewRequest:
     media_key: str | None = None
     num_images: int = 0
     media_marks: tuple[tuple[int, str], ...] = ()  # Request.media_marks (its first: where it checkpoints)
+    lora: str | None = None  # the LoRA adapter its forwards run on (None: the base model)
 
 
 #: What an outcome records of each request a tick encoded (`TickResult.encoded`): its rope delta, whether all

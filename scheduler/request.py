@@ -367,6 +367,9 @@ class Request:
     media_marks: tuple[tuple[int, str], ...] = ()
     media_items: tuple[MediaItemRef, ...] = ()  # per item where the model layer keys media per item, else ()
     media_encoded: bool = False
+    # the LoRA adapter it runs on (`Engine(loras=...)` names them; None: the base model). Its KV depends on it, so
+    # its prefix-cache keys carry it (`prefix_key`): only requests on the same adapter share a prefix
+    lora: str | None = None
     seed: int = 0  # effective sampling seed (sampling.seed or derived from the engine seed and id)
     # the context limit: prompt + outputs never exceed it (Scheduler.add sets it; None: only max_tokens caps)
     max_model_len: int | None = None
@@ -408,7 +411,7 @@ class Request:
         outputs re-fed after a preemption, sampling, seed and media; never attached to a lifecycle."""
         return cls(new.request_id, list(new.prompt_tokens), new.sampling, seed=new.seed, media=new.media,
                    num_images=new.num_images, media_key=new.media_key, media_marks=new.media_marks,
-                   recompute_tokens=new.recompute_tokens,
+                   recompute_tokens=new.recompute_tokens, lora=new.lora,
                    output_tokens=list(new.output_tokens))
 
     @property
@@ -436,12 +439,15 @@ class Request:
         then (key of the last mark so far, token id) pairs. KV state before the first media token depends on
         the text alone, so it is shared between text-only requests and requests with any media; from a mark on
         it depends on the media up to that mark, which the pairs carry (a match there needs the same media so
-        far: a chat turn that adds an image shares the turns before it)."""
+        far: a chat turn that adds an image shares the turns before it). On a LoRA adapter every item is paired
+        with the adapter's name: its state depends on the adapter from the first token on."""
         tokens = self.prefill_tokens(0, n)
         marks = self.media_marks
         key: list = tokens[: min(marks[0][0], n)] if marks else list(tokens)
         for (start, media), (end, _) in zip(marks, (*marks[1:], (n, None))):
             key += [(media, t) for t in tokens[start: max(start, min(end, n))]]
+        if self.lora is not None:
+            return tuple((self.lora, item) for item in key)
         return tuple(key)
 
     @property

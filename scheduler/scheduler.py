@@ -131,6 +131,7 @@ class Scheduler:
             **({"num_media_tokens": request.num_media_tokens} if request.num_media_tokens else {}),
             **({"media_marks": [list(m) for m in request.media_marks]} if request.media_marks else {}),
             **({"media_items": [item.to_record() for item in request.media_items]} if request.media_items else {}),
+            **({"lora": request.lora} if request.lora is not None else {}),
             measure={"t": request.arrival_time, "admitted_to_engine_t": self.events.clock()},
         )
 
@@ -201,7 +202,7 @@ class Scheduler:
         for rid in dict.fromkeys(ids):
             r = self.requests[rid]
             new.append(NewRequest(rid, tuple(r.prompt_tokens), r.sampling, r.seed, tuple(r.output_tokens),
-                                  r.recompute_tokens, r.media, r.media_key, r.num_images, r.media_marks))
+                                  r.recompute_tokens, r.media, r.media_key, r.num_images, r.media_marks, r.lora))
         return tuple(new)
 
     def _plan_record(self, plan: TickPlan) -> dict[str, Any]:

@@ -13,6 +13,7 @@ batch membership changes.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
@@ -240,7 +241,8 @@ class MLXExecutor:
                  logprob_vectors: bool = False, drafter: Any = None, on_event: Any = None,
                  processor_history: str = "prompt+output", quantize: QuantizeRule | None = None,
                  draft_gate: DraftGate | None = None, pad_ratio: float = PREFILL_PAD_RATIO,
-                 grammars: GrammarCompiler | None = None, model_stop_ids: Iterable[int] = ()):
+                 grammars: GrammarCompiler | None = None, model_stop_ids: Iterable[int] = (),
+                 loras: Any = None):
         # KV decisions carried out (kv_merge, kv_filter, kv_rollback) are events: (kind, **fields)
         self._on_event = on_event or (lambda kind, **fields: None)
         self.drafter = drafter  # proposes draft tokens for the rows a plan lets draft
@@ -295,6 +297,15 @@ class MLXExecutor:
         # the model's end-of-sequence tokens: what `min_tokens` masks (with the request's stop_token_ids) until a
         # row has that many tokens, unless it ignores eos
         self.model_stop_ids = tuple(sorted(set(model_stop_ids)))
+        # the LoRA adapters installed on the model (`scheduler.models.lora.LoRASet`; None: none): every forward
+        # is told which one each of its rows runs on (`_on_loras`)
+        self.loras = loras
+
+    def _on_loras(self, requests: Iterable[Request]) -> contextlib.AbstractContextManager:
+        """Around a forward whose rows are `requests`, in batch order: each row on its own LoRA adapter."""
+        if self.loras is None:
+            return contextlib.nullcontext()
+        return self.loras.rows([r.lora for r in requests])
 
     # ---- bookkeeping the scheduler drives -------------------------------------------------------
     def release(self, request_ids: Iterable[str]) -> None:
@@ -488,7 +499,8 @@ class MLXExecutor:
                     for rid, start, n in group]
             t0 = time.perf_counter()
             try:
-                caches, logits = self.runner.prefill_many(rows)
+                with self._on_loras(row[0] for row in rows):
+                    caches, logits = self.runner.prefill_many(rows)
                 # rows that asked read their own positions (kept only if the whole group succeeds: a row retried
                 # alone reads its own forward's)
                 pieces = [_prompt_logprobs(requests[rid], start, logits[i:i + 1, :n])
@@ -540,11 +552,13 @@ class MLXExecutor:
         if point is not None and start < point < end and not self.kv.is_quantized(rid):
             # mlx-lm converts at `point`: the tokens before it are computed from float keys and values, the
             # tokens after it from quantized ones, so the forward is split there
-            logits = self.runner.prefill(cache, request, self._encoded[rid], start, point)
+            with self._on_loras([request]):
+                logits = self.runner.prefill(cache, request, self._encoded[rid], start, point)
             self._note_prompt_logprobs(request, start, logits, result)
             self._quantize_if_due(request, point)
             cache, start = self.kv.request_cache(rid), point
-        logits = self.runner.prefill(cache, request, self._encoded[rid], start, end)
+        with self._on_loras([request]):
+            logits = self.runner.prefill(cache, request, self._encoded[rid], start, end)
         self._note_prompt_logprobs(request, start, logits, result)
         self._quantize_if_due(request, end)
 
@@ -725,11 +739,12 @@ class MLXExecutor:
                       for row in self._rows]
             draft_tokens, draft_lens = pad_drafts(padded, width)
             verify_inputs = mx.concatenate([inputs[:, None].astype(mx.int32), draft_tokens], axis=1)
-            if self._keeps_hidden:  # (B, width + 1, V) logits and (B, width + 1, H) hidden states
-                all_logits, all_hidden = self.runner.forward_with_hidden(self.kv.batch, verify_inputs,
-                                                                         native=self._native_hidden)
-            else:
-                all_logits = self.runner.verify(self.kv.batch, verify_inputs, self._rope_deltas)
+            with self._on_loras(row.request for row in self._rows):
+                if self._keeps_hidden:  # (B, width + 1, V) logits and (B, width + 1, H) hidden states
+                    all_logits, all_hidden = self.runner.forward_with_hidden(self.kv.batch, verify_inputs,
+                                                                             native=self._native_hidden)
+                else:
+                    all_logits = self.runner.verify(self.kv.batch, verify_inputs, self._rope_deltas)
             logits = all_logits[:, 0, :]
         params = self._sampling_arrays()  # (first: it sets what the masks below read, `_may_ban`)
         banned = self._banned()  # (once a tick: the masks and the verify tick's pick both read it)
@@ -853,13 +868,15 @@ class MLXExecutor:
         then rows that reached their point move to the quantized batch."""
         groups = self.kv.groups()
         if len(groups) == 1 and groups[0][0] == [row.request.request_id for row in self._rows]:
-            logits = self.runner.decode(groups[0][1], inputs, self._rope_deltas)
+            with self._on_loras(row.request for row in self._rows):
+                logits = self.runner.decode(groups[0][1], inputs, self._rope_deltas)
         else:
             parts, order = [], []
             for rids, cache in groups:
                 idx = [self._row_index[rid] for rid in rids]
                 sel = mx.array(idx)
-                parts.append(self.runner.decode(cache, inputs[sel], self._rope_deltas[sel]))
+                with self._on_loras(self._rows[i].request for i in idx):
+                    parts.append(self.runner.decode(cache, inputs[sel], self._rope_deltas[sel]))
                 order += idx
             inverse = [0] * len(order)
             for position, i in enumerate(order):
@@ -963,7 +980,8 @@ class MLXExecutor:
         elif accepted[0] < width:
             snapshot, verify_inputs = refeed
             restore_batch(self.kv.batch, snapshot)
-            self.runner.verify(self.kv.batch, verify_inputs[:, : accepted[0] + 1], self._rope_deltas)
+            with self._on_loras(row.request for row in self._rows):
+                self.runner.verify(self.kv.batch, verify_inputs[:, : accepted[0] + 1], self._rope_deltas)
             result.computed_tokens += len(self._rows) * (accepted[0] + 1)
         self._on_event("kv_rollback", rows=[[row.request.request_id, n] for row, n in zip(self._rows, drop)])
         self.draft_stats.record(sum(len(d.tokens) for d in drafts.values()), sum(accepted), len(self._rows),

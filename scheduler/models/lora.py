@@ -1,0 +1,221 @@
+"""LoRA adapters chosen per request: several adapters over one base model, rows of one batch on different ones.
+
+`LoRASet.install(model, {name: directory})` reads each adapter (the layout `mlx_lm.lora` writes:
+`adapter_config.json` and `adapters.safetensors`, whose `...<linear>.lora_a` / `.lora_b` name the linear layers
+it adapts) and puts a `MultiLoRALinear` in place of every linear layer some adapter adapts. Before a forward the
+executor says which adapter each row uses (`LoRASet.rows`); outside that the layers compute the base model.
+
+What a row computes is what `mlx_lm.load(model, adapter_path=...)` would for that request alone: mlx-lm's
+`LoRALinear` is `y + (scale * ((x @ lora_a) @ lora_b)).astype(x.dtype)`, and a row on an adapter gets exactly
+that, over the rows of the batch on the same adapter; a row on the base model gets `y` (nothing is added). So a
+batch whose rows are all on the base model runs the base layers alone, and a mixed batch pays the adapters'
+small matmuls for the rows that use them.
+
+Only mlx-lm's LoRA (`fine_tune_type` "lora") on `nn.Linear` / `nn.QuantizedLinear` layers is read: DoRA, full
+fine-tunes, and adapters of embeddings or of mixture-of-experts layers raise `LoRAError`, as does an adapter
+whose shapes do not fit the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Mapping, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_unflatten
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapters.safetensors"
+
+
+class LoRAError(ValueError):
+    """An adapter that cannot be served per request (unreadable, another kind of fine-tune, shapes that do not
+    fit the model); names the adapter."""
+
+
+@dataclass(frozen=True)
+class LoRAAdapter:
+    """One adapter as read from its directory."""
+
+    name: str
+    path: str
+    scale: float
+    rank: int
+    targets: tuple[str, ...]  # the model's linear layers it adapts, by module path
+
+
+@dataclass(frozen=True)
+class _RowGroup:
+    """The rows of a forward on one adapter: its slot, and their indices in the batch (None: every row)."""
+
+    slot: int
+    rows: mx.array | None
+
+
+class _Selection:
+    """Which adapter each row of the running forward uses, as every `MultiLoRALinear` of a model reads it. Empty
+    outside `LoRASet.rows`: the layers then compute the base model."""
+
+    def __init__(self) -> None:
+        self.groups: tuple[_RowGroup, ...] = ()
+        self.order: mx.array | None = None  # groups' rows (and the base rows after them) -> batch order
+        self.base_rows: mx.array | None = None  # rows on no adapter in a mixed batch
+
+
+class MultiLoRALinear(nn.Module):
+    """A linear layer and the adapters that adapt it, by slot: each row of a forward gets its own adapter's
+    update (`LoRASet.rows`), or none."""
+
+    def __init__(self, base: nn.Module, selection: _Selection):
+        super().__init__()
+        self.base = base
+        self.adapters: dict[str, dict[str, mx.array]] = {}  # slot (as a string: a parameter tree key) -> a, b
+        self._scales: dict[int, float] = {}
+        self._selection = selection
+
+    def add(self, slot: int, lora_a: mx.array, lora_b: mx.array, scale: float) -> None:
+        self.adapters[str(slot)] = {"lora_a": lora_a, "lora_b": lora_b}
+        self._scales[slot] = scale
+
+    def _update(self, x: mx.array, slot: int) -> mx.array:
+        weights = self.adapters[str(slot)]
+        z = (x @ weights["lora_a"]) @ weights["lora_b"]
+        return (self._scales[slot] * z).astype(x.dtype)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = self.base(x)
+        selection = self._selection
+        groups = [g for g in selection.groups if g.slot in self._scales]
+        if not groups:
+            return y
+        if len(selection.groups) == 1 and selection.groups[0].rows is None:  # every row on this one adapter
+            return y + self._update(x, groups[0].slot)
+        # a mixed batch: each adapter's rows get its update, every other row zeros, put back in batch order
+        parts = []
+        for group in selection.groups:
+            rows_x = x[group.rows]
+            parts.append(self._update(rows_x, group.slot) if group.slot in self._scales
+                         else mx.zeros((*rows_x.shape[:-1], y.shape[-1]), y.dtype))
+        if selection.base_rows is not None:
+            parts.append(mx.zeros((selection.base_rows.size, *y.shape[1:]), y.dtype))
+        return y + mx.concatenate(parts)[selection.order]
+
+
+class LoRASet:
+    """The adapters installed on one model, by name; `rows(names)` selects them per row around a forward."""
+
+    def __init__(self, adapters: tuple[LoRAAdapter, ...], selection: _Selection):
+        self.adapters = {adapter.name: adapter for adapter in adapters}
+        self._slots = {adapter.name: slot for slot, adapter in enumerate(adapters)}
+        self._selection = selection
+
+    @classmethod
+    def install(cls, model: nn.Module, adapters: Mapping[str, str | Path]) -> "LoRASet":
+        """Read each adapter and install it on `model` (in place: its adapted linear layers become
+        `MultiLoRALinear`s, which compute the base model whenever no row selects an adapter). Raises LoRAError
+        for an adapter that cannot be read or does not fit, and ValueError for a model that already carries
+        another engine's adapters (load the model again)."""
+        if any(isinstance(m, MultiLoRALinear) for _, m in model.named_modules()):
+            raise ValueError("this model already carries per-request adapters (another engine's): load it again")
+        read = [_read(str(name), Path(path)) for name, path in adapters.items()]
+        modules = dict(model.named_modules())
+        selection = _Selection()
+        layers: dict[str, MultiLoRALinear] = {}
+        for slot, (adapter, weights) in enumerate(read):
+            for target in adapter.targets:
+                base = modules.get(target)
+                if target not in layers:
+                    if not isinstance(base, (nn.Linear, nn.QuantizedLinear)):
+                        raise LoRAError(f"adapter {adapter.name!r}: {target} is "
+                                        f"{'not in the model' if base is None else type(base).__name__}, "
+                                        "not a linear layer (only LoRA on linear layers is served per request)")
+                    layers[target] = MultiLoRALinear(base, selection)
+                lora_a, lora_b = weights[f"{target}.lora_a"], weights[f"{target}.lora_b"]
+                out_dims, in_dims = _linear_dims(layers[target].base)
+                if lora_a.shape != (in_dims, adapter.rank) or lora_b.shape != (adapter.rank, out_dims):
+                    raise LoRAError(f"adapter {adapter.name!r}: {target} has lora_a {tuple(lora_a.shape)} and "
+                                    f"lora_b {tuple(lora_b.shape)}; the layer takes ({in_dims}, r) and "
+                                    f"(r, {out_dims}) for its rank {adapter.rank}")
+                layers[target].add(slot, lora_a, lora_b, adapter.scale)
+        model.update_modules(tree_unflatten(list(layers.items())))
+        mx.eval([layer.adapters for layer in layers.values()])
+        return cls(tuple(adapter for adapter, _ in read), selection)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.adapters)
+
+    @contextlib.contextmanager
+    def rows(self, names: Sequence[str | None]) -> Iterator[None]:
+        """Within: row i of each forward uses adapter `names[i]` (None: the base model). Names not installed
+        raise KeyError."""
+        slots = [None if name is None else self._slots[name] for name in names]
+        selection = self._selection
+        present = sorted({s for s in slots if s is not None})
+        if not present:
+            yield
+            return
+        if len(present) == 1 and None not in slots:
+            selection.groups = (_RowGroup(present[0], None),)
+        else:
+            order: list[int] = []
+            groups = []
+            for slot in present:
+                rows = [i for i, s in enumerate(slots) if s == slot]
+                groups.append(_RowGroup(slot, mx.array(rows)))
+                order += rows
+            base = [i for i, s in enumerate(slots) if s is None]
+            selection.base_rows = mx.array(base) if base else None
+            inverse = [0] * len(slots)
+            for position, row in enumerate(order + base):
+                inverse[row] = position
+            selection.groups, selection.order = tuple(groups), mx.array(inverse)
+        try:
+            yield
+        finally:
+            selection.groups, selection.order, selection.base_rows = (), None, None
+
+
+def _linear_dims(layer: nn.Module) -> tuple[int, int]:
+    out_dims, in_dims = layer.weight.shape
+    if isinstance(layer, nn.QuantizedLinear):
+        in_dims = in_dims * 32 // layer.bits
+    return out_dims, in_dims
+
+
+def _read(name: str, path: Path) -> tuple[LoRAAdapter, dict[str, mx.array]]:
+    """An adapter directory -> the adapter and its weights, by parameter name."""
+    if not name:
+        raise LoRAError("an adapter needs a non-empty name")
+    config_file, weights_file = path / ADAPTER_CONFIG, path / ADAPTER_WEIGHTS
+    if not config_file.is_file() or not weights_file.is_file():
+        raise LoRAError(f"adapter {name!r}: {path} has no {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS} (the layout "
+                        "mlx_lm.lora writes)")
+    try:
+        config = json.loads(config_file.read_text())
+        weights = mx.load(str(weights_file))
+    except (OSError, ValueError, RuntimeError) as e:
+        raise LoRAError(f"adapter {name!r}: cannot read {path}: {e}") from e
+    kind = config.get("fine_tune_type", "lora")
+    if kind != "lora":
+        raise LoRAError(f"adapter {name!r}: fine_tune_type {kind!r}; only LoRA adapters are served per request "
+                        "(fuse it into the model with mlx_lm.fuse instead)")
+    parameters = config.get("lora_parameters") or {}
+    if "rank" not in parameters or "scale" not in parameters:
+        raise LoRAError(f"adapter {name!r}: {ADAPTER_CONFIG} has no lora_parameters rank and scale")
+    targets = sorted({key.rsplit(".", 1)[0] for key in weights})
+    for target in targets:
+        if set(k for k in weights if k.rsplit(".", 1)[0] == target) != {f"{target}.lora_a", f"{target}.lora_b"}:
+            raise LoRAError(f"adapter {name!r}: {target} does not hold exactly lora_a and lora_b (DoRA and "
+                            "adapters of other layer kinds are not served per request)")
+        if weights[f"{target}.lora_a"].ndim != 2:
+            raise LoRAError(f"adapter {name!r}: {target} is a mixture-of-experts adapter (3-D lora_a); only "
+                            "LoRA on linear layers is served per request")
+    if not targets:
+        raise LoRAError(f"adapter {name!r}: {ADAPTER_WEIGHTS} holds no LoRA weights")
+    adapter = LoRAAdapter(name, str(path), float(parameters["scale"]), int(parameters["rank"]), tuple(targets))
+    return adapter, weights

@@ -1,0 +1,173 @@
+"""LoRA adapters chosen per request (`Engine(loras={name: dir})`, `add_request(lora=name)`): requests on the base
+model and on different adapters share batches (prefill groups, decode and verify forwards), and each request's
+greedy output equals mlx-lm's for it alone on `mlx_lm.load(model, adapter_path=<its adapter>)`, token for token.
+The prefix cache shares a prefix only between requests on the same adapter; traces record each request's adapter
+and replay decision by decision. The adapters are seeded, not trained (`scheduler.fixtures.lora`), so that each
+one's effect shows."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import mlx.core as mx
+import pytest
+
+from scheduler import Engine, EngineConfig, InvalidRequest, SamplingParams
+from scheduler.fixtures.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, write_lora_adapter
+from scheduler.models.lora import LoRAError, LoRASet
+
+from ..helpers import drive, greedy, mixed_prompts, solo_tokens
+
+CONFIG = EngineConfig(max_batched_tokens=48, max_seqs=8, prefill_chunk=16, check_invariants=True)
+MAX_TOKENS = 12
+# each request's adapter, in arrival order: runs of one adapter, the base model between, every pair adjacent
+CHOICE = [None, "one", "two", "one", None, "two", "two", "one", None, "one"]
+SCHEDULES = {
+    "chunked": {},
+    # every drafting row verifies k tokens a tick (no gate, no adaptive stop), so verify forwards mix adapters
+    "drafting": {"draft_tokens": 3, "adaptive_drafting": False, "draft_gate": False},
+    # rows before their conversion point decode in a float batch of their own: decode forwards per storage group
+    "kv-bits": {"kv_bits": 8, "kv_group_size": 32, "quantized_kv_start": 24},
+    "prefix-cache": {"prefix_cache_bytes": 8 << 20, "prefix_block_size": 8},
+}
+
+
+@pytest.fixture(scope="module")
+def adapters(text_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("loras")
+    return {name: write_lora_adapter(text_model_dir, root / name, seed=seed) for seed, name in ((1, "one"), (2, "two"))}
+
+
+@pytest.fixture(scope="module")
+def references(text_model_dir, adapters):
+    """adapter name (None: the base model) -> mlx-lm's (model, tokenizer) with that adapter loaded alone."""
+    import mlx_lm
+
+    out = {None: mlx_lm.load(str(text_model_dir))}
+    out.update({name: mlx_lm.load(str(text_model_dir), adapter_path=str(path)) for name, path in adapters.items()})
+    return out
+
+
+def _alone(references, prompt, lora, **kwargs):
+    model, tokenizer = references[lora]
+    return solo_tokens(model, tokenizer, prompt, MAX_TOKENS, **kwargs)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_requests_on_different_adapters_share_batches_and_each_equals_its_adapter_alone(
+        text_model_dir, adapters, references, schedule, tmp_path):
+    from scheduler.tools.replay import load_trace, replay
+
+    settings = SCHEDULES[schedule]
+    prompts = mixed_prompts(len(CHOICE), 3, 70, seed=5)
+    if schedule == "prefix-cache":  # later requests repeat earlier prompts, on the same and on other adapters
+        prompts = prompts[:4] + [prompts[i % 4] + prompts[4 + i][:5] for i in range(len(CHOICE) - 4)]
+    mlx_kwargs = {k: settings[k] for k in ("kv_bits", "kv_group_size", "quantized_kv_start") if k in settings}
+    want = [_alone(references, p, lora, **mlx_kwargs) for p, lora in zip(prompts, CHOICE)]
+    # each adapter changes the output of every prompt here
+    assert all(w != _alone(references, p, None, **mlx_kwargs) for w, p, lora in zip(want, prompts, CHOICE) if lora)
+    trace = tmp_path / "t.jsonl"
+    config = dataclasses.replace(CONFIG, trace_path=str(trace), **settings)
+    engine = Engine.from_pretrained(text_model_dir, config, loras=adapters)
+    run = drive(engine, [(i // 3, {"prompt_tokens": p, "sampling": greedy(MAX_TOKENS), "lora": lora})
+                         for i, (p, lora) in enumerate(zip(prompts, CHOICE))])
+    assert list(run.tokens.values()) == want
+    engine.close()
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    lora_of = {e["request_id"]: e.get("lora") for e in events if e["event"] == "arrival"}
+    assert list(lora_of.values()) == CHOICE
+    # forwards did mix adapters: some prefill forward, and some decode tick, ran rows on different ones
+    assert any(len({lora_of[r] for r in e["request_ids"]}) > 1 for e in events if e["event"] == "prefill_forward")
+    assert any(len({lora_of[r] for r in e["decode"]}) > 1 for e in events if e["event"] == "plan")
+    if schedule == "prefix-cache":
+        hits = [e for e in events if e["event"] == "prefix_hit"]
+        assert hits  # requests on one adapter share their prefixes ...
+        entry_lora = {e["entry_id"]: lora_of[e["request_id"]] for e in events if e["event"] == "prefix_store"}
+        assert all(entry_lora[e["entry_id"]] == lora_of[e["request_id"]] for e in hits)  # ... and only those
+        assert any(lora_of[e["request_id"]] is not None for e in hits)
+    if schedule == "drafting":  # verify forwards ran rows on different adapters too
+        assert engine.draft_stats()["verify_forwards"] > 0
+        assert any(len({lora_of[rid] for rid, _ in e["draft"]}) > 1 for e in events if e["event"] == "plan")
+    assert replay(load_trace(trace)).identical
+
+
+def test_a_batch_on_no_adapter_computes_the_base_model_and_one_on_a_single_adapter_computes_it(
+        text_model_dir, adapters, references):
+    """The layer-level promise: rows on no adapter get the base layers' output unchanged (exactly), a batch all on
+    one adapter gets exactly mlx-lm's LoRALinear, and a mixed batch each row's own within rounding."""
+    import mlx_lm
+
+    model, _ = mlx_lm.load(str(text_model_dir))
+    loras = LoRASet.install(model, adapters)
+    assert loras.names == ("one", "two")
+    x = mx.array(mixed_prompts(4, 9, 9, seed=3))
+    base, one, two = (references[k][0] for k in (None, "one", "two"))
+    assert mx.array_equal(model(x), base(x))  # outside `rows`: the base model
+    with loras.rows([None] * 4):
+        assert mx.array_equal(model(x), base(x))
+    with loras.rows(["one"] * 4):
+        assert mx.array_equal(model(x), one(x))
+    with loras.rows(["two", None, "one", "two"]):
+        mixed = model(x)
+    assert mx.array_equal(mixed[1], base(x)[1])
+    for i, ref in ((0, two), (2, one), (3, two)):
+        assert mx.allclose(mixed[i], ref(x[i:i + 1])[0], atol=1e-4).item()
+    assert mx.array_equal(model(x), base(x))  # the selection ends with the block
+
+
+def test_an_unknown_adapter_is_refused_for_that_request_only(text_model_dir, adapters, references):
+    engine = Engine.from_pretrained(text_model_dir, CONFIG, loras=adapters)
+    prompt = mixed_prompts(1, 20, 20, seed=9)[0]
+    with pytest.raises(InvalidRequest, match="no adapter 'three'") as info:
+        engine.add_request(prompt_tokens=prompt, sampling=greedy(MAX_TOKENS), lora="three")
+    assert info.value.field == "lora"
+    run = drive(engine, [(0, {"prompt_tokens": prompt, "sampling": greedy(MAX_TOKENS), "lora": "two"})])
+    assert list(run.tokens.values()) == [_alone(references, prompt, "two")]
+    plain = Engine.from_pretrained(text_model_dir, CONFIG)
+    with pytest.raises(InvalidRequest, match="this engine has none"):
+        plain.add_request(prompt_tokens=prompt, lora="one")
+
+
+def _edit_adapter(src, dst, config=None, weights=None):
+    dst.mkdir()
+    cfg = json.loads((src / ADAPTER_CONFIG).read_text())
+    (dst / ADAPTER_CONFIG).write_text(json.dumps(config(cfg) if config else cfg))
+    w = mx.load(str(src / ADAPTER_WEIGHTS))
+    mx.save_safetensors(str(dst / ADAPTER_WEIGHTS), weights(w) if weights else w)
+    return dst
+
+
+def test_adapters_that_cannot_be_served_per_request_are_refused_naming_why(
+        text_model_dir, vlm_model_dir, adapters, tmp_path):
+    import mlx_lm
+
+    one = adapters["one"]
+    q_proj = "model.layers.0.self_attn.q_proj"
+    cases = {
+        "no adapter_config.json and adapters.safetensors": tmp_path / "empty",
+        "fine_tune_type 'dora'": _edit_adapter(one, tmp_path / "dora", config=lambda c: {**c, "fine_tune_type": "dora"}),
+        "does not hold exactly lora_a and lora_b": _edit_adapter(
+            one, tmp_path / "m", weights=lambda w: {**w, f"{q_proj}.m": mx.zeros((4,))}),
+        "has lora_a": _edit_adapter(  # another rank than the config's
+            one, tmp_path / "shape", weights=lambda w: {**w, f"{q_proj}.lora_a": mx.zeros((w[f"{q_proj}.lora_a"].shape[0], 2))}),
+        "not in the model": _edit_adapter(
+            one, tmp_path / "where", weights=lambda w: {k.replace("layers.0.", "layers.99."): v for k, v in w.items()}),
+        "no lora_parameters rank and scale": _edit_adapter(
+            one, tmp_path / "cfg", config=lambda c: {**c, "lora_parameters": {}}),
+    }
+    (tmp_path / "empty").mkdir()
+    for why, path in cases.items():
+        model, _ = mlx_lm.load(str(text_model_dir))
+        with pytest.raises(LoRAError, match=why):
+            LoRASet.install(model, {"bad": path})
+    model, tokenizer = mlx_lm.load(str(text_model_dir))
+    Engine(model, tokenizer, CONFIG, loras=adapters)
+    with pytest.raises(ValueError, match="already carries per-request adapters"):
+        Engine(model, tokenizer, CONFIG, loras=adapters)
+    with pytest.raises(ValueError, match="^adapter_path and loras"):
+        Engine.from_pretrained(text_model_dir, CONFIG, adapter_path=one, loras=adapters)
+    with pytest.raises(ValueError, match="^loras: per-request adapters are built for mlx-lm text models"):
+        Engine.from_pretrained(vlm_model_dir, CONFIG, loras={"v": write_lora_adapter(vlm_model_dir, tmp_path / "v")})
+    with pytest.raises(ValueError, match="^loras: a sharded model takes no adapters"):
+        Engine(*mlx_lm.load(str(text_model_dir)), CONFIG, loras=adapters, shard_group=object())
