@@ -146,11 +146,13 @@ def test_adapters_that_cannot_be_served_per_request_are_refused_naming_why(
     q_proj = "model.layers.0.self_attn.q_proj"
     cases = {
         "no adapter_config.json and adapters.safetensors": tmp_path / "empty",
-        "fine_tune_type 'dora'": _edit_adapter(one, tmp_path / "dora", config=lambda c: {**c, "fine_tune_type": "dora"}),
+        "fine_tune_type 'dora'": _edit_adapter(
+            one, tmp_path / "dora", config=lambda c: {**c, "fine_tune_type": "dora"}),
         "does not hold exactly lora_a and lora_b": _edit_adapter(
             one, tmp_path / "m", weights=lambda w: {**w, f"{q_proj}.m": mx.zeros((4,))}),
         "has lora_a": _edit_adapter(  # another rank than the config's
-            one, tmp_path / "shape", weights=lambda w: {**w, f"{q_proj}.lora_a": mx.zeros((w[f"{q_proj}.lora_a"].shape[0], 2))}),
+            one, tmp_path / "shape",
+            weights=lambda w: {**w, f"{q_proj}.lora_a": mx.zeros((w[f"{q_proj}.lora_a"].shape[0], 2))}),
         "not in the model": _edit_adapter(
             one, tmp_path / "where", weights=lambda w: {k.replace("layers.0.", "layers.99."): v for k, v in w.items()}),
         "no lora_parameters rank and scale": _edit_adapter(
