@@ -179,7 +179,7 @@ class AsyncEngine:
                      images: Sequence[Any] | None = None, videos: Sequence[Any] | None = None,
                      audio: Sequence[Any] | None = None, priority: int = 0,
                      tools: Sequence[dict] | None = None,
-                     chat_template_kwargs: dict[str, Any] | None = None) -> RequestStream:
+                     chat_template_kwargs: dict[str, Any] | None = None, lora: str | None = None) -> RequestStream:
         """Queue a request (arguments as `Engine.add_request`) and return the stream of its outputs. Raises
         InvalidRequest (nothing queued) for bad input, EngineStopped when the loop is not running."""
         self._check_running()
@@ -197,7 +197,8 @@ class AsyncEngine:
             raise
         add = functools.partial(self.engine.add_request, prompt=prompt, prompt_tokens=prompt_tokens,
                                 sampling=sampling, request_id=rid, images=images, videos=videos, audio=audio,
-                                priority=priority, tools=tools, chat_template_kwargs=chat_template_kwargs)
+                                priority=priority, tools=tools, chat_template_kwargs=chat_template_kwargs,
+                                lora=lora)
         accepted = self._prepare.submit(add)
         try:
             await asyncio.wrap_future(accepted)
@@ -234,9 +235,11 @@ class AsyncEngine:
     async def stream(self, prompt: Any = None, prompt_tokens: Sequence[int] | None = None,
                      sampling: SamplingParams | None = None, request_id: str | None = None,
                      images: Sequence[Any] | None = None, videos: Sequence[Any] | None = None,
-                     audio: Sequence[Any] | None = None, priority: int = 0) -> AsyncIterator[StepOutput]:
+                     audio: Sequence[Any] | None = None, priority: int = 0,
+                     lora: str | None = None) -> AsyncIterator[StepOutput]:
         """`Engine.add_request`'s arguments; bad input raises InvalidRequest at the first `__anext__`."""
-        outputs = await self.submit(prompt, prompt_tokens, sampling, request_id, images, videos, audio, priority)
+        outputs = await self.submit(prompt, prompt_tokens, sampling, request_id, images, videos, audio, priority,
+                                    lora=lora)
         try:
             async for out in outputs:
                 yield out
@@ -245,7 +248,7 @@ class AsyncEngine:
 
     async def generate(self, prompt: Any = None, prompt_tokens: Any = None, sampling: SamplingParams | None = None,
                        request_id: str | None = None, images: Any = None, videos: Any = None, audio: Any = None,
-                       priority: int = 0) -> RequestOutput:
+                       priority: int = 0, lora: str | None = None) -> RequestOutput:
         tokens: list[int] = []
         logprobs: list[float] = []
         top_logprobs: list[list[tuple[int, float]]] = []
@@ -253,7 +256,7 @@ class AsyncEngine:
         last = None
         async for out in self.stream(prompt=prompt, prompt_tokens=prompt_tokens, sampling=sampling,
                                      request_id=request_id, images=images, videos=videos, audio=audio,
-                                     priority=priority):
+                                     priority=priority, lora=lora):
             tokens.extend(out.token_ids)
             logprobs.extend(out.logprobs)
             top_logprobs.extend(out.top_logprobs)

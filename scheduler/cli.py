@@ -307,6 +307,13 @@ ENGINE_FIELDS_WITHOUT_FLAGS = {
 }
 
 
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"NAME=DIR (an adapter's name and its directory), got {text!r}")
+    return name, path
+
+
 def _draft_cost(text: str) -> tuple[float, ...]:
     try:
         cost = tuple(float(part) for part in text.split(","))
@@ -356,15 +363,23 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             print(f"mlxsched serve: --allowed-local-media-path {args.allowed_local_media_path}: not a directory",
                   file=sys.stderr)
             return 2
+    model_name = args.served_model_name or Path(args.model).name
+    loras = dict(args.lora_modules or ())
+    names = [name for name, _ in args.lora_modules or ()]
+    clash = next((n for n in names if names.count(n) > 1 or n == model_name), None)
+    if clash is not None:  # a name must pick one model
+        print(f"mlxsched serve: --lora-modules: {clash!r} names "
+              f"{'the served model' if clash == model_name else 'two adapters'}", file=sys.stderr)
+        return 2
     try:  # what cannot be served is said in one line, before anything listens
-        engine = Engine.from_pretrained(args.model, config, adapter_path=args.adapter_path)
+        engine = Engine.from_pretrained(args.model, config, adapter_path=args.adapter_path, loras=loras)
     except FileNotFoundError as exc:  # (it names the path)
         print(f"mlxsched serve: {exc}", file=sys.stderr)
         return 2
     except (OSError, UnsupportedModel, UnsupportedFamily, ValueError) as exc:
         print(f"mlxsched serve: cannot serve {args.model}: {exc}", file=sys.stderr)
         return 2
-    serve(engine, args.served_model_name or Path(args.model).name, host=args.host, port=args.port,
+    serve(engine, model_name, host=args.host, port=args.port,
           max_queue=args.max_queue, graceful_shutdown_s=args.graceful_shutdown_s, local_media_dir=media_dir,
           max_request_bytes=args.max_request_mb << 20)
     return 0
@@ -420,6 +435,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter-path", metavar="DIR",
                    help="a LoRA adapter to apply to the model (the directory mlx_lm.lora or mlx-vlm's trainer writes: "
                         "adapter_config.json and adapters.safetensors), as mlx_lm.generate's --adapter-path does")
+    p.add_argument("--lora-modules", metavar="NAME=DIR", nargs="+", type=_lora_module,
+                   help="LoRA adapters a request chooses by sending its NAME as the model (vLLM's --lora-modules): "
+                        "each request runs on its own, requests on the base model and on any adapters share batches "
+                        "(mlx-lm text models; the directories mlx_lm.lora writes)")
     p.add_argument("--allowed-local-media-path", metavar="DIR",
                    help="let clients name image / video files (paths, file:// URLs) under this directory (default: "
                         "none, only data: URLs: a client must not read the server's files)")

@@ -744,9 +744,10 @@ class Engine:
         images: Sequence[Sequence[Any] | None] | None = None,
         videos: Sequence[Sequence[Any] | None] | None = None,
         audio: Sequence[Sequence[Any] | None] | None = None,
+        loras: Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Run `prompts` (strings, chat messages or token-id lists; with `images[i]` / `videos[i]` / `audio[i]`
-        for prompt i on a multimodal model) to completion; outputs in prompt order.
+        for prompt i on a multimodal model, on LoRA adapter `loras[i]`) to completion; outputs in prompt order.
 
         Bad input raises InvalidRequest as `add_request` does, and then none of `prompts` runs (those already
         queued are aborted), so a refused batch leaves nothing behind.
@@ -755,15 +756,16 @@ class Engine:
             raise InvalidRequest("prompts", f"must be a list of prompts, got {type(prompts).__name__} (wrap a "
                                             "single prompt in a list)")
         samplings = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
-        per_prompt = {"sampling": samplings, "images": images, "videos": videos, "audio": audio}
+        per_prompt = {"sampling": samplings, "images": images, "videos": videos, "audio": audio, "loras": loras}
         for name, values in per_prompt.items():
             if values is not None and len(values) != len(prompts):
                 raise InvalidRequest(name, f"one entry per prompt: {len(values)} for {len(prompts)} prompts")
         none = [None] * len(prompts)
         ids: list[str] = []
         try:
-            for p, sp, imgs, vids, auds in zip(prompts, samplings, images or none, videos or none, audio or none):
-                media = dict(images=imgs, videos=vids, audio=auds, sampling=sp)
+            for p, sp, imgs, vids, auds, lora in zip(prompts, samplings, images or none, videos or none,
+                                                     audio or none, loras or none):
+                media = dict(images=imgs, videos=vids, audio=auds, sampling=sp, lora=lora)
                 if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], dict)):
                     ids.append(self.add_request(prompt=p, **media))
                 else:
@@ -816,10 +818,11 @@ class Engine:
 
     def stream(self, prompt: Any = None, prompt_tokens: Sequence[int] | None = None, images: Sequence[Any] | None = None,
                sampling: SamplingParams | None = None, request_id: str | None = None,
-               videos: Sequence[Any] | None = None, audio: Sequence[Any] | None = None) -> Iterator[StepOutput]:
+               videos: Sequence[Any] | None = None, audio: Sequence[Any] | None = None,
+               lora: str | None = None) -> Iterator[StepOutput]:
         """Add one request and yield its outputs as the engine steps (other requests keep running)."""
         rid = self.add_request(prompt=prompt, prompt_tokens=prompt_tokens, images=images, sampling=sampling,
-                               request_id=request_id, videos=videos, audio=audio)
+                               request_id=request_id, videos=videos, audio=audio, lora=lora)
         while True:
             for out in self.step():
                 if out.request_id == rid:

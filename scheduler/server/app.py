@@ -64,6 +64,13 @@ class ServerState:
     def engine(self) -> Any:
         return self.aengine.engine
 
+    @property
+    def loras(self) -> tuple[str, ...]:
+        """The engine's LoRA adapters: model names a request may send besides `model_name` (vLLM's
+        `--lora-modules`)."""
+        loras = self.engine.loras
+        return loras.names if loras is not None else ()
+
 
 class _CountResponses:
     """ASGI middleware counting answers by route and status (a pure ASGI wrapper: it does not buffer or
@@ -126,9 +133,11 @@ class _Call:
     `prompts`: how many prompts it has (a /v1/completions prompt list); each gets `n` choices, choice
     `p * n + j` being prompt p's j-th (OpenAI's order)."""
 
-    def __init__(self, state: ServerState, body: Body, kind: str, prompts: int = 1):
+    def __init__(self, state: ServerState, body: Body, kind: str, prompts: int = 1, lora: str | None = None):
         self.state = state
         self.body = body
+        self.lora = lora  # the LoRA adapter its choices run on (`_check_model`)
+        self.model = lora if lora is not None else state.model_name  # the model its answers name
         self.id = f"{kind}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
         self.request_ids = [f"{self.id}-{i}" for i in range(prompts * body.n)]
@@ -160,7 +169,8 @@ class _Call:
         try:
             for i, (rid, sampling) in enumerate(zip(self.request_ids, samplings)):
                 self.streams.append(await state.aengine.submit(request_id=rid, sampling=sampling,
-                                                               priority=body.priority, **prompts[i // body.n]))
+                                                               priority=body.priority, lora=self.lora,
+                                                               **prompts[i // body.n]))
         except BaseException as exc:
             for stream in self.streams:  # a later choice refused: the earlier ones are aborted
                 stream.close()
@@ -276,10 +286,15 @@ def _installed_version() -> str:
         return "unknown"
 
 
-def _check_model(state: ServerState, body: Body) -> None:
-    if body.model is not None and body.model != state.model_name:
-        raise APIError(404, f"model: the model {body.model!r} does not exist here (serving "
-                            f"{state.model_name!r})", "model", "invalid_request_error", "model_not_found")
+def _check_model(state: ServerState, body: Body) -> str | None:
+    """The LoRA adapter the request's `model` names (None: the base model); 404 for a model not served."""
+    if body.model is None or body.model == state.model_name:
+        return None
+    if body.model in state.loras:
+        return body.model
+    raise APIError(404, f"model: the model {body.model!r} does not exist here (serving "
+                        f"{', '.join(map(repr, (state.model_name, *state.loras)))})", "model",
+                   "invalid_request_error", "model_not_found")
 
 
 @dataclass(frozen=True)
@@ -511,7 +526,7 @@ class _TextChoices:
 
 
 def _chunk(call: _Call, obj: str, choices: list[dict], with_usage: bool) -> dict[str, Any]:
-    out = {"id": call.id, "object": obj, "created": call.created, "model": call.state.model_name,
+    out = {"id": call.id, "object": obj, "created": call.created, "model": call.model,
            "choices": choices}
     if with_usage:
         out["usage"] = None
@@ -536,7 +551,7 @@ async def _respond(request: Request, call: _Call, choices: "_ChatChoices | _Text
             collecting.result()
         except (ChoiceFailed, EngineStopped) as exc:
             raise _failure(exc) from None
-        out = {"id": call.id, "object": choices.object, "created": call.created, "model": call.state.model_name,
+        out = {"id": call.id, "object": choices.object, "created": call.created, "model": call.model,
                "choices": [choices.final(i, pieces[i]) for i in range(call.choices)], "usage": call.usage()}
         if body.prompt_logprobs is not None:
             # each prompt's first choice scored it (`engine_prompt_logprobs`)
@@ -610,7 +625,7 @@ def create_app(state: ServerState) -> Any:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await _parse(request, ChatCompletionRequest, state.max_request_bytes)
-        _check_model(state, body)
+        lora = _check_model(state, body)
         tool_calling = _tool_calling(body, call_format)
         prompt = await engine_prompt(body.messages)
         tools = tool_calling.tools if tool_calling is not None else None
@@ -622,7 +637,7 @@ def create_app(state: ServerState) -> Any:
             parsing = _ChatParsing(reasoning, opens, tool_calling)
         structured = output_constraint(body, tool_calling.format if tool_calling is not None else None, tools,
                                        reasoning.end if opens else None)
-        call = _Call(state, body, "chatcmpl")
+        call = _Call(state, body, "chatcmpl", lora=lora)
         await call.submit([dict(prompt=prompt.messages, images=prompt.images or None, videos=prompt.videos or None,
                                 audio=prompt.audio or None, tools=tools, chat_template_kwargs=template_kwargs)],
                           prompt.part_of, structured)
@@ -632,12 +647,12 @@ def create_app(state: ServerState) -> Any:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await _parse(request, CompletionRequest, state.max_request_bytes)
-        _check_model(state, body)
+        lora = _check_model(state, body)
         prompts = body.prompt_list()
         if len(prompts) * body.n > MAX_CHOICES:
             raise APIError(400, f"n: {len(prompts)} prompts x n={body.n} choices; at most {MAX_CHOICES} in one "
                                 "request", "n")
-        call = _Call(state, body, "cmpl", len(prompts))
+        call = _Call(state, body, "cmpl", len(prompts), lora=lora)
         if body.echo:  # a text prompt as sent; token ids as the tokenizer decodes them
             call.echoes = [p if isinstance(p, str) else engine.tokenizer.decode(p) for p in prompts]
         await call.submit([dict(prompt=p) if isinstance(p, str) else dict(prompt_tokens=p) for p in prompts],
@@ -676,20 +691,24 @@ def create_app(state: ServerState) -> Any:
             raise APIError(400, f"tokens: ids outside the vocabulary [0, {engine.vocab_size}): {bad[:5]}", "tokens")
         return {"prompt": engine.tokenizer.decode(body.tokens)}
 
-    model_card = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "mlxsched",
-                  "max_model_len": engine.max_model_len}
+    # the served model, then each LoRA adapter as a model of its own whose parent is it (vLLM's cards)
+    model_cards = {name: {"id": name, "object": "model", "created": 0, "owned_by": "mlxsched",
+                          "max_model_len": engine.max_model_len,
+                          **({"parent": state.model_name} if name != state.model_name else {})}
+                   for name in (state.model_name, *state.loras)}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card]}
+        return {"object": "list", "data": list(model_cards.values())}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> dict[str, Any]:
-        """OpenAI's retrieve (`client.models.retrieve`): the served model's card, or 404 for another name."""
-        if model != state.model_name:
-            raise APIError(404, f"model: the model {model!r} does not exist here (serving {state.model_name!r})",
-                           "model", "invalid_request_error", "model_not_found")
-        return model_card
+        """OpenAI's retrieve (`client.models.retrieve`): a served model's card, or 404 for another name."""
+        if model not in model_cards:
+            raise APIError(404, f"model: the model {model!r} does not exist here (serving "
+                                f"{', '.join(map(repr, model_cards))})", "model", "invalid_request_error",
+                           "model_not_found")
+        return model_cards[model]
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -7,13 +7,14 @@ one's effect shows."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 
 import mlx.core as mx
 import pytest
 
-from scheduler import Engine, EngineConfig, InvalidRequest, SamplingParams
+from scheduler import AsyncEngine, Engine, EngineConfig, InvalidRequest, SamplingParams
 from scheduler.fixtures.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, write_lora_adapter
 from scheduler.models.lora import LoRAError, LoRASet
 
@@ -124,6 +125,18 @@ def test_an_unknown_adapter_is_refused_for_that_request_only(text_model_dir, ada
     assert info.value.field == "lora"
     run = drive(engine, [(0, {"prompt_tokens": prompt, "sampling": greedy(MAX_TOKENS), "lora": "two"})])
     assert list(run.tokens.values()) == [_alone(references, prompt, "two")]
+    # generate(loras=...) and AsyncEngine's lora= choose the same way
+    prompts = mixed_prompts(3, 5, 30, seed=4)
+    outs = engine.generate(prompts, greedy(MAX_TOKENS), loras=["two", None, "one"])
+    assert [o.token_ids for o in outs] == [_alone(references, p, lora) for p, lora in zip(prompts, ["two", None, "one"])]
+    with pytest.raises(InvalidRequest, match="^loras: one entry per prompt"):
+        engine.generate(prompts, greedy(MAX_TOKENS), loras=["one"])
+
+    async def on_adapter():
+        async with AsyncEngine(engine) as aengine:
+            return await aengine.generate(prompt_tokens=prompts[0], sampling=greedy(MAX_TOKENS), lora="one")
+
+    assert asyncio.run(on_adapter()).token_ids == _alone(references, prompts[0], "one")
     plain = Engine.from_pretrained(text_model_dir, CONFIG)
     with pytest.raises(InvalidRequest, match="this engine has none"):
         plain.add_request(prompt_tokens=prompt, lora="one")

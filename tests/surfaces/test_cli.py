@@ -96,6 +96,24 @@ def test_serve_says_in_one_line_what_it_cannot_serve(tmp_path, text_model_dir, c
     assert err.splitlines()[-1].startswith("mlxsched serve: cannot serve") and "llava_next" in err
 
 
+def test_serve_refuses_lora_modules_it_cannot_serve_in_one_line(tmp_path, text_model_dir, capsys):
+    """--lora-modules NAME=DIR: a name given twice or naming the served model, and a directory without an adapter
+    end with exit 2 and one line, before anything listens; a malformed NAME=DIR is argparse's usage error."""
+    from scheduler.fixtures.lora import write_lora_adapter
+
+    good = write_lora_adapter(text_model_dir, tmp_path / "good")
+    serve = ["serve", "--model", str(text_model_dir), "--served-model-name", "base", "--lora-modules"]
+    for modules, why in (([f"a={good}", f"a={good}"], "'a' names two adapters"),
+                         ([f"base={good}"], "'base' names the served model"),
+                         ([f"a={good}", f"b={tmp_path}"], "adapter 'b'")):
+        assert main(serve + modules) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and why in err, err
+    with pytest.raises(SystemExit):
+        main(serve + [str(good)])
+    assert "NAME=DIR" in capsys.readouterr().err
+
+
 def test_every_engine_config_field_is_a_serve_flag_or_says_why_not():
     """README: "Every EngineConfig budget is a flag". Each field is set by a serve flag (given in MB where the
     field is in bytes), or is listed with the reason it has none; a flag left out keeps EngineConfig's default."""
