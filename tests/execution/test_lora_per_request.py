@@ -127,8 +127,9 @@ def test_an_unknown_adapter_is_refused_for_that_request_only(text_model_dir, ada
     assert list(run.tokens.values()) == [_alone(references, prompt, "two")]
     # generate(loras=...) and AsyncEngine's lora= choose the same way
     prompts = mixed_prompts(3, 5, 30, seed=4)
-    outs = engine.generate(prompts, greedy(MAX_TOKENS), loras=["two", None, "one"])
-    assert [o.token_ids for o in outs] == [_alone(references, p, lora) for p, lora in zip(prompts, ["two", None, "one"])]
+    choice = ["two", None, "one"]
+    outs = engine.generate(prompts, greedy(MAX_TOKENS), loras=choice)
+    assert [o.token_ids for o in outs] == [_alone(references, p, lora) for p, lora in zip(prompts, choice)]
     with pytest.raises(InvalidRequest, match="^loras: one entry per prompt"):
         engine.generate(prompts, greedy(MAX_TOKENS), loras=["one"])
 
