@@ -61,6 +61,7 @@ class _Selection:
     outside `LoRASet.rows`: the layers then compute the base model."""
 
     def __init__(self) -> None:
+        self.owner: LoRASet | None = None  # the set installed with it (another engine on the model reuses it)
         self.groups: tuple[_RowGroup, ...] = ()
         self.order: mx.array | None = None  # groups' rows (and the base rows after them) -> batch order
         self.base_rows: mx.array | None = None  # rows on no adapter in a mixed batch
@@ -112,15 +113,22 @@ class LoRASet:
         self.adapters = {adapter.name: adapter for adapter in adapters}
         self._slots = {adapter.name: slot for slot, adapter in enumerate(adapters)}
         self._selection = selection
+        selection.owner = self
 
     @classmethod
     def install(cls, model: nn.Module, adapters: Mapping[str, str | Path]) -> "LoRASet":
         """Read each adapter and install it on `model` (in place: its adapted linear layers become
-        `MultiLoRALinear`s, which compute the base model whenever no row selects an adapter). Raises LoRAError
-        for an adapter that cannot be read or does not fit, and ValueError for a model that already carries
-        another engine's adapters (load the model again)."""
-        if any(isinstance(m, MultiLoRALinear) for _, m in model.named_modules()):
-            raise ValueError("this model already carries per-request adapters (another engine's): load it again")
+        `MultiLoRALinear`s, which compute the base model whenever no row selects an adapter). A model that
+        carries the same adapters already (another engine's on it) gets the set it carries; one that carries
+        others raises ValueError (load the model again). Raises LoRAError for an adapter that cannot be read or
+        does not fit."""
+        installed = next((m for _, m in model.named_modules() if isinstance(m, MultiLoRALinear)), None)
+        if installed is not None:
+            owner = installed._selection.owner
+            if {n: a.path for n, a in owner.adapters.items()} != {str(n): str(p) for n, p in adapters.items()}:
+                raise ValueError(f"this model carries other per-request adapters already ({', '.join(owner.names)}"
+                                 "): load it again")
+            return owner
         read = [_read(str(name), Path(path)) for name, path in adapters.items()]
         modules = dict(model.named_modules())
         selection = _Selection()

@@ -178,12 +178,41 @@ def test_adapters_that_cannot_be_served_per_request_are_refused_naming_why(
         with pytest.raises(LoRAError, match=why):
             LoRASet.install(model, {"bad": path})
     model, tokenizer = mlx_lm.load(str(text_model_dir))
-    Engine(model, tokenizer, CONFIG, loras=adapters)
-    with pytest.raises(ValueError, match="already carries per-request adapters"):
-        Engine(model, tokenizer, CONFIG, loras=adapters)
+    first = Engine(model, tokenizer, CONFIG, loras=adapters)
+    assert Engine(model, tokenizer, CONFIG, loras=adapters).loras is first.loras  # the same adapters: shared
+    with pytest.raises(ValueError, match="carries other per-request adapters already"):
+        Engine(model, tokenizer, CONFIG, loras={"one": adapters["one"]})
     with pytest.raises(ValueError, match="^adapter_path and loras"):
         Engine.from_pretrained(text_model_dir, CONFIG, adapter_path=one, loras=adapters)
     with pytest.raises(ValueError, match="^loras: per-request adapters are built for mlx-lm text models"):
         Engine.from_pretrained(vlm_model_dir, CONFIG, loras={"v": write_lora_adapter(vlm_model_dir, tmp_path / "v")})
     with pytest.raises(ValueError, match="^loras: a sharded model takes no adapters"):
         Engine(*mlx_lm.load(str(text_model_dir)), CONFIG, loras=adapters, shard_group=object())
+
+
+def test_a_what_if_simulation_of_the_trace_shares_prefixes_only_on_one_adapter(text_model_dir, adapters, tmp_path):
+    """The same prompt on the base model, then twice on one adapter, one after another: the third hits the second's
+    entry and the second misses the first's. The trace's arrivals carry each adapter, so the simulation of the
+    recorded config finds the recorded hit rate; the same arrivals with the adapters dropped would find 2/3."""
+    from scheduler.tools.simulate import arrivals_from_trace, fit_cost_model, load_recorded, recorded_metrics, simulate
+
+    prompt = mixed_prompts(1, 60, 60, seed=9)[0]
+    path = tmp_path / "t.jsonl"
+    engine = Engine.from_pretrained(text_model_dir, EngineConfig(prefix_cache_bytes=1 << 22, trace_path=str(path)),
+                                    loras=adapters)
+    for lora in (None, "one", "one"):
+        engine.add_request(prompt_tokens=prompt, sampling=SamplingParams(max_tokens=5), lora=lora)
+        while engine.has_pending():
+            engine.step()
+    engine.close()
+    rec = load_recorded(path)
+    assert (rec.prefix_hits, rec.prefix_misses) == (1, 2)
+    config = dataclasses.replace(rec.trace.config, trace_path=None, check_invariants=True)
+    settings, cost = rec.simulation_settings(), fit_cost_model(rec)
+    arrivals = arrivals_from_trace(rec)
+    assert [a.lora for a in arrivals] == [None, "one", "one"]
+    simulated = simulate(arrivals, config, cost, policy=config.policy, **settings).summary()
+    assert simulated["cache_hit_rate"] == pytest.approx(1 / 3) == recorded_metrics(rec)["cache_hit_rate"]
+    blind = [dataclasses.replace(a, lora=None) for a in arrivals]
+    assert simulate(blind, config, cost, policy=config.policy, **settings).summary()["cache_hit_rate"] == (
+        pytest.approx(2 / 3))
