@@ -216,3 +216,32 @@ def test_a_what_if_simulation_of_the_trace_shares_prefixes_only_on_one_adapter(t
     blind = [dataclasses.replace(a, lora=None) for a in arrivals]
     assert simulate(blind, config, cost, policy=config.policy, **settings).summary()["cache_hit_rate"] == (
         pytest.approx(2 / 3))
+
+
+@pytest.mark.parametrize("family, bits", [("qwen3", 4), ("lfm2", None), ("qwen3_moe", None)])
+def test_adapters_over_a_quantized_base_and_a_recurrent_family_and_refused_over_experts(family, bits, tmp_path):
+    """mlx-lm's LoRA over 4-bit QuantizedLinear layers, and over a family with recurrent state (lfm2's
+    convolutions batch with their own padding rules), batched and mixed, equals each adapter alone; an adapter
+    of a mixture-of-experts model (mlx-lm's LoRASwitchLinear: its tokens are regrouped by expert, so rows no
+    longer line up with requests) is refused naming the layer."""
+    import mlx_lm
+
+    from scheduler.fixtures.families import build_family_model
+
+    model_dir = build_family_model(family, tmp_path / "model", bits=bits)
+    loras = {name: write_lora_adapter(model_dir, tmp_path / name, seed=seed, rank=4)
+             for seed, name in ((1, "one"), (2, "two"))}
+    if family == "qwen3_moe":
+        with pytest.raises(LoRAError, match=r"switch_mlp\.\w+_proj is a mixture-of-experts adapter"):
+            Engine.from_pretrained(model_dir, CONFIG, loras=loras)
+        return
+    references = {None: mlx_lm.load(str(model_dir)),
+                  **{name: mlx_lm.load(str(model_dir), adapter_path=str(path)) for name, path in loras.items()}}
+    prompts = mixed_prompts(6, 3, 50, seed=1)
+    choice = [None, "one", "two", "two", "one", None]
+    want = [_alone(references, p, lora) for p, lora in zip(prompts, choice)]
+    assert all(w != _alone(references, p, None) for w, p, lora in zip(want, prompts, choice) if lora)
+    engine = Engine.from_pretrained(model_dir, CONFIG, loras=loras)
+    run = drive(engine, [(i // 2, {"prompt_tokens": p, "sampling": greedy(MAX_TOKENS), "lora": lora})
+                         for i, (p, lora) in enumerate(zip(prompts, choice))])
+    assert list(run.tokens.values()) == want
