@@ -179,7 +179,8 @@ class AsyncEngine:
                      images: Sequence[Any] | None = None, videos: Sequence[Any] | None = None,
                      audio: Sequence[Any] | None = None, priority: int = 0,
                      tools: Sequence[dict] | None = None,
-                     chat_template_kwargs: dict[str, Any] | None = None, lora: str | None = None) -> RequestStream:
+                     chat_template_kwargs: dict[str, Any] | None = None, lora: str | None = None,
+                     cache_salt: str | None = None) -> RequestStream:
         """Queue a request (arguments as `Engine.add_request`) and return the stream of its outputs. Raises
         InvalidRequest (nothing queued) for bad input, EngineStopped when the loop is not running."""
         self._check_running()
@@ -198,7 +199,7 @@ class AsyncEngine:
         add = functools.partial(self.engine.add_request, prompt=prompt, prompt_tokens=prompt_tokens,
                                 sampling=sampling, request_id=rid, images=images, videos=videos, audio=audio,
                                 priority=priority, tools=tools, chat_template_kwargs=chat_template_kwargs,
-                                lora=lora)
+                                lora=lora, cache_salt=cache_salt)
         accepted = self._prepare.submit(add)
         try:
             await asyncio.wrap_future(accepted)

@@ -142,6 +142,7 @@ class _Arrival:
     priority: int
     arrival_time: float
     lora: str | None = None
+    cache_salt: str | None = None
 
 
 class Engine:
@@ -451,11 +452,13 @@ class Engine:
         tools: Sequence[dict] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         lora: str | None = None,
+        cache_salt: str | None = None,
     ) -> str:
         """Queue a request; returns its id. Raises InvalidRequest (nothing queued) for bad input.
 
         `lora`: the name of one of the engine's LoRA adapters (`Engine(loras=...)`) the request runs on; None:
-        the base model.
+        the base model. `cache_salt` (vLLM's): a non-empty string; the prefix cache shares prefixes only between
+        requests with the same salt (None: between the requests without one).
 
         `tools` (OpenAI-style function schemas) and `chat_template_kwargs` (e.g. `enable_thinking`) go into the
         chat template with chat-message prompts of a text model, as `tokenizer.apply_chat_template(messages,
@@ -492,6 +495,8 @@ class Engine:
         if lora is not None and (self.loras is None or lora not in self.loras.adapters):
             raise InvalidRequest("lora", f"no adapter {lora!r} (this engine has "
                                          f"{', '.join(map(repr, self.loras.names)) if self.loras else 'none'})")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidRequest("cache_salt", f"must be a non-empty string, got {cache_salt!r}")
         if self.shard is not None:
             self.shard.check_request(sampling)
         resolved = self.prompts.resolve(prompt, prompt_tokens, MediaInputs.of(images, videos, audio), request_id,
@@ -515,7 +520,7 @@ class Engine:
             elif request_id in self._known_live or request_id in self._ended:
                 raise InvalidRequest("request_id", f"duplicate request id {request_id!r}", request_id)
             self._known_live.add(request_id)
-            self._inbox.append(_Arrival(request_id, resolved, sampling, priority, self.clock(), lora))
+            self._inbox.append(_Arrival(request_id, resolved, sampling, priority, self.clock(), lora, cache_salt))
         return request_id
 
     def fetch_media(self, prompt: Any = None, images: Sequence[Any] | None = None, videos: Sequence[Any] | None = None,
@@ -627,7 +632,7 @@ class Engine:
                 seed=a.sampling.seed if a.sampling.seed is not None else _derived_seed(self.config.seed, a.request_id),
                 media=a.prompt.media, num_images=a.prompt.num_media_items, media_key=a.prompt.media_key,
                 num_media_tokens=a.prompt.num_media_tokens, media_marks=a.prompt.media_marks,
-                media_items=a.prompt.media_items, lora=a.lora,
+                media_items=a.prompt.media_items, lora=a.lora, cache_salt=a.cache_salt,
             )
             self.scheduler.add(request, tick)
         outputs = [

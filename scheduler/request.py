@@ -370,6 +370,9 @@ class Request:
     # the LoRA adapter it runs on (`Engine(loras=...)` names them; None: the base model). Its KV depends on it, so
     # its prefix-cache keys carry it (`prefix_key`): only requests on the same adapter share a prefix
     lora: str | None = None
+    # vLLM's cache_salt: only requests with the same salt share a prefix (a tenant's prompts cannot be probed by
+    # another's cache hits); its prefix-cache keys carry it as they carry the adapter
+    cache_salt: str | None = None
     seed: int = 0  # effective sampling seed (sampling.seed or derived from the engine seed and id)
     # the context limit: prompt + outputs never exceed it (Scheduler.add sets it; None: only max_tokens caps)
     max_model_len: int | None = None
@@ -439,15 +442,17 @@ class Request:
         then (key of the last mark so far, token id) pairs. KV state before the first media token depends on
         the text alone, so it is shared between text-only requests and requests with any media; from a mark on
         it depends on the media up to that mark, which the pairs carry (a match there needs the same media so
-        far: a chat turn that adds an image shares the turns before it). On a LoRA adapter every item is paired
-        with the adapter's name: its state depends on the adapter from the first token on."""
+        far: a chat turn that adds an image shares the turns before it). On a LoRA adapter or with a cache salt
+        every item is paired with (adapter, salt): the state depends on the adapter from the first token on, and
+        a salt keeps its prefixes to requests with the same salt."""
         tokens = self.prefill_tokens(0, n)
         marks = self.media_marks
         key: list = tokens[: min(marks[0][0], n)] if marks else list(tokens)
         for (start, media), (end, _) in zip(marks, (*marks[1:], (n, None))):
             key += [(media, t) for t in tokens[start: max(start, min(end, n))]]
-        if self.lora is not None:
-            return tuple((self.lora, item) for item in key)
+        if self.lora is not None or self.cache_salt is not None:
+            namespace = (self.lora, self.cache_salt)
+            return tuple((namespace, item) for item in key)
         return tuple(key)
 
     @property

@@ -132,6 +132,7 @@ class Scheduler:
             **({"media_marks": [list(m) for m in request.media_marks]} if request.media_marks else {}),
             **({"media_items": [item.to_record() for item in request.media_items]} if request.media_items else {}),
             **({"lora": request.lora} if request.lora is not None else {}),
+            **({"cache_salt": request.cache_salt} if request.cache_salt is not None else {}),
             measure={"t": request.arrival_time, "admitted_to_engine_t": self.events.clock()},
         )
 

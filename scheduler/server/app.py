@@ -20,6 +20,7 @@ import functools
 import importlib.metadata
 import itertools
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -41,8 +42,8 @@ from .generation import (Body, ChoiceFailed, Delta, PromptScores, bad_words_ids,
                          sampling_params)
 from .messages import EnginePrompt, convert_messages, fetches_media
 from .metrics import EngineMetrics, engine_snapshot
-from .protocol import (MAX_CHOICES, APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                       TokenizeRequest, usage, validation_error)
+from .protocol import (MAX_CHOICES, REQUEST_ID, APIError, ChatCompletionRequest, CompletionRequest,
+                       DetokenizeRequest, TokenizeRequest, usage, validation_error)
 from .reasoning import ReasoningFormat, ReasoningSplitter
 from .token_bytes import TokenBytes
 from .tool_calls import ToolCallFormat, ToolCallSplitter
@@ -133,12 +134,15 @@ class _Call:
     `prompts`: how many prompts it has (a /v1/completions prompt list); each gets `n` choices, choice
     `p * n + j` being prompt p's j-th (OpenAI's order)."""
 
-    def __init__(self, state: ServerState, body: Body, kind: str, prompts: int = 1, lora: str | None = None):
+    def __init__(self, state: ServerState, body: Body, kind: str, prompts: int = 1, lora: str | None = None,
+                 client_id: str | None = None):
         self.state = state
         self.body = body
         self.lora = lora  # the LoRA adapter its choices run on (`_check_model`)
         self.model = lora if lora is not None else state.model_name  # the model its answers name
-        self.id = f"{kind}-{uuid.uuid4().hex[:24]}"
+        # the client's id where it sent one (`_client_id`); each choice's engine request is "<id>-<i>", so an id
+        # still live or recently ended is refused as the engine refuses a duplicate
+        self.id = f"{kind}-{client_id if client_id is not None else uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
         self.request_ids = [f"{self.id}-{i}" for i in range(prompts * body.n)]
         self.echoes: list[str] | None = None  # per prompt, its text, which each of its choices echoes
@@ -170,7 +174,7 @@ class _Call:
             for i, (rid, sampling) in enumerate(zip(self.request_ids, samplings)):
                 self.streams.append(await state.aengine.submit(request_id=rid, sampling=sampling,
                                                                priority=body.priority, lora=self.lora,
-                                                               **prompts[i // body.n]))
+                                                               cache_salt=body.cache_salt, **prompts[i // body.n]))
         except BaseException as exc:
             for stream in self.streams:  # a later choice refused: the earlier ones are aborted
                 stream.close()
@@ -284,6 +288,16 @@ def _installed_version() -> str:
         return importlib.metadata.version("mlxsched")
     except importlib.metadata.PackageNotFoundError:  # run from a source tree that was not installed
         return "unknown"
+
+
+def _client_id(request: Request, body: Body) -> str | None:
+    """The id the client gave its request (vLLM's: the X-Request-Id header, else the body's `request_id`)."""
+    header = request.headers.get("x-request-id")
+    if header is None:
+        return body.request_id
+    if not re.fullmatch(REQUEST_ID, header):
+        raise APIError(400, "X-Request-Id: 1 to 128 printable ASCII characters without spaces", "X-Request-Id")
+    return header
 
 
 def _check_model(state: ServerState, body: Body) -> str | None:
@@ -637,7 +651,7 @@ def create_app(state: ServerState) -> Any:
             parsing = _ChatParsing(reasoning, opens, tool_calling)
         structured = output_constraint(body, tool_calling.format if tool_calling is not None else None, tools,
                                        reasoning.end if opens else None)
-        call = _Call(state, body, "chatcmpl", lora=lora)
+        call = _Call(state, body, "chatcmpl", lora=lora, client_id=_client_id(request, body))
         await call.submit([dict(prompt=prompt.messages, images=prompt.images or None, videos=prompt.videos or None,
                                 audio=prompt.audio or None, tools=tools, chat_template_kwargs=template_kwargs)],
                           prompt.part_of, structured)
@@ -652,7 +666,7 @@ def create_app(state: ServerState) -> Any:
         if len(prompts) * body.n > MAX_CHOICES:
             raise APIError(400, f"n: {len(prompts)} prompts x n={body.n} choices; at most {MAX_CHOICES} in one "
                                 "request", "n")
-        call = _Call(state, body, "cmpl", len(prompts), lora=lora)
+        call = _Call(state, body, "cmpl", len(prompts), lora=lora, client_id=_client_id(request, body))
         if body.echo:  # a text prompt as sent; token ids as the tokenizer decodes them
             call.echoes = [p if isinstance(p, str) else engine.tokenizer.decode(p) for p in prompts]
         await call.submit([dict(prompt=p) if isinstance(p, str) else dict(prompt_tokens=p) for p in prompts],

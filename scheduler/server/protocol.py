@@ -21,6 +21,8 @@ MAX_N = 16
 MAX_PROMPTS = 64  # prompts of one /v1/completions request
 MAX_CHOICES = 256  # prompts x n: engine requests of one HTTP request
 FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function (and response format) names
+# a client's request id (the body's `request_id`, the X-Request-Id header): printable ASCII without spaces
+REQUEST_ID = r"^[!-~]{1,128}$"
 
 
 class APIError(Exception):
@@ -159,6 +161,11 @@ class _Sampling(_Strict):
     # vLLM's: each prompt token's logprob and rank, and this many most likely tokens at its position (0..20), in
     # the answer's `prompt_logprobs` (each choice's on /v1/completions, the request's on chat); not when streaming
     prompt_logprobs: StrictInt | None = None
+    # vLLM's: only requests with the same salt share prompt prefixes in the prefix cache (a tenant cannot learn
+    # another's prompts from how fast its own are answered)
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    # vLLM's: the answer's id is "<kind>-<request_id>" (the X-Request-Id header, where sent, takes its place)
+    request_id: Annotated[str, Field(pattern=REQUEST_ID)] | None = None
 
     @field_validator("truncate_prompt_tokens")
     @classmethod

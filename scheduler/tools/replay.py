@@ -182,6 +182,7 @@ def request_from_arrival(event: Mapping[str, Any]) -> Request:
         media_marks=media_marks(event),
         media_items=media_items(event),
         lora=event.get("lora"),
+        cache_salt=event.get("cache_salt"),
         draft_eligible=event.get("draft_eligible"),
     )
 

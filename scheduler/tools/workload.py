@@ -68,6 +68,7 @@ class SimArrival:
     media_marks: tuple[tuple[int, str], ...] = ()  # Request.media_marks (its prefix keys' media)
     media_items: tuple[MediaItemRef, ...] = ()  # Request.media_items (per item where keyed per item)
     lora: str | None = None  # Request.lora (its prefix keys carry it)
+    cache_salt: str | None = None  # Request.cache_salt (so do they)
     abort_time: float | None = None  # the caller aborts it at this time (relative), if still live
     error_after: int | None = None  # it fails (executor error) when sampling token number error_after + 1
     samples: bool = False  # goes through the sampler (a temperature or penalties), not the greedy argmax
@@ -270,6 +271,7 @@ def arrivals_from_trace(trace: "Trace | str | os.PathLike") -> list[SimArrival]:
             media_marks=media_marks(event),
             media_items=media_items(event),
             lora=event.get("lora"),
+            cache_salt=event.get("cache_salt"),
             abort_time=None if abort_time is None else max(0.0, abort_time - rec.t0),
             error_after=error_after,
             samples=samples_tokens(sampling),

@@ -258,3 +258,44 @@ def test_clear_prefix_cache_is_a_recorded_decision_that_replays(text_model, tmp_
     assert not replay(load_trace(edited)).identical
     no_cache = Engine(model, tokenizer, EngineConfig())
     assert no_cache.clear_prefix_cache() is False
+
+
+def test_a_cache_salt_shares_prefixes_only_between_requests_with_that_salt(text_model, tmp_path):
+    """vLLM's cache_salt: the same prompt under salt "a", with no salt, under salt "b", then "a" and no salt again,
+    one after another: only the last two hit (each the entry of its own salt), the output is the model's either
+    way, the trace records each salt, replay is identical and the what-if simulation finds the recorded hits."""
+    import dataclasses
+
+    from scheduler import InvalidRequest
+    from scheduler.tools.simulate import arrivals_from_trace, fit_cost_model, load_recorded, simulate
+
+    model, tokenizer = text_model
+    prompt = mixed_prompts(1, 60, 60, seed=12)[0]
+    path = tmp_path / "t.jsonl"
+    engine = Engine(model, tokenizer, EngineConfig(prefix_cache_bytes=1 << 22, trace_path=str(path),
+                                                   check_invariants=True))
+    for bad in ("", 7):
+        with pytest.raises(InvalidRequest, match="^cache_salt: must be a non-empty string"):
+            engine.add_request(prompt_tokens=prompt, cache_salt=bad)
+    want = solo_tokens(model, tokenizer, prompt, 6)
+    salts = ["a", None, "b", "a", None]
+    for salt in salts:
+        rid = engine.add_request(prompt_tokens=prompt, sampling=greedy(6), cache_salt=salt)
+        tokens = []
+        while engine.has_pending():
+            tokens += [t for out in engine.step() if out.request_id == rid for t in out.token_ids]
+        assert tokens == want
+    engine.close()
+    events = read_jsonl(path)
+    arrivals = [e for e in events if e["event"] == "arrival"]
+    assert [e.get("cache_salt") for e in arrivals] == salts
+    stored = {e["entry_id"]: e["request_id"] for e in events if e["event"] == "prefix_store"}
+    hits = [(e["request_id"], stored[e["entry_id"]]) for e in events if e["event"] == "prefix_hit"]
+    ids = [e["request_id"] for e in arrivals]
+    assert hits == [(ids[3], ids[0]), (ids[4], ids[1])]
+    assert replay(load_trace(path)).identical
+    rec = load_recorded(path)
+    config = dataclasses.replace(rec.trace.config, trace_path=None)
+    simulated = simulate(arrivals_from_trace(rec), config, fit_cost_model(rec), policy=config.policy,
+                         **rec.simulation_settings()).summary()
+    assert simulated["cache_hit_rate"] == pytest.approx(2 / 5)

@@ -1230,3 +1230,38 @@ def test_priority_orders_waiting_requests_under_the_priority_policy(vlm_model_di
     _, low, high = (e["request_id"] for e in arrivals)
     admitted = [rid for e in events if e["event"] == "plan" for rid in e["admitted"]]
     assert admitted.index(high) < admitted.index(low)
+
+
+def test_cache_salt_and_request_id_as_vllm_takes_them(server):
+    """vLLM's `cache_salt`: the same prompt under salt "s1", "s2", then "s1" again (one after another) hits the
+    prefix cache only the third time, and answers the same text each time. vLLM's `request_id` (and the
+    X-Request-Id header, which takes its place): the answer's id is "<kind>-<id>"; an id whose request is still
+    known to the engine is refused, and a malformed one is a 400 naming the field."""
+    prompt = "tell me a long story about the sea and the ships that sail on it " * 2
+    texts = []
+    for salt in ("s1", "s2", "s1"):
+        before = server.metrics()
+        status, answer = server.post("/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 0,
+                                                         "cache_salt": salt})
+        assert status == 200, answer
+        texts.append(answer["choices"][0]["text"])
+        hits = _value(server.metrics(), "mlxsched_prefix_cache_hits_total") - _value(
+            before, "mlxsched_prefix_cache_hits_total")
+        assert hits == (1 if len(texts) == 3 else 0), (salt, len(texts))
+    assert len(set(texts)) == 1
+    status, error = server.post("/v1/completions", {"prompt": "hi", "max_tokens": 2, "cache_salt": ""})
+    assert status == 400 and error["error"]["param"] == "cache_salt"
+
+    status, answer = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                          "max_tokens": 2, "request_id": "my-id.1"})
+    assert status == 200 and answer["id"] == "chatcmpl-my-id.1"
+    status, error = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                         "max_tokens": 2, "request_id": "my-id.1"})
+    assert status == 400 and "duplicate request id" in error["error"]["message"]
+    request = urllib.request.Request(server.base_url + "/v1/completions", method="POST",
+                                     data=json.dumps({"prompt": "hi", "max_tokens": 2, "request_id": "x"}).encode(),
+                                     headers={"Content-Type": "application/json", "X-Request-Id": "from-header"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert json.loads(response.read())["id"] == "cmpl-from-header"
+    status, error = server.post("/v1/completions", {"prompt": "hi", "max_tokens": 2, "request_id": "has space"})
+    assert status == 400 and error["error"]["param"] == "request_id"

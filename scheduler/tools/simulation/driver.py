@@ -156,7 +156,8 @@ class _Simulation:
                                        priority=a.priority, arrival_tick=tick, arrival_time=a.arrival_time,
                                        num_images=a.num_images, num_media_tokens=a.num_media_tokens,
                                        media_key=a.media_key, media_marks=a.media_marks,
-                                       media_items=a.media_items, lora=a.lora), tick)
+                                       media_items=a.media_items, lora=a.lora,
+                                       cache_salt=a.cache_salt), tick)
             if busy:
                 self.executor.clock += self.cost_model.arrival_seconds(a.num_images)
 
