@@ -253,7 +253,7 @@ class AsyncEngine:
         tokens: list[int] = []
         logprobs: list[float] = []
         top_logprobs: list[list[tuple[int, float]]] = []
-        with_prompt_logprobs = None  # the output that brought the prompt's logprobs
+        first = None  # its first output: it brings the prompt (and its logprobs)
         last = None
         async for out in self.stream(prompt=prompt, prompt_tokens=prompt_tokens, sampling=sampling,
                                      request_id=request_id, images=images, videos=videos, audio=audio,
@@ -261,12 +261,12 @@ class AsyncEngine:
             tokens.extend(out.token_ids)
             logprobs.extend(out.logprobs)
             top_logprobs.extend(out.top_logprobs)
-            if out.prompt_logprobs is not None:
-                with_prompt_logprobs = out
+            if out.prompt_token_ids is not None:
+                first = out
             last = out
         return RequestOutput(last.request_id, tokens, self.engine.tokenizer.decode(tokens), last.finish_reason,
                              last.error, logprobs, top_logprobs,
-                             **prompt_scores(with_prompt_logprobs))
+                             **prompt_scores(first))
 
     def close(self, drain_s: float = 0.0) -> None:
         """Stop the loop after the tick in progress; streams still waiting end with EngineStopped.

@@ -64,12 +64,12 @@ class RequestOutput:
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprob_ranks: list[int | None] | None = None
-    prompt_token_ids: list[int] | None = None  # the prompt those are of (set with them)
+    prompt_token_ids: list[int] | None = None  # the prompt as the engine ran it (StepOutput.prompt_token_ids)
 
 
 def prompt_scores(out: StepOutput | None) -> dict[str, Any]:
-    """A RequestOutput's prompt-logprob fields, from the output that brought them (None: the request did not
-    ask)."""
+    """A RequestOutput's prompt fields, from the request's first output (None: it produced none): the prompt,
+    and its logprobs where the request asked for them."""
     if out is None:
         return {}
     return {"prompt_logprobs": out.prompt_logprobs, "prompt_top_logprobs": out.prompt_top_logprobs,
@@ -782,7 +782,7 @@ class Engine:
         tokens: dict[str, list[int]] = {i: [] for i in ids}
         logprobs: dict[str, list[float]] = {i: [] for i in ids}
         top_logprobs: dict[str, list[list[tuple[int, float]]]] = {i: [] for i in ids}
-        prompt_logprobs: dict[str, StepOutput] = {}  # the output that brought a request's prompt logprobs
+        firsts: dict[str, StepOutput] = {}  # a request's first output: it brings the prompt (and its logprobs)
         results: dict[str, RequestOutput] = {}
         while len(results) < len(ids):
             for out in self.step():
@@ -791,8 +791,8 @@ class Engine:
                 tokens[out.request_id].extend(out.token_ids)
                 logprobs[out.request_id].extend(out.logprobs)
                 top_logprobs[out.request_id].extend(out.top_logprobs)
-                if out.prompt_logprobs is not None:
-                    prompt_logprobs[out.request_id] = out
+                if out.prompt_token_ids is not None:
+                    firsts[out.request_id] = out
                 if out.finished:
                     toks = tokens[out.request_id]
                     # the text leaves out the stop token that ended it (as mlx-lm's generate does); token_ids keep it
@@ -802,7 +802,7 @@ class Engine:
                         text=self._text(shown),
                         finish_reason=out.finish_reason, error=out.error, logprobs=logprobs[out.request_id],
                         top_logprobs=top_logprobs[out.request_id],
-                        **prompt_scores(prompt_logprobs.get(out.request_id)),
+                        **prompt_scores(firsts.get(out.request_id)),
                     )
                     if progress is not None:
                         progress(out)

@@ -41,7 +41,9 @@ class StepOutput:
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprob_ranks: list[int | None] | None = None
-    prompt_token_ids: list[int] | None = None  # the prompt those are of (set with them)
+    # the prompt as the engine runs it (templated, tokenized, truncated: what the logprobs above are of), with the
+    # request's first token
+    prompt_token_ids: list[int] | None = None
 
 
 @dataclass
@@ -370,7 +372,8 @@ class Scheduler:
         before it can finish. Every decoding row passes here every tick: the common case returns early."""
         rid, out, sampling = request.request_id, request.output_tokens, request.sampling
         limit, model_stops = request.output_limit, frozenset() if sampling.ignore_eos else self.model_stop_ids
-        with_prompt = completes_prefill and not out and sampling.prompt_logprobs is not None
+        first = completes_prefill and not out
+        with_prompt = first and sampling.prompt_logprobs is not None
         for n, token in enumerate(tokens, 1):
             out.append(token)
             # (within min_tokens a stop token was masked out of sampling; only a custom sampler can pick it)
@@ -391,6 +394,7 @@ class Scheduler:
             output.prompt_logprobs = list(request.prompt_logprobs) or [None]
             output.prompt_top_logprobs = list(request.prompt_top_logprobs) or [[]]
             output.prompt_logprob_ranks = list(request.prompt_logprob_ranks) or [None]
+        if first:
             output.prompt_token_ids = list(request.prompt_tokens)
         return output
 

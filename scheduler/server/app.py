@@ -417,10 +417,11 @@ class _ChatChoices:
     stopped finishes with "tool_calls"."""
 
     def __init__(self, tokenizer: Any, token_bytes: TokenBytes, wants_logprobs: bool, stream: bool,
-                 parsing: _ChatParsing | None = None):
+                 parsing: _ChatParsing | None = None, token_ids: bool = False):
         self.tokenizer = tokenizer
         self.token_bytes = token_bytes
         self.wants_logprobs = wants_logprobs
+        self.token_ids = token_ids  # return_token_ids
         self.object = "chat.completion.chunk" if stream else "chat.completion"
         self.parsing = parsing
         self._splitters: dict[int, _ChoiceSplitter] = {}  # streaming: each choice's, as its text arrives
@@ -428,6 +429,11 @@ class _ChatChoices:
     def first(self, index: int) -> dict[str, Any] | None:
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                 "finish_reason": None}
+
+    def opening(self, index: int, prompt_token_ids: list[int]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """With return_token_ids, a choice's first chunk (once its prompt is known): its role delta, and the
+        prompt at the chunk's top level."""
+        return self.first(index), {"prompt_token_ids": prompt_token_ids}
 
     def delta(self, index: int, delta: Delta) -> dict[str, Any] | None:
         finish = delta.finish_reason
@@ -439,14 +445,18 @@ class _ChatChoices:
             split.calls = [{"index": before + k, **call} for k, call in enumerate(split.calls)]
             if finish is not None:
                 finish = splitter.finish_reason(finish)
-        if not split.reasoning and not split.content and not split.calls and finish is None and not delta.logprobs:
+        if not split.reasoning and not split.content and not split.calls and finish is None and not delta.logprobs \
+                and not (self.token_ids and delta.token_ids):
             return None
         body: dict[str, Any] = {"reasoning_content": split.reasoning} if split.reasoning else {}
         if split.content:
             body["content"] = split.content
         if split.calls:
             body["tool_calls"] = split.calls
-        return {"index": index, "delta": body, "logprobs": self._logprobs([delta]), "finish_reason": finish}
+        out = {"index": index, "delta": body, "logprobs": self._logprobs([delta]), "finish_reason": finish}
+        if self.token_ids:
+            out["token_ids"] = list(delta.token_ids)
+        return out
 
     def final(self, index: int, deltas: list[Delta]) -> dict[str, Any]:
         text = "".join(d.text for d in deltas)
@@ -464,7 +474,10 @@ class _ChatChoices:
             if split.calls:
                 message["tool_calls"] = split.calls
             finish = splitter.finish_reason(finish) if finish is not None else None
-        return {"index": index, "message": message, "logprobs": self._logprobs(deltas), "finish_reason": finish}
+        out = {"index": index, "message": message, "logprobs": self._logprobs(deltas), "finish_reason": finish}
+        if self.token_ids:
+            out["token_ids"] = [t for d in deltas for t in d.token_ids]
+        return out
 
     def _logprobs(self, deltas: list[Delta]) -> dict[str, Any] | None:
         if not self.wants_logprobs:
@@ -487,23 +500,38 @@ class _TextChoices:
 
     object = "text_completion"
 
-    def __init__(self, tokenizer: Any, wants_logprobs: bool, alternatives: int):
+    def __init__(self, tokenizer: Any, wants_logprobs: bool, alternatives: int, token_ids: bool = False):
         self.tokenizer = tokenizer
         self.wants_logprobs = wants_logprobs
         self.alternatives = alternatives  # the legacy `logprobs: N`: N most likely tokens listed per token
+        self.token_ids = token_ids  # return_token_ids
 
     def first(self, index: int) -> dict[str, Any] | None:
         return None
 
+    def opening(self, index: int, prompt_token_ids: list[int]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """With return_token_ids, a choice's first chunk (once its prompt is known): its prompt, on the choice."""
+        return {"index": index, "text": "", "logprobs": None, "finish_reason": None,
+                "prompt_token_ids": prompt_token_ids, "token_ids": []}, {}
+
     def delta(self, index: int, delta: Delta) -> dict[str, Any] | None:
-        if not delta.text and delta.finish_reason is None and not delta.logprobs and delta.echo is None:
+        if not delta.text and delta.finish_reason is None and not delta.logprobs and delta.echo is None \
+                and not (self.token_ids and delta.token_ids):
             return None
-        return {"index": index, "text": self._text([delta]), "logprobs": self._logprobs([delta]),
-                "finish_reason": delta.finish_reason}
+        out = {"index": index, "text": self._text([delta]), "logprobs": self._logprobs([delta]),
+               "finish_reason": delta.finish_reason}
+        if self.token_ids:
+            out["token_ids"] = list(delta.token_ids)
+        return out
 
     def final(self, index: int, deltas: list[Delta]) -> dict[str, Any]:
-        return {"index": index, "text": self._text(deltas), "logprobs": self._logprobs(deltas),
-                "finish_reason": deltas[-1].finish_reason if deltas else None}
+        out = {"index": index, "text": self._text(deltas), "logprobs": self._logprobs(deltas),
+               "finish_reason": deltas[-1].finish_reason if deltas else None}
+        if self.token_ids:
+            out["prompt_token_ids"] = next((d.prompt_token_ids for d in deltas if d.prompt_token_ids is not None),
+                                           None)
+            out["token_ids"] = [t for d in deltas for t in d.token_ids]
+        return out
 
     @staticmethod
     def _text(deltas: list[Delta]) -> str:
@@ -576,15 +604,23 @@ async def _respond(request: Request, call: _Call, choices: "_ChatChoices | _Text
             else:  # each choice its prompt's
                 for choice in out["choices"]:
                     choice["prompt_logprobs"] = rendered[choice["index"] - choice["index"] % body.n]
+        if body.return_token_ids and isinstance(choices, _ChatChoices):  # (a completion's are its choices')
+            out["prompt_token_ids"] = next(d.prompt_token_ids for d in pieces[0] if d.prompt_token_ids is not None)
         return JSONResponse(out)
 
     async def events() -> AsyncIterator[str]:
         with_usage = body.include_usage
         try:
+            # each choice's first chunk at once, or (return_token_ids) each when its prompt is known
             firsts = [choices.first(i) for i in range(call.choices)]
-            if firsts[0] is not None:
+            if firsts[0] is not None and not body.return_token_ids:
                 yield _sse(_chunk(call, choices.object, firsts, with_usage))
             async for index, delta in call.deltas():
+                if delta.prompt_token_ids is not None:
+                    if body.return_token_ids:
+                        opening, top = choices.opening(index, delta.prompt_token_ids)
+                        yield _sse({**_chunk(call, choices.object, [opening], with_usage), **top})
+                    continue
                 rendered = choices.delta(index, delta)
                 if rendered is not None:
                     yield _sse(_chunk(call, choices.object, [rendered], with_usage))
@@ -655,7 +691,8 @@ def create_app(state: ServerState) -> Any:
         await call.submit([dict(prompt=prompt.messages, images=prompt.images or None, videos=prompt.videos or None,
                                 audio=prompt.audio or None, tools=tools, chat_template_kwargs=template_kwargs)],
                           prompt.part_of, structured)
-        choices = _ChatChoices(engine.tokenizer, token_bytes, body.wants_logprobs(), body.stream, parsing)
+        choices = _ChatChoices(engine.tokenizer, token_bytes, body.wants_logprobs(), body.stream, parsing,
+                               body.return_token_ids)
         return await _respond(request, call, choices)
 
     @app.post("/v1/completions")
@@ -671,7 +708,7 @@ def create_app(state: ServerState) -> Any:
             call.echoes = [p if isinstance(p, str) else engine.tokenizer.decode(p) for p in prompts]
         await call.submit([dict(prompt=p) if isinstance(p, str) else dict(prompt_tokens=p) for p in prompts],
                           structured=output_constraint(body, None, None, None))
-        choices = _TextChoices(engine.tokenizer, body.wants_logprobs(), body.alternatives())
+        choices = _TextChoices(engine.tokenizer, body.wants_logprobs(), body.alternatives(), body.return_token_ids)
         return await _respond(request, call, choices)
 
     @app.post("/tokenize")

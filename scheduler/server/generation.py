@@ -31,6 +31,8 @@ class Delta:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     echo: "EchoedPrompt | None" = None  # the first delta of a choice that echoes its prompt
     prompt: "PromptScores | None" = None  # a delta of its own, for a choice that scores its prompt
+    # a delta of its own, a choice's first: its prompt as the engine ran it (templated, tokenized, truncated)
+    prompt_token_ids: list[int] | None = None
 
 
 @dataclass
@@ -179,6 +181,8 @@ async def choice_deltas(stream: RequestStream, tokenizer: Any, stops: StopRule,
         async for out in stream:
             if out.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
                 raise ChoiceFailed(out.error or f"the request ended with {out.finish_reason.value}")
+            if out.prompt_token_ids is not None:  # its first output
+                yield Delta("", [], prompt_token_ids=list(out.prompt_token_ids))
             if echo is not None:
                 yield Delta("", [], echo=_echoed(echo, out))
                 echo = None

@@ -166,6 +166,10 @@ class _Sampling(_Strict):
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
     # vLLM's: the answer's id is "<kind>-<request_id>" (the X-Request-Id header, where sent, takes its place)
     request_id: Annotated[str, Field(pattern=REQUEST_ID)] | None = None
+    # vLLM's: the answer carries token ids next to the text: each choice's `token_ids` (the tokens it produced, a
+    # stop token included; per chunk when streaming) and its prompt's `prompt_token_ids` (chat: the answer's,
+    # in the first chunk of each choice when streaming; completions: each choice's, in its first chunk)
+    return_token_ids: StrictBool = False
 
     @field_validator("truncate_prompt_tokens")
     @classmethod

@@ -62,6 +62,9 @@ class Server:
         status, raw = _http("POST", self.base_url + path, data)
         return status, json.loads(raw)
 
+    def post_raw(self, path: str, body: dict) -> tuple[int, bytes]:
+        return _http("POST", self.base_url + path, json.dumps(body).encode())
+
     def metrics(self) -> dict[tuple[str, tuple], float]:
         status, raw = self.get("/metrics")
         assert status == 200
@@ -1143,6 +1146,89 @@ def test_max_queue_answers_429_and_a_failed_engine_loop_answers_503(servers):
     assert small.get("/metrics")[0] == 200  # the event-fed metrics still answer
 
 
+def test_cache_salt_and_request_id_as_vllm_takes_them(server):
+    """vLLM's `cache_salt`: the same prompt under salt "s1", "s2", then "s1" again (one after another) hits the
+    prefix cache only the third time, and answers the same text each time. vLLM's `request_id` (and the
+    X-Request-Id header, which takes its place): the answer's id is "<kind>-<id>"; an id whose request is still
+    known to the engine is refused, and a malformed one is a 400 naming the field."""
+    prompt = "tell me a long story about the sea and the ships that sail on it " * 2
+    texts = []
+    for salt in ("s1", "s2", "s1"):
+        before = server.metrics()
+        status, answer = server.post("/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 0,
+                                                         "cache_salt": salt})
+        assert status == 200, answer
+        texts.append(answer["choices"][0]["text"])
+        hits = _value(server.metrics(), "mlxsched_prefix_cache_hits_total") - _value(
+            before, "mlxsched_prefix_cache_hits_total")
+        assert hits == (1 if len(texts) == 3 else 0), (salt, len(texts))
+    assert len(set(texts)) == 1
+    status, error = server.post("/v1/completions", {"prompt": "hi", "max_tokens": 2, "cache_salt": ""})
+    assert status == 400 and error["error"]["param"] == "cache_salt"
+
+    status, answer = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                          "max_tokens": 2, "request_id": "my-id.1"})
+    assert status == 200 and answer["id"] == "chatcmpl-my-id.1"
+    status, error = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                         "max_tokens": 2, "request_id": "my-id.1"})
+    assert status == 400 and "duplicate request id" in error["error"]["message"]
+    request = urllib.request.Request(server.base_url + "/v1/completions", method="POST",
+                                     data=json.dumps({"prompt": "hi", "max_tokens": 2, "request_id": "x"}).encode(),
+                                     headers={"Content-Type": "application/json", "X-Request-Id": "from-header"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert json.loads(response.read())["id"] == "cmpl-from-header"
+    status, error = server.post("/v1/completions", {"prompt": "hi", "max_tokens": 2, "request_id": "has space"})
+    assert status == 400 and error["error"]["param"] == "request_id"
+
+
+def _sse_chunks(server: Server, path: str, body: dict) -> list[dict]:
+    """The JSON chunks of a streamed answer, in order ([DONE] left out)."""
+    status, raw = server.post_raw(path, {**body, "stream": True})
+    assert status == 200, raw
+    lines = [line[len("data: "):] for line in raw.decode().splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_return_token_ids_answers_the_prompt_and_each_choices_tokens(server, reference):
+    """vLLM's `return_token_ids`: a chat answer's `prompt_token_ids` are the prompt as the engine renders it
+    (`Engine.tokenize`, which `RequestOutput.prompt_token_ids` equals too) and each choice's `token_ids` what the
+    engine produced for it (its stop token included); streamed, each choice's first chunk carries the prompt and
+    its chunks' `token_ids` join to the same tokens. On /v1/completions each choice carries its prompt's ids and
+    its own. Without the field the answer has neither."""
+    engine, _ = reference
+    messages = [{"role": "user", "content": "count the ships in the harbour"}]
+    prompt_ids = engine.tokenize(messages)
+    (want,) = engine.generate([messages], [SamplingParams(max_tokens=7)])
+    assert want.prompt_token_ids == prompt_ids
+    ask = {"messages": messages, "max_tokens": 7, "temperature": 0, "return_token_ids": True}
+    status, chat = server.post("/v1/chat/completions", ask)
+    assert status == 200, chat
+    assert chat["prompt_token_ids"] == prompt_ids and chat["choices"][0]["token_ids"] == want.token_ids
+    chunks = _sse_chunks(server, "/v1/chat/completions", ask)
+    assert chunks[0]["prompt_token_ids"] == prompt_ids and chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    assert [t for c in chunks[1:] for t in c["choices"][0]["token_ids"]] == want.token_ids
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == chat["choices"][0]["message"][
+        "content"]
+
+    prompts = [[5, 9, 200, 31, 7, 64], [11, 12, 13, 14]]
+    wants = engine.generate(prompts, [SamplingParams(max_tokens=5)] * 2)
+    ask = {"prompt": prompts, "max_tokens": 5, "temperature": 0, "return_token_ids": True}
+    status, answer = server.post("/v1/completions", ask)
+    assert status == 200, answer
+    assert [(c["prompt_token_ids"], c["token_ids"]) for c in answer["choices"]] == [
+        (w.prompt_token_ids, w.token_ids) for w in wants]
+    assert wants[0].prompt_token_ids == prompts[0]
+    chunks = _sse_chunks(server, "/v1/completions", ask)
+    for i, w in enumerate(wants):
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == i]
+        assert mine[0]["prompt_token_ids"] == w.prompt_token_ids
+        assert [t for c in mine for t in c["token_ids"]] == w.token_ids
+    status, plain = server.post("/v1/completions", {"prompt": prompts[1], "max_tokens": 2})
+    assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain["choices"][0]
+
+
 def test_sigint_shuts_down_cleanly(server):
     async def open_stream():
         client = server.client()
@@ -1231,37 +1317,3 @@ def test_priority_orders_waiting_requests_under_the_priority_policy(vlm_model_di
     admitted = [rid for e in events if e["event"] == "plan" for rid in e["admitted"]]
     assert admitted.index(high) < admitted.index(low)
 
-
-def test_cache_salt_and_request_id_as_vllm_takes_them(server):
-    """vLLM's `cache_salt`: the same prompt under salt "s1", "s2", then "s1" again (one after another) hits the
-    prefix cache only the third time, and answers the same text each time. vLLM's `request_id` (and the
-    X-Request-Id header, which takes its place): the answer's id is "<kind>-<id>"; an id whose request is still
-    known to the engine is refused, and a malformed one is a 400 naming the field."""
-    prompt = "tell me a long story about the sea and the ships that sail on it " * 2
-    texts = []
-    for salt in ("s1", "s2", "s1"):
-        before = server.metrics()
-        status, answer = server.post("/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 0,
-                                                         "cache_salt": salt})
-        assert status == 200, answer
-        texts.append(answer["choices"][0]["text"])
-        hits = _value(server.metrics(), "mlxsched_prefix_cache_hits_total") - _value(
-            before, "mlxsched_prefix_cache_hits_total")
-        assert hits == (1 if len(texts) == 3 else 0), (salt, len(texts))
-    assert len(set(texts)) == 1
-    status, error = server.post("/v1/completions", {"prompt": "hi", "max_tokens": 2, "cache_salt": ""})
-    assert status == 400 and error["error"]["param"] == "cache_salt"
-
-    status, answer = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                                          "max_tokens": 2, "request_id": "my-id.1"})
-    assert status == 200 and answer["id"] == "chatcmpl-my-id.1"
-    status, error = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                                         "max_tokens": 2, "request_id": "my-id.1"})
-    assert status == 400 and "duplicate request id" in error["error"]["message"]
-    request = urllib.request.Request(server.base_url + "/v1/completions", method="POST",
-                                     data=json.dumps({"prompt": "hi", "max_tokens": 2, "request_id": "x"}).encode(),
-                                     headers={"Content-Type": "application/json", "X-Request-Id": "from-header"})
-    with urllib.request.urlopen(request, timeout=60) as response:
-        assert json.loads(response.read())["id"] == "cmpl-from-header"
-    status, error = server.post("/v1/completions", {"prompt": "hi", "max_tokens": 2, "request_id": "has space"})
-    assert status == 400 and error["error"]["param"] == "request_id"
