@@ -200,7 +200,7 @@ class _Call:
             scores_prompt = self.body.prompt_logprobs is not None and index % self.body.n == 0
             try:
                 async for delta in choice_deltas(stream, tokenizer, stops, logprobs, echo, self.body.prompt_only(),
-                                                 scores_prompt):
+                                                 scores_prompt, self.body.skip_special_tokens):
                     queue.put_nowait((index, delta))
                 queue.put_nowait((index, None))
             except asyncio.CancelledError:

@@ -13,14 +13,19 @@ _REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = False):
         self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens  # the tokenizer's special tokens decode to nothing
         self.tokens: list[int] = []
         self._prefix = 0  # window start: tokens before it are emitted and never re-decoded
         self._read = 0  # tokens[_prefix:_read] are emitted
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(list(ids)) if ids else ""
+        if not ids:
+            return ""
+        if self._skip_special:
+            return self._tokenizer.decode(list(ids), skip_special_tokens=True)
+        return self._tokenizer.decode(list(ids))
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Append tokens; returns the newly completed text (maybe empty)."""

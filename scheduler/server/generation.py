@@ -155,7 +155,7 @@ def sampling_params(body: Body, index: int, default_max_tokens: int,
 
 async def choice_deltas(stream: RequestStream, tokenizer: Any, stops: StopRule,
                         wants_logprobs: bool, echo: str | None = None, prompt_only: bool = False,
-                        scores_prompt: bool = False) -> AsyncIterator[Delta]:
+                        scores_prompt: bool = False, skip_special_tokens: bool = False) -> AsyncIterator[Delta]:
     """The deltas of one choice until it ends. Raises ChoiceFailed if the engine failed it. Closing the
     iterator early (the client went away) closes the stream, which aborts the request.
 
@@ -173,7 +173,7 @@ async def choice_deltas(stream: RequestStream, tokenizer: Any, stops: StopRule,
     `stops`: the text of the first `stops.unchecked_tokens` tokens (the request's min_tokens) is not matched
     against the stop strings (vLLM's rule; a stop string that ends after it counts). The engine masks the stop
     tokens over the same tokens."""
-    detok = IncrementalDetokenizer(tokenizer)
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
     min_tokens, stops = stops.unchecked_tokens, stops.matcher()
     with_stop_token = echo is not None
     counted = 0  # output tokens so far

@@ -170,6 +170,9 @@ class _Sampling(_Strict):
     # stop token included; per chunk when streaming) and its prompt's `prompt_token_ids` (chat: the answer's,
     # in the first chunk of each choice when streaming; completions: each choice's, in its first chunk)
     return_token_ids: StrictBool = False
+    # vLLM's: the tokenizer's special tokens are left out of the text (the default, false, shows them as mlx-lm's
+    # server does; vLLM's default is true). Their ids stay in token_ids and logprobs
+    skip_special_tokens: StrictBool = False
 
     @field_validator("truncate_prompt_tokens")
     @classmethod

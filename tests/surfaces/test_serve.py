@@ -1229,6 +1229,28 @@ def test_return_token_ids_answers_the_prompt_and_each_choices_tokens(server, ref
     assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain["choices"][0]
 
 
+def test_skip_special_tokens_leaves_them_out_of_the_text(server, reference):
+    """vLLM's `skip_special_tokens`: a choice pushed to a special token (`<|vision_start|>`, not a stop token)
+    shows it in its text by default, as mlx-lm's server does, and leaves it out with the field true; the token ids
+    and the rest of the text are the same either way, streamed and not."""
+    engine, _ = reference
+    special = engine.tokenizer.convert_tokens_to_ids("<|vision_start|>")
+    ask = {"prompt": "the ships", "max_tokens": 6, "temperature": 0, "logit_bias": {str(special): 8},
+           "return_token_ids": True}
+    answers = {}
+    for skip in (False, True):
+        status, answer = server.post("/v1/completions", {**ask, "skip_special_tokens": skip})
+        assert status == 200, answer
+        streamed = _sse_chunks(server, "/v1/completions", {**ask, "skip_special_tokens": skip})
+        assert "".join(c["choices"][0]["text"] for c in streamed if c["choices"]) == answer["choices"][0]["text"]
+        answers[skip] = answer["choices"][0]
+    tokens = answers[False]["token_ids"]
+    assert answers[True]["token_ids"] == tokens and tokens.count(special) >= 1
+    assert answers[False]["text"] == engine.tokenizer.decode(tokens)
+    assert answers[True]["text"] == engine.tokenizer.decode(tokens, skip_special_tokens=True)
+    assert "<|vision_start|>" in answers[False]["text"] and "<|vision_start|>" not in answers[True]["text"]
+
+
 def test_sigint_shuts_down_cleanly(server):
     async def open_stream():
         client = server.client()
