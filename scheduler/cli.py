@@ -381,7 +381,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 2
     serve(engine, model_name, host=args.host, port=args.port,
           max_queue=args.max_queue, graceful_shutdown_s=args.graceful_shutdown_s, local_media_dir=media_dir,
-          max_request_bytes=args.max_request_mb << 20)
+          max_request_bytes=args.max_request_mb << 20, allow_runtime_lora=args.allow_runtime_lora)
     return 0
 
 
@@ -439,6 +439,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="LoRA adapters a request chooses by sending its NAME as the model (vLLM's --lora-modules): "
                         "each request runs on its own, requests on the base model and on any adapters share batches "
                         "(mlx-lm text models; the directories mlx_lm.lora writes)")
+    p.add_argument("--allow-runtime-lora", action="store_true",
+                   help="let clients load and unload LoRA adapters from this machine's directories while the server "
+                        "runs (vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter; mlx-lm text models)")
     p.add_argument("--allowed-local-media-path", metavar="DIR",
                    help="let clients name image / video files (paths, file:// URLs) under this directory (default: "
                         "none, only data: URLs: a client must not read the server's files)")

@@ -33,7 +33,7 @@ from .families import UnsupportedFeature
 from .lifecycle import RequestState
 from .loop import TickLoop
 from .models.fetch import FetchPolicy
-from .models.lora import LoRASet
+from .models.lora import LoRAInUse, LoRASet, UnknownLoRA
 from .models.prompt import MediaInputs, PromptResolver, ResolvedPrompt
 from .policy import policy_record
 from .request import (
@@ -244,6 +244,11 @@ class Engine:
         self._abort_inbox: list[str] = []
         self._clear_prefix_requested = False  # clear_prefix_cache(): applied at the start of the next tick
         self._known_live: set[str] = set()  # ids accepted and not ended (guarded by _lock)
+        # LoRA adapters (guarded by _lock): the names a request may choose, the adapter of each live request on
+        # one, and adapters loaded or unloaded while running, applied at the start of the next tick
+        self._lora_names: set[str] = set(self.loras.names) if self.loras is not None else set()
+        self._lora_of: dict[str, str] = {}
+        self._lora_changes: list[tuple[str, Any]] = []
         self._ended: OrderedDict[str, RequestState] = OrderedDict()
         self._ids = itertools.count()
         self._stats = EngineStats()
@@ -492,9 +497,6 @@ class Engine:
             self.grammars.compile(sampling.structured_output)  # InvalidRequest where it does not compile
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidRequest("priority", f"must be an integer, got {priority!r}")
-        if lora is not None and (self.loras is None or lora not in self.loras.adapters):
-            raise InvalidRequest("lora", f"no adapter {lora!r} (this engine has "
-                                         f"{', '.join(map(repr, self.loras.names)) if self.loras else 'none'})")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidRequest("cache_salt", f"must be a non-empty string, got {cache_salt!r}")
         if self.shard is not None:
@@ -519,6 +521,11 @@ class Engine:
                 raise InvalidRequest("request_id", f"must be a non-empty string, got {request_id!r}")
             elif request_id in self._known_live or request_id in self._ended:
                 raise InvalidRequest("request_id", f"duplicate request id {request_id!r}", request_id)
+            if lora is not None:  # (under the lock: an adapter is not unloaded between this check and its use)
+                if lora not in self._lora_names:
+                    raise InvalidRequest("lora", f"no adapter {lora!r} (this engine has "
+                                                 f"{', '.join(map(repr, sorted(self._lora_names))) or 'none'})")
+                self._lora_of[request_id] = lora
             self._known_live.add(request_id)
             self._inbox.append(_Arrival(request_id, resolved, sampling, priority, self.clock(), lora, cache_salt))
         return request_id
@@ -554,6 +561,45 @@ class Engine:
             if request_id in self._ended:
                 return False
         raise UnknownRequest(request_id)
+
+    def load_lora(self, name: str, path: str | Path) -> None:
+        """Add LoRA adapter `name` (the directory `mlx_lm.lora` writes) while the engine runs; thread-safe. It
+        is read and checked here (LoRAError: nothing changes) and installed at the start of the next tick;
+        requests may name it from the moment this returns. ValueError for a name already loaded, and for a
+        vision-language or sharded model (as `Engine(loras=...)`)."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"an adapter's name must be a non-empty string, got {name!r}")
+        with self._lock:
+            if name in self._lora_names:
+                raise ValueError(f"an adapter named {name!r} is loaded already")
+            if self.loras is None:
+                self.loras = _install_loras(self.model, {}, self.vlm is not None, self.shard)
+        prepared = self.loras.prepare(name, path)
+        with self._lock:
+            if name in self._lora_names:  # loaded by another thread meanwhile
+                raise ValueError(f"an adapter named {name!r} is loaded already")
+            self._lora_names.add(name)
+            self._lora_changes.append(("load", prepared))
+
+    def unload_lora(self, name: str) -> None:
+        """Remove LoRA adapter `name`; thread-safe. Requests added after this returns cannot name it; it leaves
+        the model at the start of the next tick. UnknownLoRA for a name not loaded; LoRAInUse while a live
+        request runs on it (abort those, or wait for them)."""
+        with self._lock:
+            if name not in self._lora_names:
+                raise UnknownLoRA(f"no adapter {name!r} (this engine has "
+                                  f"{', '.join(map(repr, sorted(self._lora_names))) or 'none'})")
+            users = sum(lora == name for lora in self._lora_of.values())
+            if users:
+                raise LoRAInUse(f"adapter {name!r} is in use by {users} live request(s)")
+            self._lora_names.discard(name)
+            self._lora_changes.append(("unload", name))
+
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        """The LoRA adapters a request may name now, sorted."""
+        with self._lock:
+            return tuple(sorted(self._lora_names))
 
     def clear_prefix_cache(self) -> bool:
         """Empty the prefix cache at the start of the next tick, like an abort (so the trace records it at a
@@ -625,6 +671,15 @@ class Engine:
             arrivals, self._inbox = self._inbox, []
             aborts, self._abort_inbox = self._abort_inbox, []
             clear_prefix, self._clear_prefix_requested = self._clear_prefix_requested, False
+            lora_changes, self._lora_changes = self._lora_changes, []
+        for change, what in lora_changes:  # before the arrivals that may name them
+            if change == "load":
+                self.loras.commit(what)
+                self.executor.loras = self.loras
+                self.events.emit("lora_load", tick, name=what.adapter.name)
+            else:
+                self.loras.remove(what)
+                self.events.emit("lora_unload", tick, name=what)
         for a in arrivals:
             request = Request(
                 request_id=a.request_id, prompt_tokens=a.prompt.token_ids, sampling=a.sampling,
@@ -657,6 +712,7 @@ class Engine:
             with self._lock:
                 for out in ended:
                     self._known_live.discard(out.request_id)
+                    self._lora_of.pop(out.request_id, None)
                     self._ended[out.request_id] = out.state
                 while len(self._ended) > _ENDED_MEMORY:
                     self._ended.popitem(last=False)

@@ -4,6 +4,8 @@
 `adapter_config.json` and `adapters.safetensors`, whose `...<linear>.lora_a` / `.lora_b` name the linear layers
 it adapts) and puts a `MultiLoRALinear` in place of every linear layer some adapter adapts. Before a forward the
 executor says which adapter each row uses (`LoRASet.rows`); outside that the layers compute the base model.
+Adapters also come and go while an engine runs: `prepare` reads and checks one on any thread, `commit` installs
+it and `remove` uninstalls it on the engine's, between forwards (`Engine.load_lora` / `unload_lora`).
 
 What a row computes is what `mlx_lm.load(model, adapter_path=...)` would for that request alone: mlx-lm's
 `LoRALinear` is `y + (scale * ((x @ lora_a) @ lora_b)).astype(x.dtype)`, and a row on an adapter gets exactly
@@ -35,6 +37,14 @@ ADAPTER_WEIGHTS = "adapters.safetensors"
 class LoRAError(ValueError):
     """An adapter that cannot be served per request (unreadable, another kind of fine-tune, shapes that do not
     fit the model); names the adapter."""
+
+
+class UnknownLoRA(LookupError):
+    """No adapter of that name is loaded."""
+
+
+class LoRAInUse(ValueError):
+    """An adapter live requests run on cannot be unloaded."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +92,10 @@ class MultiLoRALinear(nn.Module):
         self.adapters[str(slot)] = {"lora_a": lora_a, "lora_b": lora_b}
         self._scales[slot] = scale
 
+    def drop(self, slot: int) -> None:
+        del self.adapters[str(slot)]
+        del self._scales[slot]
+
     def _update(self, x: mx.array, slot: int) -> mx.array:
         weights = self.adapters[str(slot)]
         z = (x @ weights["lora_a"]) @ weights["lora_b"]
@@ -106,14 +120,26 @@ class MultiLoRALinear(nn.Module):
         return y + mx.concatenate(parts)[selection.order]
 
 
-class LoRASet:
-    """The adapters installed on one model, by name; `rows(names)` selects them per row around a forward."""
+@dataclass(frozen=True)
+class PreparedAdapter:
+    """An adapter read and checked against the model, not installed yet (`LoRASet.prepare`, `commit`)."""
 
-    def __init__(self, adapters: tuple[LoRAAdapter, ...], selection: _Selection):
-        self.adapters = {adapter.name: adapter for adapter in adapters}
-        self._slots = {adapter.name: slot for slot, adapter in enumerate(adapters)}
-        self._selection = selection
-        selection.owner = self
+    adapter: LoRAAdapter
+    weights: dict[str, mx.array]
+
+
+class LoRASet:
+    """The adapters installed on one model, by name; `rows(names)` selects them per row around a forward.
+    Adapters are added (`prepare` then `commit`) and removed (`remove`) between forwards."""
+
+    def __init__(self, model: nn.Module):
+        self._model = model
+        self.adapters: dict[str, LoRAAdapter] = {}
+        self._slots: dict[str, int] = {}
+        self._next_slot = 0  # a removed adapter's slot is not reused: nothing can still select it
+        self._layers: dict[str, MultiLoRALinear] = {}  # module path -> the layer installed there
+        self._selection = _Selection()
+        self._selection.owner = self
 
     @classmethod
     def install(cls, model: nn.Module, adapters: Mapping[str, str | Path]) -> "LoRASet":
@@ -121,7 +147,7 @@ class LoRASet:
         `MultiLoRALinear`s, which compute the base model whenever no row selects an adapter). A model that
         carries the same adapters already (another engine's on it) gets the set it carries; one that carries
         others raises ValueError (load the model again). Raises LoRAError for an adapter that cannot be read or
-        does not fit."""
+        does not fit, and then changes nothing."""
         installed = next((m for _, m in model.named_modules() if isinstance(m, MultiLoRALinear)), None)
         if installed is not None:
             owner = installed._selection.owner
@@ -129,29 +155,61 @@ class LoRASet:
                 raise ValueError(f"this model carries other per-request adapters already ({', '.join(owner.names)}"
                                  "): load it again")
             return owner
-        read = [_read(str(name), Path(path)) for name, path in adapters.items()]
-        modules = dict(model.named_modules())
-        selection = _Selection()
-        layers: dict[str, MultiLoRALinear] = {}
-        for slot, (adapter, weights) in enumerate(read):
-            for target in adapter.targets:
-                base = modules.get(target)
-                if target not in layers:
-                    if not isinstance(base, (nn.Linear, nn.QuantizedLinear)):
-                        raise LoRAError(f"adapter {adapter.name!r}: {target} is "
-                                        f"{'not in the model' if base is None else type(base).__name__}, "
-                                        "not a linear layer (only LoRA on linear layers is served per request)")
-                    layers[target] = MultiLoRALinear(base, selection)
-                lora_a, lora_b = weights[f"{target}.lora_a"], weights[f"{target}.lora_b"]
-                out_dims, in_dims = _linear_dims(layers[target].base)
-                if lora_a.shape != (in_dims, adapter.rank) or lora_b.shape != (adapter.rank, out_dims):
-                    raise LoRAError(f"adapter {adapter.name!r}: {target} has lora_a {tuple(lora_a.shape)} and "
-                                    f"lora_b {tuple(lora_b.shape)}; the layer takes ({in_dims}, r) and "
-                                    f"(r, {out_dims}) for its rank {adapter.rank}")
-                layers[target].add(slot, lora_a, lora_b, adapter.scale)
-        model.update_modules(tree_unflatten(list(layers.items())))
-        mx.eval([layer.adapters for layer in layers.values()])
-        return cls(tuple(adapter for adapter, _ in read), selection)
+        loras = cls(model)
+        prepared = [loras.prepare(str(name), path) for name, path in adapters.items()]  # all checked first
+        for one in prepared:
+            loras.commit(one)
+        return loras
+
+    def prepare(self, name: str, path: str | Path) -> PreparedAdapter:
+        """Read adapter `name` from `path` and check it against the model's linear layers; the model is not
+        touched. Raises LoRAError (unreadable, another kind of fine-tune, a layer or shape that does not fit)."""
+        adapter, weights = _read(name, Path(path))
+        modules = dict(self._model.named_modules())
+        for target in adapter.targets:
+            layer = modules.get(target)
+            base = layer.base if isinstance(layer, MultiLoRALinear) else layer
+            if not isinstance(base, (nn.Linear, nn.QuantizedLinear)):
+                raise LoRAError(f"adapter {name!r}: {target} is "
+                                f"{'not in the model' if base is None else type(base).__name__}, "
+                                "not a linear layer (only LoRA on linear layers is served per request)")
+            lora_a, lora_b = weights[f"{target}.lora_a"], weights[f"{target}.lora_b"]
+            out_dims, in_dims = _linear_dims(base)
+            if lora_a.shape != (in_dims, adapter.rank) or lora_b.shape != (adapter.rank, out_dims):
+                raise LoRAError(f"adapter {name!r}: {target} has lora_a {tuple(lora_a.shape)} and "
+                                f"lora_b {tuple(lora_b.shape)}; the layer takes ({in_dims}, r) and "
+                                f"(r, {out_dims}) for its rank {adapter.rank}")
+        # evaluated here, on the caller's thread: an MLX array is computed on a stream of the thread that made it,
+        # and the engine's thread, which installs it, has none of another thread's
+        mx.eval(weights)
+        return PreparedAdapter(adapter, weights)
+
+    def commit(self, prepared: PreparedAdapter) -> None:
+        """Install a prepared adapter under its name (between forwards): the layers it adapts become
+        `MultiLoRALinear`s where they are not yet, and it takes a slot of its own."""
+        adapter = prepared.adapter
+        if adapter.name in self.adapters:
+            raise ValueError(f"an adapter named {adapter.name!r} is installed already")
+        slot, self._next_slot = self._next_slot, self._next_slot + 1
+        new: dict[str, MultiLoRALinear] = {}
+        modules = dict(self._model.named_modules())
+        for target in adapter.targets:
+            if target not in self._layers:
+                self._layers[target] = new[target] = MultiLoRALinear(modules[target], self._selection)
+            self._layers[target].add(slot, prepared.weights[f"{target}.lora_a"], prepared.weights[f"{target}.lora_b"],
+                                     adapter.scale)
+        if new:
+            self._model.update_modules(tree_unflatten(list(new.items())))
+        mx.eval([self._layers[target].adapters for target in adapter.targets])
+        self.adapters[adapter.name] = adapter
+        self._slots[adapter.name] = slot
+
+    def remove(self, name: str) -> None:
+        """Uninstall adapter `name` (between forwards, with no row on it): its weights leave every layer (a layer
+        left with none computes its base, as before)."""
+        slot = self._slots.pop(name)
+        for target in self.adapters.pop(name).targets:
+            self._layers[target].drop(slot)
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -29,12 +29,13 @@ from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from jinja2 import TemplateError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..async_engine import AsyncEngine, EngineStopped, RequestStream
+from ..models.lora import LoRAError, LoRAInUse, UnknownLoRA
 from ..models.prompt import with_generation_prompt
 from ..request import InvalidRequest, StructuredOutput
 from .constraints import output_constraint
@@ -43,12 +44,14 @@ from .generation import (Body, ChoiceFailed, Delta, PromptScores, bad_words_ids,
 from .messages import EnginePrompt, convert_messages, fetches_media
 from .metrics import EngineMetrics, engine_snapshot
 from .protocol import (MAX_CHOICES, REQUEST_ID, APIError, ChatCompletionRequest, CompletionRequest,
-                       DetokenizeRequest, TokenizeRequest, usage, validation_error)
+                       DetokenizeRequest, LoadLoRARequest, TokenizeRequest, UnloadLoRARequest, usage,
+                       validation_error)
 from .reasoning import ReasoningFormat, ReasoningSplitter
 from .token_bytes import TokenBytes
 from .tool_calls import ToolCallFormat, ToolCallSplitter
 
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics",
+          "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20  # room for a few large base64 images or a short video
 
 
@@ -60,6 +63,9 @@ class ServerState:
     max_queue: int | None = None  # refuse (429) beyond this many waiting requests; None: no bound
     local_media_dir: Path | None = None  # clients may name media files under it (resolved); None: none at all
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a larger body is a 413, read no further
+    # clients may load and unload LoRA adapters (server paths) while it runs: vLLM's runtime LoRA updating, off
+    # unless the operator turns it on (`--allow-runtime-lora`)
+    allow_runtime_lora: bool = False
 
     @property
     def engine(self) -> Any:
@@ -69,8 +75,7 @@ class ServerState:
     def loras(self) -> tuple[str, ...]:
         """The engine's LoRA adapters: model names a request may send besides `model_name` (vLLM's
         `--lora-modules`)."""
-        loras = self.engine.loras
-        return loras.names if loras is not None else ()
+        return self.engine.lora_names
 
 
 class _CountResponses:
@@ -742,24 +747,60 @@ def create_app(state: ServerState) -> Any:
             raise APIError(400, f"tokens: ids outside the vocabulary [0, {engine.vocab_size}): {bad[:5]}", "tokens")
         return {"prompt": engine.tokenizer.decode(body.tokens)}
 
-    # the served model, then each LoRA adapter as a model of its own whose parent is it (vLLM's cards)
-    model_cards = {name: {"id": name, "object": "model", "created": 0, "owned_by": "mlxsched",
-                          "max_model_len": engine.max_model_len,
-                          **({"parent": state.model_name} if name != state.model_name else {})}
-                   for name in (state.model_name, *state.loras)}
+    def model_cards() -> dict[str, dict[str, Any]]:
+        """The served model, then each LoRA adapter loaded now as a model of its own whose parent is it (vLLM's
+        cards)."""
+        return {name: {"id": name, "object": "model", "created": 0, "owned_by": "mlxsched",
+                       "max_model_len": engine.max_model_len,
+                       **({"parent": state.model_name} if name != state.model_name else {})}
+                for name in (state.model_name, *state.loras)}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": list(model_cards.values())}
+        return {"object": "list", "data": list(model_cards().values())}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> dict[str, Any]:
         """OpenAI's retrieve (`client.models.retrieve`): a served model's card, or 404 for another name."""
-        if model not in model_cards:
+        cards = model_cards()
+        if model not in cards:
             raise APIError(404, f"model: the model {model!r} does not exist here (serving "
-                                f"{', '.join(map(repr, model_cards))})", "model", "invalid_request_error",
+                                f"{', '.join(map(repr, cards))})", "model", "invalid_request_error",
                            "model_not_found")
-        return model_cards[model]
+        return cards[model]
+
+    def runtime_lora() -> None:
+        if not state.allow_runtime_lora:
+            raise APIError(404, "loading LoRA adapters at run time is off (start the server with "
+                                "--allow-runtime-lora)", None, "invalid_request_error", "not_found")
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        """vLLM's: serve the adapter at `lora_path` (a directory on this machine) as model `lora_name`; 400
+        naming why where it cannot be."""
+        runtime_lora()
+        body = await _parse(request, LoadLoRARequest, state.max_request_bytes)
+        if body.lora_name == state.model_name:
+            raise APIError(400, f"lora_name: {body.lora_name!r} is the served model's name", "lora_name")
+        try:  # (reads the adapter: off the event loop)
+            await asyncio.to_thread(engine.load_lora, body.lora_name, body.lora_path)
+        except ValueError as exc:  # LoRAError (the adapter), a name already loaded
+            raise APIError(400, f"lora_path: {exc}" if isinstance(exc, LoRAError) else f"lora_name: {exc}",
+                           "lora_path" if isinstance(exc, LoRAError) else "lora_name") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        """vLLM's: stop serving adapter `lora_name` (404 for one not loaded; 400 while requests run on it)."""
+        runtime_lora()
+        body = await _parse(request, UnloadLoRARequest, state.max_request_bytes)
+        try:
+            engine.unload_lora(body.lora_name)
+        except UnknownLoRA as exc:
+            raise APIError(404, f"lora_name: {exc}", "lora_name", "invalid_request_error", "not_found") from None
+        except LoRAInUse as exc:
+            raise APIError(400, f"lora_name: {exc}", "lora_name") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -540,6 +540,20 @@ class CompletionRequest(_Sampling):
         return self.max_tokens == 0
 
 
+class LoadLoRARequest(_Strict):
+    """vLLM's `POST /v1/load_lora_adapter`: an adapter directory on the server, served under a name."""
+
+    lora_name: Annotated[str, Field(min_length=1)]
+    lora_path: Annotated[str, Field(min_length=1)]
+
+
+class UnloadLoRARequest(_Strict):
+    """vLLM's `POST /v1/unload_lora_adapter`."""
+
+    lora_name: Annotated[str, Field(min_length=1)]
+    lora_int_id: StrictInt | None = None  # vLLM's; accepted and ignored (names identify adapters here)
+
+
 class TokenizeRequest(_Strict):
     """vLLM's `POST /tokenize`: a text prompt or chat messages (with media parts, tools, template arguments and
     the prompt's ending as a chat completion takes them) -> the prompt token ids the engine would run for them.

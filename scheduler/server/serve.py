@@ -19,16 +19,19 @@ from .metrics import EngineMetrics
 
 def serve(engine: Engine, model_name: str, host: str = "127.0.0.1", port: int = 8000,
           max_queue: int | None = None, graceful_shutdown_s: float = 5.0, log_level: str = "info",
-          local_media_dir: Path | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+          local_media_dir: Path | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+          allow_runtime_lora: bool = False) -> None:
     """Serve `engine` (built on this thread, e.g. `Engine.from_pretrained`) as `model_name` until a signal.
     `local_media_dir`: the directory whose files clients may name as media (None: no file is read);
-    `max_request_bytes`: a larger request body is answered 413."""
+    `max_request_bytes`: a larger request body is answered 413; `allow_runtime_lora`: clients may load and
+    unload LoRA adapters from this machine's directories (vLLM's /v1/load_lora_adapter)."""
     import uvicorn
 
     metrics = EngineMetrics()
     engine.events.add_sink(metrics)
     aengine = AsyncEngine(engine)
-    state = ServerState(aengine, metrics, model_name, max_queue, local_media_dir, max_request_bytes)
+    state = ServerState(aengine, metrics, model_name, max_queue, local_media_dir, max_request_bytes,
+                        allow_runtime_lora)
     server = uvicorn.Server(uvicorn.Config(create_app(state), host=host, port=port, log_level=log_level,
                                            timeout_graceful_shutdown=graceful_shutdown_s, lifespan="off"))
     # Once it has shut down, uvicorn raises the signal it handled again, with the handler that was there before

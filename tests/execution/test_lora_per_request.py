@@ -245,3 +245,71 @@ def test_adapters_over_a_quantized_base_and_a_recurrent_family_and_refused_over_
     run = drive(engine, [(i // 2, {"prompt_tokens": p, "sampling": greedy(MAX_TOKENS), "lora": lora})
                          for i, (p, lora) in enumerate(zip(prompts, choice))])
     assert list(run.tokens.values()) == want
+
+
+def test_adapters_load_and_unload_while_the_engine_runs(text_model_dir, adapters, references, tmp_path):
+    """`load_lora` / `unload_lora` between steps, with requests running: a loaded adapter is installed at the next
+    tick and serves exactly as mlx-lm with it alone, next to a base request that started before it; an adapter a
+    live request runs on is not unloaded (LoRAInUse); an unloaded name is refused to new requests and can be
+    loaded again with another adapter; a bad adapter changes nothing. The trace records the loads and replays."""
+    from scheduler import LoRAError, LoRAInUse, UnknownLoRA
+    from scheduler.tools.replay import load_trace, replay
+
+    trace = tmp_path / "t.jsonl"
+    engine = Engine.from_pretrained(text_model_dir, dataclasses.replace(CONFIG, trace_path=str(trace)))
+    assert engine.lora_names == ()
+    prompts = mixed_prompts(3, 20, 40, seed=8)
+    tokens: dict[str, list[int]] = {}
+
+    def step(n=1):
+        for _ in range(n):
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.token_ids)
+
+    base = engine.add_request(prompt_tokens=prompts[0], sampling=greedy(MAX_TOKENS))
+    step(2)
+    engine.load_lora("one", adapters["one"])
+    assert engine.lora_names == ("one",)
+    on_one = engine.add_request(prompt_tokens=prompts[1], sampling=greedy(MAX_TOKENS), lora="one")
+    step(2)
+    with pytest.raises(LoRAInUse, match="in use by 1 live request"):
+        engine.unload_lora("one")
+    with pytest.raises(ValueError, match="loaded already"):
+        engine.load_lora("one", adapters["two"])
+    with pytest.raises(LoRAError):
+        engine.load_lora("broken", tmp_path)
+    assert engine.lora_names == ("one",)
+    while engine.has_pending():
+        step()
+    assert tokens[base] == _alone(references, prompts[0], None)
+    assert tokens[on_one] == _alone(references, prompts[1], "one")
+    engine.unload_lora("one")
+    with pytest.raises(InvalidRequest, match="no adapter 'one'"):
+        engine.add_request(prompt_tokens=prompts[2], lora="one")
+    with pytest.raises(UnknownLoRA):
+        engine.unload_lora("one")
+    engine.load_lora("one", adapters["two"])  # the name again, another adapter
+    again = engine.add_request(prompt_tokens=prompts[2], sampling=greedy(MAX_TOKENS), lora="one")
+    while engine.has_pending():
+        step()
+    assert tokens[again] == _alone(references, prompts[2], "two")
+    engine.close()
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert [(e["event"], e["name"]) for e in events if e["event"].startswith("lora_")] == [
+        ("lora_load", "one"), ("lora_unload", "one"), ("lora_load", "one")]
+    assert replay(load_trace(trace)).identical
+
+
+def test_an_adapter_loaded_from_another_thread_serves_on_the_engine_loop(text_model_dir, adapters, references):
+    """The server loads adapters on a worker thread while AsyncEngine's loop thread steps the engine: the adapter's
+    arrays are computed on the loading thread (an MLX array made on one thread cannot be computed on another's
+    stream: the loop died with "There is no Stream(cpu, 2) in current thread" before), and it serves exactly."""
+    prompt = mixed_prompts(1, 15, 15, seed=2)[0]
+    engine = Engine.from_pretrained(text_model_dir, CONFIG)
+
+    async def run():
+        async with AsyncEngine(engine) as aengine:
+            await asyncio.to_thread(engine.load_lora, "two", adapters["two"])
+            return await aengine.generate(prompt_tokens=prompt, sampling=greedy(MAX_TOKENS), lora="two")
+
+    assert asyncio.run(run()).token_ids == _alone(references, prompt, "two")

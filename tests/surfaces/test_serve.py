@@ -1179,6 +1179,9 @@ def test_cache_salt_and_request_id_as_vllm_takes_them(server):
         assert json.loads(response.read())["id"] == "cmpl-from-header"
     status, error = server.post("/v1/completions", {"prompt": "hi", "max_tokens": 2, "request_id": "has space"})
     assert status == 400 and error["error"]["param"] == "request_id"
+    # (no --allow-runtime-lora here: the runtime LoRA routes are off)
+    status, error = server.post("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/"})
+    assert status == 404 and "--allow-runtime-lora" in error["error"]["message"]
 
 
 def _sse_chunks(server: Server, path: str, body: dict) -> list[dict]:

@@ -2,7 +2,9 @@
 `openai` client: a request chooses an adapter by sending its name as the model, requests on the base model and on
 each adapter run concurrently in one engine, and each answer is the text of mlx-lm's greedy output for that prompt
 alone on `mlx_lm.load(model, adapter_path=<its adapter>)`. `/v1/models` lists each adapter as a model whose parent
-is the served one; an answer names the model it was asked for; another name is a 404 naming what is served."""
+is the served one; an answer names the model it was asked for; another name is a 404 naming what is served. With
+`--allow-runtime-lora`, vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter change the adapters while it
+runs."""
 
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ def adapters(text_model_dir, tmp_path_factory):
 def server(text_model_dir, adapters, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve-lora")
     server = _start(text_model_dir, tmp, "lora", "--max-seqs", "16", "--max-batched-tokens", "64",
-                    "--prefix-cache-mb", "8", "--lora-modules", *(f"{n}={p}" for n, p in adapters.items()))
+                    "--prefix-cache-mb", "8", "--allow-runtime-lora",
+                    "--lora-modules", *(f"{n}={p}" for n, p in adapters.items()))
     try:
         _wait_healthy(server, time.monotonic() + 120)
         yield server
@@ -86,3 +89,32 @@ def test_concurrent_requests_on_each_adapter_answer_as_mlx_lm_with_that_adapter_
     answers = asyncio.run(run())
     assert [name for name, _ in answers] == models  # each answer names the model it was asked for
     assert [text for _, text in answers] == want
+
+
+def test_adapters_load_and_unload_while_the_server_runs(server, text_model_dir, adapters, tmp_path):
+    """vLLM's runtime LoRA routes: an adapter loaded under a new name is listed and answers as mlx-lm with it
+    alone; a name already served, the served model's name and a directory without an adapter are 400s naming the
+    field; once unloaded the name is a 404 again, and unloading it twice is a 404."""
+    import mlx_lm
+
+    status, text = server.post_raw("/v1/load_lora_adapter", {"lora_name": "three", "lora_path": str(adapters["two"])})
+    assert status == 200 and b"three" in text
+    status, raw = server.get("/v1/models")
+    assert [card["id"] for card in json.loads(raw)["data"]] == [MODEL_NAME, "one", "three", "two"]
+    model, tokenizer = mlx_lm.load(str(text_model_dir), adapter_path=str(adapters["two"]))
+    prompt = mixed_prompts(1, 12, 12, seed=30)[0]
+    status, answer = server.post("/v1/completions", {"model": "three", "prompt": prompt, "max_tokens": MAX_TOKENS,
+                                                     "temperature": 0})
+    assert status == 200 and answer["model"] == "three"
+    assert answer["choices"][0]["text"] == tokenizer.decode(solo_tokens(model, tokenizer, prompt, MAX_TOKENS))
+    for body, param in (({"lora_name": "three", "lora_path": str(adapters["one"])}, "lora_name"),
+                        ({"lora_name": MODEL_NAME, "lora_path": str(adapters["one"])}, "lora_name"),
+                        ({"lora_name": "four", "lora_path": str(tmp_path)}, "lora_path")):
+        status, error = server.post("/v1/load_lora_adapter", body)
+        assert status == 400 and error["error"]["param"] == param, error
+    status, text = server.post_raw("/v1/unload_lora_adapter", {"lora_name": "three"})
+    assert status == 200
+    status, error = server.post("/v1/completions", {"model": "three", "prompt": "hi", "max_tokens": 2})
+    assert status == 404 and error["error"]["code"] == "model_not_found"
+    status, error = server.post("/v1/unload_lora_adapter", {"lora_name": "three"})
+    assert status == 404
