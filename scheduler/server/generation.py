@@ -72,6 +72,8 @@ def engine_field(body: Body | TokenizeRequest, name: str) -> str:
         return body.token_limit()[1]
     if name == "bad_words_ids":
         return "bad_words"
+    if name == "lora":  # an adapter unloaded between the model check and the submission
+        return "model"
     if name == "stop_token_ids":
         return "stop_token_ids" if body.stop_token_ids else "stop"
     if name == "structured_output":  # the field the constraint came from (`constraints.output_constraint`)

@@ -122,3 +122,19 @@ def test_bad_words_become_token_sequences_by_vllms_rule(tokenizer):
         want = (bare, spaced) if len(spaced) == len(bare) and spaced[0] != bare[0] else (bare,)
         assert bad_words_ids(tokenizer, [word]) == want, word
     assert len(bad_words_ids(tokenizer, ["caf\u00e9"])) == 2 and len(bad_words_ids(tokenizer, ["river"])) == 1
+
+
+def test_an_engine_refusal_names_the_request_field_it_came_from():
+    """The engine's InvalidRequest fields, as the client sent them: an adapter the engine no longer has (unloaded
+    between the server's model check and the submission) is the `model` field; bad words are `bad_words`; a chat's
+    prompt is its `messages`."""
+    from scheduler import InvalidRequest
+    from scheduler.server.generation import refusal
+    from scheduler.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    completion = CompletionRequest(prompt="hi", bad_words=["x"])
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
+    assert refusal(completion, InvalidRequest("lora", "no adapter 'three'")).param == "model"
+    assert refusal(completion, InvalidRequest("bad_words_ids", "ids outside")).param == "bad_words"
+    assert refusal(chat, InvalidRequest("prompt", "empty prompt")).param == "messages"
+    assert refusal(chat, InvalidRequest("lora", "no adapter 'three'")).message == "model: no adapter 'three'"
