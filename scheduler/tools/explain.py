@@ -63,6 +63,8 @@ class RequestStory:
     end_reason: str | None = None  # stop / length / the error text / ...
     end_s: float | None = None  # seconds after arrival
     prompt_logprobs: int | None = None  # SamplingParams.prompt_logprobs (None: not asked)
+    lora: str | None = None  # the LoRA adapter it ran on (None: the base model)
+    salted: bool = False  # it had a cache salt: its prefix hits were among requests with the same salt
 
     @property
     def prefix_tokens_saved(self) -> int:
@@ -110,7 +112,8 @@ class _StoryBuilder:
     def _on_arrival(self, e: dict[str, Any], tick: int, measure: dict[str, Any]) -> None:
         rid, t = e["request_id"], float(measure.get("t", self.t0))
         self.stories[rid] = RequestStory(rid, tick, t - self.t0, len(e["prompt_tokens"]), e.get("num_images", 0),
-                                         prompt_logprobs=e.get("sampling", {}).get("prompt_logprobs"))
+                                         prompt_logprobs=e.get("sampling", {}).get("prompt_logprobs"),
+                                         lora=e.get("lora"), salted=e.get("cache_salt") is not None)
         self.entered[rid] = ("queued", t)
 
     def _on_calibration(self, e: dict[str, Any], tick: int, measure: dict[str, Any]) -> None:
@@ -243,8 +246,10 @@ def _ms(seconds: float | None) -> str:
 
 def format_story(story: RequestStory) -> str:
     media = f", {story.num_images} media item(s)" if story.num_images else ""
+    lora = f", on LoRA adapter {story.lora!r}" if story.lora is not None else ""
+    salt = ", with a cache salt" if story.salted else ""
     lines = [f"{story.request_id}: arrived at {story.arrival_s * 1e3:.1f} ms (tick {story.arrival_tick}), "
-             f"{story.prompt_tokens} prompt tokens{media}."]
+             f"{story.prompt_tokens} prompt tokens{media}{lora}{salt}."]
     if story.ttft_s is not None:
         lines.append(f"First token after {_ms(story.ttft_s)}; {story.output_tokens} tokens in all.")
     for wait in story.waits:

@@ -294,6 +294,9 @@ def test_a_cache_salt_shares_prefixes_only_between_requests_with_that_salt(text_
     ids = [e["request_id"] for e in arrivals]
     assert hits == [(ids[3], ids[0]), (ids[4], ids[1])]
     assert replay(load_trace(path)).identical
+    from scheduler.tools.explain import explain, format_story
+
+    assert [", with a cache salt" in format_story(story) for story in explain(path)] == [s is not None for s in salts]
     rec = load_recorded(path)
     config = dataclasses.replace(rec.trace.config, trace_path=None)
     simulated = simulate(arrivals_from_trace(rec), config, fit_cost_model(rec), policy=config.policy,

@@ -58,6 +58,7 @@ def _alone(references, prompt, lora, **kwargs):
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_requests_on_different_adapters_share_batches_and_each_equals_its_adapter_alone(
         text_model_dir, adapters, references, schedule, tmp_path):
+    from scheduler.tools.explain import explain, format_story
     from scheduler.tools.replay import load_trace, replay
 
     settings = SCHEDULES[schedule]
@@ -81,6 +82,8 @@ def test_requests_on_different_adapters_share_batches_and_each_equals_its_adapte
     # forwards did mix adapters: some prefill forward, and some decode tick, ran rows on different ones
     assert any(len({lora_of[r] for r in e["request_ids"]}) > 1 for e in events if e["event"] == "prefill_forward")
     assert any(len({lora_of[r] for r in e["decode"]}) > 1 for e in events if e["event"] == "plan")
+    stories = explain(trace)  # `mlxsched explain` names each request's adapter
+    assert [("on LoRA adapter 'one'" in format_story(story)) for story in stories] == [c == "one" for c in CHOICE]
     if schedule == "prefix-cache":
         hits = [e for e in events if e["event"] == "prefix_hit"]
         assert hits  # requests on one adapter share their prefixes ...
