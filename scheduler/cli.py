@@ -438,10 +438,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-modules", metavar="NAME=DIR", nargs="+", type=_lora_module,
                    help="LoRA adapters a request chooses by sending its NAME as the model (vLLM's --lora-modules): "
                         "each request runs on its own, requests on the base model and on any adapters share batches "
-                        "(mlx-lm text models; the directories mlx_lm.lora writes)")
+                        "(the directories mlx_lm.lora and mlx-vlm's trainer write)")
     p.add_argument("--allow-runtime-lora", action="store_true",
                    help="let clients load and unload LoRA adapters from this machine's directories while the server "
-                        "runs (vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter; mlx-lm text models)")
+                        "runs (vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter)")
     p.add_argument("--allowed-local-media-path", metavar="DIR",
                    help="let clients name image / video files (paths, file:// URLs) under this directory (default: "
                         "none, only data: URLs: a client must not read the server's files)")

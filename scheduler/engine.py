@@ -162,10 +162,10 @@ class Engine:
         loras: Mapping[str, str | Path] | None = None,
     ):
         """`loras`: LoRA adapters a request may choose (`add_request(lora=name)`), by name -> adapter directory
-        (the layout `mlx_lm.lora` writes), for an mlx-lm text model. They are installed on `model` in place
-        (`scheduler/models/lora.py`): its adapted linear layers compute the base model wherever no row chooses
-        an adapter, so requests on the base model and on any adapters share every batch. Raises LoRAError for an
-        adapter that cannot be read or does not fit the model.
+        (the layout `mlx_lm.lora` and mlx-vlm's trainer write; a vision-language model's adapt its language model
+        only). They are installed on `model` in place (`scheduler/models/lora.py`): its adapted linear layers
+        compute the base model wherever no row chooses an adapter, so requests on the base model and on any
+        adapters share every batch. Raises LoRAError for an adapter that cannot be read or does not fit the model.
 
         `on_shard_lost`: with a sharded model, called with the `ShardLost` error when this rank's forward
         stalls after a peer died (`EngineConfig.shard_stall_timeout_s`), from the watchdog's thread, after the
@@ -412,7 +412,7 @@ class Engine:
                                  "loras instead and let requests choose it")
             adapter_path = str(adapter_path)
         if loras:
-            kwargs["loras"] = loras  # (Engine refuses them with a sharded or vision-language model)
+            kwargs["loras"] = loras  # (Engine refuses them with a sharded model)
         if tensor_group is not None or pipeline_group is not None:
             if library.is_vision_language_dir(model_dir):
                 raise ValueError("tensor_group / pipeline_group: sharding is built for mlx-lm text models only")
@@ -566,7 +566,7 @@ class Engine:
         """Add LoRA adapter `name` (the directory `mlx_lm.lora` writes) while the engine runs; thread-safe. It
         is read and checked here (LoRAError: nothing changes) and installed at the start of the next tick;
         requests may name it from the moment this returns. ValueError for a name already loaded, and for a
-        vision-language or sharded model (as `Engine(loras=...)`)."""
+        sharded model (as `Engine(loras=...)`)."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"an adapter's name must be a non-empty string, got {name!r}")
         with self._lock:
@@ -981,14 +981,12 @@ class _ModelFamily:
 
 
 def _install_loras(model: Any, loras: Mapping[str, str | Path], vlm: bool, shard_group: Any) -> LoRASet:
-    """`Engine`'s `loras` installed on the model, after refusing the models they are not built for."""
-    if vlm:
-        raise ValueError("loras: per-request adapters are built for mlx-lm text models; load a vision-language "
-                         "model with one adapter for every request (from_pretrained(adapter_path=...))")
+    """`Engine`'s `loras` installed on the model (a vision-language model's on its language model only), after
+    refusing a sharded model."""
     if shard_group is not None:
         raise ValueError("loras: a sharded model takes no adapters (mlx-lm's sharded_load takes none); fuse the "
                          "adapter into the model first (mlx_lm.fuse)")
-    return LoRASet.install(model, loras)
+    return LoRASet.install(model, loras, within="language_model" if vlm else None)
 
 
 def _media_fetch(config: EngineConfig) -> FetchPolicy | None:

@@ -132,8 +132,11 @@ class LoRASet:
     """The adapters installed on one model, by name; `rows(names)` selects them per row around a forward.
     Adapters are added (`prepare` then `commit`) and removed (`remove`) between forwards."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, within: str | None = None):
         self._model = model
+        # the module whose linear layers adapters may adapt (a vision-language model's `language_model`: its
+        # vision tower's features are shared by requests on any adapter, in the vision cache); None: any
+        self.within = within
         self.adapters: dict[str, LoRAAdapter] = {}
         self._slots: dict[str, int] = {}
         self._next_slot = 0  # a removed adapter's slot is not reused: nothing can still select it
@@ -142,12 +145,12 @@ class LoRASet:
         self._selection.owner = self
 
     @classmethod
-    def install(cls, model: nn.Module, adapters: Mapping[str, str | Path]) -> "LoRASet":
+    def install(cls, model: nn.Module, adapters: Mapping[str, str | Path], within: str | None = None) -> "LoRASet":
         """Read each adapter and install it on `model` (in place: its adapted linear layers become
         `MultiLoRALinear`s, which compute the base model whenever no row selects an adapter). A model that
         carries the same adapters already (another engine's on it) gets the set it carries; one that carries
         others raises ValueError (load the model again). Raises LoRAError for an adapter that cannot be read or
-        does not fit, and then changes nothing."""
+        does not fit, and then changes nothing. `within`: the module path adapters must stay inside."""
         installed = next((m for _, m in model.named_modules() if isinstance(m, MultiLoRALinear)), None)
         if installed is not None:
             owner = installed._selection.owner
@@ -155,7 +158,7 @@ class LoRASet:
                 raise ValueError(f"this model carries other per-request adapters already ({', '.join(owner.names)}"
                                  "): load it again")
             return owner
-        loras = cls(model)
+        loras = cls(model, within)
         prepared = [loras.prepare(str(name), path) for name, path in adapters.items()]  # all checked first
         for one in prepared:
             loras.commit(one)
@@ -167,6 +170,9 @@ class LoRASet:
         adapter, weights = _read(name, Path(path))
         modules = dict(self._model.named_modules())
         for target in adapter.targets:
+            if self.within is not None and not target.startswith(self.within + "."):
+                raise LoRAError(f"adapter {name!r}: {target} is outside {self.within}; per-request adapters adapt "
+                                f"{self.within} only (the vision tower's features are shared by every request)")
             layer = modules.get(target)
             base = layer.base if isinstance(layer, MultiLoRALinear) else layer
             if not isinstance(base, (nn.Linear, nn.QuantizedLinear)):

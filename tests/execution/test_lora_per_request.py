@@ -155,8 +155,7 @@ def _edit_adapter(src, dst, config=None, weights=None):
     return dst
 
 
-def test_adapters_that_cannot_be_served_per_request_are_refused_naming_why(
-        text_model_dir, vlm_model_dir, adapters, tmp_path):
+def test_adapters_that_cannot_be_served_per_request_are_refused_naming_why(text_model_dir, adapters, tmp_path):
     import mlx_lm
 
     one = adapters["one"]
@@ -187,8 +186,6 @@ def test_adapters_that_cannot_be_served_per_request_are_refused_naming_why(
         Engine(model, tokenizer, CONFIG, loras={"one": adapters["one"]})
     with pytest.raises(ValueError, match="^adapter_path and loras"):
         Engine.from_pretrained(text_model_dir, CONFIG, adapter_path=one, loras=adapters)
-    with pytest.raises(ValueError, match="^loras: per-request adapters are built for mlx-lm text models"):
-        Engine.from_pretrained(vlm_model_dir, CONFIG, loras={"v": write_lora_adapter(vlm_model_dir, tmp_path / "v")})
     with pytest.raises(ValueError, match="^loras: a sharded model takes no adapters"):
         Engine(*mlx_lm.load(str(text_model_dir)), CONFIG, loras=adapters, shard_group=object())
 
@@ -316,3 +313,51 @@ def test_an_adapter_loaded_from_another_thread_serves_on_the_engine_loop(text_mo
             return await aengine.generate(prompt_tokens=prompt, sampling=greedy(MAX_TOKENS), lora="two")
 
     assert asyncio.run(run()).token_ids == _alone(references, prompt, "two")
+
+
+def test_requests_on_a_vision_language_model_choose_adapters_of_its_language_model(vlm_model_dir, tmp_path):
+    """mlx-vlm adapters (its trainer's layout: the language model's linear layers) chosen per request on the tiny
+    Qwen2-VL: image and text requests on the base model and on two adapters share batches, and each equals
+    `mlx_vlm.stream_generate` alone on `mlx_vlm.load(model, adapter_path=<its adapter>)`, with the prefix and vision
+    caches on (an image's features are shared by requests on any adapter: the vision tower is not adapted). An
+    adapter of a layer outside the language model (the vision tower) is refused naming it."""
+    import mlx_vlm
+    import numpy as np
+    from mlx_vlm.prompt_utils import apply_chat_template
+    from PIL import Image
+
+    loras = {name: write_lora_adapter(vlm_model_dir, tmp_path / name, seed=seed)
+             for seed, name in ((1, "one"), (2, "two"))}
+    references = {None: mlx_vlm.load(str(vlm_model_dir)),
+                  **{name: mlx_vlm.load(str(vlm_model_dir), adapter_path=str(path)) for name, path in loras.items()}}
+    model, processor = references[None]
+    image = Image.fromarray(np.random.default_rng(2).integers(0, 256, (56, 84, 3), dtype=np.uint8))
+    def case(i):
+        if i % 2 == 0:
+            return apply_chat_template(processor, model.config, f"What is this? {i}", num_images=1), [image]
+        return apply_chat_template(processor, model.config, "Tell me a story " * i, num_images=0), None
+
+    cases = [case(i) for i in range(6)]
+    choice = [None, "one", "one", "two", "two", None]
+
+    def alone(lora, prompt, images):
+        last = None
+        for last in mlx_vlm.stream_generate(references[lora][0], processor, prompt, image=images,
+                                            max_tokens=MAX_TOKENS, temperature=0.0):
+            pass
+        return list(last.token_ids)
+
+    want = [alone(lora, p, imgs) for (p, imgs), lora in zip(cases, choice)]
+    assert all(w != alone(None, p, imgs) for w, (p, imgs), lora in zip(want, cases, choice) if lora)
+    config = dataclasses.replace(CONFIG, prefix_cache_bytes=8 << 20, prefix_block_size=8)
+    engine = Engine.from_pretrained(vlm_model_dir, config, loras=loras)
+    outs = engine.generate([p for p, _ in cases], greedy(MAX_TOKENS), images=[imgs for _, imgs in cases],
+                           loras=choice)
+    assert [out.token_ids for out in outs] == want
+    assert engine.vision_cache.stats()["hits"] > 0  # the image's features served requests on other adapters
+
+    qkv = "vision_tower.blocks.0.attn.qkv"
+    extra = {f"{qkv}.lora_a": mx.zeros((32, 4)), f"{qkv}.lora_b": mx.zeros((4, 96))}
+    tower = _edit_adapter(loras["one"], tmp_path / "tower", weights=lambda w: {**w, **extra})
+    with pytest.raises(LoRAError, match=r"vision_tower\.blocks\.0\.attn\.qkv is outside language_model"):
+        Engine.from_pretrained(vlm_model_dir, config, loras={"tower": tower})
