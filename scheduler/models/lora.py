@@ -7,15 +7,16 @@ executor says which adapter each row uses (`LoRASet.rows`); outside that the lay
 Adapters also come and go while an engine runs: `prepare` reads and checks one on any thread, `commit` installs
 it and `remove` uninstalls it on the engine's, between forwards (`Engine.load_lora` / `unload_lora`).
 
-What a row computes is what `mlx_lm.load(model, adapter_path=...)` would for that request alone: mlx-lm's
-`LoRALinear` is `y + (scale * ((x @ lora_a) @ lora_b)).astype(x.dtype)`, and a row on an adapter gets exactly
+What a row computes is what `mlx_lm.load(model, adapter_path=...)` (or mlx-vlm's, whose adapters have the same
+layout and formula) would for that request alone: mlx-lm's `LoRALinear` is `y + (scale * ((x @ lora_a) @ lora_b)).astype(x.dtype)`, and a row on an adapter gets exactly
 that, over the rows of the batch on the same adapter; a row on the base model gets `y` (nothing is added). So a
 batch whose rows are all on the base model runs the base layers alone, and a mixed batch pays the adapters'
 small matmuls for the rows that use them.
 
 Only mlx-lm's LoRA (`fine_tune_type` "lora") on `nn.Linear` / `nn.QuantizedLinear` layers is read: DoRA, full
 fine-tunes, and adapters of embeddings or of mixture-of-experts layers raise `LoRAError`, as does an adapter
-whose shapes do not fit the model.
+whose shapes do not fit the model or, on a vision-language model, that adapts a layer outside its language model
+(`within`).
 """
 
 from __future__ import annotations
