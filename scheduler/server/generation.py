@@ -184,7 +184,7 @@ async def choice_deltas(stream: RequestStream, tokenizer: Any, stops: StopRule,
             if out.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
                 raise ChoiceFailed(out.error or f"the request ended with {out.finish_reason.value}")
             if out.prompt_token_ids is not None:  # its first output
-                yield Delta("", [], prompt_token_ids=list(out.prompt_token_ids))
+                yield Delta("", [], prompt_token_ids=out.prompt_token_ids)
             if echo is not None:
                 yield Delta("", [], echo=_echoed(echo, out))
                 echo = None
