@@ -44,6 +44,7 @@ class RequestRecord:
     generated: int = 0
     state: str = _SUBMITTED
     claimed: bool = False  # the server has read it: not kept once it ends
+    lora: str | None = None  # the LoRA adapter it runs on
 
 
 class EngineMetrics:
@@ -72,6 +73,10 @@ class EngineMetrics:
         self.prefix_misses = Counter(f"{p}_prefix_cache_misses", "Prefix-cache lookups that found nothing", registry=r)
         self.prefix_hit_tokens = Counter(f"{p}_prefix_cache_hit_tokens", "Prompt tokens served from the prefix "
                                          "cache", registry=r)
+        self.lora_requests = Counter(f"{p}_lora_requests", "Requests arrived on a LoRA adapter, by adapter",
+                                     ["adapter"], registry=r)
+        self.lora_live = Gauge(f"{p}_lora_live_requests", "Live requests on a LoRA adapter, by adapter", ["adapter"],
+                               registry=r)
         self.vision_hits = Counter(f"{p}_vision_cache_hits", "Vision-encoder outputs reused", registry=r)
         self.vision_misses = Counter(f"{p}_vision_cache_misses", "Vision-encoder outputs computed", registry=r)
         self.ttft = Histogram(f"{p}_time_to_first_token_seconds", "Arrival to first token", buckets=TTFT_BUCKETS,
@@ -165,8 +170,12 @@ class EngineMetrics:
                 record = self._live[rid] = RequestRecord()
                 self._counts[_SUBMITTED] += 1
             record.prompt_tokens, record.arrival_t = n, event["measure"]["t"]
+            record.lora = event.get("lora")
             self._move(record, "queued")
         self.prompt_tokens.inc(n)
+        if record.lora is not None:
+            self.lora_requests.labels(record.lora).inc()
+            self.lora_live.labels(record.lora).inc()
 
     def _move(self, record: RequestRecord, state: str) -> None:
         self._counts[record.state] -= 1
@@ -187,6 +196,8 @@ class EngineMetrics:
                 self._counts[record.state] -= 1
                 record.state = dest
                 del self._live[rid]
+                if record.lora is not None:
+                    self.lora_live.labels(record.lora).dec()
                 if not record.claimed:
                     self._ended[rid] = record
                 while len(self._ended) > _ENDED_MEMORY:

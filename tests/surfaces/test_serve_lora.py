@@ -86,9 +86,16 @@ def test_concurrent_requests_on_each_adapter_answer_as_mlx_lm_with_that_adapter_
         return await asyncio.gather(*(one(client, p, m, i % 2 == 1)
                                       for i, (p, m) in enumerate(zip(prompts, models))))
 
+    before = server.metrics()
     answers = asyncio.run(run())
     assert [name for name, _ in answers] == models  # each answer names the model it was asked for
     assert [text for _, text in answers] == want
+    after = server.metrics()
+    for name in ADAPTERS:  # the metrics count each adapter's requests, none live once answered
+        arrived = after[("mlxsched_lora_requests_total", (("adapter", name),))] - before.get(
+            ("mlxsched_lora_requests_total", (("adapter", name),)), 0)
+        assert arrived == models.count(name)
+        assert after[("mlxsched_lora_live_requests", (("adapter", name),))] == 0
 
 
 def test_adapters_load_and_unload_while_the_server_runs(server, text_model_dir, adapters, tmp_path):
