@@ -79,6 +79,7 @@ def test_requests_on_different_adapters_share_batches_and_each_equals_its_adapte
     events = [json.loads(line) for line in trace.read_text().splitlines()]
     lora_of = {e["request_id"]: e.get("lora") for e in events if e["event"] == "arrival"}
     assert list(lora_of.values()) == CHOICE
+    assert events[0]["event"] == "engine_start" and events[0]["loras"] == ["one", "two"]
     # forwards did mix adapters: some prefill forward, and some decode tick, ran rows on different ones
     assert any(len({lora_of[r] for r in e["request_ids"]}) > 1 for e in events if e["event"] == "prefill_forward")
     assert any(len({lora_of[r] for r in e["decode"]}) > 1 for e in events if e["event"] == "plan")
