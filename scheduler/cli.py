@@ -24,6 +24,17 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_make_lora(args: argparse.Namespace) -> int:
+    from .fixtures.lora import write_lora_adapter
+
+    if not Path(args.model).is_dir():
+        print(f"mlxsched make-lora: {args.model}: no such model directory", file=sys.stderr)
+        return 2
+    path = write_lora_adapter(args.model, args.dir, seed=args.seed, rank=args.rank)
+    print(f"wrote a seeded rank-{args.rank} LoRA adapter for {args.model} in {path}")
+    return 0
+
+
 def _cmd_lifecycle(args: argparse.Namespace) -> int:
     from .lifecycle import mermaid
 
@@ -398,6 +409,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_make_model)
+
+    p = sub.add_parser("make-lora", help="a seeded LoRA adapter over every transformer linear layer of a model, in "
+                                         "the layout its loader reads (mlx_lm.lora's; mlx-vlm's for a "
+                                         "vision-language model): to try per-request adapters offline")
+    p.add_argument("model", help="the model directory it adapts")
+    p.add_argument("dir")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--rank", type=_positive, default=4)
+    p.set_defaults(func=_cmd_make_lora)
 
     p = sub.add_parser("demo", help="run a few dozen requests through the engine and print outputs and stats")
     p.add_argument("--model", help="a local mlx-lm or mlx-vlm model directory (default: build a tiny model)")

@@ -158,3 +158,24 @@ def test_every_engine_config_field_is_a_serve_flag_or_says_why_not():
         config = _engine_config(parser.parse_args(argv))
         assert getattr(config, name) == want, name
         assert dataclasses.replace(config, **{name: getattr(EngineConfig(), name)}) == EngineConfig(), name
+
+
+def test_make_lora_writes_an_adapter_the_engine_serves_per_request(tmp_path, text_model_dir, capsys):
+    """`mlxsched make-lora MODEL DIR`: a seeded adapter in mlx_lm.lora's layout, which `Engine(loras=...)` serves and
+    which changes the model's output exactly as mlx-lm loading it does; a model directory that is not there ends
+    with exit 2 and one line."""
+    import mlx_lm
+
+    from scheduler import Engine, SamplingParams
+
+    assert main(["make-lora", str(text_model_dir), str(tmp_path / "a"), "--seed", "3", "--rank", "2"]) == 0
+    assert "rank-2" in capsys.readouterr().out
+    prompt = [11, 12, 13, 14, 15, 16]
+    adapted, tokenizer = mlx_lm.load(str(text_model_dir), adapter_path=str(tmp_path / "a"))
+    want = [r.token for r in mlx_lm.stream_generate(adapted, tokenizer, prompt, max_tokens=6)]
+    engine = Engine.from_pretrained(text_model_dir, loras={"a": tmp_path / "a"})
+    (out, base) = engine.generate([prompt, prompt], SamplingParams(max_tokens=6), loras=["a", None])
+    assert out.token_ids == want != base.token_ids
+    assert main(["make-lora", str(tmp_path / "none"), str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no such model directory" in err
