@@ -76,6 +76,7 @@ class _Selection:
         self.groups: tuple[_RowGroup, ...] = ()
         self.order: mx.array | None = None  # groups' rows (and the base rows after them) -> batch order
         self.base_rows: mx.array | None = None  # rows on no adapter in a mixed batch
+        self.batch = 0  # rows of the forward
 
 
 class MultiLoRALinear(nn.Module):
@@ -111,6 +112,9 @@ class MultiLoRALinear(nn.Module):
         if len(selection.groups) == 1 and selection.groups[0].rows is None:  # every row on this one adapter
             return y + self._update(x, groups[0].slot)
         # a mixed batch: each adapter's rows get its update, every other row zeros, put back in batch order
+        if x.shape[0] != selection.batch:  # a layer fed tokens not laid out by row: the rows cannot be told apart
+            raise LoRAError(f"a linear layer got inputs of shape {tuple(x.shape)} in a forward of {selection.batch} "
+                            "rows on different adapters: this model does not keep its batch rows apart")
         parts = []
         for group in selection.groups:
             rows_x = x[group.rows]
@@ -246,11 +250,11 @@ class LoRASet:
             inverse = [0] * len(slots)
             for position, row in enumerate(order + base):
                 inverse[row] = position
-            selection.groups, selection.order = tuple(groups), mx.array(inverse)
+            selection.groups, selection.order, selection.batch = tuple(groups), mx.array(inverse), len(slots)
         try:
             yield
         finally:
-            selection.groups, selection.order, selection.base_rows = (), None, None
+            selection.groups, selection.order, selection.base_rows, selection.batch = (), None, None, 0
 
 
 def _linear_dims(layer: nn.Module) -> tuple[int, int]:

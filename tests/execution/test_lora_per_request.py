@@ -100,7 +100,8 @@ def test_requests_on_different_adapters_share_batches_and_each_equals_its_adapte
 def test_a_batch_on_no_adapter_computes_the_base_model_and_one_on_a_single_adapter_computes_it(
         text_model_dir, adapters, references):
     """The layer-level promise: rows on no adapter get the base layers' output unchanged (exactly), a batch all on
-    one adapter gets exactly mlx-lm's LoRALinear, and a mixed batch each row's own within rounding."""
+    one adapter gets exactly mlx-lm's LoRALinear, and a mixed batch each row's own within rounding; a mixed forward
+    whose layer cannot tell its rows apart is refused."""
     import mlx_lm
 
     model, _ = mlx_lm.load(str(text_model_dir))
@@ -119,6 +120,11 @@ def test_a_batch_on_no_adapter_computes_the_base_model_and_one_on_a_single_adapt
     for i, ref in ((0, two), (2, one), (3, two)):
         assert mx.allclose(mixed[i], ref(x[i:i + 1])[0], atol=1e-4).item()
     assert mx.array_equal(model(x), base(x))  # the selection ends with the block
+    # a layer fed tokens not laid out by row (batch and positions flattened) in a mixed forward cannot tell the rows
+    # apart: it refuses rather than add one row's update to another's tokens
+    q_proj = model.model.layers[0].self_attn.q_proj
+    with loras.rows(["two", None, "one", "two"]), pytest.raises(LoRAError, match="does not keep its batch rows"):
+        q_proj(mx.zeros((4 * 9, q_proj.base.weight.shape[1])))
 
 
 def test_an_unknown_adapter_is_refused_for_that_request_only(text_model_dir, adapters, references):
