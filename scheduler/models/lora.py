@@ -8,10 +8,12 @@ Adapters also come and go while an engine runs: `prepare` reads and checks one o
 it and `remove` uninstalls it on the engine's, between forwards (`Engine.load_lora` / `unload_lora`).
 
 What a row computes is what `mlx_lm.load(model, adapter_path=...)` (or mlx-vlm's, whose adapters have the same
-layout and formula) would for that request alone: mlx-lm's `LoRALinear` is `y + (scale * ((x @ lora_a) @ lora_b)).astype(x.dtype)`, and a row on an adapter gets exactly
-that, over the rows of the batch on the same adapter; a row on the base model gets `y` (nothing is added). So a
-batch whose rows are all on the base model runs the base layers alone, and a mixed batch pays the adapters'
-small matmuls for the rows that use them.
+layout and formula) would for that request alone. A forward whose rows are all on one adapter adds mlx-lm's
+`LoRALinear` update, `(scale * ((x @ lora_a) @ lora_b)).astype(x.dtype)`, exactly; one with no row on an adapter
+runs the base layers alone. A mixed forward runs one gathered matmul pair per layer (`mx.gather_mm`), each row
+through its own adapter's matrices stacked with zeros for the base model (so a base row gets `y + 0`, its base
+output exactly, and an adapter row the same products within rounding), so its cost does not grow with the
+number of adapters in the batch.
 
 Only mlx-lm's LoRA (`fine_tune_type` "lora") on `nn.Linear` / `nn.QuantizedLinear` layers is read: DoRA, full
 fine-tunes, and adapters of embeddings or of mixture-of-experts layers raise `LoRAError`, as does an adapter
@@ -59,24 +61,29 @@ class LoRAAdapter:
     targets: tuple[str, ...]  # the model's linear layers it adapts, by module path
 
 
-@dataclass(frozen=True)
-class _RowGroup:
-    """The rows of a forward on one adapter: its slot, and their indices in the batch (None: every row)."""
-
-    slot: int
-    rows: mx.array | None
-
-
 class _Selection:
     """Which adapter each row of the running forward uses, as every `MultiLoRALinear` of a model reads it. Empty
     outside `LoRASet.rows`: the layers then compute the base model."""
 
     def __init__(self) -> None:
         self.owner: LoRASet | None = None  # the set installed with it (another engine on the model reuses it)
-        self.groups: tuple[_RowGroup, ...] = ()
-        self.order: mx.array | None = None  # groups' rows (and the base rows after them) -> batch order
-        self.base_rows: mx.array | None = None  # rows on no adapter in a mixed batch
-        self.batch = 0  # rows of the forward
+        self.single: int | None = None  # every row on this one adapter's slot
+        # a mixed forward: each row's slot + 1 (0: the base model), the slots present, the rows, the slots there are
+        self.row_slots: mx.array | None = None
+        self.present: frozenset[int] = frozenset()
+        self.batch = 0
+        self.slots = 0
+
+
+@dataclass
+class _Stacks:
+    """A layer's adapters stacked for a mixed forward: entry 0 is zeros (the base model, and adapters that do not
+    adapt the layer), ranks zero-padded to the largest; `index` maps a row's slot + 1 to its entry."""
+
+    lora_a: mx.array  # (entries, in, r)
+    lora_b: mx.array  # (entries, r, out)
+    scales: mx.array  # (entries,)
+    index: mx.array  # (slots + 1,) uint32
 
 
 class MultiLoRALinear(nn.Module):
@@ -89,40 +96,56 @@ class MultiLoRALinear(nn.Module):
         self.adapters: dict[str, dict[str, mx.array]] = {}  # slot (as a string: a parameter tree key) -> a, b
         self._scales: dict[int, float] = {}
         self._selection = selection
+        self._stacks: _Stacks | None = None  # built at the first mixed forward after a change
 
     def add(self, slot: int, lora_a: mx.array, lora_b: mx.array, scale: float) -> None:
         self.adapters[str(slot)] = {"lora_a": lora_a, "lora_b": lora_b}
         self._scales[slot] = scale
+        self._stacks = None
 
     def drop(self, slot: int) -> None:
         del self.adapters[str(slot)]
         del self._scales[slot]
+        self._stacks = None
 
     def _update(self, x: mx.array, slot: int) -> mx.array:
         weights = self.adapters[str(slot)]
         z = (x @ weights["lora_a"]) @ weights["lora_b"]
         return (self._scales[slot] * z).astype(x.dtype)
 
+    def _stacked(self, slots: int) -> _Stacks:
+        if self._stacks is None or self._stacks.index.size < slots + 1:
+            mine = sorted(self._scales)
+            pairs = [(self.adapters[str(s)]["lora_a"], self.adapters[str(s)]["lora_b"]) for s in mine]
+            rank = max(a.shape[1] for a, _ in pairs)
+            in_dims, out_dims = pairs[0][0].shape[0], pairs[0][1].shape[1]
+            index = [0] * (slots + 1)
+            for entry, slot in enumerate(mine, 1):
+                index[slot + 1] = entry
+            self._stacks = _Stacks(
+                mx.stack([mx.zeros((in_dims, rank), pairs[0][0].dtype)]
+                         + [mx.pad(a, [(0, 0), (0, rank - a.shape[1])]) for a, _ in pairs]),
+                mx.stack([mx.zeros((rank, out_dims), pairs[0][1].dtype)]
+                         + [mx.pad(b, [(0, rank - b.shape[0]), (0, 0)]) for _, b in pairs]),
+                mx.array([0.0] + [self._scales[s] for s in mine]), mx.array(index, dtype=mx.uint32))
+        return self._stacks
+
     def __call__(self, x: mx.array) -> mx.array:
         y = self.base(x)
         selection = self._selection
-        groups = [g for g in selection.groups if g.slot in self._scales]
-        if not groups:
-            return y
-        if len(selection.groups) == 1 and selection.groups[0].rows is None:  # every row on this one adapter
-            return y + self._update(x, groups[0].slot)
-        # a mixed batch: each adapter's rows get its update, every other row zeros, put back in batch order
+        if selection.single is not None:  # every row on one adapter: mlx-lm's LoRALinear, exactly
+            return y + self._update(x, selection.single) if selection.single in self._scales else y
+        if selection.row_slots is None or not selection.present & self._scales.keys():
+            return y  # no row on an adapter of this layer
+        # a mixed forward: one gathered matmul pair, each row through its own adapter's (zeros for the others)
         if x.shape[0] != selection.batch:  # a layer fed tokens not laid out by row: the rows cannot be told apart
             raise LoRAError(f"a linear layer got inputs of shape {tuple(x.shape)} in a forward of {selection.batch} "
                             "rows on different adapters: this model does not keep its batch rows apart")
-        parts = []
-        for group in selection.groups:
-            rows_x = x[group.rows]
-            parts.append(self._update(rows_x, group.slot) if group.slot in self._scales
-                         else mx.zeros((*rows_x.shape[:-1], y.shape[-1]), y.dtype))
-        if selection.base_rows is not None:
-            parts.append(mx.zeros((selection.base_rows.size, *y.shape[1:]), y.dtype))
-        return y + mx.concatenate(parts)[selection.order]
+        stacks = self._stacked(selection.slots)
+        entries = stacks.index[selection.row_slots]
+        z = mx.gather_mm(mx.gather_mm(x, stacks.lora_a, rhs_indices=entries), stacks.lora_b, rhs_indices=entries)
+        scale = stacks.scales[entries].astype(z.dtype).reshape(-1, *([1] * (z.ndim - 1)))
+        return y + (scale * z).astype(x.dtype)
 
 
 @dataclass(frozen=True)
@@ -232,29 +255,19 @@ class LoRASet:
         raise KeyError."""
         slots = [None if name is None else self._slots[name] for name in names]
         selection = self._selection
-        present = sorted({s for s in slots if s is not None})
+        present = frozenset(s for s in slots if s is not None)
         if not present:
             yield
             return
         if len(present) == 1 and None not in slots:
-            selection.groups = (_RowGroup(present[0], None),)
+            selection.single = slots[0]
         else:
-            order: list[int] = []
-            groups = []
-            for slot in present:
-                rows = [i for i, s in enumerate(slots) if s == slot]
-                groups.append(_RowGroup(slot, mx.array(rows)))
-                order += rows
-            base = [i for i, s in enumerate(slots) if s is None]
-            selection.base_rows = mx.array(base) if base else None
-            inverse = [0] * len(slots)
-            for position, row in enumerate(order + base):
-                inverse[row] = position
-            selection.groups, selection.order, selection.batch = tuple(groups), mx.array(inverse), len(slots)
+            selection.row_slots = mx.array([0 if s is None else s + 1 for s in slots], dtype=mx.uint32)
+            selection.present, selection.batch, selection.slots = present, len(slots), self._next_slot
         try:
             yield
         finally:
-            selection.groups, selection.order, selection.base_rows, selection.batch = (), None, None, 0
+            selection.single, selection.row_slots, selection.present, selection.batch = None, None, frozenset(), 0
 
 
 def _linear_dims(layer: nn.Module) -> tuple[int, int]:

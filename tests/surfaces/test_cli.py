@@ -10,8 +10,8 @@ from scheduler.lifecycle import mermaid
 
 def test_only_working_verbs_are_listed():
     verbs = set(build_parser()._subparsers._group_actions[0].choices)
-    assert verbs == {"make-model", "demo", "lifecycle", "replay", "simulate", "explain", "sweep", "timeline", "bench", "doctor",
-                     "serve"}
+    assert verbs == {"make-model", "make-lora", "demo", "lifecycle", "replay", "simulate", "explain", "sweep",
+                     "timeline", "bench", "doctor", "serve"}
 
 
 def test_make_model_builds_a_loadable_model(tmp_path, capsys):
