@@ -1,18 +1,18 @@
 """LoRA adapters chosen per request: what serving several adapters from one engine costs, and what it saves.
 
     python -m bench.lora [--model text-medium] [--requests 24] [--lo 16] [--hi 200] [--new-tokens 48]
-        [--rank 8] [--repeats 3]
+        [--rank 8] [--adapters 2] [--repeats 3]
 
-Two seeded adapters (`scheduler.fixtures.lora`, rank `--rank`, on every linear layer of every transformer
-block) over the model; greedy, no eos. Each side runs the same requests through fresh engines:
+`--adapters` seeded adapters (`scheduler.fixtures.lora`, rank `--rank`, on every linear layer of every
+transformer block) over the model; greedy, no eos. Each side runs the same requests through fresh engines:
 
 * ``base``: an engine without adapters, every request on the base model (the floor);
-* ``installed, base rows``: the engine with both adapters installed, every request still on the base model (what
+* ``installed, base rows``: the engine with the adapters installed, every request still on the base model (what
   installing them costs a batch that uses none);
-* ``one adapter``: every request on adapter ``one``;
-* ``mixed``: the requests on the base model, ``one`` and ``two`` in turn, in one engine;
+* ``one adapter``: every request on the first adapter;
+* ``mixed``: the requests on the base model and each adapter in turn, in one engine;
 * ``engine per adapter``: the mixed requests without per-request adapters: one engine per adapter
-  (`from_pretrained(adapter_path=...)` and the base model), each serving its third, one after another.
+  (`from_pretrained(adapter_path=...)` and the base model), each serving its share, one after another.
 
 Outputs are checked: ``mixed`` must equal ``engine per adapter`` token for token. Sides alternate within each
 repeat; best wall time per side.
@@ -28,7 +28,6 @@ import tempfile
 import time
 from pathlib import Path
 
-CHOICES = (None, "one", "two")
 
 
 def _run(engine, prompts, loras, new_tokens) -> tuple[float, list[list[int]]]:
@@ -56,6 +55,7 @@ def main(argv=None) -> int:
     ap.add_argument("--hi", type=int, default=200)
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--adapters", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
 
@@ -70,11 +70,12 @@ def main(argv=None) -> int:
 
     config = default_engine_config()
     prompts = [list(p) for p in mixed(args.requests, args.lo, args.hi, args.new_tokens).prompts]
-    mixed_loras = [CHOICES[i % len(CHOICES)] for i in range(len(prompts))]
+    choices = (None, *(f"a{i}" for i in range(1, args.adapters + 1)))
+    mixed_loras = [choices[i % len(choices)] for i in range(len(prompts))]
     with tempfile.TemporaryDirectory(prefix="mlxsched-bench-lora-") as d:
         model_dir = build_model(args.model, Path(d) / "model")
         paths = {name: write_lora_adapter(model_dir, Path(d) / name, seed=seed, rank=args.rank)
-                 for seed, name in enumerate(CHOICES[1:], 1)}
+                 for seed, name in enumerate(choices[1:], 1)}
         base, tokenizer = mlx_lm.load(str(model_dir))
         tokenizer = _NoEosTokenizer(tokenizer)
         served, _ = mlx_lm.load(str(model_dir))  # carries both adapters (installed by its first engine)
@@ -96,7 +97,7 @@ def main(argv=None) -> int:
             "installed, base rows": lambda: _run(Engine(served, tokenizer, config, loras=paths), prompts,
                                                  [None] * len(prompts), args.new_tokens),
             "one adapter": lambda: _run(Engine(served, tokenizer, config, loras=paths), prompts,
-                                        ["one"] * len(prompts), args.new_tokens),
+                                        ["a1"] * len(prompts), args.new_tokens),
             "mixed": lambda: _run(Engine(served, tokenizer, config, loras=paths), prompts, mixed_loras,
                                   args.new_tokens),
             "engine per adapter": per_adapter,
@@ -116,7 +117,8 @@ def main(argv=None) -> int:
     best = {name: min(w) for name, w in walls.items()}
     load = os.getloadavg()[0]
     print(f"Command: `python -m bench.lora {shlex.join(argv)}`; {len(prompts)} requests, prompts {args.lo}..{args.hi}, "
-          f"{args.new_tokens} new tokens, rank {args.rank}; best of {args.repeats}; load1 {load:.1f} at the end\n")
+          f"{args.new_tokens} new tokens, {args.adapters} adapters of rank {args.rank}; best of {args.repeats}; "
+          f"load1 {load:.1f} at the end\n")
     print("| side | wall s | output tok/s | vs base |")
     print("|---|---|---|---|")
     for name, wall in best.items():
