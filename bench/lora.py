@@ -1,10 +1,11 @@
 """LoRA adapters chosen per request: what serving several adapters from one engine costs, and what it saves.
 
-    python -m bench.lora [--model text-medium] [--requests 24] [--lo 16] [--hi 200] [--new-tokens 48]
-        [--rank 8] [--adapters 2] [--repeats 3]
+    python -m bench.lora [--model text-medium | --family NAME [--override FIELD=JSON ...]] [--requests 24]
+        [--lo 16] [--hi 200] [--new-tokens 48] [--rank 8] [--adapters 2] [--repeats 3]
 
 `--adapters` seeded adapters (`scheduler.fixtures.lora`, rank `--rank`, on every linear layer of every
-transformer block) over the model; greedy, no eos. Each side runs the same requests through fresh engines:
+transformer block, and every expert projection of a mixture-of-experts family such as `--family qwen3_moe`) over
+the model; greedy, no eos. Each side runs the same requests through fresh engines:
 
 * ``base``: an engine without adapters, every request on the base model (the floor);
 * ``installed, base rows``: the engine with the adapters installed, every request still on the base model (what
@@ -21,6 +22,7 @@ repeat; best wall time per side.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import sys
@@ -50,6 +52,10 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog="python -m bench.lora", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="text-medium")
+    ap.add_argument("--family", default=None,
+                    help="a tiny mlx-lm family build instead (scheduler/fixtures/families.py, e.g. qwen3_moe)")
+    ap.add_argument("--override", nargs="*", default=[], metavar="FIELD=JSON",
+                    help="with --family: config fields of the build (e.g. hidden_size=256 num_hidden_layers=4)")
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--lo", type=int, default=16)
     ap.add_argument("--hi", type=int, default=200)
@@ -73,7 +79,13 @@ def main(argv=None) -> int:
     choices = (None, *(f"a{i}" for i in range(1, args.adapters + 1)))
     mixed_loras = [choices[i % len(choices)] for i in range(len(prompts))]
     with tempfile.TemporaryDirectory(prefix="mlxsched-bench-lora-") as d:
-        model_dir = build_model(args.model, Path(d) / "model")
+        if args.family:
+            from scheduler.fixtures.families import build_family_model
+
+            overrides = {k: json.loads(v) for k, v in (o.split("=", 1) for o in args.override)}
+            model_dir = build_family_model(args.family, Path(d) / "model", overrides=overrides)
+        else:
+            model_dir = build_model(args.model, Path(d) / "model")
         paths = {name: write_lora_adapter(model_dir, Path(d) / name, seed=seed, rank=args.rank)
                  for seed, name in enumerate(choices[1:], 1)}
         base, tokenizer = mlx_lm.load(str(model_dir))

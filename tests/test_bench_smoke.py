@@ -57,6 +57,8 @@ SCRIPTS: dict[str, tuple[list[str], str]] = {
     "scoring": (["--model", "text", "--n", "3", "--lo", "8", "--hi", "20", "--repeats", "1"], "|"),
     "lora": (["--model", "text", "--requests", "3", "--lo", "8", "--hi", "20", "--new-tokens", "4", "--rank", "4",
               "--repeats", "1"], "mixed == engine per adapter, token for token: True"),
+    "lora:experts": (["--family", "qwen3_moe", "--requests", "3", "--lo", "8", "--hi", "20", "--new-tokens", "4",
+                      "--rank", "4", "--repeats", "1"], "mixed == engine per adapter, token for token: True"),
     "structured": (["--model", "text", "--batch", "2", "--new-tokens", "8", "--repeats", "1"], "|"),
 }
 

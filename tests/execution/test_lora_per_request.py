@@ -127,6 +127,41 @@ def test_a_batch_on_no_adapter_computes_the_base_model_and_one_on_a_single_adapt
         q_proj(mx.zeros((4 * 9, q_proj.base.weight.shape[1])))
 
 
+def test_expert_projections_tell_rows_apart_whether_or_not_their_block_regroups_tokens(tmp_path):
+    """The layer-level promise on a mixture-of-experts model (qwen3_moe, every expert projection adapted): mlx-lm's
+    SwitchGLU regroups a forward's tokens by expert once it routes 64 or more (here 4 rows x 9 tokens x 2
+    experts), and not below (4 rows x 1 token: a decode step); either way a mixed batch's rows each equal their
+    own adapter alone, a base row the base model exactly, and a batch on one adapter mlx-lm's LoRASwitchLinear
+    exactly."""
+    import mlx_lm
+
+    from scheduler.fixtures.families import build_family_model
+
+    model_dir = build_family_model("qwen3_moe", tmp_path / "model")
+    adapters = {name: write_lora_adapter(model_dir, tmp_path / name, seed=seed) for seed, name in ((1, "one"),
+                                                                                                    (2, "two"))}
+    model, _ = mlx_lm.load(str(model_dir))
+    loras = LoRASet.install(model, adapters)
+    base, one, two = (mlx_lm.load(str(model_dir), **({"adapter_path": str(adapters[k])} if k else {}))[0]
+                      for k in (None, "one", "two"))
+    assert model.args.num_experts_per_tok * 4 * 9 >= 64 > model.args.num_experts_per_tok * 4
+    for length in (9, 1):
+        x = mx.array(mixed_prompts(4, length, length, seed=3))
+        with loras.rows(["one"] * 4):
+            assert mx.array_equal(model(x), one(x))
+        with loras.rows(["two", None, "one", "two"]):
+            mixed = model(x)
+        assert mx.array_equal(mixed[1], base(x)[1])
+        for i, ref in ((0, two), (2, one), (3, two)):
+            alone = ref(x[i:i + 1])[0]
+            assert not mx.allclose(alone, base(x[i:i + 1])[0], atol=1e-2).item()  # the adapter shows
+            assert mx.allclose(mixed[i], alone, atol=1e-4).item()
+    # a projection called on its own, not by its block, in a mixed forward cannot place its tokens: it refuses
+    gate_proj = model.model.layers[0].mlp.switch_mlp.base.gate_proj
+    with loras.rows(["two", None, "one", "two"]), pytest.raises(LoRAError, match="outside its block's routing"):
+        gate_proj(mx.zeros((4, 1, 1, 1, model.args.hidden_size)), mx.zeros((4, 1, 2), dtype=mx.uint32))
+
+
 def test_an_unknown_adapter_is_refused_for_that_request_only(text_model_dir, adapters, references):
     engine = Engine.from_pretrained(text_model_dir, CONFIG, loras=adapters)
     prompt = mixed_prompts(1, 20, 20, seed=9)[0]
@@ -186,6 +221,19 @@ def test_adapters_that_cannot_be_served_per_request_are_refused_naming_why(text_
         model, _ = mlx_lm.load(str(text_model_dir))
         with pytest.raises(LoRAError, match=why):
             LoRASet.install(model, {"bad": path})
+    # an expert projection outside mlx-lm's SwitchGLU / SwitchMLP: how its block regroups tokens is unknown
+    import mlx.nn as nn
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    grouped = nn.Module()
+    grouped.attn = nn.Module()
+    grouped.attn.o_proj = SwitchLinear(8, 8, 2, bias=False)
+    (tmp_path / "grouped").mkdir()
+    (tmp_path / "grouped" / ADAPTER_CONFIG).write_text(json.dumps({"lora_parameters": {"rank": 4, "scale": 1.0}}))
+    mx.save_safetensors(str(tmp_path / "grouped" / ADAPTER_WEIGHTS), {"attn.o_proj.lora_a": mx.zeros((2, 4, 8)),
+                                                                      "attn.o_proj.lora_b": mx.zeros((2, 8, 4))})
+    with pytest.raises(LoRAError, match=r"attn\.o_proj is an expert projection outside mlx-lm's SwitchGLU"):
+        LoRASet.install(grouped, {"bad": tmp_path / "grouped"})
     model, tokenizer = mlx_lm.load(str(text_model_dir))
     first = Engine(model, tokenizer, CONFIG, loras=adapters)
     assert Engine(model, tokenizer, CONFIG, loras=adapters).loras is first.loras  # the same adapters: shared
@@ -225,12 +273,13 @@ def test_a_what_if_simulation_of_the_trace_shares_prefixes_only_on_one_adapter(t
         pytest.approx(2 / 3))
 
 
-@pytest.mark.parametrize("family, bits", [("qwen3", 4), ("lfm2", None), ("qwen3_moe", None)])
-def test_adapters_over_a_quantized_base_and_a_recurrent_family_and_refused_over_experts(family, bits, tmp_path):
-    """mlx-lm's LoRA over 4-bit QuantizedLinear layers, and over a family with recurrent state (lfm2's
-    convolutions batch with their own padding rules), batched and mixed, equals each adapter alone; an adapter
-    of a mixture-of-experts model (mlx-lm's LoRASwitchLinear: its tokens are regrouped by expert, so rows no
-    longer line up with requests) is refused naming the layer."""
+@pytest.mark.parametrize("family, bits", [("qwen3", 4), ("lfm2", None), ("qwen3_moe", None), ("mixtral", 4),
+                                          ("gpt_oss", None)])
+def test_adapters_over_a_quantized_base_a_recurrent_family_and_experts(family, bits, tmp_path):
+    """mlx-lm's LoRA over 4-bit QuantizedLinear layers, over a family with recurrent state (lfm2's convolutions
+    batch with their own padding rules), and over mixture-of-experts models (mlx-lm's LoRASwitchLinear on every
+    expert projection, float and 4-bit, and gpt-oss's biased experts), batched and mixed, equals each adapter
+    alone."""
     import mlx_lm
 
     from scheduler.fixtures.families import build_family_model
@@ -238,10 +287,8 @@ def test_adapters_over_a_quantized_base_and_a_recurrent_family_and_refused_over_
     model_dir = build_family_model(family, tmp_path / "model", bits=bits)
     loras = {name: write_lora_adapter(model_dir, tmp_path / name, seed=seed, rank=4)
              for seed, name in ((1, "one"), (2, "two"))}
-    if family == "qwen3_moe":
-        with pytest.raises(LoRAError, match=r"switch_mlp\.\w+_proj is a mixture-of-experts adapter"):
-            Engine.from_pretrained(model_dir, CONFIG, loras=loras)
-        return
+    if family in ("qwen3_moe", "mixtral", "gpt_oss"):  # the adapters do adapt the experts (3-D lora_a)
+        assert any(value.ndim == 3 for value in mx.load(str(loras["one"] / ADAPTER_WEIGHTS)).values())
     references = {None: mlx_lm.load(str(model_dir)),
                   **{name: mlx_lm.load(str(model_dir), adapter_path=str(path)) for name, path in loras.items()}}
     prompts = mixed_prompts(6, 3, 50, seed=1)
