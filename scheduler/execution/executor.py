@@ -1068,6 +1068,7 @@ class MLXExecutor:
             return logits
         parts, changed = list(logits), False
         masks: dict[int, Any] = {}  # row -> what its grammar allows (applied to the batch in one op below)
+        banned_now = dict(banned)
         for i in rows:
             request = self._rows[i].request
             row_logits = logits[i : i + 1]
@@ -1088,6 +1089,14 @@ class MLXExecutor:
                     parts[i] = logits[i]
                     continue
             if request.sampling.allowed_token_ids is not None:
+                if set(request.sampling.allowed_token_ids) <= set(banned_now.get(i, ())):
+                    # each allowed token ends a bad word the output leads into, or is a stop token min_tokens
+                    # holds (add_request refuses what is masked from the start): all -inf samples a token nothing
+                    # allows
+                    result.errors[request.request_id] = ("nothing left to sample: every allowed_token_ids token is "
+                                                         "masked here (bad_words_ids, or stops within min_tokens)")
+                    parts[i] = logits[i]
+                    continue
                 masks[i] = self._allowed_mask(request, logits.shape[-1])
             if request.sampling.structured_output is not None:
                 try:  # (a matcher reads only what was generated: it is fed the outputs, whatever the history)

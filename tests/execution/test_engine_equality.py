@@ -267,7 +267,7 @@ def test_allowed_token_ids_restrict_sampling_as_an_mlx_lm_mask_processor_does(te
     import numpy as np
     from mlx_lm.generate import generate_step
 
-    from scheduler import SamplingParams
+    from scheduler import InvalidRequest, SamplingParams
 
     model, tokenizer = text_eos_model
     vocab, eos = model.args.vocab_size, sorted(tokenizer.eos_token_ids)
@@ -309,6 +309,26 @@ def test_allowed_token_ids_restrict_sampling_as_an_mlx_lm_mask_processor_does(te
             assert drafted and not drafted & restricted
     with pytest.raises(Exception, match="allowed_token_ids: ids outside the vocabulary"):
         engine.add_request(prompt_tokens=PROMPTS[0], sampling=SamplingParams(allowed_token_ids=[vocab]))
+    # masks that leave nothing to sample are refused, for that request only (sampling from logits that are all
+    # -inf returned token 0, which none of them allows); eos is sampleable once min_tokens is reached
+    nothing_left = [("bad_words_ids", {"allowed_token_ids": [5, 7], "bad_words_ids": [[7], [5], [5, 9]]}),
+                    ("min_tokens", {"allowed_token_ids": eos, "min_tokens": 1}),
+                    ("min_tokens", {"allowed_token_ids": [*eos, 5], "min_tokens": 2, "bad_words_ids": [[5]]})]
+    for field, kwargs in nothing_left:
+        with pytest.raises(InvalidRequest, match=f"^{field}: every token of allowed_token_ids is one of"):
+            engine.add_request(prompt_tokens=PROMPTS[0], sampling=SamplingParams(max_tokens=4, **kwargs))
+    with pytest.raises(InvalidRequest, match="^bad_words_ids: every token of the vocabulary"):
+        engine.add_request(prompt_tokens=PROMPTS[0], sampling=SamplingParams(bad_words_ids=[[t] for t in range(vocab)]))
+    ok = SamplingParams(max_tokens=4, allowed_token_ids=[*eos, 5], min_tokens=2, ignore_eos=True)
+    run = drive(engine, [(0, {"prompt_tokens": PROMPTS[0], "sampling": ok})])
+    assert set(next(iter(run.tokens.values()))) <= {*eos, 5}
+    # masks that close later (a two-token bad word after the only allowed token) fail that request when they do,
+    # after the tokens it had; the request beside it runs on
+    trapped = SamplingParams(max_tokens=4, allowed_token_ids=[5], bad_words_ids=[[5, 5]])
+    outs = engine.generate([PROMPTS[0], PROMPTS[1]], [trapped, SamplingParams(max_tokens=MAX_TOKENS)])
+    assert (outs[0].token_ids, outs[0].finish_reason) == ([5], FinishReason.ERROR)
+    assert outs[0].error.startswith("nothing left to sample: every allowed_token_ids token is masked here")
+    assert outs[1].token_ids == text_eos_reference[1]
 
 
 def test_bad_words_are_kept_out_of_the_output_as_an_mlx_lm_processor_keeps_them(text_model, text_reference):
