@@ -1089,14 +1089,6 @@ class MLXExecutor:
                     parts[i] = logits[i]
                     continue
             if request.sampling.allowed_token_ids is not None:
-                if set(request.sampling.allowed_token_ids) <= set(banned_now.get(i, ())):
-                    # each allowed token ends a bad word the output leads into, or is a stop token min_tokens
-                    # holds (add_request refuses what is masked from the start): all -inf samples a token nothing
-                    # allows
-                    result.errors[request.request_id] = ("nothing left to sample: every allowed_token_ids token is "
-                                                         "masked here (bad_words_ids, or stops within min_tokens)")
-                    parts[i] = logits[i]
-                    continue
                 masks[i] = self._allowed_mask(request, logits.shape[-1])
             if request.sampling.structured_output is not None:
                 try:  # (a matcher reads only what was generated: it is fed the outputs, whatever the history)
@@ -1107,6 +1099,15 @@ class MLXExecutor:
                     continue
                 if allowed is not None:
                     masks[i] = allowed
+            if i in masks and i in banned_now and _masked_out(masks[i], banned_now[i]):
+                # each token the row's mask allows ends a bad word the output leads into, or is a stop token
+                # min_tokens holds (add_request refuses what is masked from the start): logits that are all -inf
+                # would give token 0, which nothing allows
+                result.errors[request.request_id] = ("nothing left to sample: every token its allowed_token_ids or "
+                                                     "structured output allows is masked here (bad_words_ids, or "
+                                                     "stops within min_tokens)")
+                del masks[i]
+                parts[i] = logits[i]
         out = mx.stack(parts) if changed else logits
         if masks:  # GrammarProcessor.__call__'s where, for every constrained row at once (and allowed ids')
             allowed = np.ones(logits.shape, dtype=bool)
@@ -1151,6 +1152,13 @@ class MLXExecutor:
                 continue
             tokens = mx.where(index == i, token, tokens)
         return tokens
+
+
+def _masked_out(allowed: np.ndarray, banned: tuple[int, ...]) -> bool:
+    """Whether every token a (V,) mask allows is among `banned`."""
+    ids = np.unique(np.asarray(banned, dtype=np.int64))
+    ids = ids[ids < allowed.shape[-1]]
+    return int(allowed.sum()) <= int(allowed[ids].sum())
 
 
 def _last_prefill_token(request: Request) -> int:

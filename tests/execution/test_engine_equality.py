@@ -268,6 +268,7 @@ def test_allowed_token_ids_restrict_sampling_as_an_mlx_lm_mask_processor_does(te
     from mlx_lm.generate import generate_step
 
     from scheduler import InvalidRequest, SamplingParams
+    from scheduler.request import StructuredOutput
 
     model, tokenizer = text_eos_model
     vocab, eos = model.args.vocab_size, sorted(tokenizer.eos_token_ids)
@@ -327,8 +328,14 @@ def test_allowed_token_ids_restrict_sampling_as_an_mlx_lm_mask_processor_does(te
     trapped = SamplingParams(max_tokens=4, allowed_token_ids=[5], bad_words_ids=[[5, 5]])
     outs = engine.generate([PROMPTS[0], PROMPTS[1]], [trapped, SamplingParams(max_tokens=MAX_TOKENS)])
     assert (outs[0].token_ids, outs[0].finish_reason) == ([5], FinishReason.ERROR)
-    assert outs[0].error.startswith("nothing left to sample: every allowed_token_ids token is masked here")
+    assert outs[0].error.startswith("nothing left to sample: every token its allowed_token_ids or structured")
     assert outs[1].token_ids == text_eos_reference[1]
+    # the same for a structured output whose every allowed first token is a bad word
+    spec = StructuredOutput.regex("[ab]c")
+    first = np.flatnonzero(engine.grammars.processor(spec, prompt_len=0).allowed([], vocab)).tolist()
+    boxed = SamplingParams(max_tokens=4, structured_output=spec, bad_words_ids=[[t] for t in first])
+    out = engine.generate([PROMPTS[2]], boxed)[0]
+    assert (out.token_ids, out.finish_reason) == ([], FinishReason.ERROR) and "nothing left to sample" in out.error
 
 
 def test_bad_words_are_kept_out_of_the_output_as_an_mlx_lm_processor_keeps_them(text_model, text_reference):
