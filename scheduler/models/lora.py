@@ -303,7 +303,7 @@ class LoRASet:
         return loras
 
     def prepare(self, name: str, path: str | Path) -> PreparedAdapter:
-        """Read adapter `name` from `path` and check it against the model's linear layers; the model is not
+        """Read adapter `name` from `path` and check it against the model's layers; the model is not
         touched. Raises LoRAError (unreadable, another kind of fine-tune, a layer or shape that does not fit)."""
         adapter, weights = _read(name, Path(path))
         for target in adapter.targets:
