@@ -43,6 +43,7 @@ from .request import (
     SamplingParams,
     UnknownRequest,
 )
+from .sampling_checks import check_sampling
 from .scheduler import InvariantViolation, Scheduler, StepOutput
 
 _ENDED_MEMORY = 65536  # how many ended ids `abort`/`state_of` still recognise
@@ -444,27 +445,6 @@ class Engine:
                          measure={k: v for k, v in info.items() if k.endswith("_s")})
 
     # ---- requests in ----------------------------------------------------------------------------
-    def _check_sampleable(self, sampling: SamplingParams) -> None:
-        """Refuse a request whose masks leave no token to sample at its first step: `allowed_token_ids` all
-        one-token `bad_words_ids`, or, within `min_tokens`, all stop tokens or such words. Sampling would otherwise
-        pick from logits that are all -inf, a token none of its constraints allow."""
-        if not (sampling.bad_words_ids or sampling.min_tokens):
-            return
-        banned = {word[0] for word in sampling.bad_words_ids if len(word) == 1}
-        field = "bad_words_ids"
-        if sampling.min_tokens:
-            banned |= set(sampling.stop_token_ids)
-            if not sampling.ignore_eos:
-                banned |= set(self.scheduler.model_stop_ids)
-            field = "min_tokens"
-        allowed = set(sampling.allowed_token_ids) if sampling.allowed_token_ids is not None else None
-        left = len(allowed - banned) if allowed is not None else self.vocab_size - len(banned)
-        if not left:
-            what = "allowed_token_ids" if allowed is not None else "the vocabulary"
-            masks = "one-token bad_words_ids" + (" or stop tokens (min_tokens masks them)" if sampling.min_tokens
-                                                else "")
-            raise InvalidRequest(field, f"every token of {what} is one of its {masks}: nothing is left to sample")
-
     def add_request(
         self,
         prompt: str | list[dict] | None = None,
@@ -501,20 +481,7 @@ class Engine:
             sampling = SamplingParams()
         elif not isinstance(sampling, SamplingParams):
             raise InvalidRequest("sampling", f"must be a SamplingParams, got {type(sampling).__name__}")
-        bad_stops = [t for t in sampling.stop_token_ids if t >= self.vocab_size]
-        if bad_stops:
-            raise InvalidRequest("stop_token_ids", f"ids outside the vocabulary [0, {self.vocab_size}): {bad_stops}")
-        bad_bias = [t for t, _ in sampling.logit_bias if t >= self.vocab_size]
-        if bad_bias:
-            raise InvalidRequest("logit_bias", f"ids outside the vocabulary [0, {self.vocab_size}): {bad_bias}")
-        bad_words = sorted({t for seq in sampling.bad_words_ids for t in seq if t >= self.vocab_size})
-        if bad_words:
-            raise InvalidRequest("bad_words_ids", f"ids outside the vocabulary [0, {self.vocab_size}): {bad_words[:5]}")
-        bad_allowed = [t for t in sampling.allowed_token_ids or () if t >= self.vocab_size]
-        if bad_allowed:
-            raise InvalidRequest("allowed_token_ids",
-                                 f"ids outside the vocabulary [0, {self.vocab_size}): {bad_allowed[:5]}")
-        self._check_sampleable(sampling)
+        check_sampling(sampling, self.vocab_size, self.scheduler.model_stop_ids)
         if sampling.structured_output is not None:
             self.grammars.compile(sampling.structured_output)  # InvalidRequest where it does not compile
         if not isinstance(priority, int) or isinstance(priority, bool):
