@@ -1,8 +1,8 @@
 """LoRA adapters chosen per request: several adapters over one base model, rows of one batch on different ones.
 
-`LoRASet.install(model, {name: directory})` reads each adapter (the layout `mlx_lm.lora` writes:
-`adapter_config.json` and `adapters.safetensors`, whose `...<layer>.lora_a` / `.lora_b` name the layers it
-adapts) and puts an adapted layer in place of every layer some adapter adapts: a `MultiLoRALinear` for a linear
+`LoRASet.install(model, {name: directory})` reads each adapter (the layout `mlx_lm.lora` writes, or Hugging Face
+PEFT's, turned into mlx-lm's by `scheduler/models/lora_formats.py`: per adapted layer `lora_a` / `lora_b` and a
+scale) and puts an adapted layer in place of every layer some adapter adapts: a `MultiLoRALinear` for a linear
 layer, a `MultiLoRASwitchLinear` for an expert projection of a mixture-of-experts block. Before a forward the
 executor says which adapter each row uses (`LoRASet.rows`); outside that the layers compute the base model.
 Adapters also come and go while an engine runs: `prepare` reads and checks one on any thread, `commit` installs
@@ -31,7 +31,6 @@ on a vision-language model, that adapts a layer outside its language model (`wit
 from __future__ import annotations
 
 import contextlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
@@ -40,13 +39,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear, SwitchMLP
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapters.safetensors"
-
-
-class LoRAError(ValueError):
-    """An adapter that cannot be served per request (unreadable, another kind of fine-tune, shapes that do not
-    fit the model); names the adapter."""
+from .lora_formats import ADAPTER_CONFIG, LoRAAdapter, LoRAError, read_adapter
 
 
 class UnknownLoRA(LookupError):
@@ -55,17 +48,6 @@ class UnknownLoRA(LookupError):
 
 class LoRAInUse(ValueError):
     """An adapter live requests run on cannot be unloaded."""
-
-
-@dataclass(frozen=True)
-class LoRAAdapter:
-    """One adapter as read from its directory."""
-
-    name: str
-    path: str
-    scale: float
-    rank: int
-    targets: tuple[str, ...]  # the model's linear layers it adapts, by module path
 
 
 class _Selection:
@@ -305,7 +287,7 @@ class LoRASet:
     def prepare(self, name: str, path: str | Path) -> PreparedAdapter:
         """Read adapter `name` from `path` and check it against the model's layers; the model is not
         touched. Raises LoRAError (unreadable, another kind of fine-tune, a layer or shape that does not fit)."""
-        adapter, weights = _read(name, Path(path))
+        adapter, weights = read_adapter(name, Path(path))
         for target in adapter.targets:
             if self.within is not None and not target.startswith(self.within + "."):
                 raise LoRAError(f"adapter {name!r}: {target} is outside {self.within}; per-request adapters adapt "
@@ -442,32 +424,5 @@ def _linear_dims(layer: nn.Module) -> tuple[int, int]:
     return out_dims, in_dims
 
 
-def _read(name: str, path: Path) -> tuple[LoRAAdapter, dict[str, mx.array]]:
-    """An adapter directory -> the adapter and its weights, by parameter name."""
-    if not name:
-        raise LoRAError("an adapter needs a non-empty name")
-    config_file, weights_file = path / ADAPTER_CONFIG, path / ADAPTER_WEIGHTS
-    if not config_file.is_file() or not weights_file.is_file():
-        raise LoRAError(f"adapter {name!r}: {path} has no {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS} (the layout "
-                        "mlx_lm.lora writes)")
-    try:
-        config = json.loads(config_file.read_text())
-        weights = mx.load(str(weights_file))
-    except (OSError, ValueError, RuntimeError) as e:
-        raise LoRAError(f"adapter {name!r}: cannot read {path}: {e}") from e
-    kind = config.get("fine_tune_type", "lora")
-    if kind != "lora":
-        raise LoRAError(f"adapter {name!r}: fine_tune_type {kind!r}; only LoRA adapters are served per request "
-                        "(fuse it into the model with mlx_lm.fuse instead)")
-    parameters = config.get("lora_parameters") or {}
-    if "rank" not in parameters or "scale" not in parameters:
-        raise LoRAError(f"adapter {name!r}: {ADAPTER_CONFIG} has no lora_parameters rank and scale")
-    targets = sorted({key.rsplit(".", 1)[0] for key in weights})
-    for target in targets:
-        if set(k for k in weights if k.rsplit(".", 1)[0] == target) != {f"{target}.lora_a", f"{target}.lora_b"}:
-            raise LoRAError(f"adapter {name!r}: {target} does not hold exactly lora_a and lora_b (DoRA and "
-                            "adapters of other layer kinds are not served per request)")
-    if not targets:
-        raise LoRAError(f"adapter {name!r}: {ADAPTER_WEIGHTS} holds no LoRA weights")
-    adapter = LoRAAdapter(name, str(path), float(parameters["scale"]), int(parameters["rank"]), tuple(targets))
-    return adapter, weights
+__all__ = ["ADAPTER_CONFIG", "LoRAAdapter", "LoRAError", "LoRAInUse", "LoRASet", "MultiLoRALinear",
+           "MultiLoRASwitchLinear", "RoutedExperts", "UnknownLoRA"]
