@@ -208,3 +208,27 @@ class OracleDrafter:
 
     def stats(self):
         return {}
+
+
+def peft_copy(src, dst, rslora=False, **config):
+    """The mlx-lm adapter at `src` rewritten in Hugging Face PEFT's layout (its documented checkpoint format):
+    `adapter_model.safetensors` with `base_model.model.<module>.lora_A.weight` (r, in) and `.lora_B.weight`
+    (out, r), and an `adapter_config.json` whose `lora_alpha / r` (`/ sqrt(r)` with rsLoRA) is the scale."""
+    import json
+
+    import mlx.core as mx
+
+    cfg = json.loads((src / "adapter_config.json").read_text())["lora_parameters"]
+    rank, scale = cfg["rank"], cfg["scale"]
+    weights = {}
+    for key, value in mx.load(str(src / "adapters.safetensors")).items():
+        target, half = key.rsplit(".", 1)
+        weights[f"base_model.model.{target}.lora_{half[-1].upper()}.weight"] = value.T
+    dst.mkdir()
+    mx.save_safetensors(str(dst / "adapter_model.safetensors"), weights)
+    (dst / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "use_rslora": rslora,
+        "lora_alpha": scale * (rank ** 0.5 if rslora else rank), "lora_dropout": 0.05, "bias": "none",
+        "target_modules": sorted({k.split(".")[-3] for k in weights}), "modules_to_save": None,
+        "fan_in_fan_out": False, "use_dora": False, "rank_pattern": {}, "alpha_pattern": {}, **config}))
+    return dst

@@ -18,7 +18,7 @@ from scheduler import AsyncEngine, Engine, EngineConfig, InvalidRequest, Samplin
 from scheduler.fixtures.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, write_lora_adapter
 from scheduler.models.lora import LoRAError, LoRASet
 
-from ..helpers import drive, greedy, mixed_prompts, solo_tokens
+from ..helpers import drive, greedy, mixed_prompts, peft_copy, solo_tokens
 
 CONFIG = EngineConfig(max_batched_tokens=48, max_seqs=8, prefill_chunk=16, check_invariants=True)
 MAX_TOKENS = 12
@@ -301,32 +301,12 @@ def test_adapters_over_a_quantized_base_a_recurrent_family_and_experts(family, b
     assert list(run.tokens.values()) == want
 
 
-def _as_peft(src, dst, rslora=False, **config):
-    """The mlx-lm adapter at `src` rewritten in Hugging Face PEFT's layout (its documented checkpoint format):
-    `adapter_model.safetensors` with `base_model.model.<module>.lora_A.weight` (r, in) and `.lora_B.weight`
-    (out, r), and an `adapter_config.json` whose `lora_alpha / r` (`/ sqrt(r)` with rsLoRA) is the scale."""
-    cfg = json.loads((src / ADAPTER_CONFIG).read_text())["lora_parameters"]
-    rank, scale = cfg["rank"], cfg["scale"]
-    weights = {}
-    for key, value in mx.load(str(src / ADAPTER_WEIGHTS)).items():
-        target, half = key.rsplit(".", 1)
-        weights[f"base_model.model.{target}.lora_{half[-1].upper()}.weight"] = value.T
-    dst.mkdir()
-    mx.save_safetensors(str(dst / "adapter_model.safetensors"), weights)
-    (dst / ADAPTER_CONFIG).write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "use_rslora": rslora,
-        "lora_alpha": scale * (rank ** 0.5 if rslora else rank), "lora_dropout": 0.05, "bias": "none",
-        "target_modules": sorted({k.split(".")[-3] for k in weights}), "modules_to_save": None,
-        "fan_in_fan_out": False, "use_dora": False, "rank_pattern": {}, "alpha_pattern": {}, **config}))
-    return dst
-
-
 def test_peft_adapters_serve_as_the_same_matrices_in_mlx_lm_layout(text_model_dir, adapters, references, tmp_path):
     """Adapters in Hugging Face PEFT's layout (what vLLM's --lora-modules serves), plain and rsLoRA, next to one in
     mlx-lm's, mixed in batches: each request equals mlx-lm alone with the same matrices in its own layout. What
     PEFT can hold that is not a plain LoRA of linear layers is refused naming it."""
-    peft = _as_peft(adapters["one"], tmp_path / "peft")
-    rslora = _as_peft(adapters["two"], tmp_path / "rslora", rslora=True)
+    peft = peft_copy(adapters["one"], tmp_path / "peft")
+    rslora = peft_copy(adapters["two"], tmp_path / "rslora", rslora=True)
     loras = {"peft": peft, "rslora": rslora, "one": adapters["one"]}
     reference_of = {None: None, "peft": "one", "rslora": "two", "one": "one"}
     prompts = mixed_prompts(8, 3, 50, seed=12)
@@ -349,13 +329,13 @@ def test_peft_adapters_serve_as_the_same_matrices_in_mlx_lm_layout(text_model_di
     }
     for i, (why, config) in enumerate(refused.items()):
         with pytest.raises(LoRAError, match=why):
-            LoRASet.install(mlx_lm.load(str(text_model_dir))[0], {"bad": _as_peft(adapters["one"], tmp_path / f"r{i}",
+            LoRASet.install(mlx_lm.load(str(text_model_dir))[0], {"bad": peft_copy(adapters["one"], tmp_path / f"r{i}",
                                                                                   **config)})
-    embedding = _as_peft(adapters["one"], tmp_path / "embedding")
+    embedding = peft_copy(adapters["one"], tmp_path / "embedding")
     weights = mx.load(str(embedding / "adapter_model.safetensors"))
     weights["base_model.model.model.embed_tokens.lora_embedding_A"] = mx.zeros((4, 8))
     mx.save_safetensors(str(embedding / "adapter_model.safetensors"), weights)
-    pickled = _as_peft(adapters["one"], tmp_path / "pickled")
+    pickled = peft_copy(adapters["one"], tmp_path / "pickled")
     (pickled / "adapter_model.safetensors").rename(pickled / "adapter_model.bin")
     for why, path in (("embed_tokens.lora_embedding_A, not a LoRA weight of a linear layer", embedding),
                       ("adapter_model.bin, pickled weights, which are not loaded", pickled)):

@@ -16,7 +16,7 @@ import pytest
 
 from scheduler.fixtures.lora import write_lora_adapter
 
-from ..helpers import mixed_prompts, solo_tokens
+from ..helpers import mixed_prompts, peft_copy, solo_tokens
 from .test_serve import MODEL_NAME, _start, _stop, _wait_healthy
 
 ADAPTERS = ("one", "two")
@@ -99,12 +99,14 @@ def test_concurrent_requests_on_each_adapter_answer_as_mlx_lm_with_that_adapter_
 
 
 def test_adapters_load_and_unload_while_the_server_runs(server, text_model_dir, adapters, tmp_path):
-    """vLLM's runtime LoRA routes: an adapter loaded under a new name is listed and answers as mlx-lm with it
-    alone; a name already served, the served model's name and a directory without an adapter are 400s naming the
+    """vLLM's runtime LoRA routes: an adapter loaded under a new name (in PEFT's layout, as vLLM's are) is listed
+    and answers as mlx-lm with the same matrices alone; a name already served, the served model's name and a directory without an adapter are 400s naming the
     field; once unloaded the name is a 404 again, and unloading it twice is a 404."""
     import mlx_lm
 
-    status, text = server.post_raw("/v1/load_lora_adapter", {"lora_name": "three", "lora_path": str(adapters["two"])})
+    # (in Hugging Face PEFT's layout: the same matrices as adapter "two")
+    peft = peft_copy(adapters["two"], tmp_path / "peft")
+    status, text = server.post_raw("/v1/load_lora_adapter", {"lora_name": "three", "lora_path": str(peft)})
     assert status == 200 and b"three" in text
     status, raw = server.get("/v1/models")
     assert [card["id"] for card in json.loads(raw)["data"]] == [MODEL_NAME, "one", "three", "two"]
