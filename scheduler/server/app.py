@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP app (FastAPI) over an `AsyncEngine`.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream`: server-sent events in OpenAI's
-chunk format, ending with `data: [DONE]`), GET /v1/models, GET /health, GET /metrics.
+chunk format, ending with `data: [DONE]`), POST /v1/responses (OpenAI's Responses API over the chat path,
+`responses.py`; streamed as its typed events), GET /v1/models, GET /health, GET /metrics, and vLLM's tokenize and
+LoRA routes.
 
 A request is checked whole before anything is queued: the body (JSON, then the pydantic models), the model
 name, the messages (images and audio decoded off the event loop), every choice's sampling parameters, the
@@ -47,10 +49,12 @@ from .protocol import (MAX_CHOICES, REQUEST_ID, APIError, ChatCompletionRequest,
                        DetokenizeRequest, LoadLoRARequest, TokenizeRequest, UnloadLoRARequest, usage,
                        validation_error)
 from .reasoning import ReasoningFormat, ReasoningSplitter
+from .responses import ResponseBuilder, ResponsesRequest, in_responses_terms, sse_event, to_chat
 from .token_bytes import TokenBytes
 from .tool_calls import ToolCallFormat, ToolCallSplitter
 
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics",
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize",
+          "/health", "/metrics",
           "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20  # room for a few large base64 images or a short video
 
@@ -580,24 +584,81 @@ def _chunk(call: _Call, obj: str, choices: list[dict], with_usage: bool) -> dict
     return out
 
 
+async def _collect(request: Request, call: _Call) -> dict[int, list[Delta]] | None:
+    """Every choice's deltas, once all are done (a non-streaming answer); None if the client went away first
+    (the requests are aborted). A failed choice raises its APIError."""
+    pieces: dict[int, list[Delta]] = {i: [] for i in range(call.choices)}
+
+    async def collect() -> None:
+        async for index, delta in call.deltas():
+            pieces[index].append(delta)
+
+    collecting = asyncio.create_task(collect())
+    if not await _until_done_or_disconnect(request, collecting):
+        call.usage()  # gone: the cancelled collection closed the streams (aborting the requests)
+        return None
+    try:
+        collecting.result()
+    except (ChoiceFailed, EngineStopped) as exc:
+        raise _failure(exc) from None
+    return pieces
+
+
+async def _respond_response(request: Request, call: _Call, builder: ResponseBuilder,
+                            splitter: "_ChoiceSplitter | None", logprobs: "_ChatChoices | None") -> Response:
+    """A Responses API answer (`scheduler/server/responses.py`): the response object once its one choice is done,
+    or (`stream`) its typed events. Each delta goes through the chat path's splitter (reasoning, content, calls)
+    into the builder, in both cases."""
+
+    def add(delta: Delta) -> list[dict[str, Any]]:
+        split = (splitter.feed(delta.text, final=delta.finish_reason is not None) if splitter is not None
+                 else _ChoiceText(content=delta.text))
+        entries = logprobs._logprobs([delta])["content"] if logprobs is not None else None
+        return builder.add(split.reasoning, split.content, split.calls, len(delta.token_ids), entries)
+
+    if not call.body.stream:
+        pieces = await _collect(request, call)
+        if pieces is None:
+            return Response(status_code=499)
+        deltas = [d for d in pieces[0] if d.prompt_token_ids is None]
+        for delta in deltas:
+            add(delta)
+        builder.finish(deltas[-1].finish_reason if deltas else None, call.usage())
+        return JSONResponse(builder.response())
+
+    async def events() -> AsyncIterator[str]:
+        used = False
+        try:
+            for event in builder.start():
+                yield sse_event(event)
+            finish = None
+            async for _index, delta in call.deltas():
+                if delta.prompt_token_ids is not None:
+                    continue
+                finish = delta.finish_reason or finish
+                for event in add(delta):
+                    yield sse_event(event)
+            used = True
+            for event in builder.finish(finish, call.usage()):
+                yield sse_event(event)
+        except (ChoiceFailed, EngineStopped) as exc:
+            for event in builder.fail(_failure(exc)):
+                yield sse_event(event)
+        finally:
+            if not used:
+                call.usage()  # hands the requests' records back
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
 async def _respond(request: Request, call: _Call, choices: "_ChatChoices | _TextChoices") -> Response:
     """The call's answer: one JSON body once every choice is done, or (`stream`) server-sent chunks."""
     body = call.body
     if not body.stream:
-        pieces: dict[int, list[Delta]] = {i: [] for i in range(call.choices)}
-
-        async def collect() -> None:
-            async for index, delta in call.deltas():
-                pieces[index].append(delta)
-
-        collecting = asyncio.create_task(collect())
-        if not await _until_done_or_disconnect(request, collecting):
-            call.usage()  # gone: the cancelled collection closed the streams (aborting the requests)
+        pieces = await _collect(request, call)
+        if pieces is None:
             return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
-        try:
-            collecting.result()
-        except (ChoiceFailed, EngineStopped) as exc:
-            raise _failure(exc) from None
         out = {"id": call.id, "object": choices.object, "created": call.created, "model": call.model,
                "choices": [choices.final(i, pieces[i]) for i in range(call.choices)], "usage": call.usage()}
         if body.prompt_logprobs is not None:
@@ -677,10 +738,10 @@ def create_app(state: ServerState) -> Any:
         return await asyncio.get_running_loop().run_in_executor(
             state.aengine.media_fetch_pool if fetching else None, convert)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        body = await _parse(request, ChatCompletionRequest, state.max_request_bytes)
-        lora = _check_model(state, body)
+    async def chat_call(request: Request, body: ChatCompletionRequest, kind: str,
+                        lora: str | None) -> tuple[_Call, _ChatParsing | None]:
+        """A chat's choices submitted (its messages converted, its tools, reasoning and output format worked out),
+        and how their text is split (None: as it comes)."""
         tool_calling = _tool_calling(body, call_format)
         prompt = await engine_prompt(body.messages)
         tools = tool_calling.tools if tool_calling is not None else None
@@ -692,13 +753,32 @@ def create_app(state: ServerState) -> Any:
             parsing = _ChatParsing(reasoning, opens, tool_calling)
         structured = output_constraint(body, tool_calling.format if tool_calling is not None else None, tools,
                                        reasoning.end if opens else None)
-        call = _Call(state, body, "chatcmpl", lora=lora, client_id=_client_id(request, body))
+        call = _Call(state, body, kind, lora=lora, client_id=_client_id(request, body))
         await call.submit([dict(prompt=prompt.messages, images=prompt.images or None, videos=prompt.videos or None,
                                 audio=prompt.audio or None, tools=tools, chat_template_kwargs=template_kwargs)],
                           prompt.part_of, structured)
+        return call, parsing
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await _parse(request, ChatCompletionRequest, state.max_request_bytes)
+        call, parsing = await chat_call(request, body, "chatcmpl", _check_model(state, body))
         choices = _ChatChoices(engine.tokenizer, token_bytes, body.wants_logprobs(), body.stream, parsing,
                                body.return_token_ids)
         return await _respond(request, call, choices)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        body = await _parse(request, ResponsesRequest, state.max_request_bytes)
+        lora = _check_model(state, body)
+        try:  # the chat path's checks, their errors named in the Responses request's terms
+            chat = to_chat(body)
+            call, parsing = await chat_call(request, chat, "resp", lora)
+        except APIError as error:
+            raise in_responses_terms(error) from None
+        logprobs = _ChatChoices(engine.tokenizer, token_bytes, True, False) if chat.logprobs else None
+        return await _respond_response(request, call, ResponseBuilder(call.id, body, call.model),
+                                       parsing.splitter() if parsing is not None else None, logprobs)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

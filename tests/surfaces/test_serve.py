@@ -276,6 +276,43 @@ def test_32_concurrent_streaming_chats_equal_the_engine_greedy_output(server, re
         assert usage.total_tokens == ref_tokens + ref_prompt
 
 
+def test_the_responses_api_answers_image_and_text_chats_as_the_engine(server, reference):
+    """`POST /v1/responses` (OpenAI's Responses API, through the official client): image and text chats as input
+    items (`input_image` with a data URI, `input_text`), concurrent, whole and streamed, with `instructions`
+    sent as a system message: each output_text is the engine's greedy text for the same chat alone, a choice cut
+    at max_output_tokens is "incomplete", and the usage counts the engine's tokens."""
+    work = _chat_workload(8, seed=4)
+    system = {"role": "system", "content": "Answer briefly."}
+    expected = _greedy_reference(reference, [[system, *w[1]] for w in work], [w[2] for w in work],
+                                 [w[3] for w in work])
+
+    def as_input(messages):
+        return [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str) else [
+            {"type": "input_image", "image_url": part["image_url"]["url"]} if part["type"] == "image_url"
+            else {"type": "input_text", "text": part["text"]} for part in m["content"]]} for m in messages]
+
+    async def one(client, api, max_tokens, stream):
+        kwargs = dict(model=MODEL_NAME, input=as_input(api), instructions="Answer briefly.",
+                      max_output_tokens=max_tokens, temperature=0)
+        if not stream:
+            return await client.responses.create(**kwargs)
+        async with client.responses.stream(**kwargs) as events:
+            # the last event carries the response: "response.completed", or "response.incomplete" for one cut at
+            # max_output_tokens (as OpenAI's; the SDK's get_final_response waits for the first only)
+            return [event async for event in events][-1].response
+
+    async def run():
+        async with server.client() as client:
+            return await asyncio.gather(*[one(client, api, m, i % 3 == 0) for i, (api, _, _, m) in enumerate(work)])
+
+    answers = asyncio.run(run())
+    assert any(a.status == "incomplete" for a in answers[::3])  # a streamed one ended with response.incomplete
+    for i, (got, (text, tokens, finish, prompt)) in enumerate(zip(answers, expected)):
+        assert got.output_text == text, f"request {i}"
+        assert got.status == ("incomplete" if finish == "length" else "completed")
+        assert (got.usage.input_tokens, got.usage.output_tokens) == (prompt, tokens)
+
+
 def test_stop_strings_stop_ids_n_seed_and_logprobs(server, reference):
     text = "Tell me about the river and a garden"
     messages = [{"role": "user", "content": text}]

@@ -410,6 +410,144 @@ def test_output_formats_the_server_cannot_honour_are_refused_naming_the_field(se
     assert tools.get("/health")[0] == 200 and plain.get("/health")[0] == 200
 
 
+# ---- the Responses API (`POST /v1/responses`): the same chats, as a Responses client sends and reads them ------
+
+
+def _responses_input(messages) -> list[dict]:
+    """A chat's messages as Responses API input items: a sent-back call is a `function_call` item, the tool's
+    answer a `function_call_output`."""
+    items = []
+    for message in messages:
+        if message.get("tool_calls"):
+            items += [{"type": "function_call", "call_id": c["id"], "name": c["function"]["name"],
+                       "arguments": c["function"]["arguments"]} for c in message["tool_calls"]]
+        elif message["role"] == "tool":
+            items.append({"type": "function_call_output", "call_id": message["tool_call_id"],
+                          "output": message["content"]})
+        else:
+            items.append({"role": message["role"], "content": message["content"]})
+    return items
+
+
+def _responses_kwargs(chat, **extra) -> dict:
+    kwargs = {"model": "tiny-vlm", "input": _responses_input(chat.messages), "max_output_tokens": 256,
+              "temperature": 0, **extra}
+    if chat.tools:
+        kwargs["tools"] = [{"type": "function", **tool["function"]} for tool in chat.tools]
+    if chat.template_kwargs:
+        kwargs["extra_body"] = {"chat_template_kwargs": dict(chat.template_kwargs)}
+    return kwargs
+
+
+def _items(response) -> list[tuple]:
+    """A response's output as (kind, its text or (name, arguments))."""
+    out = []
+    for item in response.output:
+        if item.type == "reasoning":
+            out.append(("reasoning", "".join(c.text for c in item.content)))
+        elif item.type == "message":
+            out.append(("message", "".join(c.text for c in item.content)))
+        else:
+            out.append(("function_call", (item.name, json.loads(item.arguments))))
+    return out
+
+
+def test_the_responses_api_answers_each_chat_as_its_chat_completion(server):
+    """Each chat through /v1/responses, whole and streamed (the SDK's own stream accumulator): the reasoning is a
+    reasoning item, the content a message, each call a function_call item, in the order the model wrote them,
+    and the same as the chat completion of the same chat (checked against mlx-lm alone in the tests above);
+    a call and its result sent back as items are answered as the chat sent back with them. The stream's deltas
+    add up to the final items, its sequence numbers count from 0, and the usage is the chat completion's."""
+    tools, _ = server
+
+    async def run():
+        client, out = tools.client(), {}
+        for chat in CHATS:
+            chat_args = {"chat_template_kwargs": dict(chat.template_kwargs)} if chat.template_kwargs else {}
+            completion = await _chat(client, chat, extra_body=chat_args or None)
+            whole = await client.responses.create(**_responses_kwargs(chat))
+            events = []
+            async with client.responses.stream(**_responses_kwargs(chat)) as stream:
+                async for event in stream:
+                    events.append(event)
+                streamed = await stream.get_final_response()
+            out[chat.name] = completion, whole, streamed, events
+        return out
+
+    for name, (completion, whole, streamed, events) in asyncio.run(run()).items():
+        message = completion.choices[0].message
+        want = ([("reasoning", _reasoning(message))] if _reasoning(message) else []) + (
+            [("message", message.content)] if message.content is not None or not message.tool_calls else []) + [
+            ("function_call", call) for call in _named(message.tool_calls or [])]
+        assert _items(whole) == _items(streamed) == want, name
+        assert whole.status == streamed.status == "completed"
+        assert whole.output_text == (message.content or "")
+        calls = [item.call_id for item in whole.output if item.type == "function_call"]
+        assert len(set(calls)) == len(calls) and all(calls)
+        assert (whole.usage.input_tokens, whole.usage.output_tokens) == (
+            completion.usage.prompt_tokens, completion.usage.completion_tokens), name
+        assert (whole.usage.output_tokens_details.reasoning_tokens > 0) == bool(_reasoning(message))
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        assert events[0].type == "response.created" and events[-1].type == "response.completed"
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+        assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == (
+            _reasoning(message) or "")
+
+
+def test_the_responses_api_takes_output_formats_and_ends_incomplete_at_max_output_tokens(server):
+    """text.format json_schema constrains the answer as the chat's response_format does (after the free
+    reasoning); max_output_tokens cuts it: status "incomplete", reason "max_output_tokens", the text the chat
+    completion cut at the same max_tokens shows."""
+    tools, _ = server
+    chat = CHAT["no-tools"]
+    schema = {"format": {"type": "json_schema", "name": "weather", "schema": SCHEMA}}
+
+    async def run():
+        client = tools.client()
+        formatted = await client.responses.create(**_responses_kwargs(chat, text=schema))
+        chat_formatted = await _chat(client, chat, response_format={"type": "json_schema", "json_schema": {
+            "name": "weather", "schema": SCHEMA}})
+        cut = await client.responses.create(**_responses_kwargs(chat, max_output_tokens=20))
+        chat_cut = await client.chat.completions.create(model="tiny-vlm", messages=list(chat.messages),
+                                                        max_tokens=20, temperature=0)
+        return formatted, chat_formatted, cut, chat_cut
+
+    formatted, chat_formatted, cut, chat_cut = asyncio.run(run())
+    jsonschema.validate(json.loads(formatted.output_text), SCHEMA)
+    assert formatted.output_text == chat_formatted.choices[0].message.content
+    assert chat_cut.choices[0].finish_reason == "length"
+    assert (cut.status, cut.incomplete_details.reason) == ("incomplete", "max_output_tokens")
+    assert _items(cut)[0] == ("reasoning", _reasoning(chat_cut.choices[0].message))
+    assert cut.usage.output_tokens == 20
+
+
+def test_what_the_responses_api_cannot_honour_here_is_refused_naming_the_field(server):
+    tools, _ = server
+    ask = {"model": "tiny-vlm", "input": "hi", "max_output_tokens": 4}
+    for extra, param in (
+            ({"previous_response_id": "resp_1"}, "previous_response_id"),
+            ({"background": True}, "background"),
+            ({"reasoning": {"effort": "low"}}, "reasoning"),
+            ({"truncation": "auto"}, "truncation"),
+            ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+            ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+             "input.0.content.0"),
+            ({"input": [{"type": "computer_call", "call_id": "c"}]}, "input.0.type"),
+            ({"input": [{"type": "function_call_output", "call_id": "c", "output": 3}]}, "input.0.output"),
+            ({"input": [{"role": "robot", "content": "hi"}]}, "input.0.role"),
+            ({"tool_choice": {"type": "web_search"}}, "tool_choice"),
+            ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
+             "tool_choice"),
+            ({"text": {"format": {"type": "xml"}}}, "text.format"),
+            ({"include": ["file_search_call.results"]}, "include"),
+            ({"max_output_tokens": 0}, "max_output_tokens"),
+            ({"input": ""}, "input"),
+            ({"model": "other"}, "model")):
+        status, body = tools.post("/v1/responses", {**ask, **extra})
+        assert (status, body["error"]["param"]) == (404 if param == "model" else 400, param), (extra, body)
+    assert tools.get("/health")[0] == 200
+
+
 # Call markups other than JSON between markers, each a minimal template of its shape on the tiny text model's
 # weights, from which mlx-lm infers its parser: Mistral's `[TOOL_CALLS]name[ARGS]{...}` (no end marker; `mistral`),
 # the pythonic `<|tool_call_start|>[name(x=...)]<|tool_call_end|>` (`pythonic`: LFM2, Llama), Qwen3-Coder's
