@@ -296,6 +296,7 @@ class ResponseBuilder:
         self._open: dict[str, Any] | None = None  # the item whose text is still arriving
         self._sequence = 0
         self._incomplete: str | None = None
+        self._pending: list[dict[str, Any]] = []  # logprob entries of answer tokens that showed no text yet
 
     def start(self) -> list[dict[str, Any]]:
         return [self._event("response.created", response=self.response()),
@@ -308,12 +309,15 @@ class ResponseBuilder:
         events: list[dict[str, Any]] = []
         if reasoning and not content and not calls:
             self.reasoning_tokens += tokens
+        # a token's logprob goes with the answer's text: tokens that show no text yet (held back, a partial
+        # character) wait for the text that follows them; the reasoning's are not listed (output_text's only)
+        self._pending += logprobs or []
         if reasoning:
+            self._pending = [] if not content else self._pending
             events += self._text("reasoning", reasoning, None)
         if content:
-            events += self._text("message", content, logprobs)
-        elif logprobs and self._open is not None and self._open["type"] == "message":
-            self._open["content"][0]["logprobs"] += logprobs  # tokens of the answer that showed no text yet
+            events += self._text("message", content, self._pending)
+            self._pending = []
         for call in calls:
             events += self._close()
             item = {"id": f"fc_{uuid.uuid4().hex[:24]}", "type": "function_call", "status": "in_progress",

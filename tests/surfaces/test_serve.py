@@ -307,6 +307,17 @@ def test_the_responses_api_answers_image_and_text_chats_as_the_engine(server, re
 
     answers = asyncio.run(run())
     assert any(a.status == "incomplete" for a in answers[::3])  # a streamed one ended with response.incomplete
+    # logprobs (include "message.output_text.logprobs", top_logprobs) are the chat completion's, token for token
+    ask = {"model": MODEL_NAME, "max_output_tokens": 10, "temperature": 0, "top_logprobs": 2}
+    status, answer = server.post("/v1/responses", {**ask, "input": "Tell me about a garden",
+                                                   "include": ["message.output_text.logprobs"]})
+    status_chat, chat = server.post("/v1/chat/completions", {
+        "model": MODEL_NAME, "messages": [{"role": "user", "content": "Tell me about a garden"}], "max_tokens": 10,
+        "temperature": 0, "logprobs": True, "top_logprobs": 2})
+    assert status == status_chat == 200
+    (part,) = answer["output"][0]["content"]
+    assert part["text"] == chat["choices"][0]["message"]["content"]
+    assert part["logprobs"] == chat["choices"][0]["logprobs"]["content"] and len(part["logprobs"]) == 10
     for i, (got, (text, tokens, finish, prompt)) in enumerate(zip(answers, expected)):
         assert got.output_text == text, f"request {i}"
         assert got.status == ("incomplete" if finish == "length" else "completed")
