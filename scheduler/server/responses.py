@@ -179,8 +179,8 @@ def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             call = {"id": _text_field(item, "call_id", where), "type": "function",
                     "function": {"name": _text_field(item, "name", where),
                                  "arguments": _text_field(item, "arguments", where)}}
-            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") and out[-1]["content"] is None:
-                out[-1]["tool_calls"].append(call)  # the calls of one turn: one assistant message
+            if out and out[-1]["role"] == "assistant":  # the text and calls of one turn: one assistant message
+                out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
@@ -200,8 +200,9 @@ def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _text_field(item: dict[str, Any], name: str, where: str) -> str:
     value = item.get(name)
-    if not isinstance(value, str) or not value and name != "arguments":
-        raise APIError(400, f"{where}.{name}: must be a non-empty string", f"{where}.{name}")
+    if not isinstance(value, str) or (not value and name != "arguments"):  # (a call may take no arguments)
+        raise APIError(400, f"{where}.{name}: must be a {'' if name == 'arguments' else 'non-empty '}string",
+                       f"{where}.{name}")
     return value
 
 
@@ -263,9 +264,9 @@ def _tool_choice(choice: str | dict[str, Any]) -> Any:
 
 
 def _text_format(text: dict[str, Any]) -> dict[str, Any]:
-    unknown = set(text) - {"format", "verbosity"}
+    unknown = set(text) - {"format"} - ({"verbosity"} if text.get("verbosity") is None else set())
     if unknown:
-        raise APIError(400, f"text: unknown fields {sorted(unknown)}", "text")
+        raise APIError(400, f"text: {sorted(unknown)} not taken here (format is)", "text")
     fmt = text.get("format") or {"type": "text"}
     kind = fmt.get("type")
     if kind in ("text", "json_object") and set(fmt) == {"type"}:

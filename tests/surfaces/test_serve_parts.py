@@ -138,3 +138,45 @@ def test_an_engine_refusal_names_the_request_field_it_came_from():
     assert refusal(completion, InvalidRequest("bad_words_ids", "ids outside")).param == "bad_words"
     assert refusal(chat, InvalidRequest("prompt", "empty prompt")).param == "messages"
     assert refusal(chat, InvalidRequest("lora", "no adapter 'three'")).message == "model: no adapter 'three'"
+
+
+def test_a_responses_request_runs_as_the_chat_completion_of_the_same_conversation():
+    """`to_chat`: instructions are the first system message, a developer message a system one, an assistant
+    message and the calls after it one assistant turn (text and tool_calls), each call's output a tool message
+    answering its call id, reasoning sent back dropped, image parts image_url parts; tools, tool_choice,
+    text.format and max_output_tokens become the chat's fields."""
+    from scheduler.server.responses import ResponsesRequest, to_chat
+
+    body = ResponsesRequest.model_validate({
+        "instructions": "Be brief.", "max_output_tokens": 7, "temperature": 0,
+        "input": [
+            {"role": "developer", "content": "Use tools."},
+            {"role": "user", "content": [{"type": "input_text", "text": "Weather?"},
+                                         {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]},
+            {"type": "reasoning", "id": "rs_1", "summary": []},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+            {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Rome"}'},
+            {"type": "function_call", "call_id": "c2", "name": "get_time", "arguments": '{"city": "Rome"}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+            {"type": "function_call_output", "call_id": "c2", "output": "noon"}],
+        "tools": [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}},
+                  {"type": "function", "name": "get_time", "description": "Time."}],
+        "tool_choice": {"type": "function", "name": "get_time"}})
+    chat = to_chat(body)
+    messages = [m.model_dump(exclude_none=True) for m in chat.messages]
+    assert messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "developer", "content": "Use tools."},
+        {"role": "user", "content": [{"type": "text", "text": "Weather?"},
+                                     {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}},
+            {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": '{"city": "Rome"}'}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+        {"role": "tool", "content": "noon", "tool_call_id": "c2"}]
+    assert chat.token_limit() == (7, "max_completion_tokens") and chat.temperature == 0
+    assert [t.function.name for t in chat.tools] == ["get_weather", "get_time"]
+    assert chat.tool_choice.function.name == "get_time"
+    formatted = to_chat(ResponsesRequest.model_validate({"input": "hi", "text": {
+        "format": {"type": "json_schema", "name": "w", "schema": {"type": "object"}}, "verbosity": None}}))
+    assert formatted.response_format.json_schema.name == "w" and formatted.messages[0].content == "hi"
