@@ -20,12 +20,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import importlib.metadata
-import itertools
 import json
 import re
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
@@ -40,18 +39,20 @@ from ..async_engine import AsyncEngine, EngineStopped, RequestStream
 from ..models.lora import LoRAError, LoRAInUse, UnknownLoRA
 from ..models.prompt import with_generation_prompt
 from ..request import InvalidRequest, StructuredOutput
+from .choices import (ChatChoices, ChatParsing, ChoiceSplitter, ChoiceText, TextChoices, prompt_logprobs_field,
+                      tool_calling_of)
 from .constraints import output_constraint
-from .generation import (Body, ChoiceFailed, Delta, PromptScores, bad_words_ids, choice_deltas, refusal,
+from .generation import (Body, ChoiceFailed, Delta, bad_words_ids, choice_deltas, refusal,
                          sampling_params)
 from .messages import EnginePrompt, convert_messages, fetches_media
 from .metrics import EngineMetrics, engine_snapshot
 from .protocol import (MAX_CHOICES, REQUEST_ID, APIError, ChatCompletionRequest, CompletionRequest,
                        DetokenizeRequest, LoadLoRARequest, TokenizeRequest, UnloadLoRARequest, usage,
                        validation_error)
-from .reasoning import ReasoningFormat, ReasoningSplitter
+from .reasoning import ReasoningFormat
 from .responses import ResponseBuilder, ResponsesRequest, in_responses_terms, sse_event, to_chat
 from .token_bytes import TokenBytes
-from .tool_calls import ToolCallFormat, ToolCallSplitter
+from .tool_calls import ToolCallFormat
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize",
           "/health", "/metrics",
@@ -270,28 +271,6 @@ def _failure(exc: BaseException) -> APIError:
     return APIError(500, f"the request failed: {exc}", None, "server_error")
 
 
-def _token_text(tokenizer: Any, token: int) -> str:
-    return tokenizer.decode([token])
-
-
-def prompt_logprobs_field(tokenizer: Any, scores: PromptScores, k: int) -> list[dict[str, Any] | None]:
-    """vLLM's `prompt_logprobs`: null for the first prompt token, then per token {token id: {logprob, rank,
-    decoded_token}} for the token itself (its rank among the whole vocabulary) and its position's `k` most likely
-    (ranks 1..k, most likely first). A prompt token among those k is listed once, first, with the rank of its
-    place there, as vLLM's dictionary keeps it."""
-    def entry(token: int, logprob: float, rank: int) -> dict[str, Any]:
-        return {"logprob": logprob, "rank": rank, "decoded_token": _token_text(tokenizer, token)}
-
-    field: list[dict[str, Any] | None] = [None]
-    for token, logprob, rank, top in zip(scores.token_ids[1:], scores.logprobs[1:], scores.ranks[1:],
-                                         scores.top_logprobs[1:]):
-        entries = {str(token): entry(token, logprob, rank)}
-        for place, (t, lp) in enumerate(top[:k], 1):
-            entries[str(t)] = entry(t, lp, place)
-        field.append(entries)
-    return field
-
-
 def _installed_version() -> str:
     try:
         return importlib.metadata.version("mlxsched")
@@ -320,28 +299,6 @@ def _check_model(state: ServerState, body: Body) -> str | None:
                    "invalid_request_error", "model_not_found")
 
 
-@dataclass(frozen=True)
-class _ToolCalling:
-    """A chat request's tools and how its model writes calls (`tool_calls.ToolCallFormat`)."""
-
-    format: ToolCallFormat
-    tools: list[dict[str, Any]]
-    first_call_only: bool  # parallel_tool_calls: false
-
-
-def _tool_calling(body: ChatCompletionRequest, fmt: ToolCallFormat | None) -> _ToolCalling | None:
-    """The request's tool calling, or None (no tools, or tool_choice "none"). Refused (400) where the calls could
-    not be returned: a model whose chat template declares no tool-call format (``fmt`` None: mlx-lm infers none
-    from it; a vision-language model's is inferred by the same rule, `VLMAdapter.tool_calling`)."""
-    tools = body.tool_list()
-    if tools is None:
-        return None
-    if fmt is None:
-        raise APIError(400, "tools: this model's chat template declares no tool-call format that mlx-lm can parse, "
-                            "so its calls could not be returned", "tools")
-    return _ToolCalling(fmt, tools, body.parallel_tool_calls is False)
-
-
 def _opens_reasoning(engine: Any, reasoning: ReasoningFormat, prompt: EnginePrompt, tools: list | None,
                      template_kwargs: dict | None) -> bool:
     """Whether the prompt leaves the reasoning open (a Qwen3-thinking generation prompt ends with `<think>`): the
@@ -359,221 +316,6 @@ def _opens_reasoning(engine: Any, reasoning: ReasoningFormat, prompt: EngineProm
     except (TemplateError, TypeError, ValueError):
         return False
     return reasoning.opens_in(text)
-
-
-@dataclass(frozen=True)
-class _ChatParsing:
-    """How a chat choice's text is split: reasoning out first (a thinking model; `in_reasoning`: the prompt left
-    it open), then tool calls out of the rest (a request with tools)."""
-
-    reasoning: ReasoningFormat | None = None
-    in_reasoning: bool = False
-    tool_calling: _ToolCalling | None = None
-
-    def splitter(self) -> "_ChoiceSplitter":
-        tools = self.tool_calling
-        return _ChoiceSplitter(
-            ReasoningSplitter(self.reasoning, self.in_reasoning) if self.reasoning is not None else None,
-            ToolCallSplitter(tools.format, tools.tools, tools.first_call_only) if tools is not None else None)
-
-
-@dataclass
-class _ChoiceText:
-    reasoning: str = ""
-    content: str = ""
-    calls: list[dict[str, Any]] = field(default_factory=list)
-
-
-class _ChoiceSplitter:
-    """One choice's text through its splitters, piece by piece (`final`: the last piece)."""
-
-    def __init__(self, reasoning: ReasoningSplitter | None, tools: ToolCallSplitter | None):
-        self.reasoning = reasoning
-        self.tools = tools
-
-    @property
-    def calls_made(self) -> int:
-        return self.tools.calls_made if self.tools is not None else 0
-
-    def feed(self, text: str, final: bool) -> _ChoiceText:
-        out = _ChoiceText(content=text)
-        if self.reasoning is not None:
-            piece = self.reasoning.feed(text)
-            if final:
-                tail = self.reasoning.finish()
-                piece.reasoning += tail.reasoning
-                piece.content += tail.content
-            out.reasoning, out.content = piece.reasoning, piece.content
-        if self.tools is not None:
-            piece = self.tools.feed(out.content)
-            if final:
-                tail = self.tools.finish()
-                piece.content += tail.content
-                piece.calls += tail.calls
-            out.content, out.calls = piece.content, piece.calls
-        return out
-
-    def finish_reason(self, reason: str) -> str:
-        """A choice that made a tool call and then stopped finishes with "tool_calls" (one cut at max_tokens keeps
-        "length")."""
-        return "tool_calls" if reason == "stop" and self.calls_made else reason
-
-
-class _ChatChoices:
-    """How a chat completion renders its choices: a role delta first, content deltas, a message at the end.
-    With a `_ChatParsing`, each choice's text goes through its splitters: reasoning becomes `reasoning_content`
-    (vLLM's field), calls become `tool_calls` (a delta each when streaming), and a choice that made a call and
-    stopped finishes with "tool_calls"."""
-
-    def __init__(self, tokenizer: Any, token_bytes: TokenBytes, wants_logprobs: bool, stream: bool,
-                 parsing: _ChatParsing | None = None, token_ids: bool = False):
-        self.tokenizer = tokenizer
-        self.token_bytes = token_bytes
-        self.wants_logprobs = wants_logprobs
-        self.token_ids = token_ids  # return_token_ids
-        self.object = "chat.completion.chunk" if stream else "chat.completion"
-        self.parsing = parsing
-        self._splitters: dict[int, _ChoiceSplitter] = {}  # streaming: each choice's, as its text arrives
-
-    def first(self, index: int) -> dict[str, Any] | None:
-        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                "finish_reason": None}
-
-    def opening(self, index: int, prompt_token_ids: list[int]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """With return_token_ids, a choice's first chunk (once its prompt is known): its role delta, and the
-        prompt at the chunk's top level."""
-        return self.first(index), {"prompt_token_ids": prompt_token_ids}
-
-    def delta(self, index: int, delta: Delta) -> dict[str, Any] | None:
-        finish = delta.finish_reason
-        split = _ChoiceText(content=delta.text)
-        if self.parsing is not None:
-            splitter = self._splitters.setdefault(index, self.parsing.splitter())
-            before = splitter.calls_made
-            split = splitter.feed(delta.text, final=finish is not None)
-            split.calls = [{"index": before + k, **call} for k, call in enumerate(split.calls)]
-            if finish is not None:
-                finish = splitter.finish_reason(finish)
-        if not split.reasoning and not split.content and not split.calls and finish is None and not delta.logprobs \
-                and not (self.token_ids and delta.token_ids):
-            return None
-        body: dict[str, Any] = {"reasoning_content": split.reasoning} if split.reasoning else {}
-        if split.content:
-            body["content"] = split.content
-        if split.calls:
-            body["tool_calls"] = split.calls
-        out = {"index": index, "delta": body, "logprobs": self._logprobs([delta]), "finish_reason": finish}
-        if self.token_ids:
-            out["token_ids"] = list(delta.token_ids)
-        return out
-
-    def final(self, index: int, deltas: list[Delta]) -> dict[str, Any]:
-        text = "".join(d.text for d in deltas)
-        finish = deltas[-1].finish_reason if deltas else None
-        message: dict[str, Any] = {"role": "assistant", "content": text}
-        if self.parsing is not None:
-            splitter = self.parsing.splitter()
-            split = splitter.feed(text, final=True)
-            # null when the answer is calls or reasoning alone (a model cut off or stopping inside its reasoning),
-            # as vLLM's reasoning parsers answer; "" for an answer that is empty
-            message = {"role": "assistant",
-                       "content": split.content or (None if split.calls or split.reasoning else "")}
-            if split.reasoning:
-                message["reasoning_content"] = split.reasoning
-            if split.calls:
-                message["tool_calls"] = split.calls
-            finish = splitter.finish_reason(finish) if finish is not None else None
-        out = {"index": index, "message": message, "logprobs": self._logprobs(deltas), "finish_reason": finish}
-        if self.token_ids:
-            out["token_ids"] = [t for d in deltas for t in d.token_ids]
-        return out
-
-    def _logprobs(self, deltas: list[Delta]) -> dict[str, Any] | None:
-        if not self.wants_logprobs:
-            return None
-        entries = []
-        for delta in deltas:
-            for i, (token, logprob) in enumerate(delta.logprobs):
-                alternatives = delta.top_logprobs[i] if i < len(delta.top_logprobs) else []
-                entries.append({**self._entry(token, logprob),
-                                "top_logprobs": [self._entry(t, lp) for t, lp in alternatives]})
-        return {"content": entries}
-
-    def _entry(self, token: int, logprob: float) -> dict[str, Any]:
-        return {"token": _token_text(self.tokenizer, token), "logprob": logprob,
-                "bytes": list(self.token_bytes(token))}
-
-
-class _TextChoices:
-    """How a (legacy) text completion renders its choices: text deltas, the whole text at the end."""
-
-    object = "text_completion"
-
-    def __init__(self, tokenizer: Any, wants_logprobs: bool, alternatives: int, token_ids: bool = False):
-        self.tokenizer = tokenizer
-        self.wants_logprobs = wants_logprobs
-        self.alternatives = alternatives  # the legacy `logprobs: N`: N most likely tokens listed per token
-        self.token_ids = token_ids  # return_token_ids
-
-    def first(self, index: int) -> dict[str, Any] | None:
-        return None
-
-    def opening(self, index: int, prompt_token_ids: list[int]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """With return_token_ids, a choice's first chunk (once its prompt is known): its prompt, on the choice."""
-        return {"index": index, "text": "", "logprobs": None, "finish_reason": None,
-                "prompt_token_ids": prompt_token_ids, "token_ids": []}, {}
-
-    def delta(self, index: int, delta: Delta) -> dict[str, Any] | None:
-        if not delta.text and delta.finish_reason is None and not delta.logprobs and delta.echo is None \
-                and not (self.token_ids and delta.token_ids):
-            return None
-        out = {"index": index, "text": self._text([delta]), "logprobs": self._logprobs([delta]),
-               "finish_reason": delta.finish_reason}
-        if self.token_ids:
-            out["token_ids"] = list(delta.token_ids)
-        return out
-
-    def final(self, index: int, deltas: list[Delta]) -> dict[str, Any]:
-        out = {"index": index, "text": self._text(deltas), "logprobs": self._logprobs(deltas),
-               "finish_reason": deltas[-1].finish_reason if deltas else None}
-        if self.token_ids:
-            out["prompt_token_ids"] = next((d.prompt_token_ids for d in deltas if d.prompt_token_ids is not None),
-                                           None)
-            out["token_ids"] = [t for d in deltas for t in d.token_ids]
-        return out
-
-    @staticmethod
-    def _text(deltas: list[Delta]) -> str:
-        return "".join((d.echo.text if d.echo is not None else "") + d.text for d in deltas)
-
-    def _logprobs(self, deltas: list[Delta]) -> dict[str, Any] | None:
-        """The legacy shape: per token its text, its logprob and its alternatives {token text: logprob} (most likely
-        first), and where its text starts. An echoed prompt's tokens come first, the first with null logprob and
-        alternatives (nothing precedes it)."""
-        if not self.wants_logprobs:
-            return None
-        tokens, values, alternatives = [], [], []
-        for delta in deltas:
-            echoed = delta.echo.logprobs if delta.echo is not None else []
-            echoed_top = delta.echo.top_logprobs if delta.echo is not None else []
-            for pairs, top in ((echoed, echoed_top), (delta.logprobs, delta.top_logprobs)):
-                for i, (token, logprob) in enumerate(pairs):
-                    tokens.append(_token_text(self.tokenizer, token))
-                    values.append(logprob)
-                    if not self.alternatives:
-                        continue
-                    if logprob is None:  # an echoed prompt's first token
-                        alternatives.append(None)
-                        continue
-                    listed: dict[str, float] = {}
-                    # one text shares a key: the likelier keeps it. (An echo may carry more alternatives than
-                    # asked here: the engine scored the prompt for `prompt_logprobs` too.)
-                    for t, lp in (top[i][: self.alternatives] if i < len(top) else ()):
-                        listed.setdefault(_token_text(self.tokenizer, t), lp)
-                    alternatives.append(listed)
-        offsets = list(itertools.accumulate((len(t) for t in tokens), initial=0))[:-1]
-        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": alternatives or None,
-                "text_offset": offsets}
 
 
 def _chunk(call: _Call, obj: str, choices: list[dict], with_usage: bool) -> dict[str, Any]:
@@ -605,15 +347,15 @@ async def _collect(request: Request, call: _Call) -> dict[int, list[Delta]] | No
 
 
 async def _respond_response(request: Request, call: _Call, builder: ResponseBuilder,
-                            splitter: "_ChoiceSplitter | None", logprobs: "_ChatChoices | None") -> Response:
+                            splitter: "ChoiceSplitter | None", logprobs: "ChatChoices | None") -> Response:
     """A Responses API answer (`scheduler/server/responses.py`): the response object once its one choice is done,
     or (`stream`) its typed events. Each delta goes through the chat path's splitter (reasoning, content, calls)
     into the builder, in both cases."""
 
     def add(delta: Delta) -> list[dict[str, Any]]:
         split = (splitter.feed(delta.text, final=delta.finish_reason is not None) if splitter is not None
-                 else _ChoiceText(content=delta.text))
-        entries = logprobs._logprobs([delta])["content"] if logprobs is not None else None
+                 else ChoiceText(content=delta.text))
+        entries = logprobs.content_logprobs([delta]) if logprobs is not None else None
         return builder.add(split.reasoning, split.content, split.calls, len(delta.token_ids), entries)
 
     if not call.body.stream:
@@ -652,7 +394,7 @@ async def _respond_response(request: Request, call: _Call, builder: ResponseBuil
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _respond(request: Request, call: _Call, choices: "_ChatChoices | _TextChoices") -> Response:
+async def _respond(request: Request, call: _Call, choices: "ChatChoices | TextChoices") -> Response:
     """The call's answer: one JSON body once every choice is done, or (`stream`) server-sent chunks."""
     body = call.body
     if not body.stream:
@@ -665,12 +407,12 @@ async def _respond(request: Request, call: _Call, choices: "_ChatChoices | _Text
             # each prompt's first choice scored it (`engine_prompt_logprobs`)
             rendered = {i: prompt_logprobs_field(choices.tokenizer, next(d.prompt for d in pieces[i] if d.prompt),
                                                  body.prompt_logprobs) for i in range(0, call.choices, body.n)}
-            if isinstance(choices, _ChatChoices):  # one prompt: the request's
+            if isinstance(choices, ChatChoices):  # one prompt: the request's
                 out["prompt_logprobs"] = rendered[0]
             else:  # each choice its prompt's
                 for choice in out["choices"]:
                     choice["prompt_logprobs"] = rendered[choice["index"] - choice["index"] % body.n]
-        if body.return_token_ids and isinstance(choices, _ChatChoices):  # (a completion's are its choices')
+        if body.return_token_ids and isinstance(choices, ChatChoices):  # (a completion's are its choices')
             out["prompt_token_ids"] = next(d.prompt_token_ids for d in pieces[0] if d.prompt_token_ids is not None)
         return JSONResponse(out)
 
@@ -739,10 +481,10 @@ def create_app(state: ServerState) -> Any:
             state.aengine.media_fetch_pool if fetching else None, convert)
 
     async def chat_call(request: Request, body: ChatCompletionRequest, kind: str,
-                        lora: str | None) -> tuple[_Call, _ChatParsing | None]:
+                        lora: str | None) -> tuple[_Call, ChatParsing | None]:
         """A chat's choices submitted (its messages converted, its tools, reasoning and output format worked out),
         and how their text is split (None: as it comes)."""
-        tool_calling = _tool_calling(body, call_format)
+        tool_calling = tool_calling_of(body, call_format)
         prompt = await engine_prompt(body.messages)
         tools = tool_calling.tools if tool_calling is not None else None
         template_kwargs = body.template_kwargs()
@@ -750,7 +492,7 @@ def create_app(state: ServerState) -> Any:
         if reasoning is not None or tool_calling is not None:
             opens = reasoning is not None and await asyncio.to_thread(
                 _opens_reasoning, engine, reasoning, prompt, tools, template_kwargs)
-            parsing = _ChatParsing(reasoning, opens, tool_calling)
+            parsing = ChatParsing(reasoning, opens, tool_calling)
         structured = output_constraint(body, tool_calling.format if tool_calling is not None else None, tools,
                                        reasoning.end if opens else None)
         call = _Call(state, body, kind, lora=lora, client_id=_client_id(request, body))
@@ -763,7 +505,7 @@ def create_app(state: ServerState) -> Any:
     async def chat_completions(request: Request) -> Response:
         body = await _parse(request, ChatCompletionRequest, state.max_request_bytes)
         call, parsing = await chat_call(request, body, "chatcmpl", _check_model(state, body))
-        choices = _ChatChoices(engine.tokenizer, token_bytes, body.wants_logprobs(), body.stream, parsing,
+        choices = ChatChoices(engine.tokenizer, token_bytes, body.wants_logprobs(), body.stream, parsing,
                                body.return_token_ids)
         return await _respond(request, call, choices)
 
@@ -776,7 +518,7 @@ def create_app(state: ServerState) -> Any:
             call, parsing = await chat_call(request, chat, "resp", lora)
         except APIError as error:
             raise in_responses_terms(error) from None
-        logprobs = _ChatChoices(engine.tokenizer, token_bytes, True, False) if chat.logprobs else None
+        logprobs = ChatChoices(engine.tokenizer, token_bytes, True, False) if chat.logprobs else None
         return await _respond_response(request, call, ResponseBuilder(call.id, body, call.model),
                                        parsing.splitter() if parsing is not None else None, logprobs)
 
@@ -793,7 +535,7 @@ def create_app(state: ServerState) -> Any:
             call.echoes = [p if isinstance(p, str) else engine.tokenizer.decode(p) for p in prompts]
         await call.submit([dict(prompt=p) if isinstance(p, str) else dict(prompt_tokens=p) for p in prompts],
                           structured=output_constraint(body, None, None, None))
-        choices = _TextChoices(engine.tokenizer, body.wants_logprobs(), body.alternatives(), body.return_token_ids)
+        choices = TextChoices(engine.tokenizer, body.wants_logprobs(), body.alternatives(), body.return_token_ids)
         return await _respond(request, call, choices)
 
     @app.post("/tokenize")
