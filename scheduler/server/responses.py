@@ -66,7 +66,7 @@ class ResponsesRequest(_Strict):
     metadata: dict[str, str] | None = None
     user: str | None = None
     truncation: Literal["disabled", "auto"] | None = None
-    # refused unless absent or null (`_refused`): what this server cannot do
+    # refused where given (`_given`): what this server cannot do
     previous_response_id: str | None = None
     conversation: Any = None
     background: StrictBool | None = None
@@ -116,7 +116,7 @@ def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
     """The chat completion a Responses request runs as; APIError 400 naming the Responses field for what cannot
     be translated."""
     for name, why in _REFUSED.items():
-        if getattr(body, name) not in (None, False):
+        if _given(getattr(body, name)):
             raise APIError(400, f"{name}: {why}", name)
     if body.truncation == "auto":
         raise APIError(400, "truncation: 'auto' is not done here (an input longer than the context is refused)",
@@ -162,6 +162,14 @@ def in_responses_terms(error: APIError) -> APIError:
     param = _CHAT_FIELDS[head]
     detail = error.message.split(": ", 1)[1] if error.message.startswith(error.param + ": ") else error.message
     return APIError(error.status, f"{param}: {detail}", param, error.type, error.code)
+
+
+def _given(value: Any) -> bool:
+    """Whether a field asks for something: not absent, null, false, or an object of nulls (what clients send for
+    settings they leave unset)."""
+    if isinstance(value, dict):
+        return any(v is not None for v in value.values())
+    return value is not None and value is not False
 
 
 def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:

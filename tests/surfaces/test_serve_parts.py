@@ -177,6 +177,10 @@ def test_a_responses_request_runs_as_the_chat_completion_of_the_same_conversatio
     assert chat.token_limit() == (7, "max_completion_tokens") and chat.temperature == 0
     assert [t.function.name for t in chat.tools] == ["get_weather", "get_time"]
     assert chat.tool_choice.function.name == "get_time"
+    # settings a client leaves unset (null, false, an object of nulls) ask for nothing
+    unset = to_chat(ResponsesRequest.model_validate({"input": "hi", "reasoning": {"effort": None, "summary": None},
+                                                     "background": False, "previous_response_id": None}))
+    assert [m.content for m in unset.messages] == ["hi"]
     formatted = to_chat(ResponsesRequest.model_validate({"input": "hi", "text": {
         "format": {"type": "json_schema", "name": "w", "schema": {"type": "object"}}, "verbosity": None}}))
     assert formatted.response_format.json_schema.name == "w" and formatted.messages[0].content == "hi"
