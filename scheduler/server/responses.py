@@ -193,8 +193,13 @@ def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             output = item.get("output")
+            if isinstance(output, list) and output and all(
+                    isinstance(p, dict) and p.get("type") in ("input_text", "output_text")
+                    and isinstance(p.get("text"), str) for p in output):
+                output = "".join(p["text"] for p in output)  # the answer as text parts
             if not isinstance(output, str):
-                raise APIError(400, f"{where}.output: must be a string (the tool's answer)", f"{where}.output")
+                raise APIError(400, f"{where}.output: must be a string or text parts (the tool's answer)",
+                               f"{where}.output")
             out.append({"role": "tool", "tool_call_id": _text_field(item, "call_id", where), "content": output})
         elif kind == "reasoning":
             continue  # earlier reasoning sent back: the template renders the turn without it
@@ -216,7 +221,8 @@ def _text_field(item: dict[str, Any], name: str, where: str) -> str:
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
     role, content = item.get("role"), item.get("content")
-    unknown = set(item) - {"type", "role", "content", "id", "status"}
+    # (an output message sent back as it came carries its id, status and unset fields: taken as they are)
+    unknown = {k for k, v in item.items() if v is not None} - {"type", "role", "content", "id", "status", "phase"}
     if unknown:
         raise APIError(400, f"{where}: unknown fields {sorted(unknown)}", where)
     if role not in _ROLES:

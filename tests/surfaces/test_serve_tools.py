@@ -494,6 +494,27 @@ def test_the_responses_api_answers_each_chat_as_its_chat_completion(server):
             _reasoning(message) or "")
 
 
+def test_a_responses_output_sent_back_with_the_tools_answer_is_answered_in_text(server):
+    """The Responses client's loop: the first answer's output items (reasoning, the call) sent back as they came
+    (`model_dump`), with a `function_call_output` answering the call, get the answer the chat sent back with the
+    call and the result gets ("after-the-result")."""
+    tools, _ = server
+    chat = CHAT["one-call"]
+
+    async def run():
+        client = tools.client()
+        first = await client.responses.create(**_responses_kwargs(chat))
+        (call,) = [item for item in first.output if item.type == "function_call"]
+        kwargs = _responses_kwargs(chat)
+        kwargs["input"] += [item.model_dump(exclude_none=True) for item in first.output] + [
+            {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}]
+        return await client.responses.create(**kwargs)
+
+    second = asyncio.run(run())
+    answer = CHAT["after-the-result"].completion.split("</think>\n\n")[1]
+    assert _items(second) == [("reasoning", "The tool answered.\n"), ("message", answer)]
+
+
 def test_the_responses_api_takes_output_formats_and_ends_incomplete_at_max_output_tokens(server):
     """text.format json_schema constrains the answer as the chat's response_format does (after the free
     reasoning); max_output_tokens cuts it: status "incomplete", reason "max_output_tokens", the text the chat
