@@ -42,8 +42,7 @@ from ..request import InvalidRequest, StructuredOutput
 from .choices import (ChatChoices, ChatParsing, ChoiceSplitter, ChoiceText, TextChoices, prompt_logprobs_field,
                       tool_calling_of)
 from .constraints import output_constraint
-from .generation import (Body, ChoiceFailed, Delta, bad_words_ids, choice_deltas, refusal,
-                         sampling_params)
+from .generation import Body, ChoiceFailed, Delta, bad_words_ids, choice_deltas, refusal, sampling_params
 from .messages import EnginePrompt, convert_messages, fetches_media
 from .metrics import EngineMetrics, engine_snapshot
 from .protocol import (MAX_CHOICES, REQUEST_ID, APIError, ChatCompletionRequest, CompletionRequest,
@@ -55,8 +54,7 @@ from .token_bytes import TokenBytes
 from .tool_calls import ToolCallFormat
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize",
-          "/health", "/metrics",
-          "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+          "/health", "/metrics", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20  # room for a few large base64 images or a short video
 
 
