@@ -392,7 +392,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 2
     serve(engine, model_name, host=args.host, port=args.port,
           max_queue=args.max_queue, graceful_shutdown_s=args.graceful_shutdown_s, local_media_dir=media_dir,
-          max_request_bytes=args.max_request_mb << 20, allow_runtime_lora=args.allow_runtime_lora)
+          max_request_bytes=args.max_request_mb << 20, allow_runtime_lora=args.allow_runtime_lora,
+          responses_store=args.responses_store or 0)
     return 0
 
 
@@ -462,6 +463,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-runtime-lora", action="store_true",
                    help="let clients load and unload LoRA adapters from this machine's directories while the server "
                         "runs (vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter)")
+    p.add_argument("--responses-store", metavar="N", type=_positive,
+                   help="keep the last N responses of the Responses API (POST /v1/responses) for previous_response_id "
+                        "and GET / DELETE /v1/responses/{id}; each holds its input as sent, images included "
+                        "(default: none kept)")
     p.add_argument("--allowed-local-media-path", metavar="DIR",
                    help="let clients name image / video files (paths, file:// URLs) under this directory (default: "
                         "none, only data: URLs: a client must not read the server's files)")

@@ -49,7 +49,8 @@ from .protocol import (MAX_CHOICES, REQUEST_ID, APIError, ChatCompletionRequest,
                        DetokenizeRequest, LoadLoRARequest, TokenizeRequest, UnloadLoRARequest, usage,
                        validation_error)
 from .reasoning import ReasoningFormat
-from .responses import ResponseBuilder, ResponsesRequest, in_responses_terms, sse_event, to_chat
+from .responses import (ResponseBuilder, ResponsesRequest, ResponseStore, StoredResponse, in_responses_terms,
+                        input_items, sse_event, to_chat)
 from .token_bytes import TokenBytes
 from .tool_calls import ToolCallFormat
 
@@ -69,6 +70,9 @@ class ServerState:
     # clients may load and unload LoRA adapters (server paths) while it runs: vLLM's runtime LoRA updating, off
     # unless the operator turns it on (`--allow-runtime-lora`)
     allow_runtime_lora: bool = False
+    # the responses kept for the Responses API's previous_response_id and GET /v1/responses/{id}
+    # (`--responses-store N`); None: none are kept
+    responses: ResponseStore | None = None
 
     @property
     def engine(self) -> Any:
@@ -345,10 +349,11 @@ async def _collect(request: Request, call: _Call) -> dict[int, list[Delta]] | No
 
 
 async def _respond_response(request: Request, call: _Call, builder: ResponseBuilder,
-                            splitter: "ChoiceSplitter | None", logprobs: "ChatChoices | None") -> Response:
+                            splitter: "ChoiceSplitter | None", logprobs: "ChatChoices | None",
+                            ended: Callable[[ResponseBuilder], None]) -> Response:
     """A Responses API answer (`scheduler/server/responses.py`): the response object once its one choice is done,
     or (`stream`) its typed events. Each delta goes through the chat path's splitter (reasoning, content, calls)
-    into the builder, in both cases."""
+    into the builder, in both cases; `ended(builder)` once it has ended (not failed)."""
 
     def add(delta: Delta) -> list[dict[str, Any]]:
         split = (splitter.feed(delta.text, final=delta.finish_reason is not None) if splitter is not None
@@ -364,6 +369,7 @@ async def _respond_response(request: Request, call: _Call, builder: ResponseBuil
         for delta in deltas:
             add(delta)
         builder.finish(deltas[-1].finish_reason if deltas else None, call.usage())
+        ended(builder)
         return JSONResponse(builder.response())
 
     async def events() -> AsyncIterator[str]:
@@ -379,7 +385,9 @@ async def _respond_response(request: Request, call: _Call, builder: ResponseBuil
                 for event in add(delta):
                     yield sse_event(event)
             used = True
-            for event in builder.finish(finish, call.usage()):
+            last = builder.finish(finish, call.usage())
+            ended(builder)
+            for event in last:
                 yield sse_event(event)
         except (ChoiceFailed, EngineStopped) as exc:
             for event in builder.fail(_failure(exc)):
@@ -511,14 +519,44 @@ def create_app(state: ServerState) -> Any:
     async def responses(request: Request) -> Response:
         body = await _parse(request, ResponsesRequest, state.max_request_bytes)
         lora = _check_model(state, body)
+        store = state.responses
+        history = None
+        if body.previous_response_id is not None:
+            if store is None:
+                raise APIError(400, "previous_response_id: this server keeps no responses (start it with "
+                                    "--responses-store N): send the whole conversation as input",
+                               "previous_response_id")
+            history = store.history(body.previous_response_id)
         try:  # the chat path's checks, their errors named in the Responses request's terms
-            chat = to_chat(body)
+            chat = to_chat(body, history)
             call, parsing = await chat_call(request, chat, "resp", lora)
         except APIError as error:
             raise in_responses_terms(error) from None
         logprobs = ChatChoices(engine.tokenizer, token_bytes, True, False) if chat.logprobs else None
-        return await _respond_response(request, call, ResponseBuilder(call.id, body, call.model),
-                                       parsing.splitter() if parsing is not None else None, logprobs)
+        builder = ResponseBuilder(call.id, body, call.model, stored=store is not None and body.store is not False)
+
+        def ended(done: ResponseBuilder) -> None:
+            if done.stored:
+                store.put(done.id, StoredResponse(body.previous_response_id, input_items(body),
+                                                  json.loads(json.dumps(done.items)), done.response()))
+
+        return await _respond_response(request, call, builder, parsing.splitter() if parsing is not None else None,
+                                       logprobs, ended)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> dict[str, Any]:
+        stored = state.responses.get(response_id) if state.responses is not None else None
+        if stored is None:
+            raise APIError(404, f"response_id: no stored response {response_id!r}", "response_id",
+                           "invalid_request_error", "not_found")
+        return stored.response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        if state.responses is None or not state.responses.delete(response_id):
+            raise APIError(404, f"response_id: no stored response {response_id!r}", "response_id",
+                           "invalid_request_error", "not_found")
+        return {"id": response_id, "object": "response", "deleted": True}
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

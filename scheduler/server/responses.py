@@ -17,10 +17,11 @@ What a request may hold (`ResponsesRequest`), and how it maps (`to_chat`):
   `metadata` (echoed), `user`, and vLLM's extras (`seed`, `top_k`, `min_p`, the penalties, `chat_template_kwargs`,
   `priority`, `cache_salt`, `request_id`).
 
-Refused naming the field, because this server cannot do what they ask: `previous_response_id` and `conversation`
-(it keeps no responses: send the whole conversation as `input`), `background`, `truncation: "auto"`, `reasoning`
-settings, `prompt` templates, other tool kinds (web search, file search, ...), other input kinds (files, audio).
-`store` is accepted and nothing is stored (the response says `"store": false`).
+`previous_response_id` continues a stored response (`ResponseStore`, `mlxsched serve --responses-store N`: the
+last N responses, each its own input and output items and the response it continued; `store: false` keeps one
+out), and is refused by a server that keeps none. Refused naming the field, because this server cannot do what
+they ask: `conversation` objects, `background`, `truncation: "auto"`, `reasoning` settings, `prompt` templates,
+other tool kinds (web search, file search, ...), other input kinds (files, audio).
 
 The output (`ResponseBuilder`): a thinking model's reasoning becomes a `reasoning` item (its text as
 `reasoning_text` content), the answer a `message` item with one `output_text` part, each tool call a
@@ -38,6 +39,8 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Literal, Union
 
 from pydantic import Field, StrictBool, StrictInt, ValidationError, field_validator
@@ -66,8 +69,8 @@ class ResponsesRequest(_Strict):
     metadata: dict[str, str] | None = None
     user: str | None = None
     truncation: Literal["disabled", "auto"] | None = None
+    previous_response_id: str | None = None  # a stored response this one continues (`ResponseStore`)
     # refused where given (`_given`): what this server cannot do
-    previous_response_id: str | None = None
     conversation: Any = None
     background: StrictBool | None = None
     reasoning: dict[str, Any] | None = None
@@ -104,7 +107,6 @@ class ResponsesRequest(_Strict):
 
 
 _REFUSED = {
-    "previous_response_id": "this server keeps no responses: send the whole conversation as input",
     "conversation": "this server keeps no conversations: send the whole conversation as input",
     "background": "responses run in the foreground here",
     "reasoning": "reasoning settings are not read here (a thinking model's chat_template_kwargs turn it off)",
@@ -112,9 +114,15 @@ _REFUSED = {
 }
 
 
-def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat completion a Responses request runs as; APIError 400 naming the Responses field for what cannot
-    be translated."""
+def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input as items (a string is one user message)."""
+    return [{"role": "user", "content": body.input}] if isinstance(body.input, str) else list(body.input)
+
+
+def to_chat(body: ResponsesRequest, history: list[dict[str, Any]] | None = None) -> ChatCompletionRequest:
+    """The chat completion a Responses request runs as: `history` (the conversation of the stored response it
+    continues, as items) then its input, after its own instructions (a continued response's are not carried
+    over, as OpenAI's are not). APIError 400 naming the Responses field for what cannot be translated."""
     for name, why in _REFUSED.items():
         if _given(getattr(body, name)):
             raise APIError(400, f"{name}: {why}", name)
@@ -122,7 +130,7 @@ def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
         raise APIError(400, "truncation: 'auto' is not done here (an input longer than the context is refused)",
                        "truncation")
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions is not None else [])
-    messages += _messages(body.input)
+    messages += _messages([*(history or ()), *input_items(body)])
     chat: dict[str, Any] = {"model": body.model, "messages": messages, "stream": body.stream}
     if body.max_output_tokens is not None:
         chat["max_completion_tokens"] = body.max_output_tokens
@@ -172,9 +180,7 @@ def _given(value: Any) -> bool:
     return value is not None and value is not False
 
 
-def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    if isinstance(items, str):
-        return [{"role": "user", "content": items}]
+def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for i, item in enumerate(items):
         where = f"input.{i}"
@@ -298,10 +304,11 @@ class ResponseBuilder:
     `finish`. Each returns the stream events it makes (a non-streaming answer ignores them and takes
     `response()`)."""
 
-    def __init__(self, response_id: str, body: ResponsesRequest, model: str):
+    def __init__(self, response_id: str, body: ResponsesRequest, model: str, stored: bool = False):
         self.id = response_id
         self.body = body
         self.model = model
+        self.stored = stored  # the server keeps it once it ends (`ResponseStore`)
         self.created_at = int(time.time())
         self.items: list[dict[str, Any]] = []
         self.status = "in_progress"
@@ -383,8 +390,9 @@ class ResponseBuilder:
             "temperature": body.temperature, "top_p": body.top_p, "top_logprobs": body.top_logprobs,
             "tools": body.tools or [], "tool_choice": body.tool_choice or "auto",
             "parallel_tool_calls": body.parallel_tool_calls is not False,
-            "text": body.text or {"format": {"type": "text"}}, "truncation": "disabled", "store": False,
-            "metadata": body.metadata or {}, "previous_response_id": None, "reasoning": None, "user": body.user,
+            "text": body.text or {"format": {"type": "text"}}, "truncation": "disabled", "store": self.stored,
+            "metadata": body.metadata or {}, "previous_response_id": body.previous_response_id, "reasoning": None,
+            "user": body.user,
             "usage": self.usage,
         }
 
@@ -445,10 +453,67 @@ class ResponseBuilder:
         return {"type": kind, "sequence_number": self._sequence - 1, **fields}
 
 
+@dataclass(frozen=True)
+class StoredResponse:
+    """A response kept for `previous_response_id` and `GET /v1/responses/{id}`: its own input and output items
+    and the response it continued, so a conversation is its chain of responses (each stored once)."""
+
+    previous_id: str | None
+    input: list[dict[str, Any]]
+    output: list[dict[str, Any]]
+    response: dict[str, Any]
+
+
+class ResponseStore:
+    """The last `capacity` stored responses, least recently used evicted first (`mlxsched serve
+    --responses-store N`; OpenAI keeps them server-side, vLLM behind a flag too). Each holds its input as sent,
+    images included: the bound is the operator's memory budget. Touched on the event loop's thread only."""
+
+    def __init__(self, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"a response store holds at least 1 response, not {capacity}")
+        self.capacity = capacity
+        self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._responses)
+
+    def put(self, response_id: str, stored: StoredResponse) -> None:
+        self._responses[response_id] = stored
+        self._responses.move_to_end(response_id)
+        while len(self._responses) > self.capacity:
+            self._responses.popitem(last=False)
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        stored = self._responses.get(response_id)
+        if stored is not None:
+            self._responses.move_to_end(response_id)
+        return stored
+
+    def delete(self, response_id: str) -> bool:
+        return self._responses.pop(response_id, None) is not None
+
+    def history(self, response_id: str) -> list[dict[str, Any]]:
+        """The conversation up to and including stored response `response_id`, as input items (each response's
+        input, then its output), oldest first. APIError 400 naming `previous_response_id` where it, or a response
+        it continues, is not stored (never was, deleted, or evicted)."""
+        chain: list[StoredResponse] = []
+        at: str | None = response_id
+        while at is not None:
+            stored = self.get(at)
+            if stored is None:
+                which = "is" if at == response_id else f"continues {at!r}, which is"
+                raise APIError(400, f"previous_response_id: response {response_id!r} {which} not stored here "
+                                    f"(it holds the last {self.capacity} stored responses)", "previous_response_id")
+            chain.append(stored)
+            at = stored.previous_id
+        return [item for stored in reversed(chain) for item in (*stored.input, *stored.output)]
+
+
 def sse_event(event: dict[str, Any]) -> str:
     """One Responses stream event: its type as the SSE event name, the event as data."""
     return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
 
 
-__all__ = ["OUTPUT_TEXT_LOGPROBS", "ResponseBuilder", "ResponsesRequest", "in_responses_terms", "sse_event",
-           "to_chat"]
+__all__ = ["OUTPUT_TEXT_LOGPROBS", "ResponseBuilder", "ResponseStore", "ResponsesRequest", "StoredResponse",
+           "in_responses_terms", "input_items", "sse_event", "to_chat"]

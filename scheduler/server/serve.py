@@ -15,23 +15,25 @@ from ..async_engine import AsyncEngine
 from ..engine import Engine
 from .app import DEFAULT_MAX_REQUEST_BYTES, ServerState, create_app
 from .metrics import EngineMetrics
+from .responses import ResponseStore
 
 
 def serve(engine: Engine, model_name: str, host: str = "127.0.0.1", port: int = 8000,
           max_queue: int | None = None, graceful_shutdown_s: float = 5.0, log_level: str = "info",
           local_media_dir: Path | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-          allow_runtime_lora: bool = False) -> None:
+          allow_runtime_lora: bool = False, responses_store: int = 0) -> None:
     """Serve `engine` (built on this thread, e.g. `Engine.from_pretrained`) as `model_name` until a signal.
     `local_media_dir`: the directory whose files clients may name as media (None: no file is read);
     `max_request_bytes`: a larger request body is answered 413; `allow_runtime_lora`: clients may load and
-    unload LoRA adapters from this machine's directories (vLLM's /v1/load_lora_adapter)."""
+    unload LoRA adapters from this machine's directories (vLLM's /v1/load_lora_adapter); `responses_store`: how many
+    Responses API responses are kept for previous_response_id (0: none)."""
     import uvicorn
 
     metrics = EngineMetrics()
     engine.events.add_sink(metrics)
     aengine = AsyncEngine(engine)
     state = ServerState(aengine, metrics, model_name, max_queue, local_media_dir, max_request_bytes,
-                        allow_runtime_lora)
+                        allow_runtime_lora, ResponseStore(responses_store) if responses_store else None)
     server = uvicorn.Server(uvicorn.Config(create_app(state), host=host, port=port, log_level=log_level,
                                            timeout_graceful_shutdown=graceful_shutdown_s, lifespan="off"))
     # Once it has shut down, uvicorn raises the signal it handled again, with the handler that was there before

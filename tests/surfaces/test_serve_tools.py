@@ -30,9 +30,10 @@ from scheduler.fixtures.tool_calling import CHATS, TOOLS, template_messages
 
 from scheduler.server.tool_calls import CallShape, ToolCallFormat, ToolCallSplitter
 
-from .test_serve import _start, _stop, _wait_healthy
+from .test_serve import _http, _start, _stop, _wait_healthy
 
 CHAT = {chat.name: chat for chat in CHATS}
+STORED = 3  # the tools server keeps the last 3 Responses API responses
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,7 @@ def server(tool_model_dir, text_model_dir, tmp_path_factory):
     import time
 
     tmp = tmp_path_factory.mktemp("serve-tools")
-    tools = _start(tool_model_dir, tmp, "tools")
+    tools = _start(tool_model_dir, tmp, "tools", "--responses-store", str(STORED))
     plain = _start(text_model_dir, tmp, "plain")  # the `text` kind: its template has no tool-call format
     try:
         for one in (tools, plain):
@@ -513,6 +514,58 @@ def test_a_responses_output_sent_back_with_the_tools_answer_is_answered_in_text(
     second = asyncio.run(run())
     answer = CHAT["after-the-result"].completion.split("</think>\n\n")[1]
     assert _items(second) == [("reasoning", "The tool answered.\n"), ("message", answer)]
+
+
+def test_a_stored_response_is_continued_by_previous_response_id_read_back_and_deleted(server):
+    """With --responses-store N: a response is kept (its input and output) unless `store: false`; the next turn
+    sends only the tool's output with `previous_response_id` and is answered as the whole chat sent back
+    ("after-the-result"), and a third turn continues that chain; GET /v1/responses/{id} reads a kept response back,
+    DELETE forgets it. The store keeps the last N: an evicted or deleted response, or one whose chain lost a
+    response, cannot be continued (a 400 naming previous_response_id), and a server without a store refuses the
+    field."""
+    tools, plain = server
+    chat = CHAT["one-call"]
+    answer = CHAT["after-the-result"].completion.split("</think>\n\n")[1]
+
+    async def run():
+        client, out = tools.client(), {}
+        out["first"] = first = await client.responses.create(**_responses_kwargs(chat))
+        (call,) = [item for item in first.output if item.type == "function_call"]
+        out["second"] = second = await client.responses.create(
+            model="tiny-vlm", previous_response_id=first.id, max_output_tokens=256, temperature=0,
+            tools=_responses_kwargs(chat)["tools"],
+            input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}])
+        out["read"] = await client.responses.retrieve(first.id)
+        out["unstored"] = await client.responses.create(**_responses_kwargs(chat), store=False)
+        return out
+
+    out = asyncio.run(run())
+    first, second = out["first"], out["second"]
+    assert first.store and second.store and not out["unstored"].store
+    assert second.previous_response_id == first.id
+    assert _items(second) == [("reasoning", "The tool answered.\n"), ("message", answer)]
+    assert out["read"].id == first.id and _items(out["read"]) == _items(first)
+    status, _ = tools.get(f"/v1/responses/{out['unstored'].id}")
+    assert status == 404
+    # a third turn continues the chain (first, second): its prompt is the whole conversation so far
+    status, third = tools.post("/v1/responses", {"model": "tiny-vlm", "previous_response_id": second.id,
+                                                 "input": "Thanks.", "max_output_tokens": 4, "temperature": 0})
+    assert status == 200 and third["usage"]["input_tokens"] > second.usage.input_tokens
+    status, deleted = _http("DELETE", f"{tools.base_url}/v1/responses/{first.id}")
+    assert (status, json.loads(deleted)) == (200, {"id": first.id, "object": "response", "deleted": True})
+    assert tools.get(f"/v1/responses/{first.id}")[0] == 404
+    assert _http("DELETE", f"{tools.base_url}/v1/responses/{first.id}")[0] == 404
+    status, error = tools.post("/v1/responses", {"previous_response_id": second.id, "input": "again"})
+    assert (status, error["error"]["param"]) == (400, "previous_response_id")
+    assert f"continues {first.id!r}" in error["error"]["message"]
+    # eviction: STORED more responses push `second` out
+    for _ in range(STORED):
+        status, _ = tools.post("/v1/responses", {"input": "hi", "max_output_tokens": 2})
+        assert status == 200
+    assert tools.get(f"/v1/responses/{second.id}")[0] == 404
+    status, error = plain.post("/v1/responses", {"previous_response_id": second.id, "input": "again"})
+    assert (status, error["error"]["param"]) == (400, "previous_response_id")
+    assert "keeps no responses" in error["error"]["message"]
 
 
 def test_the_responses_api_takes_output_formats_and_ends_incomplete_at_max_output_tokens(server):
