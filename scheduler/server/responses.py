@@ -17,10 +17,12 @@ What a request may hold (`ResponsesRequest`), and how it maps (`to_chat`):
   `metadata` (echoed), `user`, and vLLM's extras (`seed`, `top_k`, `min_p`, the penalties, `chat_template_kwargs`,
   `priority`, `cache_salt`, `request_id`).
 
-`previous_response_id` continues a stored response (`ResponseStore`, `mlxsched serve --responses-store N`: the
+`reasoning.effort` goes to the chat template as `reasoning_effort` (gpt-oss's template reads it), and "none" also
+as `enable_thinking: false` (Qwen3's and the other thinking templates read that); `chat_template_kwargs` given
+too take precedence. `previous_response_id` continues a stored response (`ResponseStore`, `mlxsched serve --responses-store N`: the
 last N responses, each its own input and output items and the response it continued; `store: false` keeps one
 out), and is refused by a server that keeps none. Refused naming the field, because this server cannot do what
-they ask: `conversation` objects, `background`, `truncation: "auto"`, `reasoning` settings, `prompt` templates,
+they ask: `conversation` objects, `background`, `truncation: "auto"`, reasoning summaries, `prompt` templates,
 other tool kinds (web search, file search, ...), other input kinds (files, audio).
 
 The output (`ResponseBuilder`): a thinking model's reasoning becomes a `reasoning` item (its text as
@@ -109,7 +111,6 @@ class ResponsesRequest(_Strict):
 _REFUSED = {
     "conversation": "this server keeps no conversations: send the whole conversation as input",
     "background": "responses run in the foreground here",
-    "reasoning": "reasoning settings are not read here (a thinking model's chat_template_kwargs turn it off)",
     "prompt": "prompt templates are not stored here",
 }
 
@@ -135,10 +136,12 @@ def to_chat(body: ResponsesRequest, history: list[dict[str, Any]] | None = None)
     if body.max_output_tokens is not None:
         chat["max_completion_tokens"] = body.max_output_tokens
     for name in ("temperature", "top_p", "seed", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "chat_template_kwargs", "parallel_tool_calls", "user", "cache_salt",
-                 "request_id"):
+                 "repetition_penalty", "parallel_tool_calls", "user", "cache_salt", "request_id"):
         if getattr(body, name) is not None:
             chat[name] = getattr(body, name)
+    template_kwargs = {**_reasoning_kwargs(body.reasoning), **(body.chat_template_kwargs or {})}
+    if template_kwargs:
+        chat["chat_template_kwargs"] = template_kwargs
     chat["priority"] = body.priority
     if body.wants_logprobs():
         chat["logprobs"] = True
@@ -170,6 +173,32 @@ def in_responses_terms(error: APIError) -> APIError:
     param = _CHAT_FIELDS[head]
     detail = error.message.split(": ", 1)[1] if error.message.startswith(error.param + ": ") else error.message
     return APIError(error.status, f"{param}: {detail}", param, error.type, error.code)
+
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def _reasoning_kwargs(reasoning: dict[str, Any] | None) -> dict[str, Any]:
+    """`reasoning` as the chat template's arguments: `effort` as `reasoning_effort` (what gpt-oss's template
+    reads; a template that does not is unaffected), and effort "none" also as `enable_thinking: false` (what
+    Qwen3's and the other thinking templates read). Reasoning summaries are not written here: `summary` may be
+    null or "auto" (the best summary there is: none)."""
+    if not _given(reasoning):
+        return {}
+    unknown = {k for k, v in reasoning.items() if v is not None} - {"effort", "summary", "generate_summary"}
+    if unknown:
+        raise APIError(400, f"reasoning: {sorted(unknown)} not taken here (effort is)", "reasoning")
+    for key in ("summary", "generate_summary"):
+        if reasoning.get(key) not in (None, "auto"):
+            raise APIError(400, f"reasoning.{key}: reasoning summaries are not written here (null or 'auto')",
+                           f"reasoning.{key}")
+    effort = reasoning.get("effort")
+    if effort is None:
+        return {}
+    if effort not in REASONING_EFFORTS:
+        raise APIError(400, f"reasoning.effort: one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
+                       "reasoning.effort")
+    return {"reasoning_effort": effort, **({"enable_thinking": False} if effort == "none" else {})}
 
 
 def _given(value: Any) -> bool:
@@ -391,7 +420,7 @@ class ResponseBuilder:
             "tools": body.tools or [], "tool_choice": body.tool_choice or "auto",
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "text": body.text or {"format": {"type": "text"}}, "truncation": "disabled", "store": self.stored,
-            "metadata": body.metadata or {}, "previous_response_id": body.previous_response_id, "reasoning": None,
+            "metadata": body.metadata or {}, "previous_response_id": body.previous_response_id, "reasoning": body.reasoning,
             "user": body.user,
             "usage": self.usage,
         }

@@ -182,6 +182,13 @@ def test_a_responses_request_runs_as_the_chat_completion_of_the_same_conversatio
     unset = to_chat(ResponsesRequest.model_validate({"input": "hi", "reasoning": {"effort": None, "summary": None},
                                                      "background": False, "previous_response_id": None}))
     assert [m.content for m in unset.messages] == ["hi"]
+    # reasoning effort reaches the chat template (effort "none" as enable_thinking false too); the request's own
+    # chat_template_kwargs take precedence
+    effort = to_chat(ResponsesRequest.model_validate({"input": "hi", "reasoning": {"effort": "none"}}))
+    assert effort.template_kwargs() == {"reasoning_effort": "none", "enable_thinking": False}
+    both = to_chat(ResponsesRequest.model_validate({"input": "hi", "reasoning": {"effort": "none"},
+                                                    "chat_template_kwargs": {"enable_thinking": True}}))
+    assert both.template_kwargs() == {"reasoning_effort": "none", "enable_thinking": True}
     formatted = to_chat(ResponsesRequest.model_validate({"input": "hi", "text": {
         "format": {"type": "json_schema", "name": "w", "schema": {"type": "object"}}, "verbosity": None}}))
     assert formatted.response_format.json_schema.name == "w" and formatted.messages[0].content == "hi"

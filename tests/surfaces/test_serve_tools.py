@@ -516,6 +516,24 @@ def test_a_responses_output_sent_back_with_the_tools_answer_is_answered_in_text(
     assert _items(second) == [("reasoning", "The tool answered.\n"), ("message", answer)]
 
 
+def test_reasoning_effort_none_turns_a_thinking_models_reasoning_off(server):
+    """`reasoning: {"effort": "none"}` reaches the chat template as enable_thinking false: the chat is answered as
+    with thinking turned off ("no-thinking"), with no reasoning item; another effort leaves the reasoning on."""
+    tools, _ = server
+    chat = CHAT["no-thinking"]
+    kwargs = {**_responses_kwargs(chat)}
+    kwargs.pop("extra_body")
+
+    async def run():
+        client = tools.client()
+        return (await client.responses.create(**kwargs, reasoning={"effort": "none"}),
+                await client.responses.create(**kwargs, reasoning={"effort": "high"}))
+
+    off, on = asyncio.run(run())
+    assert _items(off) == [("message", chat.completion)] and off.reasoning.effort == "none"
+    assert [kind for kind, _ in _items(on)][0] == "reasoning"
+
+
 def test_a_stored_response_is_continued_by_previous_response_id_read_back_and_deleted(server):
     """With --responses-store N: a response is kept (its input and output) unless `store: false`; the next turn
     sends only the tool's output with `previous_response_id` and is answered as the whole chat sent back
@@ -601,7 +619,8 @@ def test_what_the_responses_api_cannot_honour_here_is_refused_naming_the_field(s
     for extra, param in (
             ({"previous_response_id": "resp_1"}, "previous_response_id"),
             ({"background": True}, "background"),
-            ({"reasoning": {"effort": "low"}}, "reasoning"),
+            ({"reasoning": {"summary": "detailed"}}, "reasoning.summary"),
+            ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
             ({"truncation": "auto"}, "truncation"),
             ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
             ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
