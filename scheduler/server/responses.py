@@ -17,13 +17,13 @@ What a request may hold (`ResponsesRequest`), and how it maps (`to_chat`):
   `metadata` (echoed), `user`, and vLLM's extras (`seed`, `top_k`, `min_p`, the penalties, `chat_template_kwargs`,
   `priority`, `cache_salt`, `request_id`).
 
-`reasoning.effort` goes to the chat template as `reasoning_effort` (gpt-oss's template reads it), and "none" also
-as `enable_thinking: false` (Qwen3's and the other thinking templates read that); `chat_template_kwargs` given
-too take precedence. `previous_response_id` continues a stored response (`ResponseStore`, `mlxsched serve --responses-store N`: the
-last N responses, each its own input and output items and the response it continued; `store: false` keeps one
-out), and is refused by a server that keeps none. Refused naming the field, because this server cannot do what
-they ask: `conversation` objects, `background`, `truncation: "auto"`, reasoning summaries, `prompt` templates,
-other tool kinds (web search, file search, ...), other input kinds (files, audio).
+`reasoning.effort` goes to the chat template as `reasoning_effort` (gpt-oss's template reads it), and "none" also as
+`enable_thinking: false` (Qwen3's and the other thinking templates read that); `chat_template_kwargs` given too take
+precedence. `previous_response_id` continues a stored response (`ResponseStore`, `mlxsched serve --responses-store
+N`: the last N responses, each its own input and output items and the response it continued; `store: false` keeps
+one out), and is refused by a server that keeps none. Refused naming the field, because this server cannot do what
+they ask: `conversation` objects, `background`, `truncation: "auto"`, reasoning summaries, `prompt` templates, other
+tool kinds (web search, file search, ...), other input kinds (files, audio).
 
 The output (`ResponseBuilder`): a thinking model's reasoning becomes a `reasoning` item (its text as
 `reasoning_text` content), the answer a `message` item with one `output_text` part, each tool call a
@@ -420,9 +420,8 @@ class ResponseBuilder:
             "tools": body.tools or [], "tool_choice": body.tool_choice or "auto",
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "text": body.text or {"format": {"type": "text"}}, "truncation": "disabled", "store": self.stored,
-            "metadata": body.metadata or {}, "previous_response_id": body.previous_response_id, "reasoning": body.reasoning,
-            "user": body.user,
-            "usage": self.usage,
+            "metadata": body.metadata or {}, "previous_response_id": body.previous_response_id,
+            "reasoning": body.reasoning, "user": body.user, "usage": self.usage,
         }
 
     @property
