@@ -97,6 +97,21 @@ def test_requests_on_different_adapters_share_batches_and_each_equals_its_adapte
     assert replay(load_trace(trace)).identical
 
 
+def _each_row_its_own(model, loras, x, base, one, two) -> None:
+    """A batch of 4 rows all on adapter "one" computes mlx-lm's model with it exactly; rows on "two", the base
+    model, "one", "two" each compute their own (the base row exactly, the others within rounding, each adapter
+    changing its row's output)."""
+    with loras.rows(["one"] * 4):
+        assert mx.array_equal(model(x), one(x))
+    with loras.rows(["two", None, "one", "two"]):
+        mixed = model(x)
+    assert mx.array_equal(mixed[1], base(x)[1])
+    for i, ref in ((0, two), (2, one), (3, two)):
+        alone = ref(x[i:i + 1])[0]
+        assert not mx.allclose(alone, base(x[i:i + 1])[0], atol=1e-2).item()  # the adapter shows
+        assert mx.allclose(mixed[i], alone, atol=1e-4).item()
+
+
 def test_a_batch_on_no_adapter_computes_the_base_model_and_one_on_a_single_adapter_computes_it(
         text_model_dir, adapters, references):
     """The layer-level promise: rows on no adapter get the base layers' output unchanged (exactly), a batch all on
@@ -112,13 +127,7 @@ def test_a_batch_on_no_adapter_computes_the_base_model_and_one_on_a_single_adapt
     assert mx.array_equal(model(x), base(x))  # outside `rows`: the base model
     with loras.rows([None] * 4):
         assert mx.array_equal(model(x), base(x))
-    with loras.rows(["one"] * 4):
-        assert mx.array_equal(model(x), one(x))
-    with loras.rows(["two", None, "one", "two"]):
-        mixed = model(x)
-    assert mx.array_equal(mixed[1], base(x)[1])
-    for i, ref in ((0, two), (2, one), (3, two)):
-        assert mx.allclose(mixed[i], ref(x[i:i + 1])[0], atol=1e-4).item()
+    _each_row_its_own(model, loras, x, base, one, two)
     assert mx.array_equal(model(x), base(x))  # the selection ends with the block
     # a layer fed tokens not laid out by row (batch and positions flattened) in a mixed forward cannot tell the rows
     # apart: it refuses rather than add one row's update to another's tokens
@@ -146,16 +155,7 @@ def test_expert_projections_tell_rows_apart_whether_or_not_their_block_regroups_
                       for k in (None, "one", "two"))
     assert model.args.num_experts_per_tok * 4 * 9 >= 64 > model.args.num_experts_per_tok * 4
     for length in (9, 1):
-        x = mx.array(mixed_prompts(4, length, length, seed=3))
-        with loras.rows(["one"] * 4):
-            assert mx.array_equal(model(x), one(x))
-        with loras.rows(["two", None, "one", "two"]):
-            mixed = model(x)
-        assert mx.array_equal(mixed[1], base(x)[1])
-        for i, ref in ((0, two), (2, one), (3, two)):
-            alone = ref(x[i:i + 1])[0]
-            assert not mx.allclose(alone, base(x[i:i + 1])[0], atol=1e-2).item()  # the adapter shows
-            assert mx.allclose(mixed[i], alone, atol=1e-4).item()
+        _each_row_its_own(model, loras, mx.array(mixed_prompts(4, length, length, seed=3)), base, one, two)
     # a projection called on its own, not by its block, in a mixed forward cannot place its tokens: it refuses
     gate_proj = model.model.layers[0].mlp.switch_mlp.base.gate_proj
     with loras.rows(["two", None, "one", "two"]), pytest.raises(LoRAError, match="outside its block's routing"):
