@@ -98,6 +98,29 @@ def test_concurrent_requests_on_each_adapter_answer_as_mlx_lm_with_that_adapter_
         assert after[("mlxsched_lora_live_requests", (("adapter", name),))] == 0
 
 
+def test_chat_completions_and_responses_run_on_the_adapter_they_name(server, text_model_dir, adapters):
+    """A chat on an adapter, as a chat completion and through the Responses API (model = the adapter's name),
+    answers as mlx-lm's chat with that adapter alone, and the answer names the adapter."""
+    import mlx_lm
+
+    model, tokenizer = mlx_lm.load(str(text_model_dir), adapter_path=str(adapters["two"]))
+    messages = [{"role": "user", "content": "Name a river."}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    want = tokenizer.decode(solo_tokens(model, tokenizer, prompt, MAX_TOKENS))
+
+    async def run():
+        client = server.client()
+        chat = await client.chat.completions.create(model="two", messages=messages, max_tokens=MAX_TOKENS,
+                                                    temperature=0)
+        response = await client.responses.create(model="two", input=messages, max_output_tokens=MAX_TOKENS,
+                                                 temperature=0)
+        return chat, response
+
+    chat, response = asyncio.run(run())
+    assert chat.choices[0].message.content == response.output_text == want
+    assert chat.model == response.model == "two"
+
+
 def test_adapters_load_and_unload_while_the_server_runs(server, text_model_dir, adapters, tmp_path):
     """vLLM's runtime LoRA routes: an adapter loaded under a new name (in PEFT's layout, as vLLM's are) is listed
     and answers as mlx-lm with the same matrices alone; a name already served, the served model's name and a directory without an adapter are 400s naming the
