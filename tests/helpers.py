@@ -210,10 +210,11 @@ class OracleDrafter:
         return {}
 
 
-def peft_copy(src, dst, rslora=False, **config):
+def peft_copy(src, dst, rslora=False, path=lambda target: target, **config):
     """The mlx-lm adapter at `src` rewritten in Hugging Face PEFT's layout (its documented checkpoint format):
     `adapter_model.safetensors` with `base_model.model.<module>.lora_A.weight` (r, in) and `.lora_B.weight`
-    (out, r), and an `adapter_config.json` whose `lora_alpha / r` (`/ sqrt(r)` with rsLoRA) is the scale."""
+    (out, r), and an `adapter_config.json` whose `lora_alpha / r` (`/ sqrt(r)` with rsLoRA) is the scale. `path`: each
+    module's path as the Hugging Face model names it (mlx-lm's text models keep those; mlx-vlm's differ)."""
     import json
 
     import mlx.core as mx
@@ -223,7 +224,7 @@ def peft_copy(src, dst, rslora=False, **config):
     weights = {}
     for key, value in mx.load(str(src / "adapters.safetensors")).items():
         target, half = key.rsplit(".", 1)
-        weights[f"base_model.model.{target}.lora_{half[-1].upper()}.weight"] = value.T
+        weights[f"base_model.model.{path(target)}.lora_{half[-1].upper()}.weight"] = value.T
     dst.mkdir()
     mx.save_safetensors(str(dst / "adapter_model.safetensors"), weights)
     (dst / "adapter_config.json").write_text(json.dumps({

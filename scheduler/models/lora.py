@@ -39,7 +39,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear, SwitchMLP
 
-from .lora_formats import ADAPTER_CONFIG, LoRAAdapter, LoRAError, read_adapter
+from .lora_formats import ADAPTER_CONFIG, LoRAAdapter, LoRAError, in_language_model, read_adapter
 
 
 class UnknownLoRA(LookupError):
@@ -288,6 +288,8 @@ class LoRASet:
         """Read adapter `name` from `path` and check it against the model's layers; the model is not
         touched. Raises LoRAError (unreadable, another kind of fine-tune, a layer or shape that does not fit)."""
         adapter, weights = read_adapter(name, Path(path))
+        if self.within is not None:
+            adapter, weights = in_language_model(adapter, weights, self.within)
         for target in adapter.targets:
             if self.within is not None and not target.startswith(self.within + "."):
                 raise LoRAError(f"adapter {name!r}: {target} is outside {self.within}; per-request adapters adapt "

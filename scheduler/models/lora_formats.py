@@ -9,7 +9,8 @@ adapters (`scheduler/models/lora.py`) know one formula.
   `adapter_model.safetensors` with `base_model.model.<module path>.lora_A.weight` (r, in) and `.lora_B.weight`
   (out, r). PEFT computes `scaling * B(A(x))` with `scaling = lora_alpha / r` (`lora_alpha / sqrt(r)` with
   rsLoRA), which is mlx-lm's `scale * (x @ A.T) @ B.T`. Module paths are the Hugging Face model's, which
-  mlx-lm's text models keep (a path the model does not have is refused when the adapter is checked against it).
+  mlx-lm's text models keep, and which a vision-language model's language model gets under mlx-vlm's names
+  (`in_language_model`); a path the model does not have is refused when the adapter is checked against it.
   What is not a plain LoRA of linear layers is refused naming the field: DoRA, `modules_to_save`, trained biases,
   `fan_in_fan_out` (GPT-2's Conv1D), per-module `rank_pattern` / `alpha_pattern`, embedding adapters,
   `adapter_model.bin` (pickled weights are not loaded: convert them to safetensors).
@@ -20,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -68,6 +69,32 @@ def read_adapter(name: str, path: Path) -> tuple[LoRAAdapter, dict[str, mx.array
                         f"loaded; save them as {PEFT_WEIGHTS} (PEFT's save_pretrained does by default)")
     raise LoRAError(f"adapter {name!r}: {path} has no {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS} (the layout "
                     f"mlx_lm.lora writes) or {PEFT_WEIGHTS} (PEFT's)")
+
+
+# Hugging Face's module paths of a vision-language model's language model (transformers 5's, then 4's) -> mlx-vlm's,
+# under its `language_model` module: what a PEFT adapter trained with transformers names
+_HF_LANGUAGE_MODEL = (("model.language_model.", "model."), ("model.layers.", "model.layers."), ("lm_head", "lm_head"))
+
+
+def in_language_model(adapter: LoRAAdapter, weights: dict[str, mx.array],
+                      within: str) -> tuple[LoRAAdapter, dict[str, mx.array]]:
+    """A PEFT adapter of a vision-language model with its module paths as mlx-vlm names them: Hugging Face's
+    `model.language_model.<x>` (transformers 5) or `model.layers.<x>` (4) is mlx-vlm's `<within>.model.<x>`, and
+    `lm_head` its `<within>.lm_head`. Other paths stay (the vision tower's are then refused as outside `within`);
+    an mlx-vlm adapter's are mlx-vlm's already."""
+    if adapter.layout != "peft":
+        return adapter, weights
+
+    def ours(target: str) -> str:
+        if target.startswith(within + "."):
+            return target
+        for hf, mlx_vlm in _HF_LANGUAGE_MODEL:
+            if target == hf or target.startswith(hf):
+                return f"{within}.{mlx_vlm}{target[len(hf):]}"
+        return target
+
+    renamed = {f"{ours(key.rsplit('.', 1)[0])}.{key.rsplit('.', 1)[1]}": value for key, value in weights.items()}
+    return replace(adapter, targets=tuple(sorted(ours(t) for t in adapter.targets))), renamed
 
 
 def _load(name: str, config_file: Path, weights_file: Path) -> tuple[dict, dict[str, mx.array]]:
@@ -142,4 +169,5 @@ def _from_peft(name: str, path: Path, config: dict,
     return LoRAAdapter(name, str(path), float(scale), rank, tuple(sorted(halves)), "peft"), converted
 
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "PEFT_WEIGHTS", "LoRAAdapter", "LoRAError", "read_adapter"]
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "PEFT_WEIGHTS", "LoRAAdapter", "LoRAError", "in_language_model",
+           "read_adapter"]

@@ -415,8 +415,9 @@ def test_requests_on_a_vision_language_model_choose_adapters_of_its_language_mod
     """mlx-vlm adapters (its trainer's layout: the language model's linear layers) chosen per request on the tiny
     Qwen2-VL: image and text requests on the base model and on two adapters share batches, and each equals
     `mlx_vlm.stream_generate` alone on `mlx_vlm.load(model, adapter_path=<its adapter>)`, with the prefix and vision
-    caches on (an image's features are shared by requests on any adapter: the vision tower is not adapted). An
-    adapter of a layer outside the language model (the vision tower) is refused naming it."""
+    caches on (an image's features are shared by requests on any adapter: the vision tower is not adapted), and
+    one in PEFT's layout with the Hugging Face model's module paths serves as its mlx-vlm original. An adapter of a
+    layer outside the language model (the vision tower) is refused naming it."""
     import mlx_vlm
     import numpy as np
     from mlx_vlm.prompt_utils import apply_chat_template
@@ -451,6 +452,23 @@ def test_requests_on_a_vision_language_model_choose_adapters_of_its_language_mod
                            loras=choice)
     assert [out.token_ids for out in outs] == want
     assert engine.vision_cache.stats()["hits"] > 0  # the image's features served requests on other adapters
+    # adapter "two" in PEFT's layout with transformers 5's module paths (`model.language_model.layers...`, what a
+    # PEFT adapter of the Hugging Face model names), served under mlx-vlm's (`language_model.model.layers...`)
+    hf = peft_copy(loras["two"], tmp_path / "hf", path=lambda t: t.replace("language_model.model.",
+                                                                           "model.language_model.", 1))
+    assert all(k.startswith("base_model.model.model.language_model.layers.")
+               for k in mx.load(str(hf / "adapter_model.safetensors")))
+    outs = Engine.from_pretrained(vlm_model_dir, config, loras={"one": loras["one"], "two": hf}).generate(
+        [p for p, _ in cases], greedy(MAX_TOKENS), images=[imgs for _, imgs in cases], loras=choice)
+    assert [out.token_ids for out in outs] == want
+    # transformers 4's paths (`model.layers...`, `lm_head`) too; the vision tower's stay its own, and are refused
+    from scheduler.models.lora_formats import LoRAAdapter, in_language_model
+
+    old = LoRAAdapter("x", "p", 1.0, 4, ("lm_head", "model.layers.0.mlp.up_proj", "model.visual.blocks.0.qkv"), "peft")
+    renamed, weights = in_language_model(old, {"model.layers.0.mlp.up_proj.lora_a": mx.zeros(1)}, "language_model")
+    assert renamed.targets == ("language_model.lm_head", "language_model.model.layers.0.mlp.up_proj",
+                               "model.visual.blocks.0.qkv")
+    assert list(weights) == ["language_model.model.layers.0.mlp.up_proj.lora_a"]
 
     qkv = "vision_tower.blocks.0.attn.qkv"
     extra = {f"{qkv}.lora_a": mx.zeros((32, 4)), f"{qkv}.lora_b": mx.zeros((4, 96))}
