@@ -11,7 +11,9 @@ template arguments the engine sets itself). Then forced calls in each call marku
 end on the tiny text model with a template of that markup, sampled under each markup's grammar with every
 parameter type, and at the grammar itself (the markup as the model's template renders it is allowed, string values
 end and are never a "null" the parser would read as None, no JSON value holds one of the markup's markers). And
-/tokenize renders each chat as its completion does.
+/tokenize renders each chat as its completion does. The same chats through OpenAI's Responses API
+(`/v1/responses`): reasoning, message and function_call items, streamed and not, sent back as items or continued by
+previous_response_id from the server's response store, and what it cannot honour refused by name.
 """
 
 from __future__ import annotations
