@@ -146,9 +146,15 @@ class _AdaptedLayer(nn.Module):
         del self._scales[slot]
         self._stacks = None
 
+    # how mlx-lm stores the pair: as `x @ a @ b` takes it (LoRALinear), or transposed (LoRASwitchLinear's per expert)
+    _stored_transposed = False
+
     def _oriented(self, slot: int) -> tuple[mx.array, mx.array]:
         """A slot's (lora_a, lora_b) as `x @ a @ b` takes them: `(..., in, r)` and `(..., r, out)`."""
-        raise NotImplementedError
+        weights = self.adapters[str(slot)]
+        if self._stored_transposed:
+            return weights["lora_a"].swapaxes(-1, -2), weights["lora_b"].swapaxes(-1, -2)
+        return weights["lora_a"], weights["lora_b"]
 
     def _stacked(self, slots: int) -> _Stacks:
         if self._stacks is None or self._stacks.index.size < slots + 1:
@@ -183,18 +189,14 @@ class _AdaptedLayer(nn.Module):
 class MultiLoRALinear(_AdaptedLayer):
     """A linear layer (`nn.Linear` / `nn.QuantizedLinear`) and its adapters (mlx-lm's `LoRALinear`)."""
 
-    def _oriented(self, slot: int) -> tuple[mx.array, mx.array]:
-        weights = self.adapters[str(slot)]
-        return weights["lora_a"], weights["lora_b"]
-
     def __call__(self, x: mx.array) -> mx.array:
         y = self.base(x)
         selection = self._selection
         if selection.single is not None:  # every row on one adapter: mlx-lm's LoRALinear, exactly
             if selection.single not in self._scales:
                 return y
-            weights = self.adapters[str(selection.single)]
-            z = (x @ weights["lora_a"]) @ weights["lora_b"]
+            lora_a, lora_b = self._oriented(selection.single)
+            z = (x @ lora_a) @ lora_b
             return y + (self._scales[selection.single] * z).astype(x.dtype)
         if selection.row_slots is None or not selection.present & self._scales.keys():
             return y  # no row on an adapter of this layer
@@ -212,9 +214,7 @@ class MultiLoRASwitchLinear(_AdaptedLayer):
     each token's experts) and its adapters (mlx-lm's `LoRASwitchLinear`: one low-rank pair per expert). Its block
     is a `RoutedExperts`, which tells it, in a mixed forward, which row each token it is given comes from."""
 
-    def _oriented(self, slot: int) -> tuple[mx.array, mx.array]:
-        weights = self.adapters[str(slot)]  # stored as mlx-lm's: (experts, r, in) and (experts, out, r)
-        return weights["lora_a"].swapaxes(-1, -2), weights["lora_b"].swapaxes(-1, -2)
+    _stored_transposed = True  # mlx-lm's (experts, r, in) and (experts, out, r)
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         y = self.base(x, indices, sorted_indices=sorted_indices)
@@ -222,11 +222,9 @@ class MultiLoRASwitchLinear(_AdaptedLayer):
         if selection.single is not None:  # every row on one adapter: mlx-lm's LoRASwitchLinear, exactly
             if selection.single not in self._scales:
                 return y
-            weights = self.adapters[str(selection.single)]
-            z = mx.gather_mm(x, weights["lora_a"].swapaxes(-1, -2), rhs_indices=indices,
-                             sorted_indices=sorted_indices)
-            z = mx.gather_mm(z, weights["lora_b"].swapaxes(-1, -2), rhs_indices=indices,
-                             sorted_indices=sorted_indices)
+            lora_a, lora_b = self._oriented(selection.single)
+            z = mx.gather_mm(x, lora_a, rhs_indices=indices, sorted_indices=sorted_indices)
+            z = mx.gather_mm(z, lora_b, rhs_indices=indices, sorted_indices=sorted_indices)
             return y + (self._scales[selection.single] * z).astype(x.dtype)
         if selection.row_slots is None or not selection.present & self._scales.keys():
             return y
