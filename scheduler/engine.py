@@ -163,8 +163,8 @@ class Engine:
         loras: Mapping[str, str | Path] | None = None,
     ):
         """`loras`: LoRA adapters a request may choose (`add_request(lora=name)`), by name -> adapter directory
-        (the layout `mlx_lm.lora` and mlx-vlm's trainer write; a vision-language model's adapt its language model
-        only). They are installed on `model` in place (`scheduler/models/lora.py`): its adapted linear layers
+        (the layout `mlx_lm.lora` and mlx-vlm's trainer write, or Hugging Face PEFT's; a vision-language model's
+        adapt its language model only). They are installed on `model` in place (`scheduler/models/lora.py`): its adapted linear layers
         compute the base model wherever no row chooses an adapter, so requests on the base model and on any
         adapters share every batch. Raises LoRAError for an adapter that cannot be read or does not fit the model.
 
@@ -552,7 +552,7 @@ class Engine:
         raise UnknownRequest(request_id)
 
     def load_lora(self, name: str, path: str | Path) -> None:
-        """Add LoRA adapter `name` (the directory `mlx_lm.lora` writes) while the engine runs; thread-safe. It
+        """Add LoRA adapter `name` (a directory in mlx-lm's or PEFT's layout) while the engine runs; thread-safe. It
         is read and checked here (LoRAError: nothing changes) and installed at the start of the next tick;
         requests may name it from the moment this returns. ValueError for a name already loaded, and for a
         sharded model (as `Engine(loras=...)`)."""
