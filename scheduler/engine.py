@@ -164,9 +164,10 @@ class Engine:
     ):
         """`loras`: LoRA adapters a request may choose (`add_request(lora=name)`), by name -> adapter directory
         (the layout `mlx_lm.lora` and mlx-vlm's trainer write, or Hugging Face PEFT's; a vision-language model's
-        adapt its language model only). They are installed on `model` in place (`scheduler/models/lora.py`): its adapted linear layers
-        compute the base model wherever no row chooses an adapter, so requests on the base model and on any
-        adapters share every batch. Raises LoRAError for an adapter that cannot be read or does not fit the model.
+        adapt its language model only). They are installed on `model` in place (`scheduler/models/lora.py`): its
+        adapted layers compute the base model wherever no row chooses an adapter, so requests on the base model and
+        on any adapters share every batch. Raises LoRAError for an adapter that cannot be read or does not fit the
+        model.
 
         `on_shard_lost`: with a sharded model, called with the `ShardLost` error when this rank's forward
         stalls after a peer died (`EngineConfig.shard_stall_timeout_s`), from the watchdog's thread, after the
