@@ -123,8 +123,9 @@ def test_chat_completions_and_responses_run_on_the_adapter_they_name(server, tex
 
 def test_adapters_load_and_unload_while_the_server_runs(server, text_model_dir, adapters, tmp_path):
     """vLLM's runtime LoRA routes: an adapter loaded under a new name (in PEFT's layout, as vLLM's are) is listed
-    and answers as mlx-lm with the same matrices alone; a name already served, the served model's name and a directory without an adapter are 400s naming the
-    field; once unloaded the name is a 404 again, and unloading it twice is a 404."""
+    and answers as mlx-lm with the same matrices alone; a name already served, the served model's name and a
+    directory without an adapter are 400s naming the field; once unloaded the name is a 404 again, and unloading it
+    twice is a 404."""
     import mlx_lm
 
     # (in Hugging Face PEFT's layout: the same matrices as adapter "two")
