@@ -621,8 +621,38 @@ def filter_batch(batch: Cache, keep: list[int]) -> Cache:
     if not keep:
         return []
     for layer in batch:
-        layer.filter(keep)
+        _filter_layer(layer, keep)
     return batch
+
+
+def _filter_layer(layer: Any, keep: list[int]) -> None:
+    if isinstance(layer, mlx_cache.CacheList):
+        for sub in layer.caches:
+            _filter_layer(sub, keep)
+        return
+    layer.filter(keep)
+    if isinstance(layer, RotatingKV.batch_classes):
+        _drop_shared_padding(layer)
+
+
+def _drop_shared_padding(layer: Any) -> None:
+    """Cut the leading positions that are padding in every row a rotating batch layer kept.
+
+    mlx-lm's `BatchKVCache.filter` does this and `BatchRotatingKVCache.filter` does not: a window larger than
+    the rows left behind by a long row that finished kept that row's length (or the whole window once it had
+    wrapped) for as long as the batch lived, above the KV bound the planner keeps (`KVLayout`: a batch holds
+    fewer than longest row + STEP positions a layer). The window is put in temporal order first (a wrapped one
+    starts at its write index); the cache is then an unwrapped one of its kept positions, whose write index and
+    position count are one number, as mlx-lm keeps them before a window wraps."""
+    shared = min(layer.left_padding.tolist(), default=0)  # in temporal order, wrapped or not (as mlx-lm's mask)
+    if layer.keys is None or shared <= 0:
+        return
+    layer._temporal_order()
+    layer.keys = layer.keys[..., shared:, :]
+    layer.values = layer.values[..., shared:, :]
+    layer.left_padding = layer.left_padding - shared
+    layer._idx -= shared
+    layer._offset = layer._idx
 
 
 def _prepared_for_pads(layer: Any) -> bool:

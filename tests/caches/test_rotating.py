@@ -57,3 +57,24 @@ def test_models_with_their_own_caches_refuse_max_kv_size(sliding_model):
     model, tokenizer = sliding_model
     with pytest.raises(ValueError, match="max_kv_size"):
         Engine(model, tokenizer, EngineConfig(max_kv_size=64))
+
+
+def test_a_window_wider_than_an_allocation_step_shrinks_when_its_long_rows_leave(text_model):
+    """A window of more than STEP positions, and a row that wraps it and finishes first: the short rows left in
+    the batch hold fewer than longest + STEP positions a layer (the planner's KV bound, checked after every tick
+    with a budget set), where mlx-lm's `BatchRotatingKVCache.filter` kept the long row's whole window. Greedy
+    output stays the single-request rotating generation's."""
+    model, tokenizer = text_model
+    window = 300
+    prompts = [mixed_prompts(1, 330, 330, seed=4)[0]] + mixed_prompts(3, 5, 12, seed=5)
+    max_tokens = [2, 30, 30, 30]
+    engine = Engine(model, tokenizer, EngineConfig(max_kv_size=window, max_batched_tokens=512, prefill_chunk=512,
+                                                   max_seqs=4, kv_memory_bytes=1 << 30, check_invariants=True))
+    run = drive(engine, [(0, {"prompt_tokens": p, "sampling": greedy(n), "request_id": f"r{i}"})
+                         for i, (p, n) in enumerate(zip(prompts, max_tokens))])
+    assert not run.errors, run.errors
+    for i, (p, n) in enumerate(zip(prompts, max_tokens)):
+        want = solo_tokens(model, tokenizer, p, n,
+                           prompt_cache=[RotatingKVCache(max_size=window, keep=0) for _ in model.layers])
+        assert run.tokens[f"r{i}"] == want, i
+    assert engine.executor.cache_bytes() == 0
