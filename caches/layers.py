@@ -934,16 +934,26 @@ def _drop_into_holes(layers: list[Any], d: list[int], new_len: list[int]) -> Non
 def rollback_reads(batch_cache_layers: Sequence[Any]) -> list[mx.array]:
     """The arrays `rollback_rows` reads back to the host (each row's length, which the verify forward has just
     advanced lazily): evaluated with the verdict of a verify tick, the rollback needs no sync of its own."""
-    layers = list(batch_cache_layers)
+    layers = _flat_layers(batch_cache_layers)
     return [layers[0].offset] if layers and isinstance(layers[0], _PLAIN_BATCH_KV) else []
+
+
+def _flat_layers(layers: Sequence[Any]) -> list[Any]:
+    """The layers of a batch cache with each `CacheList` replaced by its caches (one model layer keeping several
+    caches of one length, as deepseek_v32's attention and its indexer's keys: they roll back together)."""
+    flat = []
+    for layer in layers:
+        flat.extend(_flat_layers(layer.caches) if isinstance(layer, mlx_cache.CacheList) else [layer])
+    return flat
 
 
 def rollback_rows(batch_cache_layers: Sequence[Any], drop: Sequence[int] | mx.array | np.ndarray) -> list[int]:
     """Drop the last ``drop[b]`` positions of row ``b`` from every layer of a left-padded batch cache.
 
-    Only layers whose capabilities declare `rollback` (plain KV batch layers). In place. The engine's own batch
-    (`_HoleBatchKVCache`, what `merge_caches` builds from mlx-lm's KVCache) moves nothing: the positions every
-    row drops are trimmed and the rest become masked holes (`_drop_into_holes`). Other plain batches (mlx-lm's
+    Only layers whose capabilities declare `rollback` (plain KV batch layers, those inside a `CacheList` too).
+    In place. The engine's own batch (`_HoleBatchKVCache`, what `merge_caches` builds from mlx-lm's KVCache)
+    moves nothing: the positions every row drops are trimmed and the rest become masked holes
+    (`_drop_into_holes`). Other plain batches (mlx-lm's
     and mlx-vlm's BatchKVCache) are re-aligned: rows stay
     right-aligned at the cache's ``_idx``: row b's kept positions move right by ``drop[b]`` (its left padding
     grows) -- the mechanism of mlx-lm's ``BatchKVCache.prepare(right_padding=...)`` + ``finalize()`` -- and
@@ -959,11 +969,10 @@ def rollback_rows(batch_cache_layers: Sequence[Any], drop: Sequence[int] | mx.ar
     overwritten the positions a rollback would have to restore, recurrent state cannot be rewound.
     Speculation must be off for such models (the engine refuses it at configuration time).
     """
-    layers = list(batch_cache_layers)
+    layers = _flat_layers(batch_cache_layers)
     for layer in layers:
         if not isinstance(layer, _PLAIN_BATCH_KV):
-            kind = _kind_of(layer) if not isinstance(layer, mlx_cache.CacheList) else None
-            why = "cannot be rolled back" if kind is not None and not kind.caps.rollback else "is not a batch cache"
+            why = "cannot be rolled back" if not _kind_of(layer).caps.rollback else "is not a batch cache"
             raise TypeError(f"rollback_rows: {type(layer).__name__} {why}")
     if not layers:
         return []
