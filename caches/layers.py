@@ -22,7 +22,7 @@ imports nothing from `scheduler`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any, Sequence
 
@@ -298,13 +298,17 @@ class PlainKV:
         return type(layers[0]).merge(layers)
 
     @staticmethod
-    def snapshot(layer: Any) -> tuple[tuple, list[mx.array]]:
+    def snapshot(layer: Any) -> tuple[tuple | None, list[mx.array]]:
+        if layer.keys is None:  # a layer that stores nothing (see `layout`) is restored empty at any length
+            return None, []
         n = layer.offset
         keys, values = mx.contiguous(layer.keys[..., :n, :]), mx.contiguous(layer.values[..., :n, :])
         return (keys, values, n), [keys, values]
 
     @staticmethod
-    def restore(kind: type, state: tuple, length: int) -> Any:
+    def restore(kind: type, state: tuple | None, length: int) -> Any:
+        if state is None:
+            return kind()
         keys, values, n = state
         if length > n:
             raise ValueError(f"cannot restore {length} tokens from an entry of {n}")
@@ -314,6 +318,8 @@ class PlainKV:
 
     @staticmethod
     def layout(layer: Any) -> LayerLayout:
+        if layer.keys is None:  # a layer that stores nothing (nemotron-nas's attention replaced by a linear map)
+            return LayerLayout(0, None)
         return LayerLayout((layer.keys.nbytes + layer.values.nbytes) // layer.keys.shape[2], None)
 
 
@@ -543,13 +549,25 @@ def _kind_of(layer: Any):
 
 def layer_capabilities(layer: Any) -> LayerCapabilities:
     if isinstance(layer, mlx_cache.CacheList):
-        caps = [layer_capabilities(c) for c in layer.caches]
-        out = caps[0]
-        for c in caps[1:]:
-            out = out & c
-        return LayerCapabilities(f"CacheList[{out.kind}]", out.growth, out.trimmable, out.rollback, out.splittable,
-                                 out.splittable_aligned, out.splittable_prepared)
+        return _cache_list_capabilities([layer_capabilities(c) for c in layer.caches])
     return _kind_of(layer).caps
+
+
+def _cache_list_capabilities(caps: Sequence[LayerCapabilities]) -> LayerCapabilities:
+    """A `CacheList` (one model layer keeping several caches) supports what all of its caches do; its kind names
+    them in order: `CacheList[KVCache+KVCache]`."""
+    out = caps[0]
+    for c in caps[1:]:
+        out = out & c
+    return replace(out, kind=f"CacheList[{out.kind}]")
+
+
+def kind_capabilities(kind: str) -> LayerCapabilities:
+    """The capabilities of a cache kind by the name `layer_capabilities` gives it (the family table declares
+    kinds by name): a class name, or `CacheList[A+B]`."""
+    if kind.startswith("CacheList[") and kind.endswith("]"):
+        return _cache_list_capabilities([kind_capabilities(k) for k in kind[len("CacheList["):-1].split("+")])
+    return KIND_CAPABILITIES[kind]
 
 
 def capabilities(cache: Cache) -> CacheCapabilities:

@@ -16,7 +16,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-from caches.layers import KIND_CAPABILITIES, CacheCapabilities, MaskLayout, PrefillSharing
+from caches.layers import CacheCapabilities, MaskLayout, PrefillSharing, kind_capabilities
 
 
 class UnsupportedModel(TypeError):
@@ -55,7 +55,7 @@ class Family:
 
     @property
     def capabilities(self) -> CacheCapabilities:
-        return CacheCapabilities(tuple(KIND_CAPABILITIES[k] for k in self.cache_kinds))
+        return CacheCapabilities(tuple(kind_capabilities(k) for k in self.cache_kinds))
 
 
 _KV, _ROT, _ARR = ("KVCache",), ("KVCache", "RotatingKVCache"), ("ArraysCache", "KVCache")

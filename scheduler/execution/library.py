@@ -111,7 +111,15 @@ def kv_layout(model: Any, max_kv_size: int | None = None) -> KVLayout:
     cache = make_request_cache(model, max_kv_size)
     model(mx.array([[0]]), cache=cache)
     mx.eval(cache_arrays(cache))
-    return layers.probe_layout(cache)
+    layout = layers.probe_layout(cache)
+    stores = [layer.bytes_per_token > 0 or layer.fixed_bytes > 0 for layer in layout.layers]
+    if stores and not stores[0] and any(stores):
+        # mlx-lm's models build a batch's attention mask from their first cache (nemotron-nas: the first
+        # attention layer's, which a linear replacement of attention never writes): its rows' padding would not
+        # be masked, and batched output would differ from each request's alone
+        raise UnsupportedModel(model_type_of(model), "this checkpoint's first cache layer stores nothing (attention "
+                               "replaced by a linear map), and the batch's attention mask is built from it")
+    return layout
 
 
 def mlx_lm_prefill_step() -> int:
@@ -222,10 +230,19 @@ def model_args(model: Any) -> Any:
     return getattr(model, "args", None)
 
 
+# Where mlx-lm's model args name the vocabulary: most families' `vocab_size`, phixtral's `num_vocab`; a wrapper
+# around a text model (mistral3) keeps it in its `text_config`.
+_VOCAB_FIELDS = ("vocab_size", "num_vocab")
+
+
 def vocab_size(model: Any) -> int:
     args = model_args(model)
-    if args is not None and getattr(args, "vocab_size", None):
-        return int(args.vocab_size)
+    text_config = getattr(args, "text_config", None)
+    for source in (args, text_config):
+        for name in _VOCAB_FIELDS:
+            value = source.get(name) if isinstance(source, dict) else getattr(source, name, None)
+            if value:
+                return int(value)
     return int(model.model.embed_tokens.weight.shape[0])
 
 

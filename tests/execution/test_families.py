@@ -65,6 +65,11 @@ SCHEDULES = {
     "staggered-small-chunks": dict(max_batched_tokens=24, max_seqs=8, prefill_chunk=8),
     "fewer-slots": dict(max_batched_tokens=64, max_seqs=2, prefill_chunk=16),
     "prefix-cache": dict(max_batched_tokens=64, max_seqs=4, prefill_chunk=16, prefix_cache_bytes=1 << 26),
+    # prompt lookup, each request arriving as the one before ends and the longest prompt again last: its drafts,
+    # from the finished request's history, are accepted; the others' are rejected, rolled back in place or re-fed
+    # (`Family` capabilities)
+    "drafting": dict(max_batched_tokens=64, max_seqs=8, prefill_chunk=16, draft_tokens=2,
+                     prompt_lookup_scope="recent"),
 }
 
 
@@ -72,8 +77,10 @@ SCHEDULES = {
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_family_matches_solo_mlx_lm(family, schedule):
     model_type, model, tokenizer, prompts, reference = family
-    stagger = 2 if schedule == "staggered-small-chunks" else (3 if schedule == "prefix-cache" else 0)
-    got, _, sink = _run(model, tokenizer, EngineConfig(**SCHEDULES[schedule]), prompts, stagger)
+    stagger = {"staggered-small-chunks": 2, "prefix-cache": 3, "drafting": 10}.get(schedule, 0)
+    if schedule == "drafting":
+        prompts, reference = prompts + [prompts[1]], reference + [reference[1]]
+    got, engine, sink = _run(model, tokenizer, EngineConfig(**SCHEDULES[schedule]), prompts, stagger)
     assert got == reference, f"{model_type} / {schedule}"
     if schedule == "prefix-cache":
         # the shared-prefix prompt reuses a stored entry: cut to the shared tokens where the caches can be
@@ -81,6 +88,8 @@ def test_family_matches_solo_mlx_lm(family, schedule):
         reuse = {e["reuse"] for e in sink.of_kind("prefix_hit")}
         assert reuse, "the shared-prefix prompt reuses a stored entry"
         assert (reuse == {"checkpoint"}) == (not FAMILIES[model_type].capabilities.trimmable), reuse
+    if schedule == "drafting":
+        assert engine.draft_stats()["accepted"] > 0, "the repeated prompt's drafts are accepted"
 
 
 @pytest.mark.slow
