@@ -79,6 +79,8 @@ class LayerCapabilities:
     # model's forward honors it (a family fact: `scheduler.families.Family.honors_lengths`): windows take their
     # masks from the cache, recurrent layers read its mask and lengths, so the pads change no row's state
     splittable_prepared: bool
+    # it keeps state of a fixed size per request (recurrent state), alone or next to KV in a CacheList
+    fixed_state: bool = False
 
     def __and__(self, other: "LayerCapabilities") -> "LayerCapabilities":
         order = (Growth.FIXED, Growth.WINDOW, Growth.PER_TOKEN)
@@ -86,7 +88,8 @@ class LayerCapabilities:
                                  self.trimmable and other.trimmable, self.rollback and other.rollback,
                                  self.splittable and other.splittable,
                                  self.splittable_aligned and other.splittable_aligned,
-                                 self.splittable_prepared and other.splittable_prepared)
+                                 self.splittable_prepared and other.splittable_prepared,
+                                 self.fixed_state or other.fixed_state)
 
 
 class PrefillSharing(Enum):
@@ -141,7 +144,7 @@ class CacheCapabilities:
 
     @property
     def has_fixed_state(self) -> bool:
-        return any(layer.growth is Growth.FIXED for layer in self.layers)
+        return any(layer.fixed_state for layer in self.layers)
 
     @property
     def has_window(self) -> bool:
@@ -392,11 +395,29 @@ class Arrays:
     classes = _arrays_classes()
     batch_classes = classes
     caps = LayerCapabilities("ArraysCache", Growth.FIXED, trimmable=False, rollback=False, splittable=False,
-                             splittable_aligned=True, splittable_prepared=True)
+                             splittable_aligned=True, splittable_prepared=True, fixed_state=True)
 
     @staticmethod
     def merge(layers: Sequence[Any], mask: MaskLayout) -> Any:
+        Arrays.pad_histories(layers)
         return type(layers[0]).merge(layers)
+
+    @staticmethod
+    def pad_histories(layers: Sequence[Any]) -> None:
+        """Make each state slot one shape across `layers` (in place) by zeros in front, before they are
+        stacked. A slot's shape differs between requests only where the state is a history of the last tokens
+        that has not filled yet (longcat_flash_ngram keeps its n-gram context of up to n - 1 tokens), and mlx-lm
+        reads a missing token as zero there (its shifted n-gram ids start with zeros, and `ArraysCache.extend`
+        fills a row without state with zeros): padded, a row's n-gram ids are the ones it has alone."""
+        for slot in range(len(layers[0].cache)):
+            arrays = [layer.cache[slot] for layer in layers if layer.cache[slot] is not None]
+            if not arrays or all(a.shape[1:] == arrays[0].shape[1:] for a in arrays):
+                continue
+            widest = [max(a.shape[axis] for a in arrays) for axis in range(1, arrays[0].ndim)]
+            for layer in layers:
+                a = layer.cache[slot]
+                if a is not None and list(a.shape[1:]) != widest:
+                    layer.cache[slot] = mx.pad(a, [(0, 0)] + [(w - n, 0) for w, n in zip(widest, a.shape[1:])])
 
     @staticmethod
     def extract(layer: Any, i: int) -> Any:
@@ -598,8 +619,18 @@ def extend_batch(batch: Cache, other: Cache) -> Cache:
     if not batch:
         return other
     for a, b in zip(batch, other):
-        a.extend(b)
+        _extend_layer(a, b)
     return batch
+
+
+def _extend_layer(layer: Any, other: Any) -> None:
+    if isinstance(layer, mlx_cache.CacheList):
+        for sub, other_sub in zip(layer.caches, other.caches):
+            _extend_layer(sub, other_sub)
+        return
+    if isinstance(layer, Arrays.classes):
+        Arrays.pad_histories([layer, other])
+    layer.extend(other)
 
 
 def join_rows(batch: Cache, caches: list[Cache], merge: Any = None) -> tuple[Cache, int]:
@@ -953,7 +984,10 @@ def rollback_reads(batch_cache_layers: Sequence[Any]) -> list[mx.array]:
     """The arrays `rollback_rows` reads back to the host (each row's length, which the verify forward has just
     advanced lazily): evaluated with the verdict of a verify tick, the rollback needs no sync of its own."""
     layers = _flat_layers(batch_cache_layers)
-    return [layers[0].offset] if layers and isinstance(layers[0], _PLAIN_BATCH_KV) else []
+    if not layers or not isinstance(layers[0], _PLAIN_BATCH_KV):
+        return []
+    holding = _holding([layer for layer in layers if isinstance(layer, _PLAIN_BATCH_KV)])
+    return [holding[0].offset] if holding else []
 
 
 def _flat_layers(layers: Sequence[Any]) -> list[Any]:
@@ -963,6 +997,12 @@ def _flat_layers(layers: Sequence[Any]) -> list[Any]:
     for layer in layers:
         flat.extend(_flat_layers(layer.caches) if isinstance(layer, mlx_cache.CacheList) else [layer])
     return flat
+
+
+def _holding(layers: list[Any]) -> list[Any]:
+    """The plain KV layers that hold positions: a layer no forward writes (nemotron-nas's attention replaced by a
+    linear map) has nothing to roll back, and no length a forward reads."""
+    return [layer for layer in layers if layer.keys is not None]
 
 
 def rollback_rows(batch_cache_layers: Sequence[Any], drop: Sequence[int] | mx.array | np.ndarray) -> list[int]:
@@ -992,6 +1032,7 @@ def rollback_rows(batch_cache_layers: Sequence[Any], drop: Sequence[int] | mx.ar
         if not isinstance(layer, _PLAIN_BATCH_KV):
             why = "cannot be rolled back" if not _kind_of(layer).caps.rollback else "is not a batch cache"
             raise TypeError(f"rollback_rows: {type(layer).__name__} {why}")
+    layers = _holding(layers)
     if not layers:
         return []
     # plain lists: a tick's few rows, where numpy's per-call costs dominated the rollback (bench/README.md)
@@ -1061,9 +1102,14 @@ def _hold(value: Any) -> Any:
         return value.copy()
     if isinstance(value, (list, tuple)):
         return type(value)(_hold(v) for v in value)
-    if hasattr(value, "update_and_fetch"):  # a layer inside a CacheList
+    if _is_cache_layer(value):  # a layer inside a CacheList (recurrent state included: it has no update_and_fetch)
         return _hold_layer(value)
     return value
+
+
+def _is_cache_layer(value: Any) -> bool:
+    return isinstance(value, mlx_cache.CacheList) or any(
+        isinstance(value, kind.classes) or isinstance(value, kind.batch_classes) for kind in _KINDS)
 
 
 def _hold_layer(layer: Any) -> _HeldLayer:
@@ -1086,7 +1132,7 @@ def snapshot_batch(batch_cache_layers: Sequence[Any]) -> BatchSnapshot:
     build for a multi-position forward reads the write index as the window's length, which it is only in that
     order; from a wrapped layout the padding mask is off by the ring index (a batch of one has no padding,
     so only batches show it)."""
-    for layer in batch_cache_layers:
+    for layer in _flat_layers(batch_cache_layers):
         if isinstance(layer, RotatingKV.batch_classes) and layer.rotated:
             layer._temporal_order()
     return BatchSnapshot(tuple(_hold_layer(layer) for layer in batch_cache_layers))

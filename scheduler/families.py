@@ -59,6 +59,7 @@ class Family:
 
 
 _KV, _ROT, _ARR = ("KVCache",), ("KVCache", "RotatingKVCache"), ("ArraysCache", "KVCache")
+_LIST_KV = ("CacheList[KVCache+KVCache]",)
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", _KV),
@@ -82,8 +83,105 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # its chunk (tests/execution/test_hybrids.py shows it), so it shares only unpadded chunks
     Family("nemotron_h", _ARR, note="hybrid: Mamba-2 layers + attention + MLP"),
     Family("mamba2", ("ArraysCache",), honors_lengths=True, note="state-space model, no attention"),
+    # ---- attention with a plain KV cache per layer
+    *(Family(t, _KV) for t in (
+        "gemma", "cohere", "starcoder2", "phi", "internlm2", "internlm3", "exaone", "ernie4_5", "glm", "helium",
+        "seed_oss", "hunyuan_v1_dense", "mimo", "nanbeige", "laguna", "telechat3", "youtu_llm", "gpt2", "gptj")),
+    Family("stablelm", _KV, note="partial rotary, parallel residual, per-head qk-norm"),
+    Family("granite", _KV, note="embedding, attention, residual and logit multipliers"),
+    Family("glm4", _KV, note="partial rotary, attention biases"),
+    Family("apertus", _KV, note="qk-norm, xIELU"),
+    Family("smollm3", _KV, note="NoPE layers"),
+    Family("minicpm", _KV, note="scaled embeddings and residuals"),
+    Family("gpt_neox", _KV, note="partial rotary, parallel residual"),
+    Family("nemotron", _KV, note="partial rotary, relu2"),
+    Family("qwen", _KV, note="Qwen 1"),
+    Family("plamo", _KV, note="shared key-value heads"),
+    Family("openelm", _KV, note="per-layer head counts and widths"),
+    Family("lille-130m", _KV),
+    Family("llama4_text", _KV, note="NoPE layers, qk-norm"),
+    Family("nanochat", _KV),
+    Family("nemotron-nas", _KV, note="per-layer blocks: attention or FFN skipped or replaced by a linear map"),
+    Family("phixtral", _KV, note="mixture of experts"),
+    Family("mistral3", _KV, note="the text model of a Mistral 3 checkpoint, position-scaled queries"),
+    Family("qwen2_vl", _KV, note="the text model of a Qwen2-VL checkpoint"),
+    Family("qwen3_vl", _KV, note="the text model of a Qwen3-VL checkpoint"),
+    Family("pixtral", _KV, note="the text model of a Pixtral checkpoint"),
+    # ---- multi-head latent attention
+    Family("deepseek", _KV, note="mixture of experts"),
+    Family("deepseek_v2", _KV, note="multi-head latent attention, grouped expert routing, YaRN"),
+    Family("deepseek_v3", _KV, note="multi-head latent attention, mixture of experts"),
+    Family("minicpm3", _KV, note="multi-head latent attention, LongRoPE"),
+    Family("kimi_vl", _KV, note="the text model of a Kimi-VL checkpoint: multi-head latent attention"),
+    Family("kimi_k25", _KV, note="the text model of a Kimi K2.5 checkpoint: multi-head latent attention"),
+    Family("mistral4", _KV, note="multi-head latent attention, mixture of experts"),
+    # ---- mixtures of experts
+    *(Family(t, _KV, note="mixture of experts") for t in (
+        "qwen2_moe", "olmoe", "granitemoe", "phimoe", "ernie4_5_moe", "minimax", "dots1", "bailing_moe_v3",
+        "Klear", "solar_open")),
+    Family("qwen3_vl_moe", _KV, note="the text model of a Qwen3-VL MoE checkpoint"),
+    Family("dbrx", _KV, note="mixture of experts, clipped qkv"),
+    Family("glm4_moe", _KV, note="mixture of experts, grouped routing, qk-norm, partial rotary"),
+    Family("bailing_moe", _KV, note="mixture of experts, expert bias, grouped routing, qk-norm"),
+    Family("hunyuan", _KV, note="mixture of experts, cross-layer attention (shared key-value projections)"),
+    # ---- sliding-window layers next to global ones
+    *(Family(t, _ROT, note="sliding-window layers") for t in (
+        "cohere2", "olmo3", "exaone4", "ministral3", "iquestloopcoder")),
+    Family("gemma3", _ROT, note="the text model of a Gemma 3 checkpoint: sliding-window layers"),
+    Family("gemma4_text", _ROT,
+           note="sliding-window layers, key-value sharing across layers, per-layer inputs, mixture of experts"),
+    Family("gemma3n", _ROT, note="sliding-window layers, key-value sharing across layers, AltUp, per-layer inputs"),
+    Family("spark2_5", _ROT, note="sliding-window layers, per-layer rotary, gated attention"),
+    Family("step3p5", _ROT, note="sliding-window layers with their own heads, mixture of experts"),
+    Family("muse_glimmer", ("RotatingKVCache",), note="sliding-window layers of 2048 positions"),
+    Family("plamo3", ("RotatingKVCache",), note="sliding-window layers of 2048 positions"),
+    Family("exaone_moe", _ROT, note="sliding-window layers, mixture of experts"),
+    Family("mellum", _ROT, note="sliding-window layers, mixture of experts"),
+    Family("afmoe", _ROT, note="sliding-window layers, gated attention, mixture of experts"),
+    Family("mimo_v2_flash", _ROT, note="sliding-window layers, attention sinks, mixture of experts"),
+    # ---- several caches per layer
+    Family("deepseek_v32", _LIST_KV, note="sparse attention: an indexer's keys next to latent attention"),
+    Family("glm_moe_dsa", _LIST_KV, note="sparse attention: an indexer's keys next to latent attention, MoE"),
+    Family("longcat_flash", _LIST_KV, note="two latent attentions a layer, zero experts"),
+    Family("longcat_flash_ngram", ("ArraysCache", "CacheList[KVCache+KVCache]"),
+           note="two latent attentions a layer, n-gram embeddings (token history as state)"),
+    Family("falcon_h1", ("CacheList[ArraysCache+KVCache]",), note="hybrid: Mamba-2 and attention in every layer"),
+    Family("baichuan_m1", ("CacheList[ArraysCache+KVCache]", "CacheList[ArraysCache+RotatingKVCache]"),
+           note="hybrid: short convolutions of keys and values, sliding-window layers"),
+    # ---- recurrent state
+    Family("mamba", ("ArraysCache",), note="state-space model, no attention"),
+    Family("rwkv7", ("ArraysCache",), note="RWKV-7 recurrence, no attention"),
+    Family("recurrent_gemma", ("ArraysCache", "RotatingKVCache"), note="hybrid: RG-LRU layers + local attention"),
+    Family("jamba", _ARR, note="hybrid: Mamba layers + attention, mixture of experts"),
+    Family("plamo2", _ARR, note="hybrid: Mamba layers + attention"),
+    Family("kimi_linear", _ARR, honors_lengths=True,
+           note="hybrid: delta-rule linear attention + latent attention, mixture of experts"),
+    Family("kimi_k3", _ARR, note="the text model of a Kimi K3 checkpoint: hybrid, delta-rule linear attention"),
+    Family("olmo_hybrid", _ARR, note="hybrid: gated delta-net linear attention + attention"),
+    Family("bailing_hybrid", _ARR, honors_lengths=True,
+           note="hybrid: linear attention + latent attention, mixture of experts"),
+    Family("bailing_moe_linear", _ARR, note="hybrid: linear attention + attention, mixture of experts"),
+    Family("qwen3_5", _ARR, honors_lengths=True,
+           note="the text model of a Qwen3.5 checkpoint: hybrid, gated delta-net linear attention + attention"),
+    Family("qwen3_5_moe", _ARR, honors_lengths=True,
+           note="the text model of a Qwen3.5 MoE checkpoint: hybrid, gated delta-net + attention, MoE"),
+    Family("lfm2-vl", _ARR, honors_lengths=True,
+           note="the text model of an LFM2-VL checkpoint: hybrid, short-conv layers + attention"),
+    Family("lfm2_moe", _ARR, note="hybrid: short-conv layers + attention, mixture of experts"),
+    # ---- refused: mlx-lm's model code cannot take a batch whose rows differ in length
     Family("llama4", ("ChunkedKVCache", "KVCache"),
            refused="its chunked-attention layers (ChunkedKVCache) have no batch form in mlx-lm"),
+    Family("deepseek_v41", ("LayerCache",),
+           refused="its compressed, windowed layer cache (LayerCache) has no batch form in mlx-lm"),
+    Family("gpt_bigcode", _KV, refused="mlx-lm's model takes its positions from a single offset (a batch cache "
+                                       "holds one per row)"),
+    Family("afm7", _KV, refused="mlx-lm's key-value-reuse layers rotate queries at the batch cache's padded "
+                                "length, not each row's position: rows shorter than the longest get wrong positions"),
+    Family("phi3small", _KV, refused="mlx-lm's block-sparse attention adds the batch's boolean mask to its scores, "
+                                     "in a shape that does not broadcast over rows"),
+    Family("minimax_m3_vl", ("CacheList[KVCache+KVCache]", "CacheList[KVCache]"),
+           refused="mlx-lm's sparse attention cuts key blocks over cache slots, which a row's left padding shifts "
+                   "off its positions: rows of a batch keep other blocks than alone"),
 )}
 
 

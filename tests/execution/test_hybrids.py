@@ -24,7 +24,7 @@ from scheduler.tools.simulate import fit_cost_model, load_recorded, simulate
 from scheduler.tools.workload import arrivals_from_trace
 
 from ..helpers import drive, engine_with_log, greedy, mixed_prompts, solo_tokens
-from .test_families import kv_budget_forcing_preemption
+from .family_conformance import kv_budget_forcing_preemption
 
 HYBRIDS = ["lfm2", "qwen3_next", "granitemoehybrid", "nemotron_h", "mamba2"]
 MAX_TOKENS = 6
@@ -142,8 +142,8 @@ def test_a_family_mlx_lm_cannot_batch_is_refused_at_load(tmp_path):
             pass
 
 
-@pytest.mark.parametrize("model_type", [t for t in (*HYBRIDS, "gemma3_text", "gpt_oss")
-                                        if FAMILIES[t].honors_lengths])
+@pytest.mark.parametrize("model_type", [t for t, f in FAMILIES.items() if f.honors_lengths
+                                        and not f.capabilities.splittable])
 def test_chunks_of_different_lengths_and_positions_share_forwards_exactly(model_type, tmp_path):
     """Recurrent state and sliding windows skip the right pads of a shared prefill forward where the family's
     forward honors the lengths its batch cache is prepared with (`Family.honors_lengths`), so they share

@@ -12,7 +12,7 @@ from mlx_lm import load
 from scheduler import Engine, EngineConfig, InvalidRequest, SamplingParams
 from scheduler.fixtures.families import build_family_model
 
-from ..execution.test_families import preempting_config
+from ..execution.family_conformance import preempting_config
 from ..helpers import engine_with_log, greedy, mixed_prompts, solo_tokens
 
 MAX_TOKENS = 5

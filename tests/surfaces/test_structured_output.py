@@ -21,7 +21,7 @@ from scheduler import (
 )
 from scheduler.tools.replay import load_trace, replay
 
-from ..execution.test_families import preempting_config
+from ..execution.family_conformance import preempting_config
 from ..helpers import drive, engine_with_log, mixed_prompts, solo_tokens
 
 PROMPTS = mixed_prompts(7, 4, 90, seed=21)

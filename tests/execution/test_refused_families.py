@@ -1,0 +1,44 @@
+"""Families the engine refuses at load (`Family.refused`), each on a real tiny build: the refusal names the model
+type and the declared reason, before any request. Where the reason is mlx-lm's model code (it cannot take a batch
+whose rows differ in length, which every engine batch has), the same model with the refusal lifted is shown to
+fail or to differ from `mlx_lm.generate` alone, so the refusal keeps a wrong answer from being served; when
+mlx-lm fixes the model, that test fails: lift the refusal then."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from mlx_lm import load
+
+from scheduler import Engine, EngineConfig
+from scheduler.families import FAMILIES, UnsupportedModel
+from scheduler.fixtures.families import REFUSED_CONFIGS, build_family_model
+
+from ..helpers import drive, greedy, mixed_prompts, solo_tokens
+
+# refused for what mlx-lm's model code does with a batch (the others: a cache class with no batch form)
+MODEL_CODE = ["gpt_bigcode", "afm7", "phi3small", "minimax_m3_vl"]
+
+
+@pytest.mark.parametrize("model_type", sorted(REFUSED_CONFIGS))
+def test_a_refused_family_is_refused_at_load_with_its_reason(model_type, tmp_path):
+    assert FAMILIES[model_type].refused
+    model, tokenizer = load(str(build_family_model(model_type, tmp_path)))
+    with pytest.raises(UnsupportedModel) as info:
+        Engine(model, tokenizer)
+    assert info.value.model_type == model_type
+    assert info.value.reason == FAMILIES[model_type].refused
+
+
+@pytest.mark.parametrize("model_type", MODEL_CODE)
+def test_without_the_refusal_a_batch_would_fail_or_differ_from_each_request_alone(model_type, tmp_path, monkeypatch):
+    monkeypatch.setitem(FAMILIES, model_type, dataclasses.replace(FAMILIES[model_type], refused=None))
+    model, tokenizer = load(str(build_family_model(model_type, tmp_path)))
+    prompts = mixed_prompts(6, 3, 45, seed=11)
+    engine = Engine(model, tokenizer, EngineConfig(max_batched_tokens=512, max_seqs=8))
+    run = drive(engine, [(0, {"prompt_tokens": p, "sampling": greedy(6), "request_id": f"r{i}"})
+                         for i, p in enumerate(prompts)])
+    reference = [solo_tokens(model, tokenizer, p, 6) for p in prompts]
+    assert len({tuple(r) for r in reference}) > 1, "the build's outputs depend on the prompt"
+    assert run.errors or [run.tokens[f"r{i}"] for i in range(len(prompts))] != reference
