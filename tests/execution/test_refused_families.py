@@ -42,3 +42,23 @@ def test_without_the_refusal_a_batch_would_fail_or_differ_from_each_request_alon
     reference = [solo_tokens(model, tokenizer, p, 6) for p in prompts]
     assert len({tuple(r) for r in reference}) > 1, "the build's outputs depend on the prompt"
     assert run.errors or [run.tokens[f"r{i}"] for i in range(len(prompts))] != reference
+
+
+def test_a_checkpoint_whose_first_cache_stores_nothing_is_refused_at_load(tmp_path):
+    """nemotron-nas builds its batch's attention mask from its first cache. A checkpoint whose first attention
+    layer is replaced by a linear map never writes that cache, so its rows' padding would not be masked: refused
+    at load (this shape alone; the family's other checkpoints run, in the conformance suite)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    blocks = [{"attention": {"replace_with_linear": True}, "ffn": {"ffn_mult": 1.5}},
+              {"attention": {"n_heads_in_group": 2}, "ffn": {"ffn_mult": 2.0}},
+              {"attention": {"n_heads_in_group": 4}, "ffn": {"no_op": True}}]
+    path = build_family_model("nemotron-nas", tmp_path, overrides={"num_hidden_layers": 3, "block_configs": blocks})
+    model, tokenizer = load(str(path))
+    with pytest.raises(UnsupportedModel, match="first cache layer stores nothing") as info:
+        Engine(model, tokenizer)
+    assert info.value.model_type == "nemotron-nas"
+    cache = make_prompt_cache(model)  # the premise: a forward writes every cache but the first
+    model(mx.array([[7, 8, 9]]), cache=cache)
+    assert cache[0].keys is None and all(c.keys is not None for c in cache[1:])
