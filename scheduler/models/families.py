@@ -5,9 +5,9 @@ model interface (``Model.get_input_embeddings`` and the language model's ``input
 between families is declared here, and nothing else:
 
 ``positions``      how the language model places tokens: ``ROPE`` (plain 1-D RoPE from each cache row's offset:
-                   gemma3, idefics3, smolvlm, mistral3, pixtral, llava, gemma4, gemma4_unified) or ``MROPE``
-                   (Qwen2/2.5/3-VL, Qwen3.5: 3-D positions from the image / video grids, a per-request rope delta; see
-                   ``positions.py``).
+                   gemma3, idefics2, idefics3, smolvlm, mistral3, pixtral, llava, internvl_chat, lfm2_vl, aya_vision,
+                   gemma4, gemma4_unified) or ``MROPE`` (Qwen2/2.5/3-VL and their MoE variants, Qwen3.5, GLM-4V: 3-D
+                   positions from the image / video grids, a per-request rope delta; see ``positions.py``).
 ``video_block_per_frame``  M-RoPE: a video's frame groups are each their own vision block, temporal position 0
                    (Qwen3-VL, Qwen3.5), where Qwen2/2.5-VL give a video one block along the temporal axis.
 ``media``          the media kinds the family's processor and embedding merge take.
@@ -137,6 +137,27 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
     FamilySpec("pixtral", item_split=ItemSplit.SIZED_STACK,
                notes="mistral3's tower and language model without its patch merger"),
     FamilySpec("llava", item_split=ItemSplit.STACK, notes="CLIP tower, every image resized and cropped to one size"),
+    FamilySpec("qwen3_vl_moe", Positions.MROPE, _QWEN_MEDIA, video_block_per_frame=True,
+               media_mask_input="visual_pos_masks", media_row_inputs=("deepstack_visual_embeds",),
+               vision_batch=_ONE, item_split=_GRID, notes="qwen3_vl with mixture-of-experts layers"),
+    FamilySpec("qwen3_5_moe", Positions.MROPE, _QWEN_MEDIA, video_block_per_frame=True, vision_batch=_ONE,
+               item_split=_GRID, honors_lengths=True,
+               notes="hybrid: gated-delta (recurrent) layers next to full attention, mixture-of-experts layers"),
+    # its rope index is Qwen2-VL's (a block per image after its begin-of-image token); mlx-vlm's
+    # get_input_embeddings keeps the positions on the model instance, which the adapter never reads
+    FamilySpec("glm4v", Positions.MROPE, vision_batch=_ONE, item_split=_GRID,
+               notes="GLM-4.1V: partial-rotary M-RoPE"),
+    # pixel_values (1, tiles, C, H, W), and the processor returns the image token id (an int) with the tensors:
+    # one encoder call per request, keyed whole
+    FamilySpec("internvl_chat", media_axis=1, vision_batch=VisionBatch.PER_REQUEST,
+               notes="InternViT tiles (dynamic tiling and a thumbnail), pixel shuffle"),
+    # views padded to one patch count (pixel_attention_mask, spatial_shapes): tensors agree but for axis 0
+    FamilySpec("lfm2_vl", honors_lengths=True,
+               notes="hybrid: short-conv (recurrent) layers next to full attention; packed patches"),
+    # pixel_values (1, views, C, H, W), the crops and the whole image, with no tag that would split it by image
+    FamilySpec("idefics2", media_axis=1, notes="perceiver resampler, image splitting"),
+    # every image's tiles flat along axis 0 (a tile count per image): keyed whole
+    FamilySpec("aya_vision", notes="Cohere2 language model: sliding-window layers; tiles and a global view"),
     FamilySpec("gemma4", media=frozenset({"audio"}), sequence_inputs=("per_layer_inputs",),
                vision_batch=VisionBatch.PER_REQUEST, honors_lengths=True,
                notes="audio only: images not attempted (checkpoints with use_bidirectional_attention "

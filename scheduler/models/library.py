@@ -160,7 +160,20 @@ def input_embeddings(model: Any, input_ids: mx.array, media_inputs: dict[str, An
     values, grids, audio features, ...), given by name; ``pixel_values`` goes positionally as mlx-vlm does."""
     kwargs = dict(media_inputs)
     pixel_values = kwargs.pop("pixel_values", None)
-    return model.get_input_embeddings(input_ids, pixel_values, mask=mask, **kwargs)
+    # GLM-4V's get_input_embeddings stores the prompt's M-RoPE positions on its language model (one prompt per
+    # model instance): put back what was there, so no call of the engine's leaves per-prompt state on the model
+    # (every forward passes its rows' positions)
+    language_model = getattr(model, "language_model", None)
+    kept = {name: getattr(language_model, name) for name in _INSTANCE_POSITION_STATE
+            if hasattr(language_model, name)}
+    try:
+        return model.get_input_embeddings(input_ids, pixel_values, mask=mask, **kwargs)
+    finally:
+        for name, value in kept.items():
+            setattr(language_model, name, value)
+
+
+_INSTANCE_POSITION_STATE = ("_position_ids", "_rope_deltas")
 
 
 def mrope_tokens(model: Any) -> tuple[int, int, int, int]:
