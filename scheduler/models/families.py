@@ -143,10 +143,11 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
     FamilySpec("qwen3_5_moe", Positions.MROPE, _QWEN_MEDIA, video_block_per_frame=True, vision_batch=_ONE,
                item_split=_GRID, honors_lengths=True,
                notes="hybrid: gated-delta (recurrent) layers next to full attention, mixture-of-experts layers"),
-    # its rope index is Qwen2-VL's (a block per image after its begin-of-image token); mlx-vlm's
-    # get_input_embeddings keeps the positions on the model instance, which the adapter never reads
-    FamilySpec("glm4v", Positions.MROPE, vision_batch=_ONE, item_split=_GRID,
-               notes="GLM-4.1V: partial-rotary M-RoPE"),
+    # its rope index is Qwen2-VL's (a block per image after its begin-of-image token). Its tower does not keep the
+    # images of one call apart as the Qwen towers do: a request's features from a call with other requests' images
+    # differed from its own call by 0.017 (tests/models/test_vision_batch.py), so one call per request
+    FamilySpec("glm4v", Positions.MROPE, vision_batch=VisionBatch.PER_REQUEST, item_split=_GRID,
+               notes="GLM-4.1V: partial-rotary M-RoPE; vision tower per request"),
     # pixel_values (1, tiles, C, H, W), and the processor returns the image token id (an int) with the tensors:
     # one encoder call per request, keyed whole
     FamilySpec("internvl_chat", media_axis=1, vision_batch=VisionBatch.PER_REQUEST,

@@ -35,14 +35,15 @@ from ..helpers import drive, engine_with_log
 MAX_TOKENS = 12
 #: every family that batches its encoders, with the build seed tests/models/test_vlm_families.py uses
 BATCHING = {"qwen2_vl": None, "qwen2_5_vl": 1, "qwen3_vl": 0, "qwen3_5": 0, "idefics3": 4, "smolvlm": 4,
-            "mistral3": 5, "pixtral": 0, "llava": 0}
+            "mistral3": 5, "pixtral": 0, "llava": 0, "qwen3_vl_moe": 0, "qwen3_5_moe": 1, "lfm2_vl": 0,
+            "idefics2": 0, "aya_vision": 0}
 
 
 def test_the_batching_families_are_the_table_s():
     assert set(BATCHING) == {n for n, s in FAMILIES.items() if not s.refused
                              and s.vision_batch is not VisionBatch.PER_REQUEST}
     assert {n for n, s in FAMILIES.items() if s.vision_batch is VisionBatch.ONE} == {
-        "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"}
+        "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe"}
 
 
 def noise_image(width, height, seed):
