@@ -47,11 +47,12 @@ def _tiny(name: str, seed: int = 0) -> Callable:
 # Build seeds. The kv-budget schedules preempt only if the first three requests (the third an image one) all
 # decode past the budget, a few tokens, before eos. With seed 0 the random eos row of these families wins
 # too soon for one of them (qwen2_5_vl: request 2 stops after 2 tokens; idefics3 / smolvlm: request 1 after 2;
-# mistral3: request 0 at its first token), so the budget only held requests back. qwen3_5_moe: with seed 0, 4-bit
-# keys and values from the first token gave one text request other greedy tokens than solo mlx-vlm in the staggered
-# schedule (its float runs exact in every schedule); seeds 1 and 2 are exact in all, not investigated further. The seeds below are the
+# mistral3: request 0 at its first token), so the budget only held requests back. The seeds below are the
 # first whose greedy runs of this workload outlast the budget (idefics3's seed 3 leaves request 0 only 4
-# tokens) while some request of the workload still ends on eos (mistral3's seeds 1-4 never stop).
+# tokens) while some request of the workload still ends on eos (mistral3's seeds 1-4 never stop). qwen3_5_moe:
+# with seed 0, 4-bit keys and values from the first token gave one text request other greedy tokens than solo
+# mlx-vlm in the staggered schedule (its float runs exact in every schedule); seeds 1 and 2 are exact in all,
+# not investigated further.
 FAMILY_CASES = {
     "qwen2_vl": FamilyCase(lambda d: build_model("vlm", d), ("image", "video")),
     "qwen2_5_vl": FamilyCase(_tiny("qwen2_5_vl", seed=1), ("image", "video")),
