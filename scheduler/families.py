@@ -132,7 +132,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            note="sliding-window layers, key-value sharing across layers, per-layer inputs, mixture of experts"),
     # honors_lengths not declared where a padded shared forward leaves a row other state than its own forward
     # (the check of tests/execution/test_hybrids.py, probed per family): gemma3n, recurrent_gemma, mamba, rwkv7,
-    # jamba, olmo_hybrid, bailing_moe_linear; the CacheList families are not probed
+    # jamba, olmo_hybrid, bailing_moe_linear, baichuan_m1, longcat_flash_ngram
     Family("gemma3n", _ROT, note="sliding-window layers, key-value sharing across layers, AltUp, per-layer inputs"),
     Family("spark2_5", _ROT, honors_lengths=True, note="sliding-window layers, per-layer rotary, gated attention"),
     Family("step3p5", _ROT, honors_lengths=True, note="sliding-window layers with their own heads, mixture of experts"),
@@ -149,7 +149,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("longcat_flash", _LIST_KV, note="two latent attentions a layer, zero experts"),
     Family("longcat_flash_ngram", ("ArraysCache", "CacheList[KVCache+KVCache]"),
            note="two latent attentions a layer, n-gram embeddings (token history as state)"),
-    Family("falcon_h1", ("CacheList[ArraysCache+KVCache]",), note="hybrid: Mamba-2 and attention in every layer"),
+    Family("falcon_h1", ("CacheList[ArraysCache+KVCache]",), honors_lengths=True,
+           note="hybrid: Mamba-2 and attention in every layer"),
     Family("baichuan_m1", ("CacheList[ArraysCache+KVCache]", "CacheList[ArraysCache+RotatingKVCache]"),
            note="hybrid: short convolutions of keys and values, sliding-window layers"),
     # ---- recurrent state

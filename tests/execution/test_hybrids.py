@@ -206,8 +206,10 @@ def _layer_arrays(layer) -> list:
     """What a single-request cache layer holds for its tokens: plain KV up to its offset, a rotating window's
     last `max_size - 1` positions in temporal order (how many older ones it still keeps depends on the writes
     that reached it, and no later query reads them) and its token count, a recurrent state's arrays."""
-    from mlx_lm.models.cache import ArraysCache, RotatingKVCache
+    from mlx_lm.models.cache import ArraysCache, CacheList, RotatingKVCache
 
+    if isinstance(layer, CacheList):
+        return [a for sub in layer.caches for a in _layer_arrays(sub)]
     if isinstance(layer, ArraysCache):
         return [a for a in layer.cache if a is not None]
     if isinstance(layer, RotatingKVCache):
