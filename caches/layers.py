@@ -550,6 +550,8 @@ class QuantizedKV:
 
 
 _KINDS = (PlainKV, RotatingKV, Arrays, QuantizedKV)
+# every cache class a layer (or a CacheList's part) can be, single-request and batch forms
+_LAYER_CLASSES = (mlx_cache.CacheList, *(c for kind in _KINDS for c in (*kind.classes, *kind.batch_classes)))
 
 _REFUSED = {
     "ChunkedKVCache": "chunked attention caches have no batch form in mlx-lm (its BatchGenerator refuses them too)",
@@ -1102,14 +1104,9 @@ def _hold(value: Any) -> Any:
         return value.copy()
     if isinstance(value, (list, tuple)):
         return type(value)(_hold(v) for v in value)
-    if _is_cache_layer(value):  # a layer inside a CacheList (recurrent state included: it has no update_and_fetch)
+    if isinstance(value, _LAYER_CLASSES):  # a layer inside a CacheList (recurrent state has no update_and_fetch)
         return _hold_layer(value)
     return value
-
-
-def _is_cache_layer(value: Any) -> bool:
-    return isinstance(value, mlx_cache.CacheList) or any(
-        isinstance(value, kind.classes) or isinstance(value, kind.batch_classes) for kind in _KINDS)
 
 
 def _hold_layer(layer: Any) -> _HeldLayer:
