@@ -65,9 +65,10 @@ class EngineConfig:
         audio clips: every kind of media a client sends is bounded per request.
     remote_media: fetch media given as http(s) URLs (scheduler/models/fetch.py), in `add_request` on the
         caller's thread (AsyncEngine and the server fetch on a thread pool of their own, under the same settings). False
-        refuses them (UnreadableMedia). Each fetch is bounded by `media_fetch_timeout_s` (connection and each
-        wait for data; a body still arriving after about twice that is cut off), `media_fetch_max_bytes`, and
-        `allowed_media_domains` (host names, exact; None: any host), which holds on every redirect hop too.
+        refuses them (UnreadableMedia). Each fetch is bounded by `media_fetch_timeout_s` (host name lookup,
+        connection and each wait for data; a body still arriving after about twice that is cut off),
+        `media_fetch_max_bytes`, and `allowed_media_domains` (host names, exact; None: any host), which holds on
+        every redirect hop too.
     max_kv_size: keep only the last `max_kv_size` tokens of each request's context (rotating caches, no
         attention sinks), for models without their own cache layout; positions stay true (RoPE uses the real
         offset). None keeps everything.

@@ -12,7 +12,10 @@ item passes through unchanged. The engine calls it in ``VLMAdapter.prepare`` (on
 What the policy bounds, since a URL is a request's input and may point anywhere:
 
 * **time**: ``timeout_s`` bounds the connection and each wait for data; a deadline of the same length is also
-  checked between reads, so a server that trickles bytes is cut off after at most about twice ``timeout_s``;
+  checked between reads, so a server that trickles bytes is cut off after at most about twice ``timeout_s``.
+  Host names are looked up under that deadline too (``HostLookup``): ``socket.getaddrinfo`` takes no timeout
+  and waits as long as the system's resolver retries (tens of seconds with a name server that does not answer),
+  so a fetch would otherwise be held by DNS past every bound above;
 * **size**: a declared ``Content-Length`` over ``max_bytes`` is refused before the body is read, and a body that
   grows past it is refused when it does;
 * **where**: only ``http`` and ``https``, on every redirect hop too (a redirect to ``file:`` or ``ftp:`` is
@@ -25,12 +28,15 @@ reports as ``UnreadableMedia`` for that request alone and the server as a 400 na
 
 from __future__ import annotations
 
+import concurrent.futures
 import http.client
+import socket
+import ssl
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import urlparse
 
 from .media import RemoteMedia, describe_source
@@ -81,6 +87,80 @@ def resolve_all(images: list, videos: list, audio: list, policy: FetchPolicy | N
     return each("image", images), each("video", videos), each("audio", audio)
 
 
+class HostLookup:
+    """Host name lookups a fetch waits for only until its deadline.
+
+    ``socket.getaddrinfo`` cannot be given a timeout, so each lookup runs on a small pool shared by every fetch,
+    and the fetch waits for its answer only as long as its deadline leaves. A lookup still running then finishes
+    on its own thread and its answer is dropped: the pool's size bounds how many threads slow lookups can hold
+    (further lookups queue behind them and time out at their own deadlines), and none outlives the system
+    resolver's own timeout. ``lookup`` is ``socket.getaddrinfo``'s signature (tests pass a slow one)."""
+
+    def __init__(self, lookup: Callable[..., list] = socket.getaddrinfo, workers: int = 4):
+        self._lookup = lookup
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="mlxsched-dns")
+
+    def connect(self, address: tuple[str, int], timeout: float, deadline: float) -> socket.socket:
+        """A TCP socket connected to ``address`` (host, port): the host looked up before ``deadline``, then each
+        of its addresses tried in turn with ``timeout`` to connect (as ``socket.create_connection`` does)."""
+        host, port = address
+        answer = self._pool.submit(self._lookup, host, port, 0, socket.SOCK_STREAM)
+        try:
+            addresses = answer.result(timeout=max(0.0, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            answer.cancel()  # still queued behind slow lookups: never started
+            raise _LookupTimeout(f"looking up host {host!r} took longer than the fetch's deadline") from None
+        failure: OSError = OSError(f"no address for host {host!r}")
+        for family, kind, proto, _, sockaddr in addresses:
+            sock = socket.socket(family, kind, proto)
+            try:
+                sock.settimeout(timeout)
+                sock.connect(sockaddr)
+                return sock
+            except OSError as exc:
+                sock.close()
+                failure = exc
+        raise failure
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _LookupTimeout(TimeoutError):
+    """A host name lookup the fetch's deadline passed before."""
+
+
+DEFAULT_LOOKUP = HostLookup()
+
+
+class _DeadlineConnections(urllib.request.HTTPHandler, urllib.request.HTTPSHandler):
+    """urllib's http and https handlers, making each connection's socket with ``HostLookup.connect`` under the
+    fetch's deadline (every redirect hop's too). ``_create_connection`` is the attribute ``http.client``'s
+    connections make their socket with (``HTTPConnection.connect``), set per connection here."""
+
+    def __init__(self, lookup: HostLookup, deadline: float):
+        urllib.request.HTTPHandler.__init__(self)
+        urllib.request.HTTPSHandler.__init__(self)
+        self.lookup, self.deadline = lookup, deadline
+        self.tls = ssl.create_default_context()  # what urllib's https handler verifies with by default
+
+    def _connection(self, base: type) -> Callable[..., http.client.HTTPConnection]:
+        def make(host: str, **kwargs: Any) -> http.client.HTTPConnection:
+            connection = base(host, **kwargs)
+            connection._create_connection = self._connect
+            return connection
+        return make
+
+    def _connect(self, address: tuple[str, int], timeout: float, source_address: Any = None) -> socket.socket:
+        return self.lookup.connect(address, timeout, self.deadline)  # timeout: the policy's (given to open)
+
+    def http_open(self, req: Any) -> Any:
+        return self.do_open(self._connection(http.client.HTTPConnection), req)
+
+    def https_open(self, req: Any) -> Any:
+        return self.do_open(self._connection(http.client.HTTPSConnection), req, context=self.tls)
+
+
 class _CheckedRedirects(urllib.request.HTTPRedirectHandler):
     """urllib's redirects, with each hop's scheme and host checked against the policy."""
 
@@ -100,17 +180,18 @@ class _CheckedRedirects(urllib.request.HTTPRedirectHandler):
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
-def fetch(url: str, policy: FetchPolicy, kind: str, index: int | None) -> bytes:
-    """The body at ``url`` under ``policy``; ``RemoteMedia`` naming the item for anything else."""
+def fetch(url: str, policy: FetchPolicy, kind: str, index: int | None, lookup: HostLookup = DEFAULT_LOOKUP) -> bytes:
+    """The body at ``url`` under ``policy``; ``RemoteMedia`` naming the item for anything else. ``lookup``: how
+    host names are looked up under the deadline."""
     where = describe_source(url)
     parsed = urlparse(url)
     if parsed.scheme.lower() not in REMOTE_SCHEMES or not parsed.hostname:
         raise RemoteMedia(index, f"not an http(s) URL with a host: {where}", kind)
     if not policy.host_allowed(parsed.hostname):
         raise RemoteMedia(index, f"host {parsed.hostname!r} is not among the allowed media domains", kind)
-    opener = urllib.request.build_opener(_CheckedRedirects(policy, kind, index))
-    request = urllib.request.Request(url, headers={"User-Agent": policy.user_agent})
     deadline = time.monotonic() + policy.timeout_s
+    opener = urllib.request.build_opener(_DeadlineConnections(lookup, deadline), _CheckedRedirects(policy, kind, index))
+    request = urllib.request.Request(url, headers={"User-Agent": policy.user_agent})
     try:
         with opener.open(request, timeout=policy.timeout_s) as response:
             declared = response.headers.get("Content-Length")
@@ -131,6 +212,9 @@ def fetch(url: str, policy: FetchPolicy, kind: str, index: int | None) -> bytes:
         raise RemoteMedia(index, f"fetching {where} failed: HTTP {exc.code} {exc.reason}", kind) from None
     except urllib.error.URLError as exc:
         reason = exc.reason
+        if isinstance(reason, _LookupTimeout):
+            raise RemoteMedia(index, f"fetching {where}: looking up its host took more than {policy.timeout_s:g} s",
+                              kind) from None
         if isinstance(reason, TimeoutError):
             raise RemoteMedia(index, f"fetching {where} timed out after {policy.timeout_s:g} s", kind) from None
         raise RemoteMedia(index, f"cannot fetch {where}: {reason}", kind) from None
@@ -141,4 +225,5 @@ def fetch(url: str, policy: FetchPolicy, kind: str, index: int | None) -> bytes:
     return bytes(body)
 
 
-__all__ = ["REMOTE_SCHEMES", "FetchPolicy", "fetch", "is_remote", "resolve", "resolve_all"]
+__all__ = ["DEFAULT_LOOKUP", "REMOTE_SCHEMES", "FetchPolicy", "HostLookup", "fetch", "is_remote", "resolve",
+           "resolve_all"]

@@ -1,24 +1,26 @@
 """Media given as http(s) URLs (scheduler/models/fetch.py), against a loopback HTTP server (tests/media_http.py).
 
 The fetch itself: bytes come back as served; every bound holds and fails with `RemoteMedia` naming the item
-(HTTP errors, a declared or streamed body over the byte limit, a stalled or trickling server, redirects to
-another scheme, to a host outside the allowed list, or in a loop, a closed port). Through the engine (tiny
-Qwen2-VL): an image by URL is the same image as by path (same media key, same greedy tokens as solo
-`mlx_vlm`), as `images=` or as an OpenAI content part, and a video by URL is the same clip as by path; a URL
-that cannot be fetched fails its own request at `add_request` while the others finish, leaving nothing behind;
-`remote_media=False` and `allowed_media_domains` refuse without touching the network; `AsyncEngine` fetches each
-request on a pool of its own, so a stalled host holds no other request; the reference surface
-(`MLLMBatchGenerator`) takes image URLs as the reference does."""
+(HTTP errors, a declared or streamed body over the byte limit, a stalled or trickling server, a host name
+lookup that hangs, redirects to another scheme, to a host outside the allowed list, or in a loop, a closed
+port). Through the engine (tiny Qwen2-VL): an image by URL is the same image as by path (same media key, same
+greedy tokens as solo `mlx_vlm`), as `images=` or as an OpenAI content part, and a video by URL is the same clip
+as by path; a URL that cannot be fetched fails its own request at `add_request` while the others finish, leaving
+nothing behind; `remote_media=False` and `allowed_media_domains` refuse without touching the network;
+`AsyncEngine` fetches each request on a pool of its own, so a stalled host holds no other request; the reference
+surface (`MLLMBatchGenerator`) takes image URLs as the reference does."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
+import threading
 import time
 
 import pytest
 
 from scheduler import Engine, EngineConfig, SamplingParams
-from scheduler.models.fetch import FetchPolicy, fetch, is_remote, resolve
+from scheduler.models.fetch import FetchPolicy, HostLookup, fetch, is_remote, resolve
 from scheduler.models.media import MediaError, RemoteMedia
 from scheduler.request import UnreadableMedia
 
@@ -101,6 +103,62 @@ def test_a_closed_port_and_a_url_without_a_host_fail_cleanly():
         fetch(f"http://127.0.0.1:{port}/a.png", POLICY, "audio", 1)
     with pytest.raises(RemoteMedia, match="not an http"):
         fetch("http:///a.png", POLICY, "audio", 1)
+
+
+class _SlowNames:
+    """``socket.getaddrinfo`` that hangs on ``*.slow`` names until released, and records every host asked."""
+
+    def __init__(self):
+        self.asked: list[str] = []
+        self.release = threading.Event()
+
+    def __call__(self, host, port, *args):
+        self.asked.append(host)
+        if host.endswith(".slow"):
+            self.release.wait(30)
+            host = "127.0.0.1"
+        return socket.getaddrinfo(host, port, *args)
+
+
+def test_a_host_lookup_that_hangs_is_cut_off_at_the_deadline_and_holds_no_other_fetch(media_server):
+    """``socket.getaddrinfo`` takes no timeout: a name server that does not answer held a fetch for as long as
+    the system resolver retried, past every bound of the policy. The lookup is now waited for only until the
+    fetch's deadline, on a bounded pool, and a fetch beside it (and each redirect hop's lookup) goes through."""
+    names = _SlowNames()
+    lookup = HostLookup(names, workers=2)
+    body = b"beside a slow lookup"
+    media_server.serve("/beside.bin", body)
+    try:
+        start = time.monotonic()
+        with pytest.raises(RemoteMedia, match=r"^image 2: .*looking up its host took more than 0.3 s"):
+            fetch(f"http://media.slow:{media_server.port}/beside.bin", FetchPolicy(timeout_s=0.3), "image", 2,
+                  lookup)
+        assert time.monotonic() - start < 1.5
+        hop = media_server.url("/redirect?to=" + media_server.url("/beside.bin", host="localhost"))
+        assert fetch(hop, POLICY, "image", 0, lookup) == body
+        # https connections are made the same way (this server speaks plain http: the TLS handshake fails)
+        with pytest.raises(RemoteMedia, match="cannot fetch .*SSL"):
+            fetch(media_server.url("/beside.bin").replace("http:", "https:"), POLICY, "image", 0, lookup)
+        assert names.asked == ["media.slow", "127.0.0.1", "localhost", "127.0.0.1"]
+    finally:
+        names.release.set()
+        lookup.close()
+
+
+def test_a_lookup_queued_behind_slow_ones_times_out_at_its_own_deadline_without_running():
+    """The pool's size bounds the threads slow lookups hold: with both busy, a third fetch waits in the queue
+    until its deadline, fails, and its lookup never starts."""
+    names = _SlowNames()
+    lookup = HostLookup(names, workers=1)
+    policy = FetchPolicy(timeout_s=0.2)
+    try:
+        for name in ("a.slow", "b.slow"):
+            with pytest.raises(RemoteMedia, match="looking up its host took more than 0.2 s"):
+                fetch(f"http://{name}/x.png", policy, "image", 0, lookup)
+        assert names.asked == ["a.slow"]  # b.slow was cancelled in the queue
+    finally:
+        names.release.set()
+        lookup.close()
 
 
 def test_no_policy_refuses_every_url_without_fetching(media_server):
