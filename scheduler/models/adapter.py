@@ -239,14 +239,18 @@ class VLMAdapter:
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
-        """What ends generation in ``mlx_vlm.stream_generate``: the config's ``eos_token_id`` (int or list),
-        plus the tokenizer's own eos."""
+        """What ends generation in ``mlx_vlm.stream_generate`` (its ``StoppingCriteria``): the config's
+        ``eos_token_id`` (int or list), the tokenizer's own eos (``eos_token_ids`` and ``eos_token_id``), and the
+        processor's ``additional_eos_token_ids`` (the end-of-utterance token of Idefics3 / SmolVLM, Kimi-VL's
+        end of the assistant's turn). tests/models/test_vlm_families.py holds it equal to the criteria's ids."""
         ids: set[int] = set()
-        for source in (getattr(self.model.config, "eos_token_id", None), getattr(self.tokenizer, "eos_token_id", None)):
+        for source in (getattr(self.model.config, "eos_token_id", None), getattr(self.tokenizer, "eos_token_ids", None),
+                       getattr(self.tokenizer, "eos_token_id", None),
+                       getattr(self.processor, "additional_eos_token_ids", None)):
             if isinstance(source, int):
                 ids.add(source)
             elif source is not None:
-                ids.update(int(i) for i in source)
+                ids.update(int(i) for i in source if isinstance(i, int))
         return frozenset(ids)
 
     @property

@@ -399,6 +399,15 @@ def test_family_chat_turn_adding_an_image_reuses_the_turn_before(family):
         assert [(r["items_encoded"], r["media_tokens_encoded"]) for r in recorded] == [(2, media_tokens[1])]
 
 
+def test_family_stops_on_what_mlx_vlm_stops_on(family):
+    """The engine's eos ids are the ids mlx-vlm's stopping criteria (set up by mlx_vlm.load) end a generation on:
+    the config's, the tokenizer's and the processor's additional ones (Idefics3 / SmolVLM's end of utterance).
+    A change in how mlx-vlm gathers them fails here."""
+    name, (model, processor), _, _ = family
+    tokenizer = getattr(processor, "tokenizer", processor)
+    assert Engine(model, processor).scheduler.model_stop_ids == set(tokenizer.stopping_criteria.eos_token_ids), name
+
+
 def test_family_is_quiet_per_request(family, capfd, caplog, recwarn):
     """Nothing prints, logs or warns per request (mlx-vlm's template call made transformers warn about
     "processor_kwargs" once per image request)."""
