@@ -178,9 +178,14 @@ _INSTANCE_POSITION_STATE = ("_position_ids", "_rope_deltas")
 
 def mrope_tokens(model: Any) -> tuple[int, int, int, int]:
     """(image token, video token, vision-start token, spatial merge size), read where the M-RoPE language
-    models' ``get_rope_index`` reads them (``language_model.config``)."""
+    models' ``get_rope_index`` reads them (``language_model.config``). GLM-OCR's config names its start token
+    ``image_start_token_id`` (its ``get_rope_index`` blocks each run of image tokens instead: the same positions
+    for its prompts, where every image follows that token; tests/models/test_positions.py)."""
     config = model.language_model.config
-    return (int(config.image_token_id), int(config.video_token_id), int(config.vision_start_token_id),
+    start = getattr(config, "vision_start_token_id", None)
+    if start is None:
+        start = config.image_start_token_id
+    return (int(config.image_token_id), int(config.video_token_id), int(start),
             int(config.vision_config.spatial_merge_size))
 
 
