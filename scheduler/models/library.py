@@ -189,6 +189,13 @@ def mrope_tokens(model: Any) -> tuple[int, int, int, int]:
             int(config.vision_config.spatial_merge_size))
 
 
+def spatial_merge(model: Any) -> int:
+    """The patch merge of a tower fed Qwen2-VL-style flattened patches with a ``*_grid_thw`` row per item: an
+    item of grid (t, h, w) fills t * h * w / merge**2 prompt positions. Read from the model's vision config, so
+    it also serves the families whose language model keeps no media config (dots.ocr's plain-RoPE Qwen2)."""
+    return int(model.config.vision_config.spatial_merge_size)
+
+
 def lm_forward(language_model: Any, inputs: mx.array, cache: list, inputs_embeds: mx.array | None = None,
                **kwargs: Any) -> mx.array:
     """Logits of one language-model call. Given explicit ``position_ids`` (M-RoPE) and no ``pixel_values`` /

@@ -90,7 +90,7 @@ def _grid(model: Any, media_inputs: dict[str, Any], request: RequestMedia) -> li
     patches = grid.prod(axis=1)
     if int(patches.sum()) != pixels.shape[0]:
         return None
-    merge = library.mrope_tokens(model)[3]
+    merge = library.spatial_merge(model)
     bounds = np.concatenate([[0], np.cumsum(patches)]).tolist()
     videos = grid_name == "video_grid_thw"  # a video counts its temporal patches
     return [ItemInputs(int(n) // merge ** 2, int(grid[i][0]) if videos else 1,
