@@ -350,7 +350,8 @@ class VLMAdapter:
             raise
         ids = self._prompt_ids(inputs)
         has_media = bool(pil or clips or waves)
-        media_inputs = {k: v for k, v in inputs.items() if k not in _NOT_MEDIA and v is not None} if has_media else {}
+        media_inputs = {k: v for k, v in inputs.items() if k not in _NOT_MEDIA and k not in self.spec.dropped_inputs
+                        and v is not None} if has_media else {}
         media_at = tuple(i for i, t in enumerate(ids) if t in self.media_token_ids) if has_media else ()
         if has_media and not media_at:
             raise ValueError("the processor put no media tokens in the prompt")

@@ -17,6 +17,10 @@ between families is declared here, and nothing else:
                    and the language model reads per prefill chunk: a (1, L) mask of the media positions
                    (Qwen3-VL's ``visual_pos_masks``) and per-media-token rows (its ``deepstack_visual_embeds``).
 ``sequence_inputs`` extra (1, L, ...) inputs sliced with the chunk (Gemma 4's ``per_layer_inputs``).
+``dropped_inputs`` processor outputs that are neither media tensors nor read by the family's encoders or language
+                   model, dropped after the processor call (dots.ocr: transformers' Qwen2.5-VL processor returns
+                   ``mm_token_type_ids``, (1, L) like the prompt: kept as a media tensor it cannot be split per
+                   image nor concatenated across requests of other lengths).
 ``mixed_image_video`` whether one request may carry both images and videos (mlx-vlm's Qwen2/2.5-VL merge one kind).
 ``audio_encoder``  the model attribute that turns audio features into embeddings (a checkpoint without it is
                    refused for an audio family): Gemma 4's Conformer ``audio_tower``; Gemma 4 unified has no
@@ -90,6 +94,7 @@ class FamilySpec:
     media_mask_input: str | None = None
     media_row_inputs: tuple[str, ...] = ()
     sequence_inputs: tuple[str, ...] = ()
+    dropped_inputs: tuple[str, ...] = ()
     mixed_image_video: bool = False
     video_block_per_frame: bool = False
     vision_batch: VisionBatch = VisionBatch.EQUAL_SHAPE
