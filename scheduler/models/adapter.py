@@ -192,6 +192,8 @@ class VLMAdapter:
         self.positions = position_strategies.for_family(self.spec)
         self.media_encoder: Callable[[mx.array, dict, Any], Any] = self._encode_media
         self.media_token_ids = library.media_token_ids(model, processor)
+        # the token between two units of one encoder call (``_run_encoders``): the smallest id that is no placeholder
+        self._separator = min(set(range(len(self.media_token_ids) + 1)) - self.media_token_ids)
         self.image_token = _placeholder(processor, self.spec.placeholder)
         self.video_token = _placeholder(processor, "video_token")
         self.audio_token = _placeholder(processor, "audio_token")
@@ -593,10 +595,17 @@ class VLMAdapter:
             found[unit.key] = m
 
     def _run_encoders(self, group: Sequence[_Unit]) -> list[_Media]:
+        # units side by side, one non-media token between two: an item unit's prompt is its placeholders alone, and
+        # back to back they would read as one image to a merge or rope index that finds images as runs of
+        # placeholders (GLM-OCR's get_rope_index raised on the joined run, and every such call was redone per unit)
+        gap = 1 if len(group) > 1 else 0
         if len(group) == 1:
             ids, mask, media_inputs = group[0].ids, group[0].mask, group[0].inputs
         else:
-            ids, mask = mx.concatenate([u.ids for u in group], axis=1), mx.concatenate([u.mask for u in group], axis=1)
+            separator = mx.array([[self._separator]], dtype=group[0].ids.dtype)
+            ids = mx.concatenate([piece for u in group for piece in (separator, u.ids)][1:], axis=1)
+            mask = mx.concatenate([piece for u in group for piece in (mx.ones((1, 1), dtype=u.mask.dtype), u.mask)][1:],
+                                  axis=1)
             media_inputs = {name: mx.concatenate([mx.array(u.inputs[name]) for u in group], axis=self._axis(name))
                             for name in group[0].inputs}
         out = self.media_encoder(ids, media_inputs, mask)
@@ -614,9 +623,9 @@ class VLMAdapter:
             media.append(_Media(rows, own_rows, hit=False, embeds=own if unit.whole else None,
                                 sequence_inputs={k: v[:, start: start + length] for k, v in sequence_inputs.items()}
                                 if unit.whole else {}))
-            start, media_start = start + length, media_start + len(positions)
-        if start != embeds.shape[1]:
-            raise ValueError(f"the encoders gave {embeds.shape[1]} embeddings for {start} tokens")
+            start, media_start = start + length + gap, media_start + len(positions)
+        if start - gap != embeds.shape[1]:
+            raise ValueError(f"the encoders gave {embeds.shape[1]} embeddings for {start - gap} tokens")
         mx.eval([m.embeds for m in media if m.embeds is not None], [m.rows for m in media],
                 [r for m in media for r in m.row_inputs if r is not None])
         return media
