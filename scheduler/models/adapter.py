@@ -695,8 +695,8 @@ class VLMAdapter:
         if chunk_mask is not None:  # the language model adds the chunk's media rows at its media positions
             kwargs[self.spec.media_mask_input] = chunk_mask
             kwargs.update(chunk_rows)
-        logits = library.lm_forward(self.language_model, encoded.input_ids[:, start:end], cache,
-                                    inputs_embeds=encoded.embeddings[:, start:end], **kwargs)
+        logits = self._lm_forward(encoded.input_ids[:, start:end], cache,
+                                  inputs_embeds=encoded.embeddings[:, start:end], **kwargs)
         mx.eval([c.state for c in cache])
         return logits
 
@@ -760,8 +760,8 @@ class VLMAdapter:
             kwargs[self.spec.media_mask_input] = mx.concatenate(masks, axis=0)
             kwargs.update({name: mx.concatenate(parts, axis=1) for name, parts in media_rows.items()})
         layers.prepare_padded(batch, [n for *_, n in rows], width)
-        logits = library.lm_forward(self.language_model, mx.concatenate(ids, axis=0), batch,
-                                    inputs_embeds=mx.concatenate(embeds, axis=0), **kwargs)
+        logits = self._lm_forward(mx.concatenate(ids, axis=0), batch, inputs_embeds=mx.concatenate(embeds, axis=0),
+                                  **kwargs)
         layers.finalize_padded(batch)
         mx.eval(layers.cache_arrays(batch))
         return layers.split_batch(batch, len(rows), [width - n for *_, n in rows]), logits
@@ -783,7 +783,14 @@ class VLMAdapter:
     def verify(self, batch_cache: list, inputs: mx.array, rope_deltas: mx.array | None) -> mx.array:
         """(B, n) inputs -> (B, n, V) logits: each row's next n tokens at its own positions."""
         kwargs = self.positions.decode_kwargs(batch_cache, _deltas(rope_deltas, inputs.shape[0]), inputs.shape[1])
-        return library.lm_forward(self.language_model, inputs, batch_cache, **kwargs)
+        return self._lm_forward(inputs, batch_cache, **kwargs)
+
+    def _lm_forward(self, inputs: mx.array, cache: list, **kwargs: Any) -> mx.array:
+        """The language model on ``inputs``; M-RoPE positions (kept as (3, B, L) here) in the layout the family's
+        language model reads (``FamilySpec.positions_last``: (B, L, 3))."""
+        if self.spec.positions_last and kwargs.get("position_ids") is not None:
+            kwargs["position_ids"] = kwargs["position_ids"].transpose(1, 2, 0)
+        return library.lm_forward(self.language_model, inputs, cache, **kwargs)
 
     def kv_layout(self) -> Any:
         """Bytes per token of each layer (and windows), measured on a one-token probe of the model's cache."""

@@ -8,6 +8,8 @@ between families is declared here, and nothing else:
                    gemma3, idefics2, idefics3, smolvlm, mistral3, pixtral, llava, internvl_chat, lfm2_vl, aya_vision,
                    gemma4, gemma4_unified) or ``MROPE`` (Qwen2/2.5/3-VL and their MoE variants, Qwen3.5, GLM-4V: 3-D
                    positions from the image / video grids, a per-request rope delta; see ``positions.py``).
+``positions_last`` M-RoPE: the language model takes its ``position_ids`` as (B, L, 3), the axes last (ERNIE 4.5
+                   VL), where the Qwen families take (3, B, L); the adapter keeps (3, B, L) and transposes at the call.
 ``video_block_per_frame``  M-RoPE: a video's frame groups are each their own vision block, temporal position 0
                    (Qwen3-VL, Qwen3.5), where Qwen2/2.5-VL give a video one block along the temporal axis.
 ``media``          the media kinds the family's processor and embedding merge take.
@@ -97,6 +99,7 @@ class FamilySpec:
     dropped_inputs: tuple[str, ...] = ()
     mixed_image_video: bool = False
     video_block_per_frame: bool = False
+    positions_last: bool = False  # M-RoPE positions given to the language model as (B, L, 3)
     vision_batch: VisionBatch = VisionBatch.EQUAL_SHAPE
     media_axis: int = 0
     item_split: ItemSplit = ItemSplit.WHOLE

@@ -79,8 +79,11 @@ def mrope_index(tokens: np.ndarray, mask: np.ndarray, layout: MRopeLayout, image
         videos = [(1, h, w) for t, h, w in videos for _ in range(t)]
     kept = tokens[keep]
     after_start = kept[1:][kept[:-1] == layout.vision_start]
+    # a family whose videos share the image token (ERNIE 4.5 VL) counts each block once, as an image (its
+    # get_rope_index tests the image token first)
     remaining = {"image": int(np.sum(after_start == layout.image_token)),
-                 "video": int(np.sum(after_start == layout.video_token))}
+                 "video": int(np.sum(after_start == layout.video_token)) if layout.video_token != layout.image_token
+                 else 0}
     grids = {"image": iter(images), "video": iter(videos)}
     where = {"image": np.flatnonzero(kept == layout.image_token), "video": np.flatnonzero(kept == layout.video_token)}
     pieces: list[np.ndarray] = []
