@@ -531,10 +531,11 @@ class MLXExecutor:
         if self.quantize is not None and start <= self.quantize.point(request.prompt_len) < start + n:
             return False  # it converts inside this chunk: its forward is split, one request at a time
         try:
-            self._encoded_input(request)
+            encoded = self._encoded_input(request)
         except Exception:  # fed alone, where its error is its own
             return False
-        return True
+        shares = getattr(self.runner, "shares_prefill", None)  # a chunk the model must see alone (media rows)
+        return shares is None or shares(encoded, start, n)
 
     def _checkpoint_at(self, request: Request, start: int, end: int) -> int | None:
         if not self._checkpoints:

@@ -145,6 +145,9 @@ class VisionLanguageRunner:
     def prefill(self, cache, request, encoded, start, end):
         return self.adapter.prefill(cache, encoded, start, end)
 
+    def shares_prefill(self, encoded, start, n):
+        return self.adapter.shares_prefill(encoded, start, n)
+
     def prefill_many(self, chunks):
         """`TextRunner.prefill_many` from each request's encoded embeddings and positions (the adapter's)."""
         return self.adapter.prefill_many([(cache, encoded, start, n) for _, encoded, cache, start, n in chunks])

@@ -619,7 +619,12 @@ class VLMAdapter:
             length, positions = unit.ids.shape[1], unit.positions
             own = embeds[:, start: start + length]
             rows = own[0, mx.array(positions)]
-            own_rows = [None if r is None else r[:, media_start: media_start + len(positions)] for r in row_inputs]
+            if self.spec.media_rows_whole_prompt:  # rows over the call's sequence: the unit's media positions'
+                at = mx.array(positions) + start
+                own_rows = [None if r is None else r[:, at] for r in row_inputs]
+            else:
+                own_rows = [None if r is None else r[:, media_start: media_start + len(positions)]
+                            for r in row_inputs]
             media.append(_Media(rows, own_rows, hit=False, embeds=own if unit.whole else None,
                                 sequence_inputs={k: v[:, start: start + length] for k, v in sequence_inputs.items()}
                                 if unit.whole else {}))
@@ -692,6 +697,8 @@ class VLMAdapter:
         kwargs = self.positions.prefill_kwargs(encoded.position_ids, start, end)
         kwargs.update({name: value[:, start:end] for name, value in encoded.sequence_inputs.items()})
         chunk_mask, chunk_rows = self._chunk_media(encoded, start, end)
+        if chunk_mask is not None and self.spec.media_rows_whole_prompt:
+            chunk_mask, chunk_rows = self._prompt_media(encoded, end)
         if chunk_mask is not None:  # the language model adds the chunk's media rows at its media positions
             kwargs[self.spec.media_mask_input] = chunk_mask
             kwargs.update(chunk_rows)
@@ -722,6 +729,28 @@ class VLMAdapter:
         before = int(encoded.media_mask[:, :start].sum().item())
         return chunk_mask, {name: rows[:, before: before + inside] for name, rows in encoded.media_rows.items()}
 
+    @staticmethod
+    def _prompt_media(encoded: EncodedRequest, end: int) -> tuple[mx.array, dict[str, Any]]:
+        """``FamilySpec.media_rows_whole_prompt``: the (1, end) media mask and each media row input spread over the
+        positions [0, end) ((layers, end, H), zeros off the media positions): the language model slices both at
+        its cache's offset."""
+        mask = encoded.media_mask[:, :end]
+        at = np.flatnonzero(np.array(mask[0]))
+        rows = {}
+        for name, value in encoded.media_rows.items():
+            full = mx.zeros((value.shape[0], end, value.shape[-1]), dtype=value.dtype)
+            full[:, mx.array(at)] = value[:, : len(at)]
+            rows[name] = full
+        return mask, rows
+
+    def shares_prefill(self, encoded: EncodedRequest, start: int, n: int) -> bool:
+        """Whether positions [start, start + n) may share a forward with other requests' chunks: not a chunk
+        holding media positions of a family whose language model adds one sequence's media rows to every row
+        of a batch (``FamilySpec.media_rows_whole_prompt``)."""
+        if not self.spec.media_rows_whole_prompt or encoded.media_mask is None:
+            return True
+        return not bool(encoded.media_mask[:, start:start + n].any().item())
+
     def prefill_many(self, rows: Sequence[tuple[list | None, EncodedRequest, int, int]]
                      ) -> tuple[list[list], mx.array]:
         """Several requests' chunks in one forward; one cache per request back, and the forward's (B, width, V)
@@ -739,6 +768,8 @@ class VLMAdapter:
         ids, embeds, positions, masks, media_rows, sequences = [], [], [], [], {}, {}
         for _, encoded, start, n in rows:
             self._check_range(encoded, start, start + n)
+            if not self.shares_prefill(encoded, start, n):
+                raise ValueError(f"a {self.spec.model_type} chunk with media positions is prefilled alone")
             pad = width - n
             ids.append(mx.pad(encoded.input_ids[:, start:start + n], [(0, 0), (0, pad)]))
             embeds.append(mx.pad(encoded.embeddings[:, start:start + n], [(0, 0), (0, pad), (0, 0)]))

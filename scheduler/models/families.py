@@ -18,6 +18,11 @@ between families is declared here, and nothing else:
 ``media_mask_input`` / ``media_row_inputs``  extra language-model inputs that ``get_input_embeddings`` returns
                    and the language model reads per prefill chunk: a (1, L) mask of the media positions
                    (Qwen3-VL's ``visual_pos_masks``) and per-media-token rows (its ``deepstack_visual_embeds``).
+``media_rows_whole_prompt``  the language model takes the media mask and rows over the whole prompt (the rows as
+                   (layers, L, H), zeros off the media positions) and slices both at its cache's offset, one
+                   sequence for every row of a batch (Granite 4 Vision's deepstack features): the adapter keeps
+                   the rows per media token (vision cache, recompute) and spreads them back over the positions up
+                   to each chunk's end; a chunk holding media positions is prefilled in a forward of its own.
 ``sequence_inputs`` extra (1, L, ...) inputs sliced with the chunk (Gemma 4's ``per_layer_inputs``).
 ``dropped_inputs`` processor outputs that are neither media tensors nor read by the family's encoders or language
                    model, dropped after the processor call (dots.ocr: transformers' Qwen2.5-VL processor returns
@@ -95,6 +100,7 @@ class FamilySpec:
     placeholder: str = "image_token"
     media_mask_input: str | None = None
     media_row_inputs: tuple[str, ...] = ()
+    media_rows_whole_prompt: bool = False
     sequence_inputs: tuple[str, ...] = ()
     dropped_inputs: tuple[str, ...] = ()
     mixed_image_video: bool = False
