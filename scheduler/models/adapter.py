@@ -765,7 +765,7 @@ class VLMAdapter:
         media rows, so each row computes what its own forward would."""
         width = max(n for *_, n in rows)
         batch = layers.merge_caches([cache if cache is not None else self.make_cache() for cache, *_ in rows])
-        ids, embeds, positions, masks, media_rows, sequences = [], [], [], [], {}, {}
+        ids, embeds, positions, masks, media_rows, sequences, any_media = [], [], [], [], {}, {}, False
         for _, encoded, start, n in rows:
             self._check_range(encoded, start, start + n)
             if not self.shares_prefill(encoded, start, n):
@@ -780,14 +780,16 @@ class VLMAdapter:
                 sequences.setdefault(name, []).append(
                     mx.pad(value[:, start:start + n], [(0, 0), (0, pad)] + [(0, 0)] * (value.ndim - 2)))
             chunk_mask, chunk_rows = self._chunk_media(encoded, start, start + n)
+            any_media = any_media or chunk_mask is not None
             masks.append(mx.zeros((1, width), dtype=mx.bool_) if chunk_mask is None
                          else mx.pad(chunk_mask.astype(mx.bool_), [(0, 0), (0, pad)]))
             for name, part in chunk_rows.items():
                 media_rows.setdefault(name, []).append(part)
         kwargs = {"position_ids": mx.concatenate(positions, axis=1)} if positions else {}
         kwargs.update({name: mx.concatenate(parts, axis=0) for name, parts in sequences.items()})
-        if media_rows:  # per row, its chunk's media positions (pads: none) and, in row order, their rows: the
-            # language model scatters each row's rows at its own positions (Qwen3-VL's `_deepstack_process`)
+        if any_media:  # per row, its chunk's media positions (pads: none) and, in row order, their rows: the
+            # language model scatters each row's rows at its own positions (Qwen3-VL's `_deepstack_process`); a
+            # family with a mask and no rows reads the mask alone (ZAYA1-VL's vision adapters)
             kwargs[self.spec.media_mask_input] = mx.concatenate(masks, axis=0)
             kwargs.update({name: mx.concatenate(parts, axis=1) for name, parts in media_rows.items()})
         layers.prepare_padded(batch, [n for *_, n in rows], width)
