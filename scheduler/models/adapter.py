@@ -191,7 +191,7 @@ class VLMAdapter:
         self.media_fetch = media_fetch
         self.positions = position_strategies.for_family(self.spec)
         self.media_encoder: Callable[[mx.array, dict, Any], Any] = self._encode_media
-        self.media_token_ids = library.media_token_ids(model, processor)
+        self.media_token_ids = library.media_token_ids(model, processor, self.spec.media_token)
         # the token between two units of one encoder call (``_run_encoders``): the smallest id that is no placeholder
         self._separator = min(set(range(len(self.media_token_ids) + 1)) - self.media_token_ids)
         self.image_token = _placeholder(processor, self.spec.placeholder)

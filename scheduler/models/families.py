@@ -15,6 +15,10 @@ between families is declared here, and nothing else:
 ``media``          the media kinds the family's processor and embedding merge take.
 ``placeholder``    the processor attribute naming the text a prompt holds once per image (``image_token`` for
                    most; gemma3's prompt holds its ``boi_token``, which the processor expands).
+``media_token``    the config or processor attribute naming the token whose positions take the media rows (its id,
+                   or its text), for a family whose usual config fields name none of them (Molmo's processor's
+                   ``image_patch_token``, Jina VLM's config ``image_patch_token_id``: their features are added at
+                   the patch tokens the processor writes, not at the prompt's placeholder).
 ``media_mask_input`` / ``media_row_inputs``  extra language-model inputs that ``get_input_embeddings`` returns
                    and the language model reads per prefill chunk: a (1, L) mask of the media positions
                    (Qwen3-VL's ``visual_pos_masks``) and per-media-token rows (its ``deepstack_visual_embeds``).
@@ -98,6 +102,7 @@ class FamilySpec:
     positions: Positions = Positions.ROPE
     media: frozenset[str] = frozenset({"image"})
     placeholder: str = "image_token"
+    media_token: str | None = None
     media_mask_input: str | None = None
     media_row_inputs: tuple[str, ...] = ()
     media_rows_whole_prompt: bool = False

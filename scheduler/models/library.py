@@ -322,8 +322,10 @@ def processor_settings(component: Any) -> list:
     return [type(component).__name__, json.dumps(settings, sort_keys=True, default=str)]
 
 
-def media_token_ids(model: Any, processor: Any) -> frozenset[int]:
-    """Every placeholder id the family's config names (image, video, audio tokens)."""
+def media_token_ids(model: Any, processor: Any, media_token: str | None = None) -> frozenset[int]:
+    """Every placeholder id the family's config names (image, video, audio tokens), and the token that
+    ``media_token`` (``FamilySpec.media_token``) names: a config attribute holding its id, or a processor attribute
+    holding its id or its text."""
     ids: set[int] = set()
     for holder in (model.config, getattr(model.config, "text_config", None)):
         for name in ("image_token_id", "image_token_index", "video_token_id", "video_token_index",
@@ -334,5 +336,17 @@ def media_token_ids(model: Any, processor: Any) -> frozenset[int]:
     value = getattr(processor, "image_token_id", None)
     if isinstance(value, int):
         ids.add(value)
+    if media_token:
+        token = next((v for v in (getattr(model.config, media_token, None), getattr(processor, media_token, None))
+                      if isinstance(v, (int, str))), None)
+        if isinstance(token, str):
+            tokenizer = getattr(processor, "tokenizer", processor)
+            value = tokenizer.convert_tokens_to_ids(token)
+            if not isinstance(value, int) or value == getattr(tokenizer, "unk_token_id", None):
+                raise ValueError(f"the processor's {media_token} ({token!r}) is not a token of its tokenizer")
+            token = value
+        if not isinstance(token, int):
+            raise ValueError(f"neither the config nor the processor names a media token {media_token!r}")
+        ids.add(token)
     return frozenset(ids)
 
