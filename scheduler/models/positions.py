@@ -58,7 +58,7 @@ class MRopeLayout:
     video_block_per_frame: bool = False
 
 
-def mrope_index(tokens: np.ndarray, mask: np.ndarray, layout: MRopeLayout, image_grids: np.ndarray | None,
+def mrope_index(tokens: np.ndarray, mask: np.ndarray, layout: MRopeLayout | None, image_grids: np.ndarray | None,
                 video_grids: np.ndarray | None) -> tuple[np.ndarray, int]:
     """(3, L) int64 positions and the rope delta of one prompt (``tokens``, ``mask``: (L,)), as ``get_rope_index``
     computes them for a batch of one, quirks included: masked-out columns get position 1; with grids, the delta
@@ -126,10 +126,13 @@ class MRopePositions:
         self.video_block_per_frame = video_block_per_frame
 
     def prompt(self, model: Any, ids: mx.array, media_inputs: dict, mask: mx.array | None) -> tuple[mx.array, int]:
-        layout = MRopeLayout(*library.mrope_tokens(model), video_block_per_frame=self.video_block_per_frame)
         tokens = np.array(ids).reshape(-1)
         keep = np.ones_like(tokens) if mask is None else np.array(mask).reshape(-1)
         grids = [media_inputs.get(name) for name in ("image_grid_thw", "video_grid_thw")]
+        # the media token ids matter only with grids: a prompt without them (text, or a family whose media take
+        # plain positions, MiniCPM-V 4.6) counts its tokens, and its config need not name them
+        layout = MRopeLayout(*library.mrope_tokens(model), video_block_per_frame=self.video_block_per_frame) \
+            if any(g is not None for g in grids) else None
         positions, delta = mrope_index(tokens, keep, layout, *(None if g is None else np.array(g) for g in grids))
         return mx.array(positions.astype(np.int32))[:, None, :], delta
 
