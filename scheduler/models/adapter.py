@@ -59,12 +59,22 @@ _NOT_MEDIA = ("input_ids", "attention_mask")
 
 
 def _named_parts(media_inputs: dict[str, Any]) -> list:
-    """Every media tensor by name, in name order (a list of tensors as its items)."""
+    """Every media tensor by name, in name order (a list of tensors as its items; a nested list, e.g. MiniCPM-V's
+    per-prompt lists of differently sized slices, item by item with its length)."""
     parts: list[Any] = []
     for name in sorted(media_inputs):
         value = media_inputs[name]
-        values = list(value) if isinstance(value, (list, tuple)) else [value]
-        parts += [name, *(v if isinstance(v, mx.array) else mx.array(np.asarray(v)) for v in values)]
+        parts += [name, *_items(list(value) if isinstance(value, (list, tuple)) else [value])]
+    return parts
+
+
+def _items(values: list) -> list:
+    parts: list[Any] = []
+    for v in values:
+        if isinstance(v, (list, tuple)):
+            parts += [f"{len(v)} items", *_items(list(v))]
+        else:
+            parts.append(v if isinstance(v, mx.array) else mx.array(np.asarray(v)))
     return parts
 
 
