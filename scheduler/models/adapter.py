@@ -332,6 +332,10 @@ class VLMAdapter:
             if items and kind not in self.spec.media:
                 raise ValueError(f"{kind}s are not supported for {self.spec.model_type} (it takes "
                                  f"{', '.join(sorted(self.spec.media))})")
+        most = self.spec.images_per_request
+        if most is not None and len(images) > most:
+            raise ValueError(f"{len(images)} images in one request: mlx-vlm's {self.spec.model_type} takes at most "
+                             f"{most} a prompt")
         if images and videos and not self.spec.mixed_image_video:
             raise ValueError(f"a request with both images and videos is not supported: mlx-vlm's "
                              f"{self.spec.model_type} merges one kind of media per request")

@@ -33,6 +33,8 @@ between families is declared here, and nothing else:
                    ``mm_token_type_ids``, (1, L) like the prompt: kept as a media tensor it cannot be split per
                    image nor concatenated across requests of other lengths).
 ``mixed_image_video`` whether one request may carry both images and videos (mlx-vlm's Qwen2/2.5-VL merge one kind).
+``images_per_request`` the most images mlx-vlm's processor and merge take in one prompt (None: any); more are
+                   refused at ``add_request`` for that request alone, before the processor runs.
 ``audio_encoder``  the model attribute that turns audio features into embeddings (a checkpoint without it is
                    refused for an audio family): Gemma 4's Conformer ``audio_tower``; Gemma 4 unified has no
                    encoder, its ``embed_audio`` projects raw 40 ms frames.
@@ -109,6 +111,7 @@ class FamilySpec:
     sequence_inputs: tuple[str, ...] = ()
     dropped_inputs: tuple[str, ...] = ()
     mixed_image_video: bool = False
+    images_per_request: int | None = None
     video_block_per_frame: bool = False
     positions_last: bool = False  # M-RoPE positions given to the language model as (B, L, 3)
     vision_batch: VisionBatch = VisionBatch.EQUAL_SHAPE

@@ -28,6 +28,7 @@ from caches.layers import PrefillSharing
 from scheduler import Engine, EngineConfig, SamplingParams
 from scheduler.fixtures.tiny_models import build_model
 from scheduler.fixtures.vlm_families import build_tiny_vlm
+from scheduler.request import InvalidRequest
 
 from ..helpers import OracleDrafter, drive, engine_with_log
 
@@ -97,10 +98,11 @@ def noise_image(width, height, seed):
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
-def workload() -> list[tuple[list[dict], list]]:
-    """(chat messages, images): images of four sizes, one request with two, the first image again under a prompt
-    that shares a long prefix with the first request and under the first request's prompt again (prefix-cache
-    and vision-cache hits), and text-only rows with repeated phrases (something for prompt lookup to find)."""
+def workload(images_per_request: int | None = None) -> list[tuple[list[dict], list]]:
+    """(chat messages, images): images of four sizes, one request with two (one for a family that takes one a
+    prompt: ``FamilySpec.images_per_request``), the first image again under a prompt that shares a long prefix
+    with the first request and under the first request's prompt again (prefix-cache and vision-cache hits), and
+    text-only rows with repeated phrases (something for prompt lookup to find)."""
     def user(text, n):
         content = [{"type": "image"}] * n + [{"type": "text", "text": text}] if n else text
         return [{"role": "user", "content": content}]
@@ -110,7 +112,8 @@ def workload() -> list[tuple[list[dict], list]]:
         (user(LONG + "What is in the picture?", 1), [first]),
         (user("Hi. The cat sat on the mat. The cat sat on the mat.", 0), []),
         (user("Describe it.", 1), [noise_image(56, 56, seed=2)]),
-        (user("Compare the two pictures, please.", 2), [noise_image(84, 112, seed=3), noise_image(56, 84, seed=4)]),
+        (user("Compare the two pictures, please.", 2), [noise_image(84, 112, seed=3), noise_image(56, 84, seed=4)])
+        if images_per_request != 1 else (user("Compare it with the last one.", 1), [noise_image(84, 112, seed=3)]),
         (user("Why does the river see the green door? " * 2, 0), []),
         (user("A wide one.", 1), [noise_image(140, 84, seed=5)]),
         (user(LONG + LONG, 0), []),
@@ -145,7 +148,7 @@ def family(request, tmp_path_factory):
     assert set(FAMILY_CASES[name].media) == set(FAMILIES[name].media), "the family table and its test disagree"
     MODEL_DIRS[name] = model_dir
     model, processor = mlx_vlm.load(str(model_dir))
-    requests = workload()
+    requests = workload(FAMILIES[name].images_per_request)
     references = []
     for messages, images in requests:
         last = solo(model, processor, messages, images)
@@ -363,6 +366,12 @@ def test_family_chat_turn_adding_an_image_reuses_the_turn_before(family):
     second = first + [{"role": "assistant", "content": "It is a picture of noise."},
                       {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "And this one?"}]}]
     turns = [(first, [noise_image(56, 84, 21)]), (second, [noise_image(56, 84, 21), noise_image(84, 56, 22)])]
+    if FAMILIES[name].images_per_request == 1:  # mlx-vlm's processor takes one image a prompt: refused up front
+        engine = Engine(model, processor, EngineConfig(check_invariants=True))
+        with pytest.raises(InvalidRequest, match="takes at most 1 a prompt"):
+            engine.add_request(prompt=turns[1][0], images=turns[1][1])
+        assert not engine.has_pending()
+        return
     want = [list(solo(model, processor, messages, images).token_ids) for messages, images in turns]
     engine, log = engine_with_log(model, processor, EngineConfig(prefix_cache_bytes=8 << 20, prefix_block_size=8,
                                                                  check_invariants=True))
@@ -467,8 +476,6 @@ def test_family_video_batches_exactly(family):
     an image and a text request, staggered, small budgets; each equals mlx_vlm.stream_generate alone with the
     same frames. The others refuse videos at add_request with a typed error."""
     import mlx_vlm
-
-    from scheduler.request import InvalidRequest
 
     name, (model, processor), requests, references = family
     engine = Engine(model, processor, EngineConfig(max_batched_tokens=40, prefill_chunk=9, vision_budget=2,
@@ -649,7 +656,7 @@ def test_a_padded_shared_forward_leaves_each_row_what_its_own_forward_would(name
     model, processor = mlx_vlm.load(str(FAMILY_CASES[name].build(tmp_path)))
     adapter = VLMAdapter(model, processor)
     assert adapter.prefill_sharing is PrefillSharing.ANY
-    requests = workload()
+    requests = workload(adapter.spec.images_per_request)
     encoded = [adapter.encode(adapter.prepare(*requests[i])) for i in (0, 6, 3)]
     later = adapter.make_cache()
     adapter.prefill(later, encoded[2], 0, 7)
