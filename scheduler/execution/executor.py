@@ -534,8 +534,7 @@ class MLXExecutor:
             encoded = self._encoded_input(request)
         except Exception:  # fed alone, where its error is its own
             return False
-        shares = getattr(self.runner, "shares_prefill", None)  # a chunk the model must see alone (media rows)
-        return shares is None or shares(encoded, start, n)
+        return self.runner.shares_prefill(encoded, start, n)  # False: a chunk the model must see alone
 
     def _checkpoint_at(self, request: Request, start: int, end: int) -> int | None:
         if not self._checkpoints:

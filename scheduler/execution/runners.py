@@ -37,6 +37,10 @@ class Runner(Protocol):
     # `prefill_many([(request, encoded, cache, start, n), ...])` (one cache per chunk back, and the forward's
     # (B, width, V) logits unevaluated: row i's first n are its chunk's).
 
+    def shares_prefill(self, encoded: Any, start: int, n: int) -> bool:
+        """Whether prefill positions [start, start + n) may share a forward with other requests' chunks (within
+        `prefill_sharing`); False for a chunk the model must see alone."""
+
     def decode(self, batch_cache: library.Cache, inputs: mx.array, rope_deltas: mx.array | None) -> mx.array: ...
 
     def verify(self, batch_cache: library.Cache, inputs: mx.array, rope_deltas: mx.array | None = None) -> mx.array:
@@ -72,6 +76,9 @@ class TextRunner:
 
     def encode_many(self, requests: list[Request], on_call: Any = None) -> list[None]:
         return [None for _ in requests]  # no encoders
+
+    def shares_prefill(self, encoded, start, n):
+        return True  # any chunk, within prefill_sharing
 
     def prefill(self, cache, request, encoded, start, end):
         logits = self.model(mx.array(request.prefill_tokens(start, end))[None], cache=cache)
