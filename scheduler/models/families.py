@@ -141,6 +141,14 @@ _GRID = ItemSplit.GRID
 GEMMA3_PER_REQUEST = ("vision tower per request, media keyed whole: its patch conv rounds differently on stacked "
                       "images under OpenBLAS (5-6e-7), which flipped greedy tokens of the tiny gemma3")
 
+# How the refusals of mlx-vlm's LLaVA-style families end (phi4-siglip, FastVLM's llava_qwen2, Bunny's llava-qwen2
+# and bunny-llama): llava_next's reason, reached by another merge. Their row counts follow from the processor's
+# output (the packed patches, the crop size, a fixed 729), not from the ids the scheduler plans with
+LLAVA_SPLICE = ("so the embedded prompt is longer than its token ids (by each image's rows less one); the scheduler "
+                "plans prefill, caches and positions on token counts, one embedding row per id")
+BUNNY_SPLICE = ("mlx-vlm's Bunny merge replaces the prompt's one image placeholder id (-200) with the SigLIP "
+                "tower's 729 rows, " + LLAVA_SPLICE)
+
 FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
     FamilySpec("qwen2_vl", Positions.MROPE, _QWEN_MEDIA, vision_batch=_ONE, item_split=_GRID),
     FamilySpec("qwen2_5_vl", Positions.MROPE, _QWEN_MEDIA, vision_batch=_ONE, item_split=_GRID),
@@ -202,6 +210,14 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
     FamilySpec("mllama", refused="its language model cross-attends to each request's vision states (cross-"
                "attention layers fed `cross_attention_states`), which neither the inputs_embeds path nor a batch "
                "cache carries per row"),
+    # LLaVA-style splice (tests/models/test_refused_vlm_families.py builds each and measures it): mlx-vlm's input
+    # preparation writes one id, -200, where a prompt holds an image, and the merge puts the image's rows there
+    FamilySpec("phi4-siglip", refused="mlx-vlm's merge replaces each image's one placeholder id (-200) with the "
+               "image's valid SigLIP2 patch rows (as many as its packed patches), " + LLAVA_SPLICE),
+    FamilySpec("llava_qwen2", refused="mlx-vlm's FastVLM merge replaces each image's one placeholder id (-200) "
+               "with the FastViTHD tower's (image_size / 64)^2 rows, " + LLAVA_SPLICE),
+    FamilySpec("llava-qwen2", refused=BUNNY_SPLICE),
+    FamilySpec("bunny-llama", refused=BUNNY_SPLICE),
 )}
 
 
