@@ -6,8 +6,9 @@ between families is declared here, and nothing else:
 
 ``positions``      how the language model places tokens: ``ROPE`` (plain 1-D RoPE from each cache row's offset:
                    gemma3, idefics2, idefics3, smolvlm, mistral3, pixtral, llava, internvl_chat, lfm2_vl, aya_vision,
-                   gemma4, gemma4_unified) or ``MROPE`` (Qwen2/2.5/3-VL and their MoE variants, Qwen3.5, GLM-4V: 3-D
-                   positions from the image / video grids, a per-request rope delta; see ``positions.py``).
+                   gemma4, gemma4_unified, kimi_vl, mage_vl) or ``MROPE`` (Qwen2/2.5/3-VL and their MoE variants,
+                   Qwen3.5, GLM-4V, ERNIE 4.5 VL: 3-D positions from the image / video grids, a per-request rope
+                   delta; see ``positions.py``).
 ``positions_last`` M-RoPE: the language model takes its ``position_ids`` as (B, L, 3), the axes last (ERNIE 4.5
                    VL), where the Qwen families take (3, B, L); the adapter keeps (3, B, L) and transposes at the call.
 ``video_block_per_frame``  M-RoPE: a video's frame groups are each their own vision block, temporal position 0
@@ -46,19 +47,20 @@ between families is declared here, and nothing else:
                    plain-KV families do not need it.
 ``item_split``     how the media tensors split into items, each keyed and encoded on its own (``ItemSplit``,
                    ``media_items.py``): a chat turn that adds an image then restores the turns before it from the
-                   prefix cache, images included, and encodes only the new image. ``GRID`` for the Qwen families,
-                   ``STACK`` for llava, ``SIZED_STACK`` for mistral3 and pixtral, ``TILES`` for idefics3 and
-                   smolvlm; ``WHOLE`` (keyed and encoded as one unit) for the audio families and gemma3 (see its
-                   note: an image's rows depend, by a few 1e-7 under OpenBLAS, on the images stacked with it, and
-                   the tiny gemma3's greedy tokens follow them).
+                   prefix cache, images included, and encodes only the new image. ``GRID`` for the Qwen families
+                   and mage_vl, ``STACK`` for llava, ``SIZED_STACK`` for mistral3 and pixtral, ``TILES`` for
+                   idefics3 and smolvlm; ``WHOLE`` (keyed and encoded as one unit) for the audio families and
+                   gemma3 (see its note: an image's rows depend, by a few 1e-7 under OpenBLAS, on the images
+                   stacked with it, and the tiny gemma3's greedy tokens follow them), kimi_vl (Python values among
+                   its media) and ernie4_5_moe_vl (its tower keeps only the first two images of a call apart).
 ``vision_batch`` / ``media_axis``  how the media of several requests go through the encoders in one call
                    (``VisionBatch``) and the axis of the media tensors that counts images (their other axes
                    must agree to be concatenated; ``*_grid_thw`` always count on axis 0). ``ONE``: every request
-                   of the tick in one call (the Qwen towers take flattened patches of any number of images with
-                   their ``grid_thw`` and attend within each image); ``EQUAL_SHAPE``: one call per group of
-                   requests whose pixel tensors agree on every other axis (stacked along ``media_axis``);
+                   of the tick in one call (the Qwen towers and Mage-VL's take flattened patches of any number of
+                   images with their ``grid_thw`` and attend within each image); ``EQUAL_SHAPE``: one call per
+                   group of requests whose pixel tensors agree on every other axis (stacked along ``media_axis``);
                    ``PER_REQUEST``: one call per request (gemma3: see its note; gemma4, gemma4_unified: audio,
-                   not attempted).
+                   not attempted; kimi_vl: Python values among its media; ernie4_5_moe_vl: see its note).
 
 A family absent from this table is refused at load with ``UnsupportedFamily`` (a ``TypeError``) naming the
 supported ones: mlx-vlm may load it, but nothing here has shown that it batches exactly. A family declared with
@@ -199,6 +201,27 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
                "projected into the embedding space); images not attempted, as for gemma4 (its vision patches are "
                "embedded the same way, and use_bidirectional_attention 'vision' attends bidirectionally inside "
                "each image's tokens)"),
+    # pixel_values (patches, 3, 14, 14) with image_grid_hws rows, and the processor returns `_grid_shapes` (a list of
+    # tuples) and `image_token_id` among the media: one encoder call per request, keyed whole
+    FamilySpec("kimi_vl", vision_batch=VisionBatch.PER_REQUEST,
+               notes="DeepSeek-V3 text (multi-head latent attention, mixture of experts); MoonViT tower"),
+    # 3-D RoPE with Qwen2-VL's rope index keyed on <|IMAGE_START|>, its language model taking the positions as
+    # (B, L, 3); videos share the image placeholder token. mlx-vlm's generate passes no token_type_ids, so image
+    # tokens go through the text experts, in the engine as alone. Its tower's attention splits a call's patches at
+    # the first two images' ends only (mlx-vlm's VisionAttention): every image after the second attends to the
+    # later ones (tests/models/test_vision_batch.py), so a request's images are encoded as mlx-vlm encodes them,
+    # all of them in one call of their own
+    FamilySpec("ernie4_5_moe_vl", Positions.MROPE, positions_last=True, vision_batch=VisionBatch.PER_REQUEST,
+               notes="ERNIE 4.5 mixture-of-experts text (text and multimodal expert groups); DFNRope tower and "
+               "resampler; vision tower per request, media keyed whole"),
+    # a stock Qwen3 decoder (1-D RoPE) under a tower that attends within each image (block-diagonal mask)
+    FamilySpec("mage_vl", media=_QWEN_MEDIA, vision_batch=_ONE, item_split=_GRID,
+               notes="Qwen3 text; Mage-ViT tower (3-D vision RoPE, block-diagonal mask per image)"),
+    FamilySpec("hunyuan_vl", refused="its language model takes no per-row positions: XD-RoPE positions are used "
+               "only on a forward whose cache is at offset 0, and every later forward (prefill chunks, decode steps) "
+               "rotates all rows by the batch cache's one shared offset, so a row whose length differs from the "
+               "batch's gets other positions than alone; and the prefill positions come from state on the model "
+               "instance (`_position_ids`) that its own forward writes and the next request's prefill reads"),
     FamilySpec("gemma3n", media=frozenset({"audio"}), refused="mlx-vlm's get_input_embeddings embeds a prompt's text "
                "tokens without the sqrt(hidden_size) scale its language model applies to the token ids it is fed, so "
                "a token the scheduler feeds as an id (the last prompt token as the first decode input, a preempted "

@@ -1,11 +1,115 @@
-"""Families mlx-vlm runs that the scheduler refuses at load (``FamilySpec.refused``): each is refused with its
-reason, and a test pins the mlx-vlm behaviour that makes it unbatchable, so the refusal is looked at again when
-mlx-vlm changes. Each section is self-contained."""
+"""Families mlx-vlm runs that the generic adapter refuses at load (``FamilySpec.refused``): each is refused with its
+reason, and the mlx-vlm behaviour that makes it unbatchable is pinned here, on a tiny model built from mlx-vlm's own
+config classes, so that a change in mlx-vlm fails a test and the refusal is looked at again."""
 
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
 import pytest
 
 from scheduler import Engine
 from scheduler.models.families import FAMILIES, UnsupportedFamily
+
+# ---------------------------------------------------------------------------------------------- hunyuan_vl
+
+
+def _tiny_hunyuan_vl():
+    """Hunyuan-VL's model at hidden 64: 2 layers with q / k norms, XD-RoPE over 4 axes (4 frequencies each of
+    head_dim 32's 16), a 1-block tower; random weights, float32."""
+    from mlx_vlm.models import hunyuan_vl
+
+    rope = {"alpha": 1000.0, "beta_fast": 32, "beta_slow": 1, "factor": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+            "type": "xdrope", "xdrope_section": [4, 4, 4, 4]}
+    text = hunyuan_vl.TextConfig(vocab_size=512, org_vocab_size=512, hidden_size=64, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=1, head_dim=32, attention_head_dim=32,
+                                 intermediate_size=128, rope_scaling=rope, dtype="float32")
+    vision = hunyuan_vl.VisionConfig(hidden_size=32, out_hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=64)
+    mx.random.seed(0)
+    model = hunyuan_vl.Model(hunyuan_vl.ModelConfig(text_config=text, vision_config=vision, vocab_size=512,
+                                                    org_vocab_size=512, image_token_id=500, image_start_token_id=501,
+                                                    image_end_token_id=502, image_newline_token_id=503))
+    mx.eval(model.parameters())
+    return model
+
+
+def _prefill(language_model, ids: list[int], **kwargs):
+    """A fresh cache of mlx-vlm's kind holding ``ids`` (one row), and the forward's logits."""
+    from mlx_vlm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(language_model)
+    logits = language_model(mx.array([ids]), cache=cache, **kwargs).logits
+    return cache, logits
+
+
+def test_hunyuan_vl_is_refused_at_load():
+    assert FAMILIES["hunyuan_vl"].refused
+    with pytest.raises(UnsupportedFamily, match="'hunyuan_vl' cannot be batched: its language model takes no per-row "
+                                                "positions"):
+        Engine(_tiny_hunyuan_vl(), None)
+
+
+def test_hunyuan_vl_rotates_every_row_of_a_batch_by_the_caches_shared_offset():
+    """Past offset 0 mlx-vlm's Hunyuan-VL attention rotates queries and keys by the batch cache's one shared
+    timeline (`cache_position_offset`), not by each row's own offset. Two prompts of 5 and 9 tokens prefilled alone,
+    their caches merged into the engine's left-padded batch and one decode step taken for both: the longest row
+    (unpadded) gets the logits it gets alone, the shorter one other logits (its new token is rotated as position 9,
+    not 5). mlx-lm's Llama, which rotates each row by its own offset, gets both rows' own logits."""
+    from mlx_lm.models import llama
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from caches.layers import merge_caches
+
+    prompts, following = ([11, 12, 13, 14, 15], [21, 22, 23, 24, 25, 26, 27, 28, 29]), [[7], [8]]
+    hunyuan = _tiny_hunyuan_vl().language_model
+    alone, caches = [], []
+    for ids, nxt in zip(prompts, following):
+        hunyuan._position_ids = None  # the previous prompt's positions (the next test)
+        cache, _ = _prefill(hunyuan, ids)
+        alone.append(hunyuan(mx.array([nxt]), cache=cache).logits[0, -1])
+        hunyuan._position_ids = None
+        caches.append(_prefill(hunyuan, ids)[0])
+    batched = hunyuan(mx.array(following), cache=merge_caches(caches)).logits[:, -1]
+    assert mx.allclose(batched[1], alone[1], atol=1e-5).item()  # the longest row
+    assert mx.max(mx.abs(batched[0] - alone[0])).item() > 1e-3  # the left-padded row
+
+    mx.random.seed(0)
+    control = llama.Model(llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2,
+                                          intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+                                          rms_norm_eps=1e-5, vocab_size=512, head_dim=32))
+    alone, caches = [], []
+    for ids, nxt in zip(prompts, following):
+        cache, merged = make_prompt_cache(control), make_prompt_cache(control)
+        control(mx.array([ids]), cache=cache)
+        control(mx.array([ids]), cache=merged)
+        alone.append(control(mx.array([nxt]), cache=cache)[0, -1])
+        caches.append(merged)
+    batched = control(mx.array(following), cache=merge_caches(caches))[:, -1]
+    assert all(mx.allclose(batched[i], alone[i], atol=1e-5).item() for i in range(2))
+
+
+def test_hunyuan_vl_prefill_reads_positions_a_previous_request_left_on_the_instance():
+    """A forward at cache offset 0 stores its XD-RoPE positions on the language model instance (`_position_ids`),
+    and the next forward at offset 0 (another request's prefill, on its own fresh cache) slices them instead of
+    computing its own: a second prompt's logits follow the first prompt's positions until the attribute is
+    cleared."""
+    hunyuan = _tiny_hunyuan_vl().language_model
+    first, second = [11, 12, 13, 14, 15, 16], [31, 32, 33, 34]
+    hunyuan._position_ids = None
+    # the first request's own positions, the axes apart as an image's are (a shift of all of them alike would leave
+    # the attention as it is), none past the second prompt's length (the rotary table covers the forward's tokens)
+    positions = mx.array(np.random.default_rng(0).integers(0, len(second), (1, 4, len(first))))
+    _prefill(hunyuan, first, position_ids=positions)
+    assert np.array_equal(np.array(hunyuan._position_ids), np.array(positions))  # kept on the instance
+    _, reused = _prefill(hunyuan, second)  # a new request: no positions of its own given
+    hunyuan._position_ids = None
+    _, own = _prefill(hunyuan, second)  # the same prompt computing its own (0..3 on every axis)
+    hunyuan._position_ids = None
+    _, shifted = _prefill(hunyuan, second, position_ids=positions[:, :, :4])
+    assert mx.max(mx.abs(reused - own)).item() > 1e-3
+    assert mx.allclose(reused, shifted, atol=1e-6).item()
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # LLaVA-style splice: phi4-siglip (Phi-4-reasoning-vision), llava_qwen2 (Apple's FastVLM), llava-qwen2 and
@@ -61,22 +165,16 @@ def _tiny_bunny(model_type):
 def _phi4_image():
     """One image as Phi4SigLipProcessor packs it: 3x4 patches of 4x4x3 pixels, padded to the 16 patches the tower
     takes, with its patch grid and a mask of its 12 valid patches."""
-    import mlx.core as mx
-
     mask = mx.concatenate([mx.ones((1, 12)), mx.zeros((1, 4))], axis=1)
     return 12, (mx.random.normal((1, 16, 3 * 4 * 4)),), {"spatial_shapes": mx.array([[3, 4]]),
                                                           "pixel_attention_mask": mask}
 
 
 def _fastvlm_image():
-    import mlx.core as mx
-
     return 4, (mx.random.normal((1, 3, 128, 128)),), {}
 
 
 def _bunny_image():
-    import mlx.core as mx
-
     return 729, (mx.random.normal((1, 3, 384, 384)),), {}
 
 
@@ -111,8 +209,6 @@ def test_llava_splice_embeds_an_image_id_as_many_rows(model_type):
     """The fact behind the refusal, on mlx-vlm's own tower and merge: a prompt of 5 ids holding one image id
     (-200, the id mlx-vlm's config and processor use) embeds as 4 + the image's rows (phi4-siglip: its valid
     packed patches; FastVLM: (image_size / 64)^2; Bunny: 729), where the scheduler plans one row per id."""
-    import mlx.core as mx
-
     _module, build, image = SPLICED[model_type]
     model = build()
     index = getattr(model.config, "image_token_index", None)

@@ -36,14 +36,14 @@ MAX_TOKENS = 12
 #: every family that batches its encoders, with the build seed tests/models/test_vlm_families.py uses
 BATCHING = {"qwen2_vl": None, "qwen2_5_vl": 1, "qwen3_vl": 0, "qwen3_5": 0, "idefics3": 4, "smolvlm": 4,
             "mistral3": 5, "pixtral": 0, "llava": 0, "qwen3_vl_moe": 0, "qwen3_5_moe": 1, "lfm2_vl": 0,
-            "idefics2": 0, "aya_vision": 0}
+            "idefics2": 0, "aya_vision": 0, "mage_vl": 0}
 
 
 def test_the_batching_families_are_the_table_s():
     assert set(BATCHING) == {n for n, s in FAMILIES.items() if not s.refused
                              and s.vision_batch is not VisionBatch.PER_REQUEST}
     assert {n for n, s in FAMILIES.items() if s.vision_batch is VisionBatch.ONE} == {
-        "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe"}
+        "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "mage_vl"}
 
 
 def noise_image(width, height, seed):
@@ -344,3 +344,33 @@ def test_a_text_path_that_raises_fails_only_its_own_request(tmp_path, monkeypatc
     assert isinstance(many[1], ValueError) and "refused token" in str(many[1])
     for got, want in ((many[0], alone[0]), (many[2], alone[2])):
         assert mx.array_equal(got.embeddings, want.embeddings).item()
+
+
+def test_ernie_tower_keeps_only_the_first_two_images_of_a_call_apart(tmp_path):
+    """Why ernie4_5_moe_vl encodes per request with its media keyed whole (``families.py``): mlx-vlm's DFNRope
+    attention splits a call's patches at the ends of its first two images only, so every later image attends to
+    the ones after it. Four images in one call: the first two (and the last image alone in its part of a
+    three-image call) equal their own calls; the third and fourth of four do not. Were they kept apart, the family
+    could encode per item and in one call per tick, as the Qwen towers do."""
+    import mlx_vlm
+
+    model, processor = mlx_vlm.load(str(build_tiny_vlm("ernie4_5_moe_vl", tmp_path)))
+    images = [noise_image(56, 56, 30 + i) for i in range(4)]
+    inputs = processor(text=["".join("<|IMAGE_START|><|image@placeholder|><|IMAGE_END|>" for _ in images)],
+                       images=images)
+    pixels, grids = inputs["pixel_values"], inputs["image_grid_thw"]
+    rows = [int(np.prod(np.array(grid))) for grid in grids.tolist()]
+    starts = np.cumsum([0] + rows)
+
+    def features(first: int, last: int) -> list[mx.array]:
+        """Each image's rows from one call over images first..last-1."""
+        grid = grids[first:last]
+        out = model.resampler_model(model.vision_tower(pixels[int(starts[first]):int(starts[last])], grid), grid)
+        counts = np.cumsum([0] + [n // 4 for n in rows[first:last]])
+        return [out[int(counts[i]):int(counts[i + 1])] for i in range(last - first)]
+
+    alone = [features(i, i + 1)[0] for i in range(4)]
+    together = features(0, 4)
+    differ = [mx.max(mx.abs(got - want)).item() for got, want in zip(together, alone)]
+    assert differ[0] < 1e-5 and differ[1] < 1e-5 and differ[2] > 1e-3 and differ[3] > 1e-3, differ
+    assert mx.allclose(features(1, 4)[2], alone[3], rtol=1e-5, atol=1e-5).item()  # the third of three: alone
