@@ -283,6 +283,8 @@ class Engine:
         if cfg.kv_bits is None:
             return None
         if self.vlm is not None:  # mlx-vlm's conversion (`mlx_vlm.generate_step`), the same rule as mlx-lm's
+            if self.vlm.spec.kv_bits_refused:  # a family whose quantized batch is known not to be exact
+                raise UnsupportedFeature(self.vlm.spec.model_type, "kv_bits", self.vlm.spec.kv_bits_refused)
             try:
                 rule = self.vlm.quantize_rule(cfg.kv_bits, cfg.kv_group_size, cfg.quantized_kv_start)
                 self.kv_layout = self.vlm.quantized_kv_layout(self.kv_layout, rule)
