@@ -5,17 +5,17 @@ model interface (``Model.get_input_embeddings`` and the language model's ``input
 between families is declared here, and nothing else:
 
 ``positions``      how the language model places tokens: ``ROPE`` (plain 1-D RoPE from each cache row's offset:
-                   gemma3, idefics2, idefics3, smolvlm, mistral3, pixtral, llava, internvl_chat, lfm2_vl, aya_vision,
-                   gemma4, gemma4_unified, kimi_vl, mage_vl) or ``MROPE`` (Qwen2/2.5/3-VL and their MoE variants,
-                   Qwen3.5, GLM-4V, ERNIE 4.5 VL: 3-D positions from the image / video grids, a per-request rope
-                   delta; see ``positions.py``).
+                   most families) or ``MROPE`` (Qwen2/2.5/3-VL and their MoE variants, Qwen3.5, the GLM-4V family,
+                   ERNIE 4.5 VL: 3-D positions from the image / video grids, a per-request rope delta; see
+                   ``positions.py``; MiniCPM-V 4.6: Qwen3.5's M-RoPE with no grids, every axis counting tokens).
 ``positions_last`` M-RoPE: the language model takes its ``position_ids`` as (B, L, 3), the axes last (ERNIE 4.5
                    VL), where the Qwen families take (3, B, L); the adapter keeps (3, B, L) and transposes at the call.
 ``video_block_per_frame``  M-RoPE: a video's frame groups are each their own vision block, temporal position 0
                    (Qwen3-VL, Qwen3.5), where Qwen2/2.5-VL give a video one block along the temporal axis.
 ``media``          the media kinds the family's processor and embedding merge take.
 ``placeholder``    the processor attribute naming the text a prompt holds once per image (``image_token`` for
-                   most; gemma3's prompt holds its ``boi_token``, which the processor expands).
+                   most; gemma3's prompt holds its ``boi_token``, which the processor expands; MiniCPM-V 4.6's
+                   holds ``<image>./</image>``, whose ``<image>`` its tokenizer's ``im_start`` names).
 ``media_token``    the config or processor attribute naming the token whose positions take the media rows (its id,
                    or its text), for a family whose usual config fields name none of them (Molmo's processor's
                    ``image_patch_token``, Jina VLM's config ``image_patch_token_id``: their features are added at
@@ -44,25 +44,28 @@ between families is declared here, and nothing else:
 ``honors_lengths`` whether the language model keeps right pads out of its sliding windows and recurrent state when
                    its batch cache is prepared with each row's length (mlx-lm's padded-batch contract; as
                    ``scheduler.families.Family.honors_lengths``): then its windows and recurrent layers share
-                   prefill forwards of chunks of any lengths. gemma3 and qwen3_5 (shown by
+                   prefill forwards of chunks of any lengths. gemma3, qwen3_5 and minicpmv4_6 (shown by
                    tests/models/test_vlm_families.py), gemma4 and gemma4_unified (tests/models/test_audio.py);
                    plain-KV families do not need it.
 ``item_split``     how the media tensors split into items, each keyed and encoded on its own (``ItemSplit``,
                    ``media_items.py``): a chat turn that adds an image then restores the turns before it from the
-                   prefix cache, images included, and encodes only the new image. ``GRID`` for the Qwen families
-                   and mage_vl, ``STACK`` for llava, ``SIZED_STACK`` for mistral3 and pixtral, ``TILES`` for
-                   idefics3 and smolvlm; ``WHOLE`` (keyed and encoded as one unit) for the audio families and
-                   gemma3 (see its note: an image's rows depend, by a few 1e-7 under OpenBLAS, on the images
-                   stacked with it, and the tiny gemma3's greedy tokens follow them), kimi_vl (Python values among
-                   its media) and ernie4_5_moe_vl (its tower keeps only the first two images of a call apart).
+                   prefix cache, images included, and encodes only the new image. ``GRID`` for the towers fed
+                   flattened patches with a ``*_grid_thw`` row per item (the Qwen families, mage_vl), ``STACK`` for
+                   llava, ``SIZED_STACK`` for mistral3 and pixtral, ``TILES`` for idefics3 and smolvlm; ``WHOLE``
+                   (keyed and encoded as one unit) where no split is exact or possible: gemma3 (see its note: an
+                   image's rows depend, by a few 1e-7 under OpenBLAS, on the images stacked with it, and the tiny
+                   gemma3's greedy tokens follow them), media inputs holding Python values or absolute prompt
+                   positions (kimi_vl, molmo, minicpmv4_6), a tower that does not keep a call's images apart
+                   (ernie4_5_moe_vl), the audio families. Each row's comment says why.
 ``vision_batch`` / ``media_axis``  how the media of several requests go through the encoders in one call
                    (``VisionBatch``) and the axis of the media tensors that counts images (their other axes
                    must agree to be concatenated; ``*_grid_thw`` always count on axis 0). ``ONE``: every request
-                   of the tick in one call (the Qwen towers and Mage-VL's take flattened patches of any number of
-                   images with their ``grid_thw`` and attend within each image); ``EQUAL_SHAPE``: one call per
-                   group of requests whose pixel tensors agree on every other axis (stacked along ``media_axis``);
-                   ``PER_REQUEST``: one call per request (gemma3: see its note; gemma4, gemma4_unified: audio,
-                   not attempted; kimi_vl: Python values among its media; ernie4_5_moe_vl: see its note).
+                   of the tick in one call (towers that take flattened patches of any number of images with their
+                   ``grid_thw`` and attend within each image: the Qwen towers, Mage-VL's); ``EQUAL_SHAPE``: one
+                   call per group of requests whose pixel tensors agree on every other axis (stacked along
+                   ``media_axis``); ``PER_REQUEST``: one call per request (a tower whose images of one call do not
+                   stay apart, media that cannot be concatenated, inputs holding absolute prompt positions; each
+                   row's comment says which).
 
 A family absent from this table is refused at load with ``UnsupportedFamily`` (a ``TypeError``) naming the
 supported ones: mlx-vlm may load it, but nothing here has shown that it batches exactly. A family declared with
@@ -154,12 +157,13 @@ LLAVA_SPLICE = ("so the embedded prompt is longer than its token ids (by each im
 BUNNY_SPLICE = ("mlx-vlm's Bunny merge replaces the prompt's one image placeholder id (-200) with the SigLIP "
                 "tower's 729 rows, " + LLAVA_SPLICE)
 
-# Why kv_bits is refused for the families on mlx-vlm's Qwen3.5 language model (tests/models/test_vlm_families.py,
-# test_qwen3_5_attends_the_pads_of_a_quantized_batch_decode): in a one-token decode of a left-padded batch its
-# attention returns the mask "left_padded_decode", drops it (mask None) and hands the pads to its ragged path,
-# which skips a cache with `bits`; the fallback then attends every position, pads included. A batched row shorter
-# than the longest got logits 1e-2 away from the row alone on the tiny builds, and one of MiniCPM-V 4.6's greedy
-# outputs differed from solo mlx-vlm under kv_bits=8 (the qwen3_5_moe seed note in that test file too).
+# Why kv_bits is refused for the families on mlx-vlm's Qwen3.5 language model (qwen3_5, qwen3_5_moe, minicpmv4_6;
+# tests/models/test_vlm_families.py, test_qwen3_5_attends_the_pads_of_a_quantized_batch_decode): in a one-token
+# decode of a left-padded batch its attention returns the mask "left_padded_decode", drops it (mask None) and hands
+# the pads to its ragged path, which skips a cache with `bits`; the fallback then attends every position, pads
+# included. A batched row shorter than the longest got logits 1e-2 away from the row alone on the tiny builds, and
+# one of MiniCPM-V 4.6's greedy outputs differed from solo mlx-vlm under kv_bits=8 (the qwen3_5_moe seed note in
+# that test file too).
 QWEN3_5_QUANTIZED_PADS = ("mlx-vlm's Qwen3.5 attention takes no mask in a one-token decode of a left-padded batch "
                           "whose cache is quantized, so a row shorter than the longest attends the left pads")
 
@@ -234,6 +238,21 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
                "rotates all rows by the batch cache's one shared offset, so a row whose length differs from the "
                "batch's gets other positions than alone; and the prefill positions come from state on the model "
                "instance (`_position_ids`) that its own forward writes and the next request's prefill reads"),
+    # its processor writes each image's tokens (<im_start>, <im_patch>, <im_col>, <im_end>) before the whole text and
+    # takes one image a prompt (with two it returns input_ids of shape (2, L)); the features are added at the
+    # <im_patch> positions that image_input_idx holds (absolute prompt positions): one encoder call per request,
+    # keyed whole
+    FamilySpec("molmo", media_token="image_patch_token", images_per_request=1, vision_batch=VisionBatch.PER_REQUEST,
+               notes="OLMo decoder; CLIP ViT on overlapping crops and a global view, features added to the patch "
+               "tokens"),
+    # Qwen3.5's language model, whose M-RoPE positions are plain counting here (all axes equal, delta 0): MROPE
+    # passes them explicitly (with none it reads the instance's _rope_deltas). pixel_values is a per-prompt list of
+    # slices of differing sizes and image_bound holds absolute prompt positions: one encoder call per request,
+    # keyed whole. The prompt holds <image>./</image> per image (tokenizer.im_start names its <image>)
+    FamilySpec("minicpmv4_6", Positions.MROPE, placeholder="im_start", vision_batch=VisionBatch.PER_REQUEST,
+               honors_lengths=True, kv_bits_refused=QWEN3_5_QUANTIZED_PADS,
+               notes="hybrid: gated-delta (recurrent) layers next to full attention; SigLIP slices merged inside "
+               "the tower"),
     FamilySpec("gemma3n", media=frozenset({"audio"}), refused="mlx-vlm's get_input_embeddings embeds a prompt's text "
                "tokens without the sqrt(hidden_size) scale its language model applies to the token ids it is fed, so "
                "a token the scheduler feeds as an id (the last prompt token as the first decode input, a preempted "
@@ -253,6 +272,13 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
                "with the FastViTHD tower's (image_size / 64)^2 rows, " + LLAVA_SPLICE),
     FamilySpec("llava-qwen2", refused=BUNNY_SPLICE),
     FamilySpec("bunny-llama", refused=BUNNY_SPLICE),
+    FamilySpec("deepseek_vl_v2", refused="mlx-vlm's get_input_embeddings reads images_spatial_crop (one row per "
+               "image) for as many rows as pixel_values has tiles (a global view and the local tiles of every "
+               "image), past its end: the tile count it sums from that memory varies from one process to the next, "
+               "so an image's tiles are kept or dropped at random and solo mlx_vlm itself is not deterministic"),
+    FamilySpec("jvlm", refused="its language model's RoPE turns a batch cache's per-row offsets into one position "
+               "(offset.max()) and takes no position ids, so in a batch every row shorter than the longest is rotated "
+               "at the longest row's positions"),
 )}
 
 

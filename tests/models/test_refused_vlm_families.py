@@ -1,12 +1,17 @@
-"""Families mlx-vlm runs that the generic adapter refuses at load (``FamilySpec.refused``): each is refused with its
-reason, and the mlx-vlm behaviour that makes it unbatchable is pinned here, on a tiny model built from mlx-vlm's own
-config classes, so that a change in mlx-vlm fails a test and the refusal is looked at again."""
+"""Vision-language families mlx-vlm runs that the scheduler refuses at load (``FamilySpec.refused`` in
+scheduler/models/families.py): each is refused with its reason, and the mlx-vlm behaviour that makes it unbatchable
+is asserted here, on tiny models built from mlx-vlm's own config classes, so that a change in mlx-vlm fails here and
+the refusal is looked at again. Each section is self-contained."""
 
 from __future__ import annotations
+
+import contextlib
+import io
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from PIL import Image
 
 from scheduler import Engine
 from scheduler.models.families import FAMILIES, UnsupportedFamily
@@ -222,3 +227,131 @@ def test_llava_splice_embeds_an_image_id_as_many_rows(model_type):
     assert embeds.shape == (1, 4 + rows, SPLICE_HIDDEN) and rows > 1
     text = model.language_model.model.embed_tokens(mx.array([1, 2, 3, 4]))  # the text around it, unmoved
     assert mx.array_equal(embeds[0, :2], text[:2]) and mx.array_equal(embeds[0, -2:], text[2:])
+
+
+# ------------------------------------------------------------------------------ deepseek_vl_v2
+
+_DEEPSEEK_BOS, _DEEPSEEK_EOS, _DEEPSEEK_PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"
+# every token its processor adds, specials of the tokenizer (ids below 512)
+_DEEPSEEK_TOKENS = (_DEEPSEEK_BOS, _DEEPSEEK_EOS, _DEEPSEEK_PAD, "<image>", "<|ref|>", "<|/ref|>", "<|det|>",
+                    "<|/det|>", "<|grounding|>", "<|User|>", "<|Assistant|>")
+# views of 56 px (4x4 patches of 14, downsampled 2x2): a global view and up to 2x2 local tiles an image
+_DEEPSEEK_RESOLUTIONS = [[56, 56], [56, 112], [112, 56], [112, 112]]
+
+
+def _deepseek_tokenizer():
+    from transformers import PreTrainedTokenizerFast
+
+    from scheduler.fixtures.tiny_models import _train_bpe
+
+    return PreTrainedTokenizerFast(tokenizer_object=_train_bpe(_DEEPSEEK_TOKENS), bos_token=_DEEPSEEK_BOS,
+                                   eos_token=_DEEPSEEK_EOS, pad_token=_DEEPSEEK_PAD)
+
+
+def _tiny_deepseek_vl_v2(image_token: int):
+    """DeepSeek-VL2 as mlx_vlm.load builds it from a config.json: a one-layer DeepSeek-V2 decoder with multi-head
+    latent attention, a one-layer SigLIP tower on 56-pixel views and the 2x2 downsample projector."""
+    from scheduler.fixtures.vlm_families import _construct
+
+    text = {"model_type": "deepseek_v2", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+            "moe_intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4,
+            "n_shared_experts": 1, "n_routed_experts": 4, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+            "q_lora_rank": None, "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
+            "v_head_dim": 16, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
+    return _construct({
+        "model_type": "deepseek_vl_v2", "language_config": text,
+        "vision_config": {"model_type": "vision", "layers": 1, "width": 32, "intermediate_size": 64,
+                          "num_attention_heads": 2, "image_size": 56, "patch_size": 14, "mlp_ratio": 2.0},
+        "projector_config": {"projector_type": "downsample_mlp_gelu", "input_dim": 32, "n_embed": 64, "depth": 2,
+                             "mlp_ratio": 1, "downsample_ratio": 2},
+        "tile_tag": "2D", "global_view_pos": "head", "candidate_resolutions": _DEEPSEEK_RESOLUTIONS,
+        "image_token_index": image_token, "vocab_size": 512})
+
+
+def test_deepseek_vl_v2_reads_the_spatial_crops_past_their_end():
+    """Why deepseek_vl_v2 is refused. Its processor returns, for a one-image prompt, pixel_values of the image's
+    tiles (a global view and its 2x2 local tiles: 5) and images_spatial_crop with one row (one image);
+    get_input_embeddings walks images_spatial_crop for as many rows as pixel_values has tiles, so it reads rows
+    that do not exist. Given as a bounds-checked numpy array it raises at row 1; MLX does not check, and the tile
+    count summed from that memory kept or dropped tiles at random (5 of 8 runs of one request merged other image
+    rows; solo mlx_vlm itself is not deterministic). Padded with zero rows to the tile count (where its loop
+    stops), the same inputs embed. If mlx-vlm bounds its loop by the image count, this fails: look again."""
+    from mlx_vlm.models.deepseek_vl_v2.processing_deepsek_vl_v2 import DeepseekVLV2Processor
+
+    tokenizer = _deepseek_tokenizer()
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints the special tokens it adds
+        processor = DeepseekVLV2Processor(tokenizer=tokenizer, candidate_resolutions=_DEEPSEEK_RESOLUTIONS,
+                                          patch_size=14, downsample_ratio=2)
+    image = Image.fromarray(np.random.default_rng(1).integers(0, 256, (140, 112, 3), dtype=np.uint8))
+    inputs = processor(text="<|User|>: <image>\nDescribe it.\n\n<|Assistant|>:", images=[image])
+    pixels, crops, mask = inputs["images"], inputs["images_spatial_crop"], inputs["images_seq_mask"]
+    assert pixels.shape[:2] == (1, 5) and crops.shape == (1, 1, 2), (pixels.shape, crops.shape)
+    model = _tiny_deepseek_vl_v2(tokenizer.convert_tokens_to_ids("<image>"))
+    with pytest.raises(IndexError, match="index 1 is out of bounds"):
+        model.get_input_embeddings(inputs["input_ids"], pixels, np.array(crops), mask)
+    padded = np.concatenate([np.array(crops), np.zeros((1, pixels.shape[1] - crops.shape[1], 2), np.int64)], axis=1)
+    embedded = model.get_input_embeddings(inputs["input_ids"], pixels, padded, mask).inputs_embeds
+    assert embedded.shape == (*inputs["input_ids"].shape, 64)
+
+
+# ------------------------------------------------------------------------------------ jina_vlm
+
+def _tiny_jina_vlm():
+    """Jina VLM (config model_type "jvlm", as its checkpoints name it): a one-layer Qwen3-style decoder and a
+    two-layer SigLIP-style tower, from mlx-vlm's config classes."""
+    from mlx_vlm.models import jina_vlm
+
+    text = jina_vlm.TextConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                               head_dim=32, vocab_size=512, additional_vocab_size=0, intermediate_size=128,
+                               rope_theta=10000.0)
+    vision = jina_vlm.VisionConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, head_dim=16,
+                                   image_size=28, patch_size=14, intermediate_size=64, vit_layers=(-1, -2),
+                                   output_size=64, connector_hidden_size=64)
+    return jina_vlm.Model(jina_vlm.ModelConfig(text_config=text, vision_config=vision, model_type="jvlm",
+                                               vocab_size=512))
+
+
+def test_jina_vlm_rotates_every_row_of_a_batch_at_the_longest_rows_positions():
+    """Why jvlm is refused. Its language model's RoPE turns a batch cache's per-row offsets into one position
+    (offset.max()) and its attention takes no position ids: a row rotated with offsets [3, 9] is rotated at 9,
+    not 3. Two prompts of 3 and 7 tokens, each prefilled alone and merged into one batch cache, then decoded one
+    token: the longer row's logits are its own, the shorter row's are not. If mlx-vlm rotates each row at its own
+    offset, this fails: look again."""
+    from mlx_vlm.models.cache import KVCache
+    from mlx_vlm.models.jina_vlm.language import RoPE
+
+    from caches import layers
+
+    mx.random.seed(0)
+    rope = RoPE(32, theta=10000.0)
+    x = mx.random.normal((2, 1, 1, 32))
+    both = rope(x, offset=mx.array([3, 9]))
+    assert mx.array_equal(both[0], rope(x[:1], offset=9)[0]).item()
+    assert not mx.allclose(both[0], rope(x[:1], offset=3)[0], atol=1e-3).item()
+    assert mx.array_equal(both[1], rope(x[1:], offset=9)[0]).item()
+
+    lm = _tiny_jina_vlm().language_model
+    prompts = [mx.array([[5, 6, 7]]), mx.array([[8, 9, 10, 11, 12, 13, 14]])]
+
+    def prefilled(ids):
+        cache = [KVCache() for _ in lm.layers]
+        lm(ids, cache=cache)
+        return cache
+
+    following = mx.array([[20], [21]])
+    batched = lm(following, cache=layers.merge_caches([prefilled(p) for p in prompts])).logits[:, -1]
+    alone = [lm(following[i:i + 1], cache=prefilled(p)).logits[0, -1] for i, p in enumerate(prompts)]
+    assert mx.allclose(batched[1], alone[1], atol=1e-5).item()  # the longest row: no other position to take
+    assert mx.abs(batched[0] - alone[0]).max().item() > 1e-2  # the shorter one, rotated at the longest's positions
+
+
+# ------------------------------------------------------------------------------------- at load
+
+def test_the_refused_families_are_refused_at_load_with_their_reason():
+    """Engine() on the tiny models above raises UnsupportedFamily (a TypeError) naming why."""
+    with pytest.raises(UnsupportedFamily, match="'deepseek_vl_v2' cannot be batched: mlx-vlm's get_input_embeddings "
+                       "reads images_spatial_crop .* past its end"):
+        Engine(_tiny_deepseek_vl_v2(image_token=3), None)
+    with pytest.raises(UnsupportedFamily, match=r"'jvlm' cannot be batched: its language model's RoPE turns a batch "
+                       r"cache's per-row offsets into one position \(offset.max\(\)\)"):
+        Engine(_tiny_jina_vlm(), None)

@@ -76,6 +76,8 @@ FAMILY_CASES = {
     "kimi_vl": FamilyCase(_tiny("kimi_vl")),
     "ernie4_5_moe_vl": FamilyCase(_tiny("ernie4_5_moe_vl")),
     "mage_vl": FamilyCase(_tiny("mage_vl"), ("image", "video")),
+    "molmo": FamilyCase(_tiny("molmo")),
+    "minicpmv4_6": FamilyCase(_tiny("minicpmv4_6")),
 }
 
 SCHEDULES = {
@@ -253,6 +255,7 @@ KV_BITS_REFUSED = {
     "gemma3": "RotatingKVCache",
     "internvl_chat": "divisible by the quantization group size", "idefics2": "divisible by the quantization group size",
     "aya_vision": "RotatingKVCache", "qwen3_5": "attends the left pads", "qwen3_5_moe": "attends the left pads",
+    "molmo": "divisible by the quantization group size", "minicpmv4_6": "attends the left pads",
 }
 KV_SETTINGS = [(4, 0), (8, 24)]  # (kv_bits, quantized_kv_start): from the first token, or from inside the prompts
 
@@ -348,13 +351,19 @@ def test_qwen3_5_attends_the_pads_of_a_quantized_batch_decode(name, tmp_path):
     assert short > 1e-3 and longest < 1e-4, (short, longest)
 
 
+# Families whose processor writes each image's tokens before the whole text, system prompt included (Molmo): no
+# text precedes their media, so an image request shares no prefix with another request.
+MEDIA_BEFORE_TEXT = {"molmo"}
+
+
 def test_family_shares_the_text_before_its_media(family, tmp_path):
     """A system prompt shared by an image request, a request with another image and a text-only request: the
     later two restore the first one's state of that text from the prefix cache (its entry cut back to it, or,
     where caches cannot be cut, the checkpoint its prefill stored at the block boundary before its first media
     token), and each output equals solo mlx_vlm. The trace replays; without the recorded media marks it
     does not (a trace from before they were recorded keys media requests by their media alone, as the engine
-    then did: these would share nothing)."""
+    then did: these would share nothing). Where the processor puts the media before the text
+    (``MEDIA_BEFORE_TEXT``), nothing is shared and the outputs still equal solo mlx_vlm."""
     import json
 
     from scheduler.tools.replay import load_trace, replay
@@ -377,9 +386,14 @@ def test_family_shares_the_text_before_its_media(family, tmp_path):
         got += list(run.tokens.values())
     assert got == want
     offset = [e["media_marks"][0][0] if "media_marks" in e else None for e in log.of_kind("arrival")]
-    assert offset[0] == offset[1] and offset[0] >= 4 * block and offset[2] is None, offset
     hits = {e["request_id"]: e["length"] for e in log.of_kind("prefix_hit")}
     ids = [e["request_id"] for e in log.of_kind("arrival")]
+    if name in MEDIA_BEFORE_TEXT:
+        assert offset[0] == offset[1] < block and offset[2] is None and not hits, (offset, hits)
+        engine.close()
+        assert replay(load_trace(trace)).identical
+        return
+    assert offset[0] == offset[1] and offset[0] >= 4 * block and offset[2] is None, offset
     assert offset[0] - block < hits[ids[1]] <= offset[0], (hits, offset)  # the text before the other image
     assert 0 < hits[ids[2]] <= offset[0], (hits, offset)  # the system prompt, for text only
     assert ids[0] not in hits
@@ -659,13 +673,13 @@ def test_family_prompt_logprobs_equal_mlx_vlms_own_prefill(family):
         assert out.token_ids == references[i], f"{name}: request {i}"
 
 
-@pytest.mark.parametrize("name", ["gemma3", "qwen3_5"])
+@pytest.mark.parametrize("name", ["gemma3", "qwen3_5", "minicpmv4_6"])
 def test_windows_and_recurrent_state_share_padded_chunks(name, tmp_path):
-    """Gemma 3's sliding windows and Qwen3.5's recurrent layers skip the right pads of a shared forward (their
-    language models honor the lengths a prepared batch cache carries: `FamilySpec.honors_lengths`), so they
-    share prefill forwards as plain KV does (`PrefillSharing.ANY`): three chats of different lengths arriving
-    together, in chunks of 9, share forwards, first and later ones, padded where their last chunks differ, and
-    each answer equals mlx_vlm alone."""
+    """Gemma 3's sliding windows and Qwen3.5's recurrent layers (MiniCPM-V 4.6's language model too) skip the right
+    pads of a shared forward (their language models honor the lengths a prepared batch cache carries:
+    `FamilySpec.honors_lengths`), so they share prefill forwards as plain KV does (`PrefillSharing.ANY`): three
+    chats of different lengths arriving together, in chunks of 9, share forwards, first and later ones, padded
+    where their last chunks differ, and each answer equals mlx_vlm alone."""
     import mlx_vlm
 
     from caches.layers import PrefillSharing
@@ -693,14 +707,15 @@ def test_windows_and_recurrent_state_share_padded_chunks(name, tmp_path):
         engine.close()
 
 
-@pytest.mark.parametrize("name", ["gemma3", "qwen3_5", "qwen3_vl"])
+@pytest.mark.parametrize("name", ["gemma3", "qwen3_5", "qwen3_vl", "minicpmv4_6"])
 def test_a_padded_shared_forward_leaves_each_row_what_its_own_forward_would(name, tmp_path):
     """Under the greedy-token tests above, the state check (a tiny model's greedy tokens can survive a wrong
     state: they did while mlx-vlm's Qwen3.5 took right pads into its delta-rule state, `caches.layers.
     _prepare_layer`). One shared forward of three chunks: an image prompt and a text prompt fresh, and a later
     chunk of an image prompt on a cache of 7 tokens, right-padded to the widest; each row's logits are its own
     forward's, and its cache continues as its own does (the next 2 positions fed alone on both), to float
-    rounding. Gemma 3 past its sliding window, Qwen3.5's recurrent layers, Qwen3-VL's deepstack rows."""
+    rounding. Gemma 3 past its sliding window, Qwen3.5's recurrent layers (and MiniCPM-V 4.6's, the same
+    language model with its slices merged inside the tower), Qwen3-VL's deepstack rows."""
     import mlx_vlm
 
     from scheduler.models.adapter import VLMAdapter
