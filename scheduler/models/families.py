@@ -48,24 +48,24 @@ between families is declared here, and nothing else:
                    tests/models/test_vlm_families.py), gemma4 and gemma4_unified (tests/models/test_audio.py);
                    plain-KV families do not need it.
 ``item_split``     how the media tensors split into items, each keyed and encoded on its own (``ItemSplit``,
-                   ``media_items.py``): a chat turn that adds an image then restores the turns before it from the
-                   prefix cache, images included, and encodes only the new image. ``GRID`` for the towers fed
-                   flattened patches with a ``*_grid_thw`` row per item (the Qwen families, mage_vl), ``STACK`` for
-                   llava, ``SIZED_STACK`` for mistral3 and pixtral, ``TILES`` for idefics3 and smolvlm; ``WHOLE``
-                   (keyed and encoded as one unit) where no split is exact or possible: gemma3 (see its note: an
-                   image's rows depend, by a few 1e-7 under OpenBLAS, on the images stacked with it, and the tiny
-                   gemma3's greedy tokens follow them), media inputs holding Python values or absolute prompt
-                   positions (kimi_vl, molmo, minicpmv4_6), a tower that does not keep a call's images apart
-                   (ernie4_5_moe_vl), the audio families. Each row's comment says why.
+                   ``media_items.py``): a chat turn that adds an image then restores the turns before it from the prefix
+                   cache, images included, and encodes only the new image. ``GRID`` for the towers fed flattened patches
+                   with a ``*_grid_thw`` row per item (the Qwen and GLM families, mage_vl, dots_ocr), ``STACK`` for
+                   llava, ``SIZED_STACK`` for mistral3 and pixtral, ``TILES`` for idefics3 and smolvlm; ``WHOLE`` (keyed
+                   and encoded as one unit) where no split is exact or possible: gemma3 (see its note: an image's rows
+                   depend, by a few 1e-7 under OpenBLAS, on the images stacked with it, and the tiny gemma3's greedy
+                   tokens follow them), media inputs holding Python values or absolute prompt positions (kimi_vl, molmo,
+                   minicpmv4_6), a tower that does not keep a call's images apart (ernie4_5_moe_vl), the audio families.
+                   Each row's comment says why.
 ``vision_batch`` / ``media_axis``  how the media of several requests go through the encoders in one call
                    (``VisionBatch``) and the axis of the media tensors that counts images (their other axes
                    must agree to be concatenated; ``*_grid_thw`` always count on axis 0). ``ONE``: every request
                    of the tick in one call (towers that take flattened patches of any number of images with their
-                   ``grid_thw`` and attend within each image: the Qwen towers, Mage-VL's); ``EQUAL_SHAPE``: one
-                   call per group of requests whose pixel tensors agree on every other axis (stacked along
-                   ``media_axis``); ``PER_REQUEST``: one call per request (a tower whose images of one call do not
-                   stay apart, media that cannot be concatenated, inputs holding absolute prompt positions; each
-                   row's comment says which).
+                   ``grid_thw`` and attend within each image: the Qwen towers, GLM-4.5V's, GLM-OCR's, PaddleOCR-VL's,
+                   dots.ocr's, Mage-VL's); ``EQUAL_SHAPE``: one call per group of requests whose pixel tensors agree
+                   on every other axis (stacked along ``media_axis``); ``PER_REQUEST``: one call per request (a tower
+                   whose images of one call do not stay apart, media that cannot be concatenated, inputs holding
+                   absolute prompt positions; each row's comment says which).
 
 A family absent from this table is refused at load with ``UnsupportedFamily`` (a ``TypeError``) naming the
 supported ones: mlx-vlm may load it, but nothing here has shown that it batches exactly. A family declared with
@@ -192,8 +192,9 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
                item_split=_GRID, honors_lengths=True, kv_bits_refused=QWEN3_5_QUANTIZED_PADS,
                notes="hybrid: gated-delta (recurrent) layers next to full attention, mixture-of-experts layers"),
     # its rope index is Qwen2-VL's (a block per image after its begin-of-image token). Its tower does not keep the
-    # images of one call apart as the Qwen towers do: a request's features from a call with other requests' images
-    # differed from its own call by 0.017 (tests/models/test_vision_batch.py), so one call per request
+    # images of one call apart as the Qwen towers do: its attention cuts a call at the first two of its cu_seqlens
+    # only (`mx.split(t, [l0, l0 + l1])`), so the third and later images attend to each other; a request's features
+    # from a call with other requests' images differed from its own call by 0.017, so one call per request
     FamilySpec("glm4v", Positions.MROPE, vision_batch=VisionBatch.PER_REQUEST, item_split=_GRID,
                notes="GLM-4.1V: partial-rotary M-RoPE; vision tower per request"),
     # pixel_values (1, tiles, C, H, W), and the processor returns the image token id (an int) with the tensors:
@@ -253,6 +254,22 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
                honors_lengths=True, kv_bits_refused=QWEN3_5_QUANTIZED_PADS,
                notes="hybrid: gated-delta (recurrent) layers next to full attention; SigLIP slices merged inside "
                "the tower"),
+    # its tower attends within each image of a call (cu_seqlens), unlike glm4v's: one call for the tick's images
+    FamilySpec("glm4v_moe", Positions.MROPE, vision_batch=_ONE, item_split=_GRID,
+               notes="GLM-4.5V / 4.6V: glm4v with mixture-of-experts layers (grouped routing, a shared expert)"),
+    # its rope index (GLM-4.6V's: each run of image tokens one block, text after it advancing by max(h, w) / merge)
+    # gives the Qwen2-VL layout's positions on image prompts; its config names image_start_token_id
+    FamilySpec("glm_ocr", Positions.MROPE, vision_batch=_ONE, item_split=_GRID,
+               notes="GLM-OCR: GLM text with M-RoPE, GlmOcr tower"),
+    # mlx-vlm's image processor stacks a prompt's images with np.array: images of other sizes raise, images of one
+    # size would be read as frames of one image. So one image a prompt, keyed whole (an item is the request's
+    # image). pixel_values (1, patches, C, 14, 14): patches on axis 1
+    FamilySpec("paddleocr_vl", Positions.MROPE, images_per_request=1, vision_batch=_ONE, media_axis=1,
+               notes="PaddleOCR-VL: ERNIE-4.5 text with M-RoPE, NaViT tower; one image a prompt"),
+    # transformers' Qwen2.5-VL processor (under mlx-vlm's DotsVLProcessor) returns mm_token_type_ids, which
+    # nothing reads
+    FamilySpec("dots_ocr", dropped_inputs=("mm_token_type_ids",), vision_batch=_ONE, item_split=_GRID,
+               notes="dots.ocr: Qwen2 text (1-D RoPE), dots ViT on Qwen2-VL-style flattened patches"),
     FamilySpec("gemma3n", media=frozenset({"audio"}), refused="mlx-vlm's get_input_embeddings embeds a prompt's text "
                "tokens without the sqrt(hidden_size) scale its language model applies to the token ids it is fed, so "
                "a token the scheduler feeds as an id (the last prompt token as the first decode input, a preempted "

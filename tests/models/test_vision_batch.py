@@ -36,14 +36,16 @@ MAX_TOKENS = 12
 #: every family that batches its encoders, with the build seed tests/models/test_vlm_families.py uses
 BATCHING = {"qwen2_vl": None, "qwen2_5_vl": 1, "qwen3_vl": 0, "qwen3_5": 0, "idefics3": 4, "smolvlm": 4,
             "mistral3": 5, "pixtral": 0, "llava": 0, "qwen3_vl_moe": 0, "qwen3_5_moe": 1, "lfm2_vl": 0,
-            "idefics2": 0, "aya_vision": 0, "mage_vl": 0}
+            "idefics2": 0, "aya_vision": 0, "mage_vl": 0, "glm4v_moe": 0, "glm_ocr": 2, "paddleocr_vl": 0,
+            "dots_ocr": 0}
 
 
 def test_the_batching_families_are_the_table_s():
     assert set(BATCHING) == {n for n, s in FAMILIES.items() if not s.refused
                              and s.vision_batch is not VisionBatch.PER_REQUEST}
     assert {n for n, s in FAMILIES.items() if s.vision_batch is VisionBatch.ONE} == {
-        "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "mage_vl"}
+        "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "mage_vl", "glm4v_moe",
+        "glm_ocr", "paddleocr_vl", "dots_ocr"}
 
 
 def noise_image(width, height, seed):
@@ -60,14 +62,16 @@ def user(text, n, kind="image"):
     return [{"role": "user", "content": [{"type": kind}] * n + [{"type": "text", "text": text}]}]
 
 
-def image_requests():
-    """(messages, images): three of one size, one wider, one with two images, all different pixels."""
+def image_requests(images_per_request: int | None = None):
+    """(messages, images): three of one size, one wider, one with two images (one for a family whose processor
+    takes one a prompt: ``FamilySpec.images_per_request``), all different pixels."""
     return [
         (user("Describe it.", 1), [noise_image(56, 56, 1)]),
         (user("What is in the picture?", 1), [noise_image(56, 56, 2)]),
         (user("Which colour is most common here?", 1), [noise_image(56, 56, 3)]),
         (user("A wide one.", 1), [noise_image(84, 56, 4)]),
-        (user("Compare the two pictures, please.", 2), [noise_image(56, 56, 5), noise_image(56, 56, 6)]),
+        (user("Compare the two pictures, please.", 2), [noise_image(56, 56, 5), noise_image(56, 56, 6)])
+        if images_per_request != 1 else (user("And this one?", 1), [noise_image(56, 56, 5)]),
     ]
 
 
@@ -96,7 +100,7 @@ def _adapter(model, processor, **options):
 def test_batched_features_equal_one_by_one(family):
     name, model, processor = family
     adapter = _adapter(model, processor)
-    prepared = [adapter.prepare(m, images=im) for m, im in image_requests()]
+    prepared = [adapter.prepare(m, images=im) for m, im in image_requests(adapter.spec.images_per_request)]
     calls = []
     many = adapter.encode_many([(p, ()) for p in prepared], on_call=calls.append)
     alone = [adapter.encode(p) for p in prepared]
@@ -142,8 +146,9 @@ def test_engine_batches_one_tick_of_media_exactly(family):
     equals solo mlx_vlm per request, and the tick's encoder calls are the family's groups."""
     name, model, processor = family
     spec = FAMILIES[name]
-    arrivals = [{"prompt": m, "images": im} for m, im in image_requests()]
-    refs = [_solo(model, processor, m, images=im) for m, im in image_requests()]
+    requests = image_requests(spec.images_per_request)
+    arrivals = [{"prompt": m, "images": im} for m, im in requests]
+    refs = [_solo(model, processor, m, images=im) for m, im in requests]
     if "video" in spec.media:
         arrivals += [{"prompt": m, "videos": [v]} for m, v in video_requests()]
         refs += [_solo(model, processor, m, videos=v) for m, v in video_requests()]

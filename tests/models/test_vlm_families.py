@@ -55,6 +55,8 @@ def _tiny(name: str, seed: int = 0) -> Callable:
 # mlx-vlm in the staggered schedule (its float runs exact in every schedule); seeds 1 and 2 were exact in all.
 # The cause, found later: mlx-vlm's Qwen3.5 attention attends the left pads of a quantized batch decode, and
 # kv_bits is now refused for it (families.QWEN3_5_QUANTIZED_PADS).
+# glm_ocr: seed 0 passes every test here too, but ends requests 1 and 2 on eos after 2 and 4 tokens, leaving
+# little decoding for the kv-budget schedules to preempt; with seed 2 the first three run to 16.
 FAMILY_CASES = {
     "qwen2_vl": FamilyCase(lambda d: build_model("vlm", d), ("image", "video")),
     "qwen2_5_vl": FamilyCase(_tiny("qwen2_5_vl", seed=1), ("image", "video")),
@@ -78,6 +80,10 @@ FAMILY_CASES = {
     "mage_vl": FamilyCase(_tiny("mage_vl"), ("image", "video")),
     "molmo": FamilyCase(_tiny("molmo")),
     "minicpmv4_6": FamilyCase(_tiny("minicpmv4_6")),
+    "glm4v_moe": FamilyCase(_tiny("glm4v_moe")),
+    "glm_ocr": FamilyCase(_tiny("glm_ocr", seed=2)),
+    "paddleocr_vl": FamilyCase(_tiny("paddleocr_vl")),
+    "dots_ocr": FamilyCase(_tiny("dots_ocr")),
 }
 
 SCHEDULES = {
@@ -256,6 +262,7 @@ KV_BITS_REFUSED = {
     "internvl_chat": "divisible by the quantization group size", "idefics2": "divisible by the quantization group size",
     "aya_vision": "RotatingKVCache", "qwen3_5": "attends the left pads", "qwen3_5_moe": "attends the left pads",
     "molmo": "divisible by the quantization group size", "minicpmv4_6": "attends the left pads",
+    "dots_ocr": "divisible by the quantization group size",
 }
 KV_SETTINGS = [(4, 0), (8, 24)]  # (kv_bits, quantized_kv_start): from the first token, or from inside the prompts
 

@@ -159,8 +159,6 @@ def test_families_that_do_not_batch_are_refused_at_load(tiny_vlm_dir):
     """Real mlx-vlm models: an unlisted family (paligemma: no exactness test here) and declared refusals (mllama:
     cross-attention to per-request vision states; llava_next, loaded by mlx_vlm.load: an embedded prompt longer
     than its tokens) raise UnsupportedFamily (a TypeError) with the reason."""
-    import mlx_vlm
-
     with pytest.raises(UnsupportedFamily, match="no VLM family spec for model_type 'paligemma'"):
         Engine(_tiny_paligemma(), None)
     with pytest.raises(UnsupportedFamily, match="'mllama' cannot be batched: its language model cross-attends"):
