@@ -35,7 +35,7 @@ between families is declared here, and nothing else:
                    image nor concatenated across requests of other lengths).
 ``mixed_image_video`` whether one request may carry both images and videos (mlx-vlm's Qwen2/2.5-VL merge one kind).
 ``images_per_request`` the most images mlx-vlm's processor and merge take in one prompt (None: any); more are
-                   refused at ``add_request`` for that request alone, before the processor runs.
+                   refused at ``add_request`` for that request alone, before the processor runs (Step 3.7: 1).
 ``audio_encoder``  the model attribute that turns audio features into embeddings (a checkpoint without it is
                    refused for an audio family): Gemma 4's Conformer ``audio_tower``; Gemma 4 unified has no
                    encoder, its ``embed_audio`` projects raw 40 ms frames.
@@ -44,7 +44,7 @@ between families is declared here, and nothing else:
 ``honors_lengths`` whether the language model keeps right pads out of its sliding windows and recurrent state when
                    its batch cache is prepared with each row's length (mlx-lm's padded-batch contract; as
                    ``scheduler.families.Family.honors_lengths``): then its windows and recurrent layers share
-                   prefill forwards of chunks of any lengths. gemma3, qwen3_5 and minicpmv4_6 (shown by
+                   prefill forwards of chunks of any lengths. gemma3, qwen3_5, minicpmv4_6 and step3p7 (shown by
                    tests/models/test_vlm_families.py), gemma4 and gemma4_unified (tests/models/test_audio.py);
                    plain-KV families do not need it.
 ``item_split``     how the media tensors split into items, each keyed and encoded on its own (``ItemSplit``,
@@ -270,6 +270,17 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
     # nothing reads
     FamilySpec("dots_ocr", dropped_inputs=("mm_token_type_ids",), vision_batch=_ONE, item_split=_GRID,
                notes="dots.ocr: Qwen2 text (1-D RoPE), dots ViT on Qwen2-VL-style flattened patches"),
+    # get_input_embeddings encodes pixel_values[0] only (one prompt's views), so one encoder call per request and
+    # the media keyed whole; the image enters only as deepstack features added at chosen layers, over the whole
+    # prompt, sliced by the language model at its cache's offset (media_rows_whole_prompt). A prompt's second
+    # image takes the first image's features (mlx-vlm clamps the feature index to their last row): reproduced
+    FamilySpec("granite4_vision", media_mask_input="visual_pos_masks", media_row_inputs=("deepstack_visual_embeds",),
+               media_rows_whole_prompt=True, vision_batch=VisionBatch.PER_REQUEST,
+               notes="Granite 4 Vision: LLaVA-NeXT anyres views through windowed-QFormer projectors, features only "
+               "as deepstack additions"),
+    # the processor takes exactly one <im_patch> a prompt (more raise ValueError)
+    FamilySpec("step3p7", images_per_request=1, vision_batch=VisionBatch.PER_REQUEST, honors_lengths=True,
+               notes="Step 3.7 VL: a sliding-window layer next to full attention, mixture-of-experts layers"),
     FamilySpec("gemma3n", media=frozenset({"audio"}), refused="mlx-vlm's get_input_embeddings embeds a prompt's text "
                "tokens without the sqrt(hidden_size) scale its language model applies to the token ids it is fed, so "
                "a token the scheduler feeds as an id (the last prompt token as the first decode input, a preempted "

@@ -39,6 +39,11 @@ MAX_TOKENS = 16
 class FamilyCase:
     build: Callable  # (out_dir) -> model dir
     media: tuple[str, ...] = ("image",)
+    # the prefill chunk of the kv-budget schedules where the default (one chunk a prompt) keeps the first three
+    # requests from being admitted together: a sliding-window layer holds a whole chunk before it cuts back to
+    # its window (`KVLayout.request_bytes`), so a prompt much longer than its window peaks in prefill above its
+    # batch row, the unit of the budget
+    budget_chunk: int | None = None
 
 
 def _tiny(name: str, seed: int = 0) -> Callable:
@@ -57,6 +62,8 @@ def _tiny(name: str, seed: int = 0) -> Callable:
 # kv_bits is now refused for it (families.QWEN3_5_QUANTIZED_PADS).
 # glm_ocr: seed 0 passes every test here too, but ends requests 1 and 2 on eos after 2 and 4 tokens, leaving
 # little decoding for the kv-budget schedules to preempt; with seed 2 the first three run to 16.
+# step3p7: with its budget_chunk (below) seeds 0 and 3 preempt an image request in the kv-budget schedules,
+# seeds 1 and 2 none.
 FAMILY_CASES = {
     "qwen2_vl": FamilyCase(lambda d: build_model("vlm", d), ("image", "video")),
     "qwen2_5_vl": FamilyCase(_tiny("qwen2_5_vl", seed=1), ("image", "video")),
@@ -84,6 +91,10 @@ FAMILY_CASES = {
     "glm_ocr": FamilyCase(_tiny("glm_ocr", seed=2)),
     "paddleocr_vl": FamilyCase(_tiny("paddleocr_vl")),
     "dots_ocr": FamilyCase(_tiny("dots_ocr")),
+    "granite4_vision": FamilyCase(_tiny("granite4_vision")),
+    # its prompts hold 169 image tokens against a window of 16: prefilled whole, at most two of the first three
+    # requests ran at once and nothing was preempted (seeds 0-15); in chunks of 32 all three are admitted
+    "step3p7": FamilyCase(_tiny("step3p7"), budget_chunk=32),
 }
 
 SCHEDULES = {
@@ -173,11 +184,14 @@ PROMPT_TOKENS: dict[str, list[int]] = {}  # family -> each request's prompt leng
 MODEL_DIRS: dict[str, Path] = {}  # family -> its tiny build
 
 
-def _config(engine_probe: Engine | None, schedule: dict, prompt_tokens: list[int] = ()) -> EngineConfig:
+def _config(engine_probe: Engine | None, schedule: dict, prompt_tokens: list[int] = (),
+            budget_chunk: int | None = None) -> EngineConfig:
     cfg = dict(schedule["config"], prefix_cache_bytes=8 << 20, prefix_block_size=8, check_invariants=True)
     if "budget_rows" in schedule:
         rows = schedule["budget_rows"]  # the first `rows` requests (the last of them an image request)
         cfg["kv_memory_bytes"] = engine_probe.kv_layout.batch_bytes([max(prompt_tokens[:rows]) + 2] * rows)
+        if budget_chunk is not None and "prefill_chunk" not in cfg:  # FamilyCase.budget_chunk
+            cfg["prefill_chunk"] = budget_chunk
     return EngineConfig(**cfg)
 
 
@@ -186,7 +200,8 @@ def test_family_batches_exactly(family, schedule):
     name, (model, processor), requests, references = family
     spec = SCHEDULES[schedule]
     probe = Engine(model, processor) if "budget_rows" in spec else None
-    engine, log = engine_with_log(model, processor, _config(probe, spec, PROMPT_TOKENS[name]))
+    engine, log = engine_with_log(model, processor, _config(probe, spec, PROMPT_TOKENS[name],
+                                                            FAMILY_CASES[name].budget_chunk))
     if schedule == "drafting" and not engine._runner.capabilities.rollback:
         # a batch that cannot roll back drafts only in ticks where every row has a draft (each row keeps the
         # shortest accepted length); prompt lookup on a random tiny model rarely finds one for every row at
@@ -263,6 +278,8 @@ KV_BITS_REFUSED = {
     "aya_vision": "RotatingKVCache", "qwen3_5": "attends the left pads", "qwen3_5_moe": "attends the left pads",
     "molmo": "divisible by the quantization group size", "minicpmv4_6": "attends the left pads",
     "dots_ocr": "divisible by the quantization group size",
+    "aya_vision": "RotatingKVCache", "granite4_vision": "divisible by the quantization group size",
+    "step3p7": "RotatingKVCache",
 }
 KV_SETTINGS = [(4, 0), (8, 24)]  # (kv_bits, quantized_kv_start): from the first token, or from inside the prompts
 
@@ -680,13 +697,13 @@ def test_family_prompt_logprobs_equal_mlx_vlms_own_prefill(family):
         assert out.token_ids == references[i], f"{name}: request {i}"
 
 
-@pytest.mark.parametrize("name", ["gemma3", "qwen3_5", "minicpmv4_6"])
+@pytest.mark.parametrize("name", ["gemma3", "qwen3_5", "minicpmv4_6", "step3p7"])
 def test_windows_and_recurrent_state_share_padded_chunks(name, tmp_path):
-    """Gemma 3's sliding windows and Qwen3.5's recurrent layers (MiniCPM-V 4.6's language model too) skip the right
-    pads of a shared forward (their language models honor the lengths a prepared batch cache carries:
-    `FamilySpec.honors_lengths`), so they share prefill forwards as plain KV does (`PrefillSharing.ANY`): three
-    chats of different lengths arriving together, in chunks of 9, share forwards, first and later ones, padded
-    where their last chunks differ, and each answer equals mlx_vlm alone."""
+    """Gemma 3's and Step 3.7's sliding windows and Qwen3.5's recurrent layers (MiniCPM-V 4.6's language model too)
+    skip the right pads of a shared forward (their language models honor the lengths a prepared batch cache
+    carries: `FamilySpec.honors_lengths`), so they share prefill forwards as plain KV does (`PrefillSharing.ANY`):
+    three chats of different lengths arriving together, in chunks of 9, share forwards, first and later ones,
+    padded where their last chunks differ, and each answer equals mlx_vlm alone."""
     import mlx_vlm
 
     from caches.layers import PrefillSharing
@@ -714,15 +731,15 @@ def test_windows_and_recurrent_state_share_padded_chunks(name, tmp_path):
         engine.close()
 
 
-@pytest.mark.parametrize("name", ["gemma3", "qwen3_5", "qwen3_vl", "minicpmv4_6"])
+@pytest.mark.parametrize("name", ["gemma3", "qwen3_5", "qwen3_vl", "minicpmv4_6", "step3p7"])
 def test_a_padded_shared_forward_leaves_each_row_what_its_own_forward_would(name, tmp_path):
     """Under the greedy-token tests above, the state check (a tiny model's greedy tokens can survive a wrong
     state: they did while mlx-vlm's Qwen3.5 took right pads into its delta-rule state, `caches.layers.
     _prepare_layer`). One shared forward of three chunks: an image prompt and a text prompt fresh, and a later
     chunk of an image prompt on a cache of 7 tokens, right-padded to the widest; each row's logits are its own
     forward's, and its cache continues as its own does (the next 2 positions fed alone on both), to float
-    rounding. Gemma 3 past its sliding window, Qwen3.5's recurrent layers (and MiniCPM-V 4.6's, the same
-    language model with its slices merged inside the tower), Qwen3-VL's deepstack rows."""
+    rounding. Gemma 3 and Step 3.7 past their sliding windows, Qwen3.5's recurrent layers (and MiniCPM-V 4.6's,
+    the same language model with its slices merged inside the tower), Qwen3-VL's deepstack rows."""
     import mlx_vlm
 
     from scheduler.models.adapter import VLMAdapter
