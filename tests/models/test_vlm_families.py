@@ -277,7 +277,8 @@ KV_BITS_REFUSED = {
     "internvl_chat": "divisible by the quantization group size", "idefics2": "divisible by the quantization group size",
     "aya_vision": "RotatingKVCache", "qwen3_5": "attends the left pads", "qwen3_5_moe": "attends the left pads",
     "molmo": "divisible by the quantization group size", "minicpmv4_6": "attends the left pads",
-    "dots_ocr": "divisible by the quantization group size", "granite4_vision": "divisible by the quantization group size",
+    "dots_ocr": "divisible by the quantization group size",
+    "granite4_vision": "divisible by the quantization group size",
     "step3p7": "RotatingKVCache",
 }
 KV_SETTINGS = [(4, 0), (8, 24)]  # (kv_bits, quantized_kv_start): from the first token, or from inside the prompts
