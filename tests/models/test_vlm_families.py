@@ -159,9 +159,19 @@ def solo(model, processor, messages, images, **generate_kwargs):
     return last
 
 
-@pytest.fixture(scope="module", params=list(FAMILY_CASES))
-def family(request, tmp_path_factory):
-    """(name, (model, processor), requests, solo references) of one family."""
+# The families whose per-family tests run in this file; the later ones run the same tests in
+# test_vlm_families_more.py (pytest-xdist gives each file one worker: split, the two halves run side by side).
+LATER_FAMILIES = ["kimi_vl", "ernie4_5_moe_vl", "mage_vl", "molmo", "minicpmv4_6", "glm4v_moe", "glm_ocr",
+                  "paddleocr_vl", "dots_ocr", "granite4_vision", "step3p7"]
+FIRST_FAMILIES = [name for name in FAMILY_CASES if name not in LATER_FAMILIES]
+
+
+def family_fixture(names: list[str]):
+    """The module-scoped ``family`` fixture over ``names``: (name, (model, processor), requests, solo references)."""
+    return pytest.fixture(scope="module", params=names)(_family)
+
+
+def _family(request, tmp_path_factory):
     import mlx_vlm
 
     name = request.param
@@ -179,6 +189,8 @@ def family(request, tmp_path_factory):
         PROMPT_TOKENS.setdefault(name, []).append(last.prompt_tokens)
     return name, (model, processor), requests, references
 
+
+family = family_fixture(FIRST_FAMILIES)
 
 PROMPT_TOKENS: dict[str, list[int]] = {}  # family -> each request's prompt length (as mlx-vlm counted it)
 MODEL_DIRS: dict[str, Path] = {}  # family -> its tiny build
@@ -634,6 +646,19 @@ def _readme_vlm_table() -> dict[str, list[str]]:
     body = readme[readme.index("\n", start) + 1: readme.index("<!-- vlm-families-table:end -->")]
     rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in body.strip().splitlines()[2:]]
     return {cells[0]: cells[1:] for cells in rows}
+
+
+def test_every_per_family_test_runs_on_every_family():
+    """The two halves cover every family once, and test_vlm_families_more.py runs every per-family test here."""
+    import inspect
+
+    from . import test_vlm_families_more as more
+
+    assert sorted(FIRST_FAMILIES + LATER_FAMILIES) == sorted(FAMILY_CASES) and not set(FIRST_FAMILIES) & set(
+        LATER_FAMILIES)
+    here = {name for name, f in globals().items() if name.startswith("test_") and callable(f)
+            and "family" in inspect.signature(f).parameters}
+    assert here == {name for name in vars(more) if name.startswith("test_")}
 
 
 def test_readme_family_table_agrees_with_the_family_specs():
