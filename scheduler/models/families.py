@@ -55,7 +55,8 @@ between families is declared here, and nothing else:
                    and encoded as one unit) where no split is exact or possible: gemma3 (see its note: an image's rows
                    depend, by a few 1e-7 under OpenBLAS, on the images stacked with it, and the tiny gemma3's greedy
                    tokens follow them), media inputs holding Python values or absolute prompt positions (kimi_vl, molmo,
-                   minicpmv4_6), a tower that does not keep a call's images apart (ernie4_5_moe_vl), the audio families.
+                   minicpmv4_6), a tower that does not keep a call's images apart (ernie4_5_moe_vl), views padded to the
+                   most of any image of the request (llava_onevision), the audio families.
                    Each row's comment says why.
 ``vision_batch`` / ``media_axis``  how the media of several requests go through the encoders in one call
                    (``VisionBatch``) and the axis of the media tensors that counts images (their other axes
@@ -281,6 +282,19 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
     # the processor takes exactly one <im_patch> a prompt (more raise ValueError)
     FamilySpec("step3p7", images_per_request=1, vision_batch=VisionBatch.PER_REQUEST, honors_lengths=True,
                notes="Step 3.7 VL: a sliding-window layer next to full attention, mixture-of-experts layers"),
+    # pixel_values (images, views, C, H, W), each image's views padded to the request's most, with image_sizes
+    # (images, 2) and batch_num_images: the tower takes each image's own views, so requests whose tensors agree but
+    # for axis 0 stack (videos: pixel_values_videos (videos, frames, C, H, W)). How many padded views an image
+    # carries depends on the other images of its request: keyed whole
+    FamilySpec("llava_onevision", media=frozenset({"image", "video"}),
+               notes="LLaVA-OneVision: SigLIP AnyRes tiles and a base view (a large grid's features downsampled), "
+               "video frames pooled 2x2; Qwen2 text"),
+    # pixel_values (1, tiles, C, H, W), of which get_input_embeddings encodes pixel_values[0] (one prompt's tiles),
+    # and the processor returns the image token id (an int) among the media tensors: one encoder call per request,
+    # keyed whole
+    FamilySpec("internvl", media_axis=1, vision_batch=VisionBatch.PER_REQUEST,
+               notes="InternVL in transformers' layout: InternVL vision tower (layer scale, q/k norms) on dynamic "
+               "tiles and a thumbnail, pixel shuffle; Qwen3 text"),
     FamilySpec("gemma3n", media=frozenset({"audio"}), refused="mlx-vlm's get_input_embeddings embeds a prompt's text "
                "tokens without the sqrt(hidden_size) scale its language model applies to the token ids it is fed, so "
                "a token the scheduler feeds as an id (the last prompt token as the first decode input, a preempted "

@@ -64,6 +64,8 @@ def _tiny(name: str, seed: int = 0) -> Callable:
 # little decoding for the kv-budget schedules to preempt; with seed 2 the first three run to 16.
 # step3p7: with its budget_chunk (below) seeds 0 and 3 preempt an image request in the kv-budget schedules,
 # seeds 1 and 2 none.
+# internvl: with seed 0 request 1 ends on eos after 4 tokens, with seed 1 request 0 at its first token; with seed 2
+# the first three run to 16 (and others of the workload still stop on eos).
 FAMILY_CASES = {
     "qwen2_vl": FamilyCase(lambda d: build_model("vlm", d), ("image", "video")),
     "qwen2_5_vl": FamilyCase(_tiny("qwen2_5_vl", seed=1), ("image", "video")),
@@ -95,6 +97,8 @@ FAMILY_CASES = {
     # its prompts hold 169 image tokens against a window of 16: prefilled whole, at most two of the first three
     # requests ran at once and nothing was preempted (seeds 0-15); in chunks of 32 all three are admitted
     "step3p7": FamilyCase(_tiny("step3p7"), budget_chunk=32),
+    "llava_onevision": FamilyCase(_tiny("llava_onevision"), ("image", "video")),
+    "internvl": FamilyCase(_tiny("internvl", seed=2)),
 }
 
 SCHEDULES = {
@@ -162,7 +166,7 @@ def solo(model, processor, messages, images, **generate_kwargs):
 # The families whose per-family tests run in this file; the later ones run the same tests in
 # test_vlm_families_more.py (pytest-xdist gives each file one worker: split, the two halves run side by side).
 LATER_FAMILIES = ["kimi_vl", "ernie4_5_moe_vl", "mage_vl", "molmo", "minicpmv4_6", "glm4v_moe", "glm_ocr",
-                  "paddleocr_vl", "dots_ocr", "granite4_vision", "step3p7"]
+                  "paddleocr_vl", "dots_ocr", "granite4_vision", "step3p7", "llava_onevision", "internvl"]
 FIRST_FAMILIES = [name for name in FAMILY_CASES if name not in LATER_FAMILIES]
 
 
@@ -292,6 +296,8 @@ KV_BITS_REFUSED = {
     "dots_ocr": "divisible by the quantization group size",
     "granite4_vision": "divisible by the quantization group size",
     "step3p7": "RotatingKVCache",
+    "llava_onevision": "divisible by the quantization group size",
+    "internvl": "divisible by the quantization group size",
 }
 KV_SETTINGS = [(4, 0), (8, 24)]  # (kv_bits, quantized_kv_start): from the first token, or from inside the prompts
 
