@@ -355,3 +355,152 @@ def test_the_refused_families_are_refused_at_load_with_their_reason():
     with pytest.raises(UnsupportedFamily, match=r"'jvlm' cannot be batched: its language model's RoPE turns a batch "
                        r"cache's per-row offsets into one position \(offset.max\(\)\)"):
         Engine(_tiny_jina_vlm(), None)
+
+
+# ------------------------------------------------------------------------------------------ granite_vision
+
+_GRANITE_VIEW = 42  # SigLIP views of 3x3 patches of 14: 9 rows a view
+_GRANITE_GRID = [[42, 42], [42, 84], [84, 42], [84, 84]]
+_GRANITE_TOKENS = ("<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>", "<image>", "<|pad|>")
+_GRANITE_HIDDEN = 64
+
+
+def _tiny_granite_vision():
+    """Granite Vision's model (mlx-vlm's granite_vision: a LLaVA-NeXT-style SigLIP tower, projector and image
+    newline over a Granite decoder) from its config classes: one block each, 42-pixel views; and its processor
+    (mlx-vlm's GraniteVisionProcessor over transformers' LLaVA-NeXT image processor), with a tiny tokenizer."""
+    from mlx_vlm.models import granite_vision
+    from mlx_vlm.models.granite_vision.processing_granite_vision import GraniteVisionProcessor
+    from transformers import LlavaNextImageProcessorPil, PreTrainedTokenizerFast
+
+    from scheduler.fixtures.tiny_models import _train_bpe
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=_train_bpe(_GRANITE_TOKENS), eos_token="<|end_of_text|>",
+                                        pad_token="<|pad|>")
+    images = LlavaNextImageProcessorPil(size={"shortest_edge": _GRANITE_VIEW}, image_grid_pinpoints=_GRANITE_GRID,
+                                        crop_size={"height": _GRANITE_VIEW, "width": _GRANITE_VIEW},
+                                        image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    processor = GraniteVisionProcessor(image_processor=images, tokenizer=tokenizer, patch_size=14,
+                                       vision_feature_select_strategy="full")
+    text = granite_vision.TextConfig(hidden_size=_GRANITE_HIDDEN, num_hidden_layers=1, intermediate_size=128,
+                                     num_attention_heads=2, num_key_value_heads=1, vocab_size=512)
+    vision = granite_vision.VisionConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                                         num_attention_heads=2, image_size=_GRANITE_VIEW, patch_size=14)
+    mx.random.seed(0)
+    model = granite_vision.Model(granite_vision.ModelConfig(
+        text_config=text, vision_config=vision, image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        image_grid_pinpoints=_GRANITE_GRID, vocab_size=512))
+    mx.eval(model.parameters())
+    return model, processor
+
+
+def _granite_prompt(images: int) -> str:
+    return ("<|start_of_role|>user<|end_of_role|>" + "<image>\n" * images
+            + "Describe it.<|end_of_text|>\n<|start_of_role|>assistant<|end_of_role|>")
+
+
+def test_granite_vision_is_refused_at_load():
+    model, _ = _tiny_granite_vision()
+    with pytest.raises(UnsupportedFamily, match="'granite_vision' cannot be batched: mlx-vlm's merge does not fill "
+                                                "the image ids its processor expands"):
+        Engine(model, None)
+
+
+def test_granite_vision_embeds_a_prompt_in_other_rows_than_its_ids():
+    """Why granite_vision is refused. Its processor expands each <image> into one id per feature row (LLaVA-NeXT's
+    count: the base view's rows, the unpadded grid's and a newline per grid row); mlx-vlm's merge ignores that
+    count: it concatenates the views' features (views, 9, H) with as many blocks of the newline row, puts one block
+    of 9 rows in place of each of the first 2 x views image ids, drops the later image ids and the text between
+    them. The embedded prompt is as long as the text ids and those blocks, not as its ids. Its tower also encodes
+    pixel_values[0] only: another second image embeds the same. If mlx-vlm fills the expanded ids, this fails:
+    look again."""
+    model, processor = _tiny_granite_vision()
+    rng = np.random.default_rng(1)
+    image, other = (Image.fromarray(rng.integers(0, 256, (140, 112, 3), dtype=np.uint8)) for _ in range(2))
+    inputs = processor(text=[_granite_prompt(1)], images=[image])
+    ids, pixels = inputs["input_ids"], inputs["pixel_values"]
+    image_ids = int((ids == model.config.image_token_index).sum().item())
+    views = pixels.shape[1]
+    assert pixels.shape == (1, views, 3, _GRANITE_VIEW, _GRANITE_VIEW) and views > 1 and image_ids > 2 * views
+    embeds = model.get_input_embeddings(ids, pixels).inputs_embeds
+    mx.eval(embeds)
+    text_ids = ids.shape[1] - image_ids
+    assert embeds.shape == (1, text_ids + 2 * views * 9, _GRANITE_HIDDEN) and embeds.shape[1] != ids.shape[1]
+
+    two = processor(text=[_granite_prompt(2)], images=[image, image])
+    swapped = processor(text=[_granite_prompt(2)], images=[image, other])
+    assert not mx.array_equal(two["pixel_values"][1], swapped["pixel_values"][1]).item()
+    first = model.get_input_embeddings(two["input_ids"], two["pixel_values"]).inputs_embeds
+    second = model.get_input_embeddings(swapped["input_ids"], swapped["pixel_values"]).inputs_embeds
+    assert mx.array_equal(first, second).item()
+
+
+# --------------------------------------------------------------------------------------------------- llama4
+
+_LLAMA4_CHUNK = 8
+
+
+def _tiny_llama4():
+    """Llama 4's model (mlx-vlm's llama4) from its config classes: 4 decoder layers, the first three chunked
+    attention with RoPE (chunks of 8), the fourth full attention without RoPE, every other layer a mixture of 2
+    experts; a one-block vision tower."""
+    from mlx_vlm.models import llama4
+
+    text = llama4.TextConfig(model_type="llama4_text", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                             rms_norm_eps=1e-5, vocab_size=512, num_key_value_heads=2, head_dim=16,
+                             num_hidden_layers=4, attention_chunk_size=_LLAMA4_CHUNK, interleave_moe_layer_step=2,
+                             intermediate_size_mlp=128, num_local_experts=2, num_experts_per_tok=1,
+                             rope_scaling=None)
+    vision = llama4.VisionConfig(model_type="llama4_vision_model", hidden_size=32, image_size=28,
+                                 initializer_range=0.02, intermediate_size=64, norm_eps=1e-5, num_attention_heads=2,
+                                 num_channels=3, num_hidden_layers=1, patch_size=14, pixel_shuffle_ratio=0.5,
+                                 projector_dropout=0.0, projector_input_dim=64, projector_output_dim=64,
+                                 rope_theta=10000.0, vision_feature_layer=-1, vision_feature_select_strategy="default",
+                                 vision_output_dim=64)
+    mx.random.seed(0)
+    model = llama4.Model(llama4.ModelConfig(text_config=text, vision_config=vision, model_type="llama4"))
+    mx.eval(model.parameters())
+    return model
+
+
+def test_llama4_is_refused_at_load():
+    with pytest.raises(UnsupportedFamily, match="'llama4' cannot be batched: its chunked-attention layers keep a "
+                                                "ChunkedKVCache"):
+        Engine(_tiny_llama4(), None)
+
+
+def test_llama4_chunked_layers_have_no_batch_cache_and_ignore_left_padding():
+    """Why llama4 is refused. mlx-vlm's make_cache gives its chunked-attention layers a ChunkedKVCache, which the
+    engine's caches have no batch form of (as mlx-lm's BatchGenerator refuses it). And with plain caches in its
+    place, batching still differs: its language model builds the chunked layers' mask from one offset (the batch
+    cache's largest, `offset.max().item()`), in place of the padding mask. Two prompts of 5 and 12 tokens, each
+    prefilled alone, merged into the engine's left-padded batch and decoded one token: the longer (unpadded) row
+    gets the logits it gets alone on mlx-vlm's own caches, the shorter one other logits (it attends its pads and
+    the chunks of the longer row's positions). If mlx-vlm masks per row, this fails: look again."""
+    from mlx_vlm.models.cache import KVCache
+
+    from caches import layers
+
+    lm = _tiny_llama4().language_model
+    kinds = [type(c).__name__ for c in lm.make_cache()]
+    assert kinds == ["ChunkedKVCache"] * 3 + ["KVCache"]
+    with pytest.raises(layers.UnsupportedCache, match="ChunkedKVCache"):
+        layers.capabilities(lm.make_cache())
+
+    rng = np.random.default_rng(0)
+    prompts = [mx.array([rng.integers(10, 500, n).tolist()]) for n in (5, 12)]
+    following = mx.array([[7], [9]])
+    alone = []
+    for i, ids in enumerate(prompts):  # as mlx_vlm.generate runs each: its own make_cache()
+        cache = lm.make_cache()
+        lm(ids, cache=cache)
+        alone.append(lm(following[i:i + 1], cache=cache).logits[0, -1])
+
+    def prefilled(ids):
+        cache = [KVCache() for _ in lm.layers]
+        lm(ids, cache=cache)
+        return cache
+
+    batched = lm(following, cache=layers.merge_caches([prefilled(p) for p in prompts])).logits[:, -1]
+    assert mx.allclose(batched[1], alone[1], atol=1e-5).item()  # the longest row
+    assert mx.abs(batched[0] - alone[0]).max().item() > 1e-2  # the left-padded one
