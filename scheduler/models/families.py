@@ -19,7 +19,8 @@ between families is declared here, and nothing else:
 ``media_token``    the config or processor attribute naming the token whose positions take the media rows (its id,
                    or its text), for a family whose usual config fields name none of them (Molmo's processor's
                    ``image_patch_token``, Jina VLM's config ``image_patch_token_id``: their features are added at
-                   the patch tokens the processor writes, not at the prompt's placeholder).
+                   the patch tokens the processor writes, not at the prompt's placeholder; Moondream 3's config
+                   ``bos_token_id``: its processor writes an image's placeholders as BOS ids).
 ``media_mask_input`` / ``media_row_inputs``  extra language-model inputs that ``get_input_embeddings`` returns
                    and the language model reads per prefill chunk: a (1, L) mask of the media positions
                    (Qwen3-VL's ``visual_pos_masks``) and per-media-token rows (its ``deepstack_visual_embeds``).
@@ -35,7 +36,8 @@ between families is declared here, and nothing else:
                    image nor concatenated across requests of other lengths).
 ``mixed_image_video`` whether one request may carry both images and videos (mlx-vlm's Qwen2/2.5-VL merge one kind).
 ``images_per_request`` the most images mlx-vlm's processor and merge take in one prompt (None: any); more are
-                   refused at ``add_request`` for that request alone, before the processor runs (Step 3.7: 1).
+                   refused at ``add_request`` for that request alone, before the processor runs (Step 3.7, Molmo,
+                   PaddleOCR-VL, Moondream 3: 1).
 ``audio_encoder``  the model attribute that turns audio features into embeddings (a checkpoint without it is
                    refused for an audio family): Gemma 4's Conformer ``audio_tower``; Gemma 4 unified has no
                    encoder, its ``embed_audio`` projects raw 40 ms frames.
@@ -55,9 +57,9 @@ between families is declared here, and nothing else:
                    and encoded as one unit) where no split is exact or possible: gemma3 (see its note: an image's rows
                    depend, by a few 1e-7 under OpenBLAS, on the images stacked with it, and the tiny gemma3's greedy
                    tokens follow them), media inputs holding Python values or absolute prompt positions (kimi_vl, molmo,
-                   minicpmv4_6), a tower that does not keep a call's images apart (ernie4_5_moe_vl), views padded to the
-                   most of any image of the request (llava_onevision), the audio families.
-                   Each row's comment says why.
+                   minicpmv4_6, moondream3), a tower that does not keep a call's images apart (ernie4_5_moe_vl), views
+                   padded to the most of any image of the request (llava_onevision), the audio families. Each row's
+                   comment says why.
 ``vision_batch`` / ``media_axis``  how the media of several requests go through the encoders in one call
                    (``VisionBatch``) and the axis of the media tensors that counts images (their other axes
                    must agree to be concatenated; ``*_grid_thw`` always count on axis 0). ``ONE``: every request
@@ -295,6 +297,16 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
     FamilySpec("internvl", media_axis=1, vision_batch=VisionBatch.PER_REQUEST,
                notes="InternVL in transformers' layout: InternVL vision tower (layer scale, q/k norms) on dynamic "
                "tiles and a thumbnail, pixel shuffle; Qwen3 text"),
+    # the processor writes BOS and 729 placeholder ids of the BOS id (0) before the text, and the merge writes the
+    # image's rows at positions 1..729 whatever the ids there: the media positions are the prompt's BOS-id ones
+    # (the BOS itself among them, its row its own embedding). One image a prompt (two give features of shape
+    # (2, 729, H), which do not concatenate with the BOS row); num_crops / crop_layouts are Python lists: one
+    # encoder call per request, keyed whole. get_input_embeddings also returns a 4-D mask that attends
+    # bidirectionally over BOS and the image rows, which mlx-vlm's generate drops (its prefill is causal, as the
+    # engine's: tests/models/test_vlm_families.py, test_moondream3_prefill_is_causal_as_mlx_vlms_generate)
+    FamilySpec("moondream3", media_token="bos_token_id", images_per_request=1, vision_batch=VisionBatch.PER_REQUEST,
+               notes="Moondream 3: mixture-of-experts text with learned query / value scaling (tau); a global crop "
+               "and overlapping local crops pooled to 729 rows after BOS"),
     FamilySpec("gemma3n", media=frozenset({"audio"}), refused="mlx-vlm's get_input_embeddings embeds a prompt's text "
                "tokens without the sqrt(hidden_size) scale its language model applies to the token ids it is fed, so "
                "a token the scheduler feeds as an id (the last prompt token as the first decode input, a preempted "

@@ -44,6 +44,11 @@ class FamilyCase:
     # its window (`KVLayout.request_bytes`), so a prompt much longer than its window peaks in prefill above its
     # batch row, the unit of the budget
     budget_chunk: int | None = None
+    # ticks after their turn at which the staggered schedules' last two requests (the first one's image and prompt
+    # again) arrive: they are admitted, and look the prefix cache up, once the first request has prefilled and
+    # stored its prompt. Later where image prompts are long: Moondream 3's first one (790 tokens, 730 of them image
+    # positions) takes 88 chunks of 9
+    repeat_delay: int = 12
 
 
 def _tiny(name: str, seed: int = 0) -> Callable:
@@ -99,6 +104,9 @@ FAMILY_CASES = {
     "step3p7": FamilyCase(_tiny("step3p7"), budget_chunk=32),
     "llava_onevision": FamilyCase(_tiny("llava_onevision"), ("image", "video")),
     "internvl": FamilyCase(_tiny("internvl", seed=2)),
+    # one image a prompt; seed 0 with its build's eos gain of 1.5 (vlm_builds_moondream.py). Its first request
+    # prefilled at tick 88 of the staggered schedule, so the repeats come 96 ticks after their turn
+    "moondream3": FamilyCase(_tiny("moondream3"), repeat_delay=96),
 }
 
 SCHEDULES = {
@@ -166,7 +174,7 @@ def solo(model, processor, messages, images, **generate_kwargs):
 # The families whose per-family tests run in this file; the later ones run the same tests in
 # test_vlm_families_more.py (pytest-xdist gives each file one worker: split, the two halves run side by side).
 LATER_FAMILIES = ["kimi_vl", "ernie4_5_moe_vl", "mage_vl", "molmo", "minicpmv4_6", "glm4v_moe", "glm_ocr",
-                  "paddleocr_vl", "dots_ocr", "granite4_vision", "step3p7", "llava_onevision", "internvl"]
+                  "paddleocr_vl", "dots_ocr", "granite4_vision", "step3p7", "moondream3"]
 FIRST_FAMILIES = [name for name in FAMILY_CASES if name not in LATER_FAMILIES]
 
 
@@ -225,7 +233,8 @@ def test_family_batches_exactly(family, schedule):
         engine.executor.drafter = OracleDrafter({f"q{i}": ref for i, ref in enumerate(references)},
                                                 engine.vocab_size)
     # the last two repeat the first one's image and prompt (prefix): they arrive once that one has prefilled
-    arrivals = [((i + 12 * (i >= len(requests) - 2)) * spec["stagger"], {"prompt": messages, "images": images,
+    delay = FAMILY_CASES[name].repeat_delay
+    arrivals = [((i + delay * (i >= len(requests) - 2)) * spec["stagger"], {"prompt": messages, "images": images,
                                        "sampling": SamplingParams(max_tokens=MAX_TOKENS), "request_id": f"q{i}"})
                 for i, (messages, images) in enumerate(requests)]
     run = drive(engine, arrivals)
@@ -295,7 +304,7 @@ KV_BITS_REFUSED = {
     "molmo": "divisible by the quantization group size", "minicpmv4_6": "attends the left pads",
     "dots_ocr": "divisible by the quantization group size",
     "granite4_vision": "divisible by the quantization group size",
-    "step3p7": "RotatingKVCache",
+    "step3p7": "RotatingKVCache", "moondream3": "divisible by the quantization group size",
     "llava_onevision": "divisible by the quantization group size",
     "internvl": "divisible by the quantization group size",
 }
@@ -335,7 +344,8 @@ def test_family_batches_exactly_with_quantized_kv(family, setting, schedule, tmp
         config = dataclasses.replace(config, kv_memory_bytes=layout.admit_alone_bytes(
             max(PROMPT_TOKENS[name]), 0, config.prefill_chunk))
     engine, log = engine_with_log(model, processor, config)
-    arrivals = [((i + 12 * (i >= len(requests) - 2)) * spec["stagger"], {"prompt": messages, "images": images,
+    delay = FAMILY_CASES[name].repeat_delay
+    arrivals = [((i + delay * (i >= len(requests) - 2)) * spec["stagger"], {"prompt": messages, "images": images,
                                        "sampling": SamplingParams(max_tokens=MAX_TOKENS), "request_id": f"q{i}"})
                 for i, (messages, images) in enumerate(requests)]
     run = drive(engine, arrivals)
@@ -393,9 +403,48 @@ def test_qwen3_5_attends_the_pads_of_a_quantized_batch_decode(name, tmp_path):
     assert short > 1e-3 and longest < 1e-4, (short, longest)
 
 
-# Families whose processor writes each image's tokens before the whole text, system prompt included (Molmo): no
-# text precedes their media, so an image request shares no prefix with another request.
-MEDIA_BEFORE_TEXT = {"molmo"}
+def test_moondream3_prefill_is_causal_as_mlx_vlms_generate(tmp_path):
+    """Moondream 3's get_input_embeddings returns, with an image, a 4-D mask that attends bidirectionally over BOS
+    and the image rows (its checkpoints' prefix attention), but mlx-vlm's generate hands it to the language model
+    as the keyword `attention_mask_4d`, which the language model ignores: solo mlx-vlm prefills causally, as the
+    engine's chunked, batched prefill does. The first token's logprobs of mlx_vlm.stream_generate are a causal
+    prefill's, not those under that mask. If mlx-vlm starts honouring the mask, this fails: the image prefix is
+    then attended bidirectionally, which the engine's prefill does not do, and the family must be refused."""
+    import mlx.core as mx
+    import mlx_vlm
+    from mlx_vlm.models.cache import make_prompt_cache
+    from mlx_vlm.prompt_utils import apply_chat_template
+    from mlx_vlm.utils import prepare_inputs
+
+    model, processor = mlx_vlm.load(str(FAMILY_CASES["moondream3"].build(tmp_path)))
+    messages, images = workload(1)[2]
+    prompt = apply_chat_template(processor, model.config, messages, num_images=1)
+    inputs = prepare_inputs(processor, images=images, prompts=prompt)
+    ids = inputs["input_ids"]
+    extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
+    embedded = model.get_input_embeddings(ids, inputs["pixel_values"], **extra)
+    mask, prefix = embedded.attention_mask_4d, 1 + 729  # BOS and the image's rows
+    assert mask.shape == (1, 1, ids.shape[1], ids.shape[1])
+    assert mask[0, 0, 0, prefix - 1].item() == 0 and mask[0, 0, 0, prefix].item() == -float("inf")
+
+    def first_logprobs(**kwargs):
+        logits = model.language_model(ids, inputs_embeds=embedded.inputs_embeds,
+                                      cache=make_prompt_cache(model.language_model), **kwargs).logits[0, -1]
+        return logits - mx.logsumexp(logits)
+
+    causal = first_logprobs()
+    assert mx.array_equal(first_logprobs(attention_mask_4d=mask), causal).item()  # the keyword generate passes
+    assert mx.abs(first_logprobs(mask=mask) - causal).max().item() > 1e-3  # the mask, honoured
+    first = next(iter(mlx_vlm.stream_generate(model, processor, prompt, image=images, max_tokens=1,
+                                              temperature=0.0)))
+    logprobs = mx.array(first.logprobs).reshape(-1)
+    assert logprobs.shape == causal.shape and mx.allclose(logprobs, causal, atol=1e-4).item()
+
+
+# Families whose processor writes each image's tokens before the whole text, system prompt included (Molmo; Moondream
+# 3: BOS, whose position its media mark starts at, and the image's placeholders): no text precedes their media, so
+# an image request shares no prefix with another request.
+MEDIA_BEFORE_TEXT = {"molmo", "moondream3"}
 
 
 def test_family_shares_the_text_before_its_media(family, tmp_path):
