@@ -153,8 +153,9 @@ GEMMA3_PER_REQUEST = ("vision tower per request, media keyed whole: its patch co
                       "images under OpenBLAS (5-6e-7), which flipped greedy tokens of the tiny gemma3")
 
 # How the refusals of mlx-vlm's LLaVA-style families end (phi4-siglip, FastVLM's llava_qwen2, Bunny's llava-qwen2
-# and bunny-llama): llava_next's reason, reached by another merge. Their row counts follow from the processor's
-# output (the packed patches, the crop size, a fixed 729), not from the ids the scheduler plans with
+# and bunny-llama, Janus' multi_modality, phi4mm): llava_next's reason, reached by another merge. Their row counts
+# follow from the processor's output (the packed patches, the crop size, a fixed 729, the config's
+# num_image_tokens), not from the ids the scheduler plans with
 LLAVA_SPLICE = ("so the embedded prompt is longer than its token ids (by each image's rows less one); the scheduler "
                 "plans prefill, caches and positions on token counts, one embedding row per id")
 BUNNY_SPLICE = ("mlx-vlm's Bunny merge replaces the prompt's one image placeholder id (-200) with the SigLIP "
@@ -344,6 +345,15 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
                "form, and its language model builds their chunk mask from one offset (the batch cache's largest) "
                "with no padding mask, so in a left-padded batch a row shorter than the longest attends its pads and "
                "other chunk boundaries than alone"),
+    # tests/models/test_refused_vlm_families.py measures both on tiny models from mlx-vlm's config classes
+    FamilySpec("multi_modality", refused="mlx_vlm.load gives its processor mlx-vlm's own ImageProcessor, for which "
+               "mlx-vlm's input preparation writes one image id per image, and get_input_embeddings expands that id "
+               "into the config's num_image_tokens rows of the image, " + LLAVA_SPLICE),
+    FamilySpec("phi4mm", refused="mlx-vlm's merge replaces each image's one placeholder id (-200) with the image's "
+               "valid SigLIP2 patch rows, " + LLAVA_SPLICE + ". And its get_input_embeddings merges the vision or "
+               "the speech LoRA into the language model's weights on the model instance (set_modality) for the media "
+               "of the prompt it embeds (a text prompt keeps whichever the last one left), so requests of other "
+               "modalities cannot share a forward"),
 )}
 
 

@@ -504,3 +504,156 @@ def test_llama4_chunked_layers_have_no_batch_cache_and_ignore_left_padding():
     batched = lm(following, cache=layers.merge_caches([prefilled(p) for p in prompts])).logits[:, -1]
     assert mx.allclose(batched[1], alone[1], atol=1e-5).item()  # the longest row
     assert mx.abs(batched[0] - alone[0]).max().item() > 1e-2  # the left-padded one
+
+
+# ------------------------------------------------------------------------------ multi_modality and phi4mm
+# Two more splices, each from its own path: Janus / DeepSeek-VL (multi_modality) expands one image id into the
+# config's num_image_tokens rows inside get_input_embeddings; phi4mm puts an image's valid NaFlex patch rows in place
+# of its -200 id, and rewrites the language model's weights by the media it embeds.
+
+_JANUS_IMAGE, _JANUS_PATCH = 384, 32  # mlx-vlm's ImageProcessor resizes every image to 384 px: a 12x12 grid
+_JANUS_TOKENS = ("<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>", "<image>", "<pad>")
+_PHI4MM_IMAGE_ID = -200  # mlx-vlm's processing_phi4mm.IMAGE_TOKEN_INDEX, the config's image_token_index
+
+
+def _janus_config(image_token: int) -> dict:
+    """Janus as its config.json names it (model_type multi_modality): a one-layer llama, a one-layer SigLIP tower
+    (CLIPVisionTower) on 384-pixel images in patches of 32, the MLP aligner."""
+    return {"model_type": "multi_modality",
+            "text_config": {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1, "intermediate_size": 128,
+                            "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 512},
+            "vision_config": {"cls": "CLIPVisionTower", "model_type": "vision", "num_hidden_layers": 1,
+                              "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
+                              "image_size": _JANUS_IMAGE, "patch_size": _JANUS_PATCH, "num_channels": 3,
+                              "params": {"image_size": _JANUS_IMAGE, "model_name": "siglip_large_patch16_384",
+                                         "select_feature": "same", "select_layer": -1}},
+            "projector_config": {"cls": "MlpProjector", "model_type": "aligner",
+                                 "params": {"depth": 2, "input_dim": 32, "n_embed": 64, "projector_type": "mlp_gelu"}},
+            "image_token_index": image_token, "num_image_tokens": (_JANUS_IMAGE // _JANUS_PATCH) ** 2,
+            "vocab_size": 512}
+
+
+def _tiny_janus(image_token: int = 2):
+    from scheduler.fixtures.vlm_families import _construct
+
+    return _construct(_janus_config(image_token))
+
+
+def _tiny_phi4mm():
+    """Phi-4-multimodal as mlx_vlm.load builds it from a config.json: a one-layer Phi-4 decoder (fused qkv_proj,
+    partial rotary), a two-layer SigLIP2 NaFlex tower in patches of 4 px, a one-block Conformer audio encoder."""
+    from scheduler.fixtures.vlm_families import _construct
+
+    audio = {"attention_dim": 32, "attention_heads": 2, "num_blocks": 1, "linear_units": 64, "input_size": 80,
+             "time_reduction": 8, "kernel_size": 3, "ext_pw_out_channel": 32, "depthwise_seperable_out_channel": 32,
+             "conv_channels": 32, "t5_bias_max_distance": 500, "left_chunk": 18}
+    return _construct({
+        "model_type": "phi4mm", "hidden_size": 64, "num_hidden_layers": 1, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "tie_word_embeddings": False,
+        "mm_hidden_size": 32, "text_config": {"model_type": "phi4mm"},
+        "vision_config": {"model_type": "siglip2_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                          "num_attention_heads": 2, "num_hidden_layers": 2, "patch_size": 4, "num_channels": 3},
+        "audio_processor": {"name": "cascades", "config": audio}})
+
+
+def test_multi_modality_and_phi4mm_are_refused_at_load():
+    with pytest.raises(UnsupportedFamily, match="'multi_modality' cannot be batched: mlx_vlm.load gives its processor "
+                       "mlx-vlm's own ImageProcessor, .* expands that id into the config's num_image_tokens rows"):
+        Engine(_tiny_janus(), None)
+    with pytest.raises(UnsupportedFamily, match=r"'phi4mm' cannot be batched: mlx-vlm's merge replaces each image's "
+                       r"one placeholder id \(-200\) .* longer than its token ids .* \(set_modality\)"):
+        Engine(_tiny_phi4mm(), None)
+
+
+def test_multi_modality_writes_one_id_an_image_and_embeds_it_as_the_images_rows(tmp_path):
+    """Why multi_modality is refused. mlx_vlm.load sets the processor's image_processor to the model module's own
+    ImageProcessor (load_image_processor reads only config.json), a BaseImageProcessor, for which mlx-vlm's
+    prepare_inputs splits the prompt at "<image>" and writes ONE image_token_index between the pieces (not the
+    num_image_tokens ids mlx-vlm's MultiModalityProcessor would write); get_input_embeddings then expands that id
+    into num_image_tokens ids and merges the image's rows there. An image prompt of L ids embeds as L + 144 - 1 rows.
+    If mlx-vlm writes as many ids as rows (or embeds one row per id), this fails: look again."""
+    import json
+
+    from transformers import PreTrainedTokenizerFast
+
+    from mlx_vlm.models.base import BaseImageProcessor
+    from mlx_vlm.utils import load_image_processor, prepare_inputs
+    from scheduler.fixtures.tiny_models import _train_bpe
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=_train_bpe(_JANUS_TOKENS), bos_token=_JANUS_TOKENS[1],
+                                        eos_token=_JANUS_TOKENS[0], pad_token="<pad>")
+    image_token = tokenizer.convert_tokens_to_ids("<image>")
+    config = _janus_config(image_token)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    image_processor = load_image_processor(tmp_path)  # as mlx_vlm.load sets it on the processor it loads
+    assert isinstance(image_processor, BaseImageProcessor)
+    tokenizer.image_processor = image_processor
+    image = Image.fromarray(np.random.default_rng(1).integers(0, 256, (140, 112, 3), dtype=np.uint8))
+    inputs = prepare_inputs(tokenizer, images=[image], prompts="<|User|>: <image>\nDescribe it.\n\n<|Assistant|>:",
+                            image_token_index=image_token)
+    ids, pixels = inputs["input_ids"], inputs["pixel_values"]
+    assert (ids == image_token).sum().item() == 1 and pixels.shape == (1, 3, _JANUS_IMAGE, _JANUS_IMAGE)
+    embedded = _tiny_janus(image_token).get_input_embeddings(ids, pixels).inputs_embeds
+    rows = config["num_image_tokens"]
+    assert embedded.shape == (1, ids.shape[1] + rows - 1, 64) and rows == 144
+
+
+def _phi4mm_image():
+    """One 12x16 image as mlx-vlm's Phi4MMImageProcessor packs it for 4-pixel patches: 3x4 valid patches, padded
+    to the 16 it is allowed."""
+    from mlx_vlm.models.phi4mm.processing_phi4mm import Phi4MMImageProcessor
+
+    processor = Phi4MMImageProcessor(patch_size=4, max_num_patches=16, min_num_patches=4)
+    image = Image.fromarray(np.random.default_rng(1).integers(0, 256, (12, 16, 3), dtype=np.uint8))
+    inputs = processor([image])
+    assert inputs["pixel_values"].shape == (1, 16, 48) and inputs["spatial_shapes"].tolist() == [[3, 4]]
+    return inputs["pixel_values"], {"pixel_attention_mask": inputs["pixel_attention_mask"],
+                                    "spatial_shapes": inputs["spatial_shapes"]}
+
+
+def test_phi4mm_embeds_an_image_id_as_its_valid_patch_rows():
+    """Why phi4mm is refused (the splice): 5 ids holding one image id (-200, the config's image_token_index) embed
+    as 4 + the image's 12 valid patch rows, the text around it unmoved."""
+    model = _tiny_phi4mm()
+    assert model.config.image_token_index == _PHI4MM_IMAGE_ID
+    pixels, extra = _phi4mm_image()
+    embedded = model.get_input_embeddings(mx.array([[1, 2, _PHI4MM_IMAGE_ID, 3, 4]]), pixels, **extra).inputs_embeds
+    assert embedded.shape == (1, 4 + 12, 64)
+    text = model.language_model.model.embed_tokens(mx.array([1, 2, 3, 4]))
+    assert mx.array_equal(embedded[0, :2], text[:2]) and mx.array_equal(embedded[0, -2:], text[2:])
+
+
+def test_phi4mm_embedding_a_prompt_rewrites_the_language_models_weights():
+    """Why phi4mm is refused (the adapters): a checkpoint carries its language model's base weights with a vision
+    and a speech LoRA; mlx-vlm's sanitize merges the vision one on load and keeps the rest on the model instance,
+    and get_input_embeddings calls set_modality, which writes base + the adapter of the prompt's media into the
+    language model's weights (a text-only prompt switches nothing). Here on one projection (rank 4): after an audio
+    prompt's embedding the weights are base + speech, after an image prompt's base + vision again. A batch's rows
+    share one set of weights, so an image row, an audio row and a text row cannot run in one forward as each runs
+    alone. If get_input_embeddings stops rewriting the weights, this fails: look again."""
+    model = _tiny_phi4mm()
+    key = "model.layers.0.self_attn.qkv_proj"
+    base = model.language_model.model.layers[0].self_attn.qkv_proj.weight
+    rng = np.random.default_rng(0)
+    checkpoint, merged = {f"{key}.base_layer.weight": base}, {}
+    for adapter in ("vision", "speech"):
+        a = mx.array(rng.normal(size=(4, base.shape[1])).astype(np.float32))
+        b = mx.array(rng.normal(size=(base.shape[0], 4)).astype(np.float32))
+        checkpoint.update({f"{key}.lora_A.{adapter}.weight": a, f"{key}.lora_B.{adapter}.weight": b})
+        merged[adapter] = base + b @ a  # scale 1: the config names no LoRA rank / alpha
+    model.load_weights(list(model.sanitize(checkpoint).items()), strict=False)
+
+    def weights():
+        return model.language_model.model.layers[0].self_attn.qkv_proj.weight
+
+    assert mx.allclose(weights(), merged["vision"]).item()  # merged on load
+    audio_id, frames = model.config.audio_token_index, 80  # 80 feature frames, time reduction 8: 10 rows
+    model.get_input_embeddings(mx.array([[1, 2] + [audio_id] * (frames // 8) + [3]]), None,
+                               input_audio_embeds=mx.array(rng.normal(size=(1, frames, 80)).astype(np.float32)),
+                               audio_attention_mask=mx.ones((1, frames), dtype=mx.bool_))
+    assert mx.allclose(weights(), merged["speech"]).item()
+    model.get_input_embeddings(mx.array([[1, 2, 3]]))
+    assert mx.allclose(weights(), merged["speech"]).item()  # text only: left as the last media prompt set them
+    pixels, extra = _phi4mm_image()
+    model.get_input_embeddings(mx.array([[1, _PHI4MM_IMAGE_ID, 3]]), pixels, **extra)
+    assert mx.allclose(weights(), merged["vision"]).item()
