@@ -636,6 +636,9 @@ class VLMAdapter:
             if self.spec.media_rows_whole_prompt:  # rows over the call's sequence: the unit's media positions'
                 at = mx.array(positions) + start
                 own_rows = [None if r is None else r[:, at] for r in row_inputs]
+            elif self.spec.media_rows_dense:  # (1, L, layers, H) over the call's sequence: the unit's media
+                at = mx.array(positions) + start  # positions' rows, kept (layers, n, H) as Qwen3-VL's come
+                own_rows = [None if r is None else r[0, at].transpose(1, 0, 2) for r in row_inputs]
             else:
                 own_rows = [None if r is None else r[:, media_start: media_start + len(positions)]
                             for r in row_inputs]
@@ -713,6 +716,8 @@ class VLMAdapter:
         chunk_mask, chunk_rows = self._chunk_media(encoded, start, end)
         if chunk_mask is not None and self.spec.media_rows_whole_prompt:
             chunk_mask, chunk_rows = self._prompt_media(encoded, end)
+        if chunk_mask is not None and self.spec.media_rows_dense:
+            chunk_rows = {name: _dense_rows(chunk_mask, rows, end - start) for name, rows in chunk_rows.items()}
         if chunk_mask is not None:  # the language model adds the chunk's media rows at its media positions
             kwargs[self.spec.media_mask_input] = chunk_mask
             kwargs.update(chunk_rows)
@@ -797,6 +802,11 @@ class VLMAdapter:
             any_media = any_media or chunk_mask is not None
             masks.append(mx.zeros((1, width), dtype=mx.bool_) if chunk_mask is None
                          else mx.pad(chunk_mask.astype(mx.bool_), [(0, 0), (0, pad)]))
+            if self.spec.media_rows_dense:  # every row's rows over its chunk and pads (None: a row without media)
+                for name in self.spec.media_row_inputs:
+                    media_rows.setdefault(name, []).append(
+                        _dense_rows(chunk_mask, chunk_rows[name], width) if name in chunk_rows else None)
+                continue
             for name, part in chunk_rows.items():
                 media_rows.setdefault(name, []).append(part)
         kwargs = {"position_ids": mx.concatenate(positions, axis=1)} if positions else {}
@@ -805,7 +815,13 @@ class VLMAdapter:
             # language model scatters each row's rows at its own positions (Qwen3-VL's `_deepstack_process`); a
             # family with a mask and no rows reads the mask alone (ZAYA1-VL's vision adapters)
             kwargs[self.spec.media_mask_input] = mx.concatenate(masks, axis=0)
-            kwargs.update({name: mx.concatenate(parts, axis=1) for name, parts in media_rows.items()})
+            if self.spec.media_rows_dense:  # one (1, width, layers, H) a row, zeros for a row without media
+                media_rows = {name: [mx.zeros_like(next(p for p in parts if p is not None)) if p is None else p
+                                     for p in parts] for name, parts in media_rows.items()
+                              if any(p is not None for p in parts)}
+                kwargs.update({name: mx.concatenate(parts, axis=0) for name, parts in media_rows.items()})
+            else:
+                kwargs.update({name: mx.concatenate(parts, axis=1) for name, parts in media_rows.items()})
         layers.prepare_padded(batch, [n for *_, n in rows], width)
         logits = self._lm_forward(mx.concatenate(ids, axis=0), batch, inputs_embeds=mx.concatenate(embeds, axis=0),
                                   **kwargs)
@@ -904,6 +920,15 @@ def _deltas(rope_deltas: Any, rows: int) -> mx.array:
     if isinstance(rope_deltas, mx.array) and rope_deltas.ndim == 1 and rope_deltas.dtype == mx.int32:
         return rope_deltas  # the executor's (B,) int32 deltas: no copy each decode tick
     return mx.array(rope_deltas).reshape(-1).astype(mx.int32)
+
+
+def _dense_rows(chunk_mask: mx.array, rows: mx.array, width: int) -> mx.array:
+    """``FamilySpec.media_rows_dense``: a chunk's media rows ((layers, n, H), its n media positions' in order)
+    spread over its ``width`` positions as (1, width, layers, H), zeros elsewhere (pads included)."""
+    at = np.flatnonzero(np.array(chunk_mask[0]))
+    dense = mx.zeros((width, rows.shape[0], rows.shape[-1]), dtype=rows.dtype)
+    dense[mx.array(at)] = rows.transpose(1, 0, 2)
+    return dense[None]
 
 
 def _as_array(value: Any) -> Any:

@@ -29,6 +29,11 @@ between families is declared here, and nothing else:
                    sequence for every row of a batch (Granite 4 Vision's deepstack features): the adapter keeps
                    the rows per media token (vision cache, recompute) and spreads them back over the positions up
                    to each chunk's end; a chunk holding media positions is prefilled in a forward of its own.
+``media_rows_dense`` the language model takes each media row input dense over the forward's positions, (B, L,
+                   layers, H) with zeros off the media positions, one sequence per batch row (Qwen3-Omni's
+                   ``deepstack_visual_embeds``, which its ``get_input_embeddings`` returns so over the whole prompt),
+                   where Qwen3-VL's takes the media positions' rows alone: the adapter keeps the rows per media token
+                   as for those (vision cache, items, recompute) and spreads each chunk's rows over its positions.
 ``sequence_inputs`` extra (1, L, ...) inputs sliced with the chunk (Gemma 4's ``per_layer_inputs``).
 ``dropped_inputs`` processor outputs that are neither media tensors nor read by the family's encoders or language
                    model, dropped after the processor call (dots.ocr: transformers' Qwen2.5-VL processor returns
@@ -118,6 +123,7 @@ class FamilySpec:
     media_mask_input: str | None = None
     media_row_inputs: tuple[str, ...] = ()
     media_rows_whole_prompt: bool = False
+    media_rows_dense: bool = False
     sequence_inputs: tuple[str, ...] = ()
     dropped_inputs: tuple[str, ...] = ()
     mixed_image_video: bool = False

@@ -193,7 +193,14 @@ def spatial_merge(model: Any) -> int:
     """The patch merge of a tower fed Qwen2-VL-style flattened patches with a ``*_grid_thw`` row per item: an
     item of grid (t, h, w) fills t * h * w / merge**2 prompt positions. Read from the model's vision config, so
     it also serves the families whose language model keeps no media config (dots.ocr's plain-RoPE Qwen2)."""
-    return int(model.config.vision_config.spatial_merge_size)
+    return int(_vision_config(model).spatial_merge_size)
+
+
+def _vision_config(model: Any) -> Any:
+    """The model's vision config: the top-level config's, or (Qwen3-Omni, whose config nests the thinker's
+    vision, audio and text configs under ``thinker_config``) the language model's config's."""
+    vision = getattr(model.config, "vision_config", None)
+    return vision if vision is not None else model.language_model.config.vision_config
 
 
 def lm_forward(language_model: Any, inputs: mx.array, cache: list, inputs_embeds: mx.array | None = None,
@@ -327,7 +334,10 @@ def media_token_ids(model: Any, processor: Any, media_token: str | None = None) 
     ``media_token`` (``FamilySpec.media_token``) names: a config attribute holding its id, or a processor attribute
     holding its id or its text."""
     ids: set[int] = set()
-    for holder in (model.config, getattr(model.config, "text_config", None)):
+    # the language model's config too: Qwen3-Omni's top-level config nests the media token ids in its thinker's
+    # config, the one its language model (and its get_rope_index) reads
+    for holder in (model.config, getattr(model.config, "text_config", None),
+                   getattr(getattr(model, "language_model", None), "config", None)):
         for name in ("image_token_id", "image_token_index", "video_token_id", "video_token_index",
                      "audio_token_id", "audio_token_index"):
             value = getattr(holder, name, None)
