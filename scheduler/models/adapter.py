@@ -211,7 +211,7 @@ class VLMAdapter:
         # the audio rate of families that take audio (None: no audio; the server reads it to accept audio parts)
         self.sample_rate = (int(getattr(getattr(processor, "feature_extractor", None), "sampling_rate", 16000))
                             if "audio" in self.spec.media else None)
-        if "audio" in self.spec.media and getattr(model, self.spec.audio_encoder, None) is None:
+        if "audio" in self.spec.media and _attribute(model, self.spec.audio_encoder) is None:
             raise UnsupportedFamily(f"this {self.spec.model_type} checkpoint has no audio encoder "
                                     f"({self.spec.audio_encoder})")
         try:
@@ -920,6 +920,13 @@ def _deltas(rope_deltas: Any, rows: int) -> mx.array:
     if isinstance(rope_deltas, mx.array) and rope_deltas.ndim == 1 and rope_deltas.dtype == mx.int32:
         return rope_deltas  # the executor's (B,) int32 deltas: no copy each decode tick
     return mx.array(rope_deltas).reshape(-1).astype(mx.int32)
+
+
+def _attribute(obj: Any, path: str) -> Any:
+    """``obj``'s attribute at a dotted ``path`` (None where any step is missing)."""
+    for name in path.split("."):
+        obj = getattr(obj, name, None)
+    return obj
 
 
 def _dense_rows(chunk_mask: mx.array, rows: mx.array, width: int) -> mx.array:

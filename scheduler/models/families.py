@@ -43,9 +43,10 @@ between families is declared here, and nothing else:
 ``images_per_request`` the most images mlx-vlm's processor and merge take in one prompt (None: any); more are
                    refused at ``add_request`` for that request alone, before the processor runs (Step 3.7, Molmo,
                    PaddleOCR-VL, Moondream 3: 1).
-``audio_encoder``  the model attribute that turns audio features into embeddings (a checkpoint without it is
-                   refused for an audio family): Gemma 4's Conformer ``audio_tower``; Gemma 4 unified has no
-                   encoder, its ``embed_audio`` projects raw 40 ms frames.
+``audio_encoder``  the model attribute (a dotted path) that turns audio features into embeddings (a checkpoint
+                   without it is refused for an audio family): Gemma 4's Conformer ``audio_tower``; Gemma 4 unified
+                   has no encoder, its ``embed_audio`` projects raw 40 ms frames; Qwen3-Omni's thinker holds its
+                   Whisper-style ``thinker.audio_tower``.
 ``kv_bits_refused`` why ``EngineConfig.kv_bits`` cannot batch this family exactly: refused at configuration with
                    this reason (Qwen3.5's language model: see ``QWEN3_5_QUANTIZED_PADS``).
 ``honors_lengths`` whether the language model keeps right pads out of its sliding windows and recurrent state when
