@@ -909,7 +909,10 @@ def probe_quantized_layout(cache: Cache, forward: Any, group_size: int, bits: in
     try:
         quantized = quantized_layout(cache, group_size, bits)
         mx.eval(forward(cache))
-    except (ValueError, TypeError, NotImplementedError) as exc:  # e.g. head_dim not a multiple of the group
+    # e.g. head_dim not a multiple of the group; AttributeError: an attention that treats what a quantized cache
+    # returns (packed arrays, scales and biases in a tuple) as an array (mlx-vlm's DeepSeek-V3 latent attention:
+    # `k_pe.swapaxes`)
+    except (ValueError, TypeError, NotImplementedError, AttributeError) as exc:
         raise QuantizationRefused("QuantizedKVCache", f"{type(exc).__name__}: {exc}") from exc
     if not any(q is not None for q in quantized):
         raise QuantizationRefused(", ".join(sorted({type(c).__name__ for c in cache})),
