@@ -5,9 +5,9 @@ model interface (``Model.get_input_embeddings`` and the language model's ``input
 between families is declared here, and nothing else:
 
 ``positions``      how the language model places tokens: ``ROPE`` (plain 1-D RoPE from each cache row's offset:
-                   most families) or ``MROPE`` (Qwen2/2.5/3-VL and their MoE variants, Qwen3.5, the GLM-4V family,
-                   ERNIE 4.5 VL: 3-D positions from the image / video grids, a per-request rope delta; see
-                   ``positions.py``; MiniCPM-V 4.6: Qwen3.5's M-RoPE with no grids, every axis counting tokens).
+                   most families) or ``MROPE`` (Qwen2/2.5/3-VL and their MoE variants, Qwen3.5, Qwen3-Omni, the
+                   GLM-4V family, ERNIE 4.5 VL: 3-D positions from the image / video grids, a per-request rope delta;
+                   see ``positions.py``; MiniCPM-V 4.6: Qwen3.5's M-RoPE with no grids, every axis counting tokens).
 ``positions_last`` M-RoPE: the language model takes its ``position_ids`` as (B, L, 3), the axes last (ERNIE 4.5
                    VL), where the Qwen families take (3, B, L); the adapter keeps (3, B, L) and transposes at the call.
 ``video_block_per_frame``  M-RoPE: a video's frame groups are each their own vision block, temporal position 0
@@ -15,12 +15,14 @@ between families is declared here, and nothing else:
 ``media``          the media kinds the family's processor and embedding merge take.
 ``placeholder``    the processor attribute naming the text a prompt holds once per image (``image_token`` for
                    most; gemma3's prompt holds its ``boi_token``, which the processor expands; MiniCPM-V 4.6's
-                   holds ``<image>./</image>``, whose ``<image>`` its tokenizer's ``im_start`` names).
+                   holds ``<image>./</image>``, whose ``<image>`` its tokenizer's ``im_start`` names; Molmo 2's
+                   ``<|image|>``, its processor's ``image_placeholder_token``).
 ``media_token``    the config or processor attribute naming the token whose positions take the media rows (its id,
                    or its text), for a family whose usual config fields name none of them (Molmo's processor's
-                   ``image_patch_token``, Jina VLM's config ``image_patch_token_id``: their features are added at
-                   the patch tokens the processor writes, not at the prompt's placeholder; Moondream 3's config
-                   ``bos_token_id``: its processor writes an image's placeholders as BOS ids).
+                   ``image_patch_token``, Molmo 2's config ``image_patch_id``, Jina VLM's config
+                   ``image_patch_token_id``: their features are added at the patch tokens the processor writes, not
+                   at the prompt's placeholder; Moondream 3's config ``bos_token_id``: its processor writes an
+                   image's placeholders as BOS ids).
 ``media_mask_input`` / ``media_row_inputs``  extra language-model inputs that ``get_input_embeddings`` returns
                    and the language model reads per prefill chunk: a (1, L) mask of the media positions
                    (Qwen3-VL's ``visual_pos_masks``) and per-media-token rows (its ``deepstack_visual_embeds``).
@@ -62,25 +64,27 @@ between families is declared here, and nothing else:
                    llava, ``SIZED_STACK`` for mistral3 and pixtral, ``TILES`` for idefics3 and smolvlm; ``WHOLE`` (keyed
                    and encoded as one unit) where no split is exact or possible: gemma3 (see its note: an image's rows
                    depend, by a few 1e-7 under OpenBLAS, on the images stacked with it, and the tiny gemma3's greedy
-                   tokens follow them), media inputs holding Python values or absolute prompt positions (kimi_vl, molmo,
-                   minicpmv4_6, moondream3), a tower that does not keep a call's images apart (ernie4_5_moe_vl), views
-                   padded to the most of any image of the request (llava_onevision), the audio families. Each row's
-                   comment says why.
+                   tokens follow them), media inputs holding Python values or absolute prompt positions (kimi_vl,
+                   kimi_k25, molmo, minicpmv4_6, moondream3) or pooling indices into all of a request's crops (molmo2),
+                   a tower that does not keep a call's images apart (ernie4_5_moe_vl), views padded to the most of any
+                   image of the request (llava_onevision), the audio families (and a Qwen3-Omni request with audio).
+                   Each row's comment says why.
 ``vision_batch`` / ``media_axis``  how the media of several requests go through the encoders in one call
                    (``VisionBatch``) and the axis of the media tensors that counts images (their other axes
                    must agree to be concatenated; ``*_grid_thw`` always count on axis 0). ``ONE``: every request
                    of the tick in one call (towers that take flattened patches of any number of images with their
-                   ``grid_thw`` and attend within each image: the Qwen towers, GLM-4.5V's, GLM-OCR's, PaddleOCR-VL's,
-                   dots.ocr's, Mage-VL's); ``EQUAL_SHAPE``: one call per group of requests whose pixel tensors agree
-                   on every other axis (stacked along ``media_axis``); ``PER_REQUEST``: one call per request (a tower
-                   whose images of one call do not stay apart, media that cannot be concatenated, inputs holding
-                   absolute prompt positions; each row's comment says which).
+                   ``grid_thw`` and attend within each image: the Qwen towers (Qwen3-Omni's too), GLM-4.5V's,
+                   GLM-OCR's, PaddleOCR-VL's, dots.ocr's, Mage-VL's); ``EQUAL_SHAPE``: one call per group of
+                   requests whose pixel tensors agree on every other axis (stacked along ``media_axis``);
+                   ``PER_REQUEST``: one call per request (a tower whose images of one call do not stay apart, media
+                   that cannot be concatenated, inputs holding absolute prompt positions; each row's comment says
+                   which).
 
 A family absent from this table is refused at load with ``UnsupportedFamily`` (a ``TypeError``) naming the
 supported ones: mlx-vlm may load it, but nothing here has shown that it batches exactly. A family declared with
 ``refused`` is one mlx-vlm runs that cannot batch through this interface; it is refused at load with the reason.
 Every family here without ``refused`` is exact in tests/models/test_vlm_families.py (gemma4 and gemma4_unified:
-tests/models/test_audio.py).
+tests/models/test_audio.py; qwen3_omni_moe's audio requests there too).
 """
 
 from __future__ import annotations
@@ -315,6 +319,30 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
     FamilySpec("moondream3", media_token="bos_token_id", images_per_request=1, vision_batch=VisionBatch.PER_REQUEST,
                notes="Moondream 3: mixture-of-experts text with learned query / value scaling (tau); a global crop "
                "and overlapping local crops pooled to 729 rows after BOS"),
+    # Qwen3-Omni's thinker (the talker, which speaks, is not built): Qwen3-VL-MoE's text, M-RoPE with Qwen2-VL's rope
+    # index (a video one block along the temporal axis), and its tower, which attends within each image of a call
+    # (cu_seqlens): one call for the tick's images. Its get_input_embeddings returns the deepstack rows dense over the
+    # whole prompt, (1, L, layers, H) with zeros off the media, and the language model adds them per forward
+    # position (media_rows_dense). A request with audio is keyed and encoded whole (input_features are not a grid
+    # layout's tensors)
+    FamilySpec("qwen3_omni_moe", Positions.MROPE, frozenset({"image", "video", "audio"}),
+               media_mask_input="visual_pos_masks", media_row_inputs=("deepstack_visual_embeds",),
+               media_rows_dense=True, vision_batch=_ONE, item_split=_GRID, audio_encoder="thinker.audio_tower",
+               notes="Qwen3-Omni thinker: Qwen3-VL-MoE text (mixture of experts, deepstack) with a Whisper-style "
+               "audio tower"),
+    # pixel_values (patches, 3, 14, 14) with image_grid_hws rows, and the processor returns image_token_id (an int)
+    # among the media: one encoder call per request, keyed whole, as kimi_vl
+    FamilySpec("kimi_k25", vision_batch=VisionBatch.PER_REQUEST,
+               notes="Kimi K2.5: DeepSeek-V3 text (multi-head latent attention, mixture of experts); MoonViT tower "
+               "and a LayerNorm + MLP projector"),
+    # the prompt holds <|image|> (processor.image_placeholder_token), which the processor replaces with a low-res
+    # view's and overlapping crops' tokens; the features are added at the <im_patch> ones (config image_patch_id).
+    # image_token_pooling indexes the request's crops, and the merge groups a prompt's images by counting its
+    # <im_end> tokens: one encoder call per request, keyed whole
+    FamilySpec("molmo2", placeholder="image_placeholder_token", media_token="image_patch_id",
+               vision_batch=VisionBatch.PER_REQUEST,
+               notes="Molmo 2: Qwen3-style decoder; ViT on a low-res view and overlapping crops, pooled 2x2 by "
+               "attention, features added to the patch tokens"),
     FamilySpec("gemma3n", media=frozenset({"audio"}), refused="mlx-vlm's get_input_embeddings embeds a prompt's text "
                "tokens without the sqrt(hidden_size) scale its language model applies to the token ids it is fed, so "
                "a token the scheduler feeds as an id (the last prompt token as the first decode input, a preempted "

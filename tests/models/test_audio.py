@@ -3,7 +3,9 @@
 language model with an encoder-free audio path). Each loads and generates through mlx_vlm with an audio clip;
 the VLMAdapter, solo and batched with text requests (sliding-window caches wrapping), gives exactly the
 tokens of mlx_vlm.stream_generate run alone; a repeated clip hits the encoder cache; bad audio fails with
-MediaError naming the clip. Gemma 3n is refused at load (the last test says why)."""
+MediaError naming the clip. Gemma 3n is refused at load (the test after Gemma's says why). Last, Qwen3-Omni's
+thinker (`qwen3_omni_moe`, a Whisper-style audio tower beside its vision tower): audio, image and text requests
+batched in four schedules equal mlx_vlm alone (its image and video requests: tests/models/test_vlm_families.py)."""
 
 import os
 
@@ -581,3 +583,104 @@ def test_prompt_logprobs_equal_mlx_vlms_own_prefill(gemma, adapter, mixed, clips
         want = [logprobs[j, tokens[j + 1]].item() for j in range(len(tokens) - 1)]
         assert out.prompt_logprobs[0] is None and out.prompt_logprobs[1:] == pytest.approx(want, abs=1e-3), i
         assert out.token_ids == references[i], i
+
+
+# --------------------------------------------------------- qwen3_omni_moe: audio beside images and text
+
+
+OMNI_SCHEDULES = {
+    # one tick apart, small token / chunk / vision budgets, prefix and vision caches on
+    "staggered": (1, dict(max_batched_tokens=40, prefill_chunk=9, max_seqs=6, vision_budget=2)),
+    # all at once in chunks of 9: prefills of several requests share forwards
+    "together": (0, dict(max_batched_tokens=200, prefill_chunk=9)),
+    # prompt-lookup drafting on every row, audio rows included
+    "drafting": (1, dict(draft_tokens=3, max_batched_tokens=96)),
+    # a KV budget of the first three rows: admitted together, they outgrow it and the newest is preempted
+    "kv-budget": (0, dict(max_seqs=8, kv_headroom_tokens=0)),
+}
+
+
+@pytest.fixture(scope="module")
+def omni(tmp_path_factory):
+    """The tiny Qwen3-Omni thinker (scheduler/fixtures/vlm_builds_successors.py), its requests (audio clips, an
+    image, both in one request, two clips in one, text only, the first request again) as chat messages with their
+    media, and each one's greedy tokens from mlx_vlm.stream_generate alone."""
+    import mlx_vlm
+    from mlx_vlm.prompt_utils import apply_chat_template
+    from PIL import Image
+
+    from scheduler.fixtures.vlm_families import build_tiny_vlm
+
+    root = tmp_path_factory.mktemp("tiny-qwen3_omni_moe")
+    model, processor = mlx_vlm.load(str(build_tiny_vlm("qwen3_omni_moe", root / "model")))
+    a, b = write_wav(root / "a.wav", tone(1.0, 0)), write_wav(root / "b.wav", tone(2.3, 1))
+    image = Image.fromarray(np.random.default_rng(4).integers(0, 256, (84, 56, 3), dtype=np.uint8))
+    specs = [([a], [], "What do you hear?"), ([b], [], "Describe the sound, please."), ([a, b], [], "Compare them."),
+             ([], [image], "Describe it."), ([b], [image], "The sound and the picture?"),
+             ([], [], "Hi. The cat sat on the mat. The cat sat on the mat."), ([a], [], "What do you hear?")]
+    requests, references = [], []
+    for clips_in, images, text in specs:
+        content = [{"type": "image"}] * len(images) + [{"type": "audio"}] * len(clips_in)
+        messages = [{"role": "user", "content": content + [{"type": "text", "text": text}]}]
+        prompt = apply_chat_template(processor, model.config, messages, num_images=len(images),
+                                     num_audios=len(clips_in))
+        last = None
+        for last in mlx_vlm.stream_generate(model, processor, prompt, image=images or None,
+                                            audio=[str(c) for c in clips_in] or None, max_tokens=MAX_TOKENS,
+                                            temperature=0.0):
+            pass
+        requests.append({"prompt": messages, "images": images or None, "audio": clips_in or None})
+        references.append(list(last.token_ids))
+    return model, processor, requests, references
+
+
+def test_omni_audio_reaches_the_language_model(omni):
+    """The requests' answers differ (their clips or their text do), some stop on eos, and a clip's tokens are what
+    the processor expands its one placeholder into: 13 for each whole second (100 mel frames through three stride-2
+    convs), the rest's frames (30 of 2.3 s) likewise (4)."""
+    model, processor, requests, references = omni
+    assert len({tuple(r) for r in references[:6]}) == 6 and references[6] == references[0]
+    assert any(len(r) < MAX_TOKENS for r in references) and not all(len(r) < MAX_TOKENS for r in references)
+    adapter = VLMAdapter(model, processor)
+    assert adapter.sample_rate == RATE and adapter.spec.audio_encoder == "thinker.audio_tower"
+    one, two = (adapter.prepare(requests[i]["prompt"], audio=requests[i]["audio"]) for i in (0, 2))
+    audio_id = model.config.thinker_config.audio_token_id
+    assert one.num_audio == 1 and one.input_ids.count(audio_id) == one.num_media_tokens == 13
+    assert two.num_audio == 2 and two.num_media_tokens == 13 + 30  # 1 s and 2.3 s
+
+
+@pytest.mark.parametrize("schedule", list(OMNI_SCHEDULES))
+def test_omni_engine_audio_images_and_text_match_solo(omni, schedule):
+    """Qwen3-Omni's thinker batched: audio requests (one clip, two, a clip beside an image), an image request and a
+    text request, in each schedule, give each request the tokens of mlx_vlm.stream_generate alone; the repeated
+    clip is a vision-cache hit, a KV budget preempts an audio request, and drafts are verified on audio rows."""
+    from scheduler.events import MemorySink
+
+    from ..helpers import OracleDrafter, drive
+
+    model, processor, requests, references = omni
+    stagger, config = OMNI_SCHEDULES[schedule]
+    config = dict(config, prefix_cache_bytes=8 << 20, prefix_block_size=8, check_invariants=True)
+    if schedule == "kv-budget":
+        lengths = [len(VLMAdapter(model, processor).prepare(r["prompt"], audio=r["audio"], images=r["images"])
+                       .input_ids) for r in requests[:3]]
+        config["kv_memory_bytes"] = Engine(model, processor).kv_layout.batch_bytes([max(lengths) + 2] * 3)
+    log = MemorySink()
+    engine = Engine(model, processor, EngineConfig(**config), event_sinks=[log])
+    if schedule == "drafting" and not engine._runner.capabilities.rollback:
+        engine.executor.drafter = OracleDrafter({f"o{i}": ref for i, ref in enumerate(references)}, engine.vocab_size)
+    run = drive(engine, [(i * stagger, dict(r, sampling=SamplingParams(max_tokens=MAX_TOKENS), request_id=f"o{i}"))
+                         for i, r in enumerate(requests)])
+    assert not run.errors, run.errors
+    assert [run.tokens[f"o{i}"] for i in range(len(requests))] == references
+    assert engine.executor.cache_bytes() == 0 and not engine.executor.live_request_ids()
+    assert engine.vision_cache_stats()["hits"] >= 1  # the first clip, again
+    if schedule == "together":
+        assert engine.prefill_stats()["batched_groups"] > 0 and engine.prefill_stats()["fallbacks"] == 0
+    if schedule == "kv-budget":
+        preempted = {e["request_id"] for e in log.of_kind("transition")
+                     if e["to"] == "queued" and e["from"] != "queued"}
+        assert preempted & {f"o{i}" for i, r in enumerate(requests) if r["audio"]}, preempted
+    if schedule == "drafting":
+        drafted = {e["request_id"] for e in log.of_kind("transition") if e["to"] == "drafting"}
+        assert engine.draft_stats()["verify_forwards"] > 0 and drafted & {"o0", "o1", "o2", "o4"}, drafted

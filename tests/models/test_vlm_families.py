@@ -107,6 +107,11 @@ FAMILY_CASES = {
     # one image a prompt; seed 0 with its build's eos gain of 1.5 (vlm_builds_moondream.py). Its first request
     # prefilled at tick 88 of the staggered schedule, so the repeats come 96 ticks after their turn
     "moondream3": FamilyCase(_tiny("moondream3"), repeat_delay=96),
+    # audio too (the build's media): its audio requests are tested in tests/models/test_audio.py
+    "qwen3_omni_moe": FamilyCase(_tiny("qwen3_omni_moe"), ("image", "video", "audio")),
+    "kimi_k25": FamilyCase(_tiny("kimi_k25")),
+    # its first request (483 tokens, 378-pixel views) prefilled at tick 54 of the staggered schedule
+    "molmo2": FamilyCase(_tiny("molmo2"), repeat_delay=56),
 }
 
 SCHEDULES = {
@@ -174,7 +179,8 @@ def solo(model, processor, messages, images, **generate_kwargs):
 # The families whose per-family tests run in this file; the later ones run the same tests in
 # test_vlm_families_more.py (pytest-xdist gives each file one worker: split, the two halves run side by side).
 LATER_FAMILIES = ["kimi_vl", "ernie4_5_moe_vl", "mage_vl", "molmo", "minicpmv4_6", "glm4v_moe", "glm_ocr",
-                  "paddleocr_vl", "dots_ocr", "granite4_vision", "step3p7", "moondream3"]
+                  "paddleocr_vl", "dots_ocr", "granite4_vision", "step3p7", "moondream3", "qwen3_omni_moe",
+                  "kimi_k25"]
 FIRST_FAMILIES = [name for name in FAMILY_CASES if name not in LATER_FAMILIES]
 
 
@@ -307,6 +313,8 @@ KV_BITS_REFUSED = {
     "step3p7": "RotatingKVCache", "moondream3": "divisible by the quantization group size",
     "llava_onevision": "divisible by the quantization group size",
     "internvl": "divisible by the quantization group size",
+    # mlx-vlm's DeepSeek-V3 latent attention reads a quantized cache's (packed, scales, biases) tuple as an array
+    "kimi_k25": "AttributeError",
 }
 KV_SETTINGS = [(4, 0), (8, 24)]  # (kv_bits, quantized_kv_start): from the first token, or from inside the prompts
 
