@@ -813,7 +813,7 @@ class VLMAdapter:
         kwargs.update({name: mx.concatenate(parts, axis=0) for name, parts in sequences.items()})
         if any_media:  # per row, its chunk's media positions (pads: none) and, in row order, their rows: the
             # language model scatters each row's rows at its own positions (Qwen3-VL's `_deepstack_process`); a
-            # family with a mask and no rows reads the mask alone (ZAYA1-VL's vision adapters)
+            # family with a mask and no rows reads the mask alone (found on ZAYA1-VL, not in the table)
             kwargs[self.spec.media_mask_input] = mx.concatenate(masks, axis=0)
             if self.spec.media_rows_dense:  # one (1, width, layers, H) a row, zeros for a row without media
                 media_rows = {name: [mx.zeros_like(next(p for p in parts if p is not None)) if p is None else p
