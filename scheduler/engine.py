@@ -6,7 +6,6 @@ locked inbox drained at the top of each tick, so a tick's plan sees a consistent
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hashlib
 import itertools
@@ -15,7 +14,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import mlx.core as mx
 
@@ -25,7 +24,7 @@ from .execution import library
 from .calibration import Calibration, calibrate
 from .config import EngineConfig
 from .plan import ENCODED_RECORD, PLAN_RECORD_GROUPS, PREFILL_PAD_RATIO, VISION_BUDGET_COUNTS
-from .events import EventLog, JsonlSink, MemorySink
+from .events import EventLog, JsonlSink
 from .execution.executor import MLXExecutor
 from .execution.runners import TextRunner, VisionLanguageRunner
 from .execution.structured import GrammarCompiler
