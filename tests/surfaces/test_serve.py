@@ -1356,7 +1356,9 @@ def test_priority_orders_waiting_requests_under_the_priority_policy(vlm_model_di
     """`priority` (ours) reaches the engine: with one slot, `--policy priority` admits a later, more urgent request
     before an earlier, less urgent one that waits with it (the trace's admission order)."""
     # one slot, held by a long prompt prefilled a token per tick until both others wait: then its client goes
-    # away (the stream is closed, which aborts it), however fast or slow the machine is
+    # away (the stream is closed, which aborts it), however fast or slow the machine is. The urgent request is
+    # 1000 levels above: the policy's aging (a level per 32 ticks waited) cannot let the early one overtake it
+    # within the holder's 508 ticks, which 5 levels (160 ticks) did on a fast machine
     server = _start(vlm_model_dir, tmp_path, "priority", "--policy", "priority", "--max-seqs", "1",
                     "--prefill-chunk", "1", "--max-batched-tokens", "2")
     try:
@@ -1376,7 +1378,7 @@ def test_priority_orders_waiting_requests_under_the_priority_policy(vlm_model_di
                                                                   state="chunk_prefilling") == 1)
                 low = asyncio.create_task(ask("an early request that can wait", 0))
                 await asyncio.to_thread(_wait_for, waiting(1))
-                high = asyncio.create_task(ask("a later urgent request", 5))
+                high = asyncio.create_task(ask("a later urgent request", 1000))
                 await asyncio.to_thread(_wait_for, waiting(2))
                 await holder.close()
                 await asyncio.gather(low, high)
@@ -1385,7 +1387,7 @@ def test_priority_orders_waiting_requests_under_the_priority_policy(vlm_model_di
         _stop(server)
     events = read_jsonl(server.trace)
     arrivals = [e for e in events if e["event"] == "arrival"]  # in arrival order
-    assert [e["priority"] for e in arrivals] == [0, 0, 5]
+    assert [e["priority"] for e in arrivals] == [0, 0, 1000]
     _, low, high = (e["request_id"] for e in arrivals)
     admitted = [rid for e in events if e["event"] == "plan" for rid in e["admitted"]]
     assert admitted.index(high) < admitted.index(low)
