@@ -3,7 +3,8 @@
 (tests/models/test_vlm_adapter.py, tests/models/test_vlm_families.py).
 
 ``prepare_inputs``        the processor call ``mlx_vlm.stream_generate`` makes (same arguments, so the expanded ids
-                          and pixel values equal a solo run's).
+                          and pixel values equal a solo run's), without the feature extractor's per-clip warning
+                          that no sample rate was passed.
 ``chat_template``         mlx-vlm's ``apply_chat_template`` (the family's placeholders + generation prompt), with
                           the template called without kwargs it does not read (no per-request warning);
                           ``own_chat_template``: the model's own template (messages with videos).
@@ -23,8 +24,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -40,15 +43,40 @@ def prepare_inputs(model: Any, processor: Any, prompt: str, images: list | None,
     feature extractor's rate (passed on as is)."""
     from mlx_vlm.utils import prepare_inputs as vlm_prepare_inputs, should_add_special_tokens
 
-    return vlm_prepare_inputs(
-        processor,
-        images=images or None,
-        videos=videos or None,
-        audio=audio or None,
-        prompts=prompt,
-        image_token_index=getattr(model.config, "image_token_index", None),
-        add_special_tokens=should_add_special_tokens(model.config.model_type, processor),
-    )
+    with _no_missing_rate_warning(processor) if audio else contextlib.nullcontext():
+        return vlm_prepare_inputs(
+            processor,
+            images=images or None,
+            videos=videos or None,
+            audio=audio or None,
+            prompts=prompt,
+            image_token_index=getattr(model.config, "image_token_index", None),
+            add_special_tokens=should_add_special_tokens(model.config.model_type, processor),
+        )
+
+
+class _MissingRateWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "pass the `sampling_rate` argument" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _no_missing_rate_warning(processor: Any):
+    """transformers' audio feature extractors (Whisper's, which Qwen3-Omni's processor uses) log a warning for
+    every clip called without ``sampling_rate``, and mlx-vlm forwards only the keywords a processor's signature
+    names, so a processor that routes the rate through ``**kwargs`` can never get it (mlx-vlm's generate logs it
+    too). The clips are at the extractor's own rate (``scheduler.models.media`` resamples them), so the warning
+    is only noise: filtered on the extractor module's logger for the call."""
+    extractor = getattr(processor, "feature_extractor", None)
+    if extractor is None:
+        yield
+        return
+    logger, quiet = logging.getLogger(type(extractor).__module__), _MissingRateWarning()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 def chat_template(processor: Any, config: Any, messages: list[dict], num_images: int = 0,

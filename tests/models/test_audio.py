@@ -379,6 +379,22 @@ def test_engine_audio_and_text_match_solo(gemma, mixed, clips, budgets):
     assert engine.executor.cache_bytes() == 0 and not engine.executor.live_request_ids()
 
 
+
+def test_engine_audio_requests_are_quiet(gemma, mixed, clips, capfd, caplog, recwarn):
+    """Audio requests (a file, an 8 kHz file resampled, two clips in one) print, log and warn nothing."""
+    from ..helpers import drive
+
+    model, processor = gemma
+    prepared, references = mixed
+    engine = Engine(model, processor, EngineConfig(check_invariants=True))
+    audio = {0: [clips["a"]], 2: [clips["b8k"]], 5: [clips["a"], (tone(0.5, 4), RATE)]}
+    runs = []
+    assert_quiet(capfd, caplog, recwarn, lambda: runs.append(drive(engine, [
+        (0, {"prompt": prepared[i].prompt, "audio": a, "sampling": SamplingParams(max_tokens=MAX_TOKENS)})
+        for i, a in audio.items()])))
+    assert list(runs[0].tokens.values()) == [references[i] for i in audio]
+
+
 def test_engine_repeated_clip_hits_the_cache_and_bad_audio_is_refused_alone(gemma, mixed, clips, tmp_path):
     from ..helpers import drive
 
@@ -684,3 +700,35 @@ def test_omni_engine_audio_images_and_text_match_solo(omni, schedule):
     if schedule == "drafting":
         drafted = {e["request_id"] for e in log.of_kind("transition") if e["to"] == "drafting"}
         assert engine.draft_stats()["verify_forwards"] > 0 and drafted & {"o0", "o1", "o2", "o4"}, drafted
+
+
+
+def assert_quiet(capfd, caplog, recwarn, work):
+    """`work()` prints, logs (WARNING and above) and warns nothing (a library's DeprecationWarning aside)."""
+    import logging
+
+    capfd.readouterr()
+    caplog.clear()
+    recwarn.clear()
+    with caplog.at_level(logging.WARNING):
+        work()
+    out, err = capfd.readouterr()
+    assert (out, err) == ("", ""), (out + err)[:300]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [r.getMessage() for r in caplog.records]
+    assert not [str(w.message) for w in recwarn if not issubclass(w.category, DeprecationWarning)]
+
+
+def test_omni_audio_requests_are_quiet(omni, capfd, caplog, recwarn):
+    """An audio request prints, logs and warns nothing: Qwen3-Omni's Whisper feature extractor logs "It is strongly
+    recommended to pass the `sampling_rate` argument" for every clip, which mlx-vlm cannot pass to its processor
+    (mlx_vlm.stream_generate logs it); the engine filters that message for its processor call (the clips are
+    resampled to the extractor's rate), and the tokens are mlx-vlm's."""
+    from ..helpers import drive
+
+    model, processor, requests, references = omni
+    engine = Engine(model, processor, EngineConfig(check_invariants=True))
+    sampling = SamplingParams(max_tokens=MAX_TOKENS)
+    runs = []
+    assert_quiet(capfd, caplog, recwarn, lambda: runs.append(drive(engine, [(0, dict(requests[i], sampling=sampling))
+                                                                            for i in (0, 2, 4)])))
+    assert list(runs[0].tokens.values()) == [references[i] for i in (0, 2, 4)]
