@@ -389,6 +389,21 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
                "the speech LoRA into the language model's weights on the model instance (set_modality) for the media "
                "of the prompt it embeds (a text prompt keeps whichever the last one left), so requests of other "
                "modalities cannot share a forward"),
+    # tests/models/test_refused_vlm_families.py builds each from mlx-vlm's config classes and measures the fact. The
+    # engine's cache check would refuse deepseek_v4 and minimax_m3_vl at load anyway (PoolingCache in a CacheList,
+    # MiniMaxM3KVCache: no batch form), but qwen4_exp's QSAKVCache is a KVCache subclass that it would batch
+    FamilySpec("deepseek_v4", refused="its language model reads the prompt's image sentinel ids (ids past the "
+               "vocabulary) and lets each image's tokens attend bidirectionally inside the image, and it raises when "
+               "a forward holding them starts past cache offset 0, so an image prompt can be neither prefilled in "
+               "chunks nor recomputed after a restored prefix; and its compressed layers keep PoolingCaches, which "
+               "have no batch form"),
+    FamilySpec("minimax_m3_vl", refused="mlx-vlm's sparse attention cuts key blocks over cache slots, which a row's "
+               "left padding shifts off its positions, and in a batch of rows of other lengths (mlx-vlm's own "
+               "MiniMaxM3BatchKVCache, left-padded) a row's logits differ from the row alone"),
+    FamilySpec("qwen4_exp", refused="mlx-vlm's Qwen sparse attention (QSA) picks key blocks for each query, and in "
+               "a batch whose rows differ in length (mlx-vlm's own BatchQSAKVCache, left-padded) a row's logits "
+               "differ from the row alone, the unpadded row's too; they agree when the block budget covers every "
+               "block or the rows are of one length"),
 )}
 
 

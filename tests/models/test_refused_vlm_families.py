@@ -657,3 +657,190 @@ def test_phi4mm_embedding_a_prompt_rewrites_the_language_models_weights():
     pixels, extra = _phi4mm_image()
     model.get_input_embeddings(mx.array([[1, _PHI4MM_IMAGE_ID, 3]]), pixels, **extra)
     assert mx.allclose(weights(), merged["vision"]).item()
+
+
+# ------------------------------------------------------------------------ deepseek_v4, minimax_m3_vl, qwen4_exp
+# Three sparse-attention successors, each refused for what its language model does (FamilySpec.refused); each built
+# from mlx-vlm's config classes at hidden 64 with random weights.
+
+_V4_VOCAB = 512
+
+
+def _tiny_deepseek_v4():
+    """DeepSeek-V4 with its vision tower (vision_n_layers 1): a sliding-window layer and a compressed one (ratio 4,
+    with the sparse indexer), 2 hyper-connection streams, one hash-routed MoE layer."""
+    from mlx_vlm.models import deepseek_v4
+
+    config = deepseek_v4.ModelConfig(
+        vocab_size=_V4_VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, head_dim=32, q_lora_rank=32, qk_rope_head_dim=16, n_routed_experts=4,
+        num_experts_per_tok=2, compress_ratios=[0, 4], hc_mult=2, num_hash_layers=1, sliding_window=8, o_groups=2,
+        o_lora_rank=16, index_n_heads=2, index_head_dim=16, index_topk=4, index_block=4, index_keep=2,
+        max_position_embeddings=4096, vision_n_layers=1, vision_dim=32, vision_n_heads=2, vision_inter_dim=64,
+        vision_max_n_token=16)
+    mx.random.seed(0)
+    model = deepseek_v4.Model(config)
+    mx.eval(model.parameters())
+    return model
+
+
+def _minimax_m3_text(sparse: bool) -> dict:
+    """MiniMax-M3's text at hidden 64: four layers, the middle two sparse attention (blocks of 4, the top 3 kept,
+    the local one forced) unless `sparse` is False; MoE past the first."""
+    kinds = ["full_attention", "minimax_m3_sparse", "minimax_m3_sparse", "full_attention"]
+    return dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                vocab_size=512, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                shared_intermediate_size=32, dense_intermediate_size=128,
+                mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+                layer_types=kinds if sparse else ["full_attention"] * 4,
+                sparse_attention_config={"sparse_num_index_heads": 2, "sparse_index_dim": 16, "sparse_block_size": 4,
+                                         "sparse_topk_blocks": 3, "sparse_local_block": 1})
+
+
+def _tiny_minimax_m3_vl(sparse: bool = True):
+    from mlx_vlm.models import minimax_m3_vl
+
+    vision = minimax_m3_vl.VisionConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                        num_hidden_layers=1, projection_dim=64)
+    mx.random.seed(0)
+    model = minimax_m3_vl.Model(minimax_m3_vl.ModelConfig(
+        text_config=minimax_m3_vl.TextConfig(**_minimax_m3_text(sparse)), vision_config=vision, vocab_size=512))
+    mx.eval(model.parameters())
+    return model
+
+
+def _tiny_qwen4_exp(budget: int = 8):
+    """Qwen4-Exp at hidden 64: a gated-delta layer and a QSA layer (its indexer keeps `budget` tokens, blocks of 4:
+    8 keeps the top 2 blocks), 2 hyper-connection streams, MoE, a one-block Qwen3-VL tower."""
+    from mlx_vlm.models import qwen4_exp
+
+    text = qwen4_exp.TextConfig(
+        model_type="qwen4_exp", hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=32, linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+        shared_expert_intermediate_size=32, moe_intermediate_size=32, rms_norm_eps=1e-6, vocab_size=512,
+        max_position_embeddings=4096, full_attention_interval=2, hc_count=2, hc_lowrank=16, indexer_n_heads=2,
+        indexer_head_dim=16, indexer_budget=budget, indexer_compress_ratio=4,
+        rope_parameters={"type": "default", "mrope_section": [4, 2, 2], "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.5, "mrope_interleaved": True})
+    vision = qwen4_exp.VisionConfig(depth=1, hidden_size=32, intermediate_size=64, out_hidden_size=64, num_heads=2,
+                                    patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                                    num_position_embeddings=64)
+    mx.random.seed(0)  # the budget changes no weight's shape: both budgets get the same weights
+    model = qwen4_exp.Model(qwen4_exp.ModelConfig(text_config=text, vision_config=vision, model_type="qwen4_exp",
+                                                  vocab_size=512, image_token_id=500, video_token_id=501,
+                                                  vision_start_token_id=502, vision_end_token_id=503))
+    mx.eval(model.parameters())
+    return model
+
+
+def test_sparse_attention_successors_are_refused_at_load():
+    for model_type, build in (("deepseek_v4", _tiny_deepseek_v4), ("minimax_m3_vl", _tiny_minimax_m3_vl),
+                              ("qwen4_exp", _tiny_qwen4_exp)):
+        assert FAMILIES[model_type].refused
+        with pytest.raises(UnsupportedFamily) as info:
+            Engine(build(), None)
+        assert str(info.value) == f"model_type {model_type!r} cannot be batched: {FAMILIES[model_type].refused}"
+
+
+def test_deepseek_v4_images_attend_both_ways_and_must_come_in_one_prefill_from_offset_0():
+    """Why deepseek_v4 is refused. Its language model finds the image sentinels in the input ids (ids from the
+    vocabulary size on: start, pad, image, newline, end) and builds a mask in which an image's tokens see the later
+    ones of the same image; a forward holding sentinels on a cache past offset 0 raises. So an image prompt cannot
+    be prefilled in chunks (the engine's prefill budget) nor after a restored prefix. And its compressed layers keep
+    PoolingCaches (in a CacheList), which the engine's caches have no batch form of. If mlx-vlm changes any of this,
+    this fails: look again."""
+    from mlx_vlm.models.deepseek_v4.language import create_image_attention_mask
+
+    from caches import layers
+
+    model = _tiny_deepseek_v4()
+    cache = model.make_cache()
+    assert [type(c).__name__ for c in cache[1].caches] == ["RotatingKVCache", "PoolingCache", "PoolingCache"]
+    with pytest.raises(layers.UnsupportedCache):
+        layers.capabilities(cache)
+
+    v = _V4_VOCAB
+    ids = mx.array([[5, 6, v, v + 2, v + 2, v + 2, v + 4, 7, 8]])  # text, an image's start, 3 image tokens, end
+    mask = np.array(create_image_attention_mask(ids, v, 8, 16)[0, 0])
+    assert mask[3, 5] and mask[2, 6]  # an image token sees a later one, the start sees the end
+    assert not mask[1, 2] and not mask[7, 8]  # text stays causal
+
+    cache = model.make_cache()
+    model.language_model(mx.array([[5, 6, 7]]), cache=cache)
+    with pytest.raises(ValueError, match="image sentinels must be supplied in one prefill"):
+        model.language_model(mx.array([[v, v + 2, v + 4]]), cache=cache)
+
+
+def _alone_and_batched_minimax(model, prompts):
+    """Each prompt's last logits prefilled alone, and in one left-padded batch on mlx-vlm's own batch caches
+    (MiniMaxM3BatchKVCache on the sparse layers, BatchKVCache on the others)."""
+    from mlx_vlm.models.cache import BatchKVCache
+    from mlx_vlm.models.minimax_m3_vl.language import MiniMaxM3BatchKVCache, MiniMaxM3KVCache
+
+    lm = model.language_model
+    longest = max(len(p) for p in prompts)
+    pads = [longest - len(p) for p in prompts]
+    cache = [MiniMaxM3BatchKVCache(pads) if isinstance(c, MiniMaxM3KVCache) else BatchKVCache(pads)
+             for c in lm.make_cache()]
+    batched = lm(mx.array([[0] * pad + p for pad, p in zip(pads, prompts)]), cache=cache).logits[:, -1]
+    alone = []
+    for p in prompts:
+        lm._position_ids = lm._rope_deltas = None  # positions the model keeps on its instance from the last call
+        alone.append(lm(mx.array([p]), cache=lm.make_cache()).logits[0, -1])
+    return batched, alone
+
+
+def test_minimax_m3_vl_sparse_layers_attend_other_blocks_in_a_left_padded_batch():
+    """Why minimax_m3_vl is refused (as its text family in scheduler/families.py, through mlx-lm): its sparse layers
+    cut key blocks over cache slots, so a row's left padding moves its block boundaries. Two prompts of 17 and 30
+    tokens prefilled in one left-padded batch on mlx-vlm's own batch caches: the longer (unpadded) row gets its
+    logits alone, the padded one others; the same model with every layer full attention gets both rows' own. Its
+    sparse layers' cache (MiniMaxM3KVCache) also has no batch form in the engine. If mlx-vlm keeps blocks on
+    positions, this fails: look again."""
+    from caches import layers
+
+    with pytest.raises(layers.UnsupportedCache, match="MiniMaxM3KVCache"):
+        layers.capabilities(_tiny_minimax_m3_vl().make_cache())
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(10, 500, n).tolist() for n in (17, 30)]
+    batched, alone = _alone_and_batched_minimax(_tiny_minimax_m3_vl(), prompts)
+    assert mx.allclose(batched[1], alone[1], atol=1e-5).item()  # the unpadded row
+    assert mx.abs(batched[0] - alone[0]).max().item() > 1e-1  # the left-padded one
+    batched, alone = _alone_and_batched_minimax(_tiny_minimax_m3_vl(sparse=False), prompts)
+    assert all(mx.allclose(batched[i], alone[i], atol=1e-5).item() for i in range(2))
+
+
+def _qwen4_exp_decode_alone_and_merged(budget: int, lengths: tuple[int, int]):
+    """One decode step of two prompts prefilled alone: each alone, and merged by mlx-vlm's own batch caches
+    (BatchQSAKVCache.merge, ArraysCache.merge), as the engine merges them."""
+    lm = _tiny_qwen4_exp(budget).language_model
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(10, 500, n).tolist() for n in lengths]
+    following = mx.array([[7], [8]])
+    alone, caches = [], []
+    for i, p in enumerate(prompts):
+        cache = lm.make_cache()
+        lm(mx.array([p]), cache=cache)
+        alone.append(lm(following[i:i + 1], cache=cache).logits[0, -1])
+        cache = lm.make_cache()
+        lm(mx.array([p]), cache=cache)
+        caches.append(cache)
+    merged = [type(layer).merge([c[j] for c in caches]) for j, layer in enumerate(caches[0])]
+    assert [type(c).__name__ for c in merged] == ["ArraysCache", "BatchQSAKVCache"]
+    batched = lm(following, cache=merged).logits[:, -1]
+    return [mx.abs(batched[i] - alone[i]).max().item() for i in range(2)]
+
+
+def test_qwen4_exp_sparse_attention_differs_in_a_batch_of_rows_of_other_lengths():
+    """Why qwen4_exp is refused. Its QSA layer keeps a QSAKVCache (a KVCache subclass holding the indexer's keys
+    and positions too) whose batch form is mlx-vlm's BatchQSAKVCache. Two prompts of 9 and 27 tokens, each
+    prefilled alone, merged by mlx-vlm's own merge and decoded one token: with the indexer keeping 2 blocks of 4 a
+    row's logits differ from the row alone (here the unpadded one's, by about 0.1); with a budget covering every
+    block (256 tokens, the same weights) both rows agree, as they do for two prompts of one length. The engine
+    batches rows of other lengths in every schedule (on the tiny build, its staggered schedule gave 6 of 9 requests
+    other tokens than solo mlx-vlm). If mlx-vlm's batched selection matches its single-row one, this fails: look
+    again."""
+    assert max(_qwen4_exp_decode_alone_and_merged(8, (9, 27))) > 1e-2
+    assert max(_qwen4_exp_decode_alone_and_merged(256, (9, 27))) < 1e-5
+    assert max(_qwen4_exp_decode_alone_and_merged(8, (20, 20))) < 1e-5
