@@ -54,8 +54,8 @@ between families is declared here, and nothing else:
 ``honors_lengths`` whether the language model keeps right pads out of its sliding windows and recurrent state when
                    its batch cache is prepared with each row's length (mlx-lm's padded-batch contract; as
                    ``scheduler.families.Family.honors_lengths``): then its windows and recurrent layers share
-                   prefill forwards of chunks of any lengths. gemma3, qwen3_5, minicpmv4_6 and step3p7 (shown by
-                   tests/models/test_vlm_families.py), gemma4 and gemma4_unified (tests/models/test_audio.py);
+                   prefill forwards of chunks of any lengths. gemma3, qwen3_5, minicpmv4_6, step3p7 and plamo2vl
+                   (shown by tests/models/test_vlm_families.py), gemma4 and gemma4_unified (tests/models/test_audio.py);
                    plain-KV families do not need it.
 ``item_split``     how the media tensors split into items, each keyed and encoded on its own (``ItemSplit``,
                    ``media_items.py``): a chat turn that adds an image then restores the turns before it from the prefix
@@ -67,7 +67,8 @@ between families is declared here, and nothing else:
                    tokens follow them), media inputs holding Python values or absolute prompt positions (kimi_vl,
                    kimi_k25, molmo, minicpmv4_6, moondream3) or pooling indices into all of a request's crops (molmo2),
                    a tower that does not keep a call's images apart (ernie4_5_moe_vl), views padded to the most of any
-                   image of the request (llava_onevision), the audio families (and a Qwen3-Omni request with audio).
+                   image of the request (llava_onevision), an image's tiles counted against the tokens of the
+                   prompt's other images (plamo2vl), the audio families (and a Qwen3-Omni request with audio).
                    Each row's comment says why.
 ``vision_batch`` / ``media_axis``  how the media of several requests go through the encoders in one call
                    (``VisionBatch``) and the axis of the media tensors that counts images (their other axes
@@ -343,6 +344,14 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
                vision_batch=VisionBatch.PER_REQUEST,
                notes="Molmo 2: Qwen3-style decoder; ViT on a low-res view and overlapping crops, pooled 2x2 by "
                "attention, features added to the patch tokens"),
+    # mlx-vlm's processor writes the ja01 instruction template and each image's placeholders (one per tile token,
+    # between <siglip2:img> tags) around the prompt's text itself: the prompt holds no placeholder. pixel_values
+    # (tiles, C, H, W), all tiles of one size: requests' tiles stack on axis 0, each tile encoded on its own. How
+    # many tiles an image gets depends on the prompt's other images (their tokens share tile_context_length):
+    # keyed whole
+    FamilySpec("plamo2vl", honors_lengths=True,
+               notes="PLaMo 2 VL: hybrid PLaMo 2 text (Mamba layers next to attention), SigLIP tower on Eagle2-style "
+               "dynamic tiles and a thumbnail"),
     FamilySpec("gemma3n", media=frozenset({"audio"}), refused="mlx-vlm's get_input_embeddings embeds a prompt's text "
                "tokens without the sqrt(hidden_size) scale its language model applies to the token ids it is fed, so "
                "a token the scheduler feeds as an id (the last prompt token as the first decode input, a preempted "

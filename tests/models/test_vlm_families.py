@@ -112,6 +112,8 @@ FAMILY_CASES = {
     "kimi_k25": FamilyCase(_tiny("kimi_k25")),
     # its first request (483 tokens, 378-pixel views) prefilled at tick 54 of the staggered schedule
     "molmo2": FamilyCase(_tiny("molmo2"), repeat_delay=56),
+    # seed 0 with its build's eos gain of 1.5 (vlm_builds_japanese.py)
+    "plamo2vl": FamilyCase(_tiny("plamo2vl")),
 }
 
 SCHEDULES = {
@@ -180,7 +182,7 @@ def solo(model, processor, messages, images, **generate_kwargs):
 # test_vlm_families_more.py (pytest-xdist gives each file one worker: split, the two halves run side by side).
 LATER_FAMILIES = ["kimi_vl", "ernie4_5_moe_vl", "mage_vl", "molmo", "minicpmv4_6", "glm4v_moe", "glm_ocr",
                   "paddleocr_vl", "dots_ocr", "granite4_vision", "step3p7", "moondream3", "qwen3_omni_moe",
-                  "kimi_k25"]
+                  "kimi_k25", "plamo2vl"]
 FIRST_FAMILIES = [name for name in FAMILY_CASES if name not in LATER_FAMILIES]
 
 
@@ -315,6 +317,9 @@ KV_BITS_REFUSED = {
     "internvl": "divisible by the quantization group size",
     # mlx-vlm's DeepSeek-V3 latent attention reads a quantized cache's (packed, scales, biases) tuple as an array
     "kimi_k25": "AttributeError",
+    # mlx-vlm's PLaMo 2 attention calls mx.fast.scaled_dot_product_attention itself, which takes no quantized
+    # cache's tuples (its head_dim is 32 here, so this, not the group size, is what refuses)
+    "plamo2vl": "scaled_dot_product_attention",
 }
 KV_SETTINGS = [(4, 0), (8, 24)]  # (kv_bits, quantized_kv_start): from the first token, or from inside the prompts
 
@@ -453,6 +458,10 @@ def test_moondream3_prefill_is_causal_as_mlx_vlms_generate(tmp_path):
 # 3: BOS, whose position its media mark starts at, and the image's placeholders): no text precedes their media, so
 # an image request shares no prefix with another request.
 MEDIA_BEFORE_TEXT = {"molmo", "moondream3"}
+# Families whose processor wraps an image prompt alone in its template, the images before all of the chat's text,
+# system prompt included (PLaMo 2 VL: the ja01 instruction header, the image tokens, then the text; mlx-vlm tokenizes
+# a text prompt bare): image requests share the header before their media, a text request nothing with them.
+MEDIA_AFTER_HEADER = {"plamo2vl"}
 
 
 def test_family_shares_the_text_before_its_media(family, tmp_path):
@@ -462,7 +471,8 @@ def test_family_shares_the_text_before_its_media(family, tmp_path):
     token), and each output equals solo mlx_vlm. The trace replays; without the recorded media marks it
     does not (a trace from before they were recorded keys media requests by their media alone, as the engine
     then did: these would share nothing). Where the processor puts the media before the text
-    (``MEDIA_BEFORE_TEXT``), nothing is shared and the outputs still equal solo mlx_vlm."""
+    (``MEDIA_BEFORE_TEXT``), nothing is shared and the outputs still equal solo mlx_vlm; where it puts them after a
+    header it writes for image prompts alone (``MEDIA_AFTER_HEADER``), the image requests share that header only."""
     import json
 
     from scheduler.tools.replay import load_trace, replay
@@ -494,6 +504,11 @@ def test_family_shares_the_text_before_its_media(family, tmp_path):
         return
     assert offset[0] == offset[1] and offset[0] >= 4 * block and offset[2] is None, offset
     assert offset[0] - block < hits[ids[1]] <= offset[0], (hits, offset)  # the text before the other image
+    if name in MEDIA_AFTER_HEADER:
+        assert ids[2] not in hits and ids[0] not in hits, hits
+        engine.close()
+        assert replay(load_trace(trace)).identical
+        return
     assert 0 < hits[ids[2]] <= offset[0], (hits, offset)  # the system prompt, for text only
     assert ids[0] not in hits
     engine.close()
@@ -785,7 +800,7 @@ def test_family_prompt_logprobs_equal_mlx_vlms_own_prefill(family):
         assert out.token_ids == references[i], f"{name}: request {i}"
 
 
-@pytest.mark.parametrize("name", ["gemma3", "qwen3_5", "minicpmv4_6", "step3p7"])
+@pytest.mark.parametrize("name", ["gemma3", "qwen3_5", "minicpmv4_6", "step3p7", "plamo2vl"])
 def test_windows_and_recurrent_state_share_padded_chunks(name, tmp_path):
     """Gemma 3's and Step 3.7's sliding windows and Qwen3.5's recurrent layers (MiniCPM-V 4.6's language model too)
     skip the right pads of a shared forward (their language models honor the lengths a prepared batch cache
@@ -819,7 +834,7 @@ def test_windows_and_recurrent_state_share_padded_chunks(name, tmp_path):
         engine.close()
 
 
-@pytest.mark.parametrize("name", ["gemma3", "qwen3_5", "qwen3_vl", "minicpmv4_6", "step3p7"])
+@pytest.mark.parametrize("name", ["gemma3", "qwen3_5", "qwen3_vl", "minicpmv4_6", "step3p7", "plamo2vl"])
 def test_a_padded_shared_forward_leaves_each_row_what_its_own_forward_would(name, tmp_path):
     """Under the greedy-token tests above, the state check (a tiny model's greedy tokens can survive a wrong
     state: they did while mlx-vlm's Qwen3.5 took right pads into its delta-rule state, `caches.layers.
