@@ -413,6 +413,12 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
                "a batch whose rows differ in length (mlx-vlm's own BatchQSAKVCache, left-padded) a row's logits "
                "differ from the row alone, the unpadded row's too; they agree when the block budget covers every "
                "block or the rows are of one length"),
+    # tests/models/test_refused_vlm_families.py builds it small from mlx-vlm's config class and pins both facts
+    FamilySpec("falcon_ocr", refused="mlx-vlm's get_input_embeddings returns a prefill mask (attention_mask_4d) under "
+               "which each image's tokens attend to each other both ways, and mlx_vlm.generate prefills the prompt "
+               "with it in one forward (no_chunked_prefill); the scheduler's prefill is causal and chunked. Its "
+               "positions also put every token of an image block at one position, with 2-D patch positions (pos_hw), "
+               "which its language model reads only from that call's outputs and state kept on the model instance"),
 )}
 
 

@@ -844,3 +844,80 @@ def test_qwen4_exp_sparse_attention_differs_in_a_batch_of_rows_of_other_lengths(
     assert max(_qwen4_exp_decode_alone_and_merged(8, (9, 27))) > 1e-2
     assert max(_qwen4_exp_decode_alone_and_merged(256, (9, 27))) < 1e-5
     assert max(_qwen4_exp_decode_alone_and_merged(8, (20, 20))) < 1e-5
+
+
+# ------------------------------------------------------------------------------------------------ falcon_ocr
+# Falcon-OCR: one decoder over text tokens and raw 16-pixel patches (projected by one linear layer, no tower). Its
+# processor writes each image as <|image_cls|>, 4 register tokens, a <|img|> per patch and <|img_end|>.
+
+_FALCON_CLS, _FALCON_REGS, _FALCON_IMG, _FALCON_END = 244, [245, 246, 247, 248], 227, 230  # the config's defaults
+
+
+def _tiny_falcon_ocr():
+    """Falcon-OCR's model (mlx-vlm's falcon_ocr) from its config class: 2 layers of 4 heads (2 kv heads) of 16 at
+    width 64, patches of 8 pixels; random weights, float32, the 2-D ("golden") rotary frequencies (zeros in
+    mlx-vlm) drawn so that the image tokens' spatial rotation is not the identity."""
+    from mlx_vlm.models import falcon_ocr
+
+    config = falcon_ocr.ModelConfig.from_dict({"model_type": "falcon_ocr", "dim": 64, "n_layers": 2, "n_heads": 4,
+                                               "head_dim": 16, "n_kv_heads": 2, "vocab_size": 512, "ffn_dim": 128,
+                                               "max_seq_len": 256, "spatial_patch_size": 8})
+    mx.random.seed(0)
+    model = falcon_ocr.Model(config)
+    inner = model.language_model.model
+    inner.freqs_cis_golden = mx.random.normal(inner.freqs_cis_golden.shape)
+    mx.eval(model.parameters())
+    return model
+
+
+def _falcon_image_prompt():
+    """Token ids of text, one 2x2-patch image as the processor expands it, and text; its pixels (1, 16, 16, 3)."""
+    ids = [5, 6, 7, _FALCON_CLS, *_FALCON_REGS, *[_FALCON_IMG] * 4, _FALCON_END, 8, 9, 10]
+    pixels = mx.array(np.random.default_rng(0).standard_normal((1, 16, 16, 3)).astype(np.float32))
+    return mx.array([ids]), pixels, mx.array([[2, 2]])
+
+
+def test_falcon_ocr_is_refused_at_load():
+    assert FAMILIES["falcon_ocr"].refused
+    with pytest.raises(UnsupportedFamily, match="'falcon_ocr' cannot be batched: mlx-vlm's get_input_embeddings "
+                                                "returns a prefill mask"):
+        Engine(_tiny_falcon_ocr(), None)
+
+
+def test_falcon_ocr_prefills_an_image_bidirectionally_at_shared_positions():
+    """Why falcon_ocr is refused. With an image, mlx-vlm's get_input_embeddings returns `attention_mask_4d`, a
+    causal mask but for each image block (<|image_cls|>, the registers and the patches), whose tokens attend to each
+    other both ways; mlx-vlm's generate passes it on, the model declares `no_chunked_prefill` (the prompt is prefilled in one
+    forward), and the language model honours it: the prompt's last logits differ from a causal prefill's. It also
+    returns the prompt's positions (every image block token at its <|image_cls|> position, text after it one past:
+    a rope delta) and per-token 2-D positions of the patches (`pos_hw`), which the language model reads only from
+    these keywords (and `rope_deltas` from state it keeps on the instance). The scheduler prefills causally, in
+    chunks shared across requests, at positions counted from each row's cache: if mlx-vlm drops the mask, this
+    fails (the positions would still need M-RoPE-like handling)."""
+    from mlx_vlm.models.cache import make_prompt_cache
+
+    model = _tiny_falcon_ocr()
+    assert model.no_chunked_prefill
+    ids, pixels, grid = _falcon_image_prompt()
+    embedded = model.get_input_embeddings(ids, pixels, image_grid_hw=grid)
+    mask = embedded.attention_mask_4d
+    n = ids.shape[1]
+    block = list(range(3, 3 + 1 + 4 + 4 + 1))  # <|image_cls|> .. <|img_end|>
+    assert mask.shape == (1, 1, n, n) and mask.dtype == mx.bool_
+    causal = np.tril(np.ones((n, n), dtype=bool))
+    expected = causal.copy()
+    expected[np.ix_(block[:-1], block[:-1])] = True  # <|img_end|> closes the block: it attends causally
+    assert (np.array(mask[0, 0]) == expected).all()
+    assert embedded.position_ids.reshape(-1).tolist() == [0, 1, 2] + [3] * len(block) + [4, 5, 6]
+    assert embedded.rope_deltas.item() == 7 - n
+
+    def last_logits(**kwargs):
+        extra = {"position_ids": embedded.position_ids, "pos_hw": embedded.pos_hw,
+                 "rope_deltas": embedded.rope_deltas}
+        logits = model.language_model(ids, inputs_embeds=embedded.inputs_embeds,
+                                      cache=make_prompt_cache(model.language_model), **extra, **kwargs).logits
+        return logits[0, -1]
+
+    honoured = last_logits(attention_mask_4d=mask)  # the keyword mlx-vlm's generate passes
+    assert mx.allclose(honoured, last_logits(mask=mask), atol=1e-6).item()
+    assert mx.abs(honoured - last_logits(mask=mx.array(causal)[None, None])).max().item() > 1e-3
