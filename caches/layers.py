@@ -560,10 +560,22 @@ _REFUSED = {
 
 
 def _kind_of(layer: Any):
+    """The kind whose classes hold this layer's class exactly. A library's subclass of a kind's class is refused:
+    it keeps state, masks or positions of its own that the kind's merge, snapshot and rollback would drop or
+    misread (mlx-vlm 0.7.10's QSAKVCache keeps a sparse indexer's keys beside its KVCache fields; Unlimited-OCR's
+    RingSlidingKVCache is a window over a KVCache). This module's own subclasses (`_HoleBatchKVCache`, ...) are
+    the kinds' batch forms."""
+    cls = type(layer)
     for kind in _KINDS:
-        if isinstance(layer, kind.classes) or isinstance(layer, kind.batch_classes):
+        if cls in kind.classes or cls in kind.batch_classes:
             return kind
-    name = type(layer).__name__
+        if isinstance(layer, kind.batch_classes) and cls.__module__ == __name__:
+            return kind
+    name = cls.__name__
+    base = next((c for kind in _KINDS for c in (*kind.classes, *kind.batch_classes) if isinstance(layer, c)), None)
+    if base is not None:
+        raise UnsupportedCache(name, f"a subclass of {base.__module__}.{base.__name__} with behaviour of its own, "
+                                     f"which the {base.__name__} batch form would not carry")
     raise UnsupportedCache(name, _REFUSED.get(name, "no batch form (no merge) in mlx-lm"))
 
 

@@ -400,7 +400,8 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
                "modalities cannot share a forward"),
     # tests/models/test_refused_vlm_families.py builds each from mlx-vlm's config classes and measures the fact. The
     # engine's cache check would refuse deepseek_v4 and minimax_m3_vl at load anyway (PoolingCache in a CacheList,
-    # MiniMaxM3KVCache: no batch form), but qwen4_exp's QSAKVCache is a KVCache subclass that it would batch
+    # MiniMaxM3KVCache: no batch form), and qwen4_exp's QSAKVCache too (a KVCache subclass, refused since the check
+    # matches classes exactly); the rows say why they could not batch exactly even with a batch form
     FamilySpec("deepseek_v4", refused="its language model reads the prompt's image sentinel ids (ids past the "
                "vocabulary) and lets each image's tokens attend bidirectionally inside the image, and it raises when "
                "a forward holding them starts past cache offset 0, so an image prompt can be neither prefilled in "

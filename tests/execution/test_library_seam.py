@@ -133,3 +133,33 @@ def test_a_recurrent_row_split_from_a_batch_does_not_keep_the_batch_alive():
     held = mx.get_active_memory() - before + 2 * rows * (1 << 20)  # the batch's 16 MiB are gone
     assert layers.cache_nbytes(row) == 2 * (1 << 20)
     assert held <= 2 * layers.cache_nbytes(row), held
+
+
+
+def test_a_library_subclass_of_a_cache_kind_is_refused_not_taken_for_its_base():
+    """The cache-layer protocol matches a layer's class exactly: a subclass keeps behaviour of its own that the
+    base kind's merge, snapshot and rollback would drop (mlx-vlm 0.7.10 has four: qwen4_exp's QSAKVCache and
+    QSAQuantizedKVCache, Unlimited-OCR's RingSlidingKVCache, HY-V4's HyV4KVCache), so it is refused naming both
+    classes, where an isinstance match had taken QSAKVCache for a plain KVCache. The protocol's own batch forms
+    (caches/layers.py's subclasses of BatchKVCache, which a merge builds) are still that kind."""
+    import pytest
+    from mlx_vlm.models.qwen4_exp.language import QSAKVCache
+    from mlx_vlm.models.unlimited_ocr.language import RingSlidingKVCache
+
+    from caches import layers
+
+    class WindowedKV(KVCache):
+        pass
+
+    for layer, base in ((WindowedKV(), "mlx_lm.models.cache.KVCache"), (QSAKVCache(), "mlx_vlm.models.cache.KVCache"),
+                        (RingSlidingKVCache(8), "mlx_vlm.models.cache.KVCache")):
+        with pytest.raises(layers.UnsupportedCache, match=f"^{type(layer).__name__}: a subclass of {base} "):
+            layers.capabilities([KVCache(), layer])
+    rows = []
+    for n in (3, 5):
+        row = KVCache()
+        row.update_and_fetch(mx.zeros((1, 2, n, 4)), mx.zeros((1, 2, n, 4)))
+        rows.append([row])
+    batch = layers.merge_caches(rows)
+    assert type(batch[0]) is not BatchKVCache and isinstance(batch[0], BatchKVCache)  # the protocol's own form
+    assert layers.capabilities(batch).layers[0] == layers.capabilities(rows[0]).layers[0]
