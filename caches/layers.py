@@ -549,9 +549,21 @@ class QuantizedKV:
         return LayerLayout(sum(x.nbytes for x in (*layer.keys, *layer.values)) // layer.keys[0].shape[2], None)
 
 
+def _cache_list_classes() -> tuple[type, ...]:
+    """mlx-lm's CacheList, and mlx-vlm's copy of it (same ``caches`` tuple and constructor; Inkling's language model
+    builds it: a KVCache and an ArraysCache of short-convolution states per layer)."""
+    try:
+        from mlx_vlm.models import cache as vlm_cache
+    except ImportError:  # mlx-vlm is optional for text-only use
+        return (mlx_cache.CacheList,)
+    return (mlx_cache.CacheList, vlm_cache.CacheList)
+
+
+_CACHE_LISTS = _cache_list_classes()
+
 _KINDS = (PlainKV, RotatingKV, Arrays, QuantizedKV)
 # every cache class a layer (or a CacheList's part) can be, single-request and batch forms
-_LAYER_CLASSES = (mlx_cache.CacheList, *(c for kind in _KINDS for c in (*kind.classes, *kind.batch_classes)))
+_LAYER_CLASSES = (*_CACHE_LISTS, *(c for kind in _KINDS for c in (*kind.classes, *kind.batch_classes)))
 
 _REFUSED = {
     "ChunkedKVCache": "chunked attention caches have no batch form in mlx-lm (its BatchGenerator refuses them too)",
@@ -583,7 +595,7 @@ def _kind_of(layer: Any):
 
 
 def layer_capabilities(layer: Any) -> LayerCapabilities:
-    if isinstance(layer, mlx_cache.CacheList):
+    if isinstance(layer, _CACHE_LISTS):
         return _cache_list_capabilities([layer_capabilities(c) for c in layer.caches])
     return _kind_of(layer).caps
 
@@ -620,8 +632,8 @@ def merge_caches(caches: Sequence[Cache], mask: MaskLayout = MaskLayout.HEADS) -
 
 
 def _merge_layer(layers: Sequence[Any], mask: MaskLayout) -> Any:
-    if isinstance(layers[0], mlx_cache.CacheList):
-        merged = mlx_cache.CacheList()
+    if isinstance(layers[0], _CACHE_LISTS):
+        merged = type(layers[0])()
         merged.caches = tuple(_merge_layer([layer.caches[j] for layer in layers], mask)
                               for j in range(len(layers[0].caches)))
         return merged
@@ -638,7 +650,7 @@ def extend_batch(batch: Cache, other: Cache) -> Cache:
 
 
 def _extend_layer(layer: Any, other: Any) -> None:
-    if isinstance(layer, mlx_cache.CacheList):
+    if isinstance(layer, _CACHE_LISTS):
         for sub, other_sub in zip(layer.caches, other.caches):
             _extend_layer(sub, other_sub)
         return
@@ -689,7 +701,7 @@ def filter_batch(batch: Cache, keep: list[int]) -> Cache:
 
 
 def _filter_layer(layer: Any, keep: list[int]) -> None:
-    if isinstance(layer, mlx_cache.CacheList):
+    if isinstance(layer, _CACHE_LISTS):
         for sub in layer.caches:
             _filter_layer(sub, keep)
         return
@@ -737,7 +749,7 @@ def prepare_padded(batch: Cache, lengths: Sequence[int], width: int) -> None:
 
 
 def _prepare_layer(layer: Any, lengths: list[int], padding: list[int]) -> None:
-    if isinstance(layer, mlx_cache.CacheList):
+    if isinstance(layer, _CACHE_LISTS):
         for part in layer.caches:
             _prepare_layer(part, lengths, padding)
     elif _prepared_for_pads(layer):
@@ -754,7 +766,7 @@ def finalize_padded(batch: Cache) -> None:
     """After the forward `prepare_padded` prepared for: the prepared layers roll each row's pads into its left
     padding (mlx-lm's `finalize`), so `split_batch` extracts exactly the row's tokens and state."""
     for layer in batch:
-        parts = layer.caches if isinstance(layer, mlx_cache.CacheList) else (layer,)
+        parts = layer.caches if isinstance(layer, _CACHE_LISTS) else (layer,)
         for part in parts:
             if _prepared_for_pads(part):
                 part.finalize()
@@ -772,8 +784,8 @@ def split_batch(batch: Cache, rows: int, trailing: Sequence[int] | None = None) 
 
 
 def _extract_row(layer: Any, i: int, trailing: int) -> Any:
-    if isinstance(layer, mlx_cache.CacheList):
-        return mlx_cache.CacheList(*(_extract_row(c, i, trailing) for c in layer.caches))
+    if isinstance(layer, _CACHE_LISTS):
+        return type(layer)(*(_extract_row(c, i, trailing) for c in layer.caches))
     kind = _kind_of(layer)
     row = kind.extract(layer, i)
     if trailing and kind.caps.splittable:  # the others were prepared: `finalize` moved their pads out already
@@ -812,7 +824,7 @@ def snapshot_cache(cache: Cache) -> tuple[list[tuple[type, Any]], int, bool]:
 
 
 def _snapshot_layer(layer: Any) -> tuple[Any, list[mx.array]]:
-    if isinstance(layer, mlx_cache.CacheList):
+    if isinstance(layer, _CACHE_LISTS):
         parts = [(type(c), *_snapshot_layer(c)) for c in layer.caches]
         return [(kind, state) for kind, state, _ in parts], [a for *_, arrays in parts for a in arrays]
     return _kind_of(layer).snapshot(layer)
@@ -825,8 +837,8 @@ def restore_cache(payload: list[tuple[type, Any]], length: int) -> Cache:
 
 
 def _restore_layer(kind: type, state: Any, length: int) -> Any:
-    if issubclass(kind, mlx_cache.CacheList):
-        return mlx_cache.CacheList(*(_restore_layer(k, s, length) for k, s in state))
+    if issubclass(kind, _CACHE_LISTS):
+        return kind(*(_restore_layer(k, s, length) for k, s in state))
     for strategy in _KINDS:
         if issubclass(kind, strategy.classes):
             return strategy.restore(kind, state, length)
@@ -837,7 +849,7 @@ def probe_layout(cache: Cache) -> KVLayout:
     """The per-layer byte layout of a single-request cache that holds exactly one token."""
     layers = []
     for layer in cache:
-        parts = layer.caches if isinstance(layer, mlx_cache.CacheList) else (layer,)
+        parts = layer.caches if isinstance(layer, _CACHE_LISTS) else (layer,)
         per_token, window, fixed = 0, None, 0
         for part in parts:
             one = _kind_of(part).layout(part)
@@ -879,7 +891,7 @@ def check_quantizable(cache: Cache) -> list[bool]:
     """Which layers of a fresh single-request cache quantize. Raises QuantizationRefused for a layer whose
     `to_quantized` mlx-lm 0.32 / mlx-vlm 0.7 do not implement (RotatingKVCache: sliding windows, max_kv_size)."""
     for layer in cache:
-        parts = layer.caches if isinstance(layer, mlx_cache.CacheList) else (layer,)
+        parts = layer.caches if isinstance(layer, _CACHE_LISTS) else (layer,)
         for part in parts:
             if isinstance(part, RotatingKV.classes):
                 raise QuantizationRefused(type(part).__name__, "mlx-lm 0.32 and mlx-vlm 0.7 cannot quantize a "
@@ -935,7 +947,7 @@ def probe_quantized_layout(cache: Cache, forward: Any, group_size: int, bits: in
 def cache_offset(cache: Cache) -> int:
     """Tokens a single-request cache holds (its first layer with a token count; recurrent layers have none)."""
     for layer in cache:
-        if isinstance(layer, mlx_cache.CacheList):
+        if isinstance(layer, _CACHE_LISTS):
             layer = layer.caches[0]
         offset = getattr(layer, "offset", None)
         if isinstance(offset, int):
@@ -1012,7 +1024,7 @@ def _flat_layers(layers: Sequence[Any]) -> list[Any]:
     caches of one length, as deepseek_v32's attention and its indexer's keys: they roll back together)."""
     flat = []
     for layer in layers:
-        flat.extend(_flat_layers(layer.caches) if isinstance(layer, mlx_cache.CacheList) else [layer])
+        flat.extend(_flat_layers(layer.caches) if isinstance(layer, _CACHE_LISTS) else [layer])
     return flat
 
 

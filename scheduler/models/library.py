@@ -283,8 +283,10 @@ def quantized_kv_schedule(model: Any) -> int:
 
 def row_offsets(cache: list) -> mx.array:
     """(B,) tokens each row's cache holds. Single-request caches have an int ``offset``; mlx-vlm's
-    ``BatchKVCache.offset`` is an array of real (non-padding) tokens per row."""
-    layer = next(c for c in cache if hasattr(c, "offset"))  # hybrids: the first attention layer (recurrent
+    ``BatchKVCache.offset`` is an array of real (non-padding) tokens per row. A layer that is a ``CacheList``
+    (Inkling's: KV and short-convolution states) counts by its first cache that has an offset."""
+    parts = (part for c in cache for part in getattr(c, "caches", (c,)))  # a CacheList's caches, in order
+    layer = next(c for c in parts if hasattr(c, "offset"))  # hybrids: the first attention layer (recurrent
     offset = layer.offset                                   # state has no length)
     if isinstance(offset, mx.array):  # (a batch's is (B,) int32 already: no op then, as a decode tick adds each)
         return offset if offset.ndim == 1 and offset.dtype == mx.int32 else offset.reshape(-1).astype(mx.int32)
