@@ -193,6 +193,10 @@ class VLMAdapter:
         self.spec: FamilySpec = family_for(getattr(getattr(model, "config", None), "model_type", None))
         if self.spec.refused:
             raise UnsupportedFamily(f"model_type {self.spec.model_type!r} cannot be batched: {self.spec.refused}")
+        for option, reason in self.spec.refused_options:
+            if _attribute(getattr(model, "config", None), option) is not None:
+                raise UnsupportedFamily(f"model_type {self.spec.model_type!r} with {option} set cannot be batched: "
+                                        f"{reason}")
         self.model, self.processor = model, processor
         self.language_model = model.language_model
         self.vision_cache = vision_cache

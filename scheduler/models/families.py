@@ -84,6 +84,8 @@ between families is declared here, and nothing else:
 A family absent from this table is refused at load with ``UnsupportedFamily`` (a ``TypeError``) naming the
 supported ones: mlx-vlm may load it, but nothing here has shown that it batches exactly. A family declared with
 ``refused`` is one mlx-vlm runs that cannot batch through this interface; it is refused at load with the reason.
+``refused_options`` refuses only the checkpoints of a family that set a config option the scheduler cannot batch
+(Inkling's ``text_config.log_scaling_n_floor``: see its row).
 Every family here without ``refused`` is exact in tests/models/test_vlm_families.py (gemma4 and gemma4_unified:
 tests/models/test_audio.py; qwen3_omni_moe's audio requests there too).
 """
@@ -143,6 +145,9 @@ class FamilySpec:
     honors_lengths: bool = False  # as `scheduler.families.Family.honors_lengths`, for the language model
     kv_bits_refused: str | None = None  # why quantized KV cannot batch exactly (refused at configuration)
     refused: str | None = None  # why mlx-vlm's model cannot be batched here (refused at load)
+    # (dotted attribute path under the model's config, reason): a checkpoint of the family that sets this option (not
+    # None) is refused at load with the reason, one the family's other checkpoints batch exactly without
+    refused_options: tuple[tuple[str, str], ...] = ()
     notes: str = field(default="", compare=False)
 
 
