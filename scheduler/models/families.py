@@ -5,9 +5,10 @@ model interface (``Model.get_input_embeddings`` and the language model's ``input
 between families is declared here, and nothing else:
 
 ``positions``      how the language model places tokens: ``ROPE`` (plain 1-D RoPE from each cache row's offset:
-                   most families) or ``MROPE`` (Qwen2/2.5/3-VL and their MoE variants, Qwen3.5, Qwen3-Omni, the
-                   GLM-4V family, ERNIE 4.5 VL: 3-D positions from the image / video grids, a per-request rope delta;
-                   see ``positions.py``; MiniCPM-V 4.6: Qwen3.5's M-RoPE with no grids, every axis counting tokens).
+                   most families) or ``MROPE`` (Qwen2/2.5/3-VL and their MoE variants, Qwen3.5 and IndicOCR's OCR
+                   stage, Qwen3-Omni, the GLM-4V family, ERNIE 4.5 VL: 3-D positions from the image / video grids,
+                   a per-request rope delta; see ``positions.py``; MiniCPM-V 4.6: Qwen3.5's M-RoPE with no grids,
+                   every axis counting tokens).
 ``positions_last`` M-RoPE: the language model takes its ``position_ids`` as (B, L, 3), the axes last (ERNIE 4.5
                    VL), where the Qwen families take (3, B, L); the adapter keeps (3, B, L) and transposes at the call.
 ``video_block_per_frame``  M-RoPE: a video's frame groups are each their own vision block, temporal position 0
@@ -54,9 +55,9 @@ between families is declared here, and nothing else:
 ``honors_lengths`` whether the language model keeps right pads out of its sliding windows and recurrent state when
                    its batch cache is prepared with each row's length (mlx-lm's padded-batch contract; as
                    ``scheduler.families.Family.honors_lengths``): then its windows and recurrent layers share
-                   prefill forwards of chunks of any lengths. gemma3, qwen3_5, minicpmv4_6, step3p7 and plamo2vl
-                   (shown by tests/models/test_vlm_families.py), gemma4 and gemma4_unified (tests/models/test_audio.py);
-                   plain-KV families do not need it.
+                   prefill forwards of chunks of any lengths. gemma3, qwen3_5, minicpmv4_6, step3p7, plamo2vl,
+                   inkling and indic_ocr (shown by tests/models/test_vlm_families.py), gemma4 and gemma4_unified
+                   (tests/models/test_audio.py); plain-KV families do not need it.
 ``item_split``     how the media tensors split into items, each keyed and encoded on its own (``ItemSplit``,
                    ``media_items.py``): a chat turn that adds an image then restores the turns before it from the prefix
                    cache, images included, and encodes only the new image. ``GRID`` for the towers fed flattened patches
@@ -66,9 +67,10 @@ between families is declared here, and nothing else:
                    depend, by a few 1e-7 under OpenBLAS, on the images stacked with it, and the tiny gemma3's greedy
                    tokens follow them), media inputs holding Python values or absolute prompt positions (kimi_vl,
                    kimi_k25, molmo, minicpmv4_6, moondream3) or pooling indices into all of a request's crops (molmo2),
-                   a tower that does not keep a call's images apart (ernie4_5_moe_vl), views padded to the most of any
-                   image of the request (llava_onevision), an image's tiles counted against the tokens of the
-                   prompt's other images (plamo2vl), the audio families (and a Qwen3-Omni request with audio).
+                   a tower that does not keep a call's images apart (ernie4_5_moe_vl), patches of all of a request's
+                   images concatenated with no count per image (inkling), views padded to the most of any image of
+                   the request (llava_onevision), an image's tiles counted against the tokens of the prompt's other
+                   images (plamo2vl), the audio families (and a Qwen3-Omni request with audio).
                    Each row's comment says why.
 ``vision_batch`` / ``media_axis``  how the media of several requests go through the encoders in one call
                    (``VisionBatch``) and the axis of the media tensors that counts images (their other axes
@@ -187,6 +189,14 @@ BUNNY_SPLICE = ("mlx-vlm's Bunny merge replaces the prompt's one image placehold
 # that test file too).
 QWEN3_5_QUANTIZED_PADS = ("mlx-vlm's Qwen3.5 attention takes no mask in a one-token decode of a left-padded batch "
                           "whose cache is quantized, so a row shorter than the longest attends the left pads")
+
+# Why an Inkling checkpoint with log_scaling_n_floor set is refused (tests/models/test_refused_vlm_families.py,
+# test_inkling_log_scaling_reads_padded_positions: the tiny build with a floor of 8 gave 3 of the 9 requests other
+# greedy tokens than solo mlx-vlm in the staggered schedule). Unset (the tests' build), tau is 1 everywhere.
+INKLING_LOG_SCALING = ("mlx-vlm's Inkling attention scales the global layers' queries and position bias by a "
+                       "function of each query's absolute position, which it takes from the cache's key count "
+                       "(S - L), left padding included, for every row of a batch: in a left-padded batch a shorter "
+                       "row gets the scaling of positions it is not at")
 
 FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
     FamilySpec("qwen2_vl", Positions.MROPE, _QWEN_MEDIA, vision_batch=_ONE, item_split=_GRID),
@@ -357,6 +367,20 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
     FamilySpec("plamo2vl", honors_lengths=True,
                notes="PLaMo 2 VL: hybrid PLaMo 2 text (Mamba layers next to attention), SigLIP tower on Eagle2-style "
                "dynamic tiles and a thumbnail"),
+    # each layer's cache is a CacheList of a KVCache and an ArraysCache of short-convolution states, which take the
+    # batch cache's lengths and left padding (mlx-lm's padded-batch contract); no rotary: a learned relative-position
+    # bias in the mask, from each key's distance. pixel_values (patches, 2, 40, 40, 3), every image's 40 px patches
+    # concatenated with no per-image count (the processor drops num_patches): keyed whole, and the patchifier (no
+    # attention) takes any requests' patches stacked in one call
+    FamilySpec("inkling", honors_lengths=True,
+               refused_options=(("text_config.log_scaling_n_floor", INKLING_LOG_SCALING),),
+               notes="Inkling: short convolutions on keys, values and residual branches; sliding-window and global "
+               "attention with a relative-position bias; mixture of experts; an HMLP patchifier"),
+    # mlx-vlm's indic_ocr Model is Qwen3.5's with its config's model_type set to qwen3_5: a loaded checkpoint is
+    # batched by qwen3_5's row (this one, its copy, names the type for the table)
+    FamilySpec("indic_ocr", Positions.MROPE, _QWEN_MEDIA, video_block_per_frame=True, vision_batch=_ONE,
+               item_split=_GRID, honors_lengths=True, kv_bits_refused=QWEN3_5_QUANTIZED_PADS,
+               notes="IndicOCR's OCR stage: Qwen3.5 (gated-delta layers next to full attention)"),
     FamilySpec("gemma3n", media=frozenset({"audio"}), refused="mlx-vlm's get_input_embeddings embeds a prompt's text "
                "tokens without the sqrt(hidden_size) scale its language model applies to the token ids it is fed, so "
                "a token the scheduler feeds as an id (the last prompt token as the first decode input, a preempted "

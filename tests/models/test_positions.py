@@ -34,9 +34,9 @@ PADDED_TEXT_DELTA_DIFFERS = {"qwen3_omni_moe"}
 
 
 def test_the_families_under_test_are_the_mrope_ones():
-    assert MROPE_FAMILIES == ["ernie4_5_moe_vl", "glm4v", "glm4v_moe", "glm_ocr", "minicpmv4_6", "paddleocr_vl",
-                              "qwen2_5_vl", "qwen2_vl", "qwen3_5", "qwen3_5_moe", "qwen3_omni_moe", "qwen3_vl",
-                              "qwen3_vl_moe"]
+    assert MROPE_FAMILIES == ["ernie4_5_moe_vl", "glm4v", "glm4v_moe", "glm_ocr", "indic_ocr", "minicpmv4_6",
+                              "paddleocr_vl", "qwen2_5_vl", "qwen2_vl", "qwen3_5", "qwen3_5_moe", "qwen3_omni_moe",
+                              "qwen3_vl", "qwen3_vl_moe"]
 
 
 # ERNIE 4.5 VL's get_rope_index reads no attention mask (left pads take positions as tokens do): its prompts are

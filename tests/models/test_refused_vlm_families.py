@@ -921,3 +921,62 @@ def test_falcon_ocr_prefills_an_image_bidirectionally_at_shared_positions():
     honoured = last_logits(attention_mask_4d=mask)  # the keyword mlx-vlm's generate passes
     assert mx.allclose(honoured, last_logits(mask=mask), atol=1e-6).item()
     assert mx.abs(honoured - last_logits(mask=mx.array(causal)[None, None])).max().item() > 1e-3
+
+
+# ---------------------------------------------------------------------------------------------------- inkling
+# Exact in tests/models/test_vlm_families.py as built there (log_scaling_n_floor unset); a checkpoint that sets the
+# option is refused (`FamilySpec.refused_options`).
+
+
+def _inkling_with_log_scaling(tiny_vlm_dir, floor: int | None):
+    """The tiny Inkling build, its global layers' query scaling switched on from position `floor` (None: off)."""
+    import mlx_vlm
+
+    model, processor = mlx_vlm.load(str(tiny_vlm_dir("inkling")))
+    model.config.text_config.log_scaling_n_floor = floor
+    for layer in model.language_model.model.layers:
+        if not layer.self_attn.is_sliding:
+            layer.self_attn.log_floor = floor
+    return model, processor
+
+
+def test_inkling_with_log_scaling_is_refused_at_load(tiny_vlm_dir):
+    from scheduler.models.families import INKLING_LOG_SCALING
+
+    assert FAMILIES["inkling"].refused is None
+    assert FAMILIES["inkling"].refused_options == (("text_config.log_scaling_n_floor", INKLING_LOG_SCALING),)
+    Engine(*_inkling_with_log_scaling(tiny_vlm_dir, None)).close()
+    with pytest.raises(UnsupportedFamily, match="'inkling' with text_config.log_scaling_n_floor set cannot be "
+                                                "batched: mlx-vlm's Inkling attention scales"):
+        Engine(*_inkling_with_log_scaling(tiny_vlm_dir, 2))
+
+
+def test_inkling_log_scaling_reads_padded_positions(tiny_vlm_dir):
+    """Why log scaling is refused. mlx-vlm's Inkling attention takes each query's position for its scaling (tau, in
+    the global layers past log_scaling_n_floor) from the cache's key count, S - L, the same for every row of a
+    batch. Two prompts of 5 and 12 tokens, each prefilled alone, merged into the engine's left-padded batch and
+    decoded one token: without the scaling both rows get the logits they get alone; with it (floor 2) the longer
+    (unpadded) row still does, the shorter one other logits (the scaling of its position plus its 7 pads). If
+    mlx-vlm counts positions per row (its left_padding), this fails: lift the refusal."""
+    from caches import layers
+
+    rng = np.random.default_rng(0)
+    prompts = [mx.array([rng.integers(10, 500, n).tolist()]) for n in (5, 12)]
+    following = mx.array([[7], [9]])
+
+    def apart(floor):  # max |batched - alone| of each row's logits
+        lm = _inkling_with_log_scaling(tiny_vlm_dir, floor)[0].language_model
+        alone, caches = [], []
+        for i, ids in enumerate(prompts):  # as mlx_vlm.generate runs each: its own make_cache()
+            cache = lm.make_cache()
+            lm(ids, cache=cache)
+            caches.append(cache)
+            again = lm.make_cache()
+            lm(ids, cache=again)
+            alone.append(lm(following[i:i + 1], cache=again).logits[0, -1])
+        batched = lm(following, cache=layers.merge_caches(caches)).logits[:, -1]
+        return [mx.abs(batched[i] - alone[i]).max().item() for i in range(2)]
+
+    assert max(apart(None)) < 1e-5
+    short, longest = apart(2)
+    assert short > 1e-2 and longest < 1e-5, (short, longest)

@@ -114,6 +114,10 @@ FAMILY_CASES = {
     "molmo2": FamilyCase(_tiny("molmo2"), repeat_delay=56),
     # seed 0 with its build's eos gain of 1.5 (vlm_builds_japanese.py)
     "plamo2vl": FamilyCase(_tiny("plamo2vl")),
+    # seed 0 with its build's eos gain of 1.5 (vlm_builds_hybrid_caches.py): requests 3 and 7 stop on eos
+    "inkling": FamilyCase(_tiny("inkling")),
+    # Qwen3.5's build under IndicOCR's model_type (mlx-vlm loads it as qwen3_5)
+    "indic_ocr": FamilyCase(_tiny("indic_ocr"), ("image", "video")),
 }
 
 SCHEDULES = {
@@ -182,7 +186,7 @@ def solo(model, processor, messages, images, **generate_kwargs):
 # test_vlm_families_more.py (pytest-xdist gives each file one worker: split, the two halves run side by side).
 LATER_FAMILIES = ["kimi_vl", "ernie4_5_moe_vl", "mage_vl", "molmo", "minicpmv4_6", "glm4v_moe", "glm_ocr",
                   "paddleocr_vl", "dots_ocr", "granite4_vision", "step3p7", "moondream3", "qwen3_omni_moe",
-                  "kimi_k25", "plamo2vl"]
+                  "kimi_k25", "plamo2vl", "inkling", "indic_ocr"]
 FIRST_FAMILIES = [name for name in FAMILY_CASES if name not in LATER_FAMILIES]
 
 
@@ -320,6 +324,10 @@ KV_BITS_REFUSED = {
     # mlx-vlm's PLaMo 2 attention calls mx.fast.scaled_dot_product_attention itself, which takes no quantized
     # cache's tuples (its head_dim is 32 here, so this, not the group size, is what refuses)
     "plamo2vl": "scaled_dot_product_attention",
+    # every layer a CacheList, which mlx-vlm's generate does not quantize (kv_bits=4 left its greedy output the float
+    # one): the engine refuses kv_bits for a cache no layer of which quantizes
+    "inkling": "no layer of this model's cache can be quantized",
+    "indic_ocr": "attends the left pads",  # as qwen3_5, whose row mlx-vlm's indic_ocr model is batched by
 }
 KV_SETTINGS = [(4, 0), (8, 24)]  # (kv_bits, quantized_kv_start): from the first token, or from inside the prompts
 
@@ -800,13 +808,13 @@ def test_family_prompt_logprobs_equal_mlx_vlms_own_prefill(family):
         assert out.token_ids == references[i], f"{name}: request {i}"
 
 
-@pytest.mark.parametrize("name", ["gemma3", "qwen3_5", "minicpmv4_6", "step3p7", "plamo2vl"])
+@pytest.mark.parametrize("name", ["gemma3", "qwen3_5", "minicpmv4_6", "step3p7", "plamo2vl", "inkling"])
 def test_windows_and_recurrent_state_share_padded_chunks(name, tmp_path):
-    """Gemma 3's and Step 3.7's sliding windows and Qwen3.5's recurrent layers (MiniCPM-V 4.6's language model too)
-    skip the right pads of a shared forward (their language models honor the lengths a prepared batch cache
-    carries: `FamilySpec.honors_lengths`), so they share prefill forwards as plain KV does (`PrefillSharing.ANY`):
-    three chats of different lengths arriving together, in chunks of 9, share forwards, first and later ones,
-    padded where their last chunks differ, and each answer equals mlx_vlm alone."""
+    """Gemma 3's and Step 3.7's sliding windows, Qwen3.5's recurrent layers (MiniCPM-V 4.6's language model too) and
+    Inkling's short convolutions skip the right pads of a shared forward (their language models honor the lengths a
+    prepared batch cache carries: `FamilySpec.honors_lengths`), so they share prefill forwards as plain KV does
+    (`PrefillSharing.ANY`): three chats of different lengths arriving together, in chunks of 9, share forwards, first
+    and later ones, padded where their last chunks differ, and each answer equals mlx_vlm alone."""
     import mlx_vlm
 
     from caches.layers import PrefillSharing
@@ -834,7 +842,7 @@ def test_windows_and_recurrent_state_share_padded_chunks(name, tmp_path):
         engine.close()
 
 
-@pytest.mark.parametrize("name", ["gemma3", "qwen3_5", "qwen3_vl", "minicpmv4_6", "step3p7", "plamo2vl"])
+@pytest.mark.parametrize("name", ["gemma3", "qwen3_5", "qwen3_vl", "minicpmv4_6", "step3p7", "plamo2vl", "inkling"])
 def test_a_padded_shared_forward_leaves_each_row_what_its_own_forward_would(name, tmp_path):
     """Under the greedy-token tests above, the state check (a tiny model's greedy tokens can survive a wrong
     state: they did while mlx-vlm's Qwen3.5 took right pads into its delta-rule state, `caches.layers.
@@ -842,7 +850,8 @@ def test_a_padded_shared_forward_leaves_each_row_what_its_own_forward_would(name
     chunk of an image prompt on a cache of 7 tokens, right-padded to the widest; each row's logits are its own
     forward's, and its cache continues as its own does (the next 2 positions fed alone on both), to float
     rounding. Gemma 3 and Step 3.7 past their sliding windows, Qwen3.5's recurrent layers (and MiniCPM-V 4.6's,
-    the same language model with its slices merged inside the tower), Qwen3-VL's deepstack rows."""
+    the same language model with its slices merged inside the tower), Qwen3-VL's deepstack rows, Inkling's short
+    convolutions."""
     import mlx_vlm
 
     from scheduler.models.adapter import VLMAdapter
