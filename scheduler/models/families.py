@@ -371,11 +371,13 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
     # batch cache's lengths and left padding (mlx-lm's padded-batch contract); no rotary: a learned relative-position
     # bias in the mask, from each key's distance. pixel_values (patches, 2, 40, 40, 3), every image's 40 px patches
     # concatenated with no per-image count (the processor drops num_patches): keyed whole, and the patchifier (no
-    # attention) takes any requests' patches stacked in one call
-    FamilySpec("inkling", honors_lengths=True,
+    # attention) takes any requests' patches stacked in one call. Audio: audio_input_ids (clips, frames, 80 mel bins
+    # quantized) with their frame mask, through the dMel front end (audio_tower), keyed whole with the request
+    FamilySpec("inkling", media=frozenset({"image", "audio"}), honors_lengths=True,
                refused_options=(("text_config.log_scaling_n_floor", INKLING_LOG_SCALING),),
                notes="Inkling: short convolutions on keys, values and residual branches; sliding-window and global "
-               "attention with a relative-position bias; mixture of experts; an HMLP patchifier"),
+               "attention with a relative-position bias; mixture of experts; an HMLP patchifier, a dMel audio "
+               "front end"),
     # mlx-vlm's indic_ocr Model is Qwen3.5's with its config's model_type set to qwen3_5: a loaded checkpoint is
     # batched by qwen3_5's row (this one, its copy, names the type for the table)
     FamilySpec("indic_ocr", Positions.MROPE, _QWEN_MEDIA, video_block_per_frame=True, vision_batch=_ONE,

@@ -4,8 +4,9 @@ language model with an encoder-free audio path). Each loads and generates throug
 the VLMAdapter, solo and batched with text requests (sliding-window caches wrapping), gives exactly the
 tokens of mlx_vlm.stream_generate run alone; a repeated clip hits the encoder cache; bad audio fails with
 MediaError naming the clip. Gemma 3n is refused at load (the test after Gemma's says why). Last, Qwen3-Omni's
-thinker (`qwen3_omni_moe`, a Whisper-style audio tower beside its vision tower): audio, image and text requests
-batched in four schedules equal mlx_vlm alone (its image and video requests: tests/models/test_vlm_families.py)."""
+thinker (`qwen3_omni_moe`, a Whisper-style audio tower beside its vision tower) and Inkling (a dMel audio front end
+beside its patchifier): audio, image and text requests batched in four schedules equal mlx_vlm alone (their image
+and video requests: tests/models/test_vlm_families.py)."""
 
 import os
 
@@ -616,19 +617,13 @@ OMNI_SCHEDULES = {
 }
 
 
-@pytest.fixture(scope="module")
-def omni(tmp_path_factory):
-    """The tiny Qwen3-Omni thinker (scheduler/fixtures/vlm_builds_successors.py), its requests (audio clips, an
-    image, both in one request, two clips in one, text only, the first request again) as chat messages with their
-    media, and each one's greedy tokens from mlx_vlm.stream_generate alone."""
+def _mixed_requests(model, processor, root):
+    """Requests (audio clips, an image, both in one request, two clips in one, text only, the first request again)
+    as chat messages with their media, and each one's greedy tokens from mlx_vlm.stream_generate alone."""
     import mlx_vlm
     from mlx_vlm.prompt_utils import apply_chat_template
     from PIL import Image
 
-    from scheduler.fixtures.vlm_families import build_tiny_vlm
-
-    root = tmp_path_factory.mktemp("tiny-qwen3_omni_moe")
-    model, processor = mlx_vlm.load(str(build_tiny_vlm("qwen3_omni_moe", root / "model")))
     a, b = write_wav(root / "a.wav", tone(1.0, 0)), write_wav(root / "b.wav", tone(2.3, 1))
     image = Image.fromarray(np.random.default_rng(4).integers(0, 256, (84, 56, 3), dtype=np.uint8))
     specs = [([a], [], "What do you hear?"), ([b], [], "Describe the sound, please."), ([a, b], [], "Compare them."),
@@ -647,7 +642,26 @@ def omni(tmp_path_factory):
             pass
         requests.append({"prompt": messages, "images": images or None, "audio": clips_in or None})
         references.append(list(last.token_ids))
-    return model, processor, requests, references
+    return requests, references
+
+
+def _tiny_mixed(family, tmp_path_factory):
+    """The tiny `family` build (scheduler/fixtures/vlm_families.py), its requests and their references."""
+    import mlx_vlm
+
+    from scheduler.fixtures.vlm_families import build_tiny_vlm
+
+    root = tmp_path_factory.mktemp(f"tiny-{family}")
+    model, processor = mlx_vlm.load(str(build_tiny_vlm(family, root / "model")))
+    return (model, processor, *_mixed_requests(model, processor, root))
+
+
+@pytest.fixture(scope="module")
+def omni(tmp_path_factory):
+    """The tiny Qwen3-Omni thinker (scheduler/fixtures/vlm_builds_successors.py), its requests (audio clips, an
+    image, both in one request, two clips in one, text only, the first request again) as chat messages with their
+    media, and each one's greedy tokens from mlx_vlm.stream_generate alone."""
+    return _tiny_mixed("qwen3_omni_moe", tmp_path_factory)
 
 
 def test_omni_audio_reaches_the_language_model(omni):
@@ -670,11 +684,14 @@ def test_omni_engine_audio_images_and_text_match_solo(omni, schedule):
     """Qwen3-Omni's thinker batched: audio requests (one clip, two, a clip beside an image), an image request and a
     text request, in each schedule, give each request the tokens of mlx_vlm.stream_generate alone; the repeated
     clip is a vision-cache hit, a KV budget preempts an audio request, and drafts are verified on audio rows."""
+    _mixed_schedule_matches_solo(*omni, schedule)
+
+
+def _mixed_schedule_matches_solo(model, processor, requests, references, schedule):
     from scheduler.events import MemorySink
 
     from ..helpers import OracleDrafter, drive
 
-    model, processor, requests, references = omni
     stagger, config = OMNI_SCHEDULES[schedule]
     config = dict(config, prefix_cache_bytes=8 << 20, prefix_block_size=8, check_invariants=True)
     if schedule == "kv-budget":
@@ -723,12 +740,51 @@ def test_omni_audio_requests_are_quiet(omni, capfd, caplog, recwarn):
     recommended to pass the `sampling_rate` argument" for every clip, which mlx-vlm cannot pass to its processor
     (mlx_vlm.stream_generate logs it); the engine filters that message for its processor call (the clips are
     resampled to the extractor's rate), and the tokens are mlx-vlm's."""
+    _mixed_audio_requests_are_quiet(*omni, capfd, caplog, recwarn)
+
+
+def _mixed_audio_requests_are_quiet(model, processor, requests, references, capfd, caplog, recwarn):
+    """A clip, two clips, a clip beside an image: quiet, and mlx-vlm's tokens."""
     from ..helpers import drive
 
-    model, processor, requests, references = omni
     engine = Engine(model, processor, EngineConfig(check_invariants=True))
     sampling = SamplingParams(max_tokens=MAX_TOKENS)
     runs = []
     assert_quiet(capfd, caplog, recwarn, lambda: runs.append(drive(engine, [(0, dict(requests[i], sampling=sampling))
                                                                             for i in (0, 2, 4)])))
     assert list(runs[0].tokens.values()) == [references[i] for i in (0, 2, 4)]
+
+
+# ------------------------------------------------------------------ inkling: dMel audio beside images and text
+
+
+@pytest.fixture(scope="module")
+def inkling(tmp_path_factory):
+    """The tiny Inkling (scheduler/fixtures/vlm_builds_hybrid_caches.py: short-convolution states next to KV, a dMel
+    audio front end), the requests above and their references."""
+    return _tiny_mixed("inkling", tmp_path_factory)
+
+
+def test_inkling_audio_reaches_the_language_model(inkling):
+    """The requests' answers differ, and a clip's tokens are what the processor expands its one placeholder into:
+    one per 50 ms frame (the feature extractor's hop), 20 for 1 s and 46 for 2.3 s."""
+    model, processor, requests, references = inkling
+    assert len({tuple(r) for r in references[:6]}) == 6 and references[6] == references[0]
+    adapter = VLMAdapter(model, processor)
+    assert adapter.sample_rate == RATE and adapter.spec.audio_encoder == "audio_tower"
+    one, two = (adapter.prepare(requests[i]["prompt"], audio=requests[i]["audio"]) for i in (0, 2))
+    assert one.num_audio == 1 and one.input_ids.count(model.config.audio_token_id) == one.num_media_tokens == 20
+    assert two.num_audio == 2 and two.num_media_tokens == 20 + 46
+
+
+@pytest.mark.parametrize("schedule", list(OMNI_SCHEDULES))
+def test_inkling_engine_audio_images_and_text_match_solo(inkling, schedule):
+    """Inkling batched as Qwen3-Omni above: each request's tokens are mlx_vlm.stream_generate's alone, in each
+    schedule (the clips' dMel ids and frame masks through the audio front end, the convolution states honoring
+    the batch's pads)."""
+    _mixed_schedule_matches_solo(*inkling, schedule)
+
+
+def test_inkling_audio_requests_are_quiet(inkling, capfd, caplog, recwarn):
+    """Inkling's audio requests print, log and warn nothing either."""
+    _mixed_audio_requests_are_quiet(*inkling, capfd, caplog, recwarn)

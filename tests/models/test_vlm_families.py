@@ -114,8 +114,9 @@ FAMILY_CASES = {
     "molmo2": FamilyCase(_tiny("molmo2"), repeat_delay=56),
     # seed 0 with its build's eos gain of 1.5 (vlm_builds_japanese.py)
     "plamo2vl": FamilyCase(_tiny("plamo2vl")),
-    # seed 0 with its build's eos gain of 1.5 (vlm_builds_hybrid_caches.py): requests 3 and 7 stop on eos
-    "inkling": FamilyCase(_tiny("inkling")),
+    # seed 0 with its build's eos gain of 1.5 (vlm_builds_hybrid_caches.py): requests 3 and 7 stop on eos. Audio too
+    # (the build's media): its audio requests are tested in tests/models/test_audio.py
+    "inkling": FamilyCase(_tiny("inkling"), ("image", "audio")),
     # Qwen3.5's build under IndicOCR's model_type (mlx-vlm loads it as qwen3_5)
     "indic_ocr": FamilyCase(_tiny("indic_ocr"), ("image", "video")),
 }
