@@ -362,7 +362,7 @@ def processor_settings(component: Any) -> list:
 def media_token_ids(model: Any, processor: Any, media_token: str | None = None) -> frozenset[int]:
     """Every placeholder id the family's config names (image, video, audio tokens), and the token that
     ``media_token`` (``FamilySpec.media_token``) names: a config attribute holding its id, or a processor attribute
-    holding its id or its text."""
+    (a dotted path into its parts) holding its id or its text."""
     ids: set[int] = set()
     # the language model's config too: Qwen3-Omni's top-level config nests the media token ids in its thinker's
     # config, the one its language model (and its get_rope_index) reads
@@ -377,8 +377,10 @@ def media_token_ids(model: Any, processor: Any, media_token: str | None = None) 
     if isinstance(value, int):
         ids.add(value)
     if media_token:
-        token = next((v for v in (getattr(model.config, media_token, None), getattr(processor, media_token, None))
-                      if isinstance(v, (int, str))), None)
+        held = processor
+        for name in media_token.split("."):  # a dotted path reaches a processor's part (image_processor.unk)
+            held = getattr(held, name, None)
+        token = next((v for v in (getattr(model.config, media_token, None), held) if isinstance(v, (int, str))), None)
         if isinstance(token, str):
             tokenizer = getattr(processor, "tokenizer", processor)
             value = tokenizer.convert_tokens_to_ids(token)
