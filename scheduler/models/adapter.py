@@ -479,7 +479,8 @@ class VLMAdapter:
         prompts = {i: self._prompt(*items[i]) for i, outcome in enumerate(outcomes)
                    if outcome is None or isinstance(outcome, _Media)}
         text_path = [i for i in prompts if outcomes[i] is None or outcomes[i].embeds is None]
-        texts = dict(zip(text_path, self._text_inputs([prompts[i] for i in text_path])))
+        texts = dict(zip(text_path, self._text_inputs([self._text_prompt(items[i][0], *prompts[i])
+                                                        for i in text_path])))
         for i, (ids, mask) in prompts.items():
             text = texts.get(i)
             if isinstance(text, Exception):
@@ -494,6 +495,15 @@ class VLMAdapter:
     def _prompt(self, prepared: PreparedRequest, extra_tokens: Sequence[int]) -> tuple[mx.array, mx.array]:
         ids = self._ids(prepared, extra_tokens)
         return ids, self._mask(prepared, ids)
+
+    def _text_prompt(self, prepared: PreparedRequest, ids: mx.array, mask: mx.array) -> tuple[mx.array, mx.array]:
+        """What the text path embeds for a request: its prompt, with its media tokens replaced by a non-media one
+        where the family declares ``media_free_text_path`` (its rows overwrite those positions after)."""
+        if not self.spec.media_free_text_path or not prepared.media_positions:
+            return ids, mask
+        ids = mx.array(ids)
+        ids[0, mx.array(prepared.media_positions)] = self._separator
+        return ids, mask
 
     def _text_inputs(self, prompts: Sequence[tuple[mx.array, mx.array]]
                      ) -> list[tuple[mx.array, dict[str, mx.array]] | Exception]:
@@ -685,8 +695,7 @@ class VLMAdapter:
                 row_inputs = media.row_inputs
         if media is not None and media.rows.shape[0] != len(media_positions):
             raise ValueError(f"the encoders gave {media.rows.shape[0]} rows for {len(media_positions)} media tokens")
-        grids = {k: v for k, v in prepared.media_inputs.items() if k.endswith("_grid_thw")}
-        positions, delta = self.positions.prompt(self.model, ids, grids, mask)
+        positions, delta = self.positions.prompt(self.model, ids, prepared.media_inputs, mask)
         media_mask = None
         media_rows: dict[str, Any] = {}
         if spec.media_mask_input and len(media_positions):

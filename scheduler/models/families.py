@@ -11,6 +11,13 @@ between families is declared here, and nothing else:
                    every axis counting tokens).
 ``positions_last`` M-RoPE: the language model takes its ``position_ids`` as (B, L, 3), the axes last (ERNIE 4.5
                    VL), where the Qwen families take (3, B, L); the adapter keeps (3, B, L) and transposes at the call.
+``canvas_positions`` M-RoPE: the prompt's positions are MiniCPM-V 4.7's canvas layout (mlx-vlm's ``CanvasRoPE``,
+                   ``positions.canvas_index``): each image's thumbnail and slices laid on one 2-D canvas from the
+                   crop grids (the processor's ``tgt_sizes``), not Qwen2-VL's grid blocks; decode as any M-RoPE row.
+``media_free_text_path`` the text path (a request whose media rows come from the vision cache or from another
+                   request of the tick) embeds the prompt with its media tokens replaced by a non-media token, the
+                   rows overwriting those positions after: MiniCPM-V 4.7's get_input_embeddings raises on runs of
+                   image tokens without their crop grids.
 ``video_block_per_frame``  M-RoPE: a video's frame groups are each their own vision block, temporal position 0
                    (Qwen3-VL, Qwen3.5), where Qwen2/2.5-VL give a video one block along the temporal axis.
 ``media``          the media kinds the family's processor and embedding merge take.
@@ -140,6 +147,8 @@ class FamilySpec:
     images_per_request: int | None = None
     video_block_per_frame: bool = False
     positions_last: bool = False  # M-RoPE positions given to the language model as (B, L, 3)
+    canvas_positions: bool = False  # M-RoPE positions laid on MiniCPM-V 4.7's canvas (positions.canvas_index)
+    media_free_text_path: bool = False  # the text path embeds the prompt with its media tokens replaced
     vision_batch: VisionBatch = VisionBatch.EQUAL_SHAPE
     media_axis: int = 0
     item_split: ItemSplit = ItemSplit.WHOLE

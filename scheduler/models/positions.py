@@ -10,6 +10,8 @@
                    the model instance. We pass explicit positions on every call instead, so that state
                    (``_position_ids`` / ``_rope_deltas``, one per model, not per row) is never read or written
                    and rows with different deltas batch correctly.
+                   MiniCPM-V 4.7 (``FamilySpec.canvas_positions``): the prompt's positions from mlx-vlm's own
+                   ``CanvasRoPE`` (``canvas_index``), each image's thumbnail and slices on one 2-D canvas.
 
 Per-row position state lives in the executor (one delta per row), never on the model object.
 
@@ -121,13 +123,43 @@ def mrope_index(tokens: np.ndarray, mask: np.ndarray, layout: MRopeLayout | None
     return positions, (int(compact.max()) + 1 - len(kept)) if compact.size else 0
 
 
+def canvas_index(model: Any, tokens: np.ndarray, mask: np.ndarray, crop_grids: Any) -> tuple[np.ndarray, int]:
+    """(3, L) positions and the rope delta of one prompt laid out as MiniCPM-V 4.7 lays it (``mrope_mode``
+    "canvas"): each image's thumbnail and slices on one 2-D canvas, its markers at the canvas' edges, the text after
+    it from the canvas' origin + max(height, width) + 1. This is mlx-vlm's own ``CanvasRoPE`` (numpy already), fed
+    as its ``get_input_embeddings`` feeds it: the crop grids (the processor's ``tgt_sizes``, one (rows, cols) of
+    patches per run of image or video tokens, in prompt order) split by the run's kind; the delta counts the whole
+    row, as there."""
+    from mlx_vlm.models.minicpmv4_7.rope import CanvasRoPE
+
+    config = model.config
+    tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+    kinds = np.where(tokens == config.image_token_id, 1, np.where(tokens == config.video_token_id, 2, 0))
+    starts = np.flatnonzero((kinds != 0) & (np.concatenate(([0], kinds[:-1])) != kinds))
+    grids = np.asarray(crop_grids[0] if isinstance(crop_grids, (list, tuple)) else crop_grids).reshape(-1, 2) \
+        if crop_grids is not None else np.zeros((0, 2), dtype=np.int64)
+    if len(grids) != len(starts):
+        raise ValueError(f"{len(grids)} crop grids for {len(starts)} runs of media tokens")
+    sizes = {kind: np.asarray([g for g, s in zip(grids, starts) if kinds[s] == kind]).reshape(-1, 2) for kind in (1, 2)}
+    positions, _ = CanvasRoPE(config).get_rope_index(tokens[None], mm_token_type_ids=kinds[None],
+                                                     target_sizes=sizes[1], target_sizes_videos=sizes[2],
+                                                     downsample_mode=config.downsample_mode,
+                                                     attention_mask=np.asarray(mask).reshape(1, -1))
+    positions = positions[:, 0].astype(np.int64)
+    return positions, int(positions.max()) + 1 - len(tokens) if len(tokens) else 0
+
+
 class MRopePositions:
-    def __init__(self, video_block_per_frame: bool):
+    def __init__(self, video_block_per_frame: bool, canvas: bool = False):
         self.video_block_per_frame = video_block_per_frame
+        self.canvas = canvas
 
     def prompt(self, model: Any, ids: mx.array, media_inputs: dict, mask: mx.array | None) -> tuple[mx.array, int]:
         tokens = np.array(ids).reshape(-1)
         keep = np.ones_like(tokens) if mask is None else np.array(mask).reshape(-1)
+        if self.canvas:
+            positions, delta = canvas_index(model, tokens, keep, media_inputs.get("tgt_sizes"))
+            return mx.array(positions.astype(np.int32))[:, None, :], delta
         grids = [media_inputs.get(name) for name in ("image_grid_thw", "video_grid_thw")]
         # the media token ids matter only with grids: a prompt without them (text, or a family whose media take
         # plain positions, MiniCPM-V 4.6) counts its tokens, and its config need not name them
@@ -157,5 +189,5 @@ class MRopePositions:
 def for_family(spec: FamilySpec) -> RopePositions | MRopePositions:
     """The positions strategy a family declares."""
     if spec.positions is Positions.MROPE:
-        return MRopePositions(video_block_per_frame=spec.video_block_per_frame)
+        return MRopePositions(video_block_per_frame=spec.video_block_per_frame, canvas=spec.canvas_positions)
     return RopePositions()
