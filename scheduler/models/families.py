@@ -7,8 +7,8 @@ between families is declared here, and nothing else:
 ``positions``      how the language model places tokens: ``ROPE`` (plain 1-D RoPE from each cache row's offset:
                    most families) or ``MROPE`` (Qwen2/2.5/3-VL and their MoE variants, Qwen3.5 and IndicOCR's OCR
                    stage, Qwen3-Omni, the GLM-4V family, ERNIE 4.5 VL: 3-D positions from the image / video grids,
-                   a per-request rope delta; see ``positions.py``; MiniCPM-V 4.6: Qwen3.5's M-RoPE with no grids,
-                   every axis counting tokens).
+                   a per-request rope delta; see ``positions.py``; MiniCPM-V 4.6 and MiniCPM-o: M-RoPE with no grids,
+                   every axis counting tokens; MiniCPM-V 4.7: canvas positions, ``canvas_positions``).
 ``positions_last`` M-RoPE: the language model takes its ``position_ids`` as (B, L, 3), the axes last (ERNIE 4.5
                    VL), where the Qwen families take (3, B, L); the adapter keeps (3, B, L) and transposes at the call.
 ``canvas_positions`` M-RoPE: the prompt's positions are MiniCPM-V 4.7's canvas layout (mlx-vlm's ``CanvasRoPE``,
@@ -62,9 +62,9 @@ between families is declared here, and nothing else:
 ``honors_lengths`` whether the language model keeps right pads out of its sliding windows and recurrent state when
                    its batch cache is prepared with each row's length (mlx-lm's padded-batch contract; as
                    ``scheduler.families.Family.honors_lengths``): then its windows and recurrent layers share
-                   prefill forwards of chunks of any lengths. gemma3, qwen3_5, minicpmv4_6, step3p7, plamo2vl,
-                   inkling and indic_ocr (shown by tests/models/test_vlm_families.py), gemma4 and gemma4_unified
-                   (tests/models/test_audio.py); plain-KV families do not need it.
+                   prefill forwards of chunks of any lengths. gemma3, qwen3_5, minicpmv4_6, minicpmv4_7, step3p7,
+                   plamo2vl, inkling and indic_ocr (shown by tests/models/test_vlm_families.py), gemma4 and
+                   gemma4_unified (tests/models/test_audio.py); plain-KV families do not need it.
 ``item_split``     how the media tensors split into items, each keyed and encoded on its own (``ItemSplit``,
                    ``media_items.py``): a chat turn that adds an image then restores the turns before it from the prefix
                    cache, images included, and encodes only the new image. ``GRID`` for the towers fed flattened patches
@@ -73,11 +73,12 @@ between families is declared here, and nothing else:
                    and encoded as one unit) where no split is exact or possible: gemma3 (see its note: an image's rows
                    depend, by a few 1e-7 under OpenBLAS, on the images stacked with it, and the tiny gemma3's greedy
                    tokens follow them), media inputs holding Python values or absolute prompt positions (kimi_vl,
-                   kimi_k25, molmo, minicpmv4_6, moondream3) or pooling indices into all of a request's crops (molmo2),
-                   a tower that does not keep a call's images apart (ernie4_5_moe_vl), patches of all of a request's
-                   images concatenated with no count per image (inkling), views padded to the most of any image of
-                   the request (llava_onevision), an image's tiles counted against the tokens of the prompt's other
-                   images (plamo2vl), the audio families (and a Qwen3-Omni request with audio).
+                   kimi_k25, molmo, minicpmv4_6, minicpmv4_7, minicpmo, moondream3) or pooling indices into all of a
+                   request's crops (molmo2), a tower that does not keep a call's images apart (ernie4_5_moe_vl),
+                   patches of all of a request's images concatenated with no count per image (inkling), views padded
+                   to the most of any image of the request (llava_onevision), an image's tiles counted against the
+                   tokens of the prompt's other images (plamo2vl), the audio families (and a Qwen3-Omni request with
+                   audio).
                    Each row's comment says why.
 ``vision_batch`` / ``media_axis``  how the media of several requests go through the encoders in one call
                    (``VisionBatch``) and the axis of the media tensors that counts images (their other axes
@@ -392,6 +393,26 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
     FamilySpec("indic_ocr", Positions.MROPE, _QWEN_MEDIA, video_block_per_frame=True, vision_batch=_ONE,
                item_split=_GRID, honors_lengths=True, kv_bits_refused=QWEN3_5_QUANTIZED_PADS,
                notes="IndicOCR's OCR stage: Qwen3.5 (gated-delta layers next to full attention)"),
+    # the prompt holds <image> per image (tokenizer.im_start names it), which the processor expands to <image>, a run
+    # of the literal <unk> text (image_processor.unk: the rows' positions) and </image>; mlx-vlm's Qwen3-VL language
+    # model with M-RoPE positions that count tokens (get_input_embeddings stores arange positions on the instance:
+    # MROPE passes them explicitly, delta 0). pixel_values is a per-prompt list of images of differing sizes and
+    # image_bound holds absolute prompt positions: one encoder call per request, keyed whole
+    FamilySpec("minicpmo", Positions.MROPE, placeholder="im_start", media_token="image_processor.unk",
+               vision_batch=VisionBatch.PER_REQUEST,
+               notes="MiniCPM-o: Qwen3-VL text (M-RoPE counting tokens); SigLIP tower and a learned-query resampler, "
+               "images only (its Whisper audio tower and speech decoder not built)"),
+    # MiniCPM-V 4.6's tower, processor and prompt (as minicpmv4_6's row), on the Qwen3.5 language models (dense or
+    # mixture of experts), with canvas M-RoPE: mlx-vlm's CanvasRoPE over the crop grids (tgt_sizes) lays each
+    # image's thumbnail and slices on one 2-D canvas. The processor also returns downsample_mode (a string; the
+    # config's value, which get_input_embeddings reads when it is absent) and mm_token_type_ids (recomputed from
+    # the ids there): dropped. Its get_input_embeddings raises on runs of image tokens without their crop grids,
+    # so the text path embeds the prompt without them (media_free_text_path)
+    FamilySpec("minicpmv4_7", Positions.MROPE, placeholder="im_start", canvas_positions=True,
+               media_free_text_path=True, dropped_inputs=("downsample_mode", "mm_token_type_ids"),
+               vision_batch=VisionBatch.PER_REQUEST, honors_lengths=True, kv_bits_refused=QWEN3_5_QUANTIZED_PADS,
+               notes="MiniCPM-V 4.7: hybrid Qwen3.5 text (gated-delta and full attention, optionally mixture of "
+               "experts); SigLIP slices merged inside the tower; canvas M-RoPE"),
     FamilySpec("gemma3n", media=frozenset({"audio"}), refused="mlx-vlm's get_input_embeddings embeds a prompt's text "
                "tokens without the sqrt(hidden_size) scale its language model applies to the token ids it is fed, so "
                "a token the scheduler feeds as an id (the last prompt token as the first decode input, a preempted "

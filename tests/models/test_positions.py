@@ -17,7 +17,12 @@ from scheduler.models.positions import MRopeLayout, for_family, mrope_index
 MROPE_FAMILIES = sorted(name for name, spec in FAMILIES.items() if spec.positions is Positions.MROPE)
 # M-RoPE families whose media take no grids: MiniCPM-V 4.6's positions count every token (all three axes equal,
 # images included; its get_rope_index refuses grids), which mrope_index's text-only branch computes
-GRIDLESS = {"minicpmv4_6"}
+GRIDLESS = {"minicpmv4_6", "minicpmo", "minicpmv4_7"}
+# M-RoPE families whose prompt positions mlx-vlm's generate takes from get_input_embeddings, not from the language
+# model's get_rope_index: MiniCPM-o's stores token counting on the instance (its Qwen3-VL language model's
+# get_rope_index reads image token ids its config does not have), MiniCPM-V 4.7's returns its canvas positions (its
+# get_rope_index refuses image tokens). Their processor prompts are compared with what get_input_embeddings gives
+EMBEDDING_POSITIONS = {"minicpmo", "minicpmv4_7"}
 
 # Families whose get_rope_index places the masked (left-padding) columns of a prompt otherwise than Qwen2-VL's, which
 # mrope_index follows: there only the unmasked columns (and the delta) are compared. GLM-OCR's leaves them at 0
@@ -34,9 +39,9 @@ PADDED_TEXT_DELTA_DIFFERS = {"qwen3_omni_moe"}
 
 
 def test_the_families_under_test_are_the_mrope_ones():
-    assert MROPE_FAMILIES == ["ernie4_5_moe_vl", "glm4v", "glm4v_moe", "glm_ocr", "indic_ocr", "minicpmv4_6",
-                              "paddleocr_vl", "qwen2_5_vl", "qwen2_vl", "qwen3_5", "qwen3_5_moe", "qwen3_omni_moe",
-                              "qwen3_vl", "qwen3_vl_moe"]
+    assert MROPE_FAMILIES == ["ernie4_5_moe_vl", "glm4v", "glm4v_moe", "glm_ocr", "indic_ocr", "minicpmo",
+                              "minicpmv4_6", "minicpmv4_7", "paddleocr_vl", "qwen2_5_vl", "qwen2_vl", "qwen3_5",
+                              "qwen3_5_moe", "qwen3_omni_moe", "qwen3_vl", "qwen3_vl_moe"]
 
 
 # ERNIE 4.5 VL's get_rope_index reads no attention mask (left pads take positions as tokens do): its prompts are
@@ -95,6 +100,8 @@ def _synthetic(rng: np.random.Generator, layout: MRopeLayout, per_frame: bool, k
 
 def test_synthetic_prompts_match_get_rope_index(loaded):
     name, model, _ = loaded
+    if name == "minicpmo":  # mlx-vlm places its prompts without its language model's rope index (see above)
+        return
     if name in GRIDLESS:  # no vision blocks to place: its rope index takes no grids at all
         with pytest.raises(ValueError, match="does not support"):
             model.language_model.get_rope_index(mx.array([[20, 21, 22, 23]]), mx.array([[1, 2, 2]]))
@@ -130,6 +137,12 @@ def test_text_only_prompts_match_get_rope_index(loaded, pad):
     name, model, _ = loaded
     ids = np.arange(20, 40, dtype=np.int64)
     mask = (np.arange(20) >= pad).astype(np.int64)
+    if name == "minicpmo":  # its get_input_embeddings counts every column (it reads no mask): the engine never pads
+        got = mrope_index(ids, np.ones(20, dtype=np.int64), None, None, None)
+        want = _embedded(model, ids, {})
+        np.testing.assert_array_equal(got[0], want[0])
+        assert got[1] == want[1] == 0
+        return
     if pad and name in MASK_IGNORED:  # the fact that keeps its padded prompts out of this file
         unmasked = _theirs(model, ids, None, None, None)
         np.testing.assert_array_equal(_theirs(model, ids, mask, None, None)[0], unmasked[0])
@@ -148,6 +161,23 @@ def test_text_only_prompts_match_get_rope_index(loaded, pad):
 
 def _image(seed: int, size: tuple[int, int]) -> Image.Image:
     return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (*size[::-1], 3), dtype=np.uint8))
+
+
+def _embedded(model, ids: np.ndarray, media_inputs: dict) -> tuple[np.ndarray, int]:
+    """The positions and delta that get_input_embeddings gives a prompt (returned, or stored on the language model
+    instance, which is put back as it was)."""
+    inputs = dict(media_inputs)
+    lm = model.language_model
+    kept = {name: getattr(lm, name, None) for name in ("_position_ids", "_rope_deltas")}
+    try:
+        out = model.get_input_embeddings(mx.array(ids[None]), inputs.pop("pixel_values", None), **inputs)
+        positions = getattr(out, "position_ids", None)
+        deltas = getattr(out, "rope_deltas", None)
+        positions, deltas = (lm._position_ids, lm._rope_deltas) if positions is None else (positions, deltas)
+    finally:
+        for name, value in kept.items():
+            setattr(lm, name, value)
+    return np.array(positions)[:, 0, :], int(np.array(deltas).reshape(-1)[0])
 
 
 def test_processor_prompts_match_get_rope_index(loaded):
@@ -180,8 +210,9 @@ def test_processor_prompts_match_get_rope_index(loaded):
         ids = np.array(prepared.input_ids, dtype=np.int64)
         mask = None if prepared.mask is None else np.array(prepared.mask).reshape(-1)
         grids = {k: prepared.media_inputs.get(k) for k in ("image_grid_thw", "video_grid_thw")}
-        want = _theirs(model, ids, mask, *(None if g is None else np.array(g) for g in grids.values()))
-        got_positions, got_delta = strategy.prompt(model, mx.array(ids[None]), grids,
+        want = _embedded(model, ids, prepared.media_inputs) if name in EMBEDDING_POSITIONS else \
+            _theirs(model, ids, mask, *(None if g is None else np.array(g) for g in grids.values()))
+        got_positions, got_delta = strategy.prompt(model, mx.array(ids[None]), prepared.media_inputs,
                                                    None if mask is None else mx.array(mask[None]))
         assert got_positions.shape == (3, 1, len(ids)) and got_positions.dtype == mx.int32
         np.testing.assert_array_equal(np.array(got_positions)[:, 0, :], want[0], err_msg=f"{name}: {messages}")

@@ -119,6 +119,11 @@ FAMILY_CASES = {
     "inkling": FamilyCase(_tiny("inkling"), ("image", "audio")),
     # Qwen3.5's build under IndicOCR's model_type (mlx-vlm loads it as qwen3_5)
     "indic_ocr": FamilyCase(_tiny("indic_ocr"), ("image", "video")),
+    # seed 2 with its build's eos gain of 1.2 (vlm_builds_minicpm.py): 8 distinct outputs of the 9 (the first
+    # request's repeat is the one alike), two ending on eos; seeds 0 and 1 gave two requests of other prompts alike
+    "minicpmo": FamilyCase(_tiny("minicpmo", seed=2)),
+    # seed 0 with its build's eos gain of 1.5 (vlm_builds_minicpm.py): three requests end on eos, none at once
+    "minicpmv4_7": FamilyCase(_tiny("minicpmv4_7")),
 }
 
 SCHEDULES = {
@@ -187,7 +192,7 @@ def solo(model, processor, messages, images, **generate_kwargs):
 # test_vlm_families_more.py (pytest-xdist gives each file one worker: split, the two halves run side by side).
 LATER_FAMILIES = ["kimi_vl", "ernie4_5_moe_vl", "mage_vl", "molmo", "minicpmv4_6", "glm4v_moe", "glm_ocr",
                   "paddleocr_vl", "dots_ocr", "granite4_vision", "step3p7", "moondream3", "qwen3_omni_moe",
-                  "kimi_k25", "plamo2vl", "inkling", "indic_ocr"]
+                  "kimi_k25", "plamo2vl", "inkling", "indic_ocr", "minicpmo", "minicpmv4_7"]
 FIRST_FAMILIES = [name for name in FAMILY_CASES if name not in LATER_FAMILIES]
 
 
@@ -329,6 +334,7 @@ KV_BITS_REFUSED = {
     # one): the engine refuses kv_bits for a cache no layer of which quantizes
     "inkling": "no layer of this model's cache can be quantized",
     "indic_ocr": "attends the left pads",  # as qwen3_5, whose row mlx-vlm's indic_ocr model is batched by
+    "minicpmv4_7": "attends the left pads",
 }
 KV_SETTINGS = [(4, 0), (8, 24)]  # (kv_bits, quantized_kv_start): from the first token, or from inside the prompts
 
@@ -809,7 +815,7 @@ def test_family_prompt_logprobs_equal_mlx_vlms_own_prefill(family):
         assert out.token_ids == references[i], f"{name}: request {i}"
 
 
-@pytest.mark.parametrize("name", ["gemma3", "qwen3_5", "minicpmv4_6", "step3p7", "plamo2vl", "inkling"])
+@pytest.mark.parametrize("name", ["gemma3", "qwen3_5", "minicpmv4_6", "minicpmv4_7", "step3p7", "plamo2vl", "inkling"])
 def test_windows_and_recurrent_state_share_padded_chunks(name, tmp_path):
     """Gemma 3's and Step 3.7's sliding windows, Qwen3.5's recurrent layers (MiniCPM-V 4.6's language model too) and
     Inkling's short convolutions skip the right pads of a shared forward (their language models honor the lengths a
@@ -843,7 +849,8 @@ def test_windows_and_recurrent_state_share_padded_chunks(name, tmp_path):
         engine.close()
 
 
-@pytest.mark.parametrize("name", ["gemma3", "qwen3_5", "qwen3_vl", "minicpmv4_6", "step3p7", "plamo2vl", "inkling"])
+@pytest.mark.parametrize("name", ["gemma3", "qwen3_5", "qwen3_vl", "minicpmv4_6", "minicpmv4_7", "step3p7", "plamo2vl",
+                                  "inkling"])
 def test_a_padded_shared_forward_leaves_each_row_what_its_own_forward_would(name, tmp_path):
     """Under the greedy-token tests above, the state check (a tiny model's greedy tokens can survive a wrong
     state: they did while mlx-vlm's Qwen3.5 took right pads into its delta-rule state, `caches.layers.
