@@ -454,6 +454,13 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
     FamilySpec("multi_modality", refused="mlx_vlm.load gives its processor mlx-vlm's own ImageProcessor, for which "
                "mlx-vlm's input preparation writes one image id per image, and get_input_embeddings expands that id "
                "into the config's num_image_tokens rows of the image, " + LLAVA_SPLICE),
+    # tests/models/test_refused_vlm_families.py builds it small and pins the fact
+    FamilySpec("molmo_point", refused="mlx-vlm's MolmoPoint keeps the last embedded prompt's image state on the model "
+               "instance (_image_cache, _token_bounds, the ids generated since), and its decode forward (its "
+               "language_model is the model itself) scores point tokens, ids past the vocabulary (one per pooled "
+               "patch of that image, then subpatches and locations), against that state: the logits' width and point "
+               "scores belong to whichever prompt was embedded last, so a batch's rows cannot each decode against "
+               "their own image"),
     FamilySpec("phi4mm", refused="mlx-vlm's merge replaces each image's one placeholder id (-200) with the image's "
                "valid SigLIP2 patch rows, " + LLAVA_SPLICE + ". And its get_input_embeddings merges the vision or "
                "the speech LoRA into the language model's weights on the model instance (set_modality) for the media "

@@ -980,3 +980,82 @@ def test_inkling_log_scaling_reads_padded_positions(tiny_vlm_dir):
     assert max(apart(None)) < 1e-5
     short, longest = apart(2)
     assert short > 1e-2 and longest < 1e-5, (short, longest)
+
+
+# ---------------------------------------------------------------------------------------------- molmo_point
+
+_MOLMO_POINT_IDS = {"image_start_token_id": 448, "image_end_token_id": 449, "image_patch_id": 450,
+                    "image_high_res_id": 450, "image_col_id": 451, "image_non_indexable_patch_id": 452,
+                    "frame_start_token_id": 453, "frame_end_token_id": 454, "patch_token_id": 455,
+                    "subpatch_token_id": 456, "location_token_id": 457}  # in the additional vocabulary (448..511)
+
+
+def _tiny_molmo_point():
+    """MolmoPoint at hidden 64: Molmo 2's decoder (2 layers, a base vocabulary of 448 and 64 additional ids), a
+    1-layer ViT of width 32 on 56-pixel crops of 4x4 patches, the connector and the point predictor (patch keys of
+    32); random weights, float32."""
+    from mlx_vlm.models import molmo_point
+
+    config = molmo_point.config
+    text = config.TextConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                             vocab_size=448, additional_vocab_size=64, num_hidden_layers=2, intermediate_size=128,
+                             rope_theta=10000.0)
+    vision = config.VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                 num_key_value_heads=2, head_dim=16, image_default_input_size=(56, 56),
+                                 image_patch_size=14, image_num_pos=16)
+    adapter = config.AdapterConfig(vit_layers=(-1,), hidden_size=32, num_attention_heads=2, num_key_value_heads=2,
+                                   head_dim=16, intermediate_size=64, text_hidden_size=64)
+    mx.random.seed(0)
+    model = molmo_point.Model(config.ModelConfig(text_config=text, vision_config=vision, adapter_config=adapter,
+                                                 patch_embed_dim=32, **_MOLMO_POINT_IDS))
+    mx.eval(model.parameters())
+    return model
+
+
+def _molmo_point_request(side: int, seed: int) -> tuple[mx.array, dict]:
+    """A prompt with one image of one crop whose 4x4 patches are pooled 2x2 into side x side rows (side <= 2), and
+    the processor's tensors for it; the merge counts a prompt's images by its <im_end> tokens (two an image)."""
+    rng = np.random.default_rng(seed)
+    patches = np.arange(16).reshape(4, 4)
+    pooling = [patches[r:r + 2, c:c + 2].reshape(-1) for r in range(0, 2 * side, 2) for c in range(0, 2 * side, 2)]
+    ids = _MOLMO_POINT_IDS
+    prompt = [1, 2, ids["image_start_token_id"]] + [ids["image_patch_id"]] * side * side \
+        + [ids["image_end_token_id"]] * 2 + [3, 4]
+    return mx.array([prompt]), {"pixel_values": mx.array(rng.normal(size=(1, 16, 14 * 14 * 3)).astype(np.float32)),
+                                "image_token_pooling": mx.array(np.stack(pooling)),
+                                "image_grids": mx.array([[side, side, 0, 0]]), "image_num_crops": mx.array([1])}
+
+
+def test_molmo_point_is_refused_at_load():
+    assert FAMILIES["molmo_point"].refused
+    with pytest.raises(UnsupportedFamily, match="'molmo_point' cannot be batched: mlx-vlm's MolmoPoint keeps the last "
+                                                "embedded prompt's image state on the model instance"):
+        Engine(_tiny_molmo_point(), None)
+
+
+def test_molmo_point_decodes_against_the_image_state_of_the_prompt_embedded_last():
+    """Why molmo_point is refused: its language_model is the model itself, and a decode forward (token ids, no
+    embeddings) scores point tokens past the vocabulary (one per pooled patch of the image, a no-more-points id, the
+    subpatches, 9 locations) against the image state that get_input_embeddings and the first prefill forward leave
+    on the instance. Request A (4 pooled patches) decodes with 512 + 4 + 1 + 4 + 9 = 530 logits; once request B (1
+    pooled patch) is embedded and prefilled, A's next decode step has B's 527, scored against B's image. If a decode
+    forward stops reading the instance's image state, this fails: look again."""
+    from mlx_vlm.models.cache import make_prompt_cache
+
+    model = _tiny_molmo_point()
+    assert model.language_model is model
+
+    def prefill(side: int, seed: int):
+        ids, inputs = _molmo_point_request(side, seed)
+        embeds = model.get_input_embeddings(ids, **inputs).inputs_embeds
+        cache = make_prompt_cache(model.lm)
+        return cache, model(ids, inputs_embeds=embeds, cache=cache).logits
+
+    step = mx.array([[5]])
+    cache, logits = prefill(2, 0)
+    assert logits.shape[-1] == 530
+    assert model(step, cache=cache).logits.shape[-1] == 530  # A's own decode step
+    cache, _ = prefill(2, 0)
+    _, other = prefill(1, 1)  # another request embedded and prefilled
+    assert other.shape[-1] == 527
+    assert model(step, cache=cache).logits.shape[-1] == 527  # A's decode step, scored against B's image
