@@ -208,7 +208,7 @@ class VLMAdapter:
         self.media_token_ids = library.media_token_ids(model, processor, self.spec.media_token)
         # the token between two units of one encoder call (``_run_encoders``): the smallest id that is no placeholder
         self._separator = min(set(range(len(self.media_token_ids) + 1)) - self.media_token_ids)
-        self.image_token = _placeholder(processor, self.spec.placeholder)
+        self.image_token = self.spec.placeholder_text or _placeholder(processor, self.spec.placeholder)
         self.video_token = _placeholder(processor, "video_token")
         self.audio_token = _placeholder(processor, "audio_token")
         self.video_fps, self.video_max_frames = validate_video_sampling(video_fps, video_max_frames)

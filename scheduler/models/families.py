@@ -25,6 +25,10 @@ between families is declared here, and nothing else:
                    most; gemma3's prompt holds its ``boi_token``, which the processor expands; MiniCPM-V 4.6's
                    holds ``<image>./</image>``, whose ``<image>`` its tokenizer's ``im_start`` names; Molmo 2's
                    ``<|image|>``, its processor's ``image_placeholder_token``).
+``placeholder_text`` that text itself, for a family whose processor names it in no attribute (Kimi K3: mlx-vlm's
+                   chat renderer writes ``<|kimi_image_placeholder|>`` per image, a constant of its processor
+                   module, which the processor replaces with the image's ``<|media_pad|>`` run); it overrides
+                   ``placeholder``.
 ``media_token``    the config or processor attribute naming the token whose positions take the media rows (its id,
                    or its text), for a family whose usual config fields name none of them (Molmo's processor's
                    ``image_patch_token``, Molmo 2's config ``image_patch_id``, Jina VLM's config
@@ -137,6 +141,7 @@ class FamilySpec:
     positions: Positions = Positions.ROPE
     media: frozenset[str] = frozenset({"image"})
     placeholder: str = "image_token"
+    placeholder_text: str | None = None
     media_token: str | None = None
     media_mask_input: str | None = None
     media_row_inputs: tuple[str, ...] = ()
