@@ -220,8 +220,11 @@ def mrope_tokens(model: Any) -> tuple[int, int, int, int]:
 def spatial_merge(model: Any) -> int:
     """The patch merge of a tower fed Qwen2-VL-style flattened patches with a ``*_grid_thw`` row per item: an
     item of grid (t, h, w) fills t * h * w / merge**2 prompt positions. Read from the model's vision config, so
-    it also serves the families whose language model keeps no media config (dots.ocr's plain-RoPE Qwen2)."""
-    return int(_vision_config(model).spatial_merge_size)
+    it also serves the families whose language model keeps no media config (dots.ocr's plain-RoPE Qwen2). Muse
+    Glimmer's vision config names it ``merge_size``."""
+    config = _vision_config(model)
+    merge = getattr(config, "spatial_merge_size", None)
+    return int(config.merge_size if merge is None else merge)
 
 
 def _vision_config(model: Any) -> Any:
