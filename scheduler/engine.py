@@ -239,6 +239,10 @@ class Engine:
                 self.executor = self.shard.wrap(self.executor)
             self.loop = TickLoop(self.scheduler, self.executor)
             undo.pop_all()
+        # and again after the probe forwards above: a model may keep arrays its first forward builds lazily (mlx-vlm's
+        # Kimi K3 caches its attention-residual weights, `_attn_res_w_eff`, on the layer), which would otherwise
+        # belong to this thread's stream when another thread's forward first needs them
+        library.materialize(model, draft_model, mtp_head)
         self.tick = 0
         self._lock = threading.Lock()
         self._inbox: list[_Arrival] = []
