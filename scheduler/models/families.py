@@ -67,30 +67,29 @@ between families is declared here, and nothing else:
                    its batch cache is prepared with each row's length (mlx-lm's padded-batch contract; as
                    ``scheduler.families.Family.honors_lengths``): then its windows and recurrent layers share
                    prefill forwards of chunks of any lengths. gemma3, qwen3_5, minicpmv4_6, minicpmv4_7, step3p7,
-                   plamo2vl, inkling and indic_ocr (shown by tests/models/test_vlm_families.py), gemma4 and
-                   gemma4_unified (tests/models/test_audio.py); plain-KV families do not need it.
+                   plamo2vl, inkling, indic_ocr, kimi_k3 and muse_glimmer (shown by tests/models/test_vlm_families.py),
+                   gemma4 and gemma4_unified (tests/models/test_audio.py); plain-KV families do not need it.
 ``item_split``     how the media tensors split into items, each keyed and encoded on its own (``ItemSplit``,
                    ``media_items.py``): a chat turn that adds an image then restores the turns before it from the prefix
                    cache, images included, and encodes only the new image. ``GRID`` for the towers fed flattened patches
-                   with a ``*_grid_thw`` row per item (the Qwen and GLM families, mage_vl, dots_ocr), ``STACK`` for
-                   llava, ``SIZED_STACK`` for mistral3 and pixtral, ``TILES`` for idefics3 and smolvlm; ``WHOLE`` (keyed
-                   and encoded as one unit) where no split is exact or possible: gemma3 (see its note: an image's rows
-                   depend, by a few 1e-7 under OpenBLAS, on the images stacked with it, and the tiny gemma3's greedy
-                   tokens follow them), media inputs holding Python values or absolute prompt positions (kimi_vl,
-                   kimi_k25, molmo, minicpmv4_6, minicpmv4_7, minicpmo, moondream3) or pooling indices into all of a
-                   request's crops (molmo2), a tower that does not keep a call's images apart (ernie4_5_moe_vl),
-                   patches of all of a request's images concatenated with no count per image (inkling), views padded
-                   to the most of any image of the request (llava_onevision), an image's tiles counted against the
-                   tokens of the prompt's other images (plamo2vl), the audio families (and a Qwen3-Omni request with
-                   audio).
-                   Each row's comment says why.
+                   with a ``*_grid_thw`` row per item (the Qwen and GLM families, mage_vl, dots_ocr, muse_glimmer),
+                   ``STACK`` for llava, ``SIZED_STACK`` for mistral3 and pixtral, ``TILES`` for idefics3 and smolvlm;
+                   ``WHOLE`` (keyed and encoded as one unit) where no split is exact or possible: gemma3 (see its
+                   note: an image's rows depend, by a few 1e-7 under OpenBLAS, on the images stacked with it, and the
+                   tiny gemma3's greedy tokens follow them), media inputs holding Python values or absolute prompt
+                   positions (kimi_vl, kimi_k25, kimi_k3, molmo, minicpmv4_6, minicpmv4_7, minicpmo, moondream3) or
+                   pooling indices into all of a request's crops (molmo2), a tower that does not keep a call's images
+                   apart (ernie4_5_moe_vl), patches of all of a request's images concatenated with no count per image
+                   (inkling), views padded to the most of any image of the request (llava_onevision), an image's tiles
+                   counted against the tokens of the prompt's other images (plamo2vl), the audio families (and a
+                   Qwen3-Omni request with audio). Each row's comment says why.
 ``vision_batch`` / ``media_axis``  how the media of several requests go through the encoders in one call
                    (``VisionBatch``) and the axis of the media tensors that counts images (their other axes
                    must agree to be concatenated; ``*_grid_thw`` always count on axis 0). ``ONE``: every request
                    of the tick in one call (towers that take flattened patches of any number of images with their
                    ``grid_thw`` and attend within each image: the Qwen towers (Qwen3-Omni's too), GLM-4.5V's,
-                   GLM-OCR's, PaddleOCR-VL's, dots.ocr's, Mage-VL's); ``EQUAL_SHAPE``: one call per group of
-                   requests whose pixel tensors agree on every other axis (stacked along ``media_axis``);
+                   GLM-OCR's, PaddleOCR-VL's, dots.ocr's, Mage-VL's, Muse Glimmer's); ``EQUAL_SHAPE``: one call per
+                   group of requests whose pixel tensors agree on every other axis (stacked along ``media_axis``);
                    ``PER_REQUEST``: one call per request (a tower whose images of one call do not stay apart, media
                    that cannot be concatenated, inputs holding absolute prompt positions; each row's comment says
                    which).
@@ -418,6 +417,22 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
                vision_batch=VisionBatch.PER_REQUEST, honors_lengths=True, kv_bits_refused=QWEN3_5_QUANTIZED_PADS,
                notes="MiniCPM-V 4.7: hybrid Qwen3.5 text (gated-delta and full attention, optionally mixture of "
                "experts); SigLIP slices merged inside the tower; canvas M-RoPE"),
+    # the prompt holds <|kimi_image_placeholder|> per image (mlx-vlm's Python renderer writes it; no processor
+    # attribute names it), which the processor replaces with the image's <|media_pad|> run. pixel_values (patches,
+    # 3, 14, 14) with grid_thws rows, and the processor returns image_token_id (an int) among the media: one encoder
+    # call per request, keyed whole, as kimi_k25. Its delta-attention layer's short conv and state skip right pads
+    # (the lengths of a prepared batch cache); its latent attention takes no positions (NoPE)
+    FamilySpec("kimi_k3", placeholder_text="<|kimi_image_placeholder|>", vision_batch=VisionBatch.PER_REQUEST,
+               honors_lengths=True,
+               notes="Kimi K3: hybrid, Kimi Delta Attention (delta-rule linear attention) next to NoPE latent "
+               "attention, block attention residuals, latent mixture of experts; MoonViT3d tower"),
+    # Qwen-style flattened patches with an image_grid_thw row per image (its vision config names the merge
+    # merge_size); its tower attends within windows of each image and within each image (split at cu_seqlens): one
+    # call for the tick's images. Sliding-window RoPE layers next to NoPE full attention, the windows skipping right
+    # pads
+    FamilySpec("muse_glimmer", vision_batch=_ONE, item_split=_GRID, honors_lengths=True,
+               notes="Muse Glimmer: sliding-window RoPE layers next to NoPE full attention, gated attention, "
+               "soft-capped logits; ViT with window and full attention"),
     FamilySpec("gemma3n", media=frozenset({"audio"}), refused="mlx-vlm's get_input_embeddings embeds a prompt's text "
                "tokens without the sqrt(hidden_size) scale its language model applies to the token ids it is fed, so "
                "a token the scheduler feeds as an id (the last prompt token as the first decode input, a preempted "
