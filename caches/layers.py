@@ -3,11 +3,12 @@ builds, in one place.
 
 A model's cache is a list with one object per layer (`Cache`). Each object is of a *kind* (`LayerKind`): plain
 KV (`KVCache`, mlx-vlm's copy of it), rotating KV (`RotatingKVCache`, a sliding window or `max_kv_size`),
-arrays (`ArraysCache` and its subclasses: SSM, conv and linear-attention state), or a list of those
-(`CacheList`). A kind knows how to merge single-request caches into a batch, snapshot and restore a request's
-cache for the prefix cache, measure its bytes, and what it can do: `LayerCapabilities` is plain data (can it
-be trimmed to a shorter prefix? rolled back per row after draft verification? split back out of a batch? is
-its size fixed or growing?). Callers read the capabilities; they never test cache classes.
+arrays (`ArraysCache` and its subclasses: SSM, conv and linear-attention state), pooled keys (mlx-vlm's
+`PoolingCache`: GLM-5-Next's sparse-attention indexer), or a list of those (`CacheList`, mlx-lm's or mlx-vlm's).
+A kind knows how to merge single-request caches into a batch, snapshot and restore a request's cache for the
+prefix cache, measure its bytes, and what it can do: `LayerCapabilities` is plain data (can it be trimmed to a
+shorter prefix? rolled back per row after draft verification? split back out of a batch? is its size fixed or
+growing?). Callers read the capabilities; they never test cache classes.
 
 Kinds mlx-lm cannot batch (`ChunkedKVCache`, `ConcatenateKVCache`, anything without `merge`) are refused by
 `check_batchable` with `UnsupportedCache` naming the class and why. Quantized KV (`QuantizedKVCache`, what
@@ -290,7 +291,16 @@ class PlainKV:
     batch_classes = _PLAIN_BATCH_KV
     caps = LayerCapabilities("KVCache", Growth.PER_TOKEN, trimmable=True, rollback=True, splittable=True,
                              splittable_aligned=True, splittable_prepared=True)
-    extract = staticmethod(_library_extract)
+
+    @staticmethod
+    def extract(layer: Any, i: int) -> Any:
+        """Row i (`_library_extract`). A batch layer no forward has written yet has no row to copy: mlx-vlm's
+        `BatchKVCache.extract` slices its missing keys. Such a row is an empty single-request cache (mlx-vlm's
+        GLM-5-Next writes the keys it projects for its sparse attention only on forwards of more than 8
+        positions)."""
+        if layer.keys is None:
+            return next(single for single, batch in zip(_PLAIN_KV, _PLAIN_BATCH_KV) if isinstance(layer, batch))()
+        return _library_extract(layer, i)
 
     @staticmethod
     def merge(layers: Sequence[Any], mask: MaskLayout) -> Any:
@@ -549,9 +559,73 @@ class QuantizedKV:
         return LayerLayout(sum(x.nbytes for x in (*layer.keys, *layer.values)) // layer.keys[0].shape[2], None)
 
 
+def _vlm_pooling_classes() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """mlx-vlm 0.7's PoolingCache and its BatchPoolingCache (GLM-5-Next's sparse-attention indexer keeps its keys
+    pooled in windows of `ratio` in one). Empty without mlx-vlm."""
+    try:
+        from mlx_vlm.models import cache as vlm_cache
+    except ImportError:  # mlx-vlm is optional for text-only use
+        return (), ()
+    return (vlm_cache.PoolingCache,), (vlm_cache.BatchPoolingCache,)
+
+
+_VLM_POOLING, _VLM_BATCH_POOLING = _vlm_pooling_classes()
+
+
+class Pooling:
+    """mlx-vlm's PoolingCache: keys pooled (compressed) in windows of `ratio` tokens, and a buffer of the last
+    window's tokens not yet pooled (`remainder` of them). It grows by one pooled row every `ratio` tokens. Its
+    batch form (mlx-vlm's BatchPoolingCache) keeps each row's pooled length and remainder, merges, filters,
+    extends and extracts rows, and takes mlx-lm's padded-batch contract (`prepare(lengths=)` / `finalize`).
+    A pooled window cannot be cut back to a shorter prefix nor rewound: no trim, no rollback; and a right pad
+    would enter a window unless the batch is prepared with the rows' lengths."""
+
+    classes = _VLM_POOLING
+    batch_classes = _VLM_BATCH_POOLING
+    caps = LayerCapabilities("PoolingCache", Growth.PER_TOKEN, trimmable=False, rollback=False, splittable=False,
+                             splittable_aligned=True, splittable_prepared=True)
+    extract = staticmethod(_library_extract)
+
+    @staticmethod
+    def merge(layers: Sequence[Any], mask: MaskLayout) -> Any:
+        return type(layers[0]).merge(layers)
+
+    @staticmethod
+    def snapshot(layer: Any) -> tuple[tuple, list[mx.array]]:
+        r = layer.remainder
+        buf = tuple(mx.array(b[:, :r]) for b in (layer.buf_kv, layer.buf_gate)) if r else (None, None)
+        pooled = mx.array(layer.pooled) if layer.pooled is not None else None
+        n = layer.size() * layer.ratio + r
+        return (layer.ratio, *buf, pooled, r, n), [a for a in (*buf, pooled) if a is not None]
+
+    @staticmethod
+    def restore(kind: type, state: tuple, length: int) -> Any:
+        ratio, buf_kv, buf_gate, pooled, r, n = state
+        if length != n:
+            raise ValueError(f"a pooled entry of {n} tokens cannot be cut to {length}")
+        layer = kind(ratio)
+        if r:  # copy-on-restore: the buffer is written in place by later tokens
+            layer.buf_kv = mx.concatenate([buf_kv, mx.zeros((1, ratio - r, buf_kv.shape[2]), buf_kv.dtype)], axis=1)
+            layer.buf_gate = mx.concatenate([buf_gate, mx.zeros((1, ratio - r, buf_gate.shape[2]), buf_gate.dtype)],
+                                            axis=1)
+            layer.remainder = r
+        layer.pooled = mx.array(pooled) if pooled is not None else None
+        return layer
+
+    @staticmethod
+    def layout(layer: Any) -> LayerLayout:
+        """A pooled row (the width of the keys) every `ratio` tokens, rounded up; the window buffer is fixed."""
+        buffers = [b for b in (layer.buf_kv, layer.buf_gate) if b is not None]
+        if not buffers:
+            return LayerLayout(0, None)
+        row = layer.buf_kv.shape[2] * layer.buf_kv.dtype.size
+        return LayerLayout(-(-row // layer.ratio), None, fixed_bytes=sum(b.nbytes for b in buffers))
+
+
 def _cache_list_classes() -> tuple[type, ...]:
-    """mlx-lm's CacheList, and mlx-vlm's copy of it (same ``caches`` tuple and constructor; Inkling's language model
-    builds it: a KVCache and an ArraysCache of short-convolution states per layer)."""
+    """mlx-lm's CacheList and mlx-vlm's own (same ``caches`` tuple and constructor; Inkling's language model builds
+    it, a KVCache and an ArraysCache of short-convolution states per layer, and GLM-5-Next's sparse attention): one
+    model layer keeping several caches, each of a kind here."""
     try:
         from mlx_vlm.models import cache as vlm_cache
     except ImportError:  # mlx-vlm is optional for text-only use
@@ -561,7 +635,7 @@ def _cache_list_classes() -> tuple[type, ...]:
 
 _CACHE_LISTS = _cache_list_classes()
 
-_KINDS = (PlainKV, RotatingKV, Arrays, QuantizedKV)
+_KINDS = (PlainKV, RotatingKV, Arrays, QuantizedKV, Pooling)
 # every cache class a layer (or a CacheList's part) can be, single-request and batch forms
 _LAYER_CLASSES = (*_CACHE_LISTS, *(c for kind in _KINDS for c in (*kind.classes, *kind.batch_classes)))
 
@@ -636,8 +710,38 @@ def _merge_layer(layers: Sequence[Any], mask: MaskLayout) -> Any:
         merged = type(layers[0])()
         merged.caches = tuple(_merge_layer([layer.caches[j] for layer in layers], mask)
                               for j in range(len(layers[0].caches)))
+        _drop_lagging_parts(merged)
         return merged
     return _kind_of(layers[0]).merge(layers, mask)
+
+
+def _drop_lagging_parts(layer: Any) -> None:
+    """Empty, for every row, a plain KV part of a batch `CacheList` that holds fewer positions than the list's
+    first part in some row.
+
+    Such a part is one that only some forwards write (see `PlainKV.extract`): mlx-vlm's GLM-5-Next keeps the keys
+    it projects for its sparse attention there, written by forwards of more than 8 positions when the part holds
+    as many positions as the latent cache (its first part), and recomputed from the latent otherwise. It compares
+    the batch part's one length (`size()`, its write index) with the forward's start: in a batch where one row's
+    part is complete and another's lags, the lagging row's projected keys sit left-padded under other positions,
+    and the model reads them (a shared 9-position chunk gave that row logits 1.4 away from its own forward).
+    Emptied, the part never matches a forward that starts past 0, and every row is recomputed from its latent, as
+    a lagging row alone is."""
+    reference = _row_lengths(layer.caches[0])
+    if reference is None:
+        return
+    parts = list(layer.caches)
+    for j, part in enumerate(parts[1:], 1):
+        if isinstance(part, PlainKV.batch_classes) and part.keys is not None and _row_lengths(part) != reference:
+            parts[j] = type(part)([0] * len(reference))
+    layer.caches = type(layer.caches)(parts) if isinstance(layer.caches, (tuple, list)) else parts
+
+
+def _row_lengths(layer: Any) -> list[int] | None:
+    """Tokens each row of a plain batch KV layer holds, or None for another kind."""
+    if not isinstance(layer, PlainKV.batch_classes):
+        return None
+    return [int(n) for n in layer.offset.tolist()]
 
 
 def extend_batch(batch: Cache, other: Cache) -> Cache:
@@ -653,6 +757,7 @@ def _extend_layer(layer: Any, other: Any) -> None:
     if isinstance(layer, _CACHE_LISTS):
         for sub, other_sub in zip(layer.caches, other.caches):
             _extend_layer(sub, other_sub)
+        _drop_lagging_parts(layer)
         return
     if isinstance(layer, Arrays.classes):
         Arrays.pad_histories([layer, other])
@@ -838,7 +943,10 @@ def restore_cache(payload: list[tuple[type, Any]], length: int) -> Cache:
 
 def _restore_layer(kind: type, state: Any, length: int) -> Any:
     if issubclass(kind, _CACHE_LISTS):
-        return kind(*(_restore_layer(k, s, length) for k, s in state))
+        # a plain part that only some forwards write (see `PlainKV.extract`) can hold fewer positions than the
+        # entry: restored as stored, as the request that stored it held it
+        return kind(*(_restore_layer(k, s, min(length, s[2]) if issubclass(k, PlainKV.classes) and s else length)
+                      for k, s in state))
     for strategy in _KINDS:
         if issubclass(kind, strategy.classes):
             return strategy.restore(kind, state, length)
@@ -858,6 +966,17 @@ def probe_layout(cache: Cache) -> KVLayout:
             window = one.window if one.window is not None else window
         layers.append(LayerLayout(per_token, window, fixed_bytes=fixed))
     return KVLayout(tuple(layers))
+
+
+def unwritten_kv(cache: Cache) -> bool:
+    """Whether a single-request cache that a forward has run on holds a plain KV layer (or part of a layer) that
+    forward did not write: one that only some forwards write (see `PlainKV.extract`), whose bytes per token a
+    probe of that forward cannot measure."""
+    for layer in cache:
+        parts = layer.caches if isinstance(layer, _CACHE_LISTS) else (layer,)
+        if any(isinstance(part, PlainKV.classes) and part.keys is None for part in parts):
+            return True
+    return False
 
 
 def cache_nbytes(cache: Cache) -> int:

@@ -78,6 +78,9 @@ def _items(values: list) -> list:
     return parts
 
 
+# the tokens of the layout probe where one token leaves a cache layer unwritten (`VLMAdapter.kv_layout`)
+LONG_LAYOUT_PROBE = 16
+
 @dataclass(frozen=True)
 class MediaItem:
     """One image or video of a request whose family keys media per item (``VLMAdapter.media_keys``): what the
@@ -869,11 +872,17 @@ class VLMAdapter:
         return library.lm_forward(self.language_model, inputs, cache, **kwargs)
 
     def kv_layout(self) -> Any:
-        """Bytes per token of each layer (and windows), measured on a one-token probe of the model's cache."""
-        cache = self.make_cache()
-        probe = mx.array([[0]], dtype=mx.int32)
-        self.verify(cache, probe, mx.zeros((1,), dtype=mx.int32))
-        mx.eval(layers.cache_arrays(cache))
+        """Bytes per token of each layer (and windows), measured on a one-token probe of the model's cache. Where
+        that probe leaves a plain KV layer unwritten, on a probe of ``LONG_LAYOUT_PROBE`` tokens instead: mlx-vlm's
+        GLM-5-Next writes the keys it projects for its sparse attention only on forwards of more than 8 positions
+        (``mlx_vlm.models.linear.DECODE_BLOCK_SIZE``), and a prefill stores them for every prompt token."""
+        for length in (1, LONG_LAYOUT_PROBE):
+            cache = self.make_cache()
+            probe = mx.zeros((1, length), dtype=mx.int32)
+            self.verify(cache, probe, mx.zeros((1,), dtype=mx.int32))
+            mx.eval(layers.cache_arrays(cache))
+            if not layers.unwritten_kv(cache):
+                break
         return layers.probe_layout(cache)
 
     def quantize_rule(self, bits: int, group_size: int, start: int) -> QuantizeRule:
