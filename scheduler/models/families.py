@@ -52,7 +52,7 @@ between families is declared here, and nothing else:
 ``dropped_inputs`` processor outputs that are neither media tensors nor read by the family's encoders or language
                    model, dropped after the processor call (dots.ocr: transformers' Qwen2.5-VL processor returns
                    ``mm_token_type_ids``, (1, L) like the prompt: kept as a media tensor it cannot be split per
-                   image nor concatenated across requests of other lengths).
+                   image nor concatenated across requests of other lengths; GLM-5-Next's processor too).
 ``mixed_image_video`` whether one request may carry both images and videos (mlx-vlm's Qwen2/2.5-VL merge one kind).
 ``images_per_request`` the most images mlx-vlm's processor and merge take in one prompt (None: any); more are
                    refused at ``add_request`` for that request alone, before the processor runs (Step 3.7, Molmo,
@@ -67,29 +67,32 @@ between families is declared here, and nothing else:
                    its batch cache is prepared with each row's length (mlx-lm's padded-batch contract; as
                    ``scheduler.families.Family.honors_lengths``): then its windows and recurrent layers share
                    prefill forwards of chunks of any lengths. gemma3, qwen3_5, minicpmv4_6, minicpmv4_7, step3p7,
-                   plamo2vl, inkling, indic_ocr, kimi_k3 and muse_glimmer (shown by tests/models/test_vlm_families.py),
-                   gemma4 and gemma4_unified (tests/models/test_audio.py); plain-KV families do not need it.
+                   plamo2vl, inkling, indic_ocr, kimi_k3, muse_glimmer and mimo_v2 (shown by
+                   tests/models/test_vlm_families.py), gemma4 and gemma4_unified (tests/models/test_audio.py);
+                   plain-KV families do not need it.
 ``item_split``     how the media tensors split into items, each keyed and encoded on its own (``ItemSplit``,
                    ``media_items.py``): a chat turn that adds an image then restores the turns before it from the prefix
                    cache, images included, and encodes only the new image. ``GRID`` for the towers fed flattened patches
-                   with a ``*_grid_thw`` row per item (the Qwen and GLM families, mage_vl, dots_ocr, muse_glimmer),
-                   ``STACK`` for llava, ``SIZED_STACK`` for mistral3 and pixtral, ``TILES`` for idefics3 and smolvlm;
-                   ``WHOLE`` (keyed and encoded as one unit) where no split is exact or possible: gemma3 (see its
-                   note: an image's rows depend, by a few 1e-7 under OpenBLAS, on the images stacked with it, and the
-                   tiny gemma3's greedy tokens follow them), media inputs holding Python values or absolute prompt
-                   positions (kimi_vl, kimi_k25, kimi_k3, molmo, minicpmv4_6, minicpmv4_7, minicpmo, moondream3) or
-                   pooling indices into all of a request's crops (molmo2), a tower that does not keep a call's images
-                   apart (ernie4_5_moe_vl), patches of all of a request's images concatenated with no count per image
-                   (inkling), views padded to the most of any image of the request (llava_onevision), an image's tiles
-                   counted against the tokens of the prompt's other images (plamo2vl), the audio families (and a
-                   Qwen3-Omni request with audio). Each row's comment says why.
+                   with a ``*_grid_thw`` row per item (the Qwen and GLM families, mage_vl, dots_ocr, muse_glimmer,
+                   mimo_v2, glm5_next), ``STACK`` for llava, ``SIZED_STACK`` for mistral3 and pixtral, ``TILES`` for
+                   idefics3 and smolvlm; ``WHOLE`` (keyed and encoded as one unit) where no split is exact or
+                   possible: gemma3 (see its note: an image's rows depend, by a few 1e-7 under OpenBLAS, on the images
+                   stacked with it, and the tiny gemma3's greedy tokens follow them), media inputs holding Python
+                   values or absolute prompt positions (kimi_vl, kimi_k25, kimi_k3, molmo, minicpmv4_6, minicpmv4_7,
+                   minicpmo, moondream3, nemotron_h_nano_omni) or pooling indices into all of a request's crops
+                   (molmo2), a tower that does not keep a call's images apart (ernie4_5_moe_vl), patches of all of a
+                   request's images concatenated with no count per image (inkling), views padded to the most of any
+                   image of the request (llava_onevision), an image's tiles counted against the tokens of the prompt's
+                   other images (plamo2vl), the audio families (and a Qwen3-Omni request with audio). Each row's
+                   comment says why.
 ``vision_batch`` / ``media_axis``  how the media of several requests go through the encoders in one call
                    (``VisionBatch``) and the axis of the media tensors that counts images (their other axes
                    must agree to be concatenated; ``*_grid_thw`` always count on axis 0). ``ONE``: every request
                    of the tick in one call (towers that take flattened patches of any number of images with their
                    ``grid_thw`` and attend within each image: the Qwen towers (Qwen3-Omni's too), GLM-4.5V's,
-                   GLM-OCR's, PaddleOCR-VL's, dots.ocr's, Mage-VL's, Muse Glimmer's); ``EQUAL_SHAPE``: one call per
-                   group of requests whose pixel tensors agree on every other axis (stacked along ``media_axis``);
+                   GLM-OCR's, PaddleOCR-VL's, dots.ocr's, Mage-VL's, Muse Glimmer's, MiMo-V2.6's, GLM-5-Next's);
+                   ``EQUAL_SHAPE``: one call per group of requests whose pixel tensors agree on every other axis
+                   (stacked along ``media_axis``);
                    ``PER_REQUEST``: one call per request (a tower whose images of one call do not stay apart, media
                    that cannot be concatenated, inputs holding absolute prompt positions; each row's comment says
                    which).
@@ -433,6 +436,27 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
     FamilySpec("muse_glimmer", vision_batch=_ONE, item_split=_GRID, honors_lengths=True,
                notes="Muse Glimmer: sliding-window RoPE layers next to NoPE full attention, gated attention, "
                "soft-capped logits; ViT with window and full attention"),
+    # MiMo-V2.6's image path (its audio, codes from mlx-audio's MiMo tokenizer, not built): MiMo-V2-Flash's text with
+    # plain 1-D RoPE, whose sliding-window layers take their masks from the batch cache (right pads kept out), under
+    # a tower that attends within each image of a call (cu_seqlens spans, windows inside each): one call for the
+    # tick's images, keyed per image (Qwen2.5-VL's processor: image_grid_thw rows)
+    FamilySpec("mimo_v2", media=_QWEN_MEDIA, vision_batch=_ONE, item_split=_GRID, honors_lengths=True,
+               notes="MiMo-V2.6: MiMo-V2-Flash text (sliding-window layers with attention sinks, mixture of experts); "
+               "windowed ViT with sinks on flattened patches"),
+    # Nemotron-3 Nano Omni's image path (its sound encoder not built): pixel_values is a Python list where a
+    # request's images differ in size, and the processor returns num_patches / num_tokens / imgs_sizes (lists)
+    # with it: one encoder call per request, keyed whole. Its Mamba-2 mixer gives ssm_update the padding mask but
+    # not the lengths (as mlx-lm's nemotron_h): no honors_lengths, so only aligned chunks share a forward
+    FamilySpec("nemotron_h_nano_omni", vision_batch=VisionBatch.PER_REQUEST,
+               notes="Nemotron-3 Nano Omni: hybrid Nemotron-H text (Mamba-2, attention and mixture-of-experts "
+               "blocks); RADIO ViT on one dynamic-resolution view, pixel shuffle"),
+    # GLM-5-Next: no rotary anywhere (NoPE latent attention; the linear-attention layers carry order), so ROPE's
+    # plain counting. Its sparse-attention layers keep mlx-vlm's CacheList with a PoolingCache (caches/layers.py:
+    # the Pooling kind). The tower attends within each image of a call (cu_seqlens splits): one call for the tick's
+    # images, keyed per image. Its processor returns mm_token_type_ids, which nothing reads
+    FamilySpec("glm5_next", dropped_inputs=("mm_token_type_ids",), vision_batch=_ONE, item_split=_GRID,
+               notes="GLM-5-Next: hyper-connections, gated-delta linear attention next to NoPE DeepSeek sparse "
+               "attention with a pooled top-k indexer, mixture of experts"),
     FamilySpec("gemma3n", media=frozenset({"audio"}), refused="mlx-vlm's get_input_embeddings embeds a prompt's text "
                "tokens without the sqrt(hidden_size) scale its language model applies to the token ids it is fed, so "
                "a token the scheduler feeds as an id (the last prompt token as the first decode input, a preempted "

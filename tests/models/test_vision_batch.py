@@ -38,7 +38,7 @@ BATCHING = {"qwen2_vl": None, "qwen2_5_vl": 1, "qwen3_vl": 0, "qwen3_5": 0, "ide
             "mistral3": 5, "pixtral": 0, "llava": 0, "qwen3_vl_moe": 0, "qwen3_5_moe": 1, "lfm2_vl": 0,
             "idefics2": 0, "aya_vision": 0, "mage_vl": 0, "glm4v_moe": 0, "glm_ocr": 2, "paddleocr_vl": 0,
             "dots_ocr": 0, "llava_onevision": 0, "qwen3_omni_moe": 0, "plamo2vl": 0, "inkling": 0, "indic_ocr": 0,
-            "muse_glimmer": 0}
+            "muse_glimmer": 0, "mimo_v2": 3, "glm5_next": 0}
 
 
 def test_the_batching_families_are_the_table_s():
@@ -46,7 +46,7 @@ def test_the_batching_families_are_the_table_s():
                              and s.vision_batch is not VisionBatch.PER_REQUEST}
     assert {n for n, s in FAMILIES.items() if s.vision_batch is VisionBatch.ONE} == {
         "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "mage_vl", "glm4v_moe",
-        "glm_ocr", "paddleocr_vl", "dots_ocr", "qwen3_omni_moe", "indic_ocr", "muse_glimmer"}
+        "glm_ocr", "paddleocr_vl", "dots_ocr", "qwen3_omni_moe", "indic_ocr", "muse_glimmer", "mimo_v2", "glm5_next"}
 
 
 def noise_image(width, height, seed):

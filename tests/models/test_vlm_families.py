@@ -126,6 +126,14 @@ FAMILY_CASES = {
     "minicpmv4_7": FamilyCase(_tiny("minicpmv4_7")),
     "kimi_k3": FamilyCase(_tiny("kimi_k3")),
     "muse_glimmer": FamilyCase(_tiny("muse_glimmer")),
+    # image and video requests (its audio is not built: vlm_builds_hybrids.py). Seed 0 ends requests 0 and 1 on eos
+    # after 8 and 1 tokens, and the kv-budget schedules preempt nothing; with seed 3 the first three run to 16 and
+    # request 4 stops after 7
+    "mimo_v2": FamilyCase(_tiny("mimo_v2", seed=3), ("image", "video")),
+    # with its build's eos gain (1.6) seed 0 ends six of the nine requests on eos at their first token; seed 3 runs
+    # the first three to 16 and stops requests 5 and 7 after 4 and 14
+    "nemotron_h_nano_omni": FamilyCase(_tiny("nemotron_h_nano_omni", seed=3)),
+    "glm5_next": FamilyCase(_tiny("glm5_next")),
 }
 
 SCHEDULES = {
@@ -194,7 +202,8 @@ def solo(model, processor, messages, images, **generate_kwargs):
 # test_vlm_families_more.py (pytest-xdist gives each file one worker: split, the two halves run side by side).
 LATER_FAMILIES = ["kimi_vl", "ernie4_5_moe_vl", "mage_vl", "molmo", "minicpmv4_6", "glm4v_moe", "glm_ocr",
                   "paddleocr_vl", "dots_ocr", "granite4_vision", "step3p7", "moondream3", "qwen3_omni_moe",
-                  "kimi_k25", "plamo2vl", "inkling", "indic_ocr", "minicpmo", "minicpmv4_7", "kimi_k3", "muse_glimmer"]
+                  "kimi_k25", "plamo2vl", "inkling", "indic_ocr", "minicpmo", "minicpmv4_7", "kimi_k3", "muse_glimmer",
+                  "mimo_v2", "nemotron_h_nano_omni", "glm5_next"]
 FIRST_FAMILIES = [name for name in FAMILY_CASES if name not in LATER_FAMILIES]
 
 
@@ -341,6 +350,10 @@ KV_BITS_REFUSED = {
     # kimi_k25's AttributeError, in solo mlx-vlm too (VLM_FAMILIES.md)
     "kimi_k3": "divisible by the quantization group size",
     "muse_glimmer": "RotatingKVCache",
+    "mimo_v2": "RotatingKVCache",
+    # its plain KV sits inside CacheLists, which mlx-vlm's conversion leaves as they are (its generate does not
+    # quantize it either), next to recurrent state
+    "glm5_next": "no layer of this model's cache can be quantized",
 }
 KV_SETTINGS = [(4, 0), (8, 24)]  # (kv_bits, quantized_kv_start): from the first token, or from inside the prompts
 
@@ -830,11 +843,11 @@ def test_family_prompt_logprobs_equal_mlx_vlms_own_prefill(family):
 
 
 @pytest.mark.parametrize("name", ["gemma3", "qwen3_5", "minicpmv4_6", "minicpmv4_7", "step3p7", "plamo2vl", "inkling",
-                                  "kimi_k3", "muse_glimmer"])
+                                  "kimi_k3", "muse_glimmer", "mimo_v2"])
 def test_windows_and_recurrent_state_share_padded_chunks(name, tmp_path):
-    """Gemma 3's, Step 3.7's and Muse Glimmer's sliding windows, Qwen3.5's, PLaMo 2's and Kimi K3's recurrent layers
-    (MiniCPM-V 4.6's and 4.7's language models are Qwen3.5's) and Inkling's short convolutions skip the right pads of
-    a shared forward (their language models honor the lengths a prepared batch cache carries:
+    """Gemma 3's, Step 3.7's, Muse Glimmer's and MiMo-V2.6's sliding windows, Qwen3.5's, PLaMo 2's and Kimi K3's
+    recurrent layers (MiniCPM-V 4.6's and 4.7's language models are Qwen3.5's) and Inkling's short convolutions skip
+    the right pads of a shared forward (their language models honor the lengths a prepared batch cache carries:
     `FamilySpec.honors_lengths`), so they share prefill forwards as plain KV does (`PrefillSharing.ANY`):
     three chats of different lengths arriving together, in chunks of 9, share forwards, first and later ones,
     padded where their last chunks differ, and each answer equals mlx_vlm alone."""
@@ -868,17 +881,17 @@ def test_windows_and_recurrent_state_share_padded_chunks(name, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["gemma3", "qwen3_5", "qwen3_vl", "minicpmv4_6", "minicpmv4_7", "step3p7", "plamo2vl",
-                                  "inkling", "kimi_k3", "muse_glimmer"])
+                                  "inkling", "kimi_k3", "muse_glimmer", "mimo_v2"])
 def test_a_padded_shared_forward_leaves_each_row_what_its_own_forward_would(name, tmp_path):
     """Under the greedy-token tests above, the state check (a tiny model's greedy tokens can survive a wrong
     state: they did while mlx-vlm's Qwen3.5 took right pads into its delta-rule state, `caches.layers.
     _prepare_layer`). One shared forward of three chunks: an image prompt and a text prompt fresh, and a later
     chunk of an image prompt on a cache of 7 tokens, right-padded to the widest; each row's logits are its own
     forward's, and its cache continues as its own does (the next 2 positions fed alone on both), to float
-    rounding. Gemma 3, Step 3.7 and Muse Glimmer past their sliding windows, Qwen3.5's recurrent layers (and
-    MiniCPM-V 4.6's and 4.7's, the same language model with its slices merged inside the tower), PLaMo 2's Mamba
-    layers, Kimi K3's delta-attention layer (short conv and delta-rule state), Qwen3-VL's deepstack rows, Inkling's
-    short convolutions."""
+    rounding. Gemma 3, Step 3.7, Muse Glimmer and MiMo-V2.6 past their sliding windows, Qwen3.5's recurrent layers
+    (and MiniCPM-V 4.6's and 4.7's, the same language model with its slices merged inside the tower), PLaMo 2's
+    Mamba layers, Kimi K3's delta-attention layer (short conv and delta-rule state), Qwen3-VL's deepstack rows,
+    Inkling's short convolutions."""
     import mlx_vlm
 
     from scheduler.models.adapter import VLMAdapter
@@ -897,3 +910,35 @@ def test_a_padded_shared_forward_leaves_each_row_what_its_own_forward_would(name
     for rows in (fresh, fresh + [(later, encoded[2], 7, encoded[2].num_tokens - 12)]):
         assert len({n for *_, n in rows}) == len(rows)
         prefill_many_against_alone(adapter, rows, follow=2)
+
+
+def test_glm5_next_shares_a_chunk_between_rows_whose_projected_keys_differ(tmp_path):
+    """mlx-vlm's GLM-5-Next keeps the keys it projects for its sparse attention in the last part of each sparse
+    layer's CacheList, written only by forwards of more than 8 positions, and reads them when that batch part's one
+    length equals the forward's start. A request prefilled in one chunk of 9 holds them; one prefilled in chunks of
+    4 and 5 does not. A shared forward of their next 9 positions gave the second row logits 1.4 away from its own
+    forward while the engine merged that part as it was; the merge empties a part that lags in some row
+    (`caches.layers._drop_lagging_parts`), and each row's logits are its own forward's."""
+    import mlx.core as mx
+    import mlx_vlm
+
+    from scheduler.models.adapter import VLMAdapter
+
+    model, processor = mlx_vlm.load(str(FAMILY_CASES["glm5_next"].build(tmp_path)))
+    adapter = VLMAdapter(model, processor)
+    requests = workload()
+    encoded = [adapter.encode(adapter.prepare(*requests[i])) for i in (1, 4)]
+
+    def prefilled(enc, ends):
+        cache, start = adapter.make_cache(), 0
+        for end in ends:
+            adapter.prefill(cache, enc, start, end)
+            start = end
+        return cache
+
+    chunkings = ([9], [4, 9])
+    assert [prefilled(e, c)[1].caches[3].offset for e, c in zip(encoded, chunkings)] == [9, 0]
+    _, logits = adapter.prefill_many([(prefilled(e, c), e, 9, 9) for e, c in zip(encoded, chunkings)])
+    for row, (enc, ends) in enumerate(zip(encoded, chunkings)):
+        alone = adapter.prefill(prefilled(enc, ends), enc, 9, 18)
+        assert mx.allclose(logits[row : row + 1, :9], alone, atol=1e-4).item(), row
