@@ -511,14 +511,14 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
                "of the prompt it embeds (a text prompt keeps whichever the last one left), so requests of other "
                "modalities cannot share a forward"),
     # tests/models/test_refused_vlm_families.py builds each from mlx-vlm's config classes and measures the fact. The
-    # engine's cache check would refuse deepseek_v4 and minimax_m3_vl at load anyway (PoolingCache in a CacheList,
-    # MiniMaxM3KVCache: no batch form), and qwen4_exp's QSAKVCache too (a KVCache subclass, refused since the check
-    # matches classes exactly); the rows say why they could not batch exactly even with a batch form
+    # engine's cache check would refuse minimax_m3_vl at load anyway (MiniMaxM3KVCache: no batch form), and
+    # qwen4_exp's QSAKVCache too (a KVCache subclass, refused since the check matches classes exactly); the rows say
+    # why they could not batch exactly even with a batch form. deepseek_v4's caches batch (PoolingCache: the Pooling
+    # kind)
     FamilySpec("deepseek_v4", refused="its language model reads the prompt's image sentinel ids (ids past the "
                "vocabulary) and lets each image's tokens attend bidirectionally inside the image, and it raises when "
                "a forward holding them starts past cache offset 0, so an image prompt can be neither prefilled in "
-               "chunks nor recomputed after a restored prefix; and its compressed layers keep PoolingCaches, which "
-               "have no batch form"),
+               "chunks nor recomputed after a restored prefix"),
     FamilySpec("minimax_m3_vl", refused="mlx-vlm's sparse attention cuts key blocks over cache slots, which a row's "
                "left padding shifts off its positions, and in a batch of rows of other lengths (mlx-vlm's own "
                "MiniMaxM3BatchKVCache, left-padded) a row's logits differ from the row alone"),

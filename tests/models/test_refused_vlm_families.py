@@ -747,9 +747,9 @@ def test_deepseek_v4_images_attend_both_ways_and_must_come_in_one_prefill_from_o
     """Why deepseek_v4 is refused. Its language model finds the image sentinels in the input ids (ids from the
     vocabulary size on: start, pad, image, newline, end) and builds a mask in which an image's tokens see the later
     ones of the same image; a forward holding sentinels on a cache past offset 0 raises. So an image prompt cannot
-    be prefilled in chunks (the engine's prefill budget) nor after a restored prefix. And its compressed layers keep
-    PoolingCaches (in a CacheList), which the engine's caches have no batch form of. If mlx-vlm changes any of this,
-    this fails: look again."""
+    be prefilled in chunks (the engine's prefill budget) nor after a restored prefix. Its caches are not the reason:
+    its compressed layers keep PoolingCaches in a CacheList, which the cache protocol batches (the Pooling kind,
+    GLM-5-Next's). If mlx-vlm changes any of this, this fails: look again."""
     from mlx_vlm.models.deepseek_v4.language import create_image_attention_mask
 
     from caches import layers
@@ -757,8 +757,8 @@ def test_deepseek_v4_images_attend_both_ways_and_must_come_in_one_prefill_from_o
     model = _tiny_deepseek_v4()
     cache = model.make_cache()
     assert [type(c).__name__ for c in cache[1].caches] == ["RotatingKVCache", "PoolingCache", "PoolingCache"]
-    with pytest.raises(layers.UnsupportedCache):
-        layers.capabilities(cache)
+    assert [c.kind for c in layers.capabilities(cache).layers] == [
+        "RotatingKVCache", "CacheList[RotatingKVCache+PoolingCache+PoolingCache]"]
 
     v = _V4_VOCAB
     ids = mx.array([[5, 6, v, v + 2, v + 2, v + 2, v + 4, 7, 8]])  # text, an image's start, 3 image tokens, end
