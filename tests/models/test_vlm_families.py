@@ -199,12 +199,14 @@ def solo(model, processor, messages, images, **generate_kwargs):
 
 
 # The families whose per-family tests run in this file; the later ones run the same tests in
-# test_vlm_families_more.py (pytest-xdist gives each file one worker: split, the two halves run side by side).
+# test_vlm_families_more.py, the newest in test_vlm_families_newest.py (pytest-xdist gives each file one worker:
+# split, the parts run side by side, and no one file holds the suite's longest path).
 LATER_FAMILIES = ["kimi_vl", "ernie4_5_moe_vl", "mage_vl", "molmo", "minicpmv4_6", "glm4v_moe", "glm_ocr",
                   "paddleocr_vl", "dots_ocr", "granite4_vision", "step3p7", "moondream3", "qwen3_omni_moe",
-                  "kimi_k25", "plamo2vl", "inkling", "indic_ocr", "minicpmo", "minicpmv4_7", "kimi_k3", "muse_glimmer",
-                  "mimo_v2", "nemotron_h_nano_omni", "glm5_next"]
-FIRST_FAMILIES = [name for name in FAMILY_CASES if name not in LATER_FAMILIES]
+                  "kimi_k25"]
+NEWEST_FAMILIES = ["plamo2vl", "inkling", "indic_ocr", "minicpmo", "minicpmv4_7", "kimi_k3", "muse_glimmer",
+                   "mimo_v2", "nemotron_h_nano_omni", "glm5_next"]
+FIRST_FAMILIES = [name for name in FAMILY_CASES if name not in LATER_FAMILIES + NEWEST_FAMILIES]
 
 
 def family_fixture(names: list[str]):
@@ -769,16 +771,17 @@ def _readme_vlm_table() -> dict[str, list[str]]:
 
 
 def test_every_per_family_test_runs_on_every_family():
-    """The two halves cover every family once, and test_vlm_families_more.py runs every per-family test here."""
+    """The three parts cover every family once, and test_vlm_families_more.py and test_vlm_families_newest.py run
+    every per-family test here."""
     import inspect
 
-    from . import test_vlm_families_more as more
+    from . import test_vlm_families_more as more, test_vlm_families_newest as newest
 
-    assert sorted(FIRST_FAMILIES + LATER_FAMILIES) == sorted(FAMILY_CASES) and not set(FIRST_FAMILIES) & set(
-        LATER_FAMILIES)
+    assert sorted(FIRST_FAMILIES + LATER_FAMILIES + NEWEST_FAMILIES) == sorted(FAMILY_CASES)
     here = {name for name, f in globals().items() if name.startswith("test_") and callable(f)
             and "family" in inspect.signature(f).parameters}
     assert here == {name for name in vars(more) if name.startswith("test_")}
+    assert here == {name for name in vars(newest) if name.startswith("test_")}
 
 
 def test_readme_family_table_agrees_with_the_family_specs():

@@ -1,5 +1,5 @@
 """The per-family tests of test_vlm_families.py (its docstring says what they check) on the later vision-language
-families (``LATER_FAMILIES``): one file per half, so pytest-xdist runs the halves on two workers."""
+families (``LATER_FAMILIES``): one file per part, so pytest-xdist runs the parts side by side."""
 
 from __future__ import annotations
 
