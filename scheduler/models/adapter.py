@@ -81,6 +81,7 @@ def _items(values: list) -> list:
 # the tokens of the layout probe where one token leaves a cache layer unwritten (`VLMAdapter.kv_layout`)
 LONG_LAYOUT_PROBE = 16
 
+
 @dataclass(frozen=True)
 class MediaItem:
     """One image or video of a request whose family keys media per item (``VLMAdapter.media_keys``): what the

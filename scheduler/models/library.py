@@ -13,7 +13,8 @@
 ``input_embeddings``      ``Model.get_input_embeddings``: the encoder(s) and the merge, as ``mlx_vlm.generate``
                           calls it; also with no media (the text path).
 ``mrope_tokens``          what the M-RoPE families' ``get_rope_index`` reads from the config (media token ids, patch
-                          merge), for our own ``positions.mrope_index``.
+                          merge), for our own ``positions.mrope_index``; ``canvas_rope``: MiniCPM-V 4.7's own
+                          ``CanvasRoPE``, for ``positions.canvas_index``.
 ``lm_forward``            one language-model call with ``inputs_embeds`` or token ids and explicit kwargs.
 ``make_cache``            the cache ``mlx_vlm.stream_generate`` builds (``make_prompt_cache``), or rotating caches
                           of ``max_kv_size`` tokens.
@@ -202,6 +203,14 @@ def input_embeddings(model: Any, input_ids: mx.array, media_inputs: dict[str, An
 
 
 _INSTANCE_POSITION_STATE = ("_position_ids", "_rope_deltas")
+
+
+def canvas_rope(config: Any) -> Any:
+    """mlx-vlm's ``CanvasRoPE`` of MiniCPM-V 4.7 (numpy already): its ``get_rope_index`` lays each image's thumbnail
+    and slices on one 2-D canvas."""
+    from mlx_vlm.models.minicpmv4_7.rope import CanvasRoPE
+
+    return CanvasRoPE(config)
 
 
 def mrope_tokens(model: Any) -> tuple[int, int, int, int]:

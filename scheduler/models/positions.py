@@ -130,8 +130,6 @@ def canvas_index(model: Any, tokens: np.ndarray, mask: np.ndarray, crop_grids: A
     as its ``get_input_embeddings`` feeds it: the crop grids (the processor's ``tgt_sizes``, one (rows, cols) of
     patches per run of image or video tokens, in prompt order) split by the run's kind; the delta counts the whole
     row, as there."""
-    from mlx_vlm.models.minicpmv4_7.rope import CanvasRoPE
-
     config = model.config
     tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
     kinds = np.where(tokens == config.image_token_id, 1, np.where(tokens == config.video_token_id, 2, 0))
@@ -141,10 +139,10 @@ def canvas_index(model: Any, tokens: np.ndarray, mask: np.ndarray, crop_grids: A
     if len(grids) != len(starts):
         raise ValueError(f"{len(grids)} crop grids for {len(starts)} runs of media tokens")
     sizes = {kind: np.asarray([g for g, s in zip(grids, starts) if kinds[s] == kind]).reshape(-1, 2) for kind in (1, 2)}
-    positions, _ = CanvasRoPE(config).get_rope_index(tokens[None], mm_token_type_ids=kinds[None],
-                                                     target_sizes=sizes[1], target_sizes_videos=sizes[2],
-                                                     downsample_mode=config.downsample_mode,
-                                                     attention_mask=np.asarray(mask).reshape(1, -1))
+    positions, _ = library.canvas_rope(config).get_rope_index(tokens[None], mm_token_type_ids=kinds[None],
+                                                              target_sizes=sizes[1], target_sizes_videos=sizes[2],
+                                                              downsample_mode=config.downsample_mode,
+                                                              attention_mask=np.asarray(mask).reshape(1, -1))
     positions = positions[:, 0].astype(np.int64)
     return positions, int(positions.max()) + 1 - len(tokens) if len(tokens) else 0
 
