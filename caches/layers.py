@@ -8,7 +8,8 @@ arrays (`ArraysCache` and its subclasses: SSM, conv and linear-attention state),
 A kind knows how to merge single-request caches into a batch, snapshot and restore a request's cache for the
 prefix cache, measure its bytes, and what it can do: `LayerCapabilities` is plain data (can it be trimmed to a
 shorter prefix? rolled back per row after draft verification? split back out of a batch? is its size fixed or
-growing?). Callers read the capabilities; they never test cache classes.
+growing?). Callers read the capabilities; they never test cache classes. A layer's kind is found by its exact
+class: a library's subclass of a known class keeps behaviour of its own and is refused (`_kind_of`).
 
 Kinds mlx-lm cannot batch (`ChunkedKVCache`, `ConcatenateKVCache`, anything without `merge`) are refused by
 `check_batchable` with `UnsupportedCache` naming the class and why. Quantized KV (`QuantizedKVCache`, what
