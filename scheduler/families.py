@@ -115,6 +115,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("kimi_vl", _KV, note="the text model of a Kimi-VL checkpoint: multi-head latent attention"),
     Family("kimi_k25", _KV, note="the text model of a Kimi K2.5 checkpoint: multi-head latent attention"),
     Family("mistral4", _KV, note="multi-head latent attention, mixture of experts"),
+    Family("glm4_moe_lite", _KV, note="multi-head latent attention, mixture of experts, grouped routing"),
     # ---- mixtures of experts
     *(Family(t, _KV, note="mixture of experts") for t in (
         "qwen2_moe", "olmoe", "granitemoe", "phimoe", "ernie4_5_moe", "minimax", "dots1", "bailing_moe_v3",
