@@ -131,6 +131,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("gemma3", _ROT, honors_lengths=True, note="the text model of a Gemma 3 checkpoint: sliding-window layers"),
     Family("gemma4_text", _ROT, honors_lengths=True,
            note="sliding-window layers, key-value sharing across layers, per-layer inputs, mixture of experts"),
+    Family("gemma4", _ROT, honors_lengths=True,
+           note="the text model of a Gemma 4 checkpoint: sliding-window layers, key-value sharing, MoE"),
     # honors_lengths not declared where a padded shared forward leaves a row other state than its own forward
     # (the check of tests/execution/test_hybrids.py, probed per family): gemma3n, recurrent_gemma, mamba, rwkv7,
     # jamba, olmo_hybrid, bailing_moe_linear, baichuan_m1, longcat_flash_ngram
