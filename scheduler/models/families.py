@@ -34,7 +34,7 @@ between families is declared here, and nothing else:
                    ``image_patch_token``, Molmo 2's config ``image_patch_id``, Jina VLM's config
                    ``image_patch_token_id``: their features are added at the patch tokens the processor writes, not
                    at the prompt's placeholder; Moondream 3's config ``bos_token_id``: its processor writes an
-                   image's placeholders as BOS ids).
+                   image's placeholders as BOS ids; GOT-OCR 2.0's config ``im_patch_token``, its ``<imgpad>``).
 ``media_mask_input`` / ``media_row_inputs``  extra language-model inputs that ``get_input_embeddings`` returns
                    and the language model reads per prefill chunk: a (1, L) mask of the media positions
                    (Qwen3-VL's ``visual_pos_masks``) and per-media-token rows (its ``deepstack_visual_embeds``).
@@ -56,7 +56,7 @@ between families is declared here, and nothing else:
 ``mixed_image_video`` whether one request may carry both images and videos (mlx-vlm's Qwen2/2.5-VL merge one kind).
 ``images_per_request`` the most images mlx-vlm's processor and merge take in one prompt (None: any); more are
                    refused at ``add_request`` for that request alone, before the processor runs (Step 3.7, Molmo,
-                   PaddleOCR-VL, Moondream 3: 1).
+                   PaddleOCR-VL, Moondream 3, GOT-OCR 2.0: 1).
 ``audio_encoder``  the model attribute (a dotted path) that turns audio features into embeddings (a checkpoint
                    without it is refused for an audio family): Gemma 4's Conformer ``audio_tower``; Gemma 4 unified
                    has no encoder, its ``embed_audio`` projects raw 40 ms frames; Qwen3-Omni's thinker holds its
@@ -457,6 +457,14 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
     FamilySpec("glm5_next", dropped_inputs=("mm_token_type_ids",), vision_batch=_ONE, item_split=_GRID,
                notes="GLM-5-Next: hyper-connections, gated-delta linear attention next to NoPE DeepSeek sparse "
                "attention with a pooled top-k indexer, mixture of experts"),
+    # GOT-OCR 2.0: a Qwen2 decoder (plain RoPE, KV), one image a prompt (the processor writes one <img> block of 256
+    # <imgpad> whatever the image count, and the merge fills it from the first image only). Its merge takes batch
+    # row b's rows from image b of the call, so images of several requests cannot go through one
+    # get_input_embeddings call under one prompt row: one call per request. The config names the rows' token
+    # im_patch_token
+    FamilySpec("got", media_token="im_patch_token", images_per_request=1, vision_batch=VisionBatch.PER_REQUEST,
+               notes="GOT-OCR 2.0: Qwen2 text; SAM-style windowed ViT at 1024 px, a convolutional neck down to 256 "
+               "rows"),
     FamilySpec("gemma3n", media=frozenset({"audio"}), refused="mlx-vlm's get_input_embeddings embeds a prompt's text "
                "tokens without the sqrt(hidden_size) scale its language model applies to the token ids it is fed, so "
                "a token the scheduler feeds as an id (the last prompt token as the first decode input, a preempted "

@@ -134,6 +134,10 @@ FAMILY_CASES = {
     # the first three to 16 and stops requests 5 and 7 after 4 and 14
     "nemotron_h_nano_omni": FamilyCase(_tiny("nemotron_h_nano_omni", seed=3)),
     "glm5_next": FamilyCase(_tiny("glm5_next")),
+    # one image a prompt (FamilySpec.images_per_request); seed 0 runs the first three requests to 16 and ends three
+    # others on eos, after 4, 10 and 14 tokens. Its first
+    # prompt is 378 tokens (256 image positions): 42 chunks of 9 before the repeats may find it stored
+    "got": FamilyCase(_tiny("got"), repeat_delay=48),
 }
 
 SCHEDULES = {
@@ -205,7 +209,7 @@ LATER_FAMILIES = ["kimi_vl", "ernie4_5_moe_vl", "mage_vl", "molmo", "minicpmv4_6
                   "paddleocr_vl", "dots_ocr", "granite4_vision", "step3p7", "moondream3", "qwen3_omni_moe",
                   "kimi_k25"]
 NEWEST_FAMILIES = ["plamo2vl", "inkling", "indic_ocr", "minicpmo", "minicpmv4_7", "kimi_k3", "muse_glimmer",
-                   "mimo_v2", "nemotron_h_nano_omni", "glm5_next"]
+                   "mimo_v2", "nemotron_h_nano_omni", "glm5_next", "got"]
 FIRST_FAMILIES = [name for name in FAMILY_CASES if name not in LATER_FAMILIES + NEWEST_FAMILIES]
 
 
@@ -495,9 +499,11 @@ def test_moondream3_prefill_is_causal_as_mlx_vlms_generate(tmp_path):
 # an image request shares no prefix with another request.
 MEDIA_BEFORE_TEXT = {"molmo", "moondream3"}
 # Families whose processor wraps an image prompt alone in its template, the images before all of the chat's text,
-# system prompt included (PLaMo 2 VL: the ja01 instruction header, the image tokens, then the text; mlx-vlm tokenizes
-# a text prompt bare): image requests share the header before their media, a text request nothing with them.
-MEDIA_AFTER_HEADER = {"plamo2vl"}
+# system prompt included (PLaMo 2 VL: the ja01 instruction header, the image tokens, then the text; GOT-OCR 2.0: its
+# MPT system turn and user role, then the image block, then the chat's text, which mlx-vlm renders without the
+# image's place; mlx-vlm tokenizes a text prompt bare): image requests share the header before their media, a text
+# request nothing with them.
+MEDIA_AFTER_HEADER = {"plamo2vl", "got"}
 # Families whose processor writes text that depends on the image before its first media token, and whose caches are
 # not cut back (a prefix is restored from the checkpoint stored at the block boundary before the first media token):
 # Kimi K3's `<|media_begin|>image WxH<|media_content|>` names the image's size, so the two image requests part 6
