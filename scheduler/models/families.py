@@ -27,7 +27,8 @@ between families is declared here, and nothing else:
                    ``<|image|>``, its processor's ``image_placeholder_token``).
 ``placeholder_text`` that text itself, for a family whose processor names it in no attribute (Kimi K3: mlx-vlm's
                    chat renderer writes ``<|kimi_image_placeholder|>`` per image, a constant of its processor
-                   module, which the processor replaces with the image's ``<|media_pad|>`` run); it overrides
+                   module, which the processor replaces with the image's ``<|media_pad|>`` run; LocateAnything:
+                   ``<image-``, the start of the ``<image-N>`` its template writes per image); it overrides
                    ``placeholder``.
 ``media_token``    the config or processor attribute naming the token whose positions take the media rows (its id,
                    or its text), for a family whose usual config fields name none of them (Molmo's processor's
@@ -465,6 +466,14 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
     FamilySpec("got", media_token="im_patch_token", images_per_request=1, vision_batch=VisionBatch.PER_REQUEST,
                notes="GOT-OCR 2.0: Qwen2 text; SAM-style windowed ViT at 1024 px, a convolutional neck down to 256 "
                "rows"),
+    # LocateAnything: a Qwen2 decoder (plain RoPE, KV) under Kimi-VL's MoonViT. Its chat template writes an image as
+    # `<image-N>`, N counting the chat's images, which the processor expands (no fixed placeholder string: the
+    # prompt's image count is that of `<image-`). pixel_values (patches, 3, 14, 14) with image_grid_hws rows, and the
+    # processor returns `_grid_shapes` (a list of tuples) and `image_token_id` among the media, as Kimi-VL's: one
+    # encoder call per request, keyed whole
+    FamilySpec("locateanything", placeholder_text="<image-", vision_batch=VisionBatch.PER_REQUEST,
+               notes="LocateAnything: Qwen2 text (its parallel box decoding, pbd_generate, is not mlx_vlm.generate's "
+               "path); MoonViT tower, 2x2 patch merge"),
     FamilySpec("gemma3n", media=frozenset({"audio"}), refused="mlx-vlm's get_input_embeddings embeds a prompt's text "
                "tokens without the sqrt(hidden_size) scale its language model applies to the token ids it is fed, so "
                "a token the scheduler feeds as an id (the last prompt token as the first decode input, a preempted "

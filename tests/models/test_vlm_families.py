@@ -138,6 +138,8 @@ FAMILY_CASES = {
     # others on eos, after 4, 10 and 14 tokens. Its first
     # prompt is 378 tokens (256 image positions): 42 chunks of 9 before the repeats may find it stored
     "got": FamilyCase(_tiny("got"), repeat_delay=48),
+    # seed 0: requests 1 and 6 end on eos after 8 and 4 tokens, the kv-budget schedules preempt an image request
+    "locateanything": FamilyCase(_tiny("locateanything")),
 }
 
 SCHEDULES = {
@@ -209,7 +211,8 @@ LATER_FAMILIES = ["kimi_vl", "ernie4_5_moe_vl", "mage_vl", "molmo", "minicpmv4_6
                   "paddleocr_vl", "dots_ocr", "granite4_vision", "step3p7", "moondream3", "qwen3_omni_moe",
                   "kimi_k25"]
 NEWEST_FAMILIES = ["plamo2vl", "inkling", "indic_ocr", "minicpmo", "minicpmv4_7", "kimi_k3", "muse_glimmer",
-                   "mimo_v2", "nemotron_h_nano_omni", "glm5_next", "got"]
+                   "mimo_v2", "nemotron_h_nano_omni", "glm5_next", "got",
+                   "locateanything"]
 FIRST_FAMILIES = [name for name in FAMILY_CASES if name not in LATER_FAMILIES + NEWEST_FAMILIES]
 
 
