@@ -99,7 +99,8 @@ between families is declared here, and nothing else:
                    which).
 
 A family absent from this table is refused at load with ``UnsupportedFamily`` (a ``TypeError``) naming the
-supported ones: mlx-vlm may load it, but nothing here has shown that it batches exactly. A family declared with
+supported ones (and, for the types in ``LEFT_OUT``, why they have no row): mlx-vlm may load it, but nothing here has
+shown that it batches exactly. ``ALIASES`` are the other names mlx-vlm loads a row's model under. A family declared with
 ``refused`` is one mlx-vlm runs that cannot batch through this interface; it is refused at load with the reason.
 ``refused_options`` refuses only the checkpoints of a family that set a config option the scheduler cannot batch
 (Inkling's ``text_config.log_scaling_n_floor``: see its row).
@@ -552,9 +553,54 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
 )}
 
 
+# Other names mlx-vlm loads a row's model under (its MODEL_REMAPPING; the loaded config keeps the name it was
+# given): each resolves to that row, tested under the alias in tests/models/test_vlm_aliases.py, which also lists
+# the aliases of rows that do not resolve, with why
+ALIASES: dict[str, str] = {
+    "lfm2-vl": "lfm2_vl",
+    "inkling_mm_model": "inkling",
+}
+
+# mlx-vlm vision-language model types with no row, with why (the README's list of families "not in the table" says
+# more): refused at load like any type without a row, naming the reason
+LEFT_OUT: dict[str, str] = {
+    "paligemma": "its checkpoints attend bidirectionally over the whole prompt, which mlx-vlm prefills in one pass; "
+                 "a chunked, batched prefill would differ",
+    "phi3_v": "mlx-vlm's LongRoPE picks its rotary factors per forward from the largest position in it, so a batch "
+              "row or a prefill chunk past original_max_position_embeddings changes the others' frequencies; and its "
+              "hard-coded CLIP tower cannot be built small to test",
+    "moondream2": "mlx-vlm's processor loads its tokenizer from the Hugging Face hub whatever the checkpoint holds, "
+                  "so it cannot be built or tested offline",
+    "zaya1_vl": "mlx-vlm 0.7.10 cannot generate with it (its prefill calls language_model(inputs=...), which "
+                "ZAYA1-VL's LanguageModel names input_ids)",
+    "deepseekocr": "mlx-vlm builds its SAM encoder from defaults whatever config.json says, so it cannot be built "
+                   "small to test",
+    "deepseekocr_2": "mlx-vlm builds its SAM encoder and its decoder-as-encoder from defaults whatever config.json "
+                     "says, so it cannot be built small to test",
+    "unlimited_ocr": "mlx-vlm builds its SAM encoder from defaults whatever config.json says (as deepseekocr), and "
+                     "its RingSlidingKVCache has no batch form",
+    "youtu_vl": "mlx-vlm 0.7.10 has no processor for it (the checkpoints' own is remote code)",
+    "llmjpvl": "mlx-vlm 0.7.10 has no processor for it (the checkpoints' own is remote code)",
+    "muse_spark": "its language model in mlx-vlm runs Metal kernels only",
+    "cohere_compass": "its language model keeps only the last position's logits when the cache has left padding and "
+                      "no mask is passed, its deepstack rows come in an object of their own, and its M-RoPE tokens "
+                      "sit on the top-level config (a tiny build showed all three)",
+    "florence2": "an encoder-decoder: its decoder cross-attends to each request's encoder states (a second cache "
+                 "per layer), which the decoder-only batching has no place for",
+    "nemotron_parse": "an encoder-decoder: its mBART-style decoder cross-attends to the vision encoder's states",
+    "deepseek_v41": "it keeps one cache object for all its layers (DeepseekV41Cache), a kind the cache-layer "
+                    "protocol does not know (mlx-vlm's BatchDeepseekV41Cache is not adopted; mlx-lm's text model of "
+                    "the family is refused for its layer cache too)",
+}
+
+
 def family_for(model_type: str | None) -> FamilySpec:
-    spec = FAMILIES.get(model_type or "")
+    """The row of a loaded model's ``model_type`` (or of the row it is an alias of); UnsupportedFamily otherwise,
+    naming why where the type is known to be left out."""
+    name = model_type or ""
+    spec = FAMILIES.get(name) or FAMILIES.get(ALIASES.get(name, ""))
     if spec is None:
-        raise UnsupportedFamily(f"no VLM family spec for model_type {model_type!r}; supported: "
+        why = f"it is not batched here: {LEFT_OUT[name]}" if name in LEFT_OUT else "no VLM family spec for it"
+        raise UnsupportedFamily(f"model_type {model_type!r}: {why}; supported: "
                                 f"{', '.join(sorted(k for k, v in FAMILIES.items() if not v.refused))}")
     return spec

@@ -156,11 +156,16 @@ def _tiny_mllama():
 
 
 def test_families_that_do_not_batch_are_refused_at_load(tiny_vlm_dir):
-    """Real mlx-vlm models: an unlisted family (paligemma: no exactness test here) and declared refusals (mllama:
-    cross-attention to per-request vision states; llava_next, loaded by mlx_vlm.load: an embedded prompt longer
-    than its tokens) raise UnsupportedFamily (a TypeError) with the reason."""
-    with pytest.raises(UnsupportedFamily, match="no VLM family spec for model_type 'paligemma'"):
-        Engine(_tiny_paligemma(), None)
+    """Real mlx-vlm models: a family left out (paligemma: its bidirectional prompt attention; `LEFT_OUT`), one no
+    row knows of, and declared refusals (mllama: cross-attention to per-request vision states; llava_next, loaded by
+    mlx_vlm.load: an embedded prompt longer than its tokens) raise UnsupportedFamily (a TypeError) with the reason."""
+    model = _tiny_paligemma()
+    with pytest.raises(UnsupportedFamily, match="^model_type 'paligemma': it is not batched here: its checkpoints "
+                                                "attend bidirectionally"):
+        Engine(model, None)
+    model.config.model_type = "paligemma_next"
+    with pytest.raises(UnsupportedFamily, match="^model_type 'paligemma_next': no VLM family spec for it; supported: "):
+        Engine(model, None)
     with pytest.raises(UnsupportedFamily, match="'mllama' cannot be batched: its language model cross-attends"):
         Engine(_tiny_mllama(), None)
     with pytest.raises(UnsupportedFamily, match="'llava_next' cannot be batched: .* longer than its token ids"):
