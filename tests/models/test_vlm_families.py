@@ -211,8 +211,7 @@ LATER_FAMILIES = ["kimi_vl", "ernie4_5_moe_vl", "mage_vl", "molmo", "minicpmv4_6
                   "paddleocr_vl", "dots_ocr", "granite4_vision", "step3p7", "moondream3", "qwen3_omni_moe",
                   "kimi_k25"]
 NEWEST_FAMILIES = ["plamo2vl", "inkling", "indic_ocr", "minicpmo", "minicpmv4_7", "kimi_k3", "muse_glimmer",
-                   "mimo_v2", "nemotron_h_nano_omni", "glm5_next", "got",
-                   "locateanything"]
+                   "mimo_v2", "nemotron_h_nano_omni", "glm5_next", "got", "locateanything"]
 FIRST_FAMILIES = [name for name in FAMILY_CASES if name not in LATER_FAMILIES + NEWEST_FAMILIES]
 
 
