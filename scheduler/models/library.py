@@ -385,9 +385,11 @@ def media_token_ids(model: Any, processor: Any, media_token: str | None = None) 
             value = getattr(holder, name, None)
             if isinstance(value, int) and value >= 0:
                 ids.add(value)
-    value = getattr(processor, "image_token_id", None)
-    if isinstance(value, int):
-        ids.add(value)
+    # the processor's too (Nemotron Omni's config names its tokens img_context_token_id / sound_context_token_id)
+    for name in ("image_token_id", "audio_token_id"):
+        value = getattr(processor, name, None)
+        if isinstance(value, int):
+            ids.add(value)
     if media_token:
         held = processor
         for name in media_token.split("."):  # a dotted path reaches a processor's part (image_processor.unk)
