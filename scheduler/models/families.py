@@ -61,7 +61,8 @@ between families is declared here, and nothing else:
 ``audio_encoder``  the model attribute (a dotted path) that turns audio features into embeddings (a checkpoint
                    without it is refused for an audio family): Gemma 4's Conformer ``audio_tower``; Gemma 4 unified
                    has no encoder, its ``embed_audio`` projects raw 40 ms frames; Qwen3-Omni's thinker holds its
-                   Whisper-style ``thinker.audio_tower``.
+                   Whisper-style ``thinker.audio_tower``; Nemotron Omni's Parakeet ``sound_encoder`` takes the
+                   waveforms (its processor's ``sound_clips``) and computes their mel features itself.
 ``kv_bits_refused`` why ``EngineConfig.kv_bits`` cannot batch this family exactly: refused at configuration with
                    this reason (Qwen3.5's language model: see ``QWEN3_5_QUANTIZED_PADS``).
 ``honors_lengths`` whether the language model keeps right pads out of its sliding windows and recurrent state when
@@ -105,7 +106,7 @@ shown that it batches exactly. ``ALIASES`` are the other names mlx-vlm loads a r
 ``refused_options`` refuses only the checkpoints of a family that set a config option the scheduler cannot batch
 (Inkling's ``text_config.log_scaling_n_floor``: see its row).
 Every family here without ``refused`` is exact in tests/models/test_vlm_families.py (gemma4 and gemma4_unified:
-tests/models/test_audio.py; qwen3_omni_moe's audio requests there too).
+tests/models/test_audio.py; the audio requests of qwen3_omni_moe, inkling and nemotron_h_nano_omni there too).
 """
 
 from __future__ import annotations
@@ -445,13 +446,16 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
     FamilySpec("mimo_v2", media=_QWEN_MEDIA, vision_batch=_ONE, item_split=_GRID, honors_lengths=True,
                notes="MiMo-V2.6: MiMo-V2-Flash text (sliding-window layers with attention sinks, mixture of experts); "
                "windowed ViT with sinks on flattened patches"),
-    # Nemotron-3 Nano Omni's image path (its sound encoder not built): pixel_values is a Python list where a
-    # request's images differ in size, and the processor returns num_patches / num_tokens / imgs_sizes (lists)
-    # with it: one encoder call per request, keyed whole. Its Mamba-2 mixer gives ssm_update the padding mask but
-    # not the lengths (as mlx-lm's nemotron_h): no honors_lengths, so only aligned chunks share a forward
-    FamilySpec("nemotron_h_nano_omni", vision_batch=VisionBatch.PER_REQUEST,
+    # Nemotron-3 Nano Omni: pixel_values is a Python list where a request's images differ in size, and the processor
+    # returns num_patches / num_tokens / imgs_sizes (lists) with it; audio is sound_clips, the request's waveforms (a
+    # list), which get_input_embeddings turns into mel features and pads to the request's longest clip: one encoder
+    # call per request, keyed whole. The sound rows go at <so_embedding>, which the processor's audio_token_id names
+    # (the config's sound_context_token_id). Its Mamba-2 mixer gives ssm_update the padding mask but not the lengths
+    # (as mlx-lm's nemotron_h): no honors_lengths, so only aligned chunks share a forward
+    FamilySpec("nemotron_h_nano_omni", media=frozenset({"image", "audio"}), audio_encoder="sound_encoder",
+               vision_batch=VisionBatch.PER_REQUEST,
                notes="Nemotron-3 Nano Omni: hybrid Nemotron-H text (Mamba-2, attention and mixture-of-experts "
-               "blocks); RADIO ViT on one dynamic-resolution view, pixel shuffle"),
+               "blocks); RADIO ViT on one dynamic-resolution view, pixel shuffle; Parakeet sound encoder"),
     # GLM-5-Next: no rotary anywhere (NoPE latent attention; the linear-attention layers carry order), so ROPE's
     # plain counting. Its sparse-attention layers keep mlx-vlm's CacheList with a PoolingCache (caches/layers.py:
     # the Pooling kind). The tower attends within each image of a call (cu_seqlens splits): one call for the tick's

@@ -4,9 +4,10 @@ language model with an encoder-free audio path). Each loads and generates throug
 the VLMAdapter, solo and batched with text requests (sliding-window caches wrapping), gives exactly the
 tokens of mlx_vlm.stream_generate run alone; a repeated clip hits the encoder cache; bad audio fails with
 MediaError naming the clip. Gemma 3n is refused at load (the test after Gemma's says why). Last, Qwen3-Omni's
-thinker (`qwen3_omni_moe`, a Whisper-style audio tower beside its vision tower) and Inkling (a dMel audio front end
-beside its patchifier): audio, image and text requests batched in four schedules equal mlx_vlm alone (their image
-and video requests: tests/models/test_vlm_families.py)."""
+thinker (`qwen3_omni_moe`, a Whisper-style audio tower beside its vision tower), Inkling (a dMel audio front end
+beside its patchifier) and Nemotron-3 Nano Omni (`nemotron_h_nano_omni`, a Parakeet sound encoder beside its RADIO
+tower): audio, image and text requests batched in four schedules equal mlx_vlm alone (their image and video
+requests: tests/models/test_vlm_families.py)."""
 
 import os
 
@@ -645,14 +646,14 @@ def _mixed_requests(model, processor, root):
     return requests, references
 
 
-def _tiny_mixed(family, tmp_path_factory):
+def _tiny_mixed(family, tmp_path_factory, seed=0):
     """The tiny `family` build (scheduler/fixtures/vlm_families.py), its requests and their references."""
     import mlx_vlm
 
     from scheduler.fixtures.vlm_families import build_tiny_vlm
 
     root = tmp_path_factory.mktemp(f"tiny-{family}")
-    model, processor = mlx_vlm.load(str(build_tiny_vlm(family, root / "model")))
+    model, processor = mlx_vlm.load(str(build_tiny_vlm(family, root / "model", seed=seed)))
     return (model, processor, *_mixed_requests(model, processor, root))
 
 
@@ -788,3 +789,43 @@ def test_inkling_engine_audio_images_and_text_match_solo(inkling, schedule):
 def test_inkling_audio_requests_are_quiet(inkling, capfd, caplog, recwarn):
     """Inkling's audio requests print, log and warn nothing either."""
     _mixed_audio_requests_are_quiet(*inkling, capfd, caplog, recwarn)
+
+
+# ----------------------------------------------- nemotron_h_nano_omni: Parakeet sound beside images and text
+
+
+@pytest.fixture(scope="module")
+def nemotron(tmp_path_factory):
+    """The tiny Nemotron-3 Nano Omni (scheduler/fixtures/vlm_builds_hybrids.py: Mamba-2, attention and
+    mixture-of-experts blocks, a RADIO tower, a one-block Parakeet sound encoder), the requests above and their
+    references. Seed 3, as its image tests (tests/models/test_vlm_families.py): seed 0 ends the first request on eos
+    after one token, so the KV budget preempts no audio request."""
+    return _tiny_mixed("nemotron_h_nano_omni", tmp_path_factory, seed=3)
+
+
+def test_nemotron_audio_reaches_the_language_model(nemotron):
+    """The requests' answers differ, and a clip's tokens are what the processor expands its one `<so_embedding>` into
+    (between <so_start> and <so_end>): one per 80 ms, 1 + samples // 160 mel frames through three stride-2
+    convolutions, 13 for 1 s and 29 for 2.3 s. The processor hands the model the waveforms (`sound_clips`); the
+    model computes their features in get_input_embeddings."""
+    model, processor, requests, references = nemotron
+    assert len({tuple(r) for r in references[:6]}) == 6 and references[6] == references[0]
+    adapter = VLMAdapter(model, processor)
+    assert adapter.sample_rate == RATE and adapter.spec.audio_encoder == "sound_encoder"
+    one, two = (adapter.prepare(requests[i]["prompt"], audio=requests[i]["audio"]) for i in (0, 2))
+    sound = model.config.sound_context_token_id
+    assert one.num_audio == 1 and one.input_ids.count(sound) == one.num_media_tokens == 13
+    assert two.num_audio == 2 and two.num_media_tokens == 13 + 29 and list(two.media_inputs) == ["sound_clips"]
+
+
+@pytest.mark.parametrize("schedule", list(OMNI_SCHEDULES))
+def test_nemotron_engine_audio_images_and_text_match_solo(nemotron, schedule):
+    """Nemotron Omni batched as Qwen3-Omni above: each request's tokens are mlx_vlm.stream_generate's alone, in each
+    schedule (a request's clips, and its images, through one get_input_embeddings call of its own, keyed whole; the
+    Mamba-2 state of rows whose chunks differ prefilled apart)."""
+    _mixed_schedule_matches_solo(*nemotron, schedule)
+
+
+def test_nemotron_audio_requests_are_quiet(nemotron, capfd, caplog, recwarn):
+    """Nemotron Omni's audio requests print, log and warn nothing either."""
+    _mixed_audio_requests_are_quiet(*nemotron, capfd, caplog, recwarn)
