@@ -61,7 +61,8 @@ between families is declared here, and nothing else:
 ``audio_encoder``  the model attribute (a dotted path) that turns audio features into embeddings (a checkpoint
                    without it is refused for an audio family): Gemma 4's Conformer ``audio_tower``; Gemma 4 unified
                    has no encoder, its ``embed_audio`` projects raw 40 ms frames; Qwen3-Omni's thinker holds its
-                   Whisper-style ``thinker.audio_tower``; Nemotron Omni's Parakeet ``sound_encoder`` takes the
+                   Whisper-style ``thinker.audio_tower``; MiMo-V2.6's ``audio_encoder`` embeds the codes its
+                   processor's MiMo audio tokenizer gives; Nemotron Omni's Parakeet ``sound_encoder`` takes the
                    waveforms (its processor's ``sound_clips``) and computes their mel features itself.
 ``kv_bits_refused`` why ``EngineConfig.kv_bits`` cannot batch this family exactly: refused at configuration with
                    this reason (Qwen3.5's language model: see ``QWEN3_5_QUANTIZED_PADS``).
@@ -106,7 +107,8 @@ shown that it batches exactly. ``ALIASES`` are the other names mlx-vlm loads a r
 ``refused_options`` refuses only the checkpoints of a family that set a config option the scheduler cannot batch
 (Inkling's ``text_config.log_scaling_n_floor``: see its row).
 Every family here without ``refused`` is exact in tests/models/test_vlm_families.py (gemma4 and gemma4_unified:
-tests/models/test_audio.py; the audio requests of qwen3_omni_moe, inkling and nemotron_h_nano_omni there too).
+tests/models/test_audio.py; the audio requests of qwen3_omni_moe, inkling, mimo_v2 and nemotron_h_nano_omni there
+too).
 """
 
 from __future__ import annotations
@@ -439,13 +441,16 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
     FamilySpec("muse_glimmer", vision_batch=_ONE, item_split=_GRID, honors_lengths=True,
                notes="Muse Glimmer: sliding-window RoPE layers next to NoPE full attention, gated attention, "
                "soft-capped logits; ViT with window and full attention"),
-    # MiMo-V2.6's image path (its audio, codes from mlx-audio's MiMo tokenizer, not built): MiMo-V2-Flash's text with
-    # plain 1-D RoPE, whose sliding-window layers take their masks from the batch cache (right pads kept out), under
-    # a tower that attends within each image of a call (cu_seqlens spans, windows inside each): one call for the
-    # tick's images, keyed per image (Qwen2.5-VL's processor: image_grid_thw rows)
-    FamilySpec("mimo_v2", media=_QWEN_MEDIA, vision_batch=_ONE, item_split=_GRID, honors_lengths=True,
+    # MiMo-V2.6: MiMo-V2-Flash's text with plain 1-D RoPE, whose sliding-window layers take their masks from the
+    # batch cache (right pads kept out), under a tower that attends within each image of a call (cu_seqlens spans,
+    # windows inside each): one call for the tick's images, keyed per image (Qwen2.5-VL's processor: image_grid_thw
+    # rows). Audio: the processor turns each clip into codes with mlx-audio's MiMo audio tokenizer (audio_codes,
+    # (frames, 20), and audio_code_lengths, one per clip), which the audio encoder embeds clip by clip: a request
+    # with audio is keyed whole, and the tick's clips go through one call
+    FamilySpec("mimo_v2", media=frozenset({"image", "video", "audio"}), audio_encoder="audio_encoder",
+               vision_batch=_ONE, item_split=_GRID, honors_lengths=True,
                notes="MiMo-V2.6: MiMo-V2-Flash text (sliding-window layers with attention sinks, mixture of experts); "
-               "windowed ViT with sinks on flattened patches"),
+               "windowed ViT with sinks on flattened patches; audio as MiMo audio-tokenizer codes"),
     # Nemotron-3 Nano Omni: pixel_values is a Python list where a request's images differ in size, and the processor
     # returns num_patches / num_tokens / imgs_sizes (lists) with it; audio is sound_clips, the request's waveforms (a
     # list), which get_input_embeddings turns into mel features and pads to the request's longest clip: one encoder

@@ -5,8 +5,8 @@ the VLMAdapter, solo and batched with text requests (sliding-window caches wrapp
 tokens of mlx_vlm.stream_generate run alone; a repeated clip hits the encoder cache; bad audio fails with
 MediaError naming the clip. Gemma 3n is refused at load (the test after Gemma's says why). Last, Qwen3-Omni's
 thinker (`qwen3_omni_moe`, a Whisper-style audio tower beside its vision tower), Inkling (a dMel audio front end
-beside its patchifier) and Nemotron-3 Nano Omni (`nemotron_h_nano_omni`, a Parakeet sound encoder beside its RADIO
-tower): audio, image and text requests batched in four schedules equal mlx_vlm alone (their image and video
+beside its patchifier), Nemotron-3 Nano Omni (`nemotron_h_nano_omni`, a Parakeet sound encoder beside its RADIO
+tower) and MiMo-V2.6 (`mimo_v2`, codes of a tiny mlx-audio MiMo audio tokenizer beside its ViT): audio, image and text requests batched in four schedules equal mlx_vlm alone (their image and video
 requests: tests/models/test_vlm_families.py)."""
 
 import os
@@ -688,13 +688,18 @@ def test_omni_engine_audio_images_and_text_match_solo(omni, schedule):
     _mixed_schedule_matches_solo(*omni, schedule)
 
 
-def _mixed_schedule_matches_solo(model, processor, requests, references, schedule):
+def _mixed_schedule_matches_solo(model, processor, requests, references, schedule, budget_chunk=None):
+    """``budget_chunk``: the kv-budget schedule's prefill chunk, for a family whose sliding-window layers hold a
+    whole chunk before they cut back to their window: with one chunk a prompt, its prefill peak keeps the first
+    three requests from being admitted together (as tests/models/test_vlm_families.py's ``budget_chunk``)."""
     from scheduler.events import MemorySink
 
     from ..helpers import OracleDrafter, drive
 
     stagger, config = OMNI_SCHEDULES[schedule]
     config = dict(config, prefix_cache_bytes=8 << 20, prefix_block_size=8, check_invariants=True)
+    if schedule == "kv-budget" and budget_chunk is not None:
+        config["prefill_chunk"] = budget_chunk
     if schedule == "kv-budget":
         lengths = [len(VLMAdapter(model, processor).prepare(r["prompt"], audio=r["audio"], images=r["images"])
                        .input_ids) for r in requests[:3]]
@@ -829,3 +834,42 @@ def test_nemotron_engine_audio_images_and_text_match_solo(nemotron, schedule):
 def test_nemotron_audio_requests_are_quiet(nemotron, capfd, caplog, recwarn):
     """Nemotron Omni's audio requests print, log and warn nothing either."""
     _mixed_audio_requests_are_quiet(*nemotron, capfd, caplog, recwarn)
+
+
+# ------------------------------------------------------ mimo_v2: MiMo audio-tokenizer codes beside images and text
+
+
+@pytest.fixture(scope="module")
+def mimo(tmp_path_factory):
+    """The tiny MiMo-V2.6 (scheduler/fixtures/vlm_builds_hybrids.py: sliding-window layers with attention sinks, a
+    windowed ViT, an audio encoder on speech codes) with its tiny mlx-audio MiMo audio tokenizer under
+    audio_tokenizer/, the requests above and their references (seed 3, as its image tests)."""
+    return _tiny_mixed("mimo_v2", tmp_path_factory, seed=3)
+
+
+def test_mimo_audio_reaches_the_language_model(mimo):
+    """The requests' answers differ, and a clip's tokens are what the processor expands its one <|audio_pad|> into:
+    one per 4 frames of the codes its audio tokenizer gives (20 codebooks of 40 ms frames: 26 frames, 7 tokens, for
+    1 s; 58 frames, 15 tokens, for 2.3 s). The codes (frames, 20) and each clip's frame count are the media inputs."""
+    model, processor, requests, references = mimo
+    assert len({tuple(r) for r in references[:6]}) == 6 and references[6] == references[0]
+    adapter = VLMAdapter(model, processor)
+    assert adapter.sample_rate == RATE and adapter.spec.audio_encoder == "audio_encoder"
+    one, two = (adapter.prepare(requests[i]["prompt"], audio=requests[i]["audio"]) for i in (0, 2))
+    assert one.num_audio == 1 and one.input_ids.count(model.config.audio_token_id) == one.num_media_tokens == 7
+    assert two.num_audio == 2 and two.num_media_tokens == 7 + 15
+    assert two.media_inputs["audio_codes"].shape[1] == 20 and list(two.media_inputs["audio_code_lengths"]) == [26, 58]
+
+
+@pytest.mark.parametrize("schedule", list(OMNI_SCHEDULES))
+def test_mimo_engine_audio_images_and_text_match_solo(mimo, schedule):
+    """MiMo-V2.6 batched as Qwen3-Omni above: each request's tokens are mlx_vlm.stream_generate's alone, in each
+    schedule (the tick's clips, and images, through one encoder call, each clip's codes encoded on their own). The
+    kv-budget schedule prefills in chunks of 8, its sliding window: whole prompts as one chunk peak above their rows
+    and keep the first three requests from being admitted together."""
+    _mixed_schedule_matches_solo(*mimo, schedule, budget_chunk=8)
+
+
+def test_mimo_audio_requests_are_quiet(mimo, capfd, caplog, recwarn):
+    """MiMo-V2.6's audio requests print, log and warn nothing either."""
+    _mixed_audio_requests_are_quiet(*mimo, capfd, caplog, recwarn)

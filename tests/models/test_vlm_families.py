@@ -126,10 +126,11 @@ FAMILY_CASES = {
     "minicpmv4_7": FamilyCase(_tiny("minicpmv4_7")),
     "kimi_k3": FamilyCase(_tiny("kimi_k3")),
     "muse_glimmer": FamilyCase(_tiny("muse_glimmer")),
-    # image and video requests (its audio is not built: vlm_builds_hybrids.py). Seed 0 ends requests 0 and 1 on eos
+    # image and video requests; audio too (its tiny MiMo audio tokenizer: vlm_builds_hybrids.py), whose requests are
+    # tested in tests/models/test_audio.py. Seed 0 ends requests 0 and 1 on eos
     # after 8 and 1 tokens, and the kv-budget schedules preempt nothing; with seed 3 the first three run to 16 and
     # request 4 stops after 7
-    "mimo_v2": FamilyCase(_tiny("mimo_v2", seed=3), ("image", "video")),
+    "mimo_v2": FamilyCase(_tiny("mimo_v2", seed=3), ("image", "video", "audio")),
     # with its build's eos gain (1.5) seed 0 ends five of the nine requests on eos within two tokens; seed 3 runs
     # all but request 2 to 16 (it stops after 11). Audio too (its Parakeet sound encoder): its
     # audio requests are tested in tests/models/test_audio.py
