@@ -61,9 +61,10 @@ between families is declared here, and nothing else:
 ``audio_encoder``  the model attribute (a dotted path) that turns audio features into embeddings (a checkpoint
                    without it is refused for an audio family): Gemma 4's Conformer ``audio_tower``; Gemma 4 unified
                    has no encoder, its ``embed_audio`` projects raw 40 ms frames; Qwen3-Omni's thinker holds its
-                   Whisper-style ``thinker.audio_tower``; MiMo-V2.6's ``audio_encoder`` embeds the codes its
-                   processor's MiMo audio tokenizer gives; Nemotron Omni's Parakeet ``sound_encoder`` takes the
-                   waveforms (its processor's ``sound_clips``) and computes their mel features itself.
+                   Whisper-style ``thinker.audio_tower``, MiniCPM-o its Whisper ``audio_tower``; MiMo-V2.6's
+                   ``audio_encoder`` embeds the codes its processor's MiMo audio tokenizer gives; Nemotron Omni's
+                   Parakeet ``sound_encoder`` takes the waveforms (its processor's ``sound_clips``) and computes
+                   their mel features itself.
 ``kv_bits_refused`` why ``EngineConfig.kv_bits`` cannot batch this family exactly: refused at configuration with
                    this reason (Qwen3.5's language model: see ``QWEN3_5_QUANTIZED_PADS``).
 ``honors_lengths`` whether the language model keeps right pads out of its sliding windows and recurrent state when
@@ -107,8 +108,8 @@ shown that it batches exactly. ``ALIASES`` are the other names mlx-vlm loads a r
 ``refused_options`` refuses only the checkpoints of a family that set a config option the scheduler cannot batch
 (Inkling's ``text_config.log_scaling_n_floor``: see its row).
 Every family here without ``refused`` is exact in tests/models/test_vlm_families.py (gemma4 and gemma4_unified:
-tests/models/test_audio.py; the audio requests of qwen3_omni_moe, inkling, mimo_v2 and nemotron_h_nano_omni there
-too).
+tests/models/test_audio.py; the audio requests of qwen3_omni_moe, inkling, minicpmo, mimo_v2 and
+nemotron_h_nano_omni there too).
 """
 
 from __future__ import annotations
@@ -409,11 +410,15 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
     # of the literal <unk> text (image_processor.unk: the rows' positions) and </image>; mlx-vlm's Qwen3-VL language
     # model with M-RoPE positions that count tokens (get_input_embeddings stores arange positions on the instance:
     # MROPE passes them explicitly, delta 0). pixel_values is a per-prompt list of images of differing sizes and
-    # image_bound holds absolute prompt positions: one encoder call per request, keyed whole
-    FamilySpec("minicpmo", Positions.MROPE, placeholder="im_start", media_token="image_processor.unk",
+    # image_bound holds absolute prompt positions; audio: Whisper features of the request's clips, whose rows go at
+    # <unk> runs too (between <|audio_start|> / <|audio_end|>), by the absolute audio_bounds: one encoder call per
+    # request, keyed whole. mlx-vlm's chat formatting writes a clip as <|audio_N|> text, which the processor does not
+    # match: it puts the clips after the last user tag and leaves that text (the engine renders as mlx-vlm does)
+    FamilySpec("minicpmo", Positions.MROPE, media=frozenset({"image", "audio"}), placeholder="im_start",
+               media_token="image_processor.unk", audio_encoder="audio_tower",
                vision_batch=VisionBatch.PER_REQUEST,
                notes="MiniCPM-o: Qwen3-VL text (M-RoPE counting tokens); SigLIP tower and a learned-query resampler, "
-               "images only (its Whisper audio tower and speech decoder not built)"),
+               "a Whisper audio tower (its speech decoder not built)"),
     # MiniCPM-V 4.6's tower, processor and prompt (as minicpmv4_6's row), on the Qwen3.5 language models (dense or
     # mixture of experts), with canvas M-RoPE: mlx-vlm's CanvasRoPE over the crop grids (tgt_sizes) lays each
     # image's thumbnail and slices on one 2-D canvas. The processor also returns downsample_mode (a string; the

@@ -6,8 +6,9 @@ tokens of mlx_vlm.stream_generate run alone; a repeated clip hits the encoder ca
 MediaError naming the clip. Gemma 3n is refused at load (the test after Gemma's says why). Last, Qwen3-Omni's
 thinker (`qwen3_omni_moe`, a Whisper-style audio tower beside its vision tower), Inkling (a dMel audio front end
 beside its patchifier), Nemotron-3 Nano Omni (`nemotron_h_nano_omni`, a Parakeet sound encoder beside its RADIO
-tower) and MiMo-V2.6 (`mimo_v2`, codes of a tiny mlx-audio MiMo audio tokenizer beside its ViT): audio, image and text requests batched in four schedules equal mlx_vlm alone (their image and video
-requests: tests/models/test_vlm_families.py)."""
+tower), MiMo-V2.6 (`mimo_v2`, codes of a tiny mlx-audio MiMo audio tokenizer beside its ViT) and MiniCPM-o
+(`minicpmo`, a Whisper tower beside its SigLIP tower and resampler): audio, image and text requests batched in four
+schedules equal mlx_vlm alone (their image and video requests: tests/models/test_vlm_families.py)."""
 
 import os
 
@@ -873,3 +874,67 @@ def test_mimo_engine_audio_images_and_text_match_solo(mimo, schedule):
 def test_mimo_audio_requests_are_quiet(mimo, capfd, caplog, recwarn):
     """MiMo-V2.6's audio requests print, log and warn nothing either."""
     _mixed_audio_requests_are_quiet(*mimo, capfd, caplog, recwarn)
+
+
+# ------------------------------------------------------------ minicpmo: Whisper audio beside images and text
+
+
+@pytest.fixture(scope="module")
+def minicpmo(tmp_path_factory):
+    """The tiny MiniCPM-o (scheduler/fixtures/vlm_builds_minicpm.py: Qwen3-VL text, a SigLIP tower and resampler, a
+    one-layer Whisper audio tower), the requests above and their references (seed 2, as its image tests)."""
+    return _tiny_mixed("minicpmo", tmp_path_factory, seed=2)
+
+
+def test_minicpmo_audio_reaches_the_language_model(minicpmo):
+    """The requests' answers differ, and a clip is `<|audio_start|>`, a `<unk>` per 5 of its Whisper encoder's
+    frames, `<|audio_end|>` (10 for 1 s, 23 for 2.3 s): the rows go at those `<unk>` positions, the images' media
+    token too, by the absolute `audio_bounds` the processor computes. mlx-vlm's chat formatting writes a clip as
+    `<|audio_N|>` text, which the processor's marker pattern does not match: it puts the clips after the last
+    user tag and leaves the `<|audio_N|>` text in the prompt, and the engine gives what mlx-vlm gives."""
+    model, processor, requests, references = minicpmo
+    assert len({tuple(r) for r in references[:6]}) == 6 and references[6] == references[0]
+    adapter = VLMAdapter(model, processor)
+    assert adapter.sample_rate == RATE and adapter.spec.audio_encoder == "audio_tower"
+    one, two = (adapter.prepare(requests[i]["prompt"], audio=requests[i]["audio"]) for i in (0, 2))
+    assert one.prompt.startswith("<|im_start|>user\n<|audio_1|>What do you hear?")
+    unk = processor.tokenizer.convert_tokens_to_ids("<unk>")
+    assert one.num_audio == 1 and one.input_ids.count(unk) == one.num_media_tokens == 10
+    assert two.num_audio == 2 and two.num_media_tokens == 10 + 23
+
+
+def test_minicpmo_audio_markers_in_a_templated_prompt_match_solo(minicpmo):
+    """A templated prompt that writes its clips as the processor's own `<audio>./</audio>` markers has them
+    expanded in place (no `<|audio_N|>` text), and the engine gives mlx_vlm.stream_generate's tokens for it."""
+    import mlx_vlm
+
+    from ..helpers import drive
+
+    model, processor, requests, _ = minicpmo
+    clips = requests[2]["audio"]
+    prompt = ("<|im_start|>user\n<audio>./</audio> then <audio>./</audio> Compare them.<|im_end|>\n"
+              "<|im_start|>assistant\n")
+    last = None
+    for last in mlx_vlm.stream_generate(model, processor, prompt, audio=[str(c) for c in clips],
+                                        max_tokens=MAX_TOKENS, temperature=0.0):
+        pass
+    prepared = VLMAdapter(model, processor).prepare(prompt, audio=clips)
+    assert "<|audio_" not in prepared.prompt and prepared.num_media_tokens == 10 + 23
+    engine = Engine(model, processor, EngineConfig(check_invariants=True))
+    sampling = SamplingParams(max_tokens=MAX_TOKENS)
+    run = drive(engine, [(0, {"prompt": prompt, "audio": clips, "sampling": sampling, "request_id": "m"}),
+                         (0, dict(requests[5], sampling=sampling))])
+    assert run.tokens["m"] == list(last.token_ids)
+
+
+@pytest.mark.parametrize("schedule", list(OMNI_SCHEDULES))
+def test_minicpmo_engine_audio_images_and_text_match_solo(minicpmo, schedule):
+    """MiniCPM-o batched as Qwen3-Omni above: each request's tokens are mlx_vlm.stream_generate's alone, in each
+    schedule (a request's clips and images through one get_input_embeddings call of its own, keyed whole: their
+    bounds are absolute prompt positions)."""
+    _mixed_schedule_matches_solo(*minicpmo, schedule)
+
+
+def test_minicpmo_audio_requests_are_quiet(minicpmo, capfd, caplog, recwarn):
+    """MiniCPM-o's audio requests print, log and warn nothing either."""
+    _mixed_audio_requests_are_quiet(*minicpmo, capfd, caplog, recwarn)
