@@ -385,10 +385,11 @@ def media_token_ids(model: Any, processor: Any, media_token: str | None = None) 
             value = getattr(holder, name, None)
             if isinstance(value, int) and value >= 0:
                 ids.add(value)
-    # the processor's too (Nemotron Omni's config names its tokens img_context_token_id / sound_context_token_id)
-    for name in ("image_token_id", "audio_token_id"):
+    # the processor's own ids too: Nemotron Omni's config names its tokens img_context_token_id /
+    # sound_context_token_id, MiniCPM-V's processor names its video pad there only (its config names none)
+    for name in ("image_token_id", "video_token_id", "audio_token_id"):
         value = getattr(processor, name, None)
-        if isinstance(value, int):
+        if isinstance(value, int) and value >= 0:
             ids.add(value)
     if media_token:
         held = processor
