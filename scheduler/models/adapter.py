@@ -212,6 +212,9 @@ class VLMAdapter:
         self.media_token_ids = library.media_token_ids(model, processor, self.spec.media_token)
         # the token between two units of one encoder call (``_run_encoders``): the smallest id that is no placeholder
         self._separator = min(set(range(len(self.media_token_ids) + 1)) - self.media_token_ids)
+        # the ids a video's placeholders sit between (GLM's video_start_token_id / video_end_token_id), or None
+        markers = tuple(getattr(model.config, f"video_{end}_token_id", None) for end in ("start", "end"))
+        self._video_markers = markers if all(isinstance(m, int) and m >= 0 for m in markers) else None
         self.image_token = self.spec.placeholder_text or _placeholder(processor, self.spec.placeholder)
         self.video_token = _placeholder(processor, "video_token")
         self.audio_token = _placeholder(processor, "audio_token")
@@ -543,12 +546,21 @@ class VLMAdapter:
         see: the merge fills them with its rows), or all its media with its own prompt (whose merged
         embeddings then serve as the request's)."""
         if prepared.media_items:
-            return [_Unit(index, item.key, mx.array([[item.token] * item.tokens], dtype=mx.int32),
-                          mx.ones((1, item.tokens), dtype=mx.int32), item.inputs, tuple(range(item.tokens)),
-                          item.count, whole=False) for item in prepared.media_items]
+            return [self._item_unit(index, item) for item in prepared.media_items]
         ids, mask = self._prompt(prepared, extra_tokens)
         return [_Unit(index, prepared.media_key, ids, mask, prepared.media_inputs,
                       prepared.media_positions, prepared.num_media_items, whole=True)]
+
+    def _item_unit(self, index: int, item: MediaItem) -> _Unit:
+        """A media item's unit: its placeholders alone, and for a video of a family whose config names video
+        markers, the placeholders between them: GLM-5-Next writes a video's frames with its image token and its
+        merge tells them from an image's by the markers around them (without them it fills none of them)."""
+        ids = [item.token] * item.tokens
+        lead = 0
+        if self._video_markers is not None and "video_grid_thw" in item.inputs:
+            ids, lead = [self._video_markers[0], *ids, self._video_markers[1]], 1
+        return _Unit(index, item.key, mx.array([ids], dtype=mx.int32), mx.ones((1, len(ids)), dtype=mx.int32),
+                     item.inputs, tuple(range(lead, lead + item.tokens)), item.count, whole=False)
 
     def _follower(self, key: str, found: dict[str, _Media]) -> _Media:
         """A unit that another request of the call has too: the cache's entry (a counted hit), or the leader's
