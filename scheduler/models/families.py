@@ -303,8 +303,10 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
     # Qwen3.5's language model, whose M-RoPE positions are plain counting here (all axes equal, delta 0): MROPE
     # passes them explicitly (with none it reads the instance's _rope_deltas). pixel_values is a per-prompt list of
     # slices of differing sizes and image_bound holds absolute prompt positions: one encoder call per request,
-    # keyed whole. The prompt holds <image>./</image> per image (tokenizer.im_start names its <image>)
-    FamilySpec("minicpmv4_6", Positions.MROPE, placeholder="im_start", vision_batch=VisionBatch.PER_REQUEST,
+    # keyed whole. The prompt holds <image>./</image> per image (tokenizer.im_start names its <image>). A video's
+    # frames are <image> blocks of <|video_pad|> (the processor's video_token_id) after the images' slices
+    FamilySpec("minicpmv4_6", Positions.MROPE, frozenset({"image", "video"}), placeholder="im_start",
+               vision_batch=VisionBatch.PER_REQUEST,
                honors_lengths=True, kv_bits_refused=QWEN3_5_QUANTIZED_PADS,
                notes="hybrid: gated-delta (recurrent) layers next to full attention; SigLIP slices merged inside "
                "the tower"),
@@ -425,7 +427,8 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
     # config's value, which get_input_embeddings reads when it is absent) and mm_token_type_ids (recomputed from
     # the ids there): dropped. Its get_input_embeddings raises on runs of image tokens without their crop grids,
     # so the text path embeds the prompt without them (media_free_text_path)
-    FamilySpec("minicpmv4_7", Positions.MROPE, placeholder="im_start", canvas_positions=True,
+    FamilySpec("minicpmv4_7", Positions.MROPE, frozenset({"image", "video"}), placeholder="im_start",
+               canvas_positions=True,
                media_free_text_path=True, dropped_inputs=("downsample_mode", "mm_token_type_ids"),
                vision_batch=VisionBatch.PER_REQUEST, honors_lengths=True, kv_bits_refused=QWEN3_5_QUANTIZED_PADS,
                notes="MiniCPM-V 4.7: hybrid Qwen3.5 text (gated-delta and full attention, optionally mixture of "
@@ -469,8 +472,9 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
     # GLM-5-Next: no rotary anywhere (NoPE latent attention; the linear-attention layers carry order), so ROPE's
     # plain counting. Its sparse-attention layers keep mlx-vlm's CacheList with a PoolingCache (caches/layers.py:
     # the Pooling kind). The tower attends within each image of a call (cu_seqlens splits): one call for the tick's
-    # images, keyed per image. Its processor returns mm_token_type_ids, which nothing reads
-    FamilySpec("glm5_next", dropped_inputs=("mm_token_type_ids",), vision_batch=_ONE, item_split=_GRID,
+    # images, keyed per image. Its processor returns mm_token_type_ids, which nothing reads. A video's frame pairs
+    # are image-token blocks between its video markers, one GRID item a video (adapter._item_unit keeps the markers)
+    FamilySpec("glm5_next", media=_QWEN_MEDIA, dropped_inputs=("mm_token_type_ids",), vision_batch=_ONE, item_split=_GRID,
                notes="GLM-5-Next: hyper-connections, gated-delta linear attention next to NoPE DeepSeek sparse "
                "attention with a pooled top-k indexer, mixture of experts"),
     # GOT-OCR 2.0: a Qwen2 decoder (plain RoPE, KV), one image a prompt (the processor writes one <img> block of 256

@@ -93,7 +93,7 @@ FAMILY_CASES = {
     "ernie4_5_moe_vl": FamilyCase(_tiny("ernie4_5_moe_vl")),
     "mage_vl": FamilyCase(_tiny("mage_vl"), ("image", "video")),
     "molmo": FamilyCase(_tiny("molmo")),
-    "minicpmv4_6": FamilyCase(_tiny("minicpmv4_6")),
+    "minicpmv4_6": FamilyCase(_tiny("minicpmv4_6"), ("image", "video")),
     "glm4v_moe": FamilyCase(_tiny("glm4v_moe")),
     "glm_ocr": FamilyCase(_tiny("glm_ocr", seed=2)),
     "paddleocr_vl": FamilyCase(_tiny("paddleocr_vl")),
@@ -125,7 +125,7 @@ FAMILY_CASES = {
     # tests/models/test_audio.py
     "minicpmo": FamilyCase(_tiny("minicpmo", seed=2), ("image", "audio")),
     # seed 0 with its build's eos gain of 1.5 (vlm_builds_minicpm.py): three requests end on eos, none at once
-    "minicpmv4_7": FamilyCase(_tiny("minicpmv4_7")),
+    "minicpmv4_7": FamilyCase(_tiny("minicpmv4_7"), ("image", "video")),
     "kimi_k3": FamilyCase(_tiny("kimi_k3")),
     "muse_glimmer": FamilyCase(_tiny("muse_glimmer")),
     # image and video requests; audio too (its tiny MiMo audio tokenizer: vlm_builds_hybrids.py), whose requests are
@@ -137,7 +137,7 @@ FAMILY_CASES = {
     # all but request 2 to 16 (it stops after 11). Audio too (its Parakeet sound encoder): its
     # audio requests are tested in tests/models/test_audio.py
     "nemotron_h_nano_omni": FamilyCase(_tiny("nemotron_h_nano_omni", seed=3), ("image", "audio")),
-    "glm5_next": FamilyCase(_tiny("glm5_next")),
+    "glm5_next": FamilyCase(_tiny("glm5_next"), ("image", "video")),
     # one image a prompt (FamilySpec.images_per_request); seed 0 runs the first three requests to 16 and ends three
     # others on eos, after 4, 10 and 14 tokens. Its first
     # prompt is 378 tokens (256 image positions): 42 chunks of 9 before the repeats may find it stored
