@@ -474,7 +474,8 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
     # the Pooling kind). The tower attends within each image of a call (cu_seqlens splits): one call for the tick's
     # images, keyed per image. Its processor returns mm_token_type_ids, which nothing reads. A video's frame pairs
     # are image-token blocks between its video markers, one GRID item a video (adapter._item_unit keeps the markers)
-    FamilySpec("glm5_next", media=_QWEN_MEDIA, dropped_inputs=("mm_token_type_ids",), vision_batch=_ONE, item_split=_GRID,
+    FamilySpec("glm5_next", media=_QWEN_MEDIA, dropped_inputs=("mm_token_type_ids",), vision_batch=_ONE,
+               item_split=_GRID,
                notes="GLM-5-Next: hyper-connections, gated-delta linear attention next to NoPE DeepSeek sparse "
                "attention with a pooled top-k indexer, mixture of experts"),
     # GOT-OCR 2.0: a Qwen2 decoder (plain RoPE, KV), one image a prompt (the processor writes one <img> block of 256
