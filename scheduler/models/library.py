@@ -108,7 +108,11 @@ def chat_template(processor: Any, config: Any, messages: list[dict], num_images:
 
 
 def own_chat_template(processor: Any, messages: list[dict], template_kwargs: dict[str, Any] | None = None) -> str:
-    """The model's own chat template on messages holding media parts (each placeholder where its part is)."""
+    """The model's own chat template on messages holding media parts (each placeholder where its part is): the
+    processor's, else its tokenizer's (as mlx-vlm's ``get_chat_template`` picks; Nemotron's processor keeps none)."""
+    if getattr(processor, "chat_template", None) is None and getattr(
+            getattr(processor, "tokenizer", None), "chat_template", None) is not None:
+        processor = processor.tokenizer
     return processor.apply_chat_template(messages, tokenize=False, **{"add_generation_prompt": True,
                                                                       **_as_mlx_vlm_passes(template_kwargs)})
 
