@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import mlx.core as mx
+import numpy as np
 
 from caches.layers import QuantizationRefused
 from caches.vision import content_key
@@ -40,15 +41,17 @@ from caches.vision import content_key
 
 def prepare_inputs(model: Any, processor: Any, prompt: str, images: list | None, videos: list | None = None,
                    audio: list | None = None) -> dict:
-    """``videos``: frame lists (already sampled; passed on unchanged). ``audio``: float32 mono waveforms at the
-    feature extractor's rate (passed on as is)."""
+    """``videos``: frame lists (already sampled), each passed on as one ``(frames, H, W, 3)`` array, as mlx-vlm's
+    ``load_video`` hands the processor a decoded file (Nemotron's processor takes a video only so: a list of
+    frames raised "Cannot handle this data type" in it). ``audio``: float32 mono waveforms at the feature
+    extractor's rate (passed on as is)."""
     from mlx_vlm.utils import prepare_inputs as vlm_prepare_inputs, should_add_special_tokens
 
     with _no_missing_rate_warning(processor) if audio else contextlib.nullcontext():
         return vlm_prepare_inputs(
             processor,
             images=images or None,
-            videos=videos or None,
+            videos=[np.stack([np.asarray(frame) for frame in frames]) for frames in videos] if videos else None,
             audio=audio or None,
             prompts=prompt,
             image_token_index=getattr(model.config, "image_token_index", None),

@@ -721,10 +721,15 @@ def test_family_video_batches_exactly(family):
             engine.add_request(prompt=video_messages[0], videos=[clips[0]])
         return
     want = []
+    # the processor's template, else its tokenizer's (as mlx-vlm's get_chat_template picks: Nemotron's processor
+    # keeps none of its own)
+    templater = processor if getattr(processor, "chat_template", None) is not None else processor.tokenizer
     for messages, frames in zip(video_messages, clips):
-        prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt = templater.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         last = None
-        for last in mlx_vlm.stream_generate(model, processor, prompt, video=[frames], max_tokens=MAX_TOKENS,
+        # a (frames, H, W, 3) array, as mlx-vlm's load_video gives a decoded file (and the engine passes its frames)
+        clip = np.stack([np.asarray(frame) for frame in frames])
+        for last in mlx_vlm.stream_generate(model, processor, prompt, video=[clip], max_tokens=MAX_TOKENS,
                                             temperature=0.0):
             pass
         want.append(list(last.token_ids))
