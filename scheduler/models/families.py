@@ -463,9 +463,10 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
     # returns num_patches / num_tokens / imgs_sizes (lists) with it; audio is sound_clips, the request's waveforms (a
     # list), which get_input_embeddings turns into mel features and pads to the request's longest clip: one encoder
     # call per request, keyed whole. The sound rows go at <so_embedding>, which the processor's audio_token_id names
-    # (the config's sound_context_token_id). Its Mamba-2 mixer gives ssm_update the padding mask but not the lengths
-    # (as mlx-lm's nemotron_h): no honors_lengths, so only aligned chunks share a forward
-    FamilySpec("nemotron_h_nano_omni", media=frozenset({"image", "audio"}), audio_encoder="sound_encoder",
+    # (the config's sound_context_token_id). Videos: one a request (its processor refuses more), never with images;
+    # frame pairs as tubelets in image-token blocks. Its Mamba-2 mixer gives ssm_update the padding mask but not the
+    # lengths (as mlx-lm's nemotron_h): no honors_lengths, so only aligned chunks share a forward
+    FamilySpec("nemotron_h_nano_omni", media=frozenset({"image", "video", "audio"}), audio_encoder="sound_encoder",
                vision_batch=VisionBatch.PER_REQUEST,
                notes="Nemotron-3 Nano Omni: hybrid Nemotron-H text (Mamba-2, attention and mixture-of-experts "
                "blocks); RADIO ViT on one dynamic-resolution view, pixel shuffle; Parakeet sound encoder"),

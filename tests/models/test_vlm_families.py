@@ -136,7 +136,7 @@ FAMILY_CASES = {
     # with its build's eos gain (1.5) seed 0 ends five of the nine requests on eos within two tokens; seed 3 runs
     # all but request 2 to 16 (it stops after 11). Audio too (its Parakeet sound encoder): its
     # audio requests are tested in tests/models/test_audio.py
-    "nemotron_h_nano_omni": FamilyCase(_tiny("nemotron_h_nano_omni", seed=3), ("image", "audio")),
+    "nemotron_h_nano_omni": FamilyCase(_tiny("nemotron_h_nano_omni", seed=3), ("image", "video", "audio")),
     "glm5_next": FamilyCase(_tiny("glm5_next"), ("image", "video")),
     # one image a prompt (FamilySpec.images_per_request); seed 0 runs the first three requests to 16 and ends three
     # others on eos, after 4, 10 and 14 tokens. Its first
