@@ -888,12 +888,12 @@ def test_falcon_ocr_prefills_an_image_bidirectionally_at_shared_positions():
     """Why falcon_ocr is refused. With an image, mlx-vlm's get_input_embeddings returns `attention_mask_4d`, a
     causal mask but for each image block (<|image_cls|>, the registers and the patches), whose tokens attend to each
     other both ways; mlx-vlm's generate passes it on, the model declares `no_chunked_prefill` (the prompt is
-    prefilled in one forward), and the language model honours it: the prompt's last logits differ from a causal prefill's. It also
-    returns the prompt's positions (every image block token at its <|image_cls|> position, text after it one past:
-    a rope delta) and per-token 2-D positions of the patches (`pos_hw`), which the language model reads only from
-    these keywords (and `rope_deltas` from state it keeps on the instance). The scheduler prefills causally, in
-    chunks shared across requests, at positions counted from each row's cache: if mlx-vlm drops the mask, this
-    fails (the positions would still need M-RoPE-like handling)."""
+    prefilled in one forward), and the language model honours it: the prompt's last logits differ from a causal
+    prefill's. It also returns the prompt's positions (every image block token at its <|image_cls|> position, text after
+    it one past: a rope delta) and per-token 2-D positions of the patches (`pos_hw`), which the language model reads
+    only from these keywords (and `rope_deltas` from state it keeps on the instance). The scheduler prefills causally,
+    in chunks shared across requests, at positions counted from each row's cache: if mlx-vlm drops the mask, this fails
+    (the positions would still need M-RoPE-like handling)."""
     from mlx_vlm.models.cache import make_prompt_cache
 
     model = _tiny_falcon_ocr()
