@@ -337,17 +337,18 @@ class PlainKV:
         return LayerLayout((layer.keys.nbytes + layer.values.nbytes) // layer.keys.shape[2], None)
 
 
-def _vlm_rotating_classes() -> tuple[tuple[type, ...], tuple[type, ...]]:
-    """mlx-vlm 0.7's own rotating caches (Gemma 4's language model builds them). They batch like mlx-lm's, but
-    keep the pre-0.32 state contract: `state` is (keys, values) and `from_state(state, meta_state)`."""
+def _vlm_cache_classes(*names: str) -> tuple[type, ...]:
+    """mlx-vlm's cache classes of these names; none without mlx-vlm (it is optional for text-only use)."""
     try:
         from mlx_vlm.models import cache as vlm_cache
-    except ImportError:  # mlx-vlm is optional for text-only use
-        return (), ()
-    return (vlm_cache.RotatingKVCache,), (vlm_cache.BatchRotatingKVCache,)
+    except ImportError:
+        return ()
+    return tuple(getattr(vlm_cache, name) for name in names)
 
 
-_VLM_ROTATING, _VLM_BATCH_ROTATING = _vlm_rotating_classes()
+# mlx-vlm 0.7's own rotating caches (Gemma 4's language model builds them). They batch like mlx-lm's, but keep the
+# pre-0.32 state contract: `state` is (keys, values) and `from_state(state, meta_state)`
+_VLM_ROTATING, _VLM_BATCH_ROTATING = _vlm_cache_classes("RotatingKVCache"), _vlm_cache_classes("BatchRotatingKVCache")
 
 
 class RotatingKV:
@@ -560,17 +561,9 @@ class QuantizedKV:
         return LayerLayout(sum(x.nbytes for x in (*layer.keys, *layer.values)) // layer.keys[0].shape[2], None)
 
 
-def _vlm_pooling_classes() -> tuple[tuple[type, ...], tuple[type, ...]]:
-    """mlx-vlm 0.7's PoolingCache and its BatchPoolingCache (GLM-5-Next's sparse-attention indexer keeps its keys
-    pooled in windows of `ratio` in one). Empty without mlx-vlm."""
-    try:
-        from mlx_vlm.models import cache as vlm_cache
-    except ImportError:  # mlx-vlm is optional for text-only use
-        return (), ()
-    return (vlm_cache.PoolingCache,), (vlm_cache.BatchPoolingCache,)
-
-
-_VLM_POOLING, _VLM_BATCH_POOLING = _vlm_pooling_classes()
+# mlx-vlm 0.7's PoolingCache and its BatchPoolingCache (GLM-5-Next's sparse-attention indexer keeps its keys pooled
+# in windows of `ratio` in one)
+_VLM_POOLING, _VLM_BATCH_POOLING = _vlm_cache_classes("PoolingCache"), _vlm_cache_classes("BatchPoolingCache")
 
 
 class Pooling:
@@ -623,18 +616,10 @@ class Pooling:
         return LayerLayout(-(-row // layer.ratio), None, fixed_bytes=sum(b.nbytes for b in buffers))
 
 
-def _cache_list_classes() -> tuple[type, ...]:
-    """mlx-lm's CacheList and mlx-vlm's own (same ``caches`` tuple and constructor; Inkling's language model builds
-    it, a KVCache and an ArraysCache of short-convolution states per layer, and GLM-5-Next's sparse attention): one
-    model layer keeping several caches, each of a kind here."""
-    try:
-        from mlx_vlm.models import cache as vlm_cache
-    except ImportError:  # mlx-vlm is optional for text-only use
-        return (mlx_cache.CacheList,)
-    return (mlx_cache.CacheList, vlm_cache.CacheList)
-
-
-_CACHE_LISTS = _cache_list_classes()
+# mlx-lm's CacheList and mlx-vlm's own (same ``caches`` tuple and constructor; Inkling's language model builds it, a
+# KVCache and an ArraysCache of short-convolution states per layer, and GLM-5-Next's sparse attention): one model
+# layer keeping several caches, each of a kind here
+_CACHE_LISTS = (mlx_cache.CacheList, *_vlm_cache_classes("CacheList"))
 
 _KINDS = (PlainKV, RotatingKV, Arrays, QuantizedKV, Pooling)
 # every cache class a layer (or a CacheList's part) can be, single-request and batch forms
