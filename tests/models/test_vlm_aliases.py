@@ -24,7 +24,7 @@ OUT_OF_SCOPE = {
     "falcon_perception": "a detector and segmenter: boxes and masks from heads over its hidden states",
     "hrm_text": "text only",
     "diffusion_gemma": "generates text by diffusion denoising of masked blocks, not token by token",
-    "minimax_h3": "an audio and image generator (VAE decoders, a diffusion scheduler)",
+    "minimax_h3": "a video and audio generator (VAE decoders, a diffusion scheduler)",
     "moge3": "monocular geometry estimation (point, depth and normal maps)",
     "rfdetr": "an object detector",
     "rt_detr_v2": "an object detector",
