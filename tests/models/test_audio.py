@@ -938,3 +938,39 @@ def test_minicpmo_engine_audio_images_and_text_match_solo(minicpmo, schedule):
 def test_minicpmo_audio_requests_are_quiet(minicpmo, capfd, caplog, recwarn):
     """MiniCPM-o's audio requests print, log and warn nothing either."""
     _mixed_audio_requests_are_quiet(*minicpmo, capfd, caplog, recwarn)
+
+
+# ------------------------------------------------- a video and an audio clip in one request (the omni families)
+
+
+@pytest.mark.parametrize("family_fixture", ["omni", "mimo", "nemotron"])
+def test_video_and_audio_in_one_request_match_solo(family_fixture, request, tmp_path):
+    """A request with a video and an audio clip (Qwen3-Omni, MiMo-V2.6 and Nemotron Omni take both) gives
+    mlx_vlm.stream_generate's tokens alone, batched with an audio request and an image+audio request of the
+    fixture's, staggered in chunks of 9 so that its prefill shares forwards with theirs."""
+    import mlx_vlm
+    from PIL import Image
+
+    from ..helpers import drive
+
+    model, processor, requests, references = request.getfixturevalue(family_fixture)
+    clip = write_wav(tmp_path / "c.wav", tone(1.4, 5))
+    rng = np.random.default_rng(7)
+    frames = [Image.fromarray(rng.integers(0, 256, (56, 56, 3), dtype=np.uint8)) for _ in range(4)]
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "audio"},
+                                             {"type": "text", "text": "What happens, and what do you hear?"}]}]
+    # the processor's template, else its tokenizer's (Nemotron's processor keeps none of its own)
+    templater = processor if getattr(processor, "chat_template", None) is not None else processor.tokenizer
+    prompt = templater.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    last = None
+    for last in mlx_vlm.stream_generate(model, processor, prompt, video=[np.stack([np.asarray(f) for f in frames])],
+                                        audio=[str(clip)], max_tokens=MAX_TOKENS, temperature=0.0):
+        pass
+    engine = Engine(model, processor, EngineConfig(max_batched_tokens=40, prefill_chunk=9, check_invariants=True))
+    sampling = SamplingParams(max_tokens=MAX_TOKENS)
+    run = drive(engine, [(0, dict(requests[0], sampling=sampling, request_id="a")),
+                         (1, {"prompt": messages, "videos": [frames], "audio": [clip], "sampling": sampling,
+                              "request_id": "av"}),
+                         (2, dict(requests[4], sampling=sampling, request_id="ia"))])
+    assert not run.errors, run.errors
+    assert run.tokens == {"a": references[0], "av": list(last.token_ids), "ia": references[4]}
