@@ -201,6 +201,12 @@ class VLMAdapter:
             if _attribute(getattr(model, "config", None), option) is not None:
                 raise UnsupportedFamily(f"model_type {self.spec.model_type!r} with {option} set cannot be batched: "
                                         f"{reason}")
+        # the kinds of media this checkpoint's options turn off, each with why (FamilySpec.refused_media_options)
+        self.refused_media: dict[str, str] = {}
+        for kind, option, reason in self.spec.refused_media_options:
+            value = _attribute(getattr(model, "config", None), option)
+            if value not in (None, 0, False):
+                self.refused_media[kind] = f"{option} is {value!r} in this checkpoint's config: {reason}"
         self.model, self.processor = model, processor
         self.language_model = model.language_model
         self.vision_cache = vision_cache
@@ -278,8 +284,8 @@ class VLMAdapter:
 
     @property
     def media_kinds(self) -> frozenset[str]:
-        """What this family's processor takes: "image", "video", "audio"."""
-        return self.spec.media
+        """What this checkpoint takes: "image", "video", "audio" (its family's media, less ``refused_media``)."""
+        return self.spec.media - self.refused_media.keys()
 
     def media_keys(self, media_inputs: dict[str, Any], ids: Sequence[int], positions: Sequence[int], num_items: int
                    ) -> tuple[tuple[tuple[int, str], ...], tuple[MediaItem, ...]]:
@@ -340,6 +346,9 @@ class VLMAdapter:
             limit = self.media_limits.get(kind)
             if limit is not None and len(items) > limit:
                 raise MediaLimit(kind, len(items), limit)
+            if items and kind in self.refused_media:
+                raise ValueError(f"{kind}s are not supported by this {self.spec.model_type} checkpoint: "
+                                 f"{self.refused_media[kind]}")
             if items and kind not in self.spec.media:
                 raise ValueError(f"{kind}s are not supported for {self.spec.model_type} (it takes "
                                  f"{', '.join(sorted(self.spec.media))})")

@@ -106,7 +106,9 @@ supported ones (and, for the types in ``LEFT_OUT``, why they have no row): mlx-v
 shown that it batches exactly. ``ALIASES`` are the other names mlx-vlm loads a row's model under. A family declared with
 ``refused`` is one mlx-vlm runs that cannot batch through this interface; it is refused at load with the reason.
 ``refused_options`` refuses only the checkpoints of a family that set a config option the scheduler cannot batch
-(Inkling's ``text_config.log_scaling_n_floor``: see its row).
+(Inkling's ``text_config.log_scaling_n_floor``: see its row); ``refused_media_options`` refuses only one kind of
+media on such a checkpoint (Nemotron Omni's ``video_pruning_rate``: videos are refused per request, its images, audio
+and text still batch).
 Every family here without ``refused`` is exact in tests/models/test_vlm_families.py (gemma4 and gemma4_unified:
 tests/models/test_audio.py; the audio requests of qwen3_omni_moe, inkling, minicpmo, mimo_v2 and
 nemotron_h_nano_omni there too).
@@ -173,6 +175,10 @@ class FamilySpec:
     # (dotted attribute path under the model's config, reason): a checkpoint of the family that sets this option (not
     # None) is refused at load with the reason, one the family's other checkpoints batch exactly without
     refused_options: tuple[tuple[str, str], ...] = ()
+    # (media kind, dotted attribute path under the model's config, reason): a checkpoint of the family that sets
+    # this option to a true value (not None, 0 or False) takes no media of that kind; its other media, and its text,
+    # batch as the family's other checkpoints do. A request with that kind of media is refused with the reason
+    refused_media_options: tuple[tuple[str, str, str], ...] = ()
     notes: str = field(default="", compare=False)
 
 
@@ -193,6 +199,16 @@ _GRID = ItemSplit.GRID
 # (tests/models/test_vlm_families.py, the chat-turn test, tried 2026-12-05).
 GEMMA3_PER_REQUEST = ("vision tower per request, media keyed whole: its patch conv rounds differently on stacked "
                       "images under OpenBLAS (5-6e-7), which flipped greedy tokens of the tiny gemma3")
+
+# Why a Nemotron Omni checkpoint with a video pruning rate takes no video here. Efficient Video Sampling (mlx-vlm's
+# compute_retention_mask) drops the video rows least changed from the frame before after the tower has run, so the
+# embedded prompt comes out shorter than its token ids (0.5 on the tiny build: 149 rows for 165 ids): a request's
+# length would depend on its encoder's output, where the planner, the KV budget, the prefix cache and replay all plan
+# with the ids. NVIDIA's released config sets 0.7; with it at 0 in config.json mlx-vlm keeps every row, and videos
+# batch exactly (tests/models/test_vlm_families.py).
+NEMOTRON_VIDEO_PRUNING = ("Efficient Video Sampling drops video rows after the vision tower, so the prompt's length "
+                          "would depend on the encoder's output; set video_pruning_rate to 0 in config.json to keep "
+                          "every row (its images, audio and text batch as they are)")
 
 # How the refusals of mlx-vlm's LLaVA-style families end (phi4-siglip, FastVLM's llava_qwen2, Bunny's llava-qwen2
 # and bunny-llama, Janus' multi_modality, phi4mm): llava_next's reason, reached by another merge. Their row counts
@@ -468,6 +484,7 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
     # lengths (as mlx-lm's nemotron_h): no honors_lengths, so only aligned chunks share a forward
     FamilySpec("nemotron_h_nano_omni", media=frozenset({"image", "video", "audio"}), audio_encoder="sound_encoder",
                vision_batch=VisionBatch.PER_REQUEST,
+               refused_media_options=(("video", "video_pruning_rate", NEMOTRON_VIDEO_PRUNING),),
                notes="Nemotron-3 Nano Omni: hybrid Nemotron-H text (Mamba-2, attention and mixture-of-experts "
                "blocks); RADIO ViT on one dynamic-resolution view, pixel shuffle; Parakeet sound encoder"),
     # GLM-5-Next: no rotary anywhere (NoPE latent attention; the linear-attention layers carry order), so ROPE's

@@ -837,6 +837,39 @@ def test_nemotron_audio_requests_are_quiet(nemotron, capfd, caplog, recwarn):
     _mixed_audio_requests_are_quiet(*nemotron, capfd, caplog, recwarn)
 
 
+def test_nemotron_with_video_pruning_refuses_videos_alone(nemotron, tmp_path):
+    """A Nemotron Omni checkpoint whose config sets `video_pruning_rate` (NVIDIA's sets 0.7) drops video rows after
+    its tower, so its prompts would come out shorter than their ids: its video requests are refused with a typed
+    error naming the option, the server's media kinds leave video out, and its audio, image and text requests (the
+    same seeded weights as the `nemotron` fixture's build) still give their solo mlx-vlm tokens beside the refusal."""
+    import json
+
+    import mlx_vlm
+    from PIL import Image
+
+    from scheduler.fixtures.vlm_families import build_tiny_vlm
+
+    from ..helpers import drive
+
+    _, _, requests, references = nemotron
+    path = build_tiny_vlm("nemotron_h_nano_omni", tmp_path / "model", seed=3)
+    config = json.loads((path / "config.json").read_text())
+    assert config.get("video_pruning_rate", 0) == 0  # the fixtures' build keeps every row
+    (path / "config.json").write_text(json.dumps(dict(config, video_pruning_rate=0.5)))
+    model, processor = mlx_vlm.load(str(path))
+    adapter = VLMAdapter(model, processor)
+    assert adapter.media_kinds == {"image", "audio"} and "video_pruning_rate is 0.5" in adapter.refused_media["video"]
+    engine = Engine(model, processor, EngineConfig(max_batched_tokens=40, prefill_chunk=9, check_invariants=True))
+    frames = [Image.fromarray(np.full((56, 56, 3), 9 * i, dtype=np.uint8)) for i in range(4)]
+    video = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What happens?"}]}]
+    with pytest.raises(InvalidRequest, match="video_pruning_rate is 0.5 in this checkpoint's config"):
+        engine.add_request(prompt=video, videos=[frames], request_id="v")
+    sampling = SamplingParams(max_tokens=MAX_TOKENS)
+    run = drive(engine, [(0, dict(requests[i], sampling=sampling, request_id=str(i))) for i in (0, 3, 4, 5)])
+    assert not run.errors, run.errors
+    assert run.tokens == {str(i): references[i] for i in (0, 3, 4, 5)}
+
+
 # ------------------------------------------------------ mimo_v2: MiMo audio-tokenizer codes beside images and text
 
 
