@@ -213,6 +213,10 @@ class Engine:
             with watchdog.guard("the KV-layout probe forward") if watchdog is not None else contextlib.nullcontext():
                 self.kv_layout = (self.vlm.kv_layout() if self.vlm is not None
                                   else library.kv_layout(model, self.config.max_kv_size))
+                if self.vlm is None:
+                    library.check_rows_at_different_positions(model, self.config.max_kv_size)
+                if draft_model is not None:  # (it decodes a row per request too)
+                    library.check_rows_at_different_positions(draft_model)
                 self.quantize = self._quantize_rule(model)  # kv_bits: and the layout counts quantized bytes
             if self.kv_layout is not None and draft_model is not None and self.config.drafter == "draft-model":
                 # the draft model keeps a row per decoding request too: the budget counts its layers as well

@@ -122,6 +122,26 @@ def kv_layout(model: Any, max_kv_size: int | None = None) -> KVLayout:
     return layout
 
 
+def check_rows_at_different_positions(model: Any, max_kv_size: int | None = None) -> None:
+    """Raise UnsupportedModel unless the model's own code runs a decode step over a batch of rows at different
+    positions (a one-token and a two-token prompt's caches, merged as the engine merges them): what every batched
+    tick rests on, proved at load. Some checkpoints' options select code that takes one position for the whole
+    batch: mlx-lm's `DynamicNTKScalingRoPE` (`rope_scaling` type "dynamic", InternLM 2.5's and 3's configs) derives
+    its base with Python's `max` over the cache's offset, which a batch holds per row, and without this probe every
+    batched decode of such a checkpoint failed, request by request."""
+    caches = [make_request_cache(model, max_kv_size) for _ in range(2)]
+    for cache, prompt in zip(caches, ([[1]], [[1, 2]])):
+        model(mx.array(prompt), cache=cache)
+    try:
+        batch = layers.merge_caches(caches, family_of(model_type_of(model)).mask)
+        mx.eval(model(mx.array([[3], [3]]), cache=batch))
+    except Exception as exc:
+        scaling = getattr(model_args(model), "rope_scaling", None)
+        raise UnsupportedModel(model_type_of(model), "this checkpoint's model code fails on a batch of rows at "
+                               f"different positions ({type(exc).__name__}: {exc})"
+                               + (f"; its rope_scaling is {scaling}" if scaling else "")) from None
+
+
 def mlx_lm_prefill_step() -> int:
     """mlx-lm generate_step's default `prefill_step_size`: where its quantized-KV check runs during a prompt."""
     import inspect
