@@ -195,6 +195,11 @@ class Engine:
         self.tokenizer, self.vocab_size = family.tokenizer, family.vocab_size
         # structured outputs: constraints are compiled and checked on arrival, enforced by the executor
         self.grammars = GrammarCompiler(family.tokenizer, family.vocab_size, family.stop_ids)
+        limit = family.vlm.position_limit if family.vlm is not None else None
+        if limit is not None and (self.config.max_model_len or 0) > limit[0]:
+            # past the limit batched rows would get other rows' positions (VLMAdapter.position_limit)
+            raise ValueError(f"max_model_len: this checkpoint batches exactly only up to {limit[0]} positions "
+                             f"({limit[1]}); got {self.config.max_model_len}")
         self.max_model_len = self.config.max_model_len or family.max_positions or 1 << 30
         self.prompts = PromptResolver(self.tokenizer, self.vlm, self.vocab_size, self.max_model_len,
                                       self.config.video_fps, self.config.video_max_frames)

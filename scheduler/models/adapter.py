@@ -264,7 +264,28 @@ class VLMAdapter:
     @property
     def max_positions(self) -> int | None:
         value = getattr(self._lm_args, "max_position_embeddings", None)
+        limit = self.position_limit
+        if limit is not None:
+            return min(int(value), limit[0]) if value else limit[0]
         return int(value) if value else None
+
+    @property
+    def position_limit(self) -> tuple[int, str] | None:
+        """(positions, why) where this checkpoint's language model batches exactly only below a position, else
+        None: the engine's context limit (``max_model_len``) is capped there and a larger one refused.
+
+        Llama-4 attention scaling (``llama_4_scaling_beta`` in the text config's ``rope_parameters``: Ministral 3
+        and Devstral Small 2 under mlx-vlm's mistral3, Mistral 4) multiplies the queries by 1 + beta * log(1 +
+        floor(position / original_max_position_embeddings)), and mlx-vlm takes the positions of the whole batch
+        from its first row's cache offset (``offset[0].item()``). Below ``original_max_position_embeddings`` the
+        factor is exactly 1 for every row, so batches are exact there; past it a row whose position differs from
+        the first row's gets another row's scale."""
+        params = getattr(self._lm_args, "rope_parameters", None)
+        if not isinstance(params, dict) or not params.get("llama_4_scaling_beta"):
+            return None
+        return int(params["original_max_position_embeddings"]), (
+            "its llama_4_scaling_beta attention scaling is taken from the first row's position for every row of a "
+            "batch, and it departs from 1 at original_max_position_embeddings")
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

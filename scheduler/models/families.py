@@ -251,6 +251,9 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
     FamilySpec("idefics3", media_axis=1, item_split=ItemSplit.TILES),  # pixel_values (1, views, C, H, W)
     FamilySpec("smolvlm", media_axis=1, item_split=ItemSplit.TILES,
                notes="idefics3's model with SmolVLMProcessor (video frames become images there)"),
+    # a checkpoint with Llama-4 attention scaling (Ministral 3's and Devstral Small 2's text config, model_type
+    # "ministral3") batches exactly only below original_max_position_embeddings, where the engine caps its context
+    # (VLMAdapter.position_limit)
     FamilySpec("mistral3", item_split=ItemSplit.SIZED_STACK),
     FamilySpec("pixtral", item_split=ItemSplit.SIZED_STACK,
                notes="mistral3's tower and language model without its patch merger"),

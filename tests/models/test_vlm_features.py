@@ -201,3 +201,50 @@ def test_structured_outputs_on_image_and_text_rows_equal_mlx_vlm_alone(vlm):
     eos, tokenizer = engine.scheduler.model_stop_ids, vlm[1].tokenizer
     text = [tokenizer.decode([t for t in out.tokens[f"r{i}"] if t not in eos]) for i in range(len(REQUESTS))]
     assert text[0] in choices and re.fullmatch(r"[0-9]-(yes|no)", text[2]) and 0 <= json.loads(text[3])["n"] <= 99
+
+
+# Ministral 3's and Devstral Small 2's text config (mlx-vlm's mistral3 with text model_type "ministral3"): yarn
+# rope_parameters with Llama-4 attention scaling, llama_4_scaling_beta 0.1 past original_max_position_embeddings
+# (16384 in Ministral 3's, 8192 in Devstral Small 2's); here past 64, so that tiny prompts cross it
+MINISTRAL3_ROPE = {"rope_type": "yarn", "type": "yarn", "rope_theta": 1000000.0, "factor": 16.0,
+                   "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+                   "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}
+
+
+def test_llama_4_attention_scaling_caps_the_context_where_it_batches_exactly(tmp_path):
+    """mlx-vlm's Ministral 3 language model scales the queries by 1 + beta * log(1 + floor(position /
+    original_max_position_embeddings)), with the positions of every row of a batch taken from the first row's
+    cache offset. Past that position a batched row got another row's scale: with the limit at 16 and the context
+    uncapped, 3 of 7 requests of a mixed image / text workload (all at once) gave other greedy tokens than solo
+    mlx-vlm, 4 of 7 staggered in chunks of 8. Below it the scale is exactly 1 for every row, so the engine caps its
+    context there (a larger max_model_len is refused, naming why), and image and text rows batch exactly inside it."""
+    import mlx_vlm
+    from mlx_vlm.prompt_utils import apply_chat_template
+
+    from scheduler.fixtures.vlm_families import build_tiny_vlm
+
+    path = build_tiny_vlm("mistral3", tmp_path / "ministral3", seed=5)
+    config = json.loads((path / "config.json").read_text())
+    config["text_config"].update(model_type="ministral3", rope_parameters=MINISTRAL3_ROPE,
+                                 max_position_embeddings=262144)
+    (path / "config.json").write_text(json.dumps(config))
+    model, processor = mlx_vlm.load(str(path))
+    engine = Engine(model, processor, EngineConfig(max_batched_tokens=24, prefill_chunk=8, max_seqs=6))
+    assert engine.max_model_len == 64
+    with pytest.raises(ValueError, match="batches exactly only up to 64 positions .*llama_4_scaling_beta"):
+        Engine(model, processor, EngineConfig(max_model_len=128))
+    requests = [(user("Hi.", 1), [noise_image(56, 56, seed=2)]), (user("The cat sat on the mat.", 0), []),
+                (user("Describe it.", 1), [noise_image(42, 28, seed=3)]), (user("Why?", 0), [])]
+    want = []
+    for messages, images in requests:
+        prompt = apply_chat_template(processor, model.config, messages, num_images=len(images))
+        last = None
+        for last in mlx_vlm.stream_generate(model, processor, prompt, image=images or None, max_tokens=MAX_TOKENS,
+                                            temperature=0.0):
+            pass
+        assert last.prompt_tokens + MAX_TOKENS <= 64  # inside the limit
+        want.append(list(last.token_ids))
+    run = drive(engine, [(2 * i, {"prompt": messages, "images": images,
+                                  "sampling": SamplingParams(max_tokens=MAX_TOKENS)})
+                         for i, (messages, images) in enumerate(requests)])
+    assert not run.errors and list(run.tokens.values()) == want
