@@ -1,0 +1,115 @@
+"""Options real checkpoints set that the tiny family builds leave at their defaults, and that select other model
+code in mlx-lm (tied heads, head_dim apart from hidden / heads, partial rotary, rotary scaling in a family's own
+code, a 6-layer local/global pattern, MoE routing variants, NoPE layers, qk-norm, ...), each on its family's tiny
+build with the option set (sizes scaled down: windows and original context lengths of 8 or 16, so the prompts
+reach past them). Each request's tokens, staggered in chunks of 8 with drafting on, are mlx-lm's alone."""
+
+from __future__ import annotations
+
+import pytest
+from mlx_lm import load
+
+from scheduler import Engine, EngineConfig
+from scheduler.fixtures.families import build_family_model
+
+from ..helpers import drive, greedy, mixed_prompts, solo_tokens
+
+MAX_TOKENS = 8
+
+
+def _llama3(factor):
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16}
+
+
+def _yarn(factor, **fields):
+    return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": 16, "beta_fast": 32,
+            "beta_slow": 1, **fields}
+
+
+def _longrope(n):
+    # short and long factors apart, as Phi-3.5's and Phi-4-mini's are (mlx-lm rotates by the long ones)
+    return {"type": "longrope", "original_max_position_embeddings": 16,
+            "short_factor": [1.0 + 0.05 * i for i in range(n)], "long_factor": [1.0 + 0.9 * i for i in range(n)]}
+
+
+_MLA = {"num_hidden_layers": 3, "moe_intermediate_size": 32, "num_key_value_heads": 4, "n_shared_experts": 1,
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "kv_lora_rank": 16, "q_lora_rank": 32,
+        "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16, "moe_layer_freq": 1,
+        "first_k_dense_replace": 1}
+_GEMMA3_6 = {"num_hidden_layers": 6, "sliding_window": 8, "sliding_window_pattern": 6,
+             "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}
+
+# id -> (model type, the options (whose checkpoint sets them))
+OPTIONS = {
+    # Llama 3.2 1B/3B: a tied head, llama3 scaling factor 32
+    "llama3.2": ("llama", {"tie_word_embeddings": True, "rope_theta": 500000.0, "rope_scaling": _llama3(32.0)}),
+    # Mistral Nemo (model_type mistral, loaded as llama): head_dim 128 where hidden / heads is 160
+    "mistral-nemo": ("llama", {"model_type": "mistral", "head_dim": 32, "rope_theta": 1000000.0}),
+    # Qwen2.5 0.5B-3B: tied; the model card's yarn for long contexts
+    "qwen2.5": ("qwen2", {"tie_word_embeddings": True, "rope_scaling": _yarn(4.0)}),
+    # Qwen3 0.6B-4B: tied, head_dim 128 where hidden / heads is 64
+    "qwen3": ("qwen3", {"tie_word_embeddings": True, "head_dim": 32, "rope_theta": 1000000.0}),
+    # gemma-2-27b: query_pre_attn_scalar (144) apart from head_dim (128)
+    "gemma2": ("gemma2", {"head_dim": 32, "query_pre_attn_scalar": 24}),
+    # gemma-3-1b: five local layers to a global one; gemma-3-4b and up: linear factor 8 on the global ones
+    "gemma3-1b": ("gemma3_text", _GEMMA3_6),
+    "gemma3-linear": ("gemma3_text", {**_GEMMA3_6, "rope_scaling": {"factor": 8.0, "rope_type": "linear"}}),
+    # Phi-3.5-mini: longrope to 131072 from 4096 (an mscale); Phi-3-mini-128k's older name for it, 'su'
+    "phi3.5": ("phi3", {"rope_scaling": _longrope(8), "max_position_embeddings": 512,
+                        "original_max_position_embeddings": 16}),
+    "phi3-su": ("phi3", {"rope_scaling": {**_longrope(8), "type": "su"}, "max_position_embeddings": 512,
+                         "original_max_position_embeddings": 16}),
+    # Phi-4-mini: 3/4 of each head rotated, tied, longrope
+    "phi4-mini": ("phi3", {"partial_rotary_factor": 0.75, "tie_word_embeddings": True, "rope_scaling": _longrope(6),
+                           "max_position_embeddings": 512, "original_max_position_embeddings": 16}),
+    # DeepSeek-V3: sigmoid routing in groups with a bias correction, scaled 2.5, yarn factor 40
+    "deepseek-v3": ("deepseek_v3", {**_MLA, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5,
+                                    "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
+                                    "rope_scaling": _yarn(40.0, type="yarn", mscale=1.0, mscale_all_dim=1.0)}),
+    # DeepSeek-V2-Lite: no query compression, greedy softmax routing, yarn mscale 0.707
+    "deepseek-v2-lite": ("deepseek_v2", {**_MLA, "q_lora_rank": None, "topk_method": "greedy", "n_group": 1,
+                                         "topk_group": 1, "routed_scaling_factor": 1.0,
+                                         "rope_scaling": _yarn(40.0, type="yarn", mscale=0.707,
+                                                               mscale_all_dim=0.707)}),
+    # GLM-4.5-Air: no qk-norm, one group, head_dim 128 where hidden / heads is 42
+    "glm-4.5-air": ("glm4_moe", {"use_qk_norm": False, "n_group": 1, "topk_group": 1, "head_dim": 32,
+                                 "routed_scaling_factor": 1.0}),
+    # Olmo 3 32B: yarn factor 8 on the global layers only
+    "olmo3-32b": ("olmo3", {"rope_scaling": _yarn(8.0, attention_factor=1.2), "rope_theta": 500000.0}),
+    # gpt-oss: yarn factor 32, head_dim 64 where hidden / heads is 45
+    "gpt-oss": ("gpt_oss", {"rope_scaling": _yarn(32.0, truncate=False), "head_dim": 32}),
+    # EXAONE 3.5 2.4B: tied, llama3 scaling; EXAONE 4.0 32B: llama3 factor 16 on the global (LLLG) layers
+    "exaone3.5": ("exaone", {"tie_word_embeddings": True, "rope_scaling": _llama3(8.0)}),
+    "exaone4": ("exaone4", {"rope_scaling": _llama3(16.0)}),
+    # SmolLM3: every fourth layer without rotary (no_rope_layer_interval 4), tied
+    "smollm3": ("smollm3", {"num_hidden_layers": 4, "tie_word_embeddings": True, "rope_theta": 5000000.0}),
+    # Falcon-H1's trained checkpoints: a gated RMS norm in the mamba mixer; the larger ones untied
+    "falcon-h1": ("falcon_h1", {"mamba_rms_norm": True, "mamba_norm_before_gate": False,
+                                "tie_word_embeddings": False}),
+    # Hunyuan dense (7B, 4B): 'dynamic' with an NTK alpha, a fixed base (not mlx-lm's DynamicNTKScalingRoPE)
+    "hunyuan-dense": ("hunyuan_v1_dense", {"rope_scaling": {"alpha": 1000.0, "factor": 1.0, "type": "dynamic"},
+                                           "tie_word_embeddings": True, "head_dim": 32}),
+    # Command R+: per-head qk layer norms
+    "command-r-plus": ("cohere", {"use_qk_norm": True}),
+    # Seed-OSS-36B: q/k/v biases, head_dim 128 where hidden / heads is 64
+    "seed-oss": ("seed_oss", {"attention_bias": True, "head_dim": 32, "rope_theta": 10000000.0}),
+    # ERNIE-4.5-0.3B: head_dim 128 where hidden / heads is 64
+    "ernie4.5": ("ernie4_5", {"head_dim": 32}),
+    # Qwen3-Next: a quarter of each head rotated, three linear-attention layers to a full one
+    "qwen3-next": ("qwen3_next", {"partial_rotary_factor": 0.25, "full_attention_interval": 4, "head_dim": 32}),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_real_checkpoint_options_batch_exactly(name, tmp_path):
+    model_type, options = OPTIONS[name]
+    model, tokenizer = load(str(build_family_model(model_type, tmp_path, overrides=options)))
+    prompts = mixed_prompts(5, 1, 60, seed=1)
+    prompts.append(prompts[1])  # repeated: its drafts are accepted
+    config = EngineConfig(max_batched_tokens=24, max_seqs=8, prefill_chunk=8, draft_tokens=2, check_invariants=True)
+    run = drive(Engine(model, tokenizer, config),
+                [(2 * i, {"prompt_tokens": p, "sampling": greedy(MAX_TOKENS), "request_id": str(i)})
+                 for i, p in enumerate(prompts)])
+    assert not run.errors, run.errors
+    assert run.tokens == {str(i): solo_tokens(model, tokenizer, p, MAX_TOKENS) for i, p in enumerate(prompts)}
