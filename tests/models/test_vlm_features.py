@@ -279,3 +279,29 @@ def test_weight_quantized_checkpoints_batch_exactly(family, tmp_path):
                          for i, (m, im) in enumerate(REQUESTS)])
     assert not out.errors, out.errors
     assert list(out.tokens.values()) == want
+
+
+@pytest.mark.parametrize("family, image_dtype", [("kimi_vl", "float32"), ("locateanything", "float32"),
+                                                 ("qwen2_5_vl", "bfloat16")])
+def test_which_families_embed_an_image_prompt_in_float32_on_a_bfloat16_checkpoint(family, image_dtype, tmp_path):
+    """The fact behind README's bfloat16 note: on a checkpoint cast to bfloat16 by mlx_vlm.convert, mlx-vlm's
+    MoonViT merge (Kimi-VL, LocateAnything) gives an image prompt float32 embeddings (the float32 pixel values
+    promote its tower's output), so solo mlx-vlm runs that request in float32 and a text request in bfloat16, where
+    a batched forward of both runs one dtype; the other families keep an image prompt in bfloat16 (a survey of every
+    family's bfloat16 build: only these two)."""
+    import contextlib
+    import io
+
+    import mlx.core as mx
+    import mlx_vlm
+    from mlx_vlm.convert import convert
+
+    from scheduler.fixtures.vlm_families import build_tiny_vlm
+    from scheduler.models.adapter import VLMAdapter
+
+    source = build_tiny_vlm(family, tmp_path / "source", seed=1)
+    with contextlib.redirect_stdout(io.StringIO()):  # its progress lines
+        convert(str(source), str(tmp_path / "bf16"), dtype="bfloat16")
+    adapter = VLMAdapter(*mlx_vlm.load(str(tmp_path / "bf16")))
+    image, text = (adapter.encode(adapter.prepare(messages, images=images)) for messages, images in REQUESTS[:2])
+    assert (image.embeddings.dtype, text.embeddings.dtype) == (getattr(mx, image_dtype), mx.bfloat16)
