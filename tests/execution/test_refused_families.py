@@ -33,10 +33,16 @@ def test_a_refused_family_is_refused_at_load_with_its_reason(model_type, tmp_pat
 
 @pytest.mark.parametrize("model_type", MODEL_CODE)
 def test_without_the_refusal_a_batch_would_fail_or_differ_from_each_request_alone(model_type, tmp_path, monkeypatch):
+    """(A model whose code raises on a batch of rows at different positions, gpt_bigcode's, is refused by the
+    load-time probe of such a batch once the table's refusal is lifted: that is the failure, seen at load.)"""
     monkeypatch.setitem(FAMILIES, model_type, dataclasses.replace(FAMILIES[model_type], refused=None))
     model, tokenizer = load(str(build_family_model(model_type, tmp_path)))
     prompts = mixed_prompts(6, 3, 45, seed=11)
-    engine = Engine(model, tokenizer, EngineConfig(max_batched_tokens=512, max_seqs=8))
+    try:
+        engine = Engine(model, tokenizer, EngineConfig(max_batched_tokens=512, max_seqs=8))
+    except UnsupportedModel as exc:
+        assert "fails on a batch of rows at different positions" in exc.reason, exc
+        return
     run = drive(engine, [(0, {"prompt_tokens": p, "sampling": greedy(6), "request_id": f"r{i}"})
                          for i, p in enumerate(prompts)])
     reference = [solo_tokens(model, tokenizer, p, 6) for p in prompts]
