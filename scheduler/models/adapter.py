@@ -401,7 +401,9 @@ class VLMAdapter:
                 raise ValueError(f"prompt has {text.count(token)} {kind} placeholder(s) ({token}) for {n} {kind}(s)")
         frame_lists = [clip.frames for clip in clips]
         try:
-            inputs = library.prepare_inputs(self.model, self.processor, text, pil, frame_lists or None, waves or None)
+            inputs = library.prepare_inputs(self.model, self.processor, text, pil, frame_lists or None, waves or None,
+                                            [None if clip.source_fps is None else
+                                             (clip.total_frames, clip.source_fps, clip.indices) for clip in clips])
         except Exception as exc:
             self._blame(pil, frame_lists, exc)
             raise

@@ -40,13 +40,18 @@ from caches.vision import content_key
 
 
 def prepare_inputs(model: Any, processor: Any, prompt: str, images: list | None, videos: list | None = None,
-                   audio: list | None = None) -> dict:
+                   audio: list | None = None, video_sources: list | None = None) -> dict:
     """``videos``: frame lists (already sampled), each passed on as one ``(frames, H, W, 3)`` array, as mlx-vlm's
     ``load_video`` hands the processor a decoded file (Nemotron's processor takes a video only so: a list of
-    frames raised "Cannot handle this data type" in it). ``audio``: float32 mono waveforms at the feature
-    extractor's rate (passed on as is)."""
+    frames raised "Cannot handle this data type" in it). ``video_sources``: per video, ``(total_frames,
+    source_fps, frame_indices)`` of a decoded file, or None for a frame list. ``audio``: float32 mono waveforms at
+    the feature extractor's rate (passed on as is)."""
     from mlx_vlm.utils import prepare_inputs as vlm_prepare_inputs, should_add_special_tokens
 
+    extra = {}
+    metadata = video_metadata(processor, videos, video_sources) if videos else None
+    if metadata is not None:
+        extra["video_metadata"] = metadata
     with _no_missing_rate_warning(processor) if audio else contextlib.nullcontext():
         return vlm_prepare_inputs(
             processor,
@@ -56,7 +61,33 @@ def prepare_inputs(model: Any, processor: Any, prompt: str, images: list | None,
             prompts=prompt,
             image_token_index=getattr(model.config, "image_token_index", None),
             add_special_tokens=should_add_special_tokens(model.config.model_type, processor),
+            **extra,
         )
+
+
+def video_metadata(processor: Any, videos: list, sources: list | None) -> list | None:
+    """The ``VideoMetadata`` mlx-vlm's ``prepare_inputs`` gives the processor for each video, with a decoded
+    file's own: its frame rate and the source frames we selected, as mlx-vlm's ``load_video`` reports a file it
+    samples itself. Without it, ``prepare_inputs`` takes any frames as sampled from frame 0 at the processor's
+    own ``fps``, and the processors that write each frame group's time into the prompt (Qwen3-VL's ``<t
+    seconds>``, Qwen3.5's, GLM-5-Next's, Mage-VL's, Nemotron Omni's) stamp it wrong whenever our selection is
+    not that: a 40 s clip capped at 32 frames was told it ended at 15.2 s, a clip sampled at ``video_fps=1`` ran
+    at twice its speed. A frame list (no source) keeps mlx-vlm's own metadata (the processor's rate, positions
+    0..n-1); None when no video has a source, so such a request calls mlx-vlm exactly as before."""
+    if not sources or all(source is None for source in sources):
+        return None
+    from mlx_vlm.utils import VideoMetadata, resolve_video_sampling
+
+    rate = resolve_video_sampling(processor, {}).fps
+    out = []
+    for frames, source in zip(videos, sources):
+        if source is None:
+            out.append(VideoMetadata(total_num_frames=len(frames), fps=rate, frames_indices=list(range(len(frames)))))
+            continue
+        total, fps, indices = source
+        out.append(VideoMetadata(total_num_frames=int(total), fps=float(fps), frames_indices=[int(i) for i in indices],
+                                 duration=total / fps))
+    return out
 
 
 class _MissingRateWarning(logging.Filter):

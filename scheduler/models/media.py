@@ -26,6 +26,9 @@ same frame twice). A frame list longer than ``max_frames`` is thinned the same w
 
 The frame count is rounded neither up nor down here: Qwen2-VL's processor groups frames in temporal patches of
 2 and repeats the last frame of an odd count, exactly as it does for a solo ``mlx_vlm`` run given those frames.
+A file's selection goes to the processor with its metadata (source fps, the selected indices:
+``library.video_metadata``), so the processors that write each frame group's time into the prompt (Qwen3-VL,
+Qwen3.5, GLM-5-Next, Mage-VL, Nemotron Omni) stamp the frames' own times, as mlx-vlm does for a file it samples.
 
 Frames are read sequentially (``grab`` every frame, ``retrieve`` the chosen ones), up to the last chosen one;
 that is exact for every codec, seeking by frame number is not. Errors (``MediaError``): no file, not a video

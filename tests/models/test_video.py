@@ -502,6 +502,70 @@ def test_engine_video_image_text_match_solo(vlm, adapter, mixed, video_path, bud
     assert list(run.tokens.values()) == [references[2]]
 
 
+@pytest.fixture(scope="module")
+def stamped(tmp_path_factory):
+    """The tiny Qwen3-VL: its processor writes each frame group's time ("<t.t seconds>") into the prompt."""
+    import mlx_vlm
+
+    from scheduler.fixtures.vlm_families import build_tiny_vlm
+
+    return mlx_vlm.load(str(build_tiny_vlm("qwen3_vl", tmp_path_factory.mktemp("qwen3-vl") / "model", seed=0)))
+
+
+@pytest.mark.parametrize("fps, cap, want", [
+    (2.0, 32, ["0.2", "1.2", "2.2"]),  # frames 0, 15, ... 75: what the processor's own 2 fps assumes, too
+    (1.0, 32, ["0.5", "2.0"]),  # frames 0, 30, 60 (the last group repeats 60); not 0.2, 1.2
+    (2.0, 4, ["0.4", "1.9"]),  # the cap binds: frames 0, 22, 45, 67 spread over the 3 s
+])
+def test_a_video_file_is_stamped_with_its_frames_own_times(stamped, video_path, fps, cap, want):
+    """Each frame group's time in the prompt is that of the source frames we selected (index / source fps, as
+    mlx-vlm's load_video reports a file it samples itself), at any video_fps and under the max_frames cap: given
+    the frames alone, mlx-vlm takes them as sampled from frame 0 at the processor's 2 fps, and a 40 s clip capped
+    at 32 frames was told it ended at 15.2 s."""
+    import re
+
+    model, processor = stamped
+    prepared = VLMAdapter(model, processor).prepare(video_messages("When does it change?"), videos=[video_path],
+                                                    fps=fps, max_frames=cap)
+    assert re.findall(r"<([\d.]+) seconds>", processor.tokenizer.decode(prepared.input_ids)) == want
+
+
+def test_engine_stamped_video_files_match_solo_given_their_metadata(stamped, video_path):
+    """Through the engine at video_fps=1, staggered in small chunks next to a frame-list video, an image and a text
+    request: each equals mlx_vlm.stream_generate alone given the same frames, with the file's metadata
+    (``video_metadata``, as mlx-vlm's own load_video gives it) and none for the frame list."""
+    import mlx_vlm
+    from mlx_vlm.utils import VideoMetadata
+
+    model, processor = stamped
+    adapter = VLMAdapter(model, processor, video_fps=1.0)
+    media = [dict(videos=[video_path]), dict(), dict(videos=[noise_frames(5, 84, 56, seed=1)]),
+             dict(images=[noise_image(112, 140, seed=0)])]
+    texts = [video_messages("When does it change?"), text_messages("What does the cat see today?"),
+             video_messages("Describe it"), image_messages("Describe picture 0")]
+    prompts, references = [], []
+    for messages, kw in zip(texts, media):
+        prompts.append(adapter.prepare(messages, **kw).prompt)
+        solo_kw = dict(image=kw.get("images"))
+        if kw.get("videos"):
+            clip = load_video(kw["videos"][0], 0, 1.0, adapter.video_max_frames)
+            solo_kw["video"] = [np.stack(clip.frames)]
+            if clip.source_fps is not None:
+                solo_kw["video_metadata"] = [VideoMetadata(total_num_frames=clip.total_frames, fps=clip.source_fps,
+                                                           frames_indices=list(clip.indices))]
+        last = None
+        for last in mlx_vlm.stream_generate(model, processor, prompts[-1], max_tokens=MAX_TOKENS, temperature=0.0,
+                                            **solo_kw):
+            pass
+        references.append(list(last.token_ids))
+    engine = Engine(model, processor, EngineConfig(max_batched_tokens=24, prefill_chunk=7, max_seqs=4, video_fps=1.0,
+                                                   check_invariants=True))
+    run = _drive(engine, [(2 * t, {"prompt": prompts[t], **media[t], "sampling": SamplingParams(max_tokens=MAX_TOKENS)})
+                          for t in range(len(prompts))])
+    assert not run.errors, run.errors
+    assert list(run.tokens.values()) == references
+
+
 def test_engine_repeated_video_hits_the_vision_cache_and_bad_videos_are_refused_alone(vlm, mixed, video_path, tmp_path):
     model, processor = vlm
     prepared, references = mixed
