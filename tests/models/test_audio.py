@@ -470,6 +470,55 @@ def test_engine_kv_budget_preempts_audio_requests_and_stays_exact(gemma, mixed, 
     assert preempted & audio_ids, f"no audio request was preempted ({sorted(preempted)})"
 
 
+# Gemma 4 E2B's released text options (its config.json's text_config: 35 layers, four sliding layers to a full one,
+# the last 20 reusing earlier layers' KV with double-wide MLPs, full layers with a 512 global head dim rotated on a
+# quarter of it, proportional), which the tiny builds leave off, on ten tiny layers: four of them KV-shared.
+E2B_TEXT_OPTIONS = {
+    "num_hidden_layers": 10, "layer_types": (["sliding_attention"] * 4 + ["full_attention"]) * 2,
+    "sliding_window_pattern": 5, "num_kv_shared_layers": 4, "use_double_wide_mlp": True, "global_head_dim": 64,
+    "rope_parameters": {
+        "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
+        "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}},
+}
+
+
+@pytest.mark.parametrize("kind", list(AUDIO_KINDS))
+def test_real_checkpoint_text_options_batch_audio_exactly(kind, tmp_path, monkeypatch):
+    """With E2B's text options (KV-shared layers read the caches of earlier ones, double-wide MLPs, proportional
+    partial rotary on the full layers): a 40 s clip (cut to 30 s, 750 tokens, by the processor's audio_seq_length),
+    clips at 16 and 44.1 kHz and a text request, staggered in chunks of 7 and drafting, equal mlx_vlm alone."""
+    import mlx_vlm
+
+    from scheduler.fixtures import tiny_models
+
+    from ..helpers import drive
+
+    plain = tiny_models.audio_config
+
+    def e2b(tokenizer):
+        config = plain(tokenizer)
+        config["text_config"].update(E2B_TEXT_OPTIONS)
+        return config
+
+    monkeypatch.setattr(tiny_models, "audio_config", e2b)
+    gemma = mlx_vlm.load(str(build_model(kind, tmp_path / "model")))
+    assert gemma[0].language_model.model.first_kv_shared_layer_idx == 6
+    long, short = write_wav(tmp_path / "long.wav", tone(40.0, 5)), write_wav(tmp_path / "short.wav", tone(2.5, 6))
+    cd = write_wav(tmp_path / "cd.wav", tone(3.0, 7, rate=44100), rate=44100)
+    requests = [(audio_messages("Transcribe this."), [long]), (text_messages("The old man and the sea, slowly."), []),
+                (audio_messages("What do you hear?"), [short]), (audio_messages("And this one?"), [cd])]
+    adapter = VLMAdapter(*gemma)
+    prompts = [adapter.prepare(messages, audio=clips).prompt for messages, clips in requests]
+    references = [solo(gemma, prompt, [str(c) for c in clips]) for prompt, (_, clips) in zip(prompts, requests)]
+    for config in (dict(max_batched_tokens=24, prefill_chunk=7, max_seqs=4), dict(draft_tokens=2)):
+        engine = Engine(*gemma, EngineConfig(**config, check_invariants=True))
+        run = drive(engine, [(2 * t, {"prompt": prompt, "audio": clips or None,
+                                      "sampling": SamplingParams(max_tokens=MAX_TOKENS)})
+                             for t, (prompt, (_, clips)) in enumerate(zip(prompts, requests))])
+        assert not run.errors, run.errors
+        assert list(run.tokens.values()) == references, config
+
+
 # ------------------------------------------------------------------------------ gemma3n: refused at load
 
 
