@@ -202,7 +202,7 @@ class Engine:
                              f"({limit[1]}); got {self.config.max_model_len}")
         self.max_model_len = self.config.max_model_len or family.max_positions or 1 << 30
         self.prompts = PromptResolver(self.tokenizer, self.vlm, self.vocab_size, self.max_model_len,
-                                      self.config.video_fps, self.config.video_max_frames)
+                                      self.config.video_fps, self.config.video_max_frames, family.min_prompt)
         if self.config.max_kv_size is not None and not library.supports_max_kv_size(
                 model.language_model if self.vlm is not None else model):
             raise ValueError("max_kv_size: this model builds its own caches (e.g. sliding windows); "
@@ -982,6 +982,7 @@ class _ModelFamily:
     stop_ids: frozenset[int]
     vlm: Any = None  # the family adapter of a vision-language model
     vision_cache: Any = None
+    min_prompt: tuple[int, str] | None = None  # a text family's `Family.min_prompt`
 
 
 def _install_loras(model: Any, loras: Mapping[str, str | Path], vlm: bool, shard_group: Any) -> LoRASet:
@@ -1003,8 +1004,9 @@ def _media_fetch(config: EngineConfig) -> FetchPolicy | None:
 def _model_family(model: Any, tokenizer: Any, config: EngineConfig, on_vision_event: Any,
                   media_fetch: FetchPolicy | None) -> _ModelFamily:
     if not library.is_vision_language_model(model):
-        return _ModelFamily(TextRunner(model, config.max_kv_size), tokenizer, library.vocab_size(model),
-                            library.max_positions(model), library.eos_token_ids(tokenizer))
+        runner = TextRunner(model, config.max_kv_size)
+        return _ModelFamily(runner, tokenizer, library.vocab_size(model), library.max_positions(model),
+                            library.eos_token_ids(tokenizer), min_prompt=runner.family.min_prompt)
     from caches.vision import VisionCache
 
     from .models.adapter import adapter_for

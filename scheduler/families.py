@@ -52,6 +52,10 @@ class Family:
     # from mlx-lm's model code and proven per family by tests/execution/test_hybrids.py (and test_rotating.py for
     # max_kv_size); an undeclared family does not get it.
     honors_lengths: bool = False
+    # (the fewest prompt tokens a request may have, why) where a one-token prompt cannot be exact, else None. Such a
+    # prompt's only token is the first decode step's input, computed in the batched forward next to rows that hold
+    # state; shorter prompts are refused at add_request with the reason
+    min_prompt: tuple[int, str] | None = None
     note: str = ""
 
     @property
@@ -61,6 +65,11 @@ class Family:
 
 _KV, _ROT, _ARR = ("KVCache",), ("KVCache", "RotatingKVCache"), ("ArraysCache", "KVCache")
 _LIST_KV = ("CacheList[KVCache+KVCache]",)
+
+RECURRENT_GEMMA_FIRST_TOKEN = (
+    "recurrent_gemma's RG-LRU leaves a sequence's first input unscaled only when it runs with no recurrent state, and "
+    "a one-token prompt's only token is computed in the batched decode step, where its row holds the batch's zero "
+    "state: its output would differ from mlx_lm.generate alone")
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", _KV),
@@ -160,7 +169,10 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # ---- recurrent state
     Family("mamba", ("ArraysCache",), note="state-space model, no attention"),
     Family("rwkv7", ("ArraysCache",), note="RWKV-7 recurrence, no attention"),
-    Family("recurrent_gemma", ("ArraysCache", "RotatingKVCache"), note="hybrid: RG-LRU layers + local attention"),
+    # mlx-lm's RG-LRU leaves a sequence's first input unscaled only when it runs with no recurrent state
+    # (`multiplier[:, 0, :] = 1.0` when its cache holds none); a row that joins a batch holds the batch's zeros
+    Family("recurrent_gemma", ("ArraysCache", "RotatingKVCache"), min_prompt=(2, RECURRENT_GEMMA_FIRST_TOKEN),
+           note="hybrid: RG-LRU layers + local attention"),
     Family("jamba", _ARR, note="hybrid: Mamba layers + attention, mixture of experts"),
     Family("plamo2", _ARR, honors_lengths=True, note="hybrid: Mamba layers + attention"),
     Family("kimi_linear", _ARR, honors_lengths=True,

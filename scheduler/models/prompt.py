@@ -90,10 +90,12 @@ class PromptResolver:
     item."""
 
     def __init__(self, tokenizer: Any, vlm: Any, vocab_size: int, max_model_len: int,
-                 video_fps: float | None = None, video_max_frames: int | None = None):
+                 video_fps: float | None = None, video_max_frames: int | None = None,
+                 min_prompt: tuple[int, str] | None = None):
         self.tokenizer, self.vlm = tokenizer, vlm
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.video_fps, self.video_max_frames = video_fps, video_max_frames
+        self.min_prompt = min_prompt  # (fewest prompt tokens, why): the family's `Family.min_prompt`
 
     def _check(self, prompt: Any, prompt_tokens: Any, media: MediaInputs, request_id: str | None = None) -> Any:
         """The checks that need no tokenizer or processor; ``prompt_tokens`` as a list of ints (or None)."""
@@ -129,7 +131,11 @@ class PromptResolver:
                                          "tokens and media, which truncating would cut into", request_id)
                 prepared = self.vlm.text_request(prepared.input_ids[-truncate:])
             ids = prepared.input_ids
-        return ResolvedPrompt(validate_prompt_tokens(ids, self.vocab_size, self.max_model_len), prepared)
+        ids = validate_prompt_tokens(ids, self.vocab_size, self.max_model_len)
+        if self.min_prompt is not None and len(ids) < self.min_prompt[0]:
+            raise InvalidRequest("prompt", f"has {len(ids)} token(s); this model takes at least {self.min_prompt[0]}: "
+                                           f"{self.min_prompt[1]}", request_id)
+        return ResolvedPrompt(ids, prepared)
 
     def fetch_remote(self, prompt: Any, media: MediaInputs, request_id: str | None = None) -> tuple[Any, MediaInputs]:
         """The request's media at http(s) URLs fetched now, as ``resolve`` would fetch them (the adapter's

@@ -35,7 +35,8 @@ def family_fixture(builds: list[tuple[str, int | None]]):
         model_type, bits = request.param
         model, tokenizer = load(str(build_family_model(model_type, tmp_path_factory.mktemp(model_type), bits=bits)))
         shared = mixed_prompts(1, 20, 20, seed=3)[0]
-        prompts = mixed_prompts(5, 1, 40, seed=1) + [shared + [9, 10, 11], shared + [12, 13]]
+        shortest = FAMILIES[model_type].min_prompt[0] if FAMILIES[model_type].min_prompt else 1  # (recurrent_gemma: 2)
+        prompts = mixed_prompts(5, shortest, 40, seed=1) + [shared + [9, 10, 11], shared + [12, 13]]
         reference = [solo_tokens(model, tokenizer, p, MAX_TOKENS) for p in prompts]
         return model_type, model, tokenizer, prompts, reference
 
