@@ -243,3 +243,13 @@ class EngineConfig:
             raise ValueError(f"max_prefill_tokens: must be an integer >= 1 or None, got {self.max_prefill_tokens!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len: must be >= 1 or None, got {self.max_model_len!r}")
+
+    def one_forward_limit(self) -> tuple[int, str]:
+        """The most prompt tokens one prefill chunk can hold, with the settings that bound it: a chunk is at most
+        prefill_chunk tokens, and a tick's prefill at most max_batched_tokens (all of it once no row decodes) and
+        max_prefill_tokens."""
+        limits = [(self.prefill_chunk, "prefill_chunk"), (self.max_batched_tokens, "max_batched_tokens")]
+        if self.max_prefill_tokens is not None:
+            limits.append((self.max_prefill_tokens, "max_prefill_tokens"))
+        most = min(n for n, _ in limits)
+        return most, " and ".join(f"{name}={n}" for n, name in limits if n == most)

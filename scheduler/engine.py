@@ -202,7 +202,8 @@ class Engine:
                              f"({limit[1]}); got {self.config.max_model_len}")
         self.max_model_len = self.config.max_model_len or family.max_positions or 1 << 30
         self.prompts = PromptResolver(self.tokenizer, self.vlm, self.vocab_size, self.max_model_len,
-                                      self.config.video_fps, self.config.video_max_frames, family.min_prompt)
+                                      self.config.video_fps, self.config.video_max_frames, family.min_prompt,
+                                      self.config.one_forward_limit())
         if self.config.max_kv_size is not None and not library.supports_max_kv_size(
                 model.language_model if self.vlm is not None else model):
             raise ValueError("max_kv_size: this model builds its own caches (e.g. sliding windows); "
@@ -691,7 +692,8 @@ class Engine:
                 seed=a.sampling.seed if a.sampling.seed is not None else _derived_seed(self.config.seed, a.request_id),
                 media=a.prompt.media, num_images=a.prompt.num_media_items, media_key=a.prompt.media_key,
                 num_media_tokens=a.prompt.num_media_tokens, media_marks=a.prompt.media_marks,
-                media_items=a.prompt.media_items, lora=a.lora, cache_salt=a.cache_salt,
+                media_items=a.prompt.media_items, first_chunk_reach=a.prompt.first_chunk_reach, lora=a.lora,
+                cache_salt=a.cache_salt,
             )
             self.scheduler.add(request, tick)
         outputs = [

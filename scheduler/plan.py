@@ -120,6 +120,7 @@ class NewRequest:
     num_images: int = 0
     media_marks: tuple[tuple[int, str], ...] = ()  # Request.media_marks (its first: where it checkpoints)
     lora: str | None = None  # the LoRA adapter its forwards run on (None: the base model)
+    first_chunk_reach: int = 0  # Request.first_chunk_reach (its first chunk is one forward of its own)
 
 
 #: What an outcome records of each request a tick encoded (`TickResult.encoded`): its rope delta, whether all

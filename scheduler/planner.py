@@ -7,6 +7,8 @@ the same plans. Invariants it guarantees (tests assert them on every plan):
     forward computes: every row of the forward at the widest draft (`TickPlan.decode_tokens`);
     admitted + running <= max_seqs;
   * no chunk is longer than prefill_chunk;
+  * a request's first chunk reaches its `first_chunk_reach` (from position 0, and no prefix hit shorter than it is
+    taken), or it gets no chunk and holds back the prefills behind it until the budget can pay for it;
   * with kv_memory_bytes, the bound on KV bytes after the tick (caches/kv.py) stays within it: the planner
     preempts (newest first) when decoding rows outgrow it and admits only what fits with headroom.
 """
@@ -52,11 +54,12 @@ class SchedulerView:
 
 
 def _chunk(request: Request, start: int, budget: int, config: EngineConfig, hold_last: bool = False) -> PrefillChunk | None:
-    """The next chunk of `request`, or None when there is nothing to feed. With `hold_last`, the last prompt
-    token is kept back: it is fed with a decode step, which a prefill-only tick does not run."""
+    """The next chunk of `request`, or None when there is nothing to feed or it cannot reach the request's
+    `first_chunk_reach`. With `hold_last`, the last prompt token is kept back: it is fed with a decode step, which a
+    prefill-only tick does not run."""
     limit = request.prefill_len - (1 if hold_last else 0)
     end = start + min(limit - start, config.prefill_chunk, budget)
-    if end <= start:
+    if end <= start or end < request.first_chunk_reach:  # (such a first chunk is not cut: it waits)
         return None
     return PrefillChunk(request.request_id, start, end, end == request.prefill_len)
 
@@ -274,6 +277,9 @@ class _TickBuilder:
         self.prefix_hits: list[PrefixHit] = []
         self.admitted: list[str] = []
         self.draft: list[DraftGrant] = []
+        # a request whose first chunk must reach further than the budget left (`Request.first_chunk_reach`): the
+        # prefills behind it wait too, so the budget it needs frees up (nobody jumps it)
+        self.held_by: str | None = None
 
     # ---- phases, in order -------------------------------------------------------------------------
     def make_room(self) -> None:
@@ -326,11 +332,17 @@ class _TickBuilder:
         for request in self.policy.order_prefilling(self.view.prefilling, self.view.tick):
             if request.request_id in self.gone:
                 continue
+            if self.held_by is not None:
+                why.note(request.request_id, Reason.POLICY_ORDER, (self.held_by,))
+                continue
             if self.budget <= 0:
                 why.note(request.request_id, why.exhausted)
                 continue
             offer = self._offer(request)
             if offer is None:
+                if self._first_chunk_waits(request):
+                    why.note(request.request_id, why.exhausted)
+                    self.held_by = request.request_id
                 continue  # nothing to feed in a prefill-only tick
             if self.kv is not None and not self.kv.try_chunk(request, offer[0], admission=False):
                 why.note(request.request_id, Reason.KV_BUDGET)
@@ -382,6 +394,9 @@ class _TickBuilder:
                 self._note_media(request)
                 self.seqs += 1
                 continue
+            if self.held_by is not None:
+                why.held_back(queue[position:], Reason.POLICY_ORDER, (self.held_by,))
+                break
             if self.budget <= 0:
                 why.held_back(queue[position:], why.exhausted)
                 break
@@ -447,15 +462,26 @@ class _TickBuilder:
     # ---- the one way work is given ------------------------------------------------------------------
     def _offer(self, request: Request) -> tuple[PrefillChunk, tuple[int, int] | None] | None:
         """The chunk `request` would get next, with the prefix-cache hit it starts from (first chunk only), or
-        None when there is nothing to feed. It starts after the computed tokens or, for a first chunk, after
+        None when there is nothing to feed or its first chunk must reach further than the budget left pays for
+        (`_first_chunk_waits`). It starts after the computed tokens or, for a first chunk, after
         the hit (which the plan then records so the executor restores it)."""
-        if request.num_computed_tokens:
-            start, match = request.num_computed_tokens, None
-        else:
-            match = self.view.prefix_match(request)
-            start = match[1] if match else 0
+        start, match = self._start(request)
         chunk = _chunk(request, start, self.budget, self.config, hold_last=self.prefill_only)
         return None if chunk is None else (chunk, match)
+
+    def _start(self, request: Request) -> tuple[int, tuple[int, int] | None]:
+        """Where its next chunk starts, with the prefix-cache hit it starts from (first chunk only)."""
+        if request.num_computed_tokens:
+            return request.num_computed_tokens, None
+        match = self.view.prefix_match(request)
+        if match is not None and match[1] < request.first_chunk_reach:
+            match = None  # its first chunk would start past 0, short of where it must start
+        return (match[1], match) if match else (0, None)
+
+    def _first_chunk_waits(self, request: Request) -> bool:
+        """Given no chunk: it is because its first chunk must reach `first_chunk_reach` and the budget left pays
+        for less (not because nothing is left to feed)."""
+        return self._start(request)[0] < request.first_chunk_reach
 
     def grant(self, request: Request, chunk: PrefillChunk, match: tuple[int, int] | None) -> None:
         """Give `request` its chunk: the plan records the prefix hit it starts from, the budget pays for it."""

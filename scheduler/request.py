@@ -367,6 +367,11 @@ class Request:
     media_marks: tuple[tuple[int, str], ...] = ()
     media_items: tuple[MediaItemRef, ...] = ()  # per item where the model layer keys media per item, else ()
     media_encoded: bool = False
+    # 0, or the prompt position its first prefill chunk must reach: that chunk starts at position 0 (a prefix hit
+    # shorter than this is not taken) and feeds at least this far, in one forward of its own. A model whose media
+    # tokens attend to each other both ways (Gemma 4's images: `FamilySpec.token_types_input`) computes them so only
+    # in one forward that holds them all, as mlx_vlm.generate prefills such a prompt
+    first_chunk_reach: int = 0
     # the LoRA adapter it runs on (`Engine(loras=...)` names them; None: the base model). Its KV depends on it, so
     # its prefix-cache keys carry it (`prefix_key`): only requests on the same adapter share a prefix
     lora: str | None = None
@@ -414,7 +419,7 @@ class Request:
         outputs re-fed after a preemption, sampling, seed and media; never attached to a lifecycle."""
         return cls(new.request_id, list(new.prompt_tokens), new.sampling, seed=new.seed, media=new.media,
                    num_images=new.num_images, media_key=new.media_key, media_marks=new.media_marks,
-                   recompute_tokens=new.recompute_tokens, lora=new.lora,
+                   first_chunk_reach=new.first_chunk_reach, recompute_tokens=new.recompute_tokens, lora=new.lora,
                    output_tokens=list(new.output_tokens))
 
     @property

@@ -133,6 +133,7 @@ class Scheduler:
             **({"num_media_tokens": request.num_media_tokens} if request.num_media_tokens else {}),
             **({"media_marks": [list(m) for m in request.media_marks]} if request.media_marks else {}),
             **({"media_items": [item.to_record() for item in request.media_items]} if request.media_items else {}),
+            **({"first_chunk_reach": request.first_chunk_reach} if request.first_chunk_reach else {}),
             **({"lora": request.lora} if request.lora is not None else {}),
             **({"cache_salt": request.cache_salt} if request.cache_salt is not None else {}),
             measure={"t": request.arrival_time, "admitted_to_engine_t": self.events.clock()},
@@ -205,7 +206,8 @@ class Scheduler:
         for rid in dict.fromkeys(ids):
             r = self.requests[rid]
             new.append(NewRequest(rid, tuple(r.prompt_tokens), r.sampling, r.seed, tuple(r.output_tokens),
-                                  r.recompute_tokens, r.media, r.media_key, r.num_images, r.media_marks, r.lora))
+                                  r.recompute_tokens, r.media, r.media_key, r.num_images, r.media_marks, r.lora,
+                                  r.first_chunk_reach))
         return tuple(new)
 
     def _plan_record(self, plan: TickPlan) -> dict[str, Any]:
@@ -452,6 +454,10 @@ class Scheduler:
         require(plan.num_batched_tokens <= cfg.max_batched_tokens, "num_batched_tokens over max_batched_tokens", plan)
         require(plan.num_seqs <= cfg.max_seqs, "num_seqs over max_seqs", plan)
         require(all(c.num_tokens <= cfg.prefill_chunk for c in plan.prefill), "a chunk over prefill_chunk", plan)
+        for c in plan.prefill:
+            reach = self.requests[c.request_id].first_chunk_reach if c.request_id in self.requests else 0
+            require(c.start >= reach or (c.start == 0 and c.end >= reach),
+                    f"{c.request_id}: its first chunk [{c.start}, {c.end}) does not reach {reach} from 0", plan)
         if cfg.max_prefill_tokens is not None:
             require(prefill_tokens <= cfg.max_prefill_tokens, "prefill over max_prefill_tokens", plan)
         require(prefill_tokens + plan.decode_tokens == plan.num_batched_tokens,

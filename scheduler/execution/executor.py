@@ -440,7 +440,8 @@ class MLXExecutor:
         extra split. The prefill end is offered whole at completion (`_offer_prefix`), so it is not a checkpoint
         here."""
         rid = request.request_id
-        at = self._checkpoint_at(request, start, end)
+        # (a first chunk that must reach past its media is one forward: `Request.first_chunk_reach`)
+        at = self._checkpoint_at(request, start, end) if start >= request.first_chunk_reach else None
         if at is None:
             return [_Feed(rid, start, end)]
         return [_Feed(rid, start, at, checkpoint=True), _Feed(rid, at, end)]

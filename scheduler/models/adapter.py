@@ -111,6 +111,12 @@ class PreparedRequest:
     num_videos: int = 0
     num_audio: int = 0
     video_frame_indices: tuple[tuple[int, ...], ...] = ()  # per video: the source frames selected
+    # the processor's (1, L) token types (``FamilySpec.token_types_input``) where the prompt is prefilled in one
+    # forward through its last media token, else None
+    token_types: mx.array | None = None
+    # 0, or where the first prefill chunk must reach: it feeds [0, first_chunk_reach) or more in one forward of its
+    # own, with the token types (``FamilySpec.token_types_input``; ``Request.first_chunk_reach``)
+    first_chunk_reach: int = 0
 
     @property
     def has_media(self) -> bool:
@@ -175,6 +181,8 @@ class EncodedRequest:
     sequence_inputs: dict[str, mx.array] = field(default_factory=dict)  # (1, L, ...) sliced with each chunk
     media_mask: mx.array | None = None  # (1, L) bool: the media positions (families that declare the input)
     media_rows: dict[str, Any] = field(default_factory=dict)  # per media token rows (families that declare them)
+    token_types: mx.array | None = None  # (1, L) PreparedRequest.token_types, zeros (text) over re-fed outputs
+    first_chunk_reach: int = 0  # PreparedRequest.first_chunk_reach
 
     @property
     def num_tokens(self) -> int:
@@ -409,19 +417,35 @@ class VLMAdapter:
             raise
         ids = self._prompt_ids(inputs)
         has_media = bool(pil or clips or waves)
-        media_inputs = {k: v for k, v in inputs.items() if k not in _NOT_MEDIA and k not in self.spec.dropped_inputs
-                        and v is not None} if has_media else {}
+        kept_out = (*_NOT_MEDIA, *self.spec.dropped_inputs, self.spec.token_types_input)
+        media_inputs = {k: v for k, v in inputs.items() if k not in kept_out and v is not None} if has_media else {}
         media_at = tuple(i for i, t in enumerate(ids) if t in self.media_token_ids) if has_media else ()
         if has_media and not media_at:
             raise ValueError("the processor put no media tokens in the prompt")
         marks, items = self.media_keys(media_inputs, ids, media_at, len(pil) + len(clips)) if has_media else ((), ())
+        token_types = self._one_forward_types(inputs, ids) if has_media else None
+        # Exact prefix sharing needs no key of its own for this mode: it follows from the media alone (Gemma 4:
+        # images and no audio), and its media are keyed whole (one mark over every media tensor)
         return PreparedRequest(
             input_ids=ids, media_inputs=media_inputs, mask=inputs.get("attention_mask"),
             media_key=marks[-1][1] if marks else None, media_positions=media_at, media_marks=marks,
             media_items=items, prompt=text,
             num_images=len(pil), num_videos=len(clips), num_audio=len(waves),
             video_frame_indices=tuple(clip.indices for clip in clips),
+            token_types=token_types, first_chunk_reach=media_at[-1] + 1 if token_types is not None else 0,
         )
+
+    def _one_forward_types(self, inputs: dict, ids: list[int]) -> mx.array | None:
+        """The prompt's token types where ``mlx_vlm.generate`` would prefill it in one forward (its chunked-prefill
+        policy, asked with them), else None."""
+        name = self.spec.token_types_input
+        if name is None or inputs.get(name) is None:
+            return None
+        types = mx.array(np.asarray(inputs[name])).astype(mx.int32).reshape(1, -1)
+        if types.shape[1] != len(ids):
+            raise ValueError(f"the processor's {name} covers {types.shape[1]} positions of a {len(ids)}-token prompt")
+        one_forward = library.prefills_in_one_forward(self.model, mx.array(ids)[None], {name: types})
+        return types if one_forward else None
 
     def text_request(self, token_ids: Sequence[int]) -> PreparedRequest:
         """A request given as token ids (no media)."""
@@ -757,7 +781,16 @@ class VLMAdapter:
                               vision_time_s=0.0 if media is None else media.seconds,
                               encoded_items=0 if media is None else media.encoded_items,
                               encoded_media_tokens=0 if media is None else media.encoded_tokens,
-                              sequence_inputs=sequence_inputs, media_mask=media_mask, media_rows=media_rows)
+                              sequence_inputs=sequence_inputs, media_mask=media_mask, media_rows=media_rows,
+                              token_types=self._types_over(prepared, ids), first_chunk_reach=prepared.first_chunk_reach)
+
+    @staticmethod
+    def _types_over(prepared: PreparedRequest, ids: mx.array) -> mx.array | None:
+        """The prompt's token types over ``ids`` (the prompt, then re-fed outputs: text, type 0)."""
+        if prepared.token_types is None:
+            return None
+        extra = ids.shape[1] - prepared.token_types.shape[1]
+        return mx.pad(prepared.token_types, [(0, 0), (0, extra)]) if extra else prepared.token_types
 
     def make_cache(self) -> list:
         return library.make_cache(self.language_model, self.max_kv_size)
@@ -774,6 +807,13 @@ class VLMAdapter:
             raise ValueError(f"prefill from {start} but the cache holds {held} tokens")
         kwargs = self.positions.prefill_kwargs(encoded.position_ids, start, end)
         kwargs.update({name: value[:, start:end] for name, value in encoded.sequence_inputs.items()})
+        if start < encoded.first_chunk_reach:
+            # the language model builds each image's two-way mask from these types over the whole forward, which
+            # must start at 0 with an empty cache and hold every media token (else it falls back to causal)
+            if start != 0 or end < encoded.first_chunk_reach:
+                raise ValueError(f"this prompt's tokens [0, {encoded.first_chunk_reach}) are prefilled in one "
+                                 f"forward (its media attend both ways), not [{start}, {end})")
+            kwargs[self.spec.token_types_input] = encoded.token_types[:, :end]
         chunk_mask, chunk_rows = self._chunk_media(encoded, start, end)
         if chunk_mask is not None and self.spec.media_rows_whole_prompt:
             chunk_mask, chunk_rows = self._prompt_media(encoded, end)
@@ -826,7 +866,10 @@ class VLMAdapter:
     def shares_prefill(self, encoded: EncodedRequest, start: int, n: int) -> bool:
         """Whether positions [start, start + n) may share a forward with other requests' chunks: not a chunk
         holding media positions of a family whose language model adds one sequence's media rows to every row
-        of a batch (``FamilySpec.media_rows_whole_prompt``)."""
+        of a batch (``FamilySpec.media_rows_whole_prompt``), nor a prompt's first chunk that must reach past its
+        media in one forward (``EncodedRequest.first_chunk_reach``)."""
+        if start < encoded.first_chunk_reach:  # its first chunk: one forward of its own (token_types_input)
+            return False
         if not self.spec.media_rows_whole_prompt or encoded.media_mask is None:
             return True
         return not bool(encoded.media_mask[:, start:start + n].any().item())

@@ -50,6 +50,13 @@ between families is declared here, and nothing else:
                    where Qwen3-VL's takes the media positions' rows alone: the adapter keeps the rows per media token
                    as for those (vision cache, items, recompute) and spreads each chunk's rows over its positions.
 ``sequence_inputs`` extra (1, L, ...) inputs sliced with the chunk (Gemma 4's ``per_layer_inputs``).
+``token_types_input`` the processor output giving each prompt position's kind (Gemma 4's ``mm_token_type_ids``),
+                   which ``mlx_vlm.generate`` hands its chunked-prefill policy and the prefill forward. Where the
+                   policy prefills a prompt in one forward (``library.prefills_in_one_forward``: a Gemma 4 checkpoint
+                   with ``use_bidirectional_attention: "vision"`` and a prompt with images and no audio, whose
+                   image tokens then attend to each other both ways), the engine prefills the prompt from position 0
+                   through its last media token in one forward of its own with that input (the request's
+                   ``first_chunk_reach``); the text after it is causal and chunks as any other.
 ``dropped_inputs`` processor outputs that are neither media tensors nor read by the family's encoders or language
                    model, dropped after the processor call (dots.ocr: transformers' Qwen2.5-VL processor returns
                    ``mm_token_type_ids``, (1, L) like the prompt: kept as a media tensor it cannot be split per
@@ -158,6 +165,7 @@ class FamilySpec:
     media_rows_whole_prompt: bool = False
     media_rows_dense: bool = False
     sequence_inputs: tuple[str, ...] = ()
+    token_types_input: str | None = None
     dropped_inputs: tuple[str, ...] = ()
     mixed_image_video: bool = False
     images_per_request: int | None = None
@@ -281,16 +289,19 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
     FamilySpec("idefics2", media_axis=1, notes="perceiver resampler, image splitting"),
     # every image's tiles flat along axis 0 (a tile count per image): keyed whole
     FamilySpec("aya_vision", notes="Cohere2 language model: sliding-window layers; tiles and a global view"),
-    FamilySpec("gemma4", media=frozenset({"audio"}), sequence_inputs=("per_layer_inputs",),
-               vision_batch=VisionBatch.PER_REQUEST, honors_lengths=True,
-               notes="audio only: images not attempted (checkpoints with use_bidirectional_attention "
-               "'vision' attend bidirectionally inside each image's tokens; the batched prefill is causal)"),
+    # its processor's mm_token_type_ids is read by the chunked-prefill policy and the prefill forward only (not by
+    # get_input_embeddings): kept out of the media tensors (and so out of the media keys, which it would tie to the
+    # prompt's text) as the prompt's token types
+    FamilySpec("gemma4", media=frozenset({"image", "audio"}), sequence_inputs=("per_layer_inputs",),
+               token_types_input="mm_token_type_ids", vision_batch=VisionBatch.PER_REQUEST, honors_lengths=True,
+               notes="images and audio (not videos, not attempted); with use_bidirectional_attention 'vision' (real "
+               "checkpoints) an image prompt's tokens through its last image are prefilled in one forward of their "
+               "own, each image's tokens attending to each other both ways, as mlx_vlm.generate prefills it"),
     FamilySpec("gemma4_unified", media=frozenset({"audio"}), sequence_inputs=("per_layer_inputs",),
                audio_encoder="embed_audio", vision_batch=VisionBatch.PER_REQUEST, honors_lengths=True,
                notes="audio only: Gemma 4's language model with an encoder-free audio path (each 40 ms of samples "
-               "projected into the embedding space); images not attempted, as for gemma4 (its vision patches are "
-               "embedded the same way, and use_bidirectional_attention 'vision' attends bidirectionally inside "
-               "each image's tokens)"),
+               "projected into the embedding space); images not attempted (the tiny build has no vision embedder "
+               "to test them with)"),
     # pixel_values (patches, 3, 14, 14) with image_grid_hws rows, and the processor returns `_grid_shapes` (a list of
     # tuples) and `image_token_id` among the media: one encoder call per request, keyed whole
     FamilySpec("kimi_vl", vision_batch=VisionBatch.PER_REQUEST,

@@ -16,6 +16,8 @@
                           merge), for our own ``positions.mrope_index``; ``canvas_rope``: MiniCPM-V 4.7's own
                           ``CanvasRoPE``, for ``positions.canvas_index``.
 ``lm_forward``            one language-model call with ``inputs_embeds`` or token ids and explicit kwargs.
+``prefills_in_one_forward`` mlx-vlm's chunked-prefill policy (``generate.common._chunked_prefill_enabled``) for a
+                          prompt: whether ``mlx_vlm.generate`` prefills it in one forward, no draft model.
 ``make_cache``            the cache ``mlx_vlm.stream_generate`` builds (``make_prompt_cache``), or rotating caches
                           of ``max_kv_size`` tokens.
 ``row_offsets``           tokens each row of a single or batch cache holds.
@@ -287,6 +289,17 @@ def lm_forward(language_model: Any, inputs: mx.array, cache: list, inputs_embeds
     ``rope_deltas``, the Qwen-VL language models neither read nor write their per-instance rope state."""
     out = language_model(inputs, inputs_embeds=inputs_embeds, cache=cache, **kwargs)
     return getattr(out, "logits", out)
+
+
+def prefills_in_one_forward(model: Any, input_ids: mx.array, prefill_kwargs: dict[str, Any]) -> bool:
+    """Whether ``mlx_vlm.generate`` prefills this prompt in one forward rather than in chunks: the model's own
+    ``chunked_prefill_policy`` (or ``no_chunked_prefill``) asked as ``generate_step`` asks it, with no draft
+    model. Gemma 4 says so for a prompt with images and no audio when its checkpoint sets
+    ``use_bidirectional_attention: "vision"``: that forward lets each image's tokens attend to each other both
+    ways. ``prefill_kwargs``: the prompt's inputs the policy reads (Gemma 4: ``mm_token_type_ids``)."""
+    from mlx_vlm.generate.common import _chunked_prefill_enabled
+
+    return not _chunked_prefill_enabled(model, input_ids=input_ids, prefill_kwargs=prefill_kwargs)
 
 
 def make_cache(language_model: Any, max_kv_size: int | None = None) -> list:

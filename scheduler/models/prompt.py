@@ -77,6 +77,10 @@ class ResolvedPrompt:
         return self.media.media_marks if self.media is not None else ()
 
     @property
+    def first_chunk_reach(self) -> int:
+        return self.media.first_chunk_reach if self.media is not None else 0
+
+    @property
     def media_items(self) -> tuple[MediaItemRef, ...]:
         if self.media is None:
             return ()
@@ -91,11 +95,14 @@ class PromptResolver:
 
     def __init__(self, tokenizer: Any, vlm: Any, vocab_size: int, max_model_len: int,
                  video_fps: float | None = None, video_max_frames: int | None = None,
-                 min_prompt: tuple[int, str] | None = None):
+                 min_prompt: tuple[int, str] | None = None, one_forward: tuple[int, str] | None = None):
         self.tokenizer, self.vlm = tokenizer, vlm
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.video_fps, self.video_max_frames = video_fps, video_max_frames
         self.min_prompt = min_prompt  # (fewest prompt tokens, why): the family's `Family.min_prompt`
+        # (the most tokens one prefill forward holds, the settings that bound it): a prompt whose first chunk must
+        # reach further (`ResolvedPrompt.first_chunk_reach`) could never be prefilled
+        self.one_forward = one_forward
 
     def _check(self, prompt: Any, prompt_tokens: Any, media: MediaInputs, request_id: str | None = None) -> Any:
         """The checks that need no tokenizer or processor; ``prompt_tokens`` as a list of ints (or None)."""
@@ -135,6 +142,13 @@ class PromptResolver:
         if self.min_prompt is not None and len(ids) < self.min_prompt[0]:
             raise InvalidRequest("prompt", f"has {len(ids)} token(s); this model takes at least {self.min_prompt[0]}: "
                                            f"{self.min_prompt[1]}", request_id)
+        reach = prepared.first_chunk_reach if prepared is not None else 0
+        if self.one_forward is not None and reach > self.one_forward[0]:
+            raise InvalidRequest("prompt", f"its first {reach} tokens (through its last media token) must be "
+                                           "prefilled in one forward, as mlx_vlm.generate prefills them (this "
+                                           "checkpoint's image tokens attend to each other both ways), and one "
+                                           f"forward holds at most {self.one_forward[0]} ({self.one_forward[1]})",
+                                 request_id)
         return ResolvedPrompt(ids, prepared)
 
     def fetch_remote(self, prompt: Any, media: MediaInputs, request_id: str | None = None) -> tuple[Any, MediaInputs]:

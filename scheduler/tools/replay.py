@@ -181,6 +181,7 @@ def request_from_arrival(event: Mapping[str, Any]) -> Request:
         media_key=event.get("media_key"),
         media_marks=media_marks(event),
         media_items=media_items(event),
+        first_chunk_reach=event.get("first_chunk_reach", 0),
         lora=event.get("lora"),
         cache_salt=event.get("cache_salt"),
         draft_eligible=event.get("draft_eligible"),

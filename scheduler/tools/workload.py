@@ -67,6 +67,7 @@ class SimArrival:
     media_key: str | None = None  # content key of its ordered media (the vision cache's key)
     media_marks: tuple[tuple[int, str], ...] = ()  # Request.media_marks (its prefix keys' media)
     media_items: tuple[MediaItemRef, ...] = ()  # Request.media_items (per item where keyed per item)
+    first_chunk_reach: int = 0  # Request.first_chunk_reach (its first chunk is one forward of its own)
     lora: str | None = None  # Request.lora (its prefix keys carry it)
     cache_salt: str | None = None  # Request.cache_salt (so do they)
     abort_time: float | None = None  # the caller aborts it at this time (relative), if still live
@@ -270,6 +271,7 @@ def arrivals_from_trace(trace: "Trace | str | os.PathLike") -> list[SimArrival]:
             media_key=event.get("media_key"),
             media_marks=media_marks(event),
             media_items=media_items(event),
+            first_chunk_reach=int(event.get("first_chunk_reach", 0)),
             lora=event.get("lora"),
             cache_salt=event.get("cache_salt"),
             abort_time=None if abort_time is None else max(0.0, abort_time - rec.t0),

@@ -344,8 +344,8 @@ def test_bad_audio_raises_media_error_naming_it(adapter, clips, tmp_path, kind):
 def test_mismatches_are_value_errors(adapter, clips):
     with pytest.raises(ValueError, match="audio placeholder"):
         adapter.prepare("<start_of_turn>user\nno audio<end_of_turn>\n<start_of_turn>model\n", audio=[clips["a"]])
-    with pytest.raises(ValueError, match="not supported"):
-        adapter.prepare(audio_messages("x"), audio=[clips["a"]], images=["x.png"])
+    with pytest.raises(ValueError, match="videos are not supported"):
+        adapter.prepare(audio_messages("x"), audio=[clips["a"]], videos=["x.mp4"])
 
 
 def test_prompt_may_end_with_the_audio(gemma, adapter, clips):
@@ -566,10 +566,12 @@ def test_gemma3n_is_refused_at_load_with_the_reason():
     assert not mx.allclose(as_generate, as_decode, atol=1e-3)
 
 
-def test_served_audio_chat_equals_the_engine_and_images_are_refused_by_part(gemma, audio_model_dir, tmp_path):
+def test_served_audio_chat_equals_the_engine_and_media_it_does_not_take_are_refused_by_part(
+        gemma, audio_kind, audio_model_dir, tmp_path):
     """`mlxsched serve` on an audio family: an `input_audio` part (base64 WAV) gives what the engine gives for
-    the same messages and clip (greedy), and an image part is refused naming that part, since the family
-    takes audio only (it was refused naming `messages`, by the engine, after the server had decoded it)."""
+    the same messages and clip (greedy); a video part is refused naming that part, and so is an image part on
+    Gemma 4 unified, which takes audio only (it was refused naming `messages`, by the engine, after the server
+    had decoded it), while Gemma 4 takes it."""
     import base64
     import io
 
@@ -593,7 +595,7 @@ def test_served_audio_chat_equals_the_engine_and_images_are_refused_by_part(gemm
         status, got = server.post("/v1/chat/completions", {
             "messages": [{"role": "user", "content": [audio_part, {"type": "text", "text": "What do you hear?"}]}],
             "max_tokens": MAX_TOKENS, "temperature": 0})
-        refused_status, refused = server.post("/v1/chat/completions", {
+        image_status, image_reply = server.post("/v1/chat/completions", {
             "messages": [{"role": "user", "content": [{"type": "text", "text": "and this?"}, image_part]}],
             "max_tokens": 2})
         no_video = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": [
@@ -603,8 +605,11 @@ def test_served_audio_chat_equals_the_engine_and_images_are_refused_by_part(gemm
     assert status == 200, got
     assert got["usage"]["completion_tokens"] == len(want.token_ids)
     assert got["choices"][0]["message"]["content"] == want.text
-    assert refused_status == 400 and refused["error"]["param"] == "messages.0.content.1", refused
-    assert "takes no images" in refused["error"]["message"]
+    if audio_kind == "audio":
+        assert image_status == 200 and image_reply["usage"]["completion_tokens"] == 2, image_reply
+    else:
+        assert image_status == 400 and image_reply["error"]["param"] == "messages.0.content.1", image_reply
+        assert "takes no images" in image_reply["error"]["message"]
     assert no_video[0] == 400 and no_video[1]["error"]["param"] == "messages.0.content.0", no_video
     assert "takes no video" in no_video[1]["error"]["message"]
 

@@ -145,8 +145,9 @@ class _Simulation:
             self.next_arrival += 1
             budget = self.budget
             n, cfg = a.prompt_len, self.config
-            if layout is not None and budget is not None and (  # the engine's add_request rule
-                    layout.footprint([n + max(1, cfg.kv_headroom_tokens)], []) > budget):
+            if (layout is not None and budget is not None and (  # the engine's add_request rules
+                    layout.footprint([n + max(1, cfg.kv_headroom_tokens)], []) > budget)
+                    or a.first_chunk_reach > cfg.one_forward_limit()[0]):
                 records[a.request_id].outcome, records[a.request_id].end = "error", now  # the engine refuses it
                 continue
             sampling = self.sampling_cache.get(a.max_tokens)
@@ -156,8 +157,8 @@ class _Simulation:
                                        priority=a.priority, arrival_tick=tick, arrival_time=a.arrival_time,
                                        num_images=a.num_images, num_media_tokens=a.num_media_tokens,
                                        media_key=a.media_key, media_marks=a.media_marks,
-                                       media_items=a.media_items, lora=a.lora,
-                                       cache_salt=a.cache_salt), tick)
+                                       media_items=a.media_items, first_chunk_reach=a.first_chunk_reach,
+                                       lora=a.lora, cache_salt=a.cache_salt), tick)
             if busy:
                 self.executor.clock += self.cost_model.arrival_seconds(a.num_images)
 

@@ -51,6 +51,7 @@ class SimExecutor:
         # else one unit (its media key, all its items and media tokens)
         self._media: dict[str, tuple[tuple[str | None, int, int], ...]] = {}
         self._media_offset: dict[str, int] = {}  # id -> its first media position (where it checkpoints)
+        self._first_chunk_reach: dict[str, int] = {}  # id -> Request.first_chunk_reach, where it has one
         # The vision cache as the engine's holds it: unit key -> bytes, least recently used first, under
         # `vision_cache_bytes` (0: no cache; None: unbounded). A unit's bytes are what the recording stored for
         # it (`vision_unit_bytes`), 0 where unknown (a synthetic workload's: those never fill the cache).
@@ -68,6 +69,8 @@ class SimExecutor:
                 self._samples.add(a.request_id)
             if a.media_marks:
                 self._media_offset[a.request_id] = a.media_marks[0][0]
+            if a.first_chunk_reach:
+                self._first_chunk_reach[a.request_id] = a.first_chunk_reach
             if a.num_images:  # the media tokens: what the encoder's cost grows with
                 self._media[a.request_id] = tuple((i.key, i.count, i.tokens) for i in a.media_items) or (
                     (a.media_key, a.num_images, sum(1 for t in a.prompt_tokens if t in cost_model.media_token_ids)),)
@@ -164,6 +167,8 @@ class SimExecutor:
         from scheduler.plan import PrefixStore
 
         for c in plan.prefill:
+            if c.start < self._first_chunk_reach.get(c.request_id, 0):
+                continue  # one forward, never split at a checkpoint (as `MLXExecutor._feeds`)
             n = self._prefill_len.get(c.request_id, self._prompt_len[c.request_id])
             at = checkpoint_position(c.start, c.end - 1 if c.completes else c.end, n, self.prefix_block_size,
                                      self._media_offset.get(c.request_id))
