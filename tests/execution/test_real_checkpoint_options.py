@@ -1,8 +1,9 @@
 """Options real checkpoints set that the tiny family builds leave at their defaults, and that select other model
 code in mlx-lm (tied heads, head_dim apart from hidden / heads, partial rotary, rotary scaling in a family's own
-code, a 6-layer local/global pattern, MoE routing variants, NoPE layers, qk-norm, ...), each on its family's tiny
-build with the option set (sizes scaled down: windows and original context lengths of 8 or 16, so the prompts
-reach past them). Each request's tokens, staggered in chunks of 8 with drafting on, are mlx-lm's alone."""
+code, a 6-layer local/global pattern, MoE routing variants, NoPE layers, qk-norm, hybrids' real layer patterns and
+head layouts, ...), each on its family's tiny build with the option set (sizes scaled down: windows and original
+context lengths of 8 or 16, so the prompts reach past them). Each request's tokens, staggered in chunks of 8 with
+drafting on, are mlx-lm's alone."""
 
 from __future__ import annotations
 
@@ -37,6 +38,9 @@ _MLA = {"num_hidden_layers": 3, "moe_intermediate_size": 32, "num_key_value_head
         "n_routed_experts": 8, "num_experts_per_tok": 2, "kv_lora_rank": 16, "q_lora_rank": 32,
         "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16, "moe_layer_freq": 1,
         "first_k_dense_replace": 1}
+# LFM2-1.2B's sixteen layers (attention at 2, 5, 8, 10, 12, 14); LFM2-8B-A1B's twenty-four (2, 6, 10, 14, 18, 21)
+_LFM2_16 = ["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)]
+_LFM2_MOE_24 = ["full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv" for i in range(24)]
 _GEMMA3_6 = {"num_hidden_layers": 6, "sliding_window": 8, "sliding_window_pattern": 6,
              "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}
 
@@ -108,6 +112,47 @@ OPTIONS = {
     "granite-4.0-h": ("granitemoehybrid", {"position_embedding_type": "nope", "mamba_n_heads": 8, "mamba_d_head": 16}),
     # Falcon Mamba 7B (model_type falcon_mamba, loaded as mamba): RMS norms on B, C and dt
     "falcon-mamba": ("mamba", {"model_type": "falcon_mamba", "tie_word_embeddings": False}),
+    # RWKV-7 (fla-hub): heads of 64 (one here), low ranks a 64, decay 64, gate 128, v 32 at hidden 768
+    "rwkv7": ("rwkv7", {"head_dim": 64, "num_hidden_layers": 3, "intermediate_size": 256, "a_low_rank_dim": 8,
+                        "decay_low_rank_dim": 8, "gate_low_rank_dim": 16, "v_low_rank_dim": 4}),
+    # Baichuan-M1-14B: odd layers sliding (the first global), with more and narrower heads (40 / 8 kv of 128)
+    # than the global ones (20 / 2 kv of 256); a window of 8192 (8 here)
+    "baichuan-m1": ("baichuan_m1", {"num_attention_heads": 2, "num_key_value_heads": 1,
+                                    "num_swa_attention_heads": 4, "num_swa_key_value_heads": 2,
+                                    "sliding_window_layers": [1, 3]}),
+    # LFM2-1.2B: its layer pattern, 4 query heads a kv head, the FFN width auto-adjusted (2/3, multiple of 256)
+    "lfm2-1.2b": ("lfm2", {"num_hidden_layers": 16, "layer_types": _LFM2_16, "num_key_value_heads": 1,
+                           "block_auto_adjust_ff_dim": True, "block_ff_dim": 192, "rope_theta": 1000000.0}),
+    # LFM2-8B-A1B: its layer pattern, two dense layers, 32 experts (4 a token) with an expert bias
+    "lfm2-8b-a1b": ("lfm2_moe", {"num_hidden_layers": 24, "layer_types": _LFM2_MOE_24, "num_dense_layers": 2,
+                                 "num_experts": 32, "num_experts_per_tok": 4, "moe_intermediate_size": 16,
+                                 "num_key_value_heads": 1}),
+    # Olmo-Hybrid-7B: three gated delta-net layers to an attention one, no rotary (rope_parameters null, the
+    # converter's rope_theta null), full key-value heads, value heads twice as wide as key heads
+    "olmo-hybrid": ("olmo_hybrid", {"num_hidden_layers": 8, "layer_types": ["linear_attention"] * 3 +
+                                    ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
+                                    "num_key_value_heads": 4, "linear_num_key_heads": 4, "linear_value_head_dim": 32,
+                                    "rope_parameters": None, "rope_theta": None}),
+    # Ring-mini-linear-2.0: 20 layers in groups of 5 (attention at 4, 9, 14, 19), the gate's norm in groups of 4,
+    # 16 heads (4 kv), 8 of 256 experts routed in 8 groups (top 4 groups), a shared expert
+    "ring-mini-linear-2.0": ("bailing_moe_linear", {
+        "hidden_size": 128, "num_hidden_layers": 20, "layer_group_size": 5, "group_norm_size": 4,
+        "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 8, "num_experts": 16, "num_experts_per_tok": 8,
+        "n_group": 8, "topk_group": 4, "moe_intermediate_size": 16, "moe_shared_expert_intermediate_size": 16,
+        "norm_head": False, "rope_theta": 1000000.0}),
+    # Ling-2.5 (BailingMoeV2_5): one latent-attention layer to seven linear ones, no query compression
+    "ling-2.5": ("bailing_hybrid", {"num_hidden_layers": 16, "layer_group_size": 8, "group_norm_size": 4,
+                                    "num_attention_heads": 8, "head_dim": 8, "q_lora_rank": None, "num_experts": 16,
+                                    "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4,
+                                    "moe_intermediate_size": 16}),
+    # Ling-3.0 (model_type bailing_hybrid, architecture BailingMoeV3ForCausalLM, which mlx-lm loads as
+    # bailing_moe_v3; the engine takes bailing_hybrid's facts): delta-rule (KDA) layers, latent attention every
+    # fourth; the tiny bailing_moe_v3 build (2 layers < a group) has no KDA layer
+    "ling-3.0": ("bailing_moe_v3", {
+        "model_type": "bailing_hybrid", "architectures": ["BailingMoeV3ForCausalLM"], "num_hidden_layers": 8,
+        "layer_group_size": 4, "first_k_dense_replace": 1, "q_lora_rank": 32, "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "num_experts": 16, "num_experts_per_tok": 8,
+        "moe_intermediate_size": 16, "moe_shared_expert_intermediate_size": 16}),
 }
 
 
