@@ -105,12 +105,16 @@ def test_the_two_way_image_attention_decides_solo_tokens_on_this_build(gemma, wo
     assert differs and differs <= set(IMAGES_ALONE), differs
 
 
-@pytest.mark.parametrize("budgets", [dict(), dict(max_batched_tokens=64, prefill_chunk=40, max_seqs=4,
-                                                  vision_budget=1)], ids=["default", "small-budgets"])
+@pytest.mark.parametrize("budgets", [
+    dict(),
+    dict(max_batched_tokens=64, prefill_chunk=40, max_seqs=4, vision_budget=1, draft_tokens=2),
+    dict(max_batched_tokens=48, prefill_chunk=40, mix="prefill-first"),
+], ids=["default", "small-budgets-drafting", "prefill-first"])
 def test_image_prompts_batch_exactly(gemma, workload, budgets, tmp_path):
     """Each image-alone prompt's first chunk starts at 0 and holds its last image token, in a forward of its own
-    (later chunks and the other requests' chunks may share forwards); every output equals solo mlx-vlm, and the
-    trace replays decision by decision."""
+    (later chunks and the other requests' chunks may share forwards), with small budgets and drafting, and when
+    prefill-first ticks keep each prompt's last token back; every output equals solo mlx-vlm, and the trace
+    replays decision by decision."""
     from scheduler.tools.replay import load_trace, replay
 
     model, processor = gemma
@@ -138,6 +142,27 @@ def test_image_prompts_batch_exactly(gemma, workload, budgets, tmp_path):
     engine.close()
     report = replay(load_trace(trace))
     assert report.identical, report.format()
+
+
+def test_preempted_image_prompts_recompute_their_first_chunk_whole(gemma, workload):
+    """A KV budget of three rows: image requests are preempted and recomputed, each recompute's first chunk again
+    from 0 through its last image token (prompt and outputs embedded anew), and every output equals solo."""
+    model, processor = gemma
+    requests, references = workload
+    longest = max(len(engine_prompt.input_ids) for engine_prompt in
+                  (Engine(model, processor).vlm.prepare(t, i, audio=a) for t, i, a in requests[:3])) + 2
+    budget = Engine(model, processor).kv_layout.batch_bytes([longest] * 3)
+    engine, log = engine_with_log(model, processor, EngineConfig(kv_memory_bytes=budget, kv_headroom_tokens=0,
+                                                                 check_invariants=True))
+    run = drive(engine, arrivals(requests, 0))
+    assert list(run.tokens.values()) == references
+    ids = list(run.tokens)
+    preempted = {e["request_id"] for e in log.of_kind("transition") if e["to"] == "queued" and e["from"] != "queued"}
+    assert preempted & {ids[i] for i in IMAGES_ALONE}, preempted
+    reach = {e["request_id"]: e.get("first_chunk_reach", 0) for e in log.of_kind("arrival")}
+    firsts = [(rid, end) for e in log.of_kind("plan") for rid, start, end, _ in e["prefill"] if start == 0]
+    assert all(end >= reach[rid] for rid, end in firsts)
+    assert len([rid for rid, _ in firsts if rid in preempted]) > len(preempted)  # first chunks again
 
 
 def test_a_prefix_hit_is_taken_only_past_the_images(gemma, workload):
