@@ -17,7 +17,8 @@ class EngineConfig:
 
     max_batched_tokens: prefill-chunk tokens + decode tokens (+ draft tokens) computed in one tick.
     max_seqs: requests admitted at once (prefilling + decoding).
-    prefill_chunk: the longest prefill chunk one request gets in one tick.
+    prefill_chunk: the longest prefill chunk one request gets in one tick; a first chunk that must reach further
+        in one forward (`Request.first_chunk_reach`: a Gemma 4 prompt's images) is as long as it must be.
     max_prefill_tokens: prefill tokens of all requests together in one tick (None: whatever
         max_batched_tokens leaves after decoding). Drafts are not capped by it: they use what prefill left of
         max_batched_tokens.
@@ -245,11 +246,18 @@ class EngineConfig:
             raise ValueError(f"max_model_len: must be >= 1 or None, got {self.max_model_len!r}")
 
     def one_forward_limit(self) -> tuple[int, str]:
-        """The most prompt tokens one prefill chunk can hold, with the settings that bound it: a chunk is at most
-        prefill_chunk tokens, and a tick's prefill at most max_batched_tokens (all of it once no row decodes) and
-        max_prefill_tokens."""
-        limits = [(self.prefill_chunk, "prefill_chunk"), (self.max_batched_tokens, "max_batched_tokens")]
+        """The most prompt tokens a first chunk that must reach a position in one forward can hold, with the
+        settings that bound it: a tick's prefill, at most max_batched_tokens (all of it once no row decodes) and
+        max_prefill_tokens (prefill_chunk does not cut such a chunk: `chunk_cap`)."""
+        limits = [(self.max_batched_tokens, "max_batched_tokens")]
         if self.max_prefill_tokens is not None:
             limits.append((self.max_prefill_tokens, "max_prefill_tokens"))
         most = min(n for n, _ in limits)
         return most, " and ".join(f"{name}={n}" for n, name in limits if n == most)
+
+
+def chunk_cap(prefill_chunk: int, first_chunk_reach: int, start: int) -> int:
+    """The longest chunk a request may get from `start`: prefill_chunk, or, for a first chunk that must reach
+    `first_chunk_reach` in one forward, that far (a Gemma 4 prompt's images are not cut short: they would wait for
+    ever). As vLLM schedules a multimodal item whole, bounded by the token budget alone."""
+    return max(prefill_chunk, first_chunk_reach - start) if start < first_chunk_reach else prefill_chunk

@@ -22,7 +22,7 @@ from caches.layers import MaskLayout, QuantizationRefused, capabilities as cache
 
 from .execution import library
 from .calibration import Calibration, calibrate
-from .config import EngineConfig
+from .config import EngineConfig, chunk_cap
 from .plan import ENCODED_RECORD, PLAN_RECORD_GROUPS, PREFILL_PAD_RATIO, VISION_BUDGET_COUNTS
 from .events import EventLog, JsonlSink
 from .execution.executor import MLXExecutor
@@ -512,8 +512,9 @@ class Engine:
         if self.kv_layout is not None and self.config.kv_memory_bytes is not None:
             # what the planner requires to admit it alone (with kv_bits, its float prefill peak included)
             n = len(tokens)
+            chunk = chunk_cap(self.config.prefill_chunk, resolved.first_chunk_reach, 0)
             need = self.kv_layout.admit_alone_bytes(n, max(1, self.config.kv_headroom_tokens),
-                                                    min(self.config.prefill_chunk, max(n - 1, 1)))
+                                                    min(chunk, max(n - 1, 1)))
             if need > self.config.kv_memory_bytes:
                 raise InvalidRequest("prompt", f"needs {need} bytes of KV cache, more than kv_memory_bytes "
                                                f"({self.config.kv_memory_bytes})", request_id)

@@ -6,9 +6,9 @@ the same plans. Invariants it guarantees (tests assert them on every plan):
   * prefill tokens + decode tokens <= max_batched_tokens, where a tick that verifies drafts counts what its
     forward computes: every row of the forward at the widest draft (`TickPlan.decode_tokens`);
     admitted + running <= max_seqs;
-  * no chunk is longer than prefill_chunk;
-  * a request's first chunk reaches its `first_chunk_reach` (from position 0, and no prefix hit shorter than it is
-    taken), or it gets no chunk and holds back the prefills behind it until the budget can pay for it;
+  * no chunk is longer than prefill_chunk, but a first chunk that must reach its `first_chunk_reach` in one forward
+    (from position 0, and no prefix hit shorter than it is taken), which is as long as that (`chunk_cap`); such a
+    request gets that chunk or none, and then holds back the prefills behind it until the budget can pay for it;
   * with kv_memory_bytes, the bound on KV bytes after the tick (caches/kv.py) stays within it: the planner
     preempts (newest first) when decoding rows outgrow it and admits only what fits with headroom.
 """
@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 
 from caches.kv import KVLayout
 
-from .config import EngineConfig
+from .config import EngineConfig, chunk_cap
 from .plan import DraftGrant, PlannedFailure, PrefillChunk, PrefixHit, Reason, TickPlan, WaitReason
 from .policy import Policy
 from .request import Request
@@ -58,7 +58,7 @@ def _chunk(request: Request, start: int, budget: int, config: EngineConfig, hold
     `first_chunk_reach`. With `hold_last`, the last prompt token is kept back: it is fed with a decode step, which a
     prefill-only tick does not run."""
     limit = request.prefill_len - (1 if hold_last else 0)
-    end = start + min(limit - start, config.prefill_chunk, budget)
+    end = start + min(limit - start, chunk_cap(config.prefill_chunk, request.first_chunk_reach, start), budget)
     if end <= start or end < request.first_chunk_reach:  # (such a first chunk is not cut: it waits)
         return None
     return PrefillChunk(request.request_id, start, end, end == request.prefill_len)
@@ -148,7 +148,8 @@ class _KVTracker:
         full_rows = {k: v for k, v in {**rows, **self.pending, **self.whole_prompts(prefilling, but=request)}.items()
                      if k != request.request_id}
         peak = max(request.prefill_len - 1, 1)
-        full_prefilling = {request.request_id: (peak, min(self.max_chunk, peak))}
+        full_prefilling = {request.request_id: (peak, min(chunk_cap(self.max_chunk, request.first_chunk_reach, 0),
+                                                          peak))}
         return (self.bytes(full_rows, full_prefilling, grow=self.headroom) <= self.budget
                 and self.bytes(rows, prefilling) <= self.budget)
 
@@ -221,8 +222,8 @@ class _Reasons:
         """A chunk shorter than what is left to feed was cut by prefill_chunk or by the budget."""
         self.by_id.pop(request.request_id, None)
         if chunk.end < request.prefill_len - (1 if hold_last else 0):
-            self.note(request.request_id, Reason.PREFILL_CHUNK if chunk.num_tokens == self.prefill_chunk
-                      else self.exhausted)
+            cap = chunk_cap(self.prefill_chunk, request.first_chunk_reach, chunk.start)
+            self.note(request.request_id, Reason.PREFILL_CHUNK if chunk.num_tokens == cap else self.exhausted)
 
     def held_back(self, requests: Sequence[Request], reason: Reason, others: tuple[str, ...] = ()) -> None:
         for request in requests:

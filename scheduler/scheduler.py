@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable
 from caches.kv import KVLayout
 from caches.prefix import PrefixCache
 
-from .config import EngineConfig
+from .config import EngineConfig, chunk_cap
 from .events import EventLog
 from .lifecycle import Lifecycle, RequestState, Trigger
 from .plan import ROW_REASONS, NewRequest, PromptLogprobs, TickPlan, TickResult, WaitReason
@@ -453,9 +453,9 @@ class Scheduler:
         prefill_tokens = sum(c.num_tokens for c in plan.prefill)
         require(plan.num_batched_tokens <= cfg.max_batched_tokens, "num_batched_tokens over max_batched_tokens", plan)
         require(plan.num_seqs <= cfg.max_seqs, "num_seqs over max_seqs", plan)
-        require(all(c.num_tokens <= cfg.prefill_chunk for c in plan.prefill), "a chunk over prefill_chunk", plan)
         for c in plan.prefill:
             reach = self.requests[c.request_id].first_chunk_reach if c.request_id in self.requests else 0
+            require(c.num_tokens <= chunk_cap(cfg.prefill_chunk, reach, c.start), "a chunk over prefill_chunk", plan)
             require(c.start >= reach or (c.start == 0 and c.end >= reach),
                     f"{c.request_id}: its first chunk [{c.start}, {c.end}) does not reach {reach} from 0", plan)
         if cfg.max_prefill_tokens is not None:

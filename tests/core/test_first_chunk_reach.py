@@ -65,6 +65,9 @@ def test_first_chunks_reach_and_everyone_finishes(workload):
             reach = requests[int(c.request_id[1:])][3]
             if c.start < reach:
                 assert c.start == 0 and c.end >= reach, (c, reach)
+                assert c.num_tokens <= max(config.prefill_chunk, reach)
+            else:
+                assert c.num_tokens <= config.prefill_chunk
             assert c.start == fed.get(c.request_id, 0)
             fed[c.request_id] = c.end
     assert all(fed[f"r{i}"] == n for i, (_, n, _, _) in enumerate(requests))
@@ -95,8 +98,20 @@ def test_a_prefix_hit_is_taken_only_at_or_past_the_reach():
         assert [h.tokens for h in plan.prefix_hits] == ([hit] if start else []), (reach, plan.prefix_hits)
 
 
+def test_a_first_chunk_is_as_long_as_its_reach_past_prefill_chunk():
+    """prefill_chunk 16 and a reach of 40: the first chunk is [0, 40), the next ones 16 tokens again, and the cut
+    is told as prefill_chunk's."""
+    config = EngineConfig(max_seqs=4, max_batched_tokens=64, prefill_chunk=16)
+    plans = run(config, [(0, 80, 2, 40)])
+    chunks = [(c.start, c.end) for p in plans for c in p.prefill]
+    assert chunks == [(0, 40), (40, 56), (56, 72), (72, 80)], chunks
+    given = next(p for p in plans if p.prefill)
+    assert [(w.request_id, w.reason) for w in given.reasons] == [("r0", Reason.PREFILL_CHUNK)]
+
+
 def test_the_limit_one_forward_holds_names_the_settings_that_bind():
-    assert EngineConfig(prefill_chunk=512, max_batched_tokens=2048).one_forward_limit() == (512, "prefill_chunk=512")
-    assert EngineConfig(prefill_chunk=64, max_batched_tokens=64, max_seqs=8).one_forward_limit() == (
-        64, "prefill_chunk=64 and max_batched_tokens=64")
+    assert EngineConfig(prefill_chunk=512, max_batched_tokens=2048).one_forward_limit() == (
+        2048, "max_batched_tokens=2048")
+    assert EngineConfig(max_batched_tokens=100, max_prefill_tokens=100, max_seqs=8).one_forward_limit() == (
+        100, "max_batched_tokens=100 and max_prefill_tokens=100")
     assert EngineConfig(max_prefill_tokens=100).one_forward_limit() == (100, "max_prefill_tokens=100")

@@ -188,14 +188,26 @@ def test_a_prefix_hit_is_taken_only_past_the_images(gemma, workload):
     assert engine.prefix_cache_stats()["hits"] >= 1
 
 
-def test_an_image_prompt_one_forward_cannot_hold_is_refused_alone(gemma, workload):
-    """With prefill_chunk shorter than an image prompt's first chunk must be, that request is refused at
-    add_request naming the limit; the other requests run and equal solo mlx-vlm."""
+def test_a_first_chunk_runs_past_prefill_chunk_and_one_past_the_token_budget_is_refused_alone(gemma, workload):
+    """prefill_chunk 8, shorter than every image prompt's first chunk: those chunks run whole anyway (the rest in
+    chunks of 8) and every output equals solo mlx-vlm. With max_batched_tokens shorter than one, that request is
+    refused at add_request naming the limit, and the other requests run and equal solo mlx-vlm."""
     model, processor = gemma
     requests, references = workload
-    engine = Engine(model, processor, EngineConfig(prefill_chunk=16, max_batched_tokens=64, check_invariants=True))
-    text, images, audio = requests[0]
-    with pytest.raises(InvalidRequest, match=r"must be prefilled in one forward.* at most 16 \(prefill_chunk=16\)"):
+    engine, log = engine_with_log(model, processor, EngineConfig(prefill_chunk=8, max_batched_tokens=96,
+                                                                 check_invariants=True))
+    run = drive(engine, arrivals(requests, 1))
+    assert list(run.tokens.values()) == references
+    reach = {e["request_id"]: e.get("first_chunk_reach", 0) for e in log.of_kind("arrival")}
+    lengths = [(end - start, reach[rid] if start == 0 else 0) for e in log.of_kind("plan")
+               for rid, start, end, _ in e["prefill"]]
+    assert all(n <= max(8, r) for n, r in lengths) and any(n > 8 for n, _ in lengths), lengths
+
+    engine = Engine(model, processor, EngineConfig(prefill_chunk=8, max_batched_tokens=24, max_seqs=4,
+                                                   check_invariants=True))
+    text, images, audio = requests[2]  # two images: its first chunk is longer than 24 tokens
+    with pytest.raises(InvalidRequest, match=r"must be prefilled in one forward.* at most 24 "
+                                             r"\(max_batched_tokens=24\)"):
         engine.add_request(prompt=text, images=images, sampling=SamplingParams(max_tokens=MAX_TOKENS))
     assert not engine.has_pending()
     run = drive(engine, arrivals([requests[i] for i in (3, 4, 5)], 0))
