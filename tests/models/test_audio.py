@@ -20,6 +20,7 @@ import wave  # noqa: E402
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from PIL import Image  # noqa: E402
 
 from caches.layers import PrefillSharing  # noqa: E402
 from caches.vision import VisionCache  # noqa: E402
@@ -486,7 +487,9 @@ E2B_TEXT_OPTIONS = {
 def test_real_checkpoint_text_options_batch_audio_exactly(kind, tmp_path, monkeypatch):
     """With E2B's text options (KV-shared layers read the caches of earlier ones, double-wide MLPs, proportional
     partial rotary on the full layers): a 40 s clip (cut to 30 s, 750 tokens, by the processor's audio_seq_length),
-    clips at 16 and 44.1 kHz and a text request, staggered in chunks of 7 and drafting, equal mlx_vlm alone."""
+    clips at 16 and 44.1 kHz and a text request, and on Gemma 4 two image requests (each prefilled through its
+    image in one forward: tests/models/test_gemma4_images.py), staggered in chunks of 7 and drafting, equal mlx_vlm
+    alone."""
     import mlx_vlm
 
     from scheduler.fixtures import tiny_models
@@ -510,13 +513,31 @@ def test_real_checkpoint_text_options_batch_audio_exactly(kind, tmp_path, monkey
     adapter = VLMAdapter(*gemma)
     prompts = [adapter.prepare(messages, audio=clips).prompt for messages, clips in requests]
     references = [solo(gemma, prompt, [str(c) for c in clips]) for prompt, (_, clips) in zip(prompts, requests)]
+    images = {}  # request index -> its image
+    if kind == "audio":
+        rng = np.random.default_rng(8)
+        for text, (h, w) in (("What is in the picture?", (64, 80)), ("Describe it.", (96, 48))):
+            image = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+            messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+            images[len(prompts)] = image
+            prompts.append(adapter.prepare(messages, images=[image]).prompt)
+            requests.append((messages, []))
+            references.append(list(_last(mlx_vlm.stream_generate(*gemma, prompts[-1], image=[image],
+                                                                 max_tokens=MAX_TOKENS, temperature=0.0)).token_ids))
     for config in (dict(max_batched_tokens=24, prefill_chunk=7, max_seqs=4), dict(draft_tokens=2)):
         engine = Engine(*gemma, EngineConfig(**config, check_invariants=True))
-        run = drive(engine, [(2 * t, {"prompt": prompt, "audio": clips or None,
-                                      "sampling": SamplingParams(max_tokens=MAX_TOKENS)})
+        run = drive(engine, [(2 * t, {"prompt": prompt, "audio": clips or None, "images": [images[t]] if t in images
+                                      else None, "sampling": SamplingParams(max_tokens=MAX_TOKENS)})
                              for t, (prompt, (_, clips)) in enumerate(zip(prompts, requests))])
         assert not run.errors, run.errors
         assert list(run.tokens.values()) == references, config
+
+
+def _last(stream):
+    last = None
+    for last in stream:
+        pass
+    return last
 
 
 # ------------------------------------------------------------------------------ gemma3n: refused at load
@@ -574,8 +595,6 @@ def test_served_audio_chat_equals_the_engine_and_media_it_does_not_take_are_refu
     had decoded it), while Gemma 4 takes it."""
     import base64
     import io
-
-    from PIL import Image
 
     from ..surfaces.test_serve import _start, _stop, _wait_healthy
 
@@ -678,7 +697,6 @@ def _mixed_requests(model, processor, root):
     as chat messages with their media, and each one's greedy tokens from mlx_vlm.stream_generate alone."""
     import mlx_vlm
     from mlx_vlm.prompt_utils import apply_chat_template
-    from PIL import Image
 
     a, b = write_wav(root / "a.wav", tone(1.0, 0)), write_wav(root / "b.wav", tone(2.3, 1))
     image = Image.fromarray(np.random.default_rng(4).integers(0, 256, (84, 56, 3), dtype=np.uint8))
@@ -899,7 +917,6 @@ def test_nemotron_with_video_pruning_refuses_videos_alone(nemotron, tmp_path):
     import json
 
     import mlx_vlm
-    from PIL import Image
 
     from scheduler.fixtures.vlm_families import build_tiny_vlm
 
@@ -1036,7 +1053,6 @@ def test_video_and_audio_in_one_request_match_solo(family_fixture, request, tmp_
     mlx_vlm.stream_generate's tokens alone, batched with an audio request and an image+audio request of the
     fixture's, staggered in chunks of 9 so that its prefill shares forwards with theirs."""
     import mlx_vlm
-    from PIL import Image
 
     from ..helpers import drive
 
