@@ -243,6 +243,22 @@ def test_sim_executor_counts_what_a_merge_copies():
     assert ex.clock == pytest.approx(0.001 * 11 + 0.01 * 15 + 0.001 * 14)  # each row produced one token
 
 
+def test_first_chunks_that_must_reach_far_plan_as_the_engine_plans_them():
+    """An image prompt whose first chunk must reach 30 tokens (`first_chunk_reach`, as a Gemma 4 trace records
+    it): under prefill_chunk 8 it runs (its first chunk reaching 30: the invariants, checked every tick, hold the
+    planner to it); with a tick's budget of 24 it is refused
+    as the engine refuses it at add_request (outcome "error", never queued), and the text request runs."""
+    arrivals = [SimArrival("img", 0.0, [7] * 40, max_tokens=3, output_len=3, num_images=1, num_media_tokens=20,
+                           media_key="m", first_chunk_reach=30),
+                SimArrival("txt", 0.0, [7] * 10, max_tokens=3, output_len=3)]
+    fits = simulate(arrivals, EngineConfig(max_batched_tokens=40, prefill_chunk=8, max_seqs=4,
+                                           check_invariants=True), CostModel(base=0.01))
+    assert [r.outcome for r in fits.requests] == ["finished", "finished"]
+    refused = simulate(arrivals, EngineConfig(max_batched_tokens=24, prefill_chunk=8, max_seqs=4,
+                                              check_invariants=True), CostModel(base=0.01))
+    assert [r.outcome for r in refused.requests] == ["error", "finished"]
+
+
 def test_compare_table_and_overrides():
     table = compare_table({"one": {"ttft_p50_s": 0.0123, "ticks": 7, "cache_hit_rate": None},
                            "two": {"ttft_p50_s": 0.5, "ticks": 9}})
