@@ -233,12 +233,16 @@ class VLMAdapter:
         self.video_token = _placeholder(processor, "video_token")
         self.audio_token = _placeholder(processor, "audio_token")
         self.video_fps, self.video_max_frames = validate_video_sampling(video_fps, video_max_frames)
-        # the audio rate of families that take audio (None: no audio; the server reads it to accept audio parts)
-        self.sample_rate = (int(getattr(getattr(processor, "feature_extractor", None), "sampling_rate", 16000))
-                            if "audio" in self.spec.media else None)
         if "audio" in self.spec.media and _attribute(model, self.spec.audio_encoder) is None:
-            raise UnsupportedFamily(f"this {self.spec.model_type} checkpoint has no audio encoder "
-                                    f"({self.spec.audio_encoder})")
+            if not self.spec.media - {"audio"}:
+                raise UnsupportedFamily(f"this {self.spec.model_type} checkpoint has no audio encoder "
+                                        f"({self.spec.audio_encoder})")
+            # a family that takes other media too: this checkpoint takes those (Gemma 4 26B-A4B and 31B ship
+            # audio_config null, and mlx-vlm builds no audio tower for them; their images work as E2B's)
+            self.refused_media["audio"] = f"it has no audio encoder ({self.spec.audio_encoder})"
+        # the audio rate of a checkpoint that takes audio (None: no audio; the server reads it to accept audio parts)
+        self.sample_rate = (int(getattr(getattr(processor, "feature_extractor", None), "sampling_rate", 16000))
+                            if "audio" in self.media_kinds else None)
         try:
             self.capabilities = layers.check_batchable(self.make_cache())
         except layers.UnsupportedCache as exc:

@@ -66,12 +66,13 @@ between families is declared here, and nothing else:
                    refused at ``add_request`` for that request alone, before the processor runs (Step 3.7, Molmo,
                    PaddleOCR-VL, Moondream 3, GOT-OCR 2.0: 1).
 ``audio_encoder``  the model attribute (a dotted path) that turns audio features into embeddings (a checkpoint
-                   without it is refused for an audio family): Gemma 4's Conformer ``audio_tower``; Gemma 4 unified
-                   has no encoder, its ``embed_audio`` projects raw 40 ms frames; Qwen3-Omni's thinker holds its
-                   Whisper-style ``thinker.audio_tower``, MiniCPM-o its Whisper ``audio_tower``; MiMo-V2.6's
-                   ``audio_encoder`` embeds the codes its processor's MiMo audio tokenizer gives; Nemotron Omni's
-                   Parakeet ``sound_encoder`` takes the waveforms (its processor's ``sound_clips``) and computes
-                   their mel features itself.
+                   without it takes no audio: refused at load where the family takes audio only, else audio requests
+                   alone, as Gemma 4 26B-A4B / 31B with ``audio_config`` null): Gemma 4's Conformer ``audio_tower``;
+                   Gemma 4 unified has no encoder, its ``embed_audio`` projects raw 40 ms frames; Qwen3-Omni's
+                   thinker holds its Whisper-style ``thinker.audio_tower``, MiniCPM-o its Whisper ``audio_tower``;
+                   MiMo-V2.6's ``audio_encoder`` embeds the codes its processor's MiMo audio tokenizer gives; Nemotron
+                   Omni's Parakeet ``sound_encoder`` takes the waveforms (its processor's ``sound_clips``) and
+                   computes their mel features itself.
 ``kv_bits_refused`` why ``EngineConfig.kv_bits`` cannot batch this family exactly: refused at configuration with
                    this reason (Qwen3.5's language model: see ``QWEN3_5_QUANTIZED_PADS``).
 ``honors_lengths`` whether the language model keeps right pads out of its sliding windows and recurrent state when

@@ -212,3 +212,66 @@ def test_a_first_chunk_runs_past_prefill_chunk_and_one_past_the_token_budget_is_
     assert not engine.has_pending()
     run = drive(engine, arrivals([requests[i] for i in (3, 4, 5)], 0))
     assert list(run.tokens.values()) == [references[i] for i in (3, 4, 5)]
+
+
+# Gemma 4 26B-A4B's released options (its config.json: text_config 30 layers, five sliding to one full, a mixture of
+# experts beside each dense MLP (128 experts, top 8, 704 wide), full layers with keys as values and 2 global KV heads
+# against 8, no per-layer inputs, no KV sharing; vision_config standardize; audio_config null), on six tiny layers;
+# the image processor's max_soft_tokens at 70 (one of its budgets: 70, 140, 280, 560, 1120), so each image is
+# longer than the tiny sliding window (64), as a 560- or 1120-token image is longer than a real 512 / 1024 one.
+A4B_TEXT_OPTIONS = {
+    "num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+    "sliding_window_pattern": 6, "num_attention_heads": 4, "num_key_value_heads": 4, "num_global_key_value_heads": 1,
+    "attention_k_eq_v": True, "global_head_dim": 64, "hidden_size_per_layer_input": 0, "enable_moe_block": True,
+    "num_experts": 16, "top_k_experts": 8, "moe_intermediate_size": 16, "intermediate_size": 48,
+    "rope_parameters": {
+        "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
+        "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}},
+}
+
+
+def test_a_checkpoint_without_audio_takes_images_with_26b_a4b_options(tmp_path, monkeypatch):
+    """26B-A4B and 31B ship no audio tower: such a checkpoint loads and takes images (refusing audio alone, as
+    the server then does), and with 26B-A4B's options and 70-token images its image prompts, whose solo tokens
+    the two-way attention decides, batch exactly in small chunks with drafting."""
+    import mlx_vlm
+
+    from scheduler.fixtures import tiny_models
+
+    plain, plain_processor = tiny_models.audio_config, tiny_models.audio_processor_config
+
+    def a4b(tokenizer):
+        config = plain(tokenizer)
+        config["text_config"].update(A4B_TEXT_OPTIONS)
+        config["vision_config"].update(standardize=True, use_clipped_linears=False)
+        return dict(config, audio_config=None)
+
+    def budget_70():
+        config = plain_processor()
+        config["image_processor"]["max_soft_tokens"] = 70
+        return config
+
+    monkeypatch.setattr(tiny_models, "audio_config", a4b)
+    monkeypatch.setattr(tiny_models, "audio_processor_config", budget_70)
+    gemma = mlx_vlm.load(str(build_model("audio", tmp_path / "model")))
+    model, processor = gemma
+    assert model.audio_tower is None and model.language_model.model.layers[0].enable_moe
+    engine = Engine(model, processor, EngineConfig(max_batched_tokens=160, prefill_chunk=16, max_seqs=4,
+                                                   draft_tokens=2, check_invariants=True))
+    assert engine.vlm.media_kinds == {"image"} and engine.vlm.sample_rate is None
+    with pytest.raises(ValueError, match="no audio encoder"):
+        engine.add_request(prompt=prompt(processor, "listen", 0, 1), audio=[(tone(0.5, 1), RATE)],
+                           sampling=SamplingParams(max_tokens=MAX_TOKENS))
+    requests = [
+        (prompt(processor, "describe the image please", 1), [noise(0)], []),
+        (prompt(processor, "compare these two", 2), [noise(2), noise(3, 48, 112)], []),
+        (prompt(processor, "hello there, how are you today"), [], []),
+        (prompt(processor, "a long text after the image: " + LONG, 1), [noise(5)], []),
+    ]
+    references = [solo(gemma, r) for r in requests]
+    with causal_images(model):
+        assert [solo(gemma, r) for r in requests] != references
+    reach = engine.vlm.prepare(*requests[0][:2]).first_chunk_reach
+    assert reach > model.language_model.config.sliding_window, reach
+    run = drive(engine, arrivals(requests, 2))
+    assert list(run.tokens.values()) == references
