@@ -584,11 +584,16 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
     # engine's cache check would refuse minimax_m3_vl at load anyway (MiniMaxM3KVCache: no batch form), and
     # qwen4_exp's QSAKVCache too (a KVCache subclass, refused since the check matches classes exactly); the rows say
     # why they could not batch exactly even with a batch form. deepseek_v4's caches batch (PoolingCache: the Pooling
-    # kind)
-    FamilySpec("deepseek_v4", refused="its language model reads the prompt's image sentinel ids (ids past the "
-               "vocabulary) and lets each image's tokens attend bidirectionally inside the image, and it raises when "
-               "a forward holding them starts past cache offset 0, so an image prompt can be neither prefilled in "
-               "chunks nor recomputed after a restored prefix"),
+    # kind); what its pooled keys hold depends on where forwards split (scheduler/fixtures/VLM_FAMILIES.md)
+    FamilySpec("deepseek_v4", refused="its compressed attention pools keys in windows of 4 that overlap the window "
+               "before (ratio-4 layers and their indexer), and a forward pools its first new window with zeros in "
+               "place of that earlier window (mlx-vlm's PoolingCache keeps none of it), so a prompt's keys depend on "
+               "where its prefill is split: mlx_vlm.generate prefills an image prompt whole, last token included, and "
+               "a text prompt in chunks of 2048, where the engine splits by its budgets, holds the last prompt token "
+               "for the first decode step (a different window when the prompt length is a multiple of 4) and "
+               "recomputes a preempted request's outputs in one forward that solo decoding pooled one window at a "
+               "time. Its image sentinel ids (past the vocabulary, attending both ways inside an image, refused past "
+               "cache offset 0) would be handled as Gemma 4's images are"),
     FamilySpec("minimax_m3_vl", refused="mlx-vlm's sparse attention cuts key blocks over cache slots, which a row's "
                "left padding shifts off its positions, and in a batch of rows of other lengths (mlx-vlm's own "
                "MiniMaxM3BatchKVCache, left-padded) a row's logits differ from the row alone"),
