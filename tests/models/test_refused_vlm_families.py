@@ -744,12 +744,13 @@ def test_sparse_attention_successors_are_refused_at_load():
 
 
 def test_deepseek_v4_images_attend_both_ways_and_must_come_in_one_prefill_from_offset_0():
-    """Why deepseek_v4 is refused. Its language model finds the image sentinels in the input ids (ids from the
-    vocabulary size on: start, pad, image, newline, end) and builds a mask in which an image's tokens see the later
-    ones of the same image; a forward holding sentinels on a cache past offset 0 raises. So an image prompt cannot
-    be prefilled in chunks (the engine's prefill budget) nor after a restored prefix. Its caches are not the reason:
-    its compressed layers keep PoolingCaches in a CacheList, which the cache protocol batches (the Pooling kind,
-    GLM-5-Next's). If mlx-vlm changes any of this, this fails: look again."""
+    """What deepseek_v4's image prompts need (not why it is refused: see the next test). Its language model finds
+    the image sentinels in the input ids (ids from the vocabulary size on: start, pad, image, newline, end) and
+    builds a mask in which an image's tokens see the later ones of the same image; a forward holding sentinels on a
+    cache past offset 0 raises. So an image prompt's first chunk must hold every sentinel, from offset 0, as a
+    Gemma 4 image prompt's does (`Request.first_chunk_reach`). Its caches are not the reason either: its compressed
+    layers keep PoolingCaches in a CacheList, which the cache protocol batches (the Pooling kind, GLM-5-Next's). If
+    mlx-vlm changes any of this, this fails: look again."""
     from mlx_vlm.models.deepseek_v4.language import create_image_attention_mask
 
     from caches import layers
@@ -770,6 +771,22 @@ def test_deepseek_v4_images_attend_both_ways_and_must_come_in_one_prefill_from_o
     model.language_model(mx.array([[5, 6, 7]]), cache=cache)
     with pytest.raises(ValueError, match="image sentinels must be supplied in one prefill"):
         model.language_model(mx.array([[v, v + 2, v + 4]]), cache=cache)
+
+
+def test_deepseek_v4_pooled_keys_depend_on_where_a_prefill_splits():
+    """Why deepseek_v4 is refused. Its ratio-4 layers pool keys in windows that overlap the window before, and each
+    forward pools its first new window against zeros (mlx-vlm's PoolingCache keeps no earlier window): a 44-token
+    text prompt prefilled in one forward and in chunks of 8 gets other last logits, so its outputs depend on the
+    engine's chunking and on holding its last token back, which mlx_vlm.generate does not do. If mlx-vlm carries
+    the overlap across forwards, this fails: look again."""
+    model = _tiny_deepseek_v4()
+    lm = model.language_model
+    ids = mx.array([[int(t) for t in np.random.default_rng(3).integers(3, _V4_VOCAB, 44)]])
+    whole = lm(ids, cache=model.make_cache()).logits[0, -1]
+    cache = model.make_cache()
+    for start in range(0, 44, 8):
+        chunked = lm(ids[:, start:start + 8], cache=cache).logits[0, -1]
+    assert float(mx.abs(whole - chunked).max()) > 1e-2
 
 
 def _alone_and_batched_minimax(model, prompts):
