@@ -340,11 +340,11 @@ class _TickBuilder:
                 why.note(request.request_id, why.exhausted)
                 continue
             offer = self._offer(request)
-            if offer is None:
+            if offer is None:  # nothing to feed in a prefill-only tick, or a first chunk the budget left cannot pay
                 if self._first_chunk_waits(request):
                     why.note(request.request_id, why.exhausted)
                     self.held_by = request.request_id
-                continue  # nothing to feed in a prefill-only tick
+                continue
             if self.kv is not None and not self.kv.try_chunk(request, offer[0], admission=False):
                 why.note(request.request_id, Reason.KV_BUDGET)
                 continue  # waits for memory while decoding frees it
