@@ -233,6 +233,8 @@ class VLMAdapter:
         self.video_token = _placeholder(processor, "video_token")
         self.audio_token = _placeholder(processor, "audio_token")
         self.video_fps, self.video_max_frames = validate_video_sampling(video_fps, video_max_frames)
+        # the frames a video keeps in the processor (FamilySpec.video_rate: more are capped to it)
+        self.frame_cap = library.processor_frame_cap(processor) if self.spec.video_rate else None
         if "audio" in self.spec.media and _attribute(model, self.spec.audio_encoder) is None:
             if not self.spec.media - {"audio"}:
                 raise UnsupportedFamily(f"this {self.spec.model_type} checkpoint has no audio encoder "
@@ -353,7 +355,7 @@ class VLMAdapter:
                     template_kwargs: dict[str, Any] | None = None) -> str:
         """Chat messages (media as placeholder parts) -> the prompt text `prepare` renders for them."""
         return prompts.render(self.processor, self.model.config, list(messages), num_images, num_videos, num_audio,
-                              template_kwargs)
+                              template_kwargs, video_on_tokenizer=self.spec.video_chat_on_tokenizer)
 
     def prepare(self, prompt: str | list[dict], images: Sequence[ImageInput] | None = (),
                 videos: Sequence[VideoInput] | None = (), audio: Sequence[AudioInput] | None = (),
@@ -394,6 +396,8 @@ class VLMAdapter:
                              f"{self.spec.model_type} merges one kind of media per request")
         fps, max_frames = validate_video_sampling(self.video_fps if fps is None else fps,
                                                   self.video_max_frames if max_frames is None else max_frames)
+        if self.spec.video_rate and self.frame_cap is not None:  # the processor would thin more and misstamp them
+            max_frames = min(max_frames, self.frame_cap)
         # media at http(s) URLs become their bytes first (refused where media_fetch is None)
         images, videos, clips_in = fetch.resolve_all(images, videos, clips_in, self.media_fetch)
         pil = [load_image(src, i) for i, src in enumerate(images)]
@@ -415,7 +419,9 @@ class VLMAdapter:
         try:
             inputs = library.prepare_inputs(self.model, self.processor, text, pil, frame_lists or None, waves or None,
                                             [None if clip.source_fps is None else
-                                             (clip.total_frames, clip.source_fps, clip.indices) for clip in clips])
+                                             (clip.total_frames, clip.source_fps, clip.indices) for clip in clips],
+                                            [clip.rate for clip in clips] if self.spec.video_rate else None,
+                                            self.spec.video_channels_first)
         except Exception as exc:
             self._blame(pil, frame_lists, exc)
             raise
@@ -479,7 +485,8 @@ class VLMAdapter:
         video_processor = getattr(self.processor, "video_processor", None) or image_processor
         for i, frames in enumerate(frame_lists if video_processor is not None else ()):
             try:
-                video_processor(videos=[frames])
+                video_processor(videos=[library.video_array(frames, True) if self.spec.video_channels_first
+                                        else frames])
             except Exception as one:
                 h, w = frames[0].shape[:2]
                 raise MediaError(i, f"rejected by the video processor ({len(frames)} frames of {w}x{h}): "

@@ -62,6 +62,22 @@ between families is declared here, and nothing else:
                    ``mm_token_type_ids``, (1, L) like the prompt: kept as a media tensor it cannot be split per
                    image nor concatenated across requests of other lengths; GLM-5-Next's processor too).
 ``mixed_image_video`` whether one request may carry both images and videos (mlx-vlm's Qwen2/2.5-VL merge one kind).
+``video_channels_first`` the processor takes a video as one (frames, 3, H, W) array, the layout mlx-vlm's
+                   ``load_video`` returns (Gemma 4's ``Gemma4VideoProcessor``, which reads the engine's usual
+                   (frames, H, W, 3) as frames of H channels and a list of frames not at all); the others take
+                   (frames, H, W, 3).
+``video_rate``     the processor times a video's frames from one rate per video, frame j at j / ``fps`` (Gemma 4
+                   writes each frame's ``mm:ss`` so; it reads no ``video_metadata``), and thins a video of more
+                   frames than its own cap itself, restamping the kept ones at that rate: the engine caps each video
+                   at the processor's frames (mlx-vlm's ``processor_video_sampling``, as mlx-vlm caps a file it
+                   decodes for it) and passes a file's ``fps`` as the rate its frames were sampled at
+                   (``media.sampling_rate``), so each frame is stamped with the time it is on screen (a frame list,
+                   which carries no times, keeps mlx-vlm's default rate).
+``video_chat_on_tokenizer`` chat messages with videos render with the tokenizer's chat template (the model's own:
+                   Gemma 4's renders a video part as ``<|video|>``), not the processor's ``apply_chat_template``
+                   (mlx-vlm's Gemma 4 override renders a video part only with a source, which the engine's parts,
+                   placeholders for the request's videos, do not carry: it dropped them). mlx-vlm's generate renders
+                   the same prompt for a video (``prompt_utils.apply_chat_template`` with ``video=``).
 ``images_per_request`` the most images mlx-vlm's processor and merge take in one prompt (None: any); more are
                    refused at ``add_request`` for that request alone, before the processor runs (Step 3.7, Molmo,
                    PaddleOCR-VL, Moondream 3, GOT-OCR 2.0: 1).
@@ -169,6 +185,9 @@ class FamilySpec:
     token_types_input: str | None = None
     dropped_inputs: tuple[str, ...] = ()
     mixed_image_video: bool = False
+    video_channels_first: bool = False  # videos as (frames, 3, H, W), as mlx-vlm's load_video returns them
+    video_rate: bool = False  # the processor stamps frame j at j / fps: pass the sampling rate, cap frames
+    video_chat_on_tokenizer: bool = False  # video messages render with the tokenizer's chat template
     images_per_request: int | None = None
     video_block_per_frame: bool = False
     positions_last: bool = False  # M-RoPE positions given to the language model as (B, L, 3)
@@ -293,11 +312,13 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
     # its processor's mm_token_type_ids is read by the chunked-prefill policy and the prefill forward only (not by
     # get_input_embeddings): kept out of the media tensors (and so out of the media keys, which it would tie to the
     # prompt's text) as the prompt's token types
-    FamilySpec("gemma4", media=frozenset({"image", "audio"}), sequence_inputs=("per_layer_inputs",),
+    FamilySpec("gemma4", media=frozenset({"image", "video", "audio"}), sequence_inputs=("per_layer_inputs",),
                token_types_input="mm_token_type_ids", vision_batch=VisionBatch.PER_REQUEST, honors_lengths=True,
-               notes="images and audio (not videos, not attempted); with use_bidirectional_attention 'vision' (real "
-               "checkpoints) an image prompt's tokens through its last image are prefilled in one forward of their "
-               "own, each image's tokens attending to each other both ways, as mlx_vlm.generate prefills it"),
+               video_channels_first=True, video_rate=True, video_chat_on_tokenizer=True, mixed_image_video=True,
+               notes="images, videos and audio; with use_bidirectional_attention 'vision' (real checkpoints) a "
+               "prompt's tokens through its last image or video frame (no audio) are prefilled in one forward of "
+               "their own, each image's (frame's) tokens attending to each other both ways, as mlx_vlm.generate "
+               "prefills it; each frame's mm:ss is the time it is on screen"),
     FamilySpec("gemma4_unified", media=frozenset({"audio"}), sequence_inputs=("per_layer_inputs",),
                audio_encoder="embed_audio", vision_batch=VisionBatch.PER_REQUEST, honors_lengths=True,
                notes="audio only: Gemma 4's language model with an encoder-free audio path (each 40 ms of samples "

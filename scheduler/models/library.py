@@ -42,29 +42,71 @@ from caches.vision import content_key
 
 
 def prepare_inputs(model: Any, processor: Any, prompt: str, images: list | None, videos: list | None = None,
-                   audio: list | None = None, video_sources: list | None = None) -> dict:
+                   audio: list | None = None, video_sources: list | None = None, video_rates: list | None = None,
+                   channels_first: bool = False) -> dict:
     """``videos``: frame lists (already sampled), each passed on as one ``(frames, H, W, 3)`` array, as mlx-vlm's
     ``load_video`` hands the processor a decoded file (Nemotron's processor takes a video only so: a list of
-    frames raised "Cannot handle this data type" in it). ``video_sources``: per video, ``(total_frames,
-    source_fps, frame_indices)`` of a decoded file, or None for a frame list. ``audio``: float32 mono waveforms at
-    the feature extractor's rate (passed on as is)."""
+    frames raised "Cannot handle this data type" in it), or ``(frames, 3, H, W)`` with ``channels_first``
+    (``FamilySpec.video_channels_first``: Gemma 4's). ``video_sources``: per video, ``(total_frames,
+    source_fps, frame_indices)`` of a decoded file, or None for a frame list. ``video_rates``: per video, the
+    rate a file's frames were sampled at, or None for a frame list, for a processor that stamps frame j at j /
+    ``fps`` (``FamilySpec.video_rate``); given, it goes as mlx-vlm's ``fps`` instead of ``video_metadata``.
+    ``audio``: float32 mono waveforms at the feature extractor's rate (passed on as is)."""
     from mlx_vlm.utils import prepare_inputs as vlm_prepare_inputs, should_add_special_tokens
 
     extra = {}
-    metadata = video_metadata(processor, videos, video_sources) if videos else None
-    if metadata is not None:
-        extra["video_metadata"] = metadata
+    if videos and video_rates is not None:
+        rates = stamp_rates(processor, video_rates)
+        if rates is not None:
+            extra["fps"] = rates
+    elif videos:
+        metadata = video_metadata(processor, videos, video_sources)
+        if metadata is not None:
+            extra["video_metadata"] = metadata
     with _no_missing_rate_warning(processor) if audio else contextlib.nullcontext():
         return vlm_prepare_inputs(
             processor,
             images=images or None,
-            videos=[np.stack([np.asarray(frame) for frame in frames]) for frames in videos] if videos else None,
+            videos=[video_array(frames, channels_first) for frames in videos] if videos else None,
             audio=audio or None,
             prompts=prompt,
             image_token_index=getattr(model.config, "image_token_index", None),
             add_special_tokens=should_add_special_tokens(model.config.model_type, processor),
             **extra,
         )
+
+
+def video_array(frames: list, channels_first: bool = False) -> np.ndarray:
+    """One video's frames as the processor takes them: ``(frames, H, W, 3)``, or ``(frames, 3, H, W)`` (mlx-vlm's
+    ``load_video`` layout) with ``channels_first``."""
+    video = np.stack([np.asarray(frame) for frame in frames])
+    return np.ascontiguousarray(video.transpose(0, 3, 1, 2)) if channels_first else video
+
+
+def processor_frame_cap(processor: Any) -> int | None:
+    """The most frames a video keeps in this processor, as mlx-vlm's ``processor_video_sampling`` reads it (Gemma
+    4's ``video_sampling_defaults``: its ``num_frames``), or None when it declares none."""
+    from mlx_vlm.utils import processor_video_sampling
+
+    cap = processor_video_sampling(processor).max_frames
+    return int(cap) if cap is not None else None
+
+
+def stamp_rates(processor: Any, rates: list) -> list[float] | None:
+    """The ``fps`` per video to give mlx-vlm for a processor that stamps frame j at ``j / fps`` (Gemma 4's
+    ``mm:ss``, seconds truncated): each file's sampling rate, so frame j is stamped with the time it is on screen
+    (``media.sampling_rate``); a frame list (None) gets the rate mlx-vlm gives one (its resolved sampling fps).
+    None when every video is a frame list, so such a request calls mlx-vlm exactly as before. Each rate is lowered
+    by a relative 1e-12 (as ``media`` keeps exact ratios exact with 1e-9): the processor's float ``j / fps`` falls
+    one ulp short of a whole second about once in a thousand frames (frame 16 of 32 of a 246 s clip at 1 fps:
+    122.99999999999999, stamped 02:02 for 02:03); the nudge moves a time by under 1e-8 s for a 3-hour clip, and a
+    time that is not a whole second (k / fps, or k x total / (cap x source fps)) lies far further from the next."""
+    if all(rate is None for rate in rates):
+        return None
+    from mlx_vlm.utils import resolve_video_sampling
+
+    default = resolve_video_sampling(processor, {}).fps
+    return [default if rate is None else float(rate) * (1 - 1e-12) for rate in rates]
 
 
 def video_metadata(processor: Any, videos: list, sources: list | None) -> list | None:
@@ -143,10 +185,13 @@ def chat_template(processor: Any, config: Any, messages: list[dict], num_images:
         "add_generation_prompt": True, **kwargs, **_as_mlx_vlm_passes(template_kwargs)})
 
 
-def own_chat_template(processor: Any, messages: list[dict], template_kwargs: dict[str, Any] | None = None) -> str:
+def own_chat_template(processor: Any, messages: list[dict], template_kwargs: dict[str, Any] | None = None,
+                      on_tokenizer: bool = False) -> str:
     """The model's own chat template on messages holding media parts (each placeholder where its part is): the
-    processor's, else its tokenizer's (as mlx-vlm's ``get_chat_template`` picks; Nemotron's processor keeps none)."""
-    if getattr(processor, "chat_template", None) is None and getattr(
+    processor's, else its tokenizer's (as mlx-vlm's ``get_chat_template`` picks; Nemotron's processor keeps none);
+    the tokenizer's first with ``on_tokenizer`` (Gemma 4: mlx-vlm's ``Gemma4Processor.apply_chat_template`` renders
+    a video part only with its source, and drops the engine's source-less parts)."""
+    if (on_tokenizer or getattr(processor, "chat_template", None) is None) and getattr(
             getattr(processor, "tokenizer", None), "chat_template", None) is not None:
         processor = processor.tokenizer
     return processor.apply_chat_template(messages, tokenize=False, **{"add_generation_prompt": True,

@@ -28,7 +28,10 @@ The frame count is rounded neither up nor down here: Qwen2-VL's processor groups
 2 and repeats the last frame of an odd count, exactly as it does for a solo ``mlx_vlm`` run given those frames.
 A file's selection goes to the processor with its metadata (source fps, the selected indices:
 ``library.video_metadata``), so the processors that write each frame group's time into the prompt (Qwen3-VL,
-Qwen3.5, GLM-5-Next, Mage-VL, Nemotron Omni) stamp the frames' own times, as mlx-vlm does for a file it samples.
+Qwen3.5, GLM-5-Next, Mage-VL, Nemotron Omni) stamp the frames' own times, as mlx-vlm does for a file it samples;
+Gemma 4's processor, which stamps frame j at j / fps from one rate per video, gets the selection's rate instead
+(``sampling_rate``: ``fps``, or ``max_frames / duration`` when the cap spreads the samples; not mlx-vlm's mean rate
+over the clip, which stamps a 3.25 s clip sampled at 1 fps 0, 0, 1, 2 s).
 
 Frames are read sequentially (``grab`` every frame, ``retrieve`` the chosen ones), up to the last chosen one;
 that is exact for every codec, seeking by frame number is not. Errors (``MediaError``): no file, not a video
@@ -124,6 +127,18 @@ def spread_indices(total: int, count: int) -> list[int]:
 def sample_frame_indices(total_frames: int, source_fps: float, fps: float, max_frames: int) -> list[int]:
     """Indices of the frames to keep from a ``total_frames``-frame clip recorded at ``source_fps`` (see the
     module docstring). Always at least one frame for a non-empty clip; strictly increasing."""
+    return _select_frames(total_frames, source_fps, fps, max_frames)[0]
+
+
+def sampling_rate(total_frames: int, source_fps: float, fps: float, max_frames: int) -> float:
+    """The rate of the selection ``sample_frame_indices`` makes: its sample ``k`` is the frame on screen ``k /
+    rate`` seconds into the clip. ``fps``, or the source's rate when ``fps`` is above it (every frame once), or
+    ``max_frames / duration`` when the cap spreads the samples over the whole clip. A processor that stamps each
+    frame with a time from one rate per video (Gemma 4's ``mm:ss``) stamps the frames' own times with it."""
+    return _select_frames(total_frames, source_fps, fps, max_frames)[1]
+
+
+def _select_frames(total_frames: int, source_fps: float, fps: float, max_frames: int) -> tuple[list[int], float]:
     fps, max_frames = validate_video_sampling(fps, max_frames)
     if total_frames < 1:
         raise ValueError(f"no frames to sample (total_frames={total_frames})")
@@ -140,8 +155,8 @@ def sample_frame_indices(total_frames: int, source_fps: float, fps: float, max_f
         indices.append(index)
         k += 1
         if len(indices) > max_frames:  # the cap binds: spread over the whole clip instead
-            return spread_indices(total_frames, max_frames)
-    return indices
+            return spread_indices(total_frames, max_frames), max_frames * source_fps / total_frames
+    return indices, source_fps / step
 
 
 # ================================================================================================
@@ -158,6 +173,7 @@ class VideoFrames:
     total_frames: int  # frames in the source (decoded, for a file)
     source_fps: float | None  # the container's frame rate; None for a frame list
     meta: dict = field(default_factory=dict)
+    rate: float | None = None  # sample k is the frame on screen k / rate seconds in (sampling_rate); None for a list
 
     @property
     def num_frames(self) -> int:
@@ -264,7 +280,7 @@ def _decode_file(path: str, index: int, fps: float, max_frames: int, what: str) 
     if total < 1:
         raise MediaError(index, f"zero frames ({what})", "video")
     for _attempt in range(2):
-        wanted = sample_frame_indices(total, source_fps, fps, max_frames)
+        wanted, rate = _select_frames(total, source_fps, fps, max_frames)
         cap = cv2.VideoCapture(path)
         try:
             frames, grabbed = _read_selected(cap, wanted)
@@ -275,7 +291,7 @@ def _decode_file(path: str, index: int, fps: float, max_frames: int, what: str) 
             if len(shapes) > 1:
                 raise MediaError(index, f"decoded frames differ in size: {sorted(shapes)}", "video")
             return VideoFrames(frames, tuple(wanted), total, source_fps,
-                               meta={"claimed_frames": claimed, "fps": fps, "max_frames": max_frames})
+                               meta={"claimed_frames": claimed, "fps": fps, "max_frames": max_frames}, rate=rate)
         if grabbed < 1:
             raise MediaError(index, f"zero frames decode ({what})", "video")
         if total - grabbed > _tolerated_shortfall(total):
@@ -484,4 +500,4 @@ def _read_source(source: Any, index: int) -> bytes:
 
 
 __all__ = ["AudioInput", "ImageInput", "MediaError", "MediaLimit", "RemoteMedia", "VideoFrames", "describe_source", "load_audio", "load_image",
-           "load_video", "sample_frame_indices", "spread_indices", "validate_video_sampling"]
+           "load_video", "sample_frame_indices", "sampling_rate", "spread_indices", "validate_video_sampling"]

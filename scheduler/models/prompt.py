@@ -349,7 +349,9 @@ def with_generation_prompt(template_kwargs: dict[str, Any] | None) -> dict[str, 
 
 
 def render(processor: Any, config: Any, messages: list[dict], num_images: int, num_videos: int,
-           num_audio: int, template_kwargs: dict[str, Any] | None = None) -> str:
+           num_audio: int, template_kwargs: dict[str, Any] | None = None, video_on_tokenizer: bool = False) -> str:
+    """``video_on_tokenizer``: messages with videos render with the tokenizer's chat template where it has one
+    (``FamilySpec.video_chat_on_tokenizer``)."""
     if not messages:
         raise ValueError("no messages")
     if num_videos:
@@ -357,6 +359,6 @@ def render(processor: Any, config: Any, messages: list[dict], num_images: int, n
         if render_own is None or not (getattr(processor, "chat_template", None)
                                       or getattr(getattr(processor, "tokenizer", None), "chat_template", None)):
             raise ValueError("this model has no chat template for video messages; pass a templated prompt string")
-        return library.own_chat_template(processor, messages, template_kwargs)
+        return library.own_chat_template(processor, messages, template_kwargs, on_tokenizer=video_on_tokenizer)
     return library.chat_template(processor, config, messages, num_images=num_images,
                                  num_audios=num_audio, template_kwargs=template_kwargs)

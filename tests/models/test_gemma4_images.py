@@ -231,9 +231,9 @@ A4B_TEXT_OPTIONS = {
 
 
 def test_a_checkpoint_without_audio_takes_images_with_26b_a4b_options(tmp_path, monkeypatch):
-    """26B-A4B and 31B ship no audio tower: such a checkpoint loads and takes images (refusing audio alone, as
-    the server then does), and with 26B-A4B's options and 70-token images its image prompts, whose solo tokens
-    the two-way attention decides, batch exactly in small chunks with drafting."""
+    """26B-A4B and 31B ship no audio tower: such a checkpoint loads and takes images and videos (refusing audio
+    alone, as the server then does), and with 26B-A4B's options and 70-token images its image prompts, whose solo
+    tokens the two-way attention decides, batch exactly in small chunks with drafting."""
     import mlx_vlm
 
     from scheduler.fixtures import tiny_models
@@ -258,7 +258,7 @@ def test_a_checkpoint_without_audio_takes_images_with_26b_a4b_options(tmp_path, 
     assert model.audio_tower is None and model.language_model.model.layers[0].enable_moe
     engine = Engine(model, processor, EngineConfig(max_batched_tokens=160, prefill_chunk=16, max_seqs=4,
                                                    draft_tokens=2, check_invariants=True))
-    assert engine.vlm.media_kinds == {"image"} and engine.vlm.sample_rate is None
+    assert engine.vlm.media_kinds == {"image", "video"} and engine.vlm.sample_rate is None
     with pytest.raises(ValueError, match="no audio encoder"):
         engine.add_request(prompt=prompt(processor, "listen", 0, 1), audio=[(tone(0.5, 1), RATE)],
                            sampling=SamplingParams(max_tokens=MAX_TOKENS))
