@@ -53,8 +53,8 @@ between families is declared here, and nothing else:
 ``token_types_input`` the processor output giving each prompt position's kind (Gemma 4's ``mm_token_type_ids``),
                    which ``mlx_vlm.generate`` hands its chunked-prefill policy and the prefill forward. Where the
                    policy prefills a prompt in one forward (``library.prefills_in_one_forward``: a Gemma 4 checkpoint
-                   with ``use_bidirectional_attention: "vision"`` and a prompt with images and no audio, whose
-                   image tokens then attend to each other both ways), the engine prefills the prompt from position 0
+                   with ``use_bidirectional_attention: "vision"`` and a prompt with images or videos and no audio,
+                   whose image and frame tokens then attend to each other both ways), the engine prefills it from 0
                    through its last media token in one forward of its own with that input (the request's
                    ``first_chunk_reach``); the text after it is causal and chunks as any other.
 ``dropped_inputs`` processor outputs that are neither media tensors nor read by the family's encoders or language
