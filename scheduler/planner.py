@@ -482,7 +482,7 @@ class _TickBuilder:
     def _first_chunk_waits(self, request: Request) -> bool:
         """Given no chunk: it is because its first chunk must reach `first_chunk_reach` and the budget left pays
         for less (not because nothing is left to feed)."""
-        return self._start(request)[0] < request.first_chunk_reach
+        return request.first_chunk_reach > 0 and self._start(request)[0] < request.first_chunk_reach
 
     def grant(self, request: Request, chunk: PrefillChunk, match: tuple[int, int] | None) -> None:
         """Give `request` its chunk: the plan records the prefix hit it starts from, the budget pays for it."""

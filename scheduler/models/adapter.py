@@ -396,7 +396,7 @@ class VLMAdapter:
                              f"{self.spec.model_type} merges one kind of media per request")
         fps, max_frames = validate_video_sampling(self.video_fps if fps is None else fps,
                                                   self.video_max_frames if max_frames is None else max_frames)
-        if self.spec.video_rate and self.frame_cap is not None:  # the processor would thin more and misstamp them
+        if self.frame_cap is not None:  # (FamilySpec.video_rate) the processor would thin more and misstamp them
             max_frames = min(max_frames, self.frame_cap)
         # media at http(s) URLs become their bytes first (refused where media_fetch is None)
         images, videos, clips_in = fetch.resolve_all(images, videos, clips_in, self.media_fetch)
