@@ -526,8 +526,10 @@ def as_token_ids(tokens: Any) -> list[int]:
     return ids
 
 
-def validate_prompt_tokens(tokens: Any, vocab_size: int, max_len: int) -> list[int]:
-    """Token ids a model can take, as a fresh list; InvalidRequest otherwise.
+def validate_prompt_tokens(tokens: Any, vocab_size: int, max_len: int, media_ids: frozenset[int] = frozenset()
+                           ) -> list[int]:
+    """Token ids a model can take, as a fresh list; InvalidRequest otherwise. ``media_ids``: ids outside the
+    vocabulary that the request's media rows stand at (a spliced image's id, ``scheduler.models.splice``).
 
     The context rule: prompt + outputs never exceed `max_len` (the engine's max_model_len; generation is
     capped there, see `Request.output_limit`), so a prompt is refused only when it leaves no room for one
@@ -535,7 +537,7 @@ def validate_prompt_tokens(tokens: Any, vocab_size: int, max_len: int) -> list[i
     """
     tokens = as_token_ids(tokens)
     _check(len(tokens) > 0, "prompt", "is empty")
-    bad = [t for t in tokens if not 0 <= t < vocab_size]
+    bad = [t for t in tokens if not 0 <= t < vocab_size and t not in media_ids]
     _check(not bad, "prompt_tokens", f"ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
     _check(len(tokens) < max_len, "prompt",
            f"has {len(tokens)} tokens; max_model_len is {max_len} and prompt + output must fit in it "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
@@ -167,7 +168,9 @@ def _prompt_logprobs(request: Request, start: int, logits: Any) -> PromptLogprob
         b = min(a + PROMPT_LOGPROB_BLOCK, n)
         logprobs = logprobs_from_logits(logits[0, a:b].astype(mx.float32))
         targets = mx.array(request.prompt_tokens[start + 1 + a: start + 1 + b], dtype=mx.int32)
-        picked = mx.take_along_axis(logprobs, targets[:, None], axis=1)[:, 0]
+        picked = mx.take_along_axis(logprobs, mx.maximum(targets, 0)[:, None], axis=1)[:, 0]
+        # a spliced image's id (-200, scheduler.models.splice) is no token the logits score
+        picked = mx.where(targets < 0, -mx.inf, picked)
         ranks = (logprobs >= picked[:, None]).sum(axis=1)  # vLLM's rank: ties with the token count before it
         if not k:
             mx.eval(picked, ranks)
@@ -198,6 +201,16 @@ class _Feed:
     start: int
     end: int
     checkpoint: bool = False
+
+
+def _embeddable(draft: Draft) -> Draft:
+    """``draft`` cut before its first negative id: no embedding holds one, and a prompt lookup copies a spliced
+    family's image id (-200, ``scheduler.models.splice``) out of the prompt like any other."""
+    cut = next((i for i, t in enumerate(draft.tokens) if t < 0), None)
+    if cut is None:
+        return draft
+    logprobs = None if draft.logprobs is None else draft.logprobs[:cut]
+    return dataclasses.replace(draft, tokens=draft.tokens[:cut], logprobs=logprobs)
 
 
 def _leads_into(output: list[int], word: tuple[int, ...]) -> bool:
@@ -907,7 +920,7 @@ class MLXExecutor:
             self.draft_stats.failures += 1
             self.draft_stats.last_failure = result.drafter_error = f"{type(exc).__name__}: {exc}"
             return {}
-        return {d.request_id: d for d in drafts}
+        return {d.request_id: _embeddable(d) for d in drafts}
 
     def _refeed_grants(self, draft_k: dict[str, int]) -> dict[str, int]:
         """Drafting on a batch that cannot roll back (recurrent state, rotating windows): a verify of w drafts

@@ -46,7 +46,7 @@ from caches.kv import QuantizeRule
 from caches.vision import VisionCache, content_key
 
 from scheduler.models import prompt as prompts
-from scheduler.models import fetch, library, media_items
+from scheduler.models import fetch, library, media_items, splice
 from scheduler.models import positions as position_strategies
 from scheduler.models.families import FamilySpec, UnsupportedFamily, VisionBatch, family_for
 from scheduler.models.media import (AudioInput, ImageInput, MediaError, MediaLimit, VideoFrames, VideoInput,
@@ -117,6 +117,9 @@ class PreparedRequest:
     # 0, or where the first prefill chunk must reach: it feeds [0, first_chunk_reach) or more in one forward of its
     # own, with the token types (``FamilySpec.token_types_input``; ``Request.first_chunk_reach``)
     first_chunk_reach: int = 0
+    # per image, the rows its one id became (``FamilySpec.splice``: ``input_ids`` holds that many image ids); empty
+    # for the other families
+    splice_rows: tuple[int, ...] = ()
 
     @property
     def has_media(self) -> bool:
@@ -223,7 +226,10 @@ class VLMAdapter:
         self.media_fetch = media_fetch
         self.positions = position_strategies.for_family(self.spec)
         self.media_encoder: Callable[[mx.array, dict, Any], Any] = self._encode_media
-        self.media_token_ids = library.media_token_ids(model, processor, self.spec.media_token)
+        # the id a spliced family's processor writes for an image (``splice.py``), or None
+        self.splice_marker = library.splice_marker(model) if self.spec.splice is not None else None
+        self.media_token_ids = library.media_token_ids(model, processor, self.spec.media_token) | (
+            {self.splice_marker} if self.splice_marker is not None else set())
         # the token between two units of one encoder call (``_run_encoders``): the smallest id that is no placeholder
         self._separator = min(set(range(len(self.media_token_ids) + 1)) - self.media_token_ids)
         # the ids a video's placeholders sit between (GLM's video_start_token_id / video_end_token_id), or None
@@ -429,6 +435,13 @@ class VLMAdapter:
         has_media = bool(pil or clips or waves)
         kept_out = (*_NOT_MEDIA, *self.spec.dropped_inputs, self.spec.token_types_input)
         media_inputs = {k: v for k, v in inputs.items() if k not in kept_out and v is not None} if has_media else {}
+        mask = inputs.get("attention_mask")
+        splice_rows: tuple[int, ...] = ()
+        if self.splice_marker is not None and pil:  # one id per image: as many as the merge gives it rows
+            splice_rows = splice.image_rows(self.spec.splice, self.model, media_inputs, len(pil))
+            if mask is not None:
+                mask = mx.array(splice.expand_along(np.asarray(mask), ids, self.splice_marker, splice_rows))
+            ids = splice.expand(ids, self.splice_marker, splice_rows)
         media_at = tuple(i for i, t in enumerate(ids) if t in self.media_token_ids) if has_media else ()
         if has_media and not media_at:
             raise ValueError("the processor put no media tokens in the prompt")
@@ -437,7 +450,7 @@ class VLMAdapter:
         # Exact prefix sharing needs no key of its own for this mode: it follows from the media alone (Gemma 4:
         # images and no audio), and its media are keyed whole (one mark over every media tensor)
         return PreparedRequest(
-            input_ids=ids, media_inputs=media_inputs, mask=inputs.get("attention_mask"),
+            input_ids=ids, media_inputs=media_inputs, mask=mask, splice_rows=splice_rows,
             media_key=marks[-1][1] if marks else None, media_positions=media_at, media_marks=marks,
             media_items=items, prompt=text,
             num_images=len(pil), num_videos=len(clips), num_audio=len(waves),
@@ -573,7 +586,7 @@ class VLMAdapter:
     def _text_prompt(self, prepared: PreparedRequest, ids: mx.array, mask: mx.array) -> tuple[mx.array, mx.array]:
         """What the text path embeds for a request: its prompt, with its media tokens replaced by a non-media one
         where the family declares ``media_free_text_path`` (its rows overwrite those positions after)."""
-        if not self.spec.media_free_text_path or not prepared.media_positions:
+        if not (self.spec.media_free_text_path or prepared.splice_rows) or not prepared.media_positions:
             return ids, mask
         ids = mx.array(ids)
         ids[0, mx.array(prepared.media_positions)] = self._separator
@@ -615,19 +628,28 @@ class VLMAdapter:
         if prepared.media_items:
             return [self._item_unit(index, item) for item in prepared.media_items]
         ids, mask = self._prompt(prepared, extra_tokens)
+        length = ids.shape[1]
+        if prepared.splice_rows:  # the encoders splice each image's rows in at its one id
+            expanded = ids[0].tolist()
+            mask = mx.array(splice.collapse_along(np.asarray(mask), expanded, self.splice_marker,
+                                                  prepared.splice_rows))
+            ids = mx.array([splice.collapse(expanded, self.splice_marker, prepared.splice_rows)], dtype=ids.dtype)
         return [_Unit(index, prepared.media_key, ids, mask, prepared.media_inputs,
-                      prepared.media_positions, prepared.num_media_items, whole=True)]
+                      prepared.media_positions, prepared.num_media_items, whole=True, length=length)]
 
     def _item_unit(self, index: int, item: MediaItem) -> _Unit:
         """A media item's unit: its placeholders alone, and for a video of a family whose config names video
         markers, the placeholders between them: GLM-5-Next writes a video's frames with its image token and its
         merge tells them from an image's by the markers around them (without them it fills none of them)."""
+        if item.token == self.splice_marker:  # the one id the merge splices the image's rows in at
+            return _Unit(index, item.key, mx.array([[item.token]], dtype=mx.int32), mx.ones((1, 1), dtype=mx.int32),
+                         item.inputs, tuple(range(item.tokens)), item.count, whole=False, length=item.tokens)
         ids = [item.token] * item.tokens
         lead = 0
         if self._video_markers is not None and "video_grid_thw" in item.inputs:
             ids, lead = [self._video_markers[0], *ids, self._video_markers[1]], 1
         return _Unit(index, item.key, mx.array([ids], dtype=mx.int32), mx.ones((1, len(ids)), dtype=mx.int32),
-                     item.inputs, tuple(range(lead, lead + item.tokens)), item.count, whole=False)
+                     item.inputs, tuple(range(lead, lead + item.tokens)), item.count, whole=False, length=len(ids))
 
     def _follower(self, key: str, found: dict[str, _Media]) -> _Media:
         """A unit that another request of the call has too: the cache's entry (a counted hit), or the leader's
@@ -727,7 +749,7 @@ class VLMAdapter:
         media: list[_Media] = []
         start = media_start = 0
         for unit in group:
-            length, positions = unit.ids.shape[1], unit.positions
+            length, positions = unit.length, unit.positions
             own = embeds[:, start: start + length]
             rows = own[0, mx.array(positions)]
             if self.spec.media_rows_whole_prompt:  # rows over the call's sequence: the unit's media positions'
@@ -1009,9 +1031,10 @@ class _Unit:
     ids: mx.array  # (1, n) the prompt the encoders see
     mask: mx.array
     inputs: dict[str, Any]  # its media tensors, by name
-    positions: tuple[int, ...]  # where in ``ids`` its rows are
+    positions: tuple[int, ...]  # where in the encoders' embeddings of ``ids`` its rows are
     count: int  # encoder-budget units (``VisionCall.images``)
     whole: bool
+    length: int  # the rows the encoders give for ``ids``: n, or more where they splice images in (``splice.py``)
 
 
 @dataclass

@@ -159,6 +159,14 @@ class ItemSplit(enum.Enum):
     TILES = "tiles"  # ``pixel_values`` (1, views, ...): each image's tile views, then its global view
 
 
+class SpliceRows(enum.Enum):
+    """How many embedding rows each image of a spliced prompt becomes, known before the tower runs (``splice.py``):
+    the families whose input preparation writes one id per image and whose merge puts the image's rows there."""
+
+    TOWER_GRID = "tower_grid"  # (vision_config.image_size / patch_size)^2, every image (Bunny's SigLIP: 729)
+    VALID_PATCHES = "valid_patches"  # an image's set entries of pixel_attention_mask (phi4-siglip's packed patches)
+
+
 class VisionBatch(enum.Enum):
     ONE = "one"  # all the tick's media in one encoder call
     EQUAL_SHAPE = "equal_shape"  # one call per group of equal-shape media tensors
@@ -193,6 +201,9 @@ class FamilySpec:
     positions_last: bool = False  # M-RoPE positions given to the language model as (B, L, 3)
     canvas_positions: bool = False  # M-RoPE positions laid on MiniCPM-V 4.7's canvas (positions.canvas_index)
     media_free_text_path: bool = False  # the text path embeds the prompt with its media tokens replaced
+    # the processor writes one id per image, which the merge replaces by the image's rows (``splice.py``): each is
+    # expanded to that many ids before the scheduler sees the prompt, and the encoders get it back as one
+    splice: SpliceRows | None = None
     vision_batch: VisionBatch = VisionBatch.EQUAL_SHAPE
     media_axis: int = 0
     item_split: ItemSplit = ItemSplit.WHOLE
@@ -238,14 +249,15 @@ NEMOTRON_VIDEO_PRUNING = ("Efficient Video Sampling drops video rows after the v
                           "would depend on the encoder's output; set video_pruning_rate to 0 in config.json to keep "
                           "every row (its images, audio and text batch as they are)")
 
-# How the refusals of mlx-vlm's LLaVA-style families end (phi4-siglip, FastVLM's llava_qwen2, Bunny's llava-qwen2
-# and bunny-llama, Janus' multi_modality, phi4mm): llava_next's reason, reached by another merge. Their row counts
-# follow from the processor's output (the packed patches, the crop size, a fixed 729, the config's
-# num_image_tokens), not from the ids the scheduler plans with
-LLAVA_SPLICE = ("so the embedded prompt is longer than its token ids (by each image's rows less one); the scheduler "
-                "plans prefill, caches and positions on token counts, one embedding row per id")
-BUNNY_SPLICE = ("mlx-vlm's Bunny merge replaces the prompt's one image placeholder id (-200) with the SigLIP "
-                "tower's 729 rows, " + LLAVA_SPLICE)
+# Why FastVLM (llava_qwen2) is refused though its merge is a splice as Bunny's (splice.py would expand its images'
+# ids to the tower's (image_size / 64)^2 rows): no batching here is claimed without a test against solo mlx-vlm, and
+# no tiny FastVLM can be built to test it. FastViTHD's stage layout (layers, embed_dims, mlp_ratios, ...) is class
+# attributes of mlx-vlm's VisionConfig, not fields config.json sets: every build has the full 125M-parameter tower,
+# which encodes a 128-pixel image in 2.6 s on this CPU (tests/models/test_refused_vlm_families.py builds it small by
+# setting them on one instance, which a checkpoint cannot)
+FASTVLM_UNTESTED = ("not tested against mlx_vlm here: its FastViTHD tower's stage layout is fixed in mlx-vlm's "
+                    "VisionConfig class (config.json cannot shrink it), so no tiny build can be made; its merge is a "
+                    "splice as Bunny's, which the engine batches")
 
 # Why kv_bits is refused for the families on mlx-vlm's Qwen3.5 language model (qwen3_5, qwen3_5_moe, minicpmv4_6;
 # tests/models/test_vlm_families.py, test_qwen3_5_attends_the_pads_of_a_quantized_batch_decode): in a one-token
@@ -559,14 +571,22 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
     FamilySpec("mllama", refused="its language model cross-attends to each request's vision states (cross-"
                "attention layers fed `cross_attention_states`), which neither the inputs_embeds path nor a batch "
                "cache carries per row"),
-    # LLaVA-style splice (tests/models/test_refused_vlm_families.py builds each and measures it): mlx-vlm's input
-    # preparation writes one id, -200, where a prompt holds an image, and the merge puts the image's rows there
-    FamilySpec("phi4-siglip", refused="mlx-vlm's merge replaces each image's one placeholder id (-200) with the "
-               "image's valid SigLIP2 patch rows (as many as its packed patches), " + LLAVA_SPLICE),
-    FamilySpec("llava_qwen2", refused="mlx-vlm's FastVLM merge replaces each image's one placeholder id (-200) "
-               "with the FastViTHD tower's (image_size / 64)^2 rows, " + LLAVA_SPLICE),
-    FamilySpec("llava-qwen2", refused=BUNNY_SPLICE),
-    FamilySpec("bunny-llama", refused=BUNNY_SPLICE),
+    # Phi-4-reasoning-vision: its processor writes one id (-200, its model module's IMAGE_TOKEN_INDEX) an image, and
+    # the merge puts the image's valid packed SigLIP2 patches there (as many as its pixel_attention_mask sets;
+    # splice.py). Several images a prompt; keyed and encoded whole (its tensors are padded to the most patches)
+    FamilySpec("phi4-siglip", placeholder_text="<image>", splice=SpliceRows.VALID_PATCHES,
+               notes="Phi-4-reasoning-vision: SigLIP2 NaFlex tower on packed patches + Phi-3-style text"),
+    FamilySpec("llava_qwen2", refused=FASTVLM_UNTESTED),
+    # Bunny (one model class, two model types): its input preparation cuts the prompt at the text "<image>" and
+    # writes one id (-200) between the pieces, which the merge replaces by the SigLIP tower's 729 rows (splice.py).
+    # One image a prompt; encoded one image a call: stacked, its patch conv rounds an image 1e-7 away from the
+    # image alone under OpenBLAS
+    FamilySpec("llava-qwen2", placeholder_text="<image>", splice=SpliceRows.TOWER_GRID, images_per_request=1,
+               item_split=ItemSplit.STACK, vision_batch=VisionBatch.PER_REQUEST,
+               notes="Bunny: SigLIP at 384 px (729 rows an image) + Qwen2 text"),
+    FamilySpec("bunny-llama", placeholder_text="<image>", splice=SpliceRows.TOWER_GRID, images_per_request=1,
+               item_split=ItemSplit.STACK, vision_batch=VisionBatch.PER_REQUEST,
+               notes="Bunny: SigLIP at 384 px (729 rows an image) + Llama-3 text"),
     FamilySpec("deepseek_vl_v2", refused="mlx-vlm's get_input_embeddings reads images_spatial_crop (one row per "
                "image) for as many rows as pixel_values has tiles (a global view and the local tiles of every "
                "image), past its end: the tile count it sums from that memory varies from one process to the next, "
@@ -586,9 +606,13 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
                "with no padding mask, so in a left-padded batch a row shorter than the longest attends its pads and "
                "other chunk boundaries than alone"),
     # tests/models/test_refused_vlm_families.py measures both on tiny models from mlx-vlm's config classes
-    FamilySpec("multi_modality", refused="mlx_vlm.load gives its processor mlx-vlm's own ImageProcessor, for which "
-               "mlx-vlm's input preparation writes one image id per image, and get_input_embeddings expands that id "
-               "into the config's num_image_tokens rows of the image, " + LLAVA_SPLICE),
+    # Janus / DeepSeek-VL: mlx_vlm.load gives its processor mlx-vlm's own ImageProcessor (384 px), for which the input
+    # preparation writes one image_token_index id per image; get_input_embeddings splices the tower's rows in there
+    # (its num_image_tokens ids in between are dropped again by the merge: the row count is the tower's grid). One
+    # image a prompt (mlx-vlm's merge drops the text between two images); one image a call (splice.py)
+    FamilySpec("multi_modality", placeholder_text="<image>", splice=SpliceRows.TOWER_GRID, images_per_request=1,
+               item_split=ItemSplit.STACK, vision_batch=VisionBatch.PER_REQUEST,
+               notes="Janus / DeepSeek-VL: SigLIP tower at 384 px + LLaMA text"),
     # tests/models/test_refused_vlm_families.py builds it small and pins the fact
     FamilySpec("molmo_point", refused="mlx-vlm's MolmoPoint keeps the last embedded prompt's image state on the model "
                "instance (_image_cache, _token_bounds, the ids generated since), and its decode forward (its "
@@ -596,8 +620,7 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
                "patch of that image, then subpatches and locations), against that state: the logits' width and point "
                "scores belong to whichever prompt was embedded last, so a batch's rows cannot each decode against "
                "their own image"),
-    FamilySpec("phi4mm", refused="mlx-vlm's merge replaces each image's one placeholder id (-200) with the image's "
-               "valid SigLIP2 patch rows, " + LLAVA_SPLICE + ". And its get_input_embeddings merges the vision or "
+    FamilySpec("phi4mm", refused="its get_input_embeddings merges the vision or "
                "the speech LoRA into the language model's weights on the model instance (set_modality) for the media "
                "of the prompt it embeds (a text prompt keeps whichever the last one left), so requests of other "
                "modalities cannot share a forward"),

@@ -21,6 +21,7 @@
 ``make_cache``            the cache ``mlx_vlm.stream_generate`` builds (``make_prompt_cache``), or rotating caches
                           of ``max_kv_size`` tokens.
 ``row_offsets``           tokens each row of a single or batch cache holds.
+``splice_marker``         the id a spliced family's merge puts an image's rows at (its config's, or its module's).
 ``quantized_kv_schedule`` where ``mlx_vlm.generate_step`` checks ``quantized_kv_start`` during a prompt (its
                           default ``prefill_step_size``), for the engine's ``kv_bits`` on these models.
 """
@@ -31,6 +32,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -172,17 +174,24 @@ def chat_template(processor: Any, config: Any, messages: list[dict], num_images:
 
     rendered = apply_chat_template(processor, config, messages, return_messages=True, num_images=num_images,
                                    num_audios=num_audios)
-    template_processor = processor
-    if getattr(processor, "chat_template", None) is None and getattr(
-            getattr(processor, "tokenizer", None), "chat_template", None) is not None:
-        template_processor = processor.tokenizer
-    if getattr(template_processor, "chat_template", None) is None:  # no template: mlx-vlm's own rendering
+    template_processor = _template_holder(processor)
+    if template_processor is None:  # no template: mlx-vlm's own rendering
         if template_kwargs:
             raise ValueError(f"this model has no chat template to pass {sorted(template_kwargs)} to")
         return apply_chat_template(processor, config, messages, num_images=num_images, num_audios=num_audios)
     kwargs = {"enable_thinking": False} if _template_mentions(template_processor, "enable_thinking") else {}
     return template_processor.apply_chat_template(rendered, tokenize=False, **{
         "add_generation_prompt": True, **kwargs, **_as_mlx_vlm_passes(template_kwargs)})
+
+
+def _template_holder(processor: Any) -> Any:
+    """What renders the chat template, as mlx-vlm's ``get_chat_template`` picks it: the processor where it has a
+    template and can apply it, else its tokenizer where that has one (Phi-4-reasoning-vision's processor keeps the
+    template but has no ``apply_chat_template``), else None."""
+    for holder in (processor, getattr(processor, "tokenizer", None)):
+        if hasattr(holder, "apply_chat_template") and getattr(holder, "chat_template", None) is not None:
+            return holder
+    return None
 
 
 def own_chat_template(processor: Any, messages: list[dict], template_kwargs: dict[str, Any] | None = None,
@@ -405,6 +414,18 @@ def patch_grid(model: Any) -> tuple[int, int]:
     """(patch size, spatial merge size) of the Pixtral-style towers (mistral3, pixtral): an image of h x w pixels
     fills (h / patch / merge) x (w / patch / merge) prompt positions (pixtral has no patch merger: merge 1)."""
     return (int(model.config.vision_config.patch_size), int(getattr(model.config, "spatial_merge_size", None) or 1))
+
+
+def splice_marker(model: Any) -> int:
+    """The id a spliced family's input preparation writes for an image (``scheduler.models.splice``): the config's
+    ``image_token_index`` (-200 for Bunny, a vocabulary id for Janus), else the constant its model module merges at
+    (phi4-siglip's ``IMAGE_TOKEN_INDEX``, which its config does not name)."""
+    value = getattr(model.config, "image_token_index", None)
+    if value is None:
+        value = getattr(sys.modules[type(model).__module__], "IMAGE_TOKEN_INDEX", None)
+    if not isinstance(value, int):
+        raise ValueError(f"{model.config.model_type} names no image id for its merge to splice at")
+    return value
 
 
 def global_image_token_id(processor: Any) -> int | None:

@@ -138,7 +138,9 @@ class PromptResolver:
                                          "tokens and media, which truncating would cut into", request_id)
                 prepared = self.vlm.text_request(prepared.input_ids[-truncate:])
             ids = prepared.input_ids
-        ids = validate_prompt_tokens(ids, self.vocab_size, self.max_model_len)
+        # a spliced image's id is outside the vocabulary: the prompt may hold it where its image's rows go
+        spliced = frozenset({self.vlm.splice_marker}) if prepared is not None and prepared.splice_rows else frozenset()
+        ids = validate_prompt_tokens(ids, self.vocab_size, self.max_model_len, spliced)
         if self.min_prompt is not None and len(ids) < self.min_prompt[0]:
             raise InvalidRequest("prompt", f"has {len(ids)} token(s); this model takes at least {self.min_prompt[0]}: "
                                            f"{self.min_prompt[1]}", request_id)

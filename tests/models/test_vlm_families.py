@@ -28,6 +28,8 @@ from caches.layers import PrefillSharing
 from scheduler import Engine, EngineConfig, SamplingParams
 from scheduler.fixtures.tiny_models import build_model
 from scheduler.fixtures.vlm_families import build_tiny_vlm
+from scheduler.models import library, splice
+from scheduler.models.prompt import MediaInputs
 from scheduler.request import InvalidRequest
 
 from ..helpers import OracleDrafter, drive, engine_with_log
@@ -144,6 +146,11 @@ FAMILY_CASES = {
     "got": FamilyCase(_tiny("got"), repeat_delay=48),
     # seed 0: requests 1 and 6 end on eos after 8 and 4 tokens, the kv-budget schedules preempt an image request
     "locateanything": FamilyCase(_tiny("locateanything")),
+    # spliced images (scheduler/models/splice.py): one id an image in the processor's prompt, 729 rows in the merge
+    "bunny_qwen2": FamilyCase(_tiny("bunny_qwen2"), repeat_delay=96),
+    "bunny_llama": FamilyCase(_tiny("bunny_llama"), repeat_delay=96),
+    "janus": FamilyCase(_tiny("janus"), repeat_delay=24),  # one id an image in the processor's prompt, 144 rows
+    "phi4_siglip": FamilyCase(_tiny("phi4_siglip")),  # one id an image, its packed patches' rows (12 to 16)
 }
 
 SCHEDULES = {
@@ -216,7 +223,17 @@ LATER_FAMILIES = ["kimi_vl", "ernie4_5_moe_vl", "mage_vl", "molmo", "minicpmv4_6
                   "kimi_k25"]
 NEWEST_FAMILIES = ["plamo2vl", "inkling", "indic_ocr", "minicpmo", "minicpmv4_7", "kimi_k3", "muse_glimmer",
                    "mimo_v2", "nemotron_h_nano_omni", "glm5_next", "got", "locateanything"]
-FIRST_FAMILIES = [name for name in FAMILY_CASES if name not in LATER_FAMILIES + NEWEST_FAMILIES]
+SPLICE_FAMILIES = ["bunny_qwen2", "bunny_llama", "janus", "phi4_siglip"]
+FIRST_FAMILIES = [name for name in FAMILY_CASES if name not in LATER_FAMILIES + NEWEST_FAMILIES + SPLICE_FAMILIES]
+
+
+def family_spec(name: str):
+    """The engine's FamilySpec of a build: by its model type (a build's name is the model type but for the builds
+    of Bunny, Janus and Phi-4-reasoning-vision, which mlx-vlm loads by their checkpoints' model types)."""
+    from scheduler.fixtures.vlm_families import VLM_FAMILIES
+    from scheduler.models.families import FAMILIES
+
+    return FAMILIES[VLM_FAMILIES[name].model_type if name in VLM_FAMILIES else name]
 
 
 def family_fixture(names: list[str]):
@@ -229,17 +246,20 @@ def _family(request, tmp_path_factory):
 
     name = request.param
     model_dir = FAMILY_CASES[name].build(tmp_path_factory.mktemp(f"tiny-{name}"))
-    from scheduler.models.families import FAMILIES
 
-    assert set(FAMILY_CASES[name].media) == set(FAMILIES[name].media), "the family table and its test disagree"
+    assert set(FAMILY_CASES[name].media) == set(family_spec(name).media), "the family table and its test disagree"
     MODEL_DIRS[name] = model_dir
     model, processor = mlx_vlm.load(str(model_dir))
-    requests = workload(FAMILIES[name].images_per_request)
+    requests = workload(family_spec(name).images_per_request)
     references = []
+    # mlx-vlm counts a spliced prompt's ids (one an image); its cache holds a row per id of the engine's prompt
+    engine = Engine(model, processor) if family_spec(name).splice is not None else None
     for messages, images in requests:
         last = solo(model, processor, messages, images)
         references.append(list(last.token_ids))
-        PROMPT_TOKENS.setdefault(name, []).append(last.prompt_tokens)
+        PROMPT_TOKENS.setdefault(name, []).append(
+            last.prompt_tokens if engine is None else
+            len(engine.prompts.resolve(messages, None, MediaInputs.of(images)).token_ids))
     return name, (model, processor), requests, references
 
 
@@ -366,6 +386,8 @@ KV_BITS_REFUSED = {
     # its plain KV sits inside CacheLists, which mlx-vlm's conversion leaves as they are (its generate does not
     # quantize it either), next to recurrent state
     "glm5_next": "no layer of this model's cache can be quantized",
+    # mlx-vlm's Phi-4-reasoning-vision attention calls mx.fast.scaled_dot_product_attention itself (as PLaMo 2's)
+    "phi4_siglip": "scaled_dot_product_attention",
 }
 KV_SETTINGS = [(4, 0), (8, 24)]  # (kv_bits, quantized_kv_start): from the first token, or from inside the prompts
 
@@ -435,9 +457,9 @@ def test_qwen3_5_attends_the_pads_of_a_quantized_batch_decode(name, tmp_path):
 
     from caches import layers
     from scheduler.models.adapter import VLMAdapter
-    from scheduler.models.families import FAMILIES, QWEN3_5_QUANTIZED_PADS
+    from scheduler.models.families import QWEN3_5_QUANTIZED_PADS
 
-    assert FAMILIES[name].kv_bits_refused == QWEN3_5_QUANTIZED_PADS
+    assert family_spec(name).kv_bits_refused == QWEN3_5_QUANTIZED_PADS
     adapter = VLMAdapter(*mlx_vlm.load(str(FAMILY_CASES[name].build(tmp_path))))
     encoded = [adapter.encode(adapter.prepare([{"role": "user", "content": text}]))
                for text in ("A short one.", LONG)]
@@ -585,7 +607,7 @@ def test_family_chat_turn_adding_an_image_reuses_the_turn_before(family):
     image included, and encodes only the new image (the first one's rows are a vision-cache entry of their
     own); elsewhere the media are keyed as a whole: it restores the text before the first image and encodes
     both. Each output equals solo mlx_vlm."""
-    from scheduler.models.families import FAMILIES, ItemSplit
+    from scheduler.models.families import ItemSplit
     from scheduler.tools.explain import explain, format_story
 
     name, (model, processor), _, _ = family
@@ -594,7 +616,7 @@ def test_family_chat_turn_adding_an_image_reuses_the_turn_before(family):
     second = first + [{"role": "assistant", "content": "It is a picture of noise."},
                       {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "And this one?"}]}]
     turns = [(first, [noise_image(56, 84, 21)]), (second, [noise_image(56, 84, 21), noise_image(84, 56, 22)])]
-    if FAMILIES[name].images_per_request == 1:  # mlx-vlm's processor takes one image a prompt: refused up front
+    if family_spec(name).images_per_request == 1:  # mlx-vlm's processor takes one image a prompt: refused up front
         engine = Engine(model, processor, EngineConfig(check_invariants=True))
         with pytest.raises(InvalidRequest, match="takes at most 1 a prompt"):
             engine.add_request(prompt=turns[1][0], images=turns[1][1])
@@ -618,7 +640,7 @@ def test_family_chat_turn_adding_an_image_reuses_the_turn_before(family):
     recorded = [info for o in log.of_kind("outcome") for rid, info in o["encoded"].items()
                 if rid == arrivals[1]["request_id"]]
     media_tokens = [e["num_media_tokens"] for e in arrivals]
-    if FAMILIES[name].item_split is not ItemSplit.WHOLE:
+    if family_spec(name).item_split is not ItemSplit.WHOLE:
         assert len(marks[1]) == 2 and marks[1][0] == marks[0][0], marks
         assert hits == [len(arrivals[0]["prompt_tokens"]) - 1], (hits, marks)  # the whole first turn
         assert encoded == [1], encoded  # only the new image: the first one's rows are in the vision cache
@@ -750,11 +772,11 @@ def test_model_instance_position_state_is_neither_read_nor_written(family):
     state to keep."""
     import mlx.core as mx
 
-    from scheduler.models.families import FAMILIES, Positions
+    from scheduler.models.families import Positions
 
     name, (model, processor), requests, references = family
     lm = model.language_model
-    if FAMILIES[name].positions is not Positions.MROPE:
+    if family_spec(name).positions is not Positions.MROPE:
         assert getattr(lm, "_rope_deltas", None) is None
         return
     junk = {"_position_ids": mx.full((3, 1, 900), 1234, dtype=mx.int32), "_rope_deltas": mx.array([[777]])}
@@ -788,17 +810,18 @@ def _readme_vlm_table() -> dict[str, list[str]]:
 
 
 def test_every_per_family_test_runs_on_every_family():
-    """The three parts cover every family once, and test_vlm_families_more.py and test_vlm_families_newest.py run
-    every per-family test here."""
+    """The four parts cover every family once, and test_vlm_families_more.py, test_vlm_families_newest.py and
+    test_vlm_families_splice.py run every per-family test here."""
     import inspect
 
-    from . import test_vlm_families_more as more, test_vlm_families_newest as newest
+    from . import test_vlm_families_more as more, test_vlm_families_newest as newest, test_vlm_families_splice as spliced
 
-    assert sorted(FIRST_FAMILIES + LATER_FAMILIES + NEWEST_FAMILIES) == sorted(FAMILY_CASES)
+    assert sorted(FIRST_FAMILIES + LATER_FAMILIES + NEWEST_FAMILIES + SPLICE_FAMILIES) == sorted(FAMILY_CASES)
     here = {name for name, f in globals().items() if name.startswith("test_") and callable(f)
             and "family" in inspect.signature(f).parameters}
     assert here == {name for name in vars(more) if name.startswith("test_")}
     assert here == {name for name in vars(newest) if name.startswith("test_")}
+    assert here == {name for name in vars(spliced) if name.startswith("test_")}
 
 
 def test_readme_family_table_agrees_with_the_family_specs():
@@ -810,7 +833,8 @@ def test_readme_family_table_agrees_with_the_family_specs():
     table = _readme_vlm_table()
     assert sorted(table) == sorted(FAMILIES)
     batched = {name for name, spec in FAMILIES.items() if not spec.refused}
-    assert batched == set(FAMILY_CASES) | set(TESTED_ELSEWHERE), "a batched family with no exactness test"
+    cased = {family_spec(case).model_type for case in FAMILY_CASES}
+    assert batched == cased | set(TESTED_ELSEWHERE), "a batched family with no exactness test"
     for name, spec in FAMILIES.items():
         positions, media, _caches, drafting, status = table[name]
         if spec.refused:
@@ -819,7 +843,7 @@ def test_readme_family_table_agrees_with_the_family_specs():
         assert status.startswith("exact"), (name, status)
         assert positions.split(" (")[0] == {Positions.ROPE: "RoPE", Positions.MROPE: "M-RoPE"}[spec.positions], name
         assert set(media.split(" (")[0].split(", ")) == set(spec.media), (name, media)
-        if name in FAMILY_CASES:
+        if name in cased:
             assert drafting.startswith("yes"), (name, drafting)  # every family's drafting schedule runs
 
 
@@ -833,7 +857,8 @@ def _prompt_logprobs_alone(model, processor, messages, images) -> tuple[list[int
     from mlx_vlm.utils import prepare_inputs
 
     prompt = apply_chat_template(processor, model.config, messages, num_images=len(images))
-    inputs = prepare_inputs(processor, images=images or None, prompts=prompt)
+    inputs = prepare_inputs(processor, images=images or None, prompts=prompt,
+                            image_token_index=getattr(model.config, "image_token_index", None))
     ids = inputs["input_ids"]
     extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
     embedded = model.get_input_embeddings(ids, inputs.get("pixel_values"), mask=inputs.get("attention_mask"), **extra)
@@ -843,7 +868,16 @@ def _prompt_logprobs_alone(model, processor, messages, images) -> tuple[list[int
     logits = logits.astype(mx.float32)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     tokens = ids[0].tolist()
-    return tokens, [logprobs[i, tokens[i + 1]].item() for i in range(len(tokens) - 1)]
+    if logprobs.shape[0] != len(tokens):  # a spliced prompt: an image's one id became its rows (splice.py)
+        from scheduler.models.families import FAMILIES
+
+        marker = library.splice_marker(model)
+        rows = splice.image_rows(FAMILIES[model.config.model_type].splice, model, inputs, tokens.count(marker))
+        assert len(tokens) - len(rows) + sum(rows) == logprobs.shape[0]  # mlx-vlm's rows, split by the engine's rule
+        tokens = splice.expand(tokens, marker, rows)
+    # a spliced image's id is no token (-inf, as the engine reports it)
+    return tokens, [logprobs[i, tokens[i + 1]].item() if tokens[i + 1] >= 0 else -float("inf")
+                    for i in range(len(tokens) - 1)]
 
 
 def test_family_prompt_logprobs_equal_mlx_vlms_own_prefill(family):
