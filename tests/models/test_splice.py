@@ -41,3 +41,65 @@ def test_collapse_refuses_runs_that_are_not_the_images_rows():
         splice.collapse([5, M, M, 6], M, (3,))
     with pytest.raises(ValueError, match="1 spliced images of 2"):
         splice.collapse([5, M, M, 6], M, (2, 2))
+
+
+def test_a_draft_ends_before_a_negative_id():
+    """Prompt lookup copies whatever followed an n-gram in the prompt, a spliced image's -200 included; no
+    embedding holds it, so the executor cuts the draft there (and the drafter's log-probs with it)."""
+    import mlx.core as mx
+
+    from scheduler.execution.drafters import Draft
+    from scheduler.execution.executor import _embeddable
+
+    assert _embeddable(Draft("a", [5, M, 7], mx.zeros((3, 4)))).tokens == [5]
+    assert _embeddable(Draft("a", [5, M, 7], mx.zeros((3, 4)))).logprobs.shape == (1, 4)
+    kept = Draft("b", [5, 6])
+    assert _embeddable(kept) is kept
+
+
+@pytest.fixture(scope="module")
+def janus(tmp_path_factory):
+    import mlx_vlm
+
+    from scheduler.fixtures.vlm_families import build_tiny_vlm
+
+    return mlx_vlm.load(str(build_tiny_vlm("janus", tmp_path_factory.mktemp("janus"))))
+
+
+def _image():
+    from PIL import Image
+
+    return Image.fromarray(np.random.default_rng(3).integers(0, 256, (40, 56, 3), dtype=np.uint8))
+
+
+def test_a_spliced_prompt_is_planned_and_limited_by_its_rows(janus):
+    """The engine's prompt is mlx-vlm's cache: the processor's ids with the image's one id written once per row
+    (144 on the tiny Janus), so max_model_len and the KV budget count the rows. A context that holds the ids but not
+    the rows refuses the request at add_request; the same prompt without the image fits."""
+    from scheduler import Engine, EngineConfig
+    from scheduler.models.prompt import MediaInputs
+    from scheduler.request import InvalidRequest
+
+    model, processor = janus
+    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
+    resolved = Engine(model, processor).prompts.resolve(chat, None, MediaInputs.of([_image()]))
+    marker = model.config.image_token_index
+    ids = resolved.token_ids
+    assert ids.count(marker) == 144 and resolved.num_media_tokens == 144
+    few = len(ids) - 143 + 5  # the processor's ids (one for the image) and a few more: fewer than the rows
+    engine = Engine(model, processor, EngineConfig(max_model_len=few))
+    with pytest.raises(InvalidRequest, match=f"has {len(ids)} tokens; max_model_len is {few}"):
+        engine.add_request(prompt=chat, images=[_image()])
+    text = [{"role": "user", "content": "What is it?"}]
+    engine.add_request(prompt=text)
+    assert engine.has_pending()
+
+
+def test_a_spliced_image_id_given_as_a_token_is_refused():
+    """-200 is no token: outside the vocabulary, a prompt of ids may not hold it (only the engine's own expansion
+    of an image's id writes it, next to the image's rows)."""
+    from scheduler.request import InvalidRequest, validate_prompt_tokens
+
+    with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+        validate_prompt_tokens([5, M, 6], 512, 100)
+    assert validate_prompt_tokens([5, M, 6], 512, 100, frozenset({M})) == [5, M, 6]
