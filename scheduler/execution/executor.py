@@ -14,8 +14,8 @@ batch membership changes.
 from __future__ import annotations
 
 import contextlib
-import time
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 

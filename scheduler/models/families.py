@@ -157,6 +157,7 @@ class ItemSplit(enum.Enum):
     STACK = "stack"  # ``pixel_values`` axis 0, one equal-size image per index
     SIZED_STACK = "sized_stack"  # ``pixel_values`` padded to the largest image, with its ``image_sizes`` row
     TILES = "tiles"  # ``pixel_values`` (1, views, ...): each image's tile views, then its global view
+    PACKED = "packed"  # packed patches (images, patches, ...) with each image's ``pixel_attention_mask`` row
 
 
 class SpliceRows(enum.Enum):
@@ -573,8 +574,10 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
                "cache carries per row"),
     # Phi-4-reasoning-vision: its processor writes one id (-200, its model module's IMAGE_TOKEN_INDEX) an image, and
     # the merge puts the image's valid packed SigLIP2 patches there (as many as its pixel_attention_mask sets;
-    # splice.py). Several images a prompt; keyed and encoded whole (its tensors are padded to the most patches)
+    # splice.py). Several images a prompt, each keyed and encoded alone (a one-id prompt gets an image's rows
+    # bitwise as in a whole prompt, under both BLAS libraries)
     FamilySpec("phi4-siglip", placeholder_text="<image>", splice=SpliceRows.VALID_PATCHES,
+               item_split=ItemSplit.PACKED,
                notes="Phi-4-reasoning-vision: SigLIP2 NaFlex tower on packed patches + Phi-3-style text"),
     FamilySpec("llava_qwen2", refused=FASTVLM_UNTESTED),
     # Bunny (one model class, two model types): its input preparation cuts the prompt at the text "<image>" and

@@ -16,6 +16,11 @@ it fills and the tensors its content key hashes, by the layout the family's proc
                  filling an equal share of the positions (idefics3, smolvlm); an image ends with the view whose
                  positions follow the processor's global-image tag. Only where no view is padded (its
                  ``pixel_attention_mask`` all set): a padded view's tensors would depend on the other images.
+``PACKED``       ``pixel_values`` (images, patches, patch pixels): each image's patches packed and padded to the
+                 processor's ``max_num_patches`` (not to the request's largest image), with its
+                 ``pixel_attention_mask`` and ``spatial_shapes`` rows (phi4-siglip's NaFlex processor); an image
+                 fills as many positions as its mask sets (its spliced rows, ``splice.py``). It is kept padded: the
+                 tower gives other rows for the valid patches alone (0.09 apart on the tiny build).
 ``WHOLE``        not split (audio; gemma3, see ``families.py``): the request's media are one unit.
 
 A split that does not give the request's items (``num_items``: its images and videos), or does not account for
@@ -159,5 +164,21 @@ def _tiles(model: Any, media_inputs: dict[str, Any], request: RequestMedia) -> l
     return items
 
 
+def _packed(model: Any, media_inputs: dict[str, Any], request: RequestMedia) -> list[ItemInputs] | None:
+    if set(media_inputs) != {"pixel_values", "pixel_attention_mask", "spatial_shapes"}:
+        return None
+    pixel_values, mask = mx.array(media_inputs["pixel_values"]), mx.array(media_inputs["pixel_attention_mask"])
+    shapes = mx.array(media_inputs["spatial_shapes"])
+    valid = np.asarray(mask).astype(bool)
+    if pixel_values.ndim != 3 or valid.shape != pixel_values.shape[:2] or shapes.shape[0] != valid.shape[0]:
+        return None
+    pixels = _host(pixel_values)
+    return [ItemInputs(int(row.sum()), 1, ("pixel_attention_mask", row, "spatial_shapes", np.asarray(shapes[i]),
+                                           "pixel_values", pixels[i]),
+                       {"pixel_values": pixel_values[i: i + 1], "pixel_attention_mask": mask[i: i + 1],
+                        "spatial_shapes": shapes[i: i + 1]})
+            for i, row in enumerate(valid)]
+
+
 _SPLITS = {ItemSplit.GRID: _grid, ItemSplit.STACK: _stack, ItemSplit.SIZED_STACK: _sized_stack,
-           ItemSplit.TILES: _tiles}
+           ItemSplit.TILES: _tiles, ItemSplit.PACKED: _packed}

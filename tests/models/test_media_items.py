@@ -113,3 +113,22 @@ def test_tiles_with_a_padded_view_or_no_global_tag_are_keyed_whole():
     mask = mx.ones((1, 4, 4, 4), dtype=mx.bool_)
     assert split_items(ItemSplit.TILES, None, {"pixel_values": pixels, "pixel_attention_mask": mask},
                        _request(positions, 2, untagged)) is None
+
+
+def test_packed_patches_give_each_image_its_valid_patches():
+    """phi4-siglip's NaFlex packing: two images of 12 and 16 valid patches, each padded to the processor's 16; an
+    item fills as many positions as its mask sets, keeps its padded row (the tower's rows for it depend on the
+    padding), and hashes and encodes the same as that image alone in a request of its own."""
+    pixels = _pixels(2, 16, 48, seed=3)
+    mask = mx.array([[1] * 12 + [0] * 4, [1] * 16], dtype=mx.int32)
+    shapes = mx.array([[3, 4], [4, 4]])
+    media = {"pixel_values": pixels, "pixel_attention_mask": mask, "spatial_shapes": shapes}
+    items = split_items(ItemSplit.PACKED, None, media, _request(range(28), 2))
+    assert [i.tokens for i in items] == [12, 16]
+    assert items[0].inputs["pixel_values"].shape == (1, 16, 48)
+    assert items[1].inputs["spatial_shapes"].tolist() == [[4, 4]]
+    alone = split_items(ItemSplit.PACKED, None, {name: value[:1] for name, value in media.items()},
+                        _request(range(12), 1))
+    assert content_key(alone[0].parts) == content_key(items[0].parts)
+    # rows that do not account for the prompt's image positions: keyed whole
+    assert split_items(ItemSplit.PACKED, None, media, _request(range(27), 2)) is None

@@ -33,17 +33,20 @@ from scheduler.plan import NewRequest, TickPlan
 from ..helpers import drive, engine_with_log
 
 MAX_TOKENS = 12
-#: every family that batches its encoders, with the build seed tests/models/test_vlm_families.py uses
+#: every family that batches its encoders, by its build's name (phi4_siglip's model type is phi4-siglip), with the
+#: build seed tests/models/test_vlm_families.py uses
 BATCHING = {"qwen2_vl": None, "qwen2_5_vl": 1, "qwen3_vl": 0, "qwen3_5": 0, "idefics3": 4, "smolvlm": 4,
             "mistral3": 5, "pixtral": 0, "llava": 0, "qwen3_vl_moe": 0, "qwen3_5_moe": 1, "lfm2_vl": 0,
             "idefics2": 0, "aya_vision": 0, "mage_vl": 0, "glm4v_moe": 0, "glm_ocr": 2, "paddleocr_vl": 0,
             "dots_ocr": 0, "llava_onevision": 0, "qwen3_omni_moe": 0, "plamo2vl": 0, "inkling": 0, "indic_ocr": 0,
-            "muse_glimmer": 0, "mimo_v2": 3, "glm5_next": 0}
+            "muse_glimmer": 0, "mimo_v2": 3, "glm5_next": 0, "phi4_siglip": 0}
 
 
 def test_the_batching_families_are_the_table_s():
-    assert set(BATCHING) == {n for n, s in FAMILIES.items() if not s.refused
-                             and s.vision_batch is not VisionBatch.PER_REQUEST}
+    from scheduler.fixtures.vlm_families import VLM_FAMILIES
+
+    assert {VLM_FAMILIES[n].model_type if n in VLM_FAMILIES else n for n in BATCHING} == {
+        n for n, s in FAMILIES.items() if not s.refused and s.vision_batch is not VisionBatch.PER_REQUEST}
     assert {n for n, s in FAMILIES.items() if s.vision_batch is VisionBatch.ONE} == {
         "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "mage_vl", "glm4v_moe",
         "glm_ocr", "paddleocr_vl", "dots_ocr", "qwen3_omni_moe", "indic_ocr", "muse_glimmer", "mimo_v2", "glm5_next"}
@@ -146,7 +149,7 @@ def test_engine_batches_one_tick_of_media_exactly(family):
     """Every request arrives at tick 0 and the vision budget takes all their media in that tick: greedy output
     equals solo mlx_vlm per request, and the tick's encoder calls are the family's groups."""
     name, model, processor = family
-    spec = FAMILIES[name]
+    spec = FAMILIES[model.config.model_type]
     requests = image_requests(spec.images_per_request)
     arrivals = [{"prompt": m, "images": im} for m, im in requests]
     refs = [_solo(model, processor, m, images=im) for m, im in requests]
