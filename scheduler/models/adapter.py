@@ -117,9 +117,9 @@ class PreparedRequest:
     # 0, or where the first prefill chunk must reach: it feeds [0, first_chunk_reach) or more in one forward of its
     # own, with the token types (``FamilySpec.token_types_input``; ``Request.first_chunk_reach``)
     first_chunk_reach: int = 0
-    # per image, the rows its one id became (``FamilySpec.splice``: ``input_ids`` holds that many image ids); empty
-    # for the other families
-    splice_rows: tuple[int, ...] = ()
+    # per image, (its ids in the processor's prompt, the rows they became): ``input_ids`` holds that many image ids
+    # (``FamilySpec.splice``, ``splice.py``); empty for the other families
+    splice_runs: tuple[splice.Run, ...] = ()
 
     @property
     def has_media(self) -> bool:
@@ -436,12 +436,13 @@ class VLMAdapter:
         kept_out = (*_NOT_MEDIA, *self.spec.dropped_inputs, self.spec.token_types_input)
         media_inputs = {k: v for k, v in inputs.items() if k not in kept_out and v is not None} if has_media else {}
         mask = inputs.get("attention_mask")
-        splice_rows: tuple[int, ...] = ()
-        if self.splice_marker is not None and pil:  # one id per image: as many as the merge gives it rows
-            splice_rows = splice.image_rows(self.spec.splice, self.model, media_inputs, len(pil))
+        splice_runs: tuple[splice.Run, ...] = ()
+        if self.splice_marker is not None and pil:  # an image's ids: as many as the merge gives it rows
+            splice_runs = splice.image_runs(self.spec.splice, self.model, media_inputs, ids, self.splice_marker,
+                                            len(pil))
             if mask is not None:
-                mask = mx.array(splice.expand_along(np.asarray(mask), ids, self.splice_marker, splice_rows))
-            ids = splice.expand(ids, self.splice_marker, splice_rows)
+                mask = mx.array(splice.expand_along(mask, ids, self.splice_marker, splice_runs))
+            ids = splice.expand(ids, self.splice_marker, splice_runs)
         media_at = tuple(i for i, t in enumerate(ids) if t in self.media_token_ids) if has_media else ()
         if has_media and not media_at:
             raise ValueError("the processor put no media tokens in the prompt")
@@ -450,7 +451,7 @@ class VLMAdapter:
         # Exact prefix sharing needs no key of its own for this mode: it follows from the media alone (Gemma 4:
         # images and no audio), and its media are keyed whole (one mark over every media tensor)
         return PreparedRequest(
-            input_ids=ids, media_inputs=media_inputs, mask=mask, splice_rows=splice_rows,
+            input_ids=ids, media_inputs=media_inputs, mask=mask, splice_runs=splice_runs,
             media_key=marks[-1][1] if marks else None, media_positions=media_at, media_marks=marks,
             media_items=items, prompt=text,
             num_images=len(pil), num_videos=len(clips), num_audio=len(waves),
@@ -586,7 +587,7 @@ class VLMAdapter:
     def _text_prompt(self, prepared: PreparedRequest, ids: mx.array, mask: mx.array) -> tuple[mx.array, mx.array]:
         """What the text path embeds for a request: its prompt, with its media tokens replaced by a non-media one
         where the family declares ``media_free_text_path`` (its rows overwrite those positions after)."""
-        if not (self.spec.media_free_text_path or prepared.splice_rows) or not prepared.media_positions:
+        if not (self.spec.media_free_text_path or prepared.splice_runs) or not prepared.media_positions:
             return ids, mask
         ids = mx.array(ids)
         ids[0, mx.array(prepared.media_positions)] = self._separator
@@ -629,11 +630,10 @@ class VLMAdapter:
             return [self._item_unit(index, item) for item in prepared.media_items]
         ids, mask = self._prompt(prepared, extra_tokens)
         length = ids.shape[1]
-        if prepared.splice_rows:  # the encoders splice each image's rows in at its one id
+        if prepared.splice_runs:  # the encoders splice each image's rows in at its ids
             expanded = ids[0].tolist()
-            mask = mx.array(splice.collapse_along(np.asarray(mask), expanded, self.splice_marker,
-                                                  prepared.splice_rows))
-            ids = mx.array([splice.collapse(expanded, self.splice_marker, prepared.splice_rows)], dtype=ids.dtype)
+            mask = mx.array(splice.collapse_along(mask, expanded, self.splice_marker, prepared.splice_runs))
+            ids = mx.array([splice.collapse(expanded, self.splice_marker, prepared.splice_runs)], dtype=ids.dtype)
         return [_Unit(index, prepared.media_key, ids, mask, prepared.media_inputs,
                       prepared.media_positions, prepared.num_media_items, whole=True, length=length)]
 
@@ -641,7 +641,8 @@ class VLMAdapter:
         """A media item's unit: its placeholders alone, and for a video of a family whose config names video
         markers, the placeholders between them: GLM-5-Next writes a video's frames with its image token and its
         merge tells them from an image's by the markers around them (without them it fills none of them)."""
-        if item.token == self.splice_marker:  # the one id the merge splices the image's rows in at
+        if item.token == self.splice_marker:  # the one id the merge splices the image's rows in at (the families
+            # keyed per item write one an image)
             return _Unit(index, item.key, mx.array([[item.token]], dtype=mx.int32), mx.ones((1, 1), dtype=mx.int32),
                          item.inputs, tuple(range(item.tokens)), item.count, whole=False, length=item.tokens)
         ids = [item.token] * item.tokens

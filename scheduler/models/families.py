@@ -162,10 +162,13 @@ class ItemSplit(enum.Enum):
 
 class SpliceRows(enum.Enum):
     """How many embedding rows each image of a spliced prompt becomes, known before the tower runs (``splice.py``):
-    the families whose input preparation writes one id per image and whose merge puts the image's rows there."""
+    the families whose merge puts an image's rows in place of its ids, not one row per id."""
 
-    TOWER_GRID = "tower_grid"  # (vision_config.image_size / patch_size)^2, every image (Bunny's SigLIP: 729)
-    VALID_PATCHES = "valid_patches"  # an image's set entries of pixel_attention_mask (phi4-siglip's packed patches)
+    TOWER_GRID = "tower_grid"  # one id; (vision_config.image_size / patch_size)^2 rows (Bunny's SigLIP: 729)
+    VALID_PATCHES = "valid_patches"  # one id; its set entries of pixel_attention_mask (phi4-siglip's packed patches)
+    # llava_next: the processor's expanded ids; a block of the tower's rows per view, then as many newline blocks,
+    # cut to as many blocks as ids (mlx-vlm's merge)
+    VIEW_BLOCKS = "view_blocks"
 
 
 class VisionBatch(enum.Enum):
@@ -565,10 +568,13 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
                "tokens without the sqrt(hidden_size) scale its language model applies to the token ids it is fed, so "
                "a token the scheduler feeds as an id (the last prompt token as the first decode input, a preempted "
                "request's recomputed outputs) is not embedded as mlx_vlm.generate embeds it, and the outputs differ"),
-    FamilySpec("llava_next", refused="mlx-vlm's merge inserts one feature block per image view instead of filling "
-               "the expanded <image> tokens, so the embedded prompt is longer than its token ids and its length is "
-               "known only after the vision tower; the scheduler plans prefill, caches and positions on token "
-               "counts"),
+    # LLaVA-NeXT: its processor expands an image's <image> to the HF feature count, and mlx-vlm's merge puts a block of
+    # the tower's rows per view (pixel_values[0]: the first image's) and as many image_newline blocks in place of
+    # those ids, cut to as many blocks as ids (splice.py). One image a prompt (mlx-vlm's single-image list), one
+    # request an encoder call (its merge reads the call's first image only)
+    FamilySpec("llava_next", splice=SpliceRows.VIEW_BLOCKS, images_per_request=1,
+               vision_batch=VisionBatch.PER_REQUEST,
+               notes="LLaVA-NeXT: CLIP tower on anyres views (a base view and a crop per grid cell)"),
     FamilySpec("mllama", refused="its language model cross-attends to each request's vision states (cross-"
                "attention layers fed `cross_attention_states`), which neither the inputs_embeds path nor a batch "
                "cache carries per row"),

@@ -139,7 +139,7 @@ class PromptResolver:
                 prepared = self.vlm.text_request(prepared.input_ids[-truncate:])
             ids = prepared.input_ids
         # a spliced image's id is outside the vocabulary: the prompt may hold it where its image's rows go
-        spliced = frozenset({self.vlm.splice_marker}) if prepared is not None and prepared.splice_rows else frozenset()
+        spliced = frozenset({self.vlm.splice_marker}) if prepared is not None and prepared.splice_runs else frozenset()
         ids = validate_prompt_tokens(ids, self.vocab_size, self.max_model_len, spliced)
         if self.min_prompt is not None and len(ids) < self.min_prompt[0]:
             raise InvalidRequest("prompt", f"has {len(ids)} token(s); this model takes at least {self.min_prompt[0]}: "

@@ -217,17 +217,17 @@ def test_llava_splice_embeds_an_image_id_as_many_rows(model_type):
     """The fact splice.py builds on, on mlx-vlm's own tower and merge: a prompt of 5 ids holding one image id
     (-200, the id mlx-vlm's config and processor use) embeds as 4 + the image's rows (phi4-siglip: its valid
     packed patches; FastVLM: (image_size / 64)^2; Bunny: 729), the text around it unmoved; the engine expands the
-    id to that many before planning. If mlx-vlm's merge changes, this fails: look at splice.image_rows again."""
-    _module, build, image = SPLICED[model_type]
-    model = build()
+    id to that many before planning. If mlx-vlm's merge changes, this fails: look at splice.image_runs again."""
     from scheduler.models import library, splice
 
+    _module, build, image = SPLICED[model_type]
+    model = build()
     assert library.splice_marker(model) == SPLICE_ID  # phi4-siglip's: its module's constant
     rows, pixels, extra = image()
+    ids = mx.array([[1, 2, SPLICE_ID, 3, 4]])
     rule = FAMILIES[model_type].splice
     if rule is not None:  # the engine's count, before the tower, is the merge's
-        assert splice.image_rows(rule, model, extra, 1) == (rows,)
-    ids = mx.array([[1, 2, SPLICE_ID, 3, 4]])
+        assert splice.image_runs(rule, model, extra, ids[0].tolist(), SPLICE_ID, 1) == ((1, rows),)
     embeds = model.get_input_embeddings(ids, *pixels, **extra).inputs_embeds
     mx.eval(embeds)
     assert embeds.shape == (1, 4 + rows, SPLICE_HIDDEN) and rows > 1
@@ -575,7 +575,7 @@ def test_multi_modality_writes_one_id_an_image_and_embeds_it_as_the_images_rows(
     the num_image_tokens ids mlx-vlm's MultiModalityProcessor would write); get_input_embeddings then expands that id
     into num_image_tokens ids and merges the image's rows (the tower's 12x12 grid) there, dropping the other ids. An
     image prompt of L ids embeds as L + 144 - 1 rows, the count the engine expands the id to before the tower. If
-    mlx-vlm writes as many ids as rows (or embeds one row per id), this fails: look at splice.image_rows again."""
+    mlx-vlm writes as many ids as rows (or embeds one row per id), this fails: look at splice.image_runs again."""
     from scheduler.models import splice
     import json
 
@@ -602,7 +602,8 @@ def test_multi_modality_writes_one_id_an_image_and_embeds_it_as_the_images_rows(
     embedded = model.get_input_embeddings(ids, pixels).inputs_embeds
     rows = (_JANUS_IMAGE // _JANUS_PATCH) ** 2
     assert embedded.shape == (1, ids.shape[1] + rows - 1, 64) and rows == 144
-    assert splice.image_rows(FAMILIES["multi_modality"].splice, model, {}, 1) == (rows,)
+    assert splice.image_runs(FAMILIES["multi_modality"].splice, model, {}, ids[0].tolist(), image_token, 1) == (
+        (1, rows),)
 
 
 def _phi4mm_image():

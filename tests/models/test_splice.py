@@ -14,33 +14,41 @@ M = -200
 
 def test_expand_writes_each_image_id_once_per_row_and_collapse_undoes_it():
     ids = [5, M, 6, 7, M, M, 8]  # the last two images side by side: one run of markers once expanded
-    rows = (3, 2, 4)
-    expanded = splice.expand(ids, M, rows)
+    runs = ((1, 3), (1, 2), (1, 4))
+    expanded = splice.expand(ids, M, runs)
     assert expanded == [5, M, M, M, 6, 7, M, M, M, M, M, M, 8]
-    assert splice.collapse(expanded, M, rows) == ids
+    assert splice.collapse(expanded, M, runs) == ids
     # re-fed outputs after the prompt (a preempted request's) pass through
-    assert splice.collapse(expanded + [9, 10], M, rows) == ids + [9, 10]
+    assert splice.collapse(expanded + [9, 10], M, runs) == ids + [9, 10]
+
+
+def test_a_run_of_ids_becomes_its_rows():
+    """llava_next: the processor writes an image's HF feature count of ids (5 here), the merge gives it 4 rows."""
+    ids = [5, M, M, M, M, M, 6]
+    expanded = splice.expand(ids, M, ((5, 4),))
+    assert expanded == [5, M, M, M, M, 6]
+    assert splice.collapse(expanded, M, ((5, 4),)) == ids
 
 
 def test_the_mask_follows_the_ids():
     ids = [5, M, 6]
     mask = np.array([[1, 1, 0]])
-    wide = splice.expand_along(mask, ids, M, (3,))
+    wide = splice.expand_along(mask, ids, M, ((1, 3),))
     assert wide.tolist() == [[1, 1, 1, 1, 0]]
-    assert splice.collapse_along(wide, splice.expand(ids, M, (3,)), M, (3,)).tolist() == mask.tolist()
+    assert splice.collapse_along(wide, splice.expand(ids, M, ((1, 3),)), M, ((1, 3),)).tolist() == mask.tolist()
 
 
-@pytest.mark.parametrize("ids, rows", [([5, M, 6], (2, 2)), ([5, 6], (2,)), ([M, M], (1,))])
-def test_a_marker_count_other_than_the_images_is_refused(ids, rows):
-    with pytest.raises(ValueError, match="image ids"):
-        splice.expand(ids, M, rows)
+@pytest.mark.parametrize("ids, runs", [([5, M, 6], ((1, 2), (1, 2))), ([5, 6], ((1, 2),)), ([M, M], ((1, 1),))])
+def test_image_ids_other_than_the_images_are_refused(ids, runs):
+    with pytest.raises(ValueError, match=r"image\(s\)"):
+        splice.expand(ids, M, runs)
 
 
 def test_collapse_refuses_runs_that_are_not_the_images_rows():
     with pytest.raises(ValueError, match="do not match"):
-        splice.collapse([5, M, M, 6], M, (3,))
-    with pytest.raises(ValueError, match="1 spliced images of 2"):
-        splice.collapse([5, M, M, 6], M, (2, 2))
+        splice.collapse([5, M, M, 6], M, ((1, 3),))
+    with pytest.raises(ValueError, match="holds 1 image"):
+        splice.collapse([5, M, M, 6], M, ((1, 2), (1, 2)))
 
 
 def test_a_draft_ends_before_a_negative_id():

@@ -151,6 +151,8 @@ FAMILY_CASES = {
     "bunny_llama": FamilyCase(_tiny("bunny_llama"), repeat_delay=96),
     "janus": FamilyCase(_tiny("janus"), repeat_delay=24),  # one id an image in the processor's prompt, 144 rows
     "phi4_siglip": FamilyCase(_tiny("phi4_siglip")),  # one id an image, its packed patches' rows (12 to 16)
+    # the processor's HF feature count of ids an image; a block of 9 rows per view and as many newline blocks
+    "llava_next": FamilyCase(_tiny("llava_next")),
 }
 
 SCHEDULES = {
@@ -223,7 +225,7 @@ LATER_FAMILIES = ["kimi_vl", "ernie4_5_moe_vl", "mage_vl", "molmo", "minicpmv4_6
                   "kimi_k25"]
 NEWEST_FAMILIES = ["plamo2vl", "inkling", "indic_ocr", "minicpmo", "minicpmv4_7", "kimi_k3", "muse_glimmer",
                    "mimo_v2", "nemotron_h_nano_omni", "glm5_next", "got", "locateanything"]
-SPLICE_FAMILIES = ["bunny_qwen2", "bunny_llama", "janus", "phi4_siglip"]
+SPLICE_FAMILIES = ["bunny_qwen2", "bunny_llama", "janus", "phi4_siglip", "llava_next"]
 FIRST_FAMILIES = [name for name in FAMILY_CASES if name not in LATER_FAMILIES + NEWEST_FAMILIES + SPLICE_FAMILIES]
 
 
@@ -388,6 +390,7 @@ KV_BITS_REFUSED = {
     "glm5_next": "no layer of this model's cache can be quantized",
     # mlx-vlm's Phi-4-reasoning-vision attention calls mx.fast.scaled_dot_product_attention itself (as PLaMo 2's)
     "phi4_siglip": "scaled_dot_product_attention",
+    "llava_next": "divisible by the quantization group size",
 }
 KV_SETTINGS = [(4, 0), (8, 24)]  # (kv_bits, quantized_kv_start): from the first token, or from inside the prompts
 
@@ -872,9 +875,10 @@ def _prompt_logprobs_alone(model, processor, messages, images) -> tuple[list[int
         from scheduler.models.families import FAMILIES
 
         marker = library.splice_marker(model)
-        rows = splice.image_rows(FAMILIES[model.config.model_type].splice, model, inputs, tokens.count(marker))
-        assert len(tokens) - len(rows) + sum(rows) == logprobs.shape[0]  # mlx-vlm's rows, split by the engine's rule
-        tokens = splice.expand(tokens, marker, rows)
+        runs = splice.image_runs(FAMILIES[model.config.model_type].splice, model, inputs, tokens, marker, len(images))
+        # mlx-vlm's rows, laid out by the engine's rule
+        assert len(tokens) + sum(rows - held for held, rows in runs) == logprobs.shape[0]
+        tokens = splice.expand(tokens, marker, runs)
     # a spliced image's id is no token (-inf, as the engine reports it)
     return tokens, [logprobs[i, tokens[i + 1]].item() if tokens[i + 1] >= 0 else -float("inf")
                     for i in range(len(tokens) - 1)]

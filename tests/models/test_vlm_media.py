@@ -155,10 +155,10 @@ def _tiny_mllama():
     return mllama.Model(mllama.ModelConfig(text_config=text, vision_config=vision, model_type="mllama"))
 
 
-def test_families_that_do_not_batch_are_refused_at_load(tiny_vlm_dir):
+def test_families_that_do_not_batch_are_refused_at_load():
     """Real mlx-vlm models: a family left out (paligemma: its bidirectional prompt attention; `LEFT_OUT`), one no
-    row knows of, and declared refusals (mllama: cross-attention to per-request vision states; llava_next, loaded by
-    mlx_vlm.load: an embedded prompt longer than its tokens) raise UnsupportedFamily (a TypeError) with the reason."""
+    row knows of, and a declared refusal (mllama: cross-attention to per-request vision states) raise
+    UnsupportedFamily (a TypeError) with the reason."""
     model = _tiny_paligemma()
     with pytest.raises(UnsupportedFamily, match="^model_type 'paligemma': it is not batched here: its checkpoints "
                                                 "attend bidirectionally"):
@@ -168,6 +168,4 @@ def test_families_that_do_not_batch_are_refused_at_load(tiny_vlm_dir):
         Engine(model, None)
     with pytest.raises(UnsupportedFamily, match="'mllama' cannot be batched: its language model cross-attends"):
         Engine(_tiny_mllama(), None)
-    with pytest.raises(UnsupportedFamily, match="'llava_next' cannot be batched: .* longer than its token ids"):
-        Engine.from_pretrained(tiny_vlm_dir("llava_next"))
     assert isinstance(UnsupportedFamily("x"), TypeError)

@@ -80,9 +80,9 @@ def test_serve_refuses_a_bad_engine_config_before_loading(capsys):
 
 def test_serve_says_in_one_line_what_it_cannot_serve(tmp_path, text_model_dir, capsys):
     """A path that is not a model directory (mlx-lm took it for a Hugging Face repo id and raised from the hub
-    client), an adapter directory that is not there, and a family the engine refuses (llava_next), end with exit
+    client), an adapter directory that is not there, and a family the engine refuses (gpt_bigcode), end with exit
     2 and one line, before anything listens."""
-    from scheduler.fixtures.vlm_families import build_tiny_vlm
+    from scheduler.fixtures.families import build_family_model
 
     assert main(["serve", "--model", str(tmp_path / "no-such-dir")]) == 2
     err = capsys.readouterr().err
@@ -90,10 +90,10 @@ def test_serve_says_in_one_line_what_it_cannot_serve(tmp_path, text_model_dir, c
     assert main(["serve", "--model", str(text_model_dir), "--adapter-path", str(tmp_path / "no-adapter")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no such adapter directory" in err and "no-adapter" in err
-    refused = build_tiny_vlm("llava_next", tmp_path / "llava_next")
+    refused = build_family_model("gpt_bigcode", tmp_path / "gpt_bigcode")
     assert main(["serve", "--model", str(refused)]) == 2
-    err = capsys.readouterr().err  # (transformers may warn first, loading the processor)
-    assert err.splitlines()[-1].startswith("mlxsched serve: cannot serve") and "llava_next" in err
+    err = capsys.readouterr().err  # (transformers may warn first, loading the tokenizer)
+    assert err.splitlines()[-1].startswith("mlxsched serve: cannot serve") and "gpt_bigcode" in err
 
 
 def test_serve_refuses_lora_modules_it_cannot_serve_in_one_line(tmp_path, text_model_dir, capsys):
