@@ -21,7 +21,8 @@
 ``make_cache``            the cache ``mlx_vlm.stream_generate`` builds (``make_prompt_cache``), or rotating caches
                           of ``max_kv_size`` tokens.
 ``row_offsets``           tokens each row of a single or batch cache holds.
-``splice_marker``         the id a spliced family's merge puts an image's rows at (its config's, or its module's).
+``splice_marker``         the id a spliced family's merge puts an image's rows at (its config's, or its module's);
+                          ``tower_rows_per_view``: a LLaVA-NeXT-style tower's rows a view (a class row or not).
 ``quantized_kv_schedule`` where ``mlx_vlm.generate_step`` checks ``quantized_kv_start`` during a prompt (its
                           default ``prefill_step_size``), for the engine's ``kv_bits`` on these models.
 """
@@ -426,6 +427,16 @@ def splice_marker(model: Any) -> int:
     if not isinstance(value, int):
         raise ValueError(f"{model.config.model_type} names no image id for its merge to splice at")
     return value
+
+
+def tower_rows_per_view(model: Any) -> int:
+    """The rows a LLaVA-NeXT-style tower gives a view, as the merge takes them: its patch grid, plus the class row
+    where the tower has one (CLIP's ``class_embedding``; SigLIP has none), less the first row under the "default"
+    feature strategy (which drops it, the class row for CLIP)."""
+    vision = model.config.vision_config
+    embeddings = getattr(getattr(model.vision_tower, "vision_model", None), "embeddings", None)
+    rows = (vision.image_size // vision.patch_size) ** 2 + (getattr(embeddings, "class_embedding", None) is not None)
+    return rows - (getattr(model.config, "vision_feature_select_strategy", "default") == "default")
 
 
 def global_image_token_id(processor: Any) -> int | None:

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from scheduler.models import library
 from scheduler.models.families import SpliceRows
 
 Run = tuple[int, int]  # (the image's ids in the processor's prompt, its rows in the merge)
@@ -45,11 +46,7 @@ def image_runs(rule: SpliceRows, model: Any, media_inputs: dict[str, Any], ids: 
             raise ValueError(f"{num_images} images: mlx-vlm's {model.config.model_type} merge takes one a prompt")
         held = sum(1 for t in ids if t == marker)
         views = int(media_inputs["pixel_values"].shape[1])
-        vision = model.config.vision_config
-        per_view = (vision.image_size // vision.patch_size) ** 2
-        if getattr(model.config, "vision_feature_select_strategy", "default") == "full":
-            per_view += 1  # the class row kept
-        return ((held, min(held, 2 * views) * per_view),)
+        return ((held, min(held, 2 * views) * library.tower_rows_per_view(model)),)
     raise ValueError(f"no row count for {rule}")
 
 

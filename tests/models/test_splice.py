@@ -111,3 +111,35 @@ def test_a_spliced_image_id_given_as_a_token_is_refused():
     with pytest.raises(InvalidRequest, match="outside the vocabulary"):
         validate_prompt_tokens([5, M, 6], 512, 100)
     assert validate_prompt_tokens([5, M, 6], 512, 100, frozenset({M})) == [5, M, 6]
+
+
+@pytest.fixture(scope="module")
+def llava_next(tmp_path_factory):
+    import mlx_vlm
+
+    from scheduler.fixtures.vlm_families import build_tiny_vlm
+
+    return mlx_vlm.load(str(build_tiny_vlm("llava_next", tmp_path_factory.mktemp("llava_next"))))
+
+
+@pytest.mark.parametrize("width, height", [(56, 56), (112, 140), (60, 200), (200, 60), (20, 20), (300, 300)])
+def test_llava_next_rows_are_counted_before_the_tower(width, height, llava_next):
+    """LLaVA-NeXT's rule (SpliceRows.VIEW_BLOCKS): an image's N ids become min(N, 2 x views) blocks of the tower's
+    rows a view. The engine's expanded prompt is as long as mlx-vlm's own embedding of the processor's prompt, for
+    images whose N is above and below 2 x views (3 to 5 views of 9 rows here)."""
+    from PIL import Image
+
+    from scheduler.models import library
+    from scheduler.models.adapter import VLMAdapter
+
+    model, processor = llava_next
+    adapter = VLMAdapter(model, processor)
+    image = Image.fromarray(np.random.default_rng(width).integers(0, 256, (height, width, 3), dtype=np.uint8))
+    chat = [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, {"type": "image"}]}]
+    prepared = adapter.prepare(chat, images=[image])
+    inputs = library.prepare_inputs(model, processor, prepared.prompt, [image])
+    embedded = model.get_input_embeddings(inputs["input_ids"], inputs["pixel_values"]).inputs_embeds
+    assert len(prepared.input_ids) == embedded.shape[1] != inputs["input_ids"].shape[1]
+    (held, rows), = prepared.splice_runs
+    assert held == int((inputs["input_ids"] == model.config.image_token_index).sum().item())
+    assert rows == prepared.num_media_tokens
