@@ -9,7 +9,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from .generation import Delta, PromptScores
+from .generation import Delta, PromptScores, json_logprob
 from .protocol import APIError, ChatCompletionRequest
 from .reasoning import ReasoningFormat, ReasoningSplitter
 from .token_bytes import TokenBytes
@@ -26,7 +26,9 @@ def prompt_logprobs_field(tokenizer: Any, scores: PromptScores, k: int) -> list[
     (ranks 1..k, most likely first). A prompt token among those k is listed once, first, with the rank of its
     place there, as vLLM's dictionary keeps it."""
     def entry(token: int, logprob: float, rank: int) -> dict[str, Any]:
-        return {"logprob": logprob, "rank": rank, "decoded_token": token_text(tokenizer, token)}
+        # a spliced image's id (-200: scheduler/models/splice.py) is no token: no text, logprob -inf as JSON has it
+        text = token_text(tokenizer, token) if token >= 0 else ""
+        return {"logprob": json_logprob(logprob), "rank": rank, "decoded_token": text}
 
     out: list[dict[str, Any] | None] = [None]
     for token, logprob, rank, top in zip(scores.token_ids[1:], scores.logprobs[1:], scores.ranks[1:],

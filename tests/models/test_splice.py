@@ -143,3 +143,23 @@ def test_llava_next_rows_are_counted_before_the_tower(width, height, llava_next)
     (held, rows), = prepared.splice_runs
     assert held == int((inputs["input_ids"] == model.config.image_token_index).sum().item())
     assert rows == prepared.num_media_tokens
+
+
+def test_the_server_writes_a_spliced_image_ids_prompt_logprob_as_json_can_carry_it():
+    """vLLM's prompt_logprobs field over a spliced prompt: the image's id has no text and logprob -inf, which
+    JSON has no number for (the floor vLLM writes for a masked token)."""
+    import json
+
+    from scheduler.server.choices import prompt_logprobs_field
+    from scheduler.server.generation import LOGPROB_FLOOR, PromptScores
+
+    class Tokenizer:
+        def decode(self, ids):
+            assert all(t >= 0 for t in ids), "a negative id decoded"
+            return f"<{ids[0]}>"
+
+    scores = PromptScores([5, M, 6], [None, float("-inf"), -1.5], [None, 512, 3], [[], [(7, -0.1)], [(6, -1.5)]])
+    field = prompt_logprobs_field(Tokenizer(), scores, 1)
+    assert field[1][str(M)] == {"logprob": LOGPROB_FLOOR, "rank": 512, "decoded_token": ""}
+    assert field[2]["6"] == {"logprob": -1.5, "rank": 1, "decoded_token": "<6>"}
+    json.dumps(field, allow_nan=False)
