@@ -603,13 +603,14 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
     FamilySpec("jvlm", refused="its language model's RoPE turns a batch cache's per-row offsets into one position "
                "(offset.max()) and takes no position ids, so in a batch every row shorter than the longest is rotated "
                "at the longest row's positions"),
-    # tests/models/test_refused_vlm_families.py builds each small and pins the fact. granite_vision's
-    # get_input_embeddings also encodes pixel_values[0] only (the first image's views)
-    FamilySpec("granite_vision", refused="mlx-vlm's merge does not fill the image ids its processor expands: it "
-               "puts one block of rows in place of each of the first 2 x views image ids (the views' patch features, "
-               "then as many blocks of the newline row) and drops the other image ids, so the embedded prompt's "
-               "length is not its token count; the scheduler plans prefill, caches and positions on token counts, one "
-               "embedding row per id"),
+    # IBM Granite Vision: LLaVA-NeXT's processor and mlx-vlm's LLaVA-NeXT merge (a block per view of the first
+    # image, as many newline blocks, cut to as many blocks as the image's ids) on a SigLIP tower (no class row) with
+    # several feature layers and Granite text (splice.py, VIEW_BLOCKS). One image a prompt (mlx-vlm's merge encodes
+    # pixel_values[0] only), one request an encoder call
+    FamilySpec("granite_vision", splice=SpliceRows.VIEW_BLOCKS, images_per_request=1,
+               vision_batch=VisionBatch.PER_REQUEST,
+               notes="Granite Vision: SigLIP tower on anyres views, several feature layers, Granite text"),
+    # tests/models/test_refused_vlm_families.py builds it small and pins the fact
     FamilySpec("llama4", refused="its chunked-attention layers keep a ChunkedKVCache (make_cache), which has no batch "
                "form, and its language model builds their chunk mask from one offset (the batch cache's largest) "
                "with no padding mask, so in a left-padded batch a row shorter than the longest attends its pads and "

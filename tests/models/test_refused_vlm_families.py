@@ -364,6 +364,7 @@ def test_the_refused_families_are_refused_at_load_with_their_reason():
 
 
 # ------------------------------------------------------------------------------------------ granite_vision
+# Batched as a spliced family (splice.py); the facts its row count is built on are pinned here
 
 _GRANITE_VIEW = 42  # SigLIP views of 3x3 patches of 14: 9 rows a view
 _GRANITE_GRID = [[42, 42], [42, 84], [84, 42], [84, 84]]
@@ -405,21 +406,17 @@ def _granite_prompt(images: int) -> str:
             + "Describe it.<|end_of_text|>\n<|start_of_role|>assistant<|end_of_role|>")
 
 
-def test_granite_vision_is_refused_at_load():
-    model, _ = _tiny_granite_vision()
-    with pytest.raises(UnsupportedFamily, match="'granite_vision' cannot be batched: mlx-vlm's merge does not fill "
-                                                "the image ids its processor expands"):
-        Engine(model, None)
-
-
 def test_granite_vision_embeds_a_prompt_in_other_rows_than_its_ids():
-    """Why granite_vision is refused. Its processor expands each <image> into one id per feature row (LLaVA-NeXT's
-    count: the base view's rows, the unpadded grid's and a newline per grid row); mlx-vlm's merge ignores that
-    count: it concatenates the views' features (views, 9, H) with as many blocks of the newline row, puts one block
-    of 9 rows in place of each of the first 2 x views image ids, drops the later image ids and the text between
-    them. The embedded prompt is as long as the text ids and those blocks, not as its ids. Its tower also encodes
-    pixel_values[0] only: another second image embeds the same. If mlx-vlm fills the expanded ids, this fails:
-    look again."""
+    """The splice granite_vision is batched by (splice.py, SpliceRows.VIEW_BLOCKS). Its processor expands each
+    <image> into one id per feature row (LLaVA-NeXT's count: the base view's rows, the unpadded grid's and a newline
+    per grid row); mlx-vlm's merge ignores that count: it concatenates the views' features (views, 9, H) with as
+    many blocks of the newline row, puts one block of 9 rows in place of each of the first 2 x views image ids,
+    drops the later image ids and the text between them. The embedded prompt is as long as the text ids and those
+    blocks, not as its ids: the engine's count before the tower. Its tower also encodes pixel_values[0] only:
+    another second image embeds the same (one image a prompt). If mlx-vlm fills the expanded ids, this fails: look
+    at splice.image_runs again."""
+    from scheduler.models import splice
+
     model, processor = _tiny_granite_vision()
     rng = np.random.default_rng(1)
     image, other = (Image.fromarray(rng.integers(0, 256, (140, 112, 3), dtype=np.uint8)) for _ in range(2))
@@ -432,6 +429,8 @@ def test_granite_vision_embeds_a_prompt_in_other_rows_than_its_ids():
     mx.eval(embeds)
     text_ids = ids.shape[1] - image_ids
     assert embeds.shape == (1, text_ids + 2 * views * 9, _GRANITE_HIDDEN) and embeds.shape[1] != ids.shape[1]
+    assert splice.image_runs(FAMILIES["granite_vision"].splice, model, inputs, ids[0].tolist(),
+                             model.config.image_token_index, 1) == ((image_ids, 2 * views * 9),)
 
     two = processor(text=[_granite_prompt(2)], images=[image, image])
     swapped = processor(text=[_granite_prompt(2)], images=[image, other])
