@@ -205,8 +205,8 @@ class FamilySpec:
     positions_last: bool = False  # M-RoPE positions given to the language model as (B, L, 3)
     canvas_positions: bool = False  # M-RoPE positions laid on MiniCPM-V 4.7's canvas (positions.canvas_index)
     media_free_text_path: bool = False  # the text path embeds the prompt with its media tokens replaced
-    # the processor writes one id per image, which the merge replaces by the image's rows (``splice.py``): each is
-    # expanded to that many ids before the scheduler sees the prompt, and the encoders get it back as one
+    # the merge replaces an image's ids by the image's rows, another count (``splice.py``): the ids are written once
+    # per row before the scheduler sees the prompt, and the encoders get them back as the processor wrote them
     splice: SpliceRows | None = None
     vision_batch: VisionBatch = VisionBatch.EQUAL_SHAPE
     media_axis: int = 0
@@ -588,8 +588,9 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
     FamilySpec("llava_qwen2", refused=FASTVLM_UNTESTED),
     # Bunny (one model class, two model types): its input preparation cuts the prompt at the text "<image>" and
     # writes one id (-200) between the pieces, which the merge replaces by the SigLIP tower's 729 rows (splice.py).
-    # One image a prompt; encoded one image a call: stacked, its patch conv rounds an image 1e-7 away from the
-    # image alone under OpenBLAS
+    # One image a prompt; one image an encoder call: its merge puts batch row b's image at that row's first id (a
+    # call of several units in one sequence would lose all but the first), and stacked, its patch conv rounds an
+    # image 1e-7 away from the image alone under OpenBLAS
     FamilySpec("llava-qwen2", placeholder_text="<image>", splice=SpliceRows.TOWER_GRID, images_per_request=1,
                item_split=ItemSplit.STACK, vision_batch=VisionBatch.PER_REQUEST,
                notes="Bunny: SigLIP at 384 px (729 rows an image) + Qwen2 text"),
@@ -615,11 +616,10 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
                "form, and its language model builds their chunk mask from one offset (the batch cache's largest) "
                "with no padding mask, so in a left-padded batch a row shorter than the longest attends its pads and "
                "other chunk boundaries than alone"),
-    # tests/models/test_refused_vlm_families.py measures both on tiny models from mlx-vlm's config classes
-    # Janus / DeepSeek-VL: mlx_vlm.load gives its processor mlx-vlm's own ImageProcessor (384 px), for which the input
+    # Janus / DeepSeek-VL (tests/models/test_refused_vlm_families.py pins its merge, and phi4mm's refusal): mlx_vlm.load gives its processor mlx-vlm's own ImageProcessor (384 px), for which the input
     # preparation writes one image_token_index id per image; get_input_embeddings splices the tower's rows in there
     # (its num_image_tokens ids in between are dropped again by the merge: the row count is the tower's grid). One
-    # image a prompt (mlx-vlm's merge drops the text between two images); one image a call (splice.py)
+    # image a prompt, and one an encoder call: mlx-vlm's merge drops the text between two images
     FamilySpec("multi_modality", placeholder_text="<image>", splice=SpliceRows.TOWER_GRID, images_per_request=1,
                item_split=ItemSplit.STACK, vision_batch=VisionBatch.PER_REQUEST,
                notes="Janus / DeepSeek-VL: SigLIP tower at 384 px + LLaMA text"),
