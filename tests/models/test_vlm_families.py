@@ -228,8 +228,12 @@ LATER_FAMILIES = ["kimi_vl", "ernie4_5_moe_vl", "mage_vl", "molmo", "minicpmv4_6
                   "kimi_k25"]
 NEWEST_FAMILIES = ["plamo2vl", "inkling", "indic_ocr", "minicpmo", "minicpmv4_7", "kimi_k3", "muse_glimmer",
                    "mimo_v2", "nemotron_h_nano_omni", "glm5_next", "got", "locateanything"]
-SPLICE_FAMILIES = ["bunny_qwen2", "bunny_llama", "janus", "phi4_siglip", "llava_next", "granite_vision"]
-FIRST_FAMILIES = [name for name in FAMILY_CASES if name not in LATER_FAMILIES + NEWEST_FAMILIES + SPLICE_FAMILIES]
+SPLICE_FAMILIES = ["bunny_qwen2", "janus", "phi4_siglip", "llava_next", "granite_vision"]
+# a second model type of another row's mlx-vlm model class (bunny-llama: llava_bunny's, as llava-qwen2, with Llama-3
+# text): the main test alone, in every schedule (test_vlm_families_twins.py); the others run on the first name's build
+TWIN_FAMILIES = ["bunny_llama"]
+FIRST_FAMILIES = [name for name in FAMILY_CASES
+                  if name not in LATER_FAMILIES + NEWEST_FAMILIES + SPLICE_FAMILIES + TWIN_FAMILIES]
 
 
 def family_spec(name: str):
@@ -816,18 +820,21 @@ def _readme_vlm_table() -> dict[str, list[str]]:
 
 
 def test_every_per_family_test_runs_on_every_family():
-    """The four parts cover every family once, and test_vlm_families_more.py, test_vlm_families_newest.py and
-    test_vlm_families_splice.py run every per-family test here."""
+    """The five parts cover every family once; test_vlm_families_more.py, test_vlm_families_newest.py and
+    test_vlm_families_splice.py run every per-family test here, test_vlm_families_twins.py the main one."""
     import inspect
 
     from . import test_vlm_families_more as more, test_vlm_families_newest as newest, test_vlm_families_splice as spliced
+    from . import test_vlm_families_twins as twins
 
-    assert sorted(FIRST_FAMILIES + LATER_FAMILIES + NEWEST_FAMILIES + SPLICE_FAMILIES) == sorted(FAMILY_CASES)
+    assert sorted(FIRST_FAMILIES + LATER_FAMILIES + NEWEST_FAMILIES + SPLICE_FAMILIES + TWIN_FAMILIES) == sorted(
+        FAMILY_CASES)
     here = {name for name, f in globals().items() if name.startswith("test_") and callable(f)
             and "family" in inspect.signature(f).parameters}
     assert here == {name for name in vars(more) if name.startswith("test_")}
     assert here == {name for name in vars(newest) if name.startswith("test_")}
     assert here == {name for name in vars(spliced) if name.startswith("test_")}
+    assert {name for name in vars(twins) if name.startswith("test_")} == {"test_family_batches_exactly"}
 
 
 def test_readme_family_table_agrees_with_the_family_specs():
