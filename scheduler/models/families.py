@@ -616,8 +616,9 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
                "form, and its language model builds their chunk mask from one offset (the batch cache's largest) "
                "with no padding mask, so in a left-padded batch a row shorter than the longest attends its pads and "
                "other chunk boundaries than alone"),
-    # Janus / DeepSeek-VL (tests/models/test_refused_vlm_families.py pins its merge, and phi4mm's refusal): mlx_vlm.load gives its processor mlx-vlm's own ImageProcessor (384 px), for which the input
-    # preparation writes one image_token_index id per image; get_input_embeddings splices the tower's rows in there
+    # Janus / DeepSeek-VL (tests/models/test_refused_vlm_families.py pins its merge, and phi4mm's refusal):
+    # mlx_vlm.load gives its processor mlx-vlm's own ImageProcessor (384 px), for which the input preparation writes
+    # one image_token_index id per image; get_input_embeddings splices the tower's rows in there
     # (its num_image_tokens ids in between are dropped again by the merge: the row count is the tower's grid). One
     # image a prompt, and one an encoder call: mlx-vlm's merge drops the text between two images
     FamilySpec("multi_modality", placeholder_text="<image>", splice=SpliceRows.TOWER_GRID, images_per_request=1,

@@ -39,8 +39,8 @@ OUT_OF_SCOPE = {
 UNRESOLVED_ALIASES = {
     "granite4-vision": "mlx-vlm's chat formatting is keyed by model type and writes no image placeholder under this "
                        "name: solo mlx_vlm.generate of a renamed tiny build fails (0 <image> tokens for 1 image)",
-    "granite-vision": "as granite4-vision (Granite Vision 3's row): solo mlx_vlm.generate of a renamed tiny build fails "
-                      "(0 <image> tokens for 1 image)",
+    "granite-vision": "as granite4-vision (Granite Vision 3's row): solo mlx_vlm.generate of a renamed tiny build "
+                      "fails (0 <image> tokens for 1 image)",
     "cohere2_vision": "Command A Vision: mlx-vlm loads it with Aya Vision's model, but its checkpoints bring another "
                       "processor (transformers' Cohere2VisionProcessor); not built or tested",
     "nemotron_h_omni": "a tiny Nemotron-3 Nano Omni build renamed to it does not load: transformers finds no "

@@ -824,8 +824,8 @@ def test_every_per_family_test_runs_on_every_family():
     test_vlm_families_splice.py run every per-family test here, test_vlm_families_twins.py the main one."""
     import inspect
 
-    from . import test_vlm_families_more as more, test_vlm_families_newest as newest, test_vlm_families_splice as spliced
-    from . import test_vlm_families_twins as twins
+    from . import test_vlm_families_more as more, test_vlm_families_newest as newest
+    from . import test_vlm_families_splice as spliced, test_vlm_families_twins as twins
 
     assert sorted(FIRST_FAMILIES + LATER_FAMILIES + NEWEST_FAMILIES + SPLICE_FAMILIES + TWIN_FAMILIES) == sorted(
         FAMILY_CASES)
