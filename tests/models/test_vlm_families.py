@@ -274,7 +274,7 @@ def _family(request, tmp_path_factory):
 
 family = family_fixture(FIRST_FAMILIES)
 
-PROMPT_TOKENS: dict[str, list[int]] = {}  # family -> each request's prompt length (as mlx-vlm counted it)
+PROMPT_TOKENS: dict[str, list[int]] = {}  # family -> each request's prompt length (as its cache holds it)
 MODEL_DIRS: dict[str, Path] = {}  # family -> its tiny build
 # (family, kv settings) -> solo mlx_vlm's greedy tokens of the workload with them: both schedules of the quantized
 # test compare with the same references, computed once
