@@ -163,3 +163,26 @@ def test_the_server_writes_a_spliced_image_ids_prompt_logprob_as_json_can_carry_
     assert field[1][str(M)] == {"logprob": LOGPROB_FLOOR, "rank": 512, "decoded_token": ""}
     assert field[2]["6"] == {"logprob": -1.5, "rank": 1, "decoded_token": "<6>"}
     json.dumps(field, allow_nan=False)
+
+
+def test_a_row_count_the_merge_contradicts_fails_loudly(janus):
+    """Where a rule counted an image's rows wrong, the prompt would be shifted against mlx-vlm's: the encoders'
+    output is then another length than the ids they were given for, and encoding the request raises instead."""
+    import dataclasses
+
+    from scheduler.models.adapter import VLMAdapter
+
+    model, processor = janus
+    adapter = VLMAdapter(model, processor)
+    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
+    prepared = adapter.prepare(chat, images=[_image()])
+    marker = model.config.image_token_index
+    (held, rows), = prepared.splice_runs
+    assert (held, rows) == (1, 144)
+    wrong = ((1, rows + 1),)
+    ids = splice.expand(splice.collapse(prepared.input_ids, marker, prepared.splice_runs), marker, wrong)
+    bad = dataclasses.replace(prepared, input_ids=ids, splice_runs=wrong, media_items=(), mask=None,
+                              media_positions=tuple(i for i, t in enumerate(ids) if t == marker))
+    assert adapter.encode(prepared).num_tokens == len(prepared.input_ids)
+    with pytest.raises(ValueError, match=f"the encoders gave {len(ids) - 1} embeddings for {len(ids)} tokens"):
+        adapter.encode(bad)
