@@ -1068,9 +1068,10 @@ def _deltas(rope_deltas: Any, rows: int) -> mx.array:
 
 
 def _attribute(obj: Any, path: str) -> Any:
-    """``obj``'s attribute at a dotted ``path`` (None where any step is missing)."""
+    """``obj``'s attribute at a dotted ``path`` (None where any step is missing); a step into a dict reads its key
+    (mlx-vlm keeps some configs' nested settings as dicts: Janus' ``vision_config.params``)."""
     for name in path.split("."):
-        obj = getattr(obj, name, None)
+        obj = obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
     return obj
 
 

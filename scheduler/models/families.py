@@ -263,6 +263,14 @@ FASTVLM_UNTESTED = ("not tested against mlx_vlm here: its FastViTHD tower's stag
                     "VisionConfig class (config.json cannot shrink it), so no tiny build can be made; its merge is a "
                     "splice as Bunny's, which the engine batches")
 
+# Why a DeepSeek-VL checkpoint with the SAM + SigLIP hybrid tower (deepseek-vl-7b: vision_config.params names a
+# high_res_cfg) is refused while the SigLIP-only ones (deepseek-vl-1.3b, Janus, Janus-Pro) batch: mlx-vlm builds the
+# hybrid's SAM part at full size whatever the config says (SAMEncoder() takes none), so no tiny build tests it, and
+# the splice's row count (the tower's grid) would read the high-resolution image size its config sets
+JANUS_HYBRID_TOWER = ("its SAM + SigLIP hybrid vision tower is not tested here: mlx-vlm builds the SAM part at full "
+                      "size whatever config.json says, so no tiny build can be made, and its rows an image are not "
+                      "the grid of the image size its config names (the SigLIP-only checkpoints batch)")
+
 # Why kv_bits is refused for the families on mlx-vlm's Qwen3.5 language model (qwen3_5, qwen3_5_moe, minicpmv4_6;
 # tests/models/test_vlm_families.py, test_qwen3_5_attends_the_pads_of_a_quantized_batch_decode): in a one-token
 # decode of a left-padded batch its attention returns the mask "left_padded_decode", drops it (mask None) and hands
@@ -623,6 +631,7 @@ FAMILIES: dict[str, FamilySpec] = {spec.model_type: spec for spec in (
     # image a prompt, and one an encoder call: mlx-vlm's merge drops the text between two images
     FamilySpec("multi_modality", placeholder_text="<image>", splice=SpliceRows.TOWER_GRID, images_per_request=1,
                item_split=ItemSplit.STACK, vision_batch=VisionBatch.PER_REQUEST,
+               refused_options=(("vision_config.params.high_res_cfg", JANUS_HYBRID_TOWER),),
                notes="Janus / DeepSeek-VL: SigLIP tower at 384 px + LLaMA text"),
     # tests/models/test_refused_vlm_families.py builds it small and pins the fact
     FamilySpec("molmo_point", refused="mlx-vlm's MolmoPoint keeps the last embedded prompt's image state on the model "

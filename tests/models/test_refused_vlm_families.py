@@ -561,6 +561,20 @@ def _tiny_phi4mm():
         "audio_processor": {"name": "cascades", "config": audio}})
 
 
+def test_a_janus_checkpoint_with_the_hybrid_tower_is_refused_at_load():
+    """deepseek-vl-7b's SAM + SigLIP tower (its vision_config.params names a high_res_cfg, which mlx-vlm reads as a
+    dict) is refused at load with why; the SigLIP-only checkpoints batch (test_vlm_families_splice.py)."""
+    from scheduler.models.families import JANUS_HYBRID_TOWER
+
+    assert FAMILIES["multi_modality"].refused is None
+    assert FAMILIES["multi_modality"].refused_options == (("vision_config.params.high_res_cfg", JANUS_HYBRID_TOWER),)
+    model = _tiny_janus()
+    model.config.vision_config.params["high_res_cfg"] = {"image_size": 1024}
+    with pytest.raises(UnsupportedFamily, match="'multi_modality' with vision_config.params.high_res_cfg set cannot be "
+                                                "batched: its SAM \\+ SigLIP hybrid vision tower is not tested"):
+        Engine(model, None)
+
+
 def test_phi4mm_is_refused_at_load():
     with pytest.raises(UnsupportedFamily, match=r"'phi4mm' cannot be batched: its get_input_embeddings merges the "
                        r"vision or the speech LoRA .* \(set_modality\)"):
