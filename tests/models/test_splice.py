@@ -1,6 +1,6 @@
-"""The id expansion of spliced images (scheduler/models/splice.py): a prompt with one id per image becomes one id
-per embedding row and back, with the images' row counts; the engine-level equality with solo mlx-vlm is in
-tests/models/test_vlm_families*.py, on the families that splice."""
+"""The id expansion of spliced images (scheduler/models/splice.py): each image's run of ids in the processor's prompt
+(one id, or LLaVA-NeXT's feature count) becomes one id per embedding row and back, with the images' row counts; the
+engine-level equality with solo mlx-vlm is in tests/models/test_vlm_families*.py, on the families that splice."""
 
 from __future__ import annotations
 
