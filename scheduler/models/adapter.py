@@ -261,8 +261,7 @@ class VLMAdapter:
         self.fingerprint = library.model_fingerprint(model, processor)
         # how the model writes tool calls (mlx-lm's rule on the chat template), or None: the server parses calls
         # out of the output with it
-        self.tool_calling = library.tool_call_markup(processor)
-        self.thinking = library.thinking_markup(processor)  # its reasoning markers, or None: likewise
+        self.tool_calling, self.thinking = library.processor_markups(processor)  # (its reasoning markers: likewise)
 
     # ---- family facts the engine needs ----------------------------------------------------------------
     @property

@@ -8,8 +8,8 @@
 ``chat_template``         mlx-vlm's ``apply_chat_template`` (the family's placeholders + generation prompt), with
                           the template called without kwargs it does not read (no per-request warning);
                           ``own_chat_template``: the model's own template (messages with videos).
-``tool_call_markup``      mlx-lm's tool-parser inference (``_infer_tool_parser``) on a processor's chat template;
-                          ``thinking_markup``: its reasoning markers (``_infer_thinking``) in the vocabulary.
+``processor_markups``     mlx-lm's tool-parser inference (``_infer_tool_parser``) on a processor's chat template,
+                          and its reasoning markers (``_infer_thinking``) in the vocabulary.
 ``input_embeddings``      ``Model.get_input_embeddings``: the encoder(s) and the merge, as ``mlx_vlm.generate``
                           calls it; also with no media (the text path).
 ``mrope_tokens``          what the M-RoPE families' ``get_rope_index`` reads from the config (media token ids, patch
@@ -241,32 +241,30 @@ class ThinkingMarkup:
     has_thinking: bool = True
 
 
-def thinking_markup(processor: Any) -> ThinkingMarkup | None:
-    """The reasoning markers of this processor's tokenizer by mlx-lm's own rule (``_infer_thinking``, private:
-    tests/models/test_vlm_tools.py fails loudly if it moves), or None (not a thinking model)."""
-    from mlx_lm.tokenizer_utils import _infer_thinking
-
-    start, end, *_ = _infer_thinking(getattr(processor, "tokenizer", processor))
-    return None if start is None else ThinkingMarkup(start, end)
-
-
-def tool_call_markup(processor: Any) -> ToolCallMarkup | None:
-    """The tool-call markup of this processor's chat template by mlx-lm's own rule (``_infer_tool_parser``, the
-    function its ``load`` calls; private, so tests/models/test_vlm_tools.py fails loudly if it moves), or None
-    when it declares none."""
+def processor_markups(processor: Any) -> tuple[ToolCallMarkup | None, ThinkingMarkup | None]:
+    """(tool-call markup, reasoning markers) of this processor, each None where it declares none, by mlx-lm's own
+    rules: ``_infer_tool_parser`` (the function its ``load`` calls) on the chat template and vocabulary, and
+    ``_infer_thinking`` on the vocabulary. Both are private, so tests/models/test_vlm_tools.py fails loudly if
+    they move. The vocabulary is read once for both (a tokenizer builds it anew on each ``get_vocab``: a few ms
+    an engine, paid by every engine built on the processor)."""
     import importlib
     from types import SimpleNamespace
 
-    from mlx_lm.tokenizer_utils import _infer_tool_parser
+    from mlx_lm.tokenizer_utils import _infer_thinking, _infer_tool_parser
 
     tokenizer = getattr(processor, "tokenizer", processor)
+    vocab = tokenizer.get_vocab()
+    # what they read of a tokenizer: the template (a VLM's may be the processor's alone), the vocabulary, and
+    # (the reasoning markers made of several tokens) the encoding
     template = getattr(processor, "chat_template", None) or getattr(tokenizer, "chat_template", None)
-    # what it reads of a tokenizer: the template (a VLM's may be the processor's alone) and the vocabulary
-    name = _infer_tool_parser(SimpleNamespace(chat_template=template, get_vocab=tokenizer.get_vocab))
-    if name is None:
-        return None
-    module = importlib.import_module(f"mlx_lm.tool_parsers.{name}")
-    return ToolCallMarkup(module.tool_call_start, module.tool_call_end, module.parse_tool_call)
+    view = SimpleNamespace(chat_template=template, get_vocab=lambda: vocab, encode=tokenizer.encode)
+    name = _infer_tool_parser(view)
+    tool_calling = None
+    if name is not None:
+        module = importlib.import_module(f"mlx_lm.tool_parsers.{name}")
+        tool_calling = ToolCallMarkup(module.tool_call_start, module.tool_call_end, module.parse_tool_call)
+    start, end, *_ = _infer_thinking(view)
+    return tool_calling, (None if start is None else ThinkingMarkup(start, end))
 
 
 def _template_mentions(template_processor: Any, name: str) -> bool:
