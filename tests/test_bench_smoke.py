@@ -1,5 +1,9 @@
 """Every measurement script in bench/ still runs: each command bench/README.md quotes, at the smallest sizes, as a
-user runs it (`python -m bench.NAME ...` in a child process), ends with status 0 and prints a table row.
+user runs it (`python -m bench.NAME ...`), ends with status 0 and prints a table row.
+
+The scripts run one after another in ONE child process (tests/bench_scripts.py: each executed as `-m` executes
+it, with its own argv): a child per script spent about 2 s of CI each importing MLX, mlx-lm and mlx-vlm again.
+One script is also run in a child of its own, the way a user types it, so the `-m` entry itself is covered.
 
 The figures are not checked (bench/ measures, tests never time anything); what is checked is that a script has
 not rotted when an interface it drives moved (bench.prefill_mix once called `TextRunner.prefill_many` with the
@@ -8,6 +12,7 @@ chunk tuples of an earlier version, and nothing noticed until it was rerun).
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -63,13 +68,40 @@ SCRIPTS: dict[str, tuple[list[str], str]] = {
 }
 
 
+def _jobs(text_model_dir: Path) -> list[tuple[str, list[str]]]:
+    """(script, argv) per SCRIPTS key, in its order, MODEL_DIR filled in."""
+    return [(module.split(":")[0],  # "NAME:variant": the same script with other arguments
+             [str(text_model_dir) if a == "MODEL_DIR" else a for a in SCRIPTS[module][0]]) for module in sorted(SCRIPTS)]
+
+
+@pytest.fixture(scope="module")
+def script_results(text_model_dir, tmp_path_factory) -> dict[str, dict]:
+    """SCRIPTS key -> {"status", "output"} of its run in the one child (tests/bench_scripts.py); a key is missing
+    when the child died before reaching it (its own output is then under "<child>")."""
+    where = tmp_path_factory.mktemp("bench-smoke")
+    (where / "jobs.json").write_text(json.dumps(_jobs(text_model_dir)))
+    proc = subprocess.run([sys.executable, "-m", "tests.bench_scripts", str(where / "jobs.json"),
+                           str(where / "results.jsonl")], cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    lines = (where / "results.jsonl").read_text().splitlines() if (where / "results.jsonl").exists() else []
+    results = dict(zip(sorted(SCRIPTS), map(json.loads, lines)))
+    results["<child>"] = {"status": proc.returncode, "output": proc.stdout[-3000:] + proc.stderr[-3000:]}
+    return results
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("module", sorted(SCRIPTS))
-def test_the_bench_script_runs(module, text_model_dir):
-    args, marker = SCRIPTS[module]
-    args = [str(text_model_dir) if a == "MODEL_DIR" else a for a in args]
-    script = module.split(":")[0]  # "NAME:variant": the same script with other arguments
-    proc = subprocess.run([sys.executable, "-m", f"bench.{script}", *args], cwd=ROOT, capture_output=True,
+def test_the_bench_script_runs(module, script_results):
+    child = script_results["<child>"]
+    assert module in script_results, f"the child ended (status {child['status']}) before {module}:\n{child['output']}"
+    result = script_results[module]
+    assert result["name"] == module.split(":")[0]
+    assert result["status"] == 0, result["output"][-6000:]
+    assert SCRIPTS[module][1] in result["output"], result["output"][-3000:]
+
+
+def test_a_bench_script_runs_as_a_user_types_it():
+    """`python -m bench.NAME` from the checkout's root, in a child of its own."""
+    proc = subprocess.run([sys.executable, "-m", "bench.lifecycle_cost", "--n", "100"], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert marker in proc.stdout, proc.stdout[-3000:]
+    assert "one logged transition" in proc.stdout
