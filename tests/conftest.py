@@ -27,6 +27,40 @@ def pytest_configure(config):
         os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
+# The files that take longest (minutes of CI between them), longest first. `--dist loadfile` hands a worker one
+# file at a time in collection order (pyproject's addopts keep xdist from reordering by test count), so these
+# start first and the run ends on short files rather than one worker finishing a long file while the other
+# idles. Only an order: a file missing here runs after them, and a stale entry costs time, nothing else.
+LONGEST_FIRST = (
+    "tests/tools/test_whatif_reality.py",  # `exclusive`: both workers' time
+    "tests/surfaces/test_serve_tools.py",
+    "tests/execution/test_families_state.py",
+    "tests/models/test_vlm_families_more.py",
+    "tests/models/test_vlm_families.py",
+    "tests/execution/test_tensor_parallel.py",
+    "tests/models/test_vlm_families_newest.py",
+    "tests/execution/test_families.py",
+    "tests/fixtures/test_vlm_fixtures.py",
+    "tests/execution/test_hybrids.py",
+    "tests/models/test_audio.py",
+    "tests/execution/test_engine_equality.py",
+    "tests/models/test_vlm_families_splice.py",
+    "tests/surfaces/test_stateful.py",
+    "tests/execution/test_real_checkpoint_options.py",
+    "tests/caches/test_quantized_kv.py",
+    "tests/models/test_vision_batch.py",
+    "tests/execution/test_drafting.py",
+    "tests/surfaces/test_serve.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """LONGEST_FIRST's files first, in its order; the rest after them in the order collected (a stable sort keeps
+    each file's own order, which pytest arranged around its module-scoped parametrized fixtures)."""
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Setup, call and teardown under the run's lock: shared, or alone for an `exclusive` test."""

@@ -1,5 +1,6 @@
 """What the tests and the package import is declared in pyproject.toml (a fresh machine gets it), and no test
-skips on an import that must work (an in-repo module, or a declared dependency)."""
+skips on an import that must work (an in-repo module, or a declared dependency); the order hint in
+tests/conftest.py names files that exist."""
 
 import ast
 import re
@@ -55,3 +56,12 @@ def test_no_test_skips_on_an_import_that_must_work():
         offenders += [(path.name, name) for name in
                       re.findall(r"importorskip\(\s*[\"']([\w.]+)", path.read_text(encoding="utf-8"))]
     assert not offenders, f"importorskip hides an import error as a skip: {offenders}"
+
+
+def test_the_longest_first_order_names_test_files_that_exist():
+    """tests/conftest.py's LONGEST_FIRST (the order workers take the longest files in) names files on disk: a
+    renamed file would silently drop back to the end of the run."""
+    from tests.conftest import LONGEST_FIRST
+
+    assert len(set(LONGEST_FIRST)) == len(LONGEST_FIRST)
+    assert [path for path in LONGEST_FIRST if not (ROOT / path).is_file()] == []
