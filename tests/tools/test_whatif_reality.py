@@ -13,7 +13,7 @@ so nothing else runs while they measure.
 
 import pytest
 
-from tests.tools.whatif_reality import error_table, median_errors, median_within_is_decided, run_pair
+from tests.tools.whatif_reality import error_table, median_errors, median_within_is_decided, run_pairs
 
 TOLERANCE = 0.15
 # recorded/what-if pairs per workload: the median error over them is checked. Five, of which three usually decide:
@@ -23,11 +23,10 @@ PAIRS = 5
 
 def _pairs(model_dir, kind: str, where) -> list[dict]:
     """Pairs run until the verdict on the median over PAIRS is decided (usually after three, when all are
-    within the tolerance: the rest could not move the median out of it). The verdict is the one all PAIRS
-    would give; a pair costs 4-15 s of CI."""
-    checks = [run_pair(model_dir, kind, where, 0)]
-    while not median_within_is_decided(checks, PAIRS, TOLERANCE):
-        checks.append(run_pair(model_dir, kind, where, len(checks)))
+    within the tolerance: the rest could not move the median out of it), in one child process. The verdict is the
+    one all PAIRS would give; a pair costs 3-13 s of CI."""
+    checks = run_pairs(model_dir, kind, where, PAIRS, TOLERANCE)
+    assert median_within_is_decided(checks, PAIRS, TOLERANCE) and len(checks) <= PAIRS
     return checks
 
 

@@ -1,10 +1,14 @@
 """The child process of the what-if reality check (tests/tools/test_whatif_reality.py, bench/test_whatif_accuracy.py):
 
-    python -m tests.tools.whatif_reality MODEL_DIR WORKLOAD TRACE_DIR    (WORKLOAD: a key of WORKLOADS)
+    python -m tests.tools.whatif_reality MODEL_DIR WORKLOAD TRACE_DIR PAIRS [TOLERANCE]
+                                                        (WORKLOAD: a key of WORKLOADS)
 
 records WORKLOADS[kind] under RECORDED, predicts WHAT_IF with the simulator, really runs WHAT_IF on the same
 timed arrivals side by side with the recording (`scheduler.tools.whatif_check`), and prints the check as one
-JSON object. The parent runs it pinned to one CPU (`run_on_one_cpu`; the module docstring there says why).
+JSON object; PAIRS times over (TRACE_DIR/pair{i}), or with TOLERANCE until the verdict on the median over PAIRS
+is decided (`median_within_is_decided`). One process runs them all: each check builds its engines anew, and a
+process per check spent seconds of each on starting up. The parent runs it pinned to one CPU (`run_on_one_cpu`;
+the module docstring there says why).
 """
 
 from __future__ import annotations
@@ -96,18 +100,12 @@ WORKLOADS = {"text": text_workload, "image+text": image_text_workload, "image-ch
              "text-burst": lambda: burst(False), "image+text-burst": lambda: burst(True)}
 
 
-def run_pair(model_dir: Path, kind: str, where: Path, i: int) -> dict:
-    """One check of WORKLOADS[kind] in its own child process pinned to one CPU (traces kept in where/pair{i});
-    its JSON record."""
-    pair_dir = where / f"pair{i}"
-    pair_dir.mkdir(parents=True)
-    done = run_on_one_cpu(["-m", "tests.tools.whatif_reality", str(model_dir), kind, str(pair_dir)], timeout=600)
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def run_pairs(model_dir: Path, kind: str, where: Path, pairs: int) -> list[dict]:
-    """`pairs` checks of WORKLOADS[kind] (`run_pair`)."""
-    return [run_pair(model_dir, kind, where, i) for i in range(pairs)]
+def run_pairs(model_dir: Path, kind: str, where: Path, pairs: int, tolerance: float | None = None) -> list[dict]:
+    """Checks of WORKLOADS[kind] in one child process pinned to one CPU (traces kept in where/pair{i}): `pairs`
+    of them, or with `tolerance` as many as decide the verdict on the median over `pairs`; their JSON records."""
+    args = ["-m", "tests.tools.whatif_reality", str(model_dir), kind, str(where), str(pairs)]
+    done = run_on_one_cpu(args + ([] if tolerance is None else [str(tolerance)]), timeout=600 * pairs)
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
 def median_within_is_decided(checks: list[dict], pairs: int, tolerance: float, part: str = "what_if") -> bool:
@@ -139,10 +137,16 @@ def error_table(checks: list[dict], part: str = "what_if") -> str:
 
 
 def main(argv: list[str]) -> None:
-    model_dir, kind, trace_dir = argv
+    model_dir, kind, trace_dir, pairs, *tolerance = argv
     requests, offsets = WORKLOADS[kind]()
-    check = check_what_if(model_dir, requests, offsets, RECORDED, WHAT_IF, trace_dir)
-    print(json.dumps(check.record()))
+    checks: list[dict] = []
+    while len(checks) < int(pairs):
+        pair_dir = Path(trace_dir) / f"pair{len(checks)}"
+        pair_dir.mkdir(parents=True)
+        checks.append(check_what_if(model_dir, requests, offsets, RECORDED, WHAT_IF, pair_dir).record())
+        print(json.dumps(checks[-1]), flush=True)
+        if tolerance and median_within_is_decided(checks, int(pairs), float(tolerance[0])):
+            break
 
 
 if __name__ == "__main__":
