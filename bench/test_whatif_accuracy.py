@@ -2,7 +2,7 @@
 arrivals and bursts, text, image+text and image chats), WHATIF_PAIRS pairs each (default 5), each pair recorded under 12
 slots / priority, predicted and really run under 4 slots / FCFS, the two real runs side by side in a child
 process pinned to one CPU (`scheduler.tools.whatif_check`). Prints every pair's errors and the recorded
-config's own simulation; the suite's CI check is tests/tools/test_whatif_reality.py (3 pairs, three workloads).
+config's own simulation; the suite's CI check is tests/tools/test_whatif_reality.py (3-5 pairs, two workloads).
 
     python -m pytest -s bench/test_whatif_accuracy.py     (bench/README.md, "Issue 16": the figures)
 """

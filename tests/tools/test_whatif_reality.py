@@ -1,7 +1,8 @@
 """The what-if against reality, in CI: a run recorded under one config (12 slots, priority) predicts another
 (4 slots, FCFS), and that other config is really run on the same timed arrivals; TTFT mean, TTFT p95 and
-throughput must land within 15% of the real run, for an image+text workload, an image chat workload and a text
-workload.
+throughput must land within 15% of the real run, for an image chat workload and a text workload. (The demo's
+image+text workload, whose images are all misses, is measured in bench/test_whatif_accuracy.py with the rest and
+no longer here, for CI's time: the chats' turns each bring a new image beside cache hits.)
 
 Both real runs are served side by side in a child process pinned to one CPU (`scheduler.tools.whatif_check`
 says why: on two cores the OS's thread placement moved the same run's decode ticks between 1.3 and 2.1 ms).
@@ -41,17 +42,11 @@ def _assert_within(checks: list[dict]) -> None:
 
 @pytest.mark.slow
 @pytest.mark.exclusive
-def test_whatif_holds_for_an_image_text_workload(vlm_model_dir, tmp_path):
-    _assert_within(_pairs(vlm_model_dir, "image+text", tmp_path))
-    assert (tmp_path / "pair0" / "what_if.jsonl").exists() and (tmp_path / "pair0" / "recorded.jsonl").exists()
-
-
-@pytest.mark.slow
-@pytest.mark.exclusive
 def test_whatif_holds_for_an_image_chat_workload(vlm_model_dir, tmp_path):
     """Chat turns that resend earlier images: the fit and the simulator count vision work per image (what each
     outcome records as encoded, vision-cache hits by the arrivals' `media_items`) and arrival time per image."""
     _assert_within(_pairs(vlm_model_dir, "image-chat", tmp_path))
+    assert (tmp_path / "pair0" / "what_if.jsonl").exists() and (tmp_path / "pair0" / "recorded.jsonl").exists()
 
 
 @pytest.mark.slow
