@@ -1,6 +1,6 @@
 """The child process of tests/test_bench_smoke.py: runs bench scripts one after another, each as `python -m
-bench.NAME ARGS...` runs it (`runpy` executes the module as `__main__` with that argv), and writes one JSON line per script to
-RESULTS: its exit status and what it printed.
+bench.NAME ARGS...` runs it (`runpy` executes the module as `__main__` with that argv), and writes one JSON line
+per script to RESULTS: its exit status and what it printed.
 
     python -m tests.bench_scripts JOBS.json RESULTS.jsonl      (JOBS: [[NAME, [ARGS...]], ...])
 
