@@ -5,7 +5,9 @@ tick itself, on a model split across the ranks of an `mlx.launch`.
     mlx.launch -n 2 --backend ring -- mlxsched bench --tensor-parallel --requests 32      # the same
 
 Every rank builds the tiny model (seeded, byte-identical), loads it sharded and builds the engine; rank 0
-drives the workload and prints the table, the others follow. After the followers are released, rank 0 runs the
+drives the workload and prints the table, the others follow. Ranks on this machine are pinned to CPUs of their
+own first (`scheduler/execution/rank_pinning.py`; `--no-pin-ranks`: not), and rank 0 unpinned again for its
+one-process run. After the followers are released, rank 0 runs the
 same workload on the unsharded model alone for comparison (on one machine the ranks share its cores, so
 sharding is not expected to be faster here: it is for a model that does not fit one machine).
 """
@@ -21,6 +23,8 @@ from pathlib import Path
 from typing import Sequence
 
 import mlx.core as mx
+
+from scheduler.execution.rank_pinning import pin_local_rank, unpin
 
 
 def _workload(n: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
@@ -53,11 +57,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--no-pin-ranks", action="store_true",
+                    help="leave ranks on this machine unpinned (by default each runs on its share of the CPUs)")
     args = ap.parse_args(argv)
     group = mx.distributed.init()
     if group.size() < 2:
         print("run this under `mlx.launch -n 2 --backend ring -- ...` (one process has nothing to shard over)")
         return 2
+    pinning = None if args.no_pin_ranks else pin_local_rank()
     tmp = tempfile.TemporaryDirectory(prefix=f"mlxsched-tp-{group.rank()}-")
     model_dir = build_model(args.model, Path(tmp.name) / args.model)
     config = EngineConfig(max_batched_tokens=2048, max_seqs=args.requests, prefill_chunk=512)
@@ -72,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     decode_ticks = ticks[len(ticks) // 4:]  # after the prompts are in: steady decoding at full batch
     messages = channel.messages
     print(f"## Sharded over {group.size()} ranks: {args.model}, {args.requests} requests x ({args.prompt_len} prompt, "
-          f"{args.new_tokens} new tokens)\n")
+          f"{args.new_tokens} new tokens); {pinning.describe() if pinning else 'ranks not pinned: --no-pin-ranks'}\n")
     print("| per tick | value |\n| --- | --- |")
     print(f"| ticks (messages) | {messages} |")
     print(f"| message bytes, mean | {channel.bytes_sent / messages:.0f} |")
@@ -81,6 +88,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"| whole tick, median (steady decode) | {1e6 * statistics.median(decode_ticks):.0f} us |")
     print(f"| message share of the tick | {(sharded.encode_seconds + channel.seconds) / sum(ticks):.1%} |")
     print(f"| end-to-end generation tok/s, sharded | {generated / wall:.0f} |")
+    if pinning is not None:
+        unpin(pinning)  # the one-process run below gets every CPU, as an unsharded engine would
     alone = Engine.from_pretrained(model_dir, config)  # rank 0 alone, the followers are gone
     wall1, _, generated1 = _run(alone, prompts, args.new_tokens)
     print(f"| end-to-end generation tok/s, one process | {generated1 / wall1:.0f} |")

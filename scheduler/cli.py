@@ -87,7 +87,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from .request import SamplingParams
     from .fixtures.tiny_models import build_model
 
-    group = _tensor_group() if args.tensor_parallel else None
+    group = _tensor_group(pin=not args.no_pin_ranks) if args.tensor_parallel else None
     rank = group.rank() if group is not None else 0
     kind = "text" if group is not None and args.kind == "vlm" else args.kind  # sharding is for text models
     model_dir = args.model
@@ -134,13 +134,20 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tensor_group():
+def _tensor_group(pin: bool):
+    """The group of `mlx.launch`'s ranks; with `pin`, ranks on this machine each on CPUs of their own
+    (`rank_pinning`: collectives over loopback are many times faster so)."""
     import mlx.core as mx
+
+    from .execution.rank_pinning import pin_local_rank
 
     group = mx.distributed.init()
     if group.size() < 2:
         raise SystemExit("--tensor-parallel: start this under `mlx.launch -n N --backend ring -- mlxsched ...` "
                          "(this process has no peers)")
+    pinning = pin_local_rank() if pin else None
+    if group.rank() == 0:
+        print(pinning.describe() if pinning is not None else "ranks not pinned: --no-pin-ranks")
     return group
 
 
@@ -439,6 +446,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "simulate` can predict other max_seqs (Engine.calibrate)")
     p.add_argument("--tensor-parallel", action="store_true",
                    help="shard the model over the ranks of `mlx.launch` (rank 0 prints; README)")
+    p.add_argument("--no-pin-ranks", action="store_true",
+                   help="with --tensor-parallel: leave ranks on this machine unpinned (by default each runs on its "
+                        "share of the CPUs)")
     p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat completions with images, "
@@ -506,7 +516,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_timeline)
 
     p = sub.add_parser("bench", help="engine vs mlx-lm BatchGenerator on the same model and workload, one process "
-                                     "(all arguments go to bench.run; try `mlxsched bench -- --help`)")
+                                     "(all arguments go to bench.run; try `mlxsched bench --help`)")
     p.add_argument("bench_args", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_bench)
 
@@ -520,6 +530,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # the rest is bench.run's, as given: argparse's REMAINDER refuses a first argument
+        return _cmd_bench(argparse.Namespace(bench_args=argv[1:]))  # that looks like an option (`--model`)
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from scheduler import (AsyncEngine, Engine, EngineConfig, InvalidRequest, SamplingParams,  # noqa: E402
                        StructuredOutput)
 from scheduler.events import read_jsonl  # noqa: E402
+from scheduler.execution.rank_pinning import pin_local_rank  # noqa: E402
 from tests.helpers import mixed_prompts, solo_tokens  # noqa: E402
 
 MAX_TOKENS = 12
@@ -329,6 +330,7 @@ def a_rank_stalls_at_construction(model_dir: str, out: Path, group) -> None:
 def main() -> None:
     model_dir, out, scenario = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that sees a hang asks for the stacks
+    pin_local_rank()  # as the command line does (unpinned, the equality scenario took 2x as long on 2 cores)
     group = mx.distributed.init()
     scenarios = {"equality": equality, "checkpoints": checkpoints, "a-rank-dies": a_rank_dies,
                  "pipeline-equality": lambda *args: equality(*args, sharding="pipeline_group"),

@@ -14,6 +14,19 @@ def test_only_working_verbs_are_listed():
                      "timeline", "bench", "doctor", "serve"}
 
 
+def test_bench_passes_every_argument_on_as_given(capsys):
+    """`mlxsched bench ARGS` is `python -m bench.run ARGS` (and `--tensor-parallel` bench.tensor_parallel's), with
+    or without a `--` first: arguments that look like options are not refused by mlxsched's own parser."""
+    for argv in (["bench", "--help"], ["bench", "--", "--help"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 0
+        assert "--peer" in capsys.readouterr().out  # bench.run's own help
+    # one process has no peers to shard over: the sharding bench says so (the flags after it are its own)
+    assert main(["bench", "--tensor-parallel", "--model", "text", "--no-pin-ranks"]) == 2
+    assert "mlx.launch -n 2" in capsys.readouterr().out
+
+
 def test_make_model_builds_a_loadable_model(tmp_path, capsys):
     from mlx_lm import load
 
