@@ -2,11 +2,11 @@
 
 `mlx.launch -n N --backend ring` starts N ranks on this machine, connected over loopback. Left to the kernel's
 scheduler, their threads share every core, and each collective waits far longer than the bytes it moves: on a
-2-core VM, an `all_sum` of 64 floats took 7.4 ms with the ranks unpinned and 0.3 ms with each rank on a core of
-its own, and `mlxsched demo --tensor-parallel --kind text` ran at 270 end-to-end tokens/s against 768 (OpenBLAS
-preloaded; README, "One model across processes"). So the command line pins each local rank to its share of the
-CPUs this process may use. Ranks on other machines (a hostfile with other addresses than loopback) are left
-alone: their cores are their own.
+2-core VM, an `all_sum` of 64 floats took 1.6-7.4 ms with the ranks unpinned and 0.18-0.31 ms with each rank on
+a core of its own, and `mlxsched demo --tensor-parallel --kind text` ran at 270 end-to-end tokens/s against 768
+(OpenBLAS preloaded; README, "One model across processes"). So the command line pins each local rank to its
+share of the CPUs this process may use. Ranks on other machines (a hostfile with other addresses than loopback)
+are left alone: their cores are their own.
 
 Linux only (`os.sched_setaffinity`); elsewhere nothing is pinned. Every thread the process has is pinned (a
 preloaded BLAS and MLX start theirs before this runs); threads started later inherit it. A preloaded OpenBLAS
