@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -244,6 +245,19 @@ def test_followers_keep_every_checkpoint_a_request_stores_in_one_tick(tmp_path):
     assert any(per_tick.count(key) == 2 for key in per_tick), "a request stored two entries in one tick"
     assert [48, 52] == [n for _, rid, n in result["stores"] if rid == "r0" and per_tick.count((_, rid)) == 2]
     assert sorted(result["hits"]) == [["r1", 48, "checkpoint"], ["r2", 32, "checkpoint"]]
+
+
+@pytest.mark.slow
+def test_the_command_line_demo_runs_sharded_with_its_ranks_pinned(text_model_dir):
+    """README's `mlx.launch -n 2 --backend ring -- mlxsched demo --tensor-parallel`: both ranks run, rank 0
+    prints, and the ranks (on loopback) are each pinned to their own share of the CPUs
+    (`scheduler/execution/rank_pinning.py`)."""
+    proc = subprocess.run([*LAUNCH, "-n", "2", "--backend", "ring", "--", sys.executable, "-m", "scheduler.cli",
+                           "demo", "--tensor-parallel", "--model", str(text_model_dir), "--requests", "3",
+                           "--max-tokens", "4"], capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert re.search(r"^rank 0 of 2 pinned to CPUs? \S+", proc.stdout, re.M), proc.stdout[-3000:]
+    assert '"requests_finished": 3' in proc.stdout
 
 
 def test_the_plan_crosses_the_wire_unchanged():
