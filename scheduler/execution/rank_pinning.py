@@ -52,6 +52,8 @@ def local_ranks(environ: Mapping[str, str]) -> tuple[int, int] | str:
     rank, hostfile = environ.get("MLX_RANK"), environ.get("MLX_HOSTFILE")
     if rank is None or hostfile is None:
         return "not started by mlx.launch's ring backend (no MLX_RANK / MLX_HOSTFILE)"
+    if not rank.isdigit():
+        return f"MLX_RANK is {rank!r}, not a rank"
     try:
         hosts = json.loads(Path(hostfile).read_text())
         addresses = [address.rsplit(":", 1)[0].strip("[]") for entry in hosts for address in entry]
@@ -59,6 +61,8 @@ def local_ranks(environ: Mapping[str, str]) -> tuple[int, int] | str:
         return f"MLX_HOSTFILE {hostfile} is not a ring hostfile ({exc})"
     if not addresses or not all(_is_loopback(a) for a in addresses):
         return "the ranks are on other machines"
+    if int(rank) >= len(hosts):
+        return f"MLX_RANK {rank} is not one of the hostfile's {len(hosts)} ranks"
     return int(rank), len(hosts)
 
 

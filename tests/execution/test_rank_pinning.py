@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _hostfile(tmp_path: Path, hosts: list[list[str]]) -> str:
-    path = tmp_path / "hosts.json"
+    path = tmp_path / f"hosts{len(list(tmp_path.glob('hosts*.json')))}.json"  # each call a file of its own
     path.write_text(json.dumps(hosts))
     return str(path)
 
@@ -33,6 +33,8 @@ def test_a_launch_on_loopback_is_local_and_any_other_address_is_not(tmp_path):
     assert local_ranks({"MLX_RANK": "0", "MLX_HOSTFILE": remote}) == "the ranks are on other machines"
     assert "no MLX_RANK" in local_ranks({"MLX_HOSTFILE": loopback})
     assert "no MLX_RANK" in local_ranks({"MLX_RANK": "0"})
+    assert "not a rank" in local_ranks({"MLX_RANK": "first", "MLX_HOSTFILE": loopback})
+    assert "not one of the hostfile's 2 ranks" in local_ranks({"MLX_RANK": "2", "MLX_HOSTFILE": loopback})
     (tmp_path / "bad.json").write_text("{not json")
     assert "is not a ring hostfile" in local_ranks({"MLX_RANK": "0", "MLX_HOSTFILE": str(tmp_path / "bad.json")})
     assert "is not a ring hostfile" in local_ranks({"MLX_RANK": "0", "MLX_HOSTFILE": str(tmp_path / "missing")})
