@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if group.size() < 2:
         print("run this under `mlx.launch -n 2 --backend ring -- ...` (one process has nothing to shard over)")
         return 2
-    pinning = None if args.no_pin_ranks else pin_local_rank()
+    pinning = pin_local_rank(enabled=not args.no_pin_ranks)
     tmp = tempfile.TemporaryDirectory(prefix=f"mlxsched-tp-{group.rank()}-")
     model_dir = build_model(args.model, Path(tmp.name) / args.model)
     config = EngineConfig(max_batched_tokens=2048, max_seqs=args.requests, prefill_chunk=512)
@@ -79,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     decode_ticks = ticks[len(ticks) // 4:]  # after the prompts are in: steady decoding at full batch
     messages = channel.messages
     print(f"## Sharded over {group.size()} ranks: {args.model}, {args.requests} requests x ({args.prompt_len} prompt, "
-          f"{args.new_tokens} new tokens); {pinning.describe() if pinning else 'ranks not pinned: --no-pin-ranks'}\n")
+          f"{args.new_tokens} new tokens); {pinning.describe()}\n")
     print("| per tick | value |\n| --- | --- |")
     print(f"| ticks (messages) | {messages} |")
     print(f"| message bytes, mean | {channel.bytes_sent / messages:.0f} |")
@@ -88,8 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"| whole tick, median (steady decode) | {1e6 * statistics.median(decode_ticks):.0f} us |")
     print(f"| message share of the tick | {(sharded.encode_seconds + channel.seconds) / sum(ticks):.1%} |")
     print(f"| end-to-end generation tok/s, sharded | {generated / wall:.0f} |")
-    if pinning is not None:
-        unpin(pinning)  # the one-process run below gets every CPU, as an unsharded engine would
+    unpin(pinning)  # the one-process run below gets every CPU, as an unsharded engine would
     alone = Engine.from_pretrained(model_dir, config)  # rank 0 alone, the followers are gone
     wall1, _, generated1 = _run(alone, prompts, args.new_tokens)
     print(f"| end-to-end generation tok/s, one process | {generated1 / wall1:.0f} |")

@@ -145,9 +145,9 @@ def _tensor_group(pin: bool):
     if group.size() < 2:
         raise SystemExit("--tensor-parallel: start this under `mlx.launch -n N --backend ring -- mlxsched ...` "
                          "(this process has no peers)")
-    pinning = pin_local_rank() if pin else None
+    pinning = pin_local_rank(enabled=pin)
     if group.rank() == 0:
-        print(pinning.describe() if pinning is not None else "ranks not pinned: --no-pin-ranks")
+        print(pinning.describe())
     return group
 
 

@@ -69,7 +69,7 @@ SCRIPTS: dict[str, tuple[list[str], str]] = {
 
 
 def _jobs(text_model_dir: Path) -> list[tuple[str, list[str]]]:
-    """(script, argv) per SCRIPTS key, in its order, MODEL_DIR filled in."""
+    """(script, argv) per SCRIPTS key, in sorted order, MODEL_DIR filled in."""
     return [(module.split(":")[0],  # "NAME:variant": the same script with other arguments
              [str(text_model_dir) if a == "MODEL_DIR" else a for a in SCRIPTS[module][0]])
             for module in sorted(SCRIPTS)]

@@ -76,9 +76,11 @@ def cpus_of_rank(rank: int, ranks: int, usable: list[int]) -> tuple[int, ...]:
     return tuple(usable[rank * share:(rank + 1) * share])
 
 
-def pin_local_rank(environ: Mapping[str, str] | None = None) -> RankPinning:
+def pin_local_rank(environ: Mapping[str, str] | None = None, enabled: bool = True) -> RankPinning:
     """Pin this process, every thread of it, to its rank's share of the CPUs, where every rank runs on this
-    machine (`local_ranks`). Returns what was done."""
+    machine (`local_ranks`) and `enabled` (False: the command line's `--no-pin-ranks`). Returns what was done."""
+    if not enabled:
+        return RankPinning(None, skipped="--no-pin-ranks")
     found = local_ranks(os.environ if environ is None else environ)
     if isinstance(found, str):
         return RankPinning(None, skipped=found)

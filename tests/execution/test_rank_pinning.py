@@ -54,11 +54,15 @@ def test_each_rank_gets_an_equal_contiguous_share(usable, ranks, shares):
         assert len(every) == len(set(every))
 
 
-def test_nothing_is_pinned_outside_a_local_launch():
+def test_nothing_is_pinned_outside_a_local_launch_or_when_opted_out(tmp_path):
     before = os.sched_getaffinity(0)
     got = pin_local_rank({})
     assert got == RankPinning(None, skipped=got.skipped) and "no MLX_RANK" in got.skipped
     assert got.describe().startswith("ranks not pinned: ")
+    assert os.sched_getaffinity(0) == before
+    local = _hostfile(tmp_path, [["127.0.0.1:5000"], ["127.0.0.1:5001"]])
+    off = pin_local_rank({"MLX_RANK": "0", "MLX_HOSTFILE": local}, enabled=False)  # `--no-pin-ranks`
+    assert off.describe() == "ranks not pinned: --no-pin-ranks"
     assert os.sched_getaffinity(0) == before
 
 
