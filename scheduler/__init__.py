@@ -34,6 +34,8 @@ _EXPORTS = {
     "StructuredKind": ".request",
     "StructuredOutput": ".request",
     "GrammarProcessor": ".execution.structured",
+    "ShardDivergence": ".execution.distributed",
+    "ShardLost": ".execution.distributed",
     "LoRAError": ".models.lora",
     "LoRAInUse": ".models.lora",
     "UnknownLoRA": ".models.lora",

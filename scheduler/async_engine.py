@@ -107,6 +107,12 @@ class AsyncEngine:
     def running(self) -> bool:
         return self._error is None and not self._stop.is_set() and self._thread.is_alive()
 
+    def wait_stopped(self, timeout: float | None = None) -> bool:
+        """Block until the engine loop has stopped (it failed: see `error`, or it was closed), or `timeout`
+        seconds; returns whether it has."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def _run(self) -> None:
         try:
             while not self._stop.is_set():

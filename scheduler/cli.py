@@ -87,7 +87,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from .request import SamplingParams
     from .fixtures.tiny_models import build_model
 
-    group = _tensor_group(pin=not args.no_pin_ranks) if args.tensor_parallel else None
+    group = _launch_group("--tensor-parallel", pin=not args.no_pin_ranks) if args.tensor_parallel else None
     rank = group.rank() if group is not None else 0
     kind = "text" if group is not None and args.kind == "vlm" else args.kind  # sharding is for text models
     model_dir = args.model
@@ -134,16 +134,17 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tensor_group(pin: bool):
-    """The group of `mlx.launch`'s ranks; with `pin`, ranks on this machine each on CPUs of their own
-    (`rank_pinning`: collectives over loopback are many times faster so)."""
+def _launch_group(flag: str, pin: bool):
+    """The group of `mlx.launch`'s ranks (`flag` names the option that asked for it, for the error); with `pin`,
+    ranks on this machine each on CPUs of their own (`rank_pinning`: collectives over loopback are many times
+    faster so)."""
     import mlx.core as mx
 
     from .execution.rank_pinning import pin_local_rank
 
     group = mx.distributed.init()
     if group.size() < 2:
-        raise SystemExit("--tensor-parallel: start this under `mlx.launch -n N --backend ring -- mlxsched ...` "
+        raise SystemExit(f"{flag}: start this under `mlx.launch -n N --backend ring -- mlxsched ...` "
                          "(this process has no peers)")
     pinning = pin_local_rank(enabled=pin)
     if group.rank() == 0:
@@ -389,18 +390,51 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"mlxsched serve: --lora-modules: {clash!r} names "
               f"{'the served model' if clash == model_name else 'two adapters'}", file=sys.stderr)
         return 2
+    sharding = "--tensor-parallel" if args.tensor_parallel else "--pipeline-parallel" if args.pipeline_parallel \
+        else None
+    adapters = [flag for flag, given in (("--adapter-path", args.adapter_path), ("--lora-modules", loras),
+                                         ("--allow-runtime-lora", args.allow_runtime_lora)) if given]
+    if sharding is not None and adapters:  # (said by every rank, before any of them waits on another)
+        print(f"mlxsched serve: {sharding}: a sharded model takes no LoRA adapters ({', '.join(adapters)})",
+              file=sys.stderr)
+        return 2
+    group = _launch_group(sharding, pin=not args.no_pin_ranks) if sharding is not None else None
+    sharded = {} if group is None else {"tensor_group" if args.tensor_parallel else "pipeline_group": group}
+    said = "mlxsched serve" if group is None else f"mlxsched serve (rank {group.rank()})"
     try:  # what cannot be served is said in one line, before anything listens
-        engine = Engine.from_pretrained(args.model, config, adapter_path=args.adapter_path, loras=loras)
+        engine = Engine.from_pretrained(args.model, config, adapter_path=args.adapter_path, loras=loras, **sharded)
     except FileNotFoundError as exc:  # (it names the path)
-        print(f"mlxsched serve: {exc}", file=sys.stderr)
+        print(f"{said}: {exc}", file=sys.stderr)
         return 2
     except (OSError, UnsupportedModel, UnsupportedFamily, ValueError) as exc:
-        print(f"mlxsched serve: cannot serve {args.model}: {exc}", file=sys.stderr)
+        print(f"{said}: cannot serve {args.model}: {exc}", file=sys.stderr)
         return 2
-    serve(engine, model_name, host=args.host, port=args.port,
-          max_queue=args.max_queue, graceful_shutdown_s=args.graceful_shutdown_s, local_media_dir=media_dir,
-          max_request_bytes=args.max_request_mb << 20, allow_runtime_lora=args.allow_runtime_lora,
-          responses_store=args.responses_store or 0)
+    if group is not None and group.rank() != 0:
+        return _follow(engine, said)
+    return serve(engine, model_name, host=args.host, port=args.port,
+                 max_queue=args.max_queue, graceful_shutdown_s=args.graceful_shutdown_s, local_media_dir=media_dir,
+                 max_request_bytes=args.max_request_mb << 20, allow_runtime_lora=args.allow_runtime_lora,
+                 responses_store=args.responses_store or 0)
+
+
+def _follow(engine, said: str) -> int:
+    """A rank other than 0 of a sharded server: run rank 0's ticks until its engine closes (exit 0), or until
+    rank 0 is lost (`SHARD_LOST_EXIT_CODE`, as a stalled forward ends a rank). An interrupt is rank 0's to
+    handle (a terminal's Ctrl-C reaches every rank it started): it lets its clients finish, then tells this
+    rank to stop, which an interrupted follower could no longer hear."""
+    import signal
+
+    from .execution.distributed import ShardLost
+    from .execution.stall_watchdog import SHARD_LOST_EXIT_CODE
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        engine.follow()
+    except ShardLost as exc:
+        print(f"{said}: {exc}", file=sys.stderr)
+        return SHARD_LOST_EXIT_CODE
+    finally:
+        engine.close()
     return 0
 
 
@@ -480,6 +514,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allowed-local-media-path", metavar="DIR",
                    help="let clients name image / video files (paths, file:// URLs) under this directory (default: "
                         "none, only data: URLs: a client must not read the server's files)")
+    shard = p.add_mutually_exclusive_group()
+    shard.add_argument("--tensor-parallel", action="store_true",
+                       help="shard the model's layers' weights over the ranks of `mlx.launch`: rank 0 serves, the "
+                            "others follow its ticks (README, 'One model across processes')")
+    shard.add_argument("--pipeline-parallel", action="store_true",
+                       help="split the model's layers over the ranks of `mlx.launch` (families mlx-lm can split)")
+    p.add_argument("--no-pin-ranks", action="store_true",
+                   help="sharded: leave ranks on this machine unpinned (by default each runs on its share of the CPUs)")
     _add_engine_flags(p)
     p.set_defaults(func=_cmd_serve)
 

@@ -908,11 +908,13 @@ class Engine:
 
     def close(self) -> None:
         """Flush the trace; on rank 0 of a sharded engine, also let the followers' `follow()` return."""
-        if self.shard is not None and self.shard.rank == 0:
-            self.executor.shutdown()
-        if self.shard is not None and self.shard.watchdog is not None:
-            self.shard.watchdog.close()
-        self.events.close()
+        try:
+            if self.shard is not None and self.shard.rank == 0:
+                self.executor.shutdown()
+        finally:  # (the trace is flushed whatever the followers' link does)
+            if self.shard is not None and self.shard.watchdog is not None:
+                self.shard.watchdog.close()
+            self.events.close()
 
 
 def _stall_watchdog(rank: int, engine: "Engine", on_shard_lost: tuple[Callable[[Any], None], ...]) -> Any:

@@ -229,8 +229,13 @@ class ShardedExecutor:
         t0 = time.perf_counter()
         payload = self.message_for(plan).to_bytes()
         self.encode_seconds += time.perf_counter() - t0
-        self.channel.broadcast(payload)
-        result = guarded_execute(self.inner, plan, self.watchdog, self.channel.rank)
+        try:
+            self.channel.broadcast(payload)
+            result = guarded_execute(self.inner, plan, self.watchdog, self.channel.rank)
+        except ShardLost:
+            # no shutdown message after this: a collective with a lost peer can block for good (see above)
+            self.closed = True
+            raise
         self._produced = {rid: [*result.accepted_drafts.get(rid, ()), token] for rid, token in result.sampled.items()}
         return result
 
@@ -242,7 +247,7 @@ class ShardedExecutor:
         self._released.extend(request_ids)  # the followers release them before the next tick's work
 
     def shutdown(self) -> None:
-        """Tell the followers to stop (their `follow()` returns). Idempotent."""
+        """Tell the followers to stop (their `follow()` returns). Idempotent; nothing once a peer was lost."""
         if not self.closed:
             self.closed = True
             self.channel.broadcast(TickMessage(MessageKind.SHUTDOWN).to_bytes())
