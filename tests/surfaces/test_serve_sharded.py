@@ -78,15 +78,16 @@ class ShardedServer:
 
 
 @contextlib.contextmanager
-def _sharded_server(model_dir: Path, out: Path, *flags: str) -> Iterator[ShardedServer]:
-    """Both ranks of `mlxsched serve --tensor-parallel` on loopback; whatever still runs at the end is killed."""
+def _sharded_server(model_dir: Path, out: Path, sharding: str = "--tensor-parallel") -> Iterator[ShardedServer]:
+    """Both ranks of `mlxsched serve` sharded (`sharding`: its flag) on loopback; whatever still runs at the end
+    is killed."""
     port, *ring = _free_ports(3)
     hostfile = out / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ring]))
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "MLX_HOSTFILE": str(hostfile)}
-    cmd = [sys.executable, "-m", "scheduler.cli", "serve", "--tensor-parallel", "--model", str(model_dir), "--port",
-           str(port), "--trace", str(out / "trace.jsonl"), "--graceful-shutdown-s", "1", *flags]
+    cmd = [sys.executable, "-m", "scheduler.cli", "serve", sharding, "--model", str(model_dir), "--port", str(port),
+           "--trace", str(out / "trace.jsonl"), "--graceful-shutdown-s", "1"]
     ranks = []
     for rank in range(2):
         with (out / f"rank{rank}.log").open("wb") as log:  # (a pipe nobody drains could fill and block a rank)
@@ -107,15 +108,25 @@ def _ask(server: ShardedServer, prompt: list[int]) -> tuple[int, dict]:
 
 
 @pytest.mark.slow
-def test_a_sharded_server_answers_each_request_as_mlx_lm_alone_and_stops_on_an_interrupt(text_model_dir, tmp_path):
+@pytest.mark.parametrize("sharding", ["--tensor-parallel", "--pipeline-parallel"])
+def test_a_sharded_server_answers_each_request_as_mlx_lm_alone_and_stops_on_an_interrupt(text_model_dir, tmp_path,
+                                                                                          sharding):
     """Requests at once (batched across the shards, one of them streamed and dropped by its client half-way) get
-    mlx-lm's greedy tokens for each alone; on SIGINT to both ranks, rank 0 lets its clients finish, then tells
-    the follower to stop: both exit 0 and rank 0's trace replays decision for decision."""
+    mlx-lm's greedy tokens for each alone, unsharded; on SIGINT to both ranks, rank 0 lets its clients finish,
+    then tells the follower to stop: both exit 0 and rank 0's trace replays decision for decision. By tensor:
+    the tiny qwen3, where sharded sums round to the same tokens (tests/execution/test_tensor_parallel.py says
+    so of every schedule there); by pipeline: a tiny qwen2 (a family mlx-lm splits by layers), each layer
+    computed whole on one rank."""
     from mlx_lm import load
 
-    model, tokenizer = load(str(text_model_dir))
+    model_dir = text_model_dir
+    if sharding == "--pipeline-parallel":
+        from scheduler.fixtures.families import build_family_model
+
+        model_dir = build_family_model("qwen2", tmp_path / "qwen2")
+    model, tokenizer = load(str(model_dir))
     wants = [solo_tokens(model, tokenizer, p, MAX_TOKENS) for p in PROMPTS]
-    with _sharded_server(text_model_dir, tmp_path) as server:
+    with _sharded_server(model_dir, tmp_path, sharding) as server:
         server.wait_healthy()
         answers: dict[int, tuple[int, dict]] = {}
         threads = [threading.Thread(target=lambda i=i: answers.__setitem__(i, _ask(server, PROMPTS[i])))
