@@ -516,7 +516,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "none, only data: URLs: a client must not read the server's files)")
     shard = p.add_mutually_exclusive_group()
     shard.add_argument("--tensor-parallel", action="store_true",
-                       help="shard the model's layers' weights over the ranks of `mlx.launch`: rank 0 serves, the "
+                       help="split each layer's weights over the ranks of `mlx.launch`: rank 0 serves, the "
                             "others follow its ticks (README, 'One model across processes')")
     shard.add_argument("--pipeline-parallel", action="store_true",
                        help="split the model's layers over the ranks of `mlx.launch` (families mlx-lm can split)")
