@@ -64,7 +64,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Setup, call and teardown under the run's lock: shared, or alone for an `exclusive` test."""
-    with run_lock.hold(exclusive=item.get_closest_marker("exclusive") is not None):
+    with run_lock.hold(run_lock.run_of(item.config), exclusive=item.get_closest_marker("exclusive") is not None):
         yield
 
 

@@ -9,25 +9,34 @@ A readers-writer lock over files shared by the run's workers (`fcntl.flock`, rel
 worker dies): every test holds the room shared, an exclusive test holds it alone. A turnstile in front of the
 room keeps the exclusive test from starving: once it waits, tests that arrive after it wait behind it.
 Outside xdist (one process) the lock does nothing.
+
+The run is named by the worker's own xdist configuration (`config.workerinput`), not by the environment: a
+pytest a test starts in a child process (tests/test_layers.py runs the core tests so) inherits xdist's
+`PYTEST_XDIST_TESTRUNUID`, and taking the lock there deadlocked a run: the child waited at the turnstile
+behind an exclusive test of the other worker, which waited for the room its parent test held.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import os
 import tempfile
 from pathlib import Path
 from typing import Iterator
 
 
-def _lock_dir() -> Path | None:
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # set in every worker of one run, the same for all
+def _lock_dir(run: str | None) -> Path | None:
     if run is None:
         return None
     where = Path(tempfile.gettempdir()) / f"mlxsched-tests-{run}"
     where.mkdir(exist_ok=True)
     return where
+
+
+def run_of(config) -> str | None:
+    """The xdist run this pytest is a worker of (the same for all its workers), or None (not a worker)."""
+    workerinput = getattr(config, "workerinput", None)
+    return None if workerinput is None else workerinput["testrunuid"]
 
 
 @contextlib.contextmanager
@@ -41,9 +50,9 @@ def _flock(path: Path, mode: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def hold(exclusive: bool) -> Iterator[None]:
-    """Hold the room for one test: shared, or alone when `exclusive`."""
-    where = _lock_dir()
+def hold(run: str | None, exclusive: bool) -> Iterator[None]:
+    """Hold run `run`'s room (`run_of`) for one test: shared, or alone when `exclusive`."""
+    where = _lock_dir(run)
     if where is None:
         yield
         return
