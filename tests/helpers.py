@@ -4,6 +4,7 @@ per-request output contract (one stream, ends exactly once) on every tick."""
 from __future__ import annotations
 
 import random
+import socket
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,17 @@ from scheduler.scheduler import Scheduler
 
 if TYPE_CHECKING:  # the core's names only at import: tests/core imports this module where MLX is not importable
     from scheduler import Engine
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct loopback ports free now (bound at once, then released: what a child process then listens on)."""
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
 
 
 def mixed_prompts(n: int, lo: int, hi: int, seed: int = 0, vocab: int = 512) -> list[list[int]]:

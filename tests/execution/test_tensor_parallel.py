@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,8 @@ from scheduler.execution.distributed import (MessageKind, RequestData, ShardDive
 from scheduler.execution.stall_watchdog import SHARD_LOST_EXIT_CODE
 from scheduler.plan import PrefillChunk, TickPlan
 from scheduler.tools.replay import load_trace, replay
+
+from ..helpers import free_ports
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -135,16 +136,6 @@ def test_the_rank0_trace_replays_identically_with_no_model(equality_run, trace):
     assert report.identical, report.format()
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def _stderr(tmp_path: Path, rank: int) -> str:
     return (tmp_path / f"rank{rank}.stderr").read_text(errors="replace")[-8000:]
 
@@ -155,7 +146,7 @@ def _ranks_by_hand(model_dir: Path, tmp_path: Path, scenario: str) -> Iterator[l
     can die without the launcher killing the other; whatever is still running at the end is killed. stderr
     goes to files (`_stderr`): a pipe nobody drains can fill and block a rank."""
     hostfile = tmp_path / "hosts.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(2)]))
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(model_dir), str(tmp_path), scenario],
                               env={**_env(), "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}, cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=(tmp_path / f"rank{rank}.stderr").open("wb"))

@@ -15,7 +15,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,21 +29,11 @@ import pytest
 from scheduler.execution.stall_watchdog import SHARD_LOST_EXIT_CODE
 from scheduler.tools.replay import load_trace, replay
 
-from ..helpers import solo_tokens
+from ..helpers import free_ports, solo_tokens
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [[5, 9, 200, 31, 7, 64], [11, 12, 13, 14], [300, 17, 2, 90, 91, 92, 93, 94, 95], [42]]
 MAX_TOKENS = 8
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 class ShardedServer:
@@ -81,7 +70,7 @@ class ShardedServer:
 def _sharded_server(model_dir: Path, out: Path, sharding: str = "--tensor-parallel") -> Iterator[ShardedServer]:
     """Both ranks of `mlxsched serve` sharded (`sharding`: its flag) on loopback; whatever still runs at the end
     is killed."""
-    port, *ring = _free_ports(3)
+    port, *ring = free_ports(3)
     hostfile = out / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ring]))
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
