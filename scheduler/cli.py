@@ -104,8 +104,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     )
     engine = Engine.from_pretrained(model_dir, config, tensor_group=group)
     if rank != 0:  # the other ranks execute rank 0's ticks on their shards until it is done
-        engine.follow()
-        return 0
+        return _follow(engine, f"mlxsched demo (rank {rank})")
     calibration_tokens = 0
     if args.calibrate:
         calibration = engine.calibrate()
@@ -418,10 +417,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _follow(engine, said: str) -> int:
-    """A rank other than 0 of a sharded server: run rank 0's ticks until its engine closes (exit 0), or until
-    rank 0 is lost (`SHARD_LOST_EXIT_CODE`, as a stalled forward ends a rank). An interrupt is rank 0's to
-    handle (a terminal's Ctrl-C reaches every rank it started): it lets its clients finish, then tells this
-    rank to stop, which an interrupted follower could no longer hear."""
+    """A rank other than 0 of a sharded command (`serve`, `demo`): run rank 0's ticks until its engine closes
+    (exit 0), or until rank 0 is lost (`SHARD_LOST_EXIT_CODE`, as a stalled forward ends a rank). An interrupt
+    is rank 0's to handle (a terminal's Ctrl-C reaches every rank it started): it finishes what it runs, then
+    tells this rank to stop, which an interrupted follower could no longer hear."""
     import signal
 
     from .execution.distributed import ShardLost
@@ -436,6 +435,20 @@ def _follow(engine, said: str) -> int:
     finally:
         engine.close()
     return 0
+
+
+def _add_sharding_flags(p: argparse.ArgumentParser, role: str, pipeline: bool) -> None:
+    """`--tensor-parallel` (and, with `pipeline`, `--pipeline-parallel`) and `--no-pin-ranks`; `role`: what rank 0
+    does while the others follow its ticks."""
+    shard = p.add_mutually_exclusive_group()
+    shard.add_argument("--tensor-parallel", action="store_true",
+                       help=f"split each layer's weights over the ranks of `mlx.launch`: rank 0 {role}, the others "
+                            "follow its ticks (README, 'One model across processes')")
+    if pipeline:
+        shard.add_argument("--pipeline-parallel", action="store_true",
+                           help="split the model's layers over the ranks of `mlx.launch` (families mlx-lm can split)")
+    p.add_argument("--no-pin-ranks", action="store_true",
+                   help="sharded: leave ranks on this machine unpinned (by default each runs on its share of the CPUs)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -478,11 +491,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate", action="store_true",
                    help="first decode synthetic requests at every batch size, into the trace, so that `mlxsched "
                         "simulate` can predict other max_seqs (Engine.calibrate)")
-    p.add_argument("--tensor-parallel", action="store_true",
-                   help="shard the model over the ranks of `mlx.launch` (rank 0 prints; README)")
-    p.add_argument("--no-pin-ranks", action="store_true",
-                   help="with --tensor-parallel: leave ranks on this machine unpinned (by default each runs on its "
-                        "share of the CPUs)")
+    _add_sharding_flags(p, "prints", pipeline=False)
     p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat completions with images, "
@@ -514,14 +523,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allowed-local-media-path", metavar="DIR",
                    help="let clients name image / video files (paths, file:// URLs) under this directory (default: "
                         "none, only data: URLs: a client must not read the server's files)")
-    shard = p.add_mutually_exclusive_group()
-    shard.add_argument("--tensor-parallel", action="store_true",
-                       help="split each layer's weights over the ranks of `mlx.launch`: rank 0 serves, the "
-                            "others follow its ticks (README, 'One model across processes')")
-    shard.add_argument("--pipeline-parallel", action="store_true",
-                       help="split the model's layers over the ranks of `mlx.launch` (families mlx-lm can split)")
-    p.add_argument("--no-pin-ranks", action="store_true",
-                   help="sharded: leave ranks on this machine unpinned (by default each runs on its share of the CPUs)")
+    _add_sharding_flags(p, "serves", pipeline=True)
     _add_engine_flags(p)
     p.set_defaults(func=_cmd_serve)
 
